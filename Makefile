@@ -1,0 +1,45 @@
+# AMPD developer entry points. Everything runs from the pinned virtual environment in .venv.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+AMPD := $(VENV)/bin/ampd
+PROTOS := $(wildcard proto/ampd/v1/*.proto)
+export NIXL_LOG_LEVEL ?= WARN
+
+.PHONY: venv proto test test-unit test-integration test-e2e demo bench lint clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: requirements.txt requirements-nixl.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -r requirements-nixl.txt
+	$(PY) -m pip install -q --no-deps -e .
+	touch $@
+
+# Regenerates ampd/v1 from proto/ (a test fails when the committed stubs are stale).
+proto: venv
+	$(PY) -m ampd.protogen
+
+test: venv
+	$(PY) -m pytest -q tests/unit tests/integration tests/e2e
+
+test-unit: venv
+	$(PY) -m pytest -q tests/unit
+
+test-integration: venv
+	$(PY) -m pytest -q tests/integration
+
+test-e2e: venv
+	$(PY) -m pytest -q tests/e2e
+
+demo: venv
+	$(AMPD) demo
+
+bench: venv
+	$(PY) -m benchmarks.run
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,31 @@
+"""`ampd bench`: replay a trace against a running deployment and report SLO attainment."""
+from __future__ import annotations
+
+import argparse
+
+from ampd.cli import CliError
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    from ampd.bench.client import run_bench_cli
+
+    if ":" not in args.target:
+        raise CliError(f"--target {args.target!r}: expected HOST:PORT")
+    return run_bench_cli(args.target, args.trace, args.ttft_slo, args.itl_slo, json_out=args.json or None,
+                         verify_tokens=args.verify_tokens, client_tools=args.client_tools,
+                         timeout_s=args.timeout)
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="replay a trace over gRPC and report SLO attainment")
+    p.add_argument("--target", required=True, help="coordinator HOST:PORT")
+    p.add_argument("--trace", required=True, help="trace file (JSON Lines)")
+    p.add_argument("--ttft-slo", type=float, required=True, help="seconds")
+    p.add_argument("--itl-slo", type=float, required=True, help="seconds")
+    p.add_argument("--json", default="", help="write the report (DESIGN section 8 keys) here")
+    p.add_argument("--verify-tokens", action="store_true",
+                   help="check every token against the mock engine's deterministic output")
+    p.add_argument("--client-tools", action="store_true",
+                   help="run tool calls in the client instead of the sidecars")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-session deadline, seconds")
+    p.set_defaults(func=_cmd)

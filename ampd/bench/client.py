@@ -1,0 +1,199 @@
+"""Trace replay over gRPC: one Coordinator.Session stream per trace session, at its arrival time.
+
+Times in the records are the servers' clocks (unix seconds): a round's TTFT runs from its input
+being ready (the coordinator accepting the session, or the tool result) to its first token.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from ampd import grpcserver
+from ampd.bench.report import SLO, RoundRecord, SessionRecord, build_report, format_report
+from ampd.engine.mock import token_at
+from ampd.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from ampd.workload import Session
+
+
+def open_request(s: Session) -> common_pb2.OpenSession:
+    rounds = []
+    for i, r in enumerate(s.rounds):
+        plan = common_pb2.RoundPlan(input_tokens=r.input, output_tokens=r.output)
+        if i + 1 < len(s.rounds):
+            plan.tool.CopyFrom(common_pb2.ToolSpec(name=r.tool or "replay", latency_s=r.tool_s or 0.0))
+        rounds.append(plan)
+    return common_pb2.OpenSession(session_id=s.id, rounds=rounds)
+
+
+@dataclass
+class ReplayStats:
+    token_mismatches: int = 0
+    tokens: int = 0
+    errors: list[str] = field(default_factory=list)
+    client_latency: list[float] = field(default_factory=list)  # client send -> first token seen
+
+
+async def run_session(stub, s: Session, stats: ReplayStats, *, verify_tokens: bool = False,
+                      client_tools: bool = False, timeout_s: float = 600.0) -> SessionRecord:
+    """Runs one session to its end and returns what happened to it."""
+    req = open_request(s)
+    if client_tools:
+        for r in req.rounds[:-1]:
+            r.tool.client_side = True
+    outbox: asyncio.Queue = asyncio.Queue()
+    await outbox.put(coordinator_pb2.ClientMessage(open=req))
+    sent_at = {0: time.time()}
+
+    async def requests():
+        while True:
+            msg = await outbox.get()
+            if msg is None:
+                return
+            yield msg
+
+    tokens: dict[int, list[float]] = {}
+    timings: dict[int, common_pb2.RoundTiming] = {}
+    arrival = time.time()
+    completed, error = False, ""
+    # Expected position of each round's first token: all earlier inputs and outputs, plus this input.
+    expect_pos, pos = {}, 0
+    for i, r in enumerate(s.rounds):
+        pos += r.input
+        expect_pos[i] = pos
+        pos += r.output
+    call = stub.Session(requests(), timeout=timeout_s)
+    try:
+        async for ev in call:
+            kind = ev.WhichOneof("event")
+            if kind == "tokens":
+                t = ev.tokens
+                if t.round not in tokens:
+                    tokens[t.round] = []
+                    if t.round in sent_at:
+                        stats.client_latency.append(time.time() - sent_at[t.round])
+                tokens[t.round].extend(t.times)
+                stats.tokens += len(t.token_ids)
+                if verify_tokens:
+                    start = expect_pos.get(t.round, -1) + len(tokens[t.round]) - len(t.token_ids)
+                    for i, tok in enumerate(t.token_ids):
+                        if t.position + i != start + i or tok != token_at(s.id, t.position + i):
+                            stats.token_mismatches += 1
+            elif kind == "round_end":
+                timings[ev.round_end.timing.round] = ev.round_end.timing
+            elif kind == "tool_call" and ev.tool_call.client_side:
+                rnd = ev.tool_call.round
+                await asyncio.sleep(s.rounds[rnd].tool_s or 0.0)
+                sent_at[rnd + 1] = time.time()
+                await outbox.put(coordinator_pb2.ClientMessage(tool_result=coordinator_pb2.ToolResult(
+                    call_id=ev.tool_call.call_id, input_tokens=s.rounds[rnd + 1].input)))
+            elif kind == "done":
+                completed = True
+                for t in ev.done.rounds:
+                    timings[t.round] = t
+                break
+    except grpc.aio.AioRpcError as exc:
+        error = f"{exc.code().name}: {exc.details()}"
+        stats.errors.append(f"{s.id}: {error}")
+    finally:
+        await outbox.put(None)
+        call.cancel()
+    rounds = []
+    for rnd in sorted(set(timings) | set(tokens)):
+        t = timings.get(rnd)
+        times = tuple(tokens.get(rnd, ()))
+        rounds.append(RoundRecord(
+            session_id=s.id, round=rnd,
+            input_ready=t.input_ready if t else (arrival if rnd == 0 else times[0] if times else arrival),
+            first_token=(t.first_token if t else (times[0] if times else None)),
+            token_times=times, local=(t.local if t else None),
+            l_hist=t.l_hist if t else 0, l_incr=t.l_incr if t else 0))
+    if completed and (len(rounds) != len(s.rounds)):
+        completed, error = False, f"expected {len(s.rounds)} rounds, got {len(rounds)}"
+    arrival_server = rounds[0].input_ready if rounds else arrival
+    return SessionRecord(s.id, arrival_server, tuple(rounds), completed, error)
+
+
+async def replay(target: str, sessions: list[Session], *, verify_tokens: bool = False,
+                 client_tools: bool = False, progress: bool = True,
+                 timeout_s: float = 600.0) -> tuple[list[SessionRecord], ReplayStats, float, dict]:
+    """Replays `sessions` at their arrival times; returns records, stats, wall seconds, labels."""
+    channel = grpcserver.channel(target)
+    stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+    try:
+        info = await stub.Metrics(common_pb2.MetricsRequest(), timeout=10)
+    except grpc.aio.AioRpcError as exc:
+        await channel.close()
+        raise ConnectionError(f"cannot reach the coordinator at {target}: {exc.code().name} {exc.details()}")
+    stats = ReplayStats()
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(sessions), unit="session", file=sys.stderr, dynamic_ncols=True,
+                   desc="replay")
+    t0 = time.monotonic()
+
+    async def one(s: Session) -> SessionRecord:
+        delay = s.arrival - (time.monotonic() - t0)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        rec = await run_session(stub, s, stats, verify_tokens=verify_tokens,
+                                client_tools=client_tools, timeout_s=timeout_s)
+        if bar is not None:
+            bar.update(1)
+            if stats.errors:
+                bar.set_postfix(failed=len(stats.errors))
+        return rec
+
+    try:
+        records = await asyncio.gather(*(one(s) for s in sessions))
+    finally:
+        if bar is not None:
+            bar.close()
+        await channel.close()
+    return list(records), stats, time.monotonic() - t0, dict(info.labels)
+
+
+def run_bench_cli(target: str, trace: str, ttft_slo: float, itl_slo: float, *, json_out: str | None = None,
+                  verify_tokens: bool = False, client_tools: bool = False,
+                  timeout_s: float = 600.0) -> int:
+    from ampd.cli import CliError
+    from ampd.workload import TraceError, load_trace
+
+    try:
+        slo = SLO(ttft_slo, itl_slo)
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+    try:
+        sessions = load_trace(trace)
+    except (TraceError, OSError) as exc:
+        raise CliError(str(exc)) from exc
+    if not sessions:
+        raise CliError(f"{trace}: no sessions")
+    import uvloop
+
+    try:
+        records, stats, wall, labels = uvloop.run(replay(target, sessions, verify_tokens=verify_tokens,
+                                                         client_tools=client_tools, timeout_s=timeout_s))
+    except ConnectionError as exc:
+        raise CliError(str(exc)) from exc
+    report = build_report(labels.get("policy", "unknown"), records, slo, wall)
+    report["trace"] = trace
+    report["target"] = target
+    report["labels"] = labels
+    report["wall_s"] = wall
+    if verify_tokens:
+        report["token_mismatches"] = stats.token_mismatches
+    print(format_report(report))
+    for e in stats.errors[:5]:
+        print(f"  failed: {e}", file=sys.stderr)
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {json_out}", file=sys.stderr)
+    return 0

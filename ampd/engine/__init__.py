@@ -1,0 +1,1 @@
+"""Engines: the Engine protocol and its backends."""

@@ -1,0 +1,38 @@
+"""The Engine protocol every backend (mock, torch, sglang) implements for the workers."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from ampd.kv import KVPool, Segment
+
+
+@dataclass(slots=True)
+class DecodeSeq:
+    """One sequence in a decode step: its last token sits at `position` and has no KV yet."""
+
+    session_id: str
+    position: int
+    last_token: int
+    kv_segments: list[Segment]  # where the KV of `position` goes (reserved by the worker)
+    context_tokens: int  # tokens whose KV the step reads (position + 1)
+
+
+class Engine(Protocol):
+    name: str
+    tp: int
+
+    async def prefill(
+        self, session_id: str, l_hist: int, l_incr: int, pool: KVPool, new_kv: Sequence[Segment]
+    ) -> int:
+        """Computes the KV of positions [l_hist, l_hist + l_incr) into `new_kv` (the history is
+        already in the pool) and returns the first output token (position l_hist + l_incr)."""
+        ...
+
+    async def decode_step(self, pool: KVPool, seqs: Sequence[DecodeSeq]) -> list[int]:
+        """One step for the batch: writes each sequence's KV at `position`, returns next tokens."""
+        ...
+
+    async def pace_transfer(self, started: float, tokens: int, src_tp: int, dst_tp: int) -> None:
+        """Waits out the modelled KV transfer time beyond what the real transfer took (mock only)."""
+        ...

@@ -1,0 +1,77 @@
+"""The mock engine: timed by a performance profile, deterministic tokens, real KV bytes.
+
+It sleeps the modelled time (burning no CPU), so a CPU box runs the whole distributed path at
+GPU-like timing. Token at a position and KV content of a position are pure functions of
+(session, position), so every token a client receives and every KV byte that crossed NIXL can be
+checked by anyone.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from functools import lru_cache
+from typing import Sequence
+
+from ampd.engine.base import DecodeSeq
+from ampd.kv import KVPool, Segment, kv_pattern
+from ampd.perf import Profile
+
+VOCAB_SIZE = 32_000
+
+
+@lru_cache(maxsize=65_536)
+def _session_seed(session_id: str) -> int:
+    return int.from_bytes(hashlib.blake2b(session_id.encode(), digest_size=8).digest(), "little")
+
+
+def token_at(session_id: str, position: int) -> int:
+    """The token the mock engine produces at `position` of a session."""
+    x = (_session_seed(session_id) ^ (position * 0x9E3779B97F4A7C15)) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) % VOCAB_SIZE
+
+
+async def sleep_until(deadline: float) -> None:
+    # Always yield: with a zero-cost profile the worker loops must still let I/O run.
+    await asyncio.sleep(max(0.0, deadline - time.monotonic()))
+
+
+class MockEngine:
+    name = "mock"
+
+    def __init__(self, profile: Profile, tp: int) -> None:
+        if tp not in profile.tps:
+            raise ValueError(f"tp {tp} not in profile {profile.name} (has {list(profile.tps)})")
+        self.profile = profile
+        self.tp = tp
+
+    async def prefill(
+        self, session_id: str, l_hist: int, l_incr: int, pool: KVPool, new_kv: Sequence[Segment]
+    ) -> int:
+        deadline = time.monotonic() + self.profile.t_pre(self.tp, l_hist, l_incr)
+        pool.write(new_kv, kv_pattern(session_id, l_hist, l_incr, pool.layout.bytes_per_token))
+        await sleep_until(deadline)
+        return token_at(session_id, l_hist + l_incr)
+
+    async def decode_step(self, pool: KVPool, seqs: Sequence[DecodeSeq]) -> list[int]:
+        context = sum(s.context_tokens for s in seqs)
+        deadline = time.monotonic() + self.profile.t_dec(self.tp, len(seqs), context)
+        bpt = pool.layout.bytes_per_token
+        out = []
+        for s in seqs:
+            pool.write(s.kv_segments, kv_pattern(s.session_id, s.position, 1, bpt))
+            out.append(token_at(s.session_id, s.position + 1))
+        await sleep_until(deadline)
+        return out
+
+    async def pace_transfer(self, started: float, tokens: int, src_tp: int, dst_tp: int) -> None:
+        if tokens > 0:
+            await sleep_until(started + self.profile.t_kv(tokens, src_tp, dst_tp))
+
+
+def make_engine(name: str, profile: Profile, tp: int) -> MockEngine:
+    if name == "mock":
+        return MockEngine(profile, tp)
+    raise ValueError(f"engine {name!r} is not available in this build (available: mock)")

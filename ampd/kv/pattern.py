@@ -1,0 +1,69 @@
+"""Deterministic KV content so that any receiver can verify every byte it got.
+
+Byte j of position p of session s is byte (j % 8) (little-endian) of
+    mix64(seed(s) + p * G + (j // 8) * H)        (all mod 2**64)
+where seed(s) is an 8-byte blake2b of the session id, G and H are odd constants and mix64 is the
+splitmix64 finalizer. It depends on (session, position, byte index) only, so any slice of positions
+can be produced or checked on its own, on any worker, with any block layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from functools import lru_cache
+
+import numpy as np
+
+__all__ = ["kv_pattern", "verify_pattern", "session_seed"]
+
+_G = np.uint64(0x9E3779B97F4A7C15)  # golden-ratio increment, per position
+_H = np.uint64(0xD1B54A32D192ED03)  # per 8-byte word inside a position
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+
+
+@lru_cache(maxsize=65536)
+def session_seed(session_id: str) -> int:
+    return int.from_bytes(hashlib.blake2b(session_id.encode(), digest_size=8).digest(), "little")
+
+
+@lru_cache(maxsize=64)
+def _word_offsets(words: int) -> np.ndarray:
+    w = np.arange(words, dtype=np.uint64) * _H
+    w.flags.writeable = False
+    return w
+
+
+def kv_pattern(session_id: str, start: int, tokens: int, bytes_per_token: int) -> np.ndarray:
+    """uint8 array of tokens*bytes_per_token bytes: the KV of positions [start, start+tokens)."""
+    start, tokens, bpt = int(start), int(tokens), int(bytes_per_token)
+    if start < 0 or tokens < 0 or bpt <= 0:
+        raise ValueError(f"kv_pattern: bad start={start} tokens={tokens} bytes_per_token={bpt}")
+    if tokens == 0:
+        return np.empty(0, dtype=np.uint8)
+    words = -(-bpt // 8)
+    pos = np.arange(start, start + tokens, dtype=np.uint64)
+    pos *= _G
+    pos += np.uint64(session_seed(session_id))
+    x = pos[:, None] + _word_offsets(words)[None, :]  # (tokens, words) uint64, wraps mod 2**64
+    # splitmix64 finalizer, in place
+    x ^= x >> _S30
+    x *= _M1
+    x ^= x >> _S27
+    x *= _M2
+    x ^= x >> _S31
+    b = x.astype("<u8", copy=False).view(np.uint8)  # (tokens, words*8)
+    if words * 8 != bpt:
+        return np.ascontiguousarray(b[:, :bpt]).reshape(-1)
+    return b.reshape(-1)
+
+
+def verify_pattern(session_id: str, start: int, data: np.ndarray, bytes_per_token: int) -> int:
+    """Number of bytes of `data` that differ from kv_pattern for positions starting at `start`."""
+    flat = np.asarray(data).reshape(-1).view(np.uint8)
+    bpt = int(bytes_per_token)
+    if bpt <= 0 or flat.nbytes % bpt:
+        raise ValueError(f"verify_pattern: {flat.nbytes} bytes is not a multiple of {bpt}")
+    expected = kv_pattern(session_id, start, flat.nbytes // bpt, bpt)
+    return int(np.count_nonzero(expected != flat))

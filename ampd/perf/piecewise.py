@@ -1,0 +1,114 @@
+"""Piecewise alpha-beta functions and their least-squares fit.
+
+A :class:`Piecewise` has breakpoints ``b_0 < b_1 < ... < b_k`` and ``k`` pieces; piece ``i``
+covers ``[b_i, b_{i+1})`` and evaluates ``alpha[i] + beta[i] * x``. Below ``b_0`` the first piece
+is used, at or above ``b_k`` the last one (linear extrapolation).
+
+Evaluation is one :func:`bisect.bisect_right` over the ``k - 1`` inner breakpoints plus one
+multiply-add, on tuples built once at construction.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+__all__ = ["Piecewise", "fit_piecewise", "interpolate_piecewise"]
+
+
+@dataclass(frozen=True)
+class Piecewise:
+    """``t = alpha[i] + beta[i] * x`` on piece ``i`` (``breakpoints[i] <= x < breakpoints[i+1]``)."""
+
+    breakpoints: tuple[float, ...]
+    alpha: tuple[float, ...]
+    beta: tuple[float, ...]
+    inner: tuple[float, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        bps = tuple(float(b) for b in self.breakpoints)
+        alpha = tuple(float(a) for a in self.alpha)
+        beta = tuple(float(b) for b in self.beta)
+        if len(bps) < 2:
+            raise ValueError("breakpoints: need at least 2 values (one piece)")
+        if any(b1 <= b0 for b0, b1 in zip(bps, bps[1:])):
+            raise ValueError(f"breakpoints: must be strictly increasing, got {list(bps)}")
+        k = len(bps) - 1
+        if len(alpha) != k:
+            raise ValueError(f"alpha: need {k} values (one per piece), got {len(alpha)}")
+        if len(beta) != k:
+            raise ValueError(f"beta: need {k} values (one per piece), got {len(beta)}")
+        object.__setattr__(self, "breakpoints", bps)
+        object.__setattr__(self, "alpha", alpha)
+        object.__setattr__(self, "beta", beta)
+        object.__setattr__(self, "inner", bps[1:-1])
+
+    def __call__(self, x: float) -> float:
+        i = bisect_right(self.inner, x)
+        return self.alpha[i] + self.beta[i] * x
+
+    def piece(self, x: float) -> int:
+        """Index of the piece that evaluates ``x``."""
+        return bisect_right(self.inner, x)
+
+    def discontinuities(self) -> list[float]:
+        """Jump ``right - left`` at each inner breakpoint (0 for a continuous function)."""
+        out = []
+        for i, b in enumerate(self.inner):
+            left = self.alpha[i] + self.beta[i] * b
+            right = self.alpha[i + 1] + self.beta[i + 1] * b
+            out.append(right - left)
+        return out
+
+    def to_json(self) -> dict:
+        bps = [int(b) if b.is_integer() else b for b in self.breakpoints]
+        return {"breakpoints": bps, "alpha": list(self.alpha),
+                "beta": list(self.beta)}
+
+
+def interpolate_piecewise(f, breakpoints: Sequence[float]) -> Piecewise:
+    """The continuous piecewise-linear interpolant of ``f`` through ``(b, f(b))`` for each breakpoint.
+
+    Used by :mod:`ampd.perf.derive`: exact at every breakpoint and continuous by construction.
+    """
+    bps = [float(b) for b in breakpoints]
+    ys = [float(f(b)) for b in bps]
+    alpha, beta = [], []
+    for (x0, y0), (x1, y1) in zip(zip(bps, ys), zip(bps[1:], ys[1:])):
+        slope = (y1 - y0) / (x1 - x0)
+        alpha.append(y0 - slope * x0)
+        beta.append(slope)
+    return Piecewise(tuple(bps), tuple(alpha), tuple(beta))
+
+
+def fit_piecewise(samples: Iterable[tuple[float, float]], breakpoints: Sequence[float],
+                  *, min_samples: int = 2) -> Piecewise:
+    """Least-squares ``alpha``/``beta`` per piece from measured ``(x, t)`` samples.
+
+    Each sample goes to the piece that would evaluate it (the same rule as :meth:`Piecewise.__call__`,
+    so samples below the first or above the last breakpoint join the end pieces). Every piece needs
+    at least ``min_samples`` samples at two or more distinct ``x``; otherwise ``ValueError`` names the
+    piece. The pieces are fitted independently (no continuity constraint): a profiler should sample
+    each bucket densely enough, and the continuity of the result can be checked with
+    :meth:`Piecewise.discontinuities`.
+    """
+    import numpy as np
+
+    bps = tuple(float(b) for b in breakpoints)
+    shell = Piecewise(bps, (0.0,) * (len(bps) - 1), (0.0,) * (len(bps) - 1))  # validates bps
+    pts = np.asarray([(float(x), float(t)) for x, t in samples], dtype=float).reshape(-1, 2)
+    idx = np.searchsorted(np.asarray(shell.inner), pts[:, 0], side="right")
+    alpha, beta = [], []
+    for i in range(len(bps) - 1):
+        sel = pts[idx == i]
+        lo, hi = bps[i], bps[i + 1]
+        if len(sel) < max(2, min_samples) or np.unique(sel[:, 0]).size < 2:
+            raise ValueError(
+                f"piece {i} [{lo:g}, {hi:g}): need >= {max(2, min_samples)} samples at >= 2 distinct x, "
+                f"got {len(sel)}")
+        a_mat = np.column_stack([np.ones(len(sel)), sel[:, 0]])
+        (a, b), *_ = np.linalg.lstsq(a_mat, sel[:, 1], rcond=None)
+        alpha.append(float(a))
+        beta.append(float(b))
+    return Piecewise(bps, tuple(alpha), tuple(beta))

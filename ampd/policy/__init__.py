@@ -1,0 +1,59 @@
+"""Pure decision cores: binding, routing (Algorithm 1 and baselines), prefill queues
+(Algorithm 2 and baselines) and the deployment shape of each policy. No I/O, no clock.
+See docs/policies.md."""
+
+from .bind import bind
+from .reorder import QUEUES, ContinuumQueue, FCFSQueue, PrefillQueue, TTFTAwareQueue, make_queue
+from .route import (
+    COST_MODEL,
+    DECODE_SLACK,
+    NO_PREFILL_WORKERS,
+    POLICY_LOCAL,
+    POLICY_REMOTE,
+    PREFILL_SLACK,
+    ROUTERS,
+    THRESHOLD_LOCAL,
+    THRESHOLD_REMOTE,
+    AdaptiveRouter,
+    LocalRouter,
+    RemoteRouter,
+    Router,
+    ThresholdRouter,
+    make_router,
+)
+from .spec import POLICIES, PolicySpec, policy_spec
+from .types import SLO, CostModel, PrefillRequest, QueuedTask, RouteDecision, WorkerView
+
+__all__ = [
+    "CostModel",
+    "SLO",
+    "QueuedTask",
+    "WorkerView",
+    "PrefillRequest",
+    "RouteDecision",
+    "Router",
+    "AdaptiveRouter",
+    "RemoteRouter",
+    "LocalRouter",
+    "ThresholdRouter",
+    "ROUTERS",
+    "make_router",
+    "bind",
+    "PrefillQueue",
+    "FCFSQueue",
+    "TTFTAwareQueue",
+    "ContinuumQueue",
+    "QUEUES",
+    "make_queue",
+    "PolicySpec",
+    "POLICIES",
+    "policy_spec",
+    "PREFILL_SLACK",
+    "DECODE_SLACK",
+    "COST_MODEL",
+    "NO_PREFILL_WORKERS",
+    "POLICY_REMOTE",
+    "POLICY_LOCAL",
+    "THRESHOLD_LOCAL",
+    "THRESHOLD_REMOTE",
+]

@@ -1,0 +1,262 @@
+"""Prefill queues: FCFS, TTFT-aware reordering (Algorithm 2) and Continuum's session priority.
+
+One queue instance per worker (prefill workers and every decode worker's local prefill queue).
+Each task's predicted prefill time on this worker (``cost.t_pre(tp, l_hist, l_incr)``) is
+computed once at ``push`` and kept beside the task, so ``pop`` and ``predicted_total`` never call
+the cost model. ``pop(now)`` takes the time as an argument; nothing reads a clock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from heapq import heappop, heappush
+from itertools import permutations
+
+from .types import SLO, CostModel, QueuedTask
+
+__all__ = [
+    "PrefillQueue",
+    "FCFSQueue",
+    "TTFTAwareQueue",
+    "ContinuumQueue",
+    "QUEUES",
+    "make_queue",
+]
+
+# An entry is a 3-item list [task, predicted t_pre, postponement counter]; lists are the cheapest
+# mutable record in CPython and the counter belongs to this queue, not to the frozen task.
+_TASK = 0
+_TPRE = 1
+_POST = 2
+
+
+class PrefillQueue:
+    """Base: FCFS storage in a deque of entries, running predicted total.
+
+    ``push(task)``; ``pop(now) -> QueuedTask`` (``IndexError`` when empty); ``len(q)``;
+    ``tasks()`` in current order; ``predicted_total()`` = sum of predicted t_pre of queued tasks
+    (what the worker publishes as ``WorkerView.queue_predicted_s``); ``predict(task)``.
+    """
+
+    __slots__ = ("name", "cost", "slo", "tp", "_q", "_total")
+
+    def __init__(self, cost: CostModel, slo: SLO, tp: int):
+        self.cost = cost
+        self.slo = slo
+        self.tp = tp
+        self._q: deque[list] = deque()
+        self._total = 0.0
+
+    def predict(self, task: QueuedTask) -> float:
+        """Predicted prefill time of ``task`` on this queue's worker."""
+        return self.cost.t_pre(self.tp, task.l_hist, task.l_incr)
+
+    def push(self, task: QueuedTask) -> None:
+        t = self.cost.t_pre(self.tp, task.l_hist, task.l_incr)
+        self._q.append([task, t, 0])
+        self._total += t
+
+    def _take(self, e: list) -> QueuedTask:
+        """Account for an entry that has just left ``self._q`` and return its task."""
+        if self._q:
+            self._total -= e[_TPRE]
+        else:
+            self._total = 0.0  # drop accumulated rounding error whenever the queue drains
+        return e[_TASK]
+
+    def pop(self, now: float) -> QueuedTask:
+        if not self._q:
+            raise IndexError(f"pop from an empty {self.name} prefill queue")
+        return self._take(self._q.popleft())
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def __bool__(self) -> bool:
+        return bool(self._q)
+
+    def tasks(self) -> tuple[QueuedTask, ...]:
+        return tuple(e[_TASK] for e in self._q)
+
+    def predicted_total(self) -> float:
+        t = self._total
+        return t if t > 0.0 else 0.0
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} tp={self.tp} len={len(self)} predicted={self.predicted_total():.4g}s>"
+
+
+class FCFSQueue(PrefillQueue):
+    """First come, first served (push order)."""
+
+    __slots__ = ()
+
+    def __init__(self, cost: CostModel, slo: SLO, tp: int):
+        super().__init__(cost, slo, tp)
+        self.name = "fcfs"
+
+
+def _plans(n: int) -> tuple[tuple[tuple[int, ...], int, tuple[int, ...]], ...]:
+    """Every ordering of a window of ``n`` tasks, identity first, as
+    ``(order, postponed_mask, postponed_indices)``.
+
+    ``order[k]`` is the window index placed at position ``k``. Window index ``i`` is *postponed*
+    by an ordering when it lands at a later position than it holds now (``order.index(i) > i``).
+    """
+    out = []
+    for order in permutations(range(n)):
+        post = tuple(i for i in range(n) if order.index(i) > i)
+        mask = 0
+        for i in post:
+            mask |= 1 << i
+        out.append((order, mask, post))
+    return tuple(out)
+
+
+def _max_on_time(tpre: list[float], slack: list[float]) -> int:
+    """Most tasks that can finish within their slack in any order (Moore-Hodgson: earliest
+    deadline first, dropping the longest task whenever one runs late). Deadlines are relaxed by
+    1 ns so that float rounding can only raise the bound, never lower it below an ordering's S."""
+    c = 0.0
+    kept: list[float] = []
+    for d, t in sorted(zip(slack, tpre)):
+        heappush(kept, -t)
+        c += t
+        if c > d + 1e-9:
+            c += heappop(kept)
+    return len(kept)
+
+
+class TTFTAwareQueue(PrefillQueue):
+    """Algorithm 2: TTFT-aware reordering inside a lookahead window, with a postponement cap.
+
+    At each ``pop(now)`` the window ``W`` is the first ``min(w, len)`` tasks. Every ordering of
+    ``W`` is scored ``S = #{k : (now - enqueued_at(k)) + C(k) <= slo.ttft_s}``, with ``C`` the prefix
+    sums of predicted prefill times in that order. Orderings are enumerated identity first and
+    only a strictly larger ``S`` replaces the best so far, so ties keep FCFS. An ordering is skipped
+    when it would postpone a task whose counter already equals ``w``.
+
+    *Postponed* (the definition this project uses): a task is postponed by the chosen ordering
+    when it is placed at a later position in the window than the one it holds now. Each postponed
+    task's counter is incremented, so no task is ever postponed more than ``w`` times. The chosen
+    ordering replaces the window and its head is dequeued.
+    """
+
+    __slots__ = ("window", "_plans")
+
+    def __init__(self, cost: CostModel, slo: SLO, tp: int, *, window: int = 3):
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window!r}")
+        super().__init__(cost, slo, tp)
+        self.name = "ttft-aware"
+        self.window = window
+        # plans per window size n (1..window); index 0, 1 unused (no enumeration needed)
+        self._plans = [()] * 2 + [_plans(n) for n in range(2, window + 1)]
+
+    def pop(self, now: float) -> QueuedTask:
+        q = self._q
+        size = len(q)
+        if size <= 1 or self.window == 1:
+            if not size:
+                raise IndexError("pop from an empty ttft-aware prefill queue")
+            return self._take(q.popleft())
+        n = self.window if size > self.window else size
+        win = [q[k] for k in range(n)]
+        ttft = self.slo.ttft_s
+        cap = self.window
+        # waited[i]: how long task i has waited; it meets TTFT when waited[i] + C <= ttft (Eq. 4)
+        waited = [now - e[_TASK].enqueued_at for e in win]
+        tpre = [e[_TPRE] for e in win]
+        capped = 0
+        for i in range(n):
+            if win[i][_POST] >= cap:
+                capped |= 1 << i
+        # Stop at the first ordering that reaches an upper bound on S: with a small window that
+        # is all n; with a larger one, the Moore-Hodgson optimum (a bound, as caps only remove
+        # orderings). Stopping there returns the same ordering as the full enumeration.
+        ub = n if n <= 3 else _max_on_time(tpre, [ttft - x for x in waited])
+        best = -1
+        best_order: tuple[int, ...] = ()
+        best_post: tuple[int, ...] = ()
+        for order, mask, post in self._plans[n]:
+            if mask & capped:
+                continue
+            c = 0.0
+            s = 0
+            for i in order:
+                c += tpre[i]
+                if waited[i] + c <= ttft:
+                    s += 1
+            if s > best:
+                best = s
+                best_order = order
+                best_post = post
+                if s >= ub:
+                    break
+        if not best_post:  # identity (FCFS) chosen
+            return self._take(q.popleft())
+        for i in best_post:
+            win[i][_POST] += 1
+        for _ in range(n):
+            q.popleft()
+        for k in range(n - 1, 0, -1):
+            q.appendleft(win[best_order[k]])
+        return self._take(win[best_order[0]])
+
+    def postponements(self) -> tuple[int, ...]:
+        """Postponement counter of every queued task, in current order."""
+        return tuple(e[_POST] for e in self._q)
+
+
+class ContinuumQueue(PrefillQueue):
+    """Continuum-style session priority: tasks of sessions already running (``round >= 1``:
+    their KV is resident, pinned through the tool call) go before new sessions' initial prefills
+    (``round == 0``); FCFS within each class."""
+
+    __slots__ = ("_new",)
+
+    def __init__(self, cost: CostModel, slo: SLO, tp: int):
+        super().__init__(cost, slo, tp)
+        self.name = "continuum"
+        self._new: deque[list] = deque()  # round-0 tasks; self._q holds round >= 1 tasks
+
+    def push(self, task: QueuedTask) -> None:
+        t = self.cost.t_pre(self.tp, task.l_hist, task.l_incr)
+        (self._q if task.round >= 1 else self._new).append([task, t, 0])
+        self._total += t
+
+    def pop(self, now: float) -> QueuedTask:
+        if self._q:
+            e = self._q.popleft()
+        elif self._new:
+            e = self._new.popleft()
+        else:
+            raise IndexError("pop from an empty continuum prefill queue")
+        self._total -= e[_TPRE]
+        if not self._q and not self._new:
+            self._total = 0.0
+        return e[_TASK]
+
+    def __len__(self) -> int:
+        return len(self._q) + len(self._new)
+
+    def __bool__(self) -> bool:
+        return bool(self._q) or bool(self._new)
+
+    def tasks(self) -> tuple[QueuedTask, ...]:
+        return tuple(e[_TASK] for e in self._q) + tuple(e[_TASK] for e in self._new)
+
+
+QUEUES: tuple[str, ...] = ("fcfs", "ttft-aware", "continuum")
+
+
+def make_queue(name: str, cost: CostModel, slo: SLO, tp: int, *, window: int = 3) -> PrefillQueue:
+    """Build a prefill queue for a worker of degree ``tp``: ``"fcfs"``, ``"ttft-aware"``
+    (Algorithm 2 with lookahead ``window``) or ``"continuum"``. Unknown names raise ``ValueError``."""
+    if name == "fcfs":
+        return FCFSQueue(cost, slo, tp)
+    if name == "ttft-aware":
+        return TTFTAwareQueue(cost, slo, tp, window=window)
+    if name == "continuum":
+        return ContinuumQueue(cost, slo, tp)
+    raise ValueError(f"unknown prefill queue {name!r}; valid queues: {', '.join(QUEUES)}")

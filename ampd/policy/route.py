@@ -1,0 +1,285 @@
+"""Routing: where one prefill task runs (the session's decode worker, or a prefill worker).
+
+``AdaptiveRouter`` is the paper's Algorithm 1; the others are the baselines' rules. All routers
+are pure: the caller passes worker snapshots and the time; the only state is the adaptive
+router's own seeded ``random.Random``, so a seeded sequence of decisions repeats exactly.
+Reason strings and estimate keys are documented in docs/policies.md.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+from .types import SLO, CostModel, PrefillRequest, RouteDecision, WorkerView
+
+__all__ = [
+    "Router",
+    "AdaptiveRouter",
+    "RemoteRouter",
+    "LocalRouter",
+    "ThresholdRouter",
+    "ROUTERS",
+    "make_router",
+    # reason strings
+    "PREFILL_SLACK",
+    "DECODE_SLACK",
+    "COST_MODEL",
+    "NO_PREFILL_WORKERS",
+    "POLICY_REMOTE",
+    "POLICY_LOCAL",
+    "THRESHOLD_LOCAL",
+    "THRESHOLD_REMOTE",
+]
+
+PREFILL_SLACK = "prefill-slack"
+DECODE_SLACK = "decode-slack"
+COST_MODEL = "cost-model"
+NO_PREFILL_WORKERS = "no-prefill-workers"
+POLICY_REMOTE = "policy-remote"
+POLICY_LOCAL = "policy-local"
+THRESHOLD_LOCAL = "threshold-local"
+THRESHOLD_REMOTE = "threshold-remote"
+
+
+@runtime_checkable
+class Router(Protocol):
+    name: str
+
+    def route(
+        self,
+        req: PrefillRequest,
+        decode: WorkerView,
+        prefills: Sequence[WorkerView],
+        now: float,
+    ) -> RouteDecision: ...
+
+
+def _check_binding(req: PrefillRequest, decode: WorkerView) -> None:
+    if req.decode_worker != decode.worker_id:
+        raise ValueError(
+            f"route: request of session {req.session_id!r} is bound to {req.decode_worker!r} "
+            f"but the decode view is {decode.worker_id!r}"
+        )
+
+
+def _least_loaded(prefills: Sequence[WorkerView], est: dict[str, float]) -> str:
+    """Prefill worker with the smallest ``queue_predicted_s``; ties -> lowest ``worker_id``.
+
+    Records every compared queue as ``est["queue_s:<id>"]``.
+    """
+    best_id = ""
+    best_q = 0.0
+    first = True
+    for p in prefills:
+        q = p.queue_predicted_s
+        wid = p.worker_id
+        est["queue_s:" + wid] = q
+        if first or q < best_q or (q == best_q and wid < best_id):
+            best_q = q
+            best_id = wid
+            first = False
+    return best_id
+
+
+class AdaptiveRouter:
+    """Algorithm 1 (adaptive routing).
+
+    1. Visit prefill workers in a seeded random order; the first whose windowed TTFT is
+       ``<= alpha * slo.ttft_s`` wins (``prefill-slack``). A ``None`` window (no samples) is slack.
+    2. Else, if the bound decode worker's windowed ITL is ``<= beta * slo.itl_s`` (``None`` is
+       slack), run locally (``decode-slack``).
+    3. Else take the argmin of Eq. (1) ``t_local`` and Eq. (2) ``t_remote:<id>`` (``cost-model``);
+       ties go to local, then to the lowest worker id.
+    With no prefill workers at all the prefill runs locally (``no-prefill-workers``).
+
+    The random order is drawn lazily (a Fisher-Yates shuffle stopped at the first slack worker),
+    over the positions of ``prefills``: callers pass workers in a stable order (e.g. sorted by id)
+    so that a seed reproduces the same decisions live and in the simulator.
+    """
+
+    __slots__ = ("name", "cost", "slo", "alpha", "beta", "seed", "_rng", "_ttft_limit", "_itl_limit")
+
+    def __init__(self, cost: CostModel, slo: SLO, *, seed: int = 0, alpha: float = 0.9, beta: float = 0.85):
+        if not alpha > 0:
+            raise ValueError(f"alpha must be > 0, got {alpha!r}")
+        if not beta > 0:
+            raise ValueError(f"beta must be > 0, got {beta!r}")
+        self.name = "adaptive"
+        self.cost = cost
+        self.slo = slo
+        self.alpha = alpha
+        self.beta = beta
+        self.seed = seed
+        self._rng = random.Random(seed)
+        self._ttft_limit = alpha * slo.ttft_s
+        self._itl_limit = beta * slo.itl_s
+
+    def route(
+        self,
+        req: PrefillRequest,
+        decode: WorkerView,
+        prefills: Sequence[WorkerView],
+        now: float,
+    ) -> RouteDecision:
+        if req.decode_worker != decode.worker_id:
+            _check_binding(req, decode)
+        est: dict[str, float] = {}
+        n = len(prefills)
+        if n == 0:
+            return RouteDecision(decode.worker_id, True, NO_PREFILL_WORKERS, est)
+
+        # Rung 1: first prefill worker with TTFT slack, in a seeded random visiting order.
+        limit = self._ttft_limit
+        est["ttft_limit"] = limit
+        rand = self._rng.random
+        pos = list(range(n))
+        for i in range(n):
+            j = i + int(rand() * (n - i))
+            if j != i:
+                pos[i], pos[j] = pos[j], pos[i]
+            p = prefills[pos[i]]
+            w = p.window_mean_s
+            if w is None:
+                return RouteDecision(p.worker_id, False, PREFILL_SLACK, est)
+            est["ttft_window:" + p.worker_id] = w
+            if w <= limit:
+                return RouteDecision(p.worker_id, False, PREFILL_SLACK, est)
+
+        # Rung 2: the bound decode worker has ITL slack.
+        est["itl_limit"] = self._itl_limit
+        w = decode.window_mean_s
+        if w is None:
+            return RouteDecision(decode.worker_id, True, DECODE_SLACK, est)
+        est["itl_window"] = w
+        if w <= self._itl_limit:
+            return RouteDecision(decode.worker_id, True, DECODE_SLACK, est)
+
+        # Rung 3: cost model, Eq. (1) against Eq. (2) for every prefill worker.
+        cost = self.cost
+        l_hist = req.l_hist
+        l_incr = req.l_incr
+        dtp = decode.tp
+        t_local = cost.t_pre(dtp, l_hist, l_incr) + decode.queue_predicted_s
+        est["t_local"] = t_local
+        best_t = t_local
+        best_id = decode.worker_id
+        best_local = True
+        base: dict[int, float] = {}
+        for p in prefills:
+            ptp = p.tp
+            b = base.get(ptp)
+            if b is None:
+                # compute + history KV in (decode -> prefill) + new KV back (prefill -> decode);
+                # a zero-token transfer does not happen, so it costs nothing.
+                b = cost.t_pre(ptp, l_hist, l_incr)
+                if l_hist:
+                    b += cost.t_kv(l_hist, dtp, ptp)
+                if l_incr:
+                    b += cost.t_kv(l_incr, ptp, dtp)
+                base[ptp] = b
+            t = b + p.queue_predicted_s
+            wid = p.worker_id
+            est["t_remote:" + wid] = t
+            if t < best_t or (t == best_t and not best_local and wid < best_id):
+                best_t = t
+                best_id = wid
+                best_local = False
+        return RouteDecision(best_id, best_local, COST_MODEL, est)
+
+
+class RemoteRouter:
+    """Dynamo-style disaggregation: every prefill goes to the prefill worker with the smallest
+    ``queue_predicted_s`` (ties -> lowest id), reason ``policy-remote``. With no prefill worker
+    the prefill runs locally (``no-prefill-workers``)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self) -> None:
+        self.name = "remote"
+
+    def route(self, req, decode, prefills, now) -> RouteDecision:
+        if req.decode_worker != decode.worker_id:
+            _check_binding(req, decode)
+        est: dict[str, float] = {}
+        if not prefills:
+            return RouteDecision(decode.worker_id, True, NO_PREFILL_WORKERS, est)
+        return RouteDecision(_least_loaded(prefills, est), False, POLICY_REMOTE, est)
+
+
+class LocalRouter:
+    """Every prefill on the session's decode worker (``policy-local``); also the router of the
+    co-located baselines, which have no prefill workers."""
+
+    __slots__ = ("name",)
+
+    def __init__(self) -> None:
+        self.name = "local"
+
+    def route(self, req, decode, prefills, now) -> RouteDecision:
+        if req.decode_worker != decode.worker_id:
+            _check_binding(req, decode)
+        return RouteDecision(decode.worker_id, True, POLICY_LOCAL, {})
+
+
+class ThresholdRouter:
+    """Conditional disaggregation (Dynamo ``max_local_prefill_length``, TensorRT-LLM
+    ``ConditionalDisaggConfig``): local when the uncached length at the decode worker, which holds
+    the whole history, i.e. ``l_incr``, is ``< threshold_tokens`` (``threshold-local``); otherwise
+    the least-loaded prefill worker as in ``RemoteRouter`` (``threshold-remote``)."""
+
+    __slots__ = ("name", "threshold_tokens")
+
+    def __init__(self, threshold_tokens: int = 1000) -> None:
+        if threshold_tokens < 0:
+            raise ValueError(f"threshold_tokens must be >= 0, got {threshold_tokens!r}")
+        self.name = "threshold"
+        self.threshold_tokens = threshold_tokens
+
+    def route(self, req, decode, prefills, now) -> RouteDecision:
+        if req.decode_worker != decode.worker_id:
+            _check_binding(req, decode)
+        est: dict[str, float] = {"l_incr": float(req.l_incr), "threshold_tokens": float(self.threshold_tokens)}
+        if req.l_incr < self.threshold_tokens:
+            return RouteDecision(decode.worker_id, True, THRESHOLD_LOCAL, est)
+        if not prefills:
+            return RouteDecision(decode.worker_id, True, NO_PREFILL_WORKERS, est)
+        return RouteDecision(_least_loaded(prefills, est), False, THRESHOLD_REMOTE, est)
+
+
+ROUTERS: tuple[str, ...] = ("adaptive", "remote", "local", "threshold")
+
+
+def make_router(
+    name: str,
+    cost: CostModel,
+    slo: SLO,
+    *,
+    seed: int = 0,
+    alpha: float = 0.9,
+    beta: float = 0.85,
+    threshold_tokens: int = 1000,
+    **opts: object,
+) -> Router:
+    """Build a router by router name (``ROUTERS``) or by policy name (``POLICIES``, resolved
+    through ``policy_spec(name).router``). Unknown names or options raise ``ValueError``."""
+    if opts:
+        raise ValueError(f"make_router: unknown option(s) {', '.join(sorted(opts))}")
+    kind = name
+    if kind not in ROUTERS:
+        from .spec import POLICIES, policy_spec
+
+        if kind not in POLICIES:
+            raise ValueError(
+                f"unknown router {name!r}; valid routers: {', '.join(ROUTERS)}; "
+                f"valid policies: {', '.join(POLICIES)}"
+            )
+        kind = policy_spec(kind).router
+    if kind == "adaptive":
+        return AdaptiveRouter(cost, slo, seed=seed, alpha=alpha, beta=beta)
+    if kind == "remote":
+        return RemoteRouter()
+    if kind == "local":
+        return LocalRouter()
+    return ThresholdRouter(threshold_tokens)

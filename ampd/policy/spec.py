@@ -1,0 +1,75 @@
+"""Deployment shape of each policy name: which router, which queues, which workers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+__all__ = ["PolicySpec", "POLICIES", "policy_spec", "CONTINUUM_KV_PIN_TTL_S"]
+
+# How long Continuum keeps a session's KV pinned on its worker after a round ends, waiting for
+# the tool result. Continuum derives its TTL from the tool-call latency distribution; 5 s covers
+# the bulk of tool/retrieval calls in the shipped presets. Override with policy_spec(..., kv_pin_ttl_s=).
+CONTINUUM_KV_PIN_TTL_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySpec:
+    """How a policy is deployed.
+
+    ``router``: a name for ``make_router``. ``prefill_queue``: queue of prefill workers (``None``
+    when the policy runs none). ``decode_queue``: queue of each decode worker's local prefills.
+    ``uses_prefill_workers``: False for the co-located baselines (all GPUs are decode workers
+    that also prefill). ``kv_pin_ttl_s``: seconds a finished round's KV stays pinned waiting for
+    the next round (Continuum), ``None`` = no TTL pinning (the session's KV stays on its
+    decode worker for the session's life). ``chunked_local_prefill``: split local prefills into
+    chunks interleaved with decode steps (not used by any policy yet).
+    """
+
+    name: str
+    router: str
+    prefill_queue: str | None
+    decode_queue: str
+    uses_prefill_workers: bool
+    kv_pin_ttl_s: float | None = None
+    chunked_local_prefill: bool = False
+    description: str = ""
+
+
+_SPECS: dict[str, PolicySpec] = {
+    s.name: s
+    for s in (
+        PolicySpec("ampd", "adaptive", "ttft-aware", "ttft-aware", True,
+                   description="AMPD: adaptive routing (Alg. 1) + TTFT-aware reordering (Alg. 2) on every queue"),
+        PolicySpec("ampd-noreorder", "adaptive", "fcfs", "fcfs", True,
+                   description="AMPD routing (Alg. 1) with FCFS queues (ablation)"),
+        PolicySpec("remote", "remote", "fcfs", "fcfs", True,
+                   description="Dynamo-style disaggregation: every prefill on the least-loaded prefill worker, FCFS"),
+        PolicySpec("local", "local", "fcfs", "fcfs", True,
+                   description="every prefill on the session's decode worker, FCFS (prefill workers idle)"),
+        PolicySpec("threshold", "threshold", "fcfs", "fcfs", True,
+                   description="conditional disaggregation: local when l_incr < threshold_tokens, else least-loaded remote"),
+        PolicySpec("colocated", "local", None, "fcfs", False,
+                   description="vLLM-style co-location: no prefill workers, prefill-priority continuous batching, FCFS"),
+        PolicySpec("continuum", "local", None, "continuum", False, kv_pin_ttl_s=CONTINUUM_KV_PIN_TTL_S,
+                   description="vLLM-Continuum: co-located, KV pinned through tool calls for a TTL, running sessions first"),
+    )
+}
+
+POLICIES: tuple[str, ...] = tuple(_SPECS)
+
+
+def policy_spec(name: str, *, kv_pin_ttl_s: float | None = None) -> PolicySpec:
+    """The deployment shape of policy ``name``; ``kv_pin_ttl_s`` overrides the TTL of a policy
+    that pins KV. Unknown names raise ``ValueError`` listing the valid ones."""
+    try:
+        spec = _SPECS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(POLICIES)}") from None
+    if kv_pin_ttl_s is not None:
+        if spec.kv_pin_ttl_s is None:
+            raise ValueError(f"policy {name!r} does not pin KV; kv_pin_ttl_s applies to: "
+                             + ", ".join(n for n, s in _SPECS.items() if s.kv_pin_ttl_s is not None))
+        if not kv_pin_ttl_s >= 0:
+            raise ValueError(f"kv_pin_ttl_s must be >= 0, got {kv_pin_ttl_s!r}")
+        spec = replace(spec, kv_pin_ttl_s=float(kv_pin_ttl_s))
+    return spec

@@ -1,0 +1,103 @@
+"""Value types shared by the policy cores.
+
+All types are frozen, slotted dataclasses: cheap attribute access, no ``__dict__``, hashable where
+their fields are. Nothing here does I/O or reads a clock; times are floats in seconds on whatever
+clock the caller uses (wall clock live, virtual clock in the simulator).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+# One SLO type for the whole tree: the report module (ampd.bench.report) owns it and judges
+# sessions with it; the policies re-export it. SLO(ttft_s, itl_s), both > 0 seconds.
+from ampd.bench.report import SLO
+
+__all__ = [
+    "CostModel",
+    "SLO",
+    "QueuedTask",
+    "WorkerView",
+    "PrefillRequest",
+    "RouteDecision",
+    "PREFILL",
+    "DECODE",
+]
+
+PREFILL = "prefill"
+DECODE = "decode"
+
+
+@runtime_checkable
+class CostModel(Protocol):
+    """What the policies need from a performance model (``ampd.perf.Profile`` satisfies it)."""
+
+    def t_pre(self, tp: int, l_hist: int, l_incr: int) -> float:
+        """Seconds to prefill ``l_incr`` new tokens on top of ``l_hist`` cached ones at degree ``tp``."""
+        ...
+
+    def t_kv(self, tokens: int, src_tp: int, dst_tp: int) -> float:
+        """Seconds to move ``tokens`` tokens of KV from a ``src_tp`` worker to a ``dst_tp`` worker."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedTask:
+    """One prefill task waiting in a worker's prefill queue.
+
+    ``enqueued_at`` is the time Algorithm 2 measures waiting from (the paper's ``T_enq``). Callers
+    that want the queue to optimise true TTFT pass the time the round's input became ready.
+    """
+
+    session_id: str
+    round: int
+    l_hist: int
+    l_incr: int
+    enqueued_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """A snapshot of one worker as the coordinator sees it (read from shared state).
+
+    ``window_mean_s`` is the windowed mean TTFT (prefill workers) or ITL (decode workers); ``None``
+    means the window holds no samples, which every policy treats as full slack (an idle worker is
+    not congested). ``queue_predicted_s`` is the sum of predicted prefill times of the tasks queued
+    on that worker at its own ``tp`` (``PrefillQueue.predicted_total()``), published by the worker.
+    """
+
+    worker_id: str
+    kind: str
+    tp: int
+    window_mean_s: float | None
+    queue: tuple[QueuedTask, ...] = ()
+    kv_free_tokens: int = 0
+    queue_predicted_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillRequest:
+    """A prefill task to place: ``l_incr`` new tokens on ``l_hist`` history tokens of a session
+    whose KV lives on ``decode_worker`` (its binding)."""
+
+    session_id: str
+    round: int
+    l_hist: int
+    l_incr: int
+    decode_worker: str
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    """Where a prefill runs and why.
+
+    ``target`` is a worker id; ``local`` is True when it is the session's decode worker.
+    ``reason`` is one of the reason strings documented in docs/policies.md. ``estimates`` holds the
+    numbers the decision compared (windows, thresholds, cost estimates), for logs and metrics.
+    """
+
+    target: str
+    local: bool
+    reason: str
+    estimates: dict[str, float] = field(default_factory=dict)

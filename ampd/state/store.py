@@ -1,0 +1,143 @@
+"""The Redis schema every service shares.
+
+Keys (prefix `ns`, default "ampd"):
+- `{ns}:workers`        hash worker_id -> WorkerInfo JSON (static: address, kind, tp, KV layout, sidecar)
+- `{ns}:nixl`           hash worker_id -> NIXL agent metadata (bytes)
+- `{ns}:stats`          hash worker_id -> WorkerStats JSON (published on every queue change and at
+                        least every `heartbeat_s`; its `ts` doubles as the heartbeat)
+- `{ns}:session:{sid}`  hash of one live session (binding, round, state); deleted when it ends
+
+Routing needs every worker's stats, so they live in ONE hash: one HGETALL per decision.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+import redis.asyncio as aioredis
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
+
+from ampd.policy import QueuedTask, WorkerView
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    worker_id: str
+    kind: str  # "prefill" | "decode"
+    address: str
+    tp: int
+    nixl_agent: str
+    layout: dict  # ampd.kv.PoolLayout.to_dict()
+    kv_capacity_tokens: int
+    sidecar: str = ""
+    engine: str = "mock"
+    profile: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> "WorkerInfo":
+        return cls(**json.loads(raw))
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    worker_id: str
+    ts: float  # publish time (unix); stale entries mean a dead worker
+    window_mean_s: float | None  # windowed TTFT (prefill) or ITL (decode)
+    queue: tuple[tuple[str, int, int, int, float], ...]  # (session, round, l_hist, l_incr, enqueued_at)
+    queue_predicted_s: float
+    kv_free_tokens: int
+    active_sessions: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        return json.dumps(d, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> "WorkerStats":
+        d = json.loads(raw)
+        d["queue"] = tuple(tuple(q) for q in d["queue"])
+        return cls(**d)
+
+    def view(self, kind: str, tp: int) -> WorkerView:
+        return WorkerView(
+            worker_id=self.worker_id,
+            kind=kind,
+            tp=tp,
+            window_mean_s=self.window_mean_s,
+            queue=tuple(QueuedTask(*q) for q in self.queue),
+            kv_free_tokens=self.kv_free_tokens,
+            queue_predicted_s=self.queue_predicted_s,
+        )
+
+
+async def connect(url: str, timeout_s: float = 10.0) -> aioredis.Redis:
+    """Connects to Redis, retrying while it starts (a fresh `ampd up` races its redis-server)."""
+    client = aioredis.from_url(url, decode_responses=False)
+    async for attempt in AsyncRetrying(
+        retry=retry_if_exception_type((ConnectionError, OSError, aioredis.ConnectionError)),
+        wait=wait_exponential(multiplier=0.05, max=1.0),
+        stop=stop_after_delay(timeout_s),
+        reraise=True,
+    ):
+        with attempt:
+            await client.ping()
+    return client
+
+
+class StateStore:
+    def __init__(self, client: aioredis.Redis, namespace: str = "ampd") -> None:
+        self.r = client
+        self.ns = namespace
+        self.k_workers = f"{namespace}:workers"
+        self.k_nixl = f"{namespace}:nixl"
+        self.k_stats = f"{namespace}:stats"
+
+    def session_key(self, session_id: str) -> str:
+        return f"{self.ns}:session:{session_id}"
+
+    # --- workers -------------------------------------------------------------------------------
+    async def register_worker(self, info: WorkerInfo, nixl_metadata: bytes, stats: WorkerStats) -> None:
+        async with self.r.pipeline(transaction=True) as p:
+            p.hset(self.k_workers, info.worker_id, info.to_json())
+            p.hset(self.k_nixl, info.worker_id, nixl_metadata)
+            p.hset(self.k_stats, info.worker_id, stats.to_json())
+            await p.execute()
+
+    async def deregister_worker(self, worker_id: str) -> None:
+        async with self.r.pipeline(transaction=True) as p:
+            p.hdel(self.k_workers, worker_id)
+            p.hdel(self.k_nixl, worker_id)
+            p.hdel(self.k_stats, worker_id)
+            await p.execute()
+
+    async def publish_stats(self, stats: WorkerStats) -> None:
+        await self.r.hset(self.k_stats, stats.worker_id, stats.to_json())
+
+    async def workers(self) -> dict[str, WorkerInfo]:
+        raw = await self.r.hgetall(self.k_workers)
+        return {k.decode(): WorkerInfo.from_json(v) for k, v in raw.items()}
+
+    async def nixl_metadata(self, worker_id: str) -> bytes | None:
+        return await self.r.hget(self.k_nixl, worker_id)
+
+    async def stats(self) -> dict[str, WorkerStats]:
+        """Every worker's latest statistics: one round trip."""
+        raw = await self.r.hgetall(self.k_stats)
+        return {k.decode(): WorkerStats.from_json(v) for k, v in raw.items()}
+
+    # --- sessions ------------------------------------------------------------------------------
+    async def put_session(self, session_id: str, fields: dict[str, str | int | float]) -> None:
+        await self.r.hset(self.session_key(session_id), mapping=fields)
+
+    async def update_session(self, session_id: str, fields: dict[str, str | int | float]) -> None:
+        await self.r.hset(self.session_key(session_id), mapping=fields)
+
+    async def delete_session(self, session_id: str) -> None:
+        await self.r.delete(self.session_key(session_id))
+
+    async def session_keys(self) -> list[str]:
+        return [k.decode() async for k in self.r.scan_iter(match=f"{self.ns}:session:*")]

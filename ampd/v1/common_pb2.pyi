@@ -1,0 +1,151 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Segment(_message.Message):
+    __slots__ = ("block", "offset", "tokens")
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    block: int
+    offset: int
+    tokens: int
+    def __init__(self, block: _Optional[int] = ..., offset: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class ToolSpec(_message.Message):
+    __slots__ = ("name", "latency_s", "client_side", "arguments")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_SIDE_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    latency_s: float
+    client_side: bool
+    arguments: str
+    def __init__(self, name: _Optional[str] = ..., latency_s: _Optional[float] = ..., client_side: _Optional[bool] = ..., arguments: _Optional[str] = ...) -> None: ...
+
+class RoundPlan(_message.Message):
+    __slots__ = ("input_tokens", "output_tokens", "tool")
+    INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_FIELD_NUMBER: _ClassVar[int]
+    input_tokens: int
+    output_tokens: int
+    tool: ToolSpec
+    def __init__(self, input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., tool: _Optional[_Union[ToolSpec, _Mapping]] = ...) -> None: ...
+
+class SessionLimits(_message.Message):
+    __slots__ = ("max_rounds", "max_output_tokens")
+    MAX_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    max_rounds: int
+    max_output_tokens: int
+    def __init__(self, max_rounds: _Optional[int] = ..., max_output_tokens: _Optional[int] = ...) -> None: ...
+
+class OpenSession(_message.Message):
+    __slots__ = ("session_id", "rounds", "limits")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    rounds: _containers.RepeatedCompositeFieldContainer[RoundPlan]
+    limits: SessionLimits
+    def __init__(self, session_id: _Optional[str] = ..., rounds: _Optional[_Iterable[_Union[RoundPlan, _Mapping]]] = ..., limits: _Optional[_Union[SessionLimits, _Mapping]] = ...) -> None: ...
+
+class RoundTiming(_message.Message):
+    __slots__ = ("round", "input_ready", "first_token", "last_token", "tokens", "local", "prefill_worker", "route_reason", "l_hist", "l_incr")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    INPUT_READY_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LAST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_REASON_FIELD_NUMBER: _ClassVar[int]
+    L_HIST_FIELD_NUMBER: _ClassVar[int]
+    L_INCR_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    input_ready: float
+    first_token: float
+    last_token: float
+    tokens: int
+    local: bool
+    prefill_worker: str
+    route_reason: str
+    l_hist: int
+    l_incr: int
+    def __init__(self, round: _Optional[int] = ..., input_ready: _Optional[float] = ..., first_token: _Optional[float] = ..., last_token: _Optional[float] = ..., tokens: _Optional[int] = ..., local: _Optional[bool] = ..., prefill_worker: _Optional[str] = ..., route_reason: _Optional[str] = ..., l_hist: _Optional[int] = ..., l_incr: _Optional[int] = ...) -> None: ...
+
+class Tokens(_message.Message):
+    __slots__ = ("round", "position", "token_ids", "times")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TIMES_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    position: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    times: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, round: _Optional[int] = ..., position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., times: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class ToolCall(_message.Message):
+    __slots__ = ("round", "call_id", "name", "arguments", "client_side")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_SIDE_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    call_id: str
+    name: str
+    arguments: str
+    client_side: bool
+    def __init__(self, round: _Optional[int] = ..., call_id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ..., client_side: _Optional[bool] = ...) -> None: ...
+
+class RoundEnd(_message.Message):
+    __slots__ = ("timing",)
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    timing: RoundTiming
+    def __init__(self, timing: _Optional[_Union[RoundTiming, _Mapping]] = ...) -> None: ...
+
+class SessionDone(_message.Message):
+    __slots__ = ("rounds",)
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    rounds: _containers.RepeatedCompositeFieldContainer[RoundTiming]
+    def __init__(self, rounds: _Optional[_Iterable[_Union[RoundTiming, _Mapping]]] = ...) -> None: ...
+
+class Ack(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class MetricsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class MetricsReply(_message.Message):
+    __slots__ = ("worker_id", "values", "labels")
+    class ValuesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    values: _containers.ScalarMap[str, float]
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, worker_id: _Optional[str] = ..., values: _Optional[_Mapping[str, float]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...

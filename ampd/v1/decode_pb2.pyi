@@ -1,0 +1,78 @@
+from ampd.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class AttachRequest(_message.Message):
+    __slots__ = ("open", "arrival")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    ARRIVAL_FIELD_NUMBER: _ClassVar[int]
+    open: _common_pb2.OpenSession
+    arrival: float
+    def __init__(self, open: _Optional[_Union[_common_pb2.OpenSession, _Mapping]] = ..., arrival: _Optional[float] = ...) -> None: ...
+
+class RouteInfo(_message.Message):
+    __slots__ = ("session_id", "round", "reason", "prefill_worker")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    round: int
+    reason: str
+    prefill_worker: str
+    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., reason: _Optional[str] = ..., prefill_worker: _Optional[str] = ...) -> None: ...
+
+class PrefillNeeded(_message.Message):
+    __slots__ = ("round", "l_hist", "l_incr", "input_ready", "history", "dest")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    L_HIST_FIELD_NUMBER: _ClassVar[int]
+    L_INCR_FIELD_NUMBER: _ClassVar[int]
+    INPUT_READY_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
+    DEST_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    l_hist: int
+    l_incr: int
+    input_ready: float
+    history: _containers.RepeatedCompositeFieldContainer[_common_pb2.Segment]
+    dest: _containers.RepeatedCompositeFieldContainer[_common_pb2.Segment]
+    def __init__(self, round: _Optional[int] = ..., l_hist: _Optional[int] = ..., l_incr: _Optional[int] = ..., input_ready: _Optional[float] = ..., history: _Optional[_Iterable[_Union[_common_pb2.Segment, _Mapping]]] = ..., dest: _Optional[_Iterable[_Union[_common_pb2.Segment, _Mapping]]] = ...) -> None: ...
+
+class DecodeEvent(_message.Message):
+    __slots__ = ("prefill_needed", "tokens", "tool_call", "round_end", "done")
+    PREFILL_NEEDED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_FIELD_NUMBER: _ClassVar[int]
+    ROUND_END_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    prefill_needed: PrefillNeeded
+    tokens: _common_pb2.Tokens
+    tool_call: _common_pb2.ToolCall
+    round_end: _common_pb2.RoundEnd
+    done: _common_pb2.SessionDone
+    def __init__(self, prefill_needed: _Optional[_Union[PrefillNeeded, _Mapping]] = ..., tokens: _Optional[_Union[_common_pb2.Tokens, _Mapping]] = ..., tool_call: _Optional[_Union[_common_pb2.ToolCall, _Mapping]] = ..., round_end: _Optional[_Union[_common_pb2.RoundEnd, _Mapping]] = ..., done: _Optional[_Union[_common_pb2.SessionDone, _Mapping]] = ...) -> None: ...
+
+class ToolResultRequest(_message.Message):
+    __slots__ = ("session_id", "call_id", "input_tokens", "content")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    call_id: str
+    input_tokens: int
+    content: str
+    def __init__(self, session_id: _Optional[str] = ..., call_id: _Optional[str] = ..., input_tokens: _Optional[int] = ..., content: _Optional[str] = ...) -> None: ...
+
+class CancelRequest(_message.Message):
+    __slots__ = ("session_id", "reason")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    reason: str
+    def __init__(self, session_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,210 @@
+"""The session trace: data types and the JSON Lines file format (DESIGN.md section 5).
+
+One session per line::
+
+    {"id": "s1", "arrival": 0.52, "rounds": [{"input": 703, "output": 50, "tool_s": 1.2},
+                                              {"input": 95, "output": 60}]}
+
+Only this module reads or writes trace files; everything else takes ``Session`` values.
+"""
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, TextIO
+
+__all__ = ["Round", "Session", "TraceError", "load_trace", "dump_trace", "session_from_obj",
+           "session_to_obj"]
+
+
+class TraceError(ValueError):
+    """A trace file (or row) is malformed; the message names the file, line and field."""
+
+
+@dataclass(frozen=True, slots=True)
+class Round:
+    """One round of a session: ``input`` new tokens to prefill, then ``output`` tokens to decode,
+    then (unless it is the last round) an environment/tool interaction of ``tool_s`` seconds whose
+    result is the next round's input. ``tool_s`` None means 0; ``tool`` optionally names a sidecar
+    tool (None: the built-in replay tool, which sleeps ``tool_s``)."""
+
+    input: int
+    output: int
+    tool_s: float | None = None
+    tool: str | None = None
+
+    @property
+    def tool_delay_s(self) -> float:
+        """``tool_s`` with None read as 0.0."""
+        return 0.0 if self.tool_s is None else float(self.tool_s)
+
+
+@dataclass(frozen=True, slots=True)
+class Session:
+    """A multi-round conversation arriving ``arrival`` seconds after the trace start."""
+
+    id: str
+    arrival: float
+    rounds: tuple[Round, ...]
+
+    @property
+    def input_tokens(self) -> int:
+        return sum(r.input for r in self.rounds)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(r.output for r in self.rounds)
+
+    @property
+    def context_tokens(self) -> int:
+        """KV tokens the session holds after its last round (every input and output)."""
+        return self.input_tokens + self.output_tokens
+
+
+# --------------------------------------------------------------------------------------------
+# validation helpers (shared with the Mooncake importer)
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def check_int(v: Any, field: str, minimum: int, where: str) -> int:
+    """An integer >= minimum (an integral float such as 703.0 is accepted)."""
+    if _is_number(v) and math.isfinite(v) and float(v).is_integer() and v >= minimum:
+        return int(v)
+    raise TraceError(f"{where}: field '{field}': must be an integer >= {minimum}, got {_show(v)}")
+
+
+def check_time(v: Any, field: str, where: str) -> float:
+    """A finite number >= 0 (seconds)."""
+    if _is_number(v) and math.isfinite(v) and v >= 0:
+        return float(v)
+    raise TraceError(f"{where}: field '{field}': must be a finite number >= 0, got {_show(v)}")
+
+
+def _show(v: Any) -> str:
+    try:
+        text = json.dumps(v)
+    except (TypeError, ValueError):
+        text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def session_from_obj(obj: Any, where: str) -> Session:
+    """Validate one decoded JSON value as a session; ``where`` prefixes error messages."""
+    if not isinstance(obj, dict):
+        raise TraceError(f"{where}: a session must be a JSON object, got {type(obj).__name__}")
+    if "id" not in obj:
+        raise TraceError(f"{where}: field 'id': missing")
+    sid = obj["id"]
+    if not isinstance(sid, str) or not sid:
+        raise TraceError(f"{where}: field 'id': must be a non-empty string, got {_show(sid)}")
+    if "arrival" not in obj:
+        raise TraceError(f"{where}: field 'arrival': missing")
+    arrival = check_time(obj["arrival"], "arrival", where)
+    if "rounds" not in obj:
+        raise TraceError(f"{where}: field 'rounds': missing")
+    raw_rounds = obj["rounds"]
+    if not isinstance(raw_rounds, list) or not raw_rounds:
+        raise TraceError(f"{where}: field 'rounds': must be a non-empty list, got {_show(raw_rounds)}")
+    rounds = []
+    for i, r in enumerate(raw_rounds):
+        f = f"rounds[{i}]"
+        if not isinstance(r, dict):
+            raise TraceError(f"{where}: field '{f}': must be an object, got {_show(r)}")
+        for key in ("input", "output"):
+            if key not in r:
+                raise TraceError(f"{where}: field '{f}.{key}': missing")
+        inp = check_int(r["input"], f"{f}.input", 1, where)
+        out = check_int(r["output"], f"{f}.output", 1, where)
+        tool_s = r.get("tool_s")
+        if tool_s is not None:
+            tool_s = check_time(tool_s, f"{f}.tool_s", where)
+        tool = r.get("tool")
+        if tool is not None and (not isinstance(tool, str) or not tool):
+            raise TraceError(f"{where}: field '{f}.tool': must be a non-empty string, got {_show(tool)}")
+        rounds.append(Round(inp, out, tool_s, tool))
+    return Session(sid, arrival, tuple(rounds))
+
+
+def session_to_obj(s: Session) -> dict:
+    rounds = []
+    for r in s.rounds:
+        d: dict[str, Any] = {"input": r.input, "output": r.output}
+        if r.tool_s is not None:
+            d["tool_s"] = r.tool_s
+        if r.tool is not None:
+            d["tool"] = r.tool
+        rounds.append(d)
+    return {"id": s.id, "arrival": s.arrival, "rounds": rounds}
+
+
+# --------------------------------------------------------------------------------------------
+# files
+
+def open_text(path: str | os.PathLike, mode: str) -> TextIO:
+    """Open a UTF-8 text file for writing; a name ending in .gz is gzip-compressed."""
+    if str(path).endswith(".gz"):
+        return io.TextIOWrapper(gzip.open(path, mode + "b"), encoding="utf-8", newline="")
+    return open(path, mode, encoding="utf-8", newline="")
+
+
+def iter_json_lines(path: str | os.PathLike) -> Iterator[tuple[int, str, Any]]:
+    """Yield (lineno, where, value) for every non-blank line; where is "FILE line N"."""
+    name = os.fspath(path)
+    opener = gzip.open if name.endswith(".gz") else open
+    with opener(path, "rb") as fh:
+        lineno = 0
+        while True:
+            try:
+                raw = fh.readline()
+            except (EOFError, gzip.BadGzipFile) as exc:
+                raise TraceError(f"{name}: unreadable gzip data ({exc})") from None
+            if not raw:
+                return
+            lineno += 1
+            where = f"{name} line {lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise TraceError(f"{where}: not UTF-8 text") from None
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise TraceError(f"{where}: invalid JSON: {exc.msg} (column {exc.colno})") from None
+            yield lineno, where, value
+
+
+def load_trace(path: str | os.PathLike) -> list[Session]:
+    """Read and validate a trace; sessions come back sorted by arrival (stable for ties).
+
+    Raises TraceError naming the line and field of the first problem, OSError if the file
+    cannot be opened."""
+    sessions: list[Session] = []
+    first_line: dict[str, int] = {}
+    for lineno, where, obj in iter_json_lines(path):
+        s = session_from_obj(obj, where)
+        if s.id in first_line:
+            raise TraceError(f"{where}: field 'id': duplicate id {_show(s.id)} "
+                             f"(first used on line {first_line[s.id]})")
+        first_line[s.id] = lineno
+        sessions.append(s)
+    sessions.sort(key=lambda s: s.arrival)
+    return sessions
+
+
+def dump_trace(sessions: Iterable[Session], path: str | os.PathLike) -> int:
+    """Write sessions as JSON Lines (in the given order); returns how many were written."""
+    n = 0
+    with open_text(path, "w") as fh:
+        for s in sessions:
+            fh.write(json.dumps(session_to_obj(s), separators=(", ", ": ")))
+            fh.write("\n")
+            n += 1
+    return n

@@ -1,0 +1,3 @@
+from services.coordinator.server import main
+
+main()

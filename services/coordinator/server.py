@@ -1,0 +1,227 @@
+"""Coordinator gRPC server: binds sessions, routes every prefill, streams events to clients."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from collections import Counter
+
+import grpc
+import structlog
+
+from ampd import grpcserver, logs
+from ampd.perf import load_profile
+from ampd.policy import SLO, PrefillRequest, make_router, policy_spec
+from ampd.state import StateStore, connect
+from ampd.v1 import (
+    common_pb2, coordinator_pb2, coordinator_pb2_grpc, decode_pb2, decode_pb2_grpc, prefill_pb2,
+    prefill_pb2_grpc,
+)
+from ampd.worker import write_ready_file
+from services.coordinator.core import Cluster, InvalidArgument, choose_decode_worker, route, validate_open
+
+log = structlog.get_logger()
+
+
+class Stubs:
+    """One channel per worker address, reused by every session."""
+
+    def __init__(self) -> None:
+        self._decode: dict[str, decode_pb2_grpc.DecodeWorkerStub] = {}
+        self._prefill: dict[str, prefill_pb2_grpc.PrefillWorkerStub] = {}
+
+    def decode(self, address: str) -> decode_pb2_grpc.DecodeWorkerStub:
+        if address not in self._decode:
+            self._decode[address] = decode_pb2_grpc.DecodeWorkerStub(grpcserver.channel(address))
+        return self._decode[address]
+
+    def prefill(self, address: str) -> prefill_pb2_grpc.PrefillWorkerStub:
+        if address not in self._prefill:
+            self._prefill[address] = prefill_pb2_grpc.PrefillWorkerStub(grpcserver.channel(address))
+        return self._prefill[address]
+
+
+class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
+    def __init__(self, store: StateStore, router, policy: str) -> None:
+        self.store = store
+        self.cluster = Cluster(store)
+        self.router = router
+        self.policy = policy
+        self.stubs = Stubs()
+        self.live: set[str] = set()
+        self.counters: Counter[str] = Counter()
+        self.route_read_ms_total = 0.0
+        self.labels: dict[str, str] = {"policy": policy}
+
+    async def Session(self, request_iterator, context: grpc.aio.ServicerContext):
+        try:
+            first = await anext(request_iterator)
+        except StopAsyncIteration:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "open: the first message must open the session")
+        if not first.HasField("open"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "open: the first message must open the session")
+        o = first.open
+        try:
+            validate_open(o)
+        except InvalidArgument as exc:
+            self.counters["sessions_rejected"] += 1
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        sid = o.session_id
+        if sid in self.live:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"open.session_id: {sid!r} is already live")
+        arrival = time.time()
+        view = await self.cluster.view()
+        if not view.decode:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no decode worker is serving")
+        decode_id = choose_decode_worker(view)
+        info = self.cluster.infos[decode_id]
+        self.live.add(sid)
+        self.counters["sessions_opened"] += 1
+        await self.store.put_session(sid, {"decode_worker": decode_id, "arrival": arrival, "round": 0})
+        stub = self.stubs.decode(info.address)
+        call = stub.Attach(decode_pb2.AttachRequest(open=o, arrival=arrival))
+        routes: dict[int, tuple[str, str, bool]] = {}
+        reader = asyncio.create_task(self._client_messages(request_iterator, stub, sid))
+        first_event = True
+        try:
+            async for ev in call:
+                kind = ev.WhichOneof("event")
+                if kind == "prefill_needed":
+                    await self._route(sid, decode_id, info.tp, stub, ev.prefill_needed, routes)
+                    continue
+                out = coordinator_pb2.SessionEvent(session_id=sid)
+                if first_event:
+                    out.decode_worker = decode_id
+                    first_event = False
+                if kind == "tokens":
+                    out.tokens.CopyFrom(ev.tokens)
+                elif kind == "tool_call":
+                    out.tool_call.CopyFrom(ev.tool_call)
+                elif kind == "round_end":
+                    out.round_end.CopyFrom(ev.round_end)
+                    self._annotate(out.round_end.timing, routes)
+                elif kind == "done":
+                    out.done.CopyFrom(ev.done)
+                    for t in out.done.rounds:
+                        self._annotate(t, routes)
+                    self.counters["sessions_completed"] += 1
+                yield out
+        except grpc.aio.AioRpcError as exc:
+            self.counters["sessions_failed"] += 1
+            code = exc.code()
+            if code == grpc.StatusCode.CANCELLED and context.cancelled():
+                return
+            await context.abort(code if code != grpc.StatusCode.UNKNOWN else grpc.StatusCode.INTERNAL,
+                                f"decode worker {decode_id}: {exc.details()}")
+        finally:
+            reader.cancel()
+            call.cancel()
+            self.live.discard(sid)
+            await self.store.delete_session(sid)
+
+    @staticmethod
+    def _annotate(t: common_pb2.RoundTiming, routes: dict[int, tuple[str, str, bool]]) -> None:
+        if t.round in routes:
+            worker, reason, _ = routes[t.round]
+            t.route_reason = reason
+
+    async def _client_messages(self, request_iterator, stub, sid: str) -> None:
+        """Tool results and cancels the client sends while its session runs."""
+        async for msg in request_iterator:
+            kind = msg.WhichOneof("msg")
+            try:
+                if kind == "tool_result":
+                    tr = msg.tool_result
+                    n = tr.input_tokens if tr.HasField("input_tokens") else 0
+                    await stub.ToolResult(decode_pb2.ToolResultRequest(
+                        session_id=sid, call_id=tr.call_id, input_tokens=n, content=tr.content))
+                elif kind == "cancel":
+                    await stub.Cancel(decode_pb2.CancelRequest(session_id=sid, reason=msg.cancel.reason))
+            except grpc.aio.AioRpcError as exc:
+                # The session's stream carries the outcome; a bad tool result is logged here.
+                log.warning("client message rejected", session=sid, kind=kind, error=exc.details())
+
+    async def _route(self, sid, decode_id, decode_tp, stub, need: decode_pb2.PrefillNeeded, routes) -> None:
+        t0 = time.perf_counter()
+        view = await self.cluster.view()
+        req = PrefillRequest(sid, need.round, need.l_hist, need.l_incr, decode_id)
+        decision = route(self.router, view, req, time.time())
+        decide_ms = (time.perf_counter() - t0) * 1e3
+        self.route_read_ms_total += view.read_s * 1e3
+        self.counters[f"route_{decision.reason}"] += 1
+        if not decision.local:
+            target = self.cluster.infos.get(decision.target)
+            try:
+                await self.stubs.prefill(target.address).Submit(prefill_pb2.PrefillTask(
+                    session_id=sid, round=need.round, l_hist=need.l_hist, l_incr=need.l_incr,
+                    input_ready=need.input_ready, decode_worker=decode_id, decode_tp=decode_tp,
+                    history=need.history, dest=need.dest))
+                self.counters["prefills_remote"] += 1
+                routes[need.round] = (decision.target, decision.reason, False)
+                log.info("route", session=sid, round=need.round, target=decision.target, local=False,
+                         reason=decision.reason, decide_ms=round(decide_ms, 3),
+                         **{k: round(v, 4) for k, v in decision.estimates.items()})
+                return
+            except (grpc.aio.AioRpcError, AttributeError) as exc:
+                # A prefill worker that vanished must not lose the round: run it locally.
+                log.warning("remote prefill submit failed; running locally", session=sid,
+                            target=decision.target, error=str(exc))
+                self.counters["route_fallback-local"] += 1
+                decision = decision.__class__(decode_id, True, "fallback-local", decision.estimates)
+        await stub.LocalPrefill(decode_pb2.RouteInfo(session_id=sid, round=need.round, reason=decision.reason))
+        self.counters["prefills_local"] += 1
+        routes[need.round] = (decode_id, decision.reason, True)
+        log.info("route", session=sid, round=need.round, target=decode_id, local=True,
+                 reason=decision.reason, decide_ms=round(decide_ms, 3),
+                 **{k: round(v, 4) for k, v in decision.estimates.items()})
+
+    async def Metrics(self, request, context) -> common_pb2.MetricsReply:
+        values = {k: float(v) for k, v in self.counters.items()}
+        values["sessions_live"] = len(self.live)
+        values["route_redis_read_ms_total"] = self.route_read_ms_total
+        return common_pb2.MetricsReply(worker_id="coordinator", values=values, labels=self.labels)
+
+
+async def amain(args: argparse.Namespace) -> None:
+    logs.configure("coordinator")
+    profile = load_profile(args.profile)
+    spec = policy_spec(args.policy)
+    slo = SLO(args.ttft_slo, args.itl_slo)
+    router = make_router(spec.router, profile, slo, seed=args.seed, alpha=args.alpha, beta=args.beta,
+                         threshold_tokens=args.threshold_tokens)
+    store = StateStore(await connect(args.redis_url), args.namespace)
+    service = CoordinatorService(store, router, args.policy)
+    service.labels.update(profile=profile.name, ttft_slo=str(slo.ttft_s), itl_slo=str(slo.itl_s))
+    await service.cluster.refresh_infos()
+    server, port, health = await grpcserver.start_server(
+        f"{args.host}:{args.port}",
+        lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, s),
+        [coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name],
+    )
+    write_ready_file(args.ready_file, port)
+    log.info("coordinator serving", address=f"{args.host}:{port}", policy=args.policy,
+             profile=profile.name, ttft_slo=slo.ttft_s, itl_slo=slo.itl_s)
+    await grpcserver.serve_until_signal(server, health)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="ampd-coordinator", description="AMPD coordinator")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    parser.add_argument("--namespace", default="ampd")
+    parser.add_argument("--profile", default="qwen3-32b@h20")
+    parser.add_argument("--policy", default="ampd")
+    parser.add_argument("--ttft-slo", type=float, default=2.0)
+    parser.add_argument("--itl-slo", type=float, default=0.1)
+    parser.add_argument("--alpha", type=float, default=0.9)
+    parser.add_argument("--beta", type=float, default=0.85)
+    parser.add_argument("--threshold-tokens", type=int, default=1000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ready-file", default="")
+    grpcserver.run(amain(parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,3 @@
+from services.prefill.server import main
+
+main()

@@ -1,0 +1,91 @@
+"""Prefill worker gRPC server: a thin adapter over services.prefill.worker.PrefillCore."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import grpc
+import structlog
+
+from ampd import grpcserver, logs
+from ampd.engine.mock import make_engine
+from ampd.perf import load_profile
+from ampd.policy import SLO, make_queue, policy_spec
+from ampd.state import StateStore, connect
+from ampd.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from ampd.worker import WorkerRuntime, add_worker_args, config_from_args, pool_for, write_ready_file
+from services.prefill.worker import PrefillCore
+
+log = structlog.get_logger()
+
+
+class PrefillService(prefill_pb2_grpc.PrefillWorkerServicer):
+    def __init__(self) -> None:
+        self.core: PrefillCore | None = None
+
+    async def Submit(self, request: prefill_pb2.PrefillTask, context) -> common_pb2.Ack:
+        for field in ("session_id", "decode_worker"):
+            if not getattr(request, field):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: required")
+        if request.l_incr <= 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "l_incr: must be >= 1")
+        if sum(s.tokens for s in request.history) != request.l_hist:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "history: segments must cover l_hist tokens")
+        if sum(s.tokens for s in request.dest) != request.l_incr:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "dest: segments must cover l_incr tokens")
+        try:
+            self.core.submit(request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        return common_pb2.Ack()
+
+    async def Metrics(self, request, context) -> common_pb2.MetricsReply:
+        core = self.core
+        values = dict(core.metrics)
+        values.update(
+            queue_length=len(core.rt.queue),
+            kv_free_tokens=core.rt.pool.free_tokens,
+            kv_capacity_tokens=core.rt.pool.capacity_tokens,
+            nixl_bytes_read=core.rt.transport.bytes_read,
+            nixl_bytes_written=core.rt.transport.bytes_written,
+        )
+        return common_pb2.MetricsReply(worker_id=core.rt.cfg.worker_id, values=values)
+
+
+async def amain(args: argparse.Namespace) -> None:
+    logs.configure(f"prefill:{args.worker_id}")
+    profile = load_profile(args.profile)
+    spec = policy_spec(args.policy)
+    service = PrefillService()
+    server, port, health = await grpcserver.start_server(
+        f"{args.host}:{args.port}",
+        lambda s: prefill_pb2_grpc.add_PrefillWorkerServicer_to_server(service, s),
+        [prefill_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name],
+    )
+    cfg = config_from_args(args, "prefill", port)
+    store = StateStore(await connect(cfg.redis_url), cfg.namespace)
+    queue = make_queue(spec.prefill_queue or "fcfs", profile, SLO(cfg.ttft_slo_s, cfg.itl_slo_s), cfg.tp,
+                       window=cfg.reorder_window)
+    rt = WorkerRuntime(cfg, store, pool_for(profile, cfg), queue)
+    service.core = PrefillCore(rt, make_engine(cfg.engine, profile, cfg.tp))
+    service.core.start()
+    await rt.start()
+    await rt.sync_peers()
+    write_ready_file(args.ready_file, port)
+    log.info("prefill worker serving", address=cfg.advertise, tp=cfg.tp, profile=profile.name)
+
+    async def on_stop() -> None:
+        await service.core.stop()
+        await rt.stop()
+
+    await grpcserver.serve_until_signal(server, health, on_stop)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="ampd-prefill", description="AMPD prefill worker")
+    add_worker_args(parser)
+    grpcserver.run(amain(parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

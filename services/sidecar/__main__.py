@@ -1,0 +1,3 @@
+from services.sidecar.server import main
+
+main()

@@ -1,0 +1,91 @@
+"""Tool sidecar: runs a decode worker's tool calls off its decode loop."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import grpc
+import structlog
+
+from ampd import grpcserver, logs
+from ampd.tools import ToolInput, ToolRegistry
+from ampd.v1 import common_pb2, sidecar_pb2, sidecar_pb2_grpc
+from ampd.worker import write_ready_file
+
+log = structlog.get_logger()
+
+
+class SidecarService(sidecar_pb2_grpc.ToolSidecarServicer):
+    def __init__(self, registry: ToolRegistry, name: str) -> None:
+        self.registry = registry
+        self.name = name
+        self.calls = 0
+        self.failures = 0
+
+    async def Call(self, request: sidecar_pb2.ToolCallRequest, context) -> sidecar_pb2.ToolCallResult:
+        if request.latency_s < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "latency_s: must be >= 0")
+        try:
+            tool = self.registry.get(request.name or "replay")
+        except KeyError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"name: {exc.args[0]}")
+        try:
+            args = json.loads(request.arguments) if request.arguments else {}
+        except json.JSONDecodeError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"arguments: not JSON ({exc})")
+        started = time.time()
+        self.calls += 1
+        try:
+            out = await tool(ToolInput(request.session_id, request.round, args, request.latency_s,
+                                       request.result_tokens))
+        except Exception as exc:  # a user tool's bug fails that call, not the sidecar
+            self.failures += 1
+            log.warning("tool failed", tool=request.name, session=request.session_id, error=str(exc))
+            await context.abort(grpc.StatusCode.INTERNAL, f"tool {request.name!r} raised: {exc}")
+        return sidecar_pb2.ToolCallResult(result_tokens=out.result_tokens, content=out.content,
+                                          started=started, finished=time.time())
+
+    async def ListTools(self, request, context) -> sidecar_pb2.ListToolsReply:
+        return sidecar_pb2.ListToolsReply(names=self.registry.names())
+
+    async def Metrics(self, request, context) -> common_pb2.MetricsReply:
+        return common_pb2.MetricsReply(worker_id=self.name,
+                                       values={"calls": self.calls, "failures": self.failures})
+
+
+async def amain(args: argparse.Namespace) -> None:
+    logs.configure(f"sidecar:{args.name}")
+    registry = ToolRegistry()
+    for spec in args.tool:
+        registry.load(spec)
+    service = SidecarService(registry, args.name)
+    server, port, health = await grpcserver.start_server(
+        f"{args.host}:{args.port}",
+        lambda s: sidecar_pb2_grpc.add_ToolSidecarServicer_to_server(service, s),
+        [sidecar_pb2.DESCRIPTOR.services_by_name["ToolSidecar"].full_name],
+    )
+    write_ready_file(args.ready_file, port)
+    log.info("sidecar serving", port=port, tools=registry.names())
+    await grpcserver.serve_until_signal(server, health)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="ampd-sidecar", description="AMPD tool sidecar")
+    parser.add_argument("--name", default="sidecar")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--tool", action="append", default=[], help="NAME=module:function (repeatable)")
+    parser.add_argument("--ready-file", default="")
+    args = parser.parse_args(argv)
+    for spec in args.tool:  # fail fast with a clear message, before binding a port
+        try:
+            ToolRegistry().load(spec)
+        except ValueError as exc:
+            parser.error(str(exc))
+    grpcserver.run(amain(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

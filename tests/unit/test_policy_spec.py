@@ -1,0 +1,95 @@
+"""Policy names, their deployment shapes, and the shared value types."""
+
+import dataclasses
+
+import pytest
+
+from ampd.policy import (
+    POLICIES,
+    SLO,
+    CostModel,
+    PolicySpec,
+    QueuedTask,
+    WorkerView,
+    make_queue,
+    make_router,
+    policy_spec,
+)
+
+
+class LinearCost:
+    def t_pre(self, tp, l_hist, l_incr):
+        return 0.001 * l_incr / tp
+
+    def t_kv(self, tokens, src_tp, dst_tp):
+        return 0.0
+
+
+def test_policy_names():
+    assert POLICIES == ("ampd", "ampd-noreorder", "remote", "local", "threshold", "colocated", "continuum")
+
+
+def test_specs():
+    s = policy_spec("ampd")
+    assert (s.router, s.prefill_queue, s.decode_queue, s.uses_prefill_workers) == ("adaptive", "ttft-aware", "ttft-aware", True)
+    s = policy_spec("ampd-noreorder")
+    assert (s.router, s.prefill_queue, s.decode_queue) == ("adaptive", "fcfs", "fcfs")
+    for name in ("remote", "local", "threshold"):
+        s = policy_spec(name)
+        assert (s.router, s.prefill_queue, s.decode_queue, s.uses_prefill_workers) == (name, "fcfs", "fcfs", True)
+    s = policy_spec("colocated")
+    assert (s.router, s.prefill_queue, s.decode_queue, s.uses_prefill_workers, s.kv_pin_ttl_s) == ("local", None, "fcfs", False, None)
+    s = policy_spec("continuum")
+    assert (s.router, s.prefill_queue, s.decode_queue, s.uses_prefill_workers) == ("local", None, "continuum", False)
+    assert s.kv_pin_ttl_s == 5.0
+    for name in POLICIES:
+        s = policy_spec(name)
+        assert isinstance(s, PolicySpec) and s.name == name and s.description
+        assert s.chunked_local_prefill is False
+        if name != "continuum":
+            assert s.kv_pin_ttl_s is None
+
+
+def test_every_spec_builds():
+    cost, slo = LinearCost(), SLO(1.0, 0.1)
+    for name in POLICIES:
+        s = policy_spec(name)
+        assert make_router(s.router, cost, slo).name == s.router
+        make_queue(s.decode_queue, cost, slo, 2)
+        if s.prefill_queue is not None:
+            make_queue(s.prefill_queue, cost, slo, 4)
+
+
+def test_ttl_override_and_errors():
+    assert policy_spec("continuum", kv_pin_ttl_s=2.5).kv_pin_ttl_s == 2.5
+    assert policy_spec("continuum").kv_pin_ttl_s == 5.0  # override does not leak
+    with pytest.raises(ValueError, match="does not pin KV; kv_pin_ttl_s applies to: continuum"):
+        policy_spec("ampd", kv_pin_ttl_s=1.0)
+    with pytest.raises(ValueError, match=">= 0"):
+        policy_spec("continuum", kv_pin_ttl_s=-1.0)
+    with pytest.raises(ValueError, match=r"unknown policy 'vllm'; valid policies: ampd, ampd-noreorder, remote, local, threshold, colocated, continuum"):
+        policy_spec("vllm")
+
+
+def test_types_are_frozen_and_slotted():
+    t = QueuedTask("s", 0, 0, 10, 1.0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        t.l_incr = 5
+    assert not hasattr(t, "__dict__")
+    w = WorkerView("p0", "prefill", 4, None, (t,), 0, 0.01)
+    assert w.queue == (t,) and not hasattr(w, "__dict__")
+    assert isinstance(LinearCost(), CostModel)
+
+
+def test_slo_validation():
+    assert SLO(2.0, 0.05) == SLO(ttft_s=2.0, itl_s=0.05)
+    with pytest.raises(ValueError, match="ttft_s"):
+        SLO(0.0, 0.1)
+    with pytest.raises(ValueError, match="itl_s"):
+        SLO(1.0, -0.1)
+
+
+def test_slo_is_the_report_modules():
+    from ampd.bench import report
+
+    assert SLO is report.SLO

@@ -1,0 +1,139 @@
+"""SLO accounting (ampd/bench/report.py) on hand-computed records."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from ampd.bench.report import (REPORT_KEYS, SLO, RoundRecord, SessionRecord, build_report,
+                               format_report, judge_session, latency_summary)
+
+SLOS = SLO(ttft_s=0.5, itl_s=0.25)
+
+
+def rnd(sid, k, ready, first, gaps=(), local=None):
+    """A round whose tokens come at first, first+g1, first+g1+g2, ..."""
+    times = [first] if first is not None else []
+    for g in gaps:
+        times.append(times[-1] + g)
+    return RoundRecord(sid, k, ready, first, tuple(times), local)
+
+
+def sess(sid, arrival, rounds, completed=True, error=""):
+    return SessionRecord(sid, arrival, tuple(rounds), completed, error)
+
+
+def test_ttft_miss_by_one_ms_fails():
+    ok = sess("a", 0.0, [rnd("a", 0, 0.0, 0.5, (0.25,)), rnd("a", 1, 2.0, 2.5, (0.25,))])
+    late = sess("b", 0.0, [rnd("b", 0, 0.0, 0.5, (0.25,)), rnd("b", 1, 2.0, 2.501, (0.25,))])
+    assert judge_session(ok, SLOS).attained
+    v = judge_session(late, SLOS)
+    assert not v.attained and not v.ttft_ok and v.itl_ok
+
+
+def test_mean_itl_exactly_at_threshold_passes():
+    # gaps 0.125, 0.375 in round 0 and 0.25 in round 1: mean 0.25 although one gap is over
+    s = sess("a", 0.0, [rnd("a", 0, 0.0, 0.1, (0.125, 0.375)), rnd("a", 1, 1.0, 1.1, (0.25,))])
+    v = judge_session(s, SLOS)
+    assert v.mean_itl == pytest.approx(0.25) and v.itl_ok and v.attained
+    # gaps across rounds are not gaps: the time between rounds does not count
+    over = sess("b", 0.0, [rnd("b", 0, 0.0, 0.1, (0.125, 0.376))])
+    assert not judge_session(over, SLOS).itl_ok
+
+
+def test_float_noise_at_threshold_passes():
+    s = sess("a", 0.0, [RoundRecord("a", 0, 0.1, 0.6, (0.6, 0.7, 0.8, 0.9), None)])
+    assert judge_session(s, SLO(0.5, 0.1)).attained      # 0.6 - 0.1 and gaps of ~0.1 in floats
+
+
+def test_failed_and_missing_first_token_do_not_attain():
+    failed = sess("a", 0.0, [rnd("a", 0, 0.0, 0.1, (0.1,))], completed=False, error="timeout")
+    assert judge_session(failed, SLOS).ttft_ok and not judge_session(failed, SLOS).attained
+    no_first = sess("b", 0.0, [rnd("b", 0, 0.0, 0.1), rnd("b", 1, 1.0, None)])
+    assert not judge_session(no_first, SLOS).attained
+    assert not judge_session(sess("c", 0.0, []), SLOS).attained
+
+
+def test_single_token_rounds_have_no_itl():
+    s = sess("a", 0.0, [rnd("a", 0, 0.0, 0.2), rnd("a", 1, 1.0, 1.3)])
+    v = judge_session(s, SLOS)
+    assert v.mean_itl is None and v.itl_ok and v.attained
+
+
+def _sample():
+    return [
+        # attains: ttfts 0.25 (initial), 0.5 (incr); gaps 0.125 x2 | 0.25; local remote
+        sess("a", 0.0, [rnd("a", 0, 0.0, 0.25, (0.125, 0.125), local=False),
+                        rnd("a", 1, 1.0, 1.5, (0.25,), local=True)]),
+        # TTFT miss: 0.75 initial; gap 0.125
+        sess("b", 1.0, [rnd("b", 0, 1.0, 1.75, (0.125,), local=False)]),
+        # failed after round 0 (ttft 0.125, no gaps); placement unknown
+        sess("c", 2.0, [rnd("c", 0, 2.0, 2.125, (), local=None),
+                        rnd("c", 1, 3.0, None, (), local=True)], completed=False, error="worker died"),
+        # ITL miss: gaps 0.5, 0.25 -> mean 0.375; ttft 0.0625
+        sess("d", 3.0, [rnd("d", 0, 3.0, 3.0625, (0.5, 0.25), local=False)]),
+    ]
+
+
+def test_build_report_hand_computed():
+    r = build_report("ampd", _sample(), SLOS, duration_s=4.0)
+    assert list(r)[:len(REPORT_KEYS)] == list(REPORT_KEYS)
+    assert r["policy"] == "ampd" and r["sessions"] == 4
+    assert r["completed"] == 3 and r["failed"] == 1
+    assert r["slo_attainment"] == 0.25 and r["attained"] == 1
+    assert r["goodput_rps"] == 0.25
+    assert r["ttft_attainment"] == 0.5        # a, d (c never got round 1's first token)
+    assert r["itl_attainment"] == 0.75        # a, b, c
+    assert r["local_fraction"] == pytest.approx(2 / 5)
+    assert (r["local_prefills"], r["remote_prefills"]) == (2, 3)
+
+    ttft = [0.25, 0.5, 0.75, 0.125, 0.0625]
+    assert r["ttft_s"]["mean"] == pytest.approx(np.mean(ttft))
+    assert r["ttft_s"]["p50"] == 0.25
+    assert r["ttft_s"]["p90"] == pytest.approx(0.5 + 0.6 * 0.25)       # linear interpolation
+    assert r["ttft_initial_s"] == latency_summary([0.25, 0.75, 0.125, 0.0625])
+    assert r["ttft_incremental_s"] == {"mean": 0.5, "p50": 0.5, "p90": 0.5, "p99": 0.5}
+    gaps = [0.125, 0.125, 0.25, 0.125, 0.5, 0.25]
+    assert r["itl_s"]["mean"] == pytest.approx(np.mean(gaps))
+    assert r["itl_s"]["p50"] == pytest.approx(0.1875)
+    assert r["itl_s"]["p99"] == pytest.approx(np.percentile(gaps, 99))
+    # e2e over completed sessions: a 1.75, b 1.875, d 0.8125
+    assert r["e2e_s"]["mean"] == pytest.approx((1.75 + 0.875 + 0.8125) / 3)
+    assert r["e2e_s"]["p50"] == pytest.approx(0.875)
+    assert r["errors"] == {"worker died": 1}
+    assert r["slo"] == {"ttft_s": 0.5, "itl_s": 0.25}
+    json.dumps(r, allow_nan=False)            # plain JSON types only
+
+
+def test_empty_report_has_nulls():
+    r = build_report("dynamo", [], SLOS, 10.0)
+    assert r["sessions"] == 0 and r["slo_attainment"] == 0.0 and r["goodput_rps"] == 0.0
+    assert r["local_fraction"] is None
+    for key in ("ttft_s", "ttft_initial_s", "ttft_incremental_s", "itl_s", "e2e_s"):
+        assert r[key] == {"mean": None, "p50": None, "p90": None, "p99": None}
+    assert "policy dynamo" in format_report(r)
+
+
+def test_local_fraction_null_when_placement_unknown():
+    s = [sess("a", 0.0, [rnd("a", 0, 0.0, 0.1, (0.1,), local=None)])]
+    assert build_report("vllm", s, SLOS, 1.0)["local_fraction"] is None
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("inf"), float("nan")])
+def test_bad_inputs(bad):
+    with pytest.raises(ValueError):
+        SLO(bad, 0.1)
+    with pytest.raises(ValueError):
+        SLO(0.1, bad)
+    with pytest.raises(ValueError):
+        build_report("x", [], SLOS, bad)
+
+
+def test_format_report():
+    text = format_report(build_report("ampd", _sample(), SLOS, 4.0))
+    assert "SLO attainment 25.0 %" in text
+    assert "local prefills  40.0 %  (2 of 5)" in text
+    for label in ("ttft", "initial", "incremental", "itl", "e2e"):
+        assert label in text
+    assert "250.0 ms" in text and "worker died" in text

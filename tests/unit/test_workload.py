@@ -1,0 +1,174 @@
+"""Presets (Table 1 means), Mooncake import, trace statistics."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from ampd.workload import PRESETS, Round, Session, TraceError, generate, import_mooncake, trace_stats
+
+TABLE1 = {
+    "toolbench": (3.96, 703.79, 50.39),
+    "gaia": (11.32, 6161.02, 528.76),
+    "hotpotqa": (3.0, 1569.8, 80.03),
+    "dureader": (3.0, 3081.23, 150.10),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(TABLE1))
+@pytest.mark.parametrize("seed", [0, 7, 12345])
+def test_preset_means_within_5_percent(preset, seed):
+    sessions = generate(preset, rate=20.0, duration=100.0, seed=seed)
+    assert 1800 < len(sessions) < 2200
+    st = trace_stats(sessions)
+    rounds, inp, out = TABLE1[preset]
+    assert st["mean_rounds"] == pytest.approx(rounds, rel=0.05)
+    assert st["mean_input_per_round"] == pytest.approx(inp, rel=0.05)
+    assert st["mean_output_per_round"] == pytest.approx(out, rel=0.05)
+    # the initial prompt is longer than a typical tool result
+    assert st["mean_initial_input"] > st["mean_incremental_input"]
+
+
+def test_preset_targets_are_table1():
+    for name, (r, i, o) in TABLE1.items():
+        assert PRESETS[name].targets == {"mean_rounds": r, "mean_input_per_round": i,
+                                         "mean_output_per_round": o}
+
+
+@pytest.mark.parametrize("preset", ["hotpotqa", "dureader"])
+def test_rag_presets_have_exactly_three_rounds(preset):
+    assert {len(s.rounds) for s in generate(preset, 50, 10, 3)} == {3}
+
+
+@pytest.mark.parametrize("preset", sorted(TABLE1))
+def test_session_shape(preset):
+    ss = generate(preset, 10, 20, 1)
+    assert [s.id for s in ss] == [f"{preset}-{i:06d}" for i in range(len(ss))]
+    arr = [s.arrival for s in ss]
+    assert arr == sorted(arr) and 0 <= arr[0] and arr[-1] <= 20
+    for s in ss:
+        assert all(isinstance(r.input, int) and r.input >= 1 for r in s.rounds)
+        assert all(isinstance(r.output, int) and r.output >= 1 for r in s.rounds)
+        assert all(r.tool_s is not None and r.tool_s >= 0 for r in s.rounds[:-1])
+        assert s.rounds[-1].tool_s is None
+
+
+def test_deterministic_and_seed_sensitive():
+    assert generate("toolbench", 5, 20, 42) == generate("toolbench", 5, 20, 42)
+    assert generate("toolbench", 5, 20, 42) != generate("toolbench", 5, 20, 43)
+
+
+def test_content_independent_of_rate_and_duration():
+    a = generate("gaia", 2.0, 50, 9)
+    b = generate("gaia", 4.0, 50, 9)
+    k = min(len(a), len(b))
+    assert k > 50
+    assert [s.rounds for s in a[:k]] == [s.rounds for s in b[:k]]
+    # arrivals at twice the rate are the same points, halved
+    assert np.allclose([s.arrival for s in a[:k]], [2 * s.arrival for s in b[:k]], atol=1e-5)
+    c = generate("gaia", 2.0, 25, 9)
+    assert c == a[:len(c)]
+
+
+def test_tool_latency_means():
+    st = {p: trace_stats(generate(p, 5, 100, 5))["mean_tool_s"] for p in TABLE1}
+    assert 0.8 < st["toolbench"] < 1.2
+    assert 3.0 < st["gaia"] < 5.0
+    assert 0.15 < st["hotpotqa"] < 0.5 and 0.2 < st["dureader"] < 0.6
+
+
+@pytest.mark.parametrize("kwargs, text", [
+    (dict(preset="nope"), "unknown preset"),
+    (dict(rate=0), "rate"),
+    (dict(rate=float("nan")), "rate"),
+    (dict(duration=-1), "duration"),
+    (dict(seed=-1), "seed"),
+    (dict(seed=1.5), "seed"),
+    (dict(rate=1e6, duration=1e6), "limit"),
+])
+def test_generate_rejects_bad_arguments(kwargs, text):
+    args = dict(preset="toolbench", rate=1.0, duration=10.0, seed=0) | kwargs
+    with pytest.raises(ValueError, match=text):
+        generate(**args)
+
+
+# ------------------------------------------------------------------------------------- mooncake
+
+def _rows(tmp_path, rows, name="mc.jsonl"):
+    p = tmp_path / name
+    p.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+    return p
+
+
+def test_import_mooncake_groups_sessions(tmp_path):
+    p = _rows(tmp_path, [
+        {"timestamp": 1000, "input_length": 500, "output_length": 20, "hash_ids": [1, 2],
+         "session_id": "a"},
+        {"timestamp": 1500, "input_length": 300, "output_length": 7},          # single
+        {"timestamp": 4000, "input_length": 900, "output_length": 30, "session_id": "a"},
+        {"timestamp": 2500, "input_length": 600, "output_length": 10, "session_id": "a"},
+        {"timestamp": 9000, "input_length": 100, "output_length": 5, "session_id": "a"},  # restart
+        {"timestamp": 3000, "input_length": 40, "output_length": 4, "conversation_id": 17},
+    ])
+    ss = import_mooncake(p)
+    assert [s.id for s in ss] == ["a", "row-000002", "17"]
+    a = ss[0]
+    assert a.arrival == 0.0
+    assert a.rounds == (
+        Round(500, 20, 1.5),            # ts 1000 -> 2500
+        Round(80, 10, 1.5),             # 600 - (500 + 20); 2500 -> 4000
+        Round(290, 30, 5.0),            # 900 - (600 + 10); 4000 -> 9000
+        Round(100, 5, None),            # 100 - 930 <= 0 -> whole input
+    )
+    assert ss[1] == Session("row-000002", 0.5, (Round(300, 7),))
+    assert ss[2] == Session("17", 2.0, (Round(40, 4),))
+
+
+def test_import_mooncake_without_sessions(tmp_path):
+    p = _rows(tmp_path, [{"timestamp": 27482, "input_length": 6955, "output_length": 52},
+                         {"timestamp": 27000, "input_length": 6472, "output_length": 26,
+                          "session": None}])
+    ss = import_mooncake(p)
+    assert [(s.id, s.arrival, len(s.rounds)) for s in ss] == [
+        ("row-000002", 0.0, 1), ("row-000001", 0.482, 1)]
+
+
+@pytest.mark.parametrize("row, text", [
+    ({"input_length": 1, "output_length": 1}, "field 'timestamp': missing"),
+    ({"timestamp": "x", "input_length": 1, "output_length": 1}, "field 'timestamp'"),
+    ({"timestamp": 0, "input_length": 0, "output_length": 1}, "field 'input_length': must be an integer >= 1, got 0"),
+    ({"timestamp": 0, "input_length": 1, "output_length": -2}, "field 'output_length'"),
+    ({"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": 3}, "field 'hash_ids'"),
+    ({"timestamp": 0, "input_length": 1, "output_length": 1, "session_id": ""}, "field 'session_id'"),
+    ({"timestamp": 0, "input_length": 1, "output_length": 1, "session": [1]}, "field 'session'"),
+    ("[]", "must be a JSON object"),
+    ("{", "invalid JSON"),
+])
+def test_import_mooncake_errors(tmp_path, row, text):
+    p = _rows(tmp_path, [{"timestamp": 0, "input_length": 1, "output_length": 1}, row])
+    with pytest.raises(TraceError) as e:
+        import_mooncake(p)
+    assert str(e.value).startswith(f"{p} line 2: ")
+    assert text in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------- stats
+
+def test_trace_stats_hand_computed():
+    ss = [Session("a", 1.0, (Round(100, 10, 2.0), Round(20, 5))),
+          Session("b", 3.0, (Round(60, 30),))]
+    st = trace_stats(ss)
+    assert st["sessions"] == 2 and st["rounds"] == 3
+    assert st["mean_rounds"] == 1.5
+    assert st["mean_input_per_round"] == 60.0
+    assert st["mean_output_per_round"] == 15.0
+    assert st["mean_initial_input"] == 80.0 and st["mean_incremental_input"] == 20.0
+    assert st["mean_tool_s"] == 2.0
+    assert st["max_context_tokens"] == 135
+    assert st["arrival_rate_rps"] == 0.5
+
+
+def test_trace_stats_empty():
+    st = trace_stats([])
+    assert st["sessions"] == 0 and st["mean_rounds"] is None and st["arrival_rate_rps"] is None
