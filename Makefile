@@ -39,7 +39,7 @@ demo: venv
 	$(AMPD) demo
 
 bench: venv
-	$(PY) -m benchmarks.run
+	$(PY) -m benchmarks.run $(BENCH)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -246,6 +246,8 @@ class NixlTransport:
     ) -> int:
         """WRITE our `local` segments into the peer's `remote` segments; `notif` (if any) reaches
         the peer after the data has landed. Bytes moved. Zero tokens with a notif sends the notif."""
+        if isinstance(notif, str):
+            notif = notif.encode()
         n = await self._xfer("WRITE", peer, local, remote, bytes(notif), timeout_s)
         if n == 0 and notif:
             await self.send_notif(peer, notif)
@@ -313,6 +315,8 @@ class NixlTransport:
     async def send_notif(self, peer: str, notif: bytes) -> None:
         """A notification not bound to a transfer (the peer must hold our metadata too)."""
         self._peer(peer, "send_notif")
+        if isinstance(notif, str):
+            notif = notif.encode()
         try:
             self._agent.send_notif(peer, bytes(notif))
         except Exception as e:

@@ -353,6 +353,23 @@ async def test_add_peer_idempotent_and_restarted_peer(pair):
 
 
 @pytest.mark.timeout(60)
+async def test_stuck_or_failed_transfer_raises_and_releases(pair, monkeypatch):
+    a, b = pair
+    released = []
+    real_release = b.agent.release_xfer_handle
+    monkeypatch.setattr(b.agent, "release_xfer_handle", lambda h: (released.append(h), real_release(h)))
+    monkeypatch.setattr(b.agent, "transfer", lambda h, notif_msg=b"": "PROC")
+    monkeypatch.setattr(b.agent, "check_xfer_state", lambda h: "PROC")
+    with pytest.raises(KVTransferError, match=r"READ with peer 'inproc-a': timed out"):
+        await b.read("inproc-a", [Segment(0, 0, 1)], [Segment(0, 0, 1)], timeout_s=0.02)
+    monkeypatch.setattr(b.agent, "check_xfer_state", lambda h: "ERR")
+    with pytest.raises(KVTransferError, match=r"WRITE with peer 'inproc-a': transfer state ERR"):
+        await b.write("inproc-a", [Segment(0, 0, 1)], [Segment(0, 0, 1)], b"n")
+    assert len(released) == 2
+    assert b.transfers == 0 and b.bytes_read == 0 and b.bytes_written == 0
+
+
+@pytest.mark.timeout(60)
 async def test_closed_transport_refuses(pair):
     a, b = pair
     b.close()

@@ -1,0 +1,5 @@
+import sys
+
+from ampd.cli import main
+
+sys.exit(main())

@@ -1,0 +1,104 @@
+"""The launcher and the CLI as a user runs them."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+AMPD = [sys.executable, "-m", "ampd"]
+ENV = dict(os.environ, NIXL_LOG_LEVEL="WARN")
+
+
+def run(*args, timeout=120):
+    return subprocess.run([*AMPD, *args], capture_output=True, text=True, timeout=timeout, env=ENV)
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process whose ancestry reaches pid (read from /proc)."""
+    parent: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+                parent[int(d.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    out, frontier = set(), {pid}
+    while frontier:
+        kids = {p for p, pp in parent.items() if pp in frontier}
+        out |= kids
+        frontier = kids
+    return out
+
+
+def test_trace_gen_then_bench_names_a_malformed_line(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    r = run("trace", "gen", "--preset", "toolbench", "--rate", "1", "--duration", "5", "--seed", "3",
+            "--out", str(trace))
+    assert r.returncode == 0, r.stderr
+    lines = trace.read_text().splitlines()
+    lines.insert(1, '{"id": "x", "arrival": 1.0, "rounds": [{"input": 10, "output": -3}]}')
+    trace.write_text("\n".join(lines) + "\n")
+    r = run("bench", "--target", "127.0.0.1:1", "--trace", str(trace), "--ttft-slo", "1", "--itl-slo", "0.1")
+    assert r.returncode == 2
+    assert "line 2" in r.stderr and "rounds[0].output" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_bench_against_nothing_is_a_clear_error(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"id": "a", "arrival": 0, "rounds": [{"input": 10, "output": 3}]}\n')
+    r = run("bench", "--target", "127.0.0.1:1", "--trace", str(trace), "--ttft-slo", "1", "--itl-slo", "0.1")
+    assert r.returncode == 2 and "cannot reach the coordinator" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_up_with_bad_arguments_is_a_clear_error():
+    r = run("up", "--prefill", "tp3*1")
+    assert r.returncode == 2 and "TP 3" in r.stderr and "Traceback" not in r.stderr
+    r = run("up", "--policy", "nope")
+    assert r.returncode == 2 and "nope" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.timeout(180)
+def test_up_serves_then_sigterm_leaves_no_orphan(tmp_path, redis_url):
+    proc = subprocess.Popen([*AMPD, "up", "--prefill", "1", "--decode", "1", "--profile", "zero@none",
+                             "--redis-url", redis_url, "--namespace", "e2e-up", "--run-dir", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("coordinator "), proc.stderr.read() if proc.poll() is not None else line
+        address = line.split()[1]
+        kids = _descendants(proc.pid)
+        assert len(kids) >= 4  # coordinator, prefill, decode, sidecar
+        trace = tmp_path / "t.jsonl"
+        trace.write_text('{"id": "a", "arrival": 0, "rounds": [{"input": 100, "output": 5, "tool_s": 0.1},'
+                         ' {"input": 20, "output": 4}]}\n')
+        r = run("bench", "--target", address, "--trace", str(trace), "--ttft-slo", "1", "--itl-slo", "0.1",
+                "--verify-tokens", "--json", str(tmp_path / "r.json"))
+        assert r.returncode == 0, r.stderr
+        import json
+
+        report = json.loads((tmp_path / "r.json").read_text())
+        assert report["completed"] == 1 and report["token_mismatches"] == 0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        deadline = time.monotonic() + 10
+        while any(Path(f"/proc/{k}").exists() and "zombie" not in _state(k) for k in kids):
+            assert time.monotonic() < deadline, "children outlived the launcher"
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _state(pid: int) -> str:
+    try:
+        return "zombie" if (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z") else "live"
+    except OSError:
+        return "zombie"

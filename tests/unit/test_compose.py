@@ -1,0 +1,419 @@
+"""docker-compose.yml, Dockerfile and .dockerignore, checked without Docker.
+
+The compose file must start the same processes with the same settings `ampd up` does
+(ampd/launcher.py), so every command is parsed by its service's real argparse parser and compared
+with the flags the launcher passes. Services build their parser inline in `main()`; there is no
+parser-building function to import, so `_real_parser` runs `main()` with `parse_args` patched to
+hand back the parser it was about to use.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import fnmatch
+import importlib
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "docker-compose.yml"
+DOCKERFILE = ROOT / "Dockerfile"
+DOCKERIGNORE = ROOT / ".dockerignore"
+DEPLOY_DOC = ROOT / "docs" / "deploy.md"
+
+EXPECTED = {"redis", "coordinator", "decode-0", "decode-1", "sidecar-0", "sidecar-1", "prefill-0", "prefill-1"}
+GRPC_SERVICES = sorted(EXPECTED - {"redis"})
+REDIS_URL = "redis://redis:6379/0"
+
+_VAR = re.compile(r"\$(?:\$|\{(?P<braced>[^}]*)\}|(?P<plain>[A-Za-z_][A-Za-z0-9_]*))")
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def interpolate(value: str, env: dict[str, str]) -> str:
+    """Compose-style interpolation: $$, $VAR, ${VAR}, ${VAR:-default}, ${VAR-default}."""
+
+    def sub(m: re.Match) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        expr = m.group("braced") if m.group("braced") is not None else m.group("plain")
+        for sep, empty_counts in ((":-", True), ("-", False)):
+            if sep in expr:
+                name, default = expr.split(sep, 1)
+                val = env.get(name)
+                if val is None or (empty_counts and val == ""):
+                    return default
+                return val
+        if expr not in env:
+            raise AssertionError(f"${{{expr}}} has no default: `docker compose up` would need it set")
+        return env[expr]
+
+    return _VAR.sub(sub, value)
+
+
+def variables(text: str) -> set[str]:
+    names = set()
+    for m in _VAR.finditer(text):
+        expr = m.group("braced") or m.group("plain")
+        if expr:
+            names.add(re.split(r":?-", expr, maxsplit=1)[0])
+    return names
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+@pytest.fixture(scope="module")
+def services(compose) -> dict:
+    return compose["services"]
+
+
+def command(svc: dict, env: dict[str, str] | None = None) -> list[str]:
+    cmd = svc["command"]
+    assert isinstance(cmd, list), "commands are exec-form lists (no shell, signals reach Python)"
+    return [interpolate(str(a), env or {}) for a in cmd]
+
+
+def module_of(cmd: list[str]) -> str:
+    assert cmd[:2] == ["python", "-m"], cmd
+    return cmd[2]
+
+
+def flags(argv: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for i, a in enumerate(argv):
+        if a.startswith("--"):
+            assert a not in out, f"{a} given twice"
+            out[a] = argv[i + 1]
+    return out
+
+
+class _Captured(Exception):
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        self.parser = parser
+
+
+def _main_module(package: str) -> str:
+    """The module whose `main` `python -m <package>` calls (read from <package>/__main__.py)."""
+    path = ROOT / package.replace(".", "/") / "__main__.py"
+    assert path.is_file(), f"`python -m {package}` needs {path.relative_to(ROOT)}"
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and any(a.name == "main" for a in node.names):
+            return node.module
+    raise AssertionError(f"{path} does not import a main()")
+
+
+def _real_parser(package: str) -> argparse.ArgumentParser:
+    mod = importlib.import_module(_main_module(package))
+
+    def capture(self, *args, **kwargs):
+        raise _Captured(self)
+
+    with mock.patch.object(argparse.ArgumentParser, "parse_args", capture):
+        try:
+            mod.main([])
+        except _Captured as c:
+            return c.parser
+    raise AssertionError(f"{package}: main() did not parse arguments")
+
+
+_PARSERS: dict[str, argparse.ArgumentParser] = {}
+
+
+def real_parser(package: str) -> argparse.ArgumentParser:
+    if package not in _PARSERS:
+        _PARSERS[package] = _real_parser(package)
+    return _PARSERS[package]
+
+
+def parse(svc: dict, env: dict[str, str] | None = None) -> argparse.Namespace:
+    cmd = command(svc, env)
+    parser = real_parser(module_of(cmd))
+    with mock.patch.object(parser, "exit", side_effect=AssertionError):
+        return parser.parse_args(cmd[3:])
+
+
+def launcher_commands() -> dict[str, list[str]]:
+    """The argv `ampd up` (default options) gives each process, without starting anything."""
+    from ampd import launcher
+
+    spawned: dict[str, list[str]] = {}
+
+    def spawn(self, name, args, ready=True):
+        spawned[name] = list(args)
+        return mock.Mock(name=name)
+
+    def wait_ready(self, children, timeout_s=90.0):
+        return {c._mock_name: 1000 + i for i, c in enumerate(children)}
+
+    opts = launcher.Options(prefill="tp1*2", decode="tp1*2", redis_url="redis://127.0.0.1:1/0")
+    with mock.patch.object(launcher.Deployment, "_spawn", spawn), \
+            mock.patch.object(launcher.Deployment, "_wait_ready", wait_ready):
+        dep = launcher.Deployment(opts)
+        try:
+            dep.start()
+        finally:
+            dep.children.clear()
+    return spawned
+
+
+# --------------------------------------------------------------------------------------- services
+def test_every_service_is_there(services):
+    assert set(services) == EXPECTED
+
+
+def test_all_but_redis_build_from_the_one_dockerfile(services):
+    redis = services["redis"]
+    assert redis["image"].split(":")[0] == "redis" and redis["image"].split(":")[1].startswith("7")
+    assert "build" not in redis
+    assert command(redis) == ["redis-server", "--save", "", "--appendonly", "no"]
+    images = set()
+    for name in GRPC_SERVICES:
+        build = services[name]["build"]
+        assert build["context"] == "." and build.get("dockerfile", "Dockerfile") == "Dockerfile", name
+        images.add(services[name].get("image"))
+    assert len(images) == 1, "one image for every AMPD service"
+
+
+@pytest.mark.parametrize("name", GRPC_SERVICES)
+def test_command_module_exists_and_flags_parse(services, name):
+    cmd = command(services[name])
+    package = module_of(cmd)
+    assert (ROOT / package.replace(".", "/") / "__main__.py").is_file()
+    assert package == f"services.{name.split('-')[0]}"
+    args = parse(services[name])
+    assert args.host == "0.0.0.0", "bind every interface inside the container"
+    assert args.port > 0, "fixed ports inside containers"
+
+
+@pytest.mark.parametrize("name", GRPC_SERVICES)
+def test_flags_parse_with_settings_swapped(services, name):
+    env = {"AMPD_POLICY": "remote", "AMPD_PROFILE": "llama3.1-70b@h20", "AMPD_TTFT_SLO": "5",
+           "AMPD_ITL_SLO": "0.05", "AMPD_PREFILL_TP": "2", "AMPD_DECODE_TP": "4", "AMPD_NAMESPACE": "x"}
+    args = parse(services[name], env)
+    if not name.startswith("sidecar"):
+        assert (args.policy, args.profile, args.ttft_slo, args.itl_slo, args.namespace) == \
+            ("remote", "llama3.1-70b@h20", 5.0, 0.05, "x")
+    if name.startswith("decode"):
+        assert args.tp == 4
+    if name.startswith("prefill"):
+        assert args.tp == 2
+
+
+def test_same_settings_as_ampd_up(services):
+    """Same flag names and default values as the launcher; only host/port/advertise differ."""
+    launched = launcher_commands()
+    placement = {"--host", "--port", "--advertise", "--redis-url", "--sidecar", "--ready-file"}
+    for name in GRPC_SERVICES:
+        ours = flags(command(services[name])[3:])
+        theirs = flags(launched[name][3:])
+        assert module_of(command(services[name])) == launched[name][2], name
+        missing = set(theirs) - set(ours) - {"--ready-file"}
+        assert not missing, f"{name}: `ampd up` passes {sorted(missing)}, compose does not"
+        for flag, value in theirs.items():
+            if flag not in placement:
+                assert ours[flag] == value or _same_number(ours[flag], value), \
+                    f"{name} {flag}: compose {ours[flag]!r}, ampd up {value!r}"
+        if "--redis-url" in theirs:
+            assert ours["--redis-url"] == REDIS_URL
+
+
+def _same_number(a: str, b: str) -> bool:
+    try:
+        return float(a) == float(b)
+    except ValueError:
+        return False
+
+
+def test_decode_workers_point_at_their_own_sidecar(services):
+    sidecar_ports = {n: parse(services[n]).port for n in services if n.startswith("sidecar")}
+    decodes = [n for n in services if n.startswith("decode")]
+    assert len(decodes) == len(sidecar_ports) == 2
+    used = set()
+    for name in decodes:
+        host, port = parse(services[name]).sidecar.rsplit(":", 1)
+        assert host in sidecar_ports, f"{name}: --sidecar {host} is not a service"
+        assert int(port) == sidecar_ports[host], f"{name}: {host} listens on {sidecar_ports[host]}"
+        assert host == name.replace("decode", "sidecar")
+        assert host in services[name]["depends_on"]
+        used.add(host)
+    assert used == set(sidecar_ports), "one sidecar per decode worker"
+
+
+def test_workers_advertise_their_own_name_and_port(services):
+    for name in GRPC_SERVICES:
+        args = parse(services[name])
+        if name.startswith(("decode", "prefill")):
+            assert args.advertise == f"{name}:{args.port}"
+            assert args.worker_id == name
+            assert args.redis_url == REDIS_URL
+        elif name.startswith("sidecar"):
+            assert args.name == name
+        else:
+            assert args.redis_url == REDIS_URL
+
+
+def test_ports_unique_and_only_the_coordinator_published(services):
+    ports = [parse(services[n]).port for n in GRPC_SERVICES]
+    assert len(set(ports)) == len(ports), ports
+    assert parse(services["coordinator"]).port == 50051
+    for name, svc in services.items():
+        if name != "coordinator":
+            assert "ports" not in svc, f"{name} is reachable only on the compose network"
+    (published,) = services["coordinator"]["ports"]
+    host_ip, host_port, container_port = interpolate(published, {}).split(":")
+    assert (host_ip, host_port, container_port) == ("127.0.0.1", "50051", "50051")
+
+
+def test_depends_on_and_healthchecks(services):
+    for name, svc in services.items():
+        for target, cond in (svc.get("depends_on") or {}).items():
+            assert target in services, f"{name} depends on missing {target}"
+            assert target != name
+            assert cond["condition"] in {"service_healthy", "service_started"}
+            if target == "redis" or target.startswith("sidecar"):
+                assert cond["condition"] == "service_healthy"
+        assert "healthcheck" in svc, f"{name} has no healthcheck"
+    for name in GRPC_SERVICES:
+        if not name.startswith("sidecar"):
+            assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy"
+    # The coordinator reads the worker registry at start (as `ampd up` starts it last).
+    assert {n for n in GRPC_SERVICES if n != "coordinator" and not n.startswith("sidecar")} \
+        <= set(services["coordinator"]["depends_on"])
+    assert services["redis"]["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+
+
+@pytest.mark.parametrize("name", GRPC_SERVICES)
+def test_grpc_healthcheck_targets_own_port(services, name):
+    test = services[name]["healthcheck"]["test"]
+    assert test[:3] == ["CMD", "python", "-c"]
+    code = test[3]
+    compile(code, "<healthcheck>", "exec")
+    assert "grpc_health.v1" in code
+    assert f"127.0.0.1:{parse(services[name]).port}'" in code
+
+
+def test_shared_environment(services):
+    for name in GRPC_SERVICES:
+        env = {k: interpolate(str(v), {}) for k, v in services[name]["environment"].items()}
+        assert env["UCX_TLS"] == "tcp,self", "UCX must not rely on CMA/shm across containers"
+        assert env["NIXL_LOG_LEVEL"] == "WARN"
+        assert env["PYTHONUNBUFFERED"] == "1"
+
+
+def test_every_variable_has_a_default_and_is_documented():
+    text = COMPOSE.read_text()
+    doc = DEPLOY_DOC.read_text()
+    raw = yaml.safe_load(text)
+    # Interpolating every string with an empty environment raises on a variable with no default.
+    def walk(node):
+        if isinstance(node, dict):
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+        elif isinstance(node, str):
+            interpolate(node, {})
+    walk(raw)
+    for var in variables(text):
+        assert var in doc, f"{var} is not documented in docs/deploy.md"
+
+
+# ----------------------------------------------------------------------------------------- image
+def _dockerfile_instructions() -> list[tuple[str, str]]:
+    text = DOCKERFILE.read_text().replace("\\\n", " ")
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            op, _, rest = line.partition(" ")
+            out.append((op.upper(), rest.strip()))
+    return out
+
+
+def test_dockerfile_copies_what_the_image_needs():
+    ins = _dockerfile_instructions()
+    assert ins[0][0] == "FROM" and ins[0][1].startswith("python:3.11-slim")
+    copied = set()
+    for op, rest in ins:
+        if op == "COPY":
+            *srcs, _dst = shlex.split(rest)
+            copied |= {s.rstrip("/") for s in srcs if not s.startswith("--")}
+    needed = {"requirements.txt", "requirements-nixl.txt", "pyproject.toml", "proto", "ampd", "services"}
+    assert needed <= copied, f"missing: {sorted(needed - copied)}"
+    for path in copied:
+        assert (ROOT / path).exists(), path
+    # Every package pyproject.toml ships is copied.
+    import tomllib
+
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    for pattern in include:
+        assert any(fnmatch.fnmatch(p, pattern) for p in copied), pattern
+
+
+def test_dockerfile_installs_like_the_makefile():
+    runs = " && ".join(rest for op, rest in _dockerfile_instructions() if op == "RUN")
+    steps = [re.sub(r"\s+", " ", s.strip()) for s in re.split(r"&&|;", runs)]
+    pip = [s for s in steps if re.match(r"(python -m )?pip install", s)]
+    req = [i for i, s in enumerate(pip) if re.search(r"-r requirements\.txt\b", s)]
+    nixl = [i for i, s in enumerate(pip) if "-r requirements-nixl.txt" in s]
+    own = [i for i, s in enumerate(pip) if re.search(r"install (--no-deps )?\.$", s) or s.endswith(" .")]
+    assert req and nixl and own, pip
+    assert "--no-deps" not in pip[req[0]]
+    assert "--no-deps" in pip[nixl[0]], "nixl lists torch: install it with --no-deps"
+    assert "--no-deps" in pip[own[0]]
+    assert req[0] < nixl[0] < own[0]
+
+
+def test_dockerfile_env_user_and_default_command():
+    ins = _dockerfile_instructions()
+    env = " ".join(rest for op, rest in ins if op == "ENV")
+    assert "NIXL_LOG_LEVEL=WARN" in env and "PYTHONUNBUFFERED=1" in env
+    users = [rest for op, rest in ins if op == "USER"]
+    assert users and users[-1] not in {"root", "0"}
+    assert [op for op, _ in ins if op in {"CMD", "ENTRYPOINT"}] == ["CMD"], "compose commands replace CMD"
+
+
+def test_dockerignore_keeps_what_the_dockerfile_copies():
+    patterns = [p.strip() for p in DOCKERIGNORE.read_text().splitlines() if p.strip() and not p.startswith("#")]
+    assert ".venv" in patterns and ".git" in patterns
+    needed = ["requirements.txt", "requirements-nixl.txt", "pyproject.toml", "proto/ampd/v1",
+              "ampd/cli.py", "ampd/v1/__init__.py", "ampd/perf/profiles", "services/decode/server.py"]
+    for path in needed:
+        parts = Path(path).parts
+        prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+        for pat in patterns:
+            if pat.startswith("!"):
+                continue
+            p = pat.rstrip("/")
+            for pre in prefixes:
+                assert not fnmatch.fnmatch(pre, p), f".dockerignore {pat!r} excludes {path}"
+
+
+# ------------------------------------------------------------------ `python -m services.X --help`
+@pytest.mark.parametrize("package", ["services.coordinator", "services.decode", "services.prefill",
+                                     "services.sidecar"])
+def test_python_dash_m_help_lists_every_compose_flag(services, package):
+    """The container runs `python -m services.X`: it starts and knows every flag compose passes."""
+    used = set()
+    for name in GRPC_SERVICES:
+        cmd = command(services[name])
+        if module_of(cmd) == package:
+            used |= set(flags(cmd[3:]))
+    assert used
+    env = dict(os.environ, NIXL_LOG_LEVEL="WARN")
+    out = subprocess.run([sys.executable, "-m", package, "--help"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for flag in used:
+        assert flag in out.stdout, f"{package} --help does not list {flag}"

@@ -1,0 +1,266 @@
+"""Unit tests of the discrete-event simulator (ampd/sim): hand-computed timings, determinism,
+KV accounting, SPEC parsing, the CLI's errors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ampd.sim.spec import SpecError, format_spec, parse_spec
+
+policy = pytest.importorskip("ampd.policy")
+perf = pytest.importorskip("ampd.perf")
+workload = pytest.importorskip("ampd.workload")
+
+from ampd.perf import profile_from_dict  # noqa: E402
+from ampd.sim import SimConfig, Simulator, sim_report, simulate, to_session_records  # noqa: E402
+from ampd.workload import Round, Session  # noqa: E402
+
+
+def _profile(tps=(1, 2, 4), cap=1_000_000):
+    """A small linear profile whose costs are easy to compute by hand."""
+    tp = {}
+    for t in tps:
+        tp[str(t)] = {
+            "kv_capacity_tokens": cap, "prefill_chunk_tokens": 512,
+            "t_pre": {"l_incr": {"breakpoints": [0, 1e9], "alpha": [0.01], "beta": [1e-4 / t]},
+                      "hist_s_per_token": 1e-6 / t, "attn_s_per_token2": 0.0},
+            "t_dec": {"batch": {"breakpoints": [0, 1e9], "alpha": [0.02], "beta": [1e-4]},
+                      "ctx_s_per_token": 1e-7 / t},
+        }
+    return profile_from_dict({
+        "schema_version": 1, "name": "test@sim", "model": "test", "hardware": "sim",
+        "kv_bytes_per_token": 1000,
+        "t_kv": {"bytes_per_link": {"breakpoints": [0, 1e12], "alpha": [0.001], "beta": [1e-9]},
+                 "links": "min_tp"},
+        "tp": tp})
+
+
+P = _profile()
+
+
+def _expected_tokens(first, tp, batch_ctx0, n_out):
+    """Token times of a lone session decoding alone: first token, then output-1 steps."""
+    times = [first]
+    t = first
+    ctx = batch_ctx0
+    for _ in range(n_out - 1):
+        t += P.t_dec(tp, 1, ctx)
+        ctx += 1
+        times.append(t)
+    return times
+
+
+def _run(sessions, **kw):
+    kw.setdefault("ttft_slo_s", 5.0)
+    kw.setdefault("itl_slo_s", 0.5)
+    return simulate(sessions, P, **kw)
+
+
+def test_remote_single_session_exact_timing():
+    s = Session("a", 1.0, (Round(1000, 6, 2.0), Round(300, 4)))
+    r = _run([s], policy="remote", prefill="tp2*1", decode="tp1*1")
+    r0, r1 = r.sessions[0].rounds
+    # round 0: no history read, compute on tp2, write-back tp2 -> tp1
+    ttft0 = P.t_pre(2, 0, 1000) + P.t_kv(1000, 2, 1)
+    assert r0.local is False
+    assert r0.first_token - r0.input_ready == pytest.approx(ttft0, abs=1e-12)
+    assert r.token_times(r0) == pytest.approx(_expected_tokens(1.0 + ttft0, 1, 1001, 6), abs=1e-12)
+    # round 1: ready after the tool; history = 1000 + 6 tokens read in, 300 written back
+    ready1 = r0.last_token + 2.0
+    assert r1.input_ready == pytest.approx(ready1, abs=1e-12)
+    ttft1 = P.t_kv(1006, 1, 2) + P.t_pre(2, 1006, 300) + P.t_kv(300, 2, 1)
+    assert r1.first_token - r1.input_ready == pytest.approx(ttft1, abs=1e-12)
+    assert r.token_times(r1) == pytest.approx(_expected_tokens(ready1 + ttft1, 1, 1307, 4), abs=1e-12)
+    assert r.sessions[0].completed
+
+
+def test_local_single_session_exact_timing():
+    s = Session("a", 0.5, (Round(800, 5, 1.0), Round(200, 3)))
+    r = _run([s], policy="local", prefill="tp2*1", decode="tp4*1")
+    r0, r1 = r.sessions[0].rounds
+    assert r0.local is True and r1.local is True
+    ttft0 = P.t_pre(4, 0, 800)
+    assert r0.first_token - r0.input_ready == pytest.approx(ttft0, abs=1e-12)
+    assert r.token_times(r0) == pytest.approx(_expected_tokens(0.5 + ttft0, 4, 801, 5), abs=1e-12)
+    ttft1 = P.t_pre(4, 805, 200)
+    assert r1.first_token - r1.input_ready == pytest.approx(ttft1, abs=1e-12)
+    assert r.token_times(r1) == pytest.approx(_expected_tokens(r1.first_token, 4, 1006, 3), abs=1e-12)
+
+
+def test_local_prefill_pauses_the_batch():
+    # a decodes a long round; b's local prefill lands in the middle and pauses a's batch
+    a = Session("a", 0.0, (Round(100, 200),))
+    b = Session("b", 0.5, (Round(5000, 3),))
+    r = _run([a, b], policy="colocated", prefill="none", decode="tp1*1")
+    ra = r.sessions[0].rounds[0]
+    rb = r.sessions[1].rounds[0]
+    pre_b = P.t_pre(1, 0, 5000)
+    times = r.token_times(ra)
+    gaps = [y - x for x, y in zip(times, times[1:])]
+    # the gap that spans b's prefill = the prefill time + one decode step (of a, or of a and b)
+    big = max(gaps)
+    i = gaps.index(big)
+    start_of_prefill = times[i]
+    # b's prefill waits for a's step in progress at 0.5, then pauses the batch
+    assert times[i - 1] < 0.5 <= start_of_prefill
+    # the paused gap = the prefill + the next step, which decodes a (context 101 + i) and b (5001)
+    assert big == pytest.approx(pre_b + P.t_dec(1, 2, 101 + i + 5001), abs=1e-9)
+    # b's first token is emitted at the end of its prefill, which starts at the step boundary
+    assert rb.first_token == pytest.approx(start_of_prefill + pre_b, abs=1e-9)
+    # every other gap is a plain decode step
+    assert sorted(gaps)[-2] < 0.05
+
+
+def test_deterministic_under_seed_and_kv_freed():
+    sessions = workload.generate("toolbench", 3.0, 30, 7)
+    kw = dict(policy="ampd", prefill="tp1*1,tp2*1", decode="tp2*2", ttft_slo_s=0.5, itl_slo_s=0.03, seed=3)
+    a = _run(sessions, **kw)
+    b = _run(sessions, **kw)
+    ta = [(r.first_token, r.last_token, r.local, r.target) for s in a.sessions for r in s.rounds]
+    tb = [(r.first_token, r.last_token, r.local, r.target) for s in b.sessions for r in s.rounds]
+    assert ta == tb
+    assert all(s.completed for s in a.sessions)
+    assert a.stats["kv_used_end"] == [0, 0]
+    assert a.stats["unfinished_sessions"] == 0
+    assert a.stats["local_prefills"] + a.stats["remote_prefills"] == sum(len(s.rounds) for s in sessions)
+
+
+def test_compact_report_matches_full_report():
+    from ampd.bench.report import SLO
+
+    sessions = workload.generate("hotpotqa", 2.0, 20, 1)
+    r = _run(sessions, policy="ampd", prefill="tp1*1", decode="tp1*1", ttft_slo_s=1.0, itl_slo_s=0.03)
+    slo = SLO(1.0, 0.03)
+    full = sim_report(r, slo, extras=False)
+    compact = sim_report(r, slo, max_full_tokens=0, extras=False)
+    assert list(full) == list(compact)
+    for k, v in full.items():
+        if isinstance(v, dict) and "p50" in v:
+            for q in v:
+                assert compact[k][q] == pytest.approx(v[q], rel=1e-6, abs=1e-9), (k, q)
+        elif isinstance(v, float):
+            assert compact[k] == pytest.approx(v, rel=1e-9), k
+        else:
+            assert compact[k] == v, k
+
+
+def test_colocated_has_no_prefill_workers():
+    sessions = workload.generate("toolbench", 2.0, 10, 2)
+    r = _run(sessions, policy="colocated", prefill="none", decode="tp1*2")
+    assert r.stats["remote_prefills"] == 0
+    assert all(rr.local for s in r.sessions for rr in s.rounds)
+    with pytest.raises(ValueError, match="co-located"):
+        _run(sessions, policy="continuum", prefill="tp1*1", decode="tp1*1")
+    recs = to_session_records(r)
+    assert len(recs) == len(sessions) and all(s.completed for s in recs)
+
+
+def test_more_prefill_capacity_never_lowers_attainment():
+    from ampd.bench.report import SLO
+
+    sessions = workload.generate("dureader", 6.0, 20, 5)
+    slo = SLO(0.3, 0.05)
+    att = []
+    for pre in ("tp1*1", "tp1*2", "tp1*4"):
+        r = _run(sessions, policy="remote", prefill=pre, decode="tp2*2", ttft_slo_s=0.3, itl_slo_s=0.05)
+        att.append(sim_report(r, slo)["slo_attainment"])
+    assert att[0] <= att[1] <= att[2]
+
+
+def test_kv_contention_only_slows_transfers():
+    sessions = workload.generate("toolbench", 3.0, 10, 4)
+    a = _run(sessions, policy="remote", prefill="tp1*2", decode="tp1*1")
+    b = _run(sessions, policy="remote", prefill="tp1*2", decode="tp1*1", kv_contention=True)
+    assert sum(r.ttft for s in b.sessions for r in s.rounds) >= sum(r.ttft for s in a.sessions for r in s.rounds) - 1e-9
+
+
+def test_kv_pressure_waits_instead_of_failing():
+    prof = _profile(cap=3000)
+    sessions = [Session(f"s{i}", 0.0, (Round(1000, 10, 0.5), Round(500, 10))) for i in range(4)]
+    r = simulate(sessions, prof, policy="colocated", prefill="none", decode="tp1*1", ttft_slo_s=5, itl_slo_s=1)
+    assert all(s.completed for s in r.sessions)
+    assert r.stats["kv_used_end"] == [0]
+    # three first inputs fit at once: the fourth session starts after one ends
+    starts = sorted(s.rounds[0].first_token for s in r.sessions)
+    ends = sorted(s.end for s in r.sessions)
+    assert starts[3] >= ends[0]
+
+
+@pytest.mark.parametrize("text, groups", [
+    ("tp4*2", ((4, 2),)), ("tp4*1,tp2*2", ((4, 1), (2, 2))), ("TP8", ((8, 1),)), (" tp1*3 ", ((1, 3),)),
+    ("", ()), ("none", ()), (None, ()),
+])
+def test_parse_spec(text, groups):
+    assert parse_spec(text) == groups
+
+
+@pytest.mark.parametrize("bad", ["tp", "tp4*", "4*2", "tp4x2", "tp0*1", "tp4*0", "tp4*2,", "tp-1*2", "gpu4"])
+def test_parse_spec_errors(bad):
+    with pytest.raises(SpecError, match="expected tpN\\*R|must be >= 1"):
+        parse_spec(bad)
+
+
+def test_format_spec_roundtrip():
+    assert format_spec(parse_spec("tp4*1,tp2*2")) == "tp4*1,tp2*2"
+    assert format_spec(()) == "none"
+
+
+def test_unknown_tp_in_spec():
+    with pytest.raises(ValueError, match="TP 8"):
+        Simulator(SimConfig(profile=P, policy="ampd", prefill="tp8*1", decode="tp1*1"))
+
+
+# ------------------------------------------------------------------------------------------ CLI
+def _cli(argv):
+    from ampd.cli import main
+
+    return main(argv)
+
+
+def _write_trace(path, sessions):
+    workload.dump_trace(sessions, path)
+
+
+def test_cli_runs_and_writes_json(tmp_path, capsys):
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps(P.to_json()))
+    trace = tmp_path / "t.jsonl"
+    _write_trace(trace, workload.generate("toolbench", 2.0, 5, 1))
+    out = tmp_path / "r.json"
+    rc = _cli(["simulate", "--trace", str(trace), "--profile", str(prof), "--prefill", "tp1*1",
+               "--decode", "tp2*1", "--policy", "ampd", "--ttft-slo", "1", "--itl-slo", "0.05",
+               "--json", str(out)])
+    assert rc == 0
+    rep = json.loads(out.read_text())
+    for k in ("policy", "sessions", "completed", "failed", "slo_attainment", "goodput_rps",
+              "local_fraction", "ttft_s", "ttft_initial_s", "ttft_incremental_s", "itl_s", "e2e_s"):
+        assert k in rep
+    assert "SLO attainment" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--prefill", "tp1x1"], "--prefill: bad replica group"),
+    (["--decode", "tp9*1"], "TP 9 is not in profile"),
+    (["--policy", "nope"], "unknown policy"),
+    (["--profile", "no-such@thing"], "unknown profile"),
+    (["--policy", "colocated"], "co-located"),
+    (["--trace", "BAD"], "line 1"),
+])
+def test_cli_errors(tmp_path, capsys, args, msg):
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps(P.to_json()))
+    trace = tmp_path / "t.jsonl"
+    _write_trace(trace, workload.generate("toolbench", 2.0, 3, 1))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "x", "arrival": "soon", "rounds": []}\n')
+    base = {"--trace": str(trace), "--profile": str(prof), "--prefill": "tp1*1", "--decode": "tp1*1",
+            "--policy": "ampd", "--ttft-slo": "1", "--itl-slo": "0.05"}
+    over = dict(zip(args[::2], args[1::2]))
+    if over.get("--trace") == "BAD":
+        over["--trace"] = str(bad)
+    base.update(over)
+    argv = ["simulate"] + [x for kv in base.items() for x in kv]
+    assert _cli(argv) == 2
+    err = capsys.readouterr().err
+    assert msg in err and err.count("\n") == 1
