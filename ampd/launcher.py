@@ -38,6 +38,29 @@ def _die_with_parent() -> None:
         pass
 
 
+def redis_command(port: int, workdir: Path) -> list[str]:
+    """A private, memory-only redis-server on loopback."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise CliError("redis-server not found: install it (apt-get install redis-server) or pass --redis-url")
+    return [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            "--dir", str(workdir)]
+
+
+def wait_for_redis(url: str, proc: subprocess.Popen, log: Path | None = None, timeout_s: float = 15.0) -> None:
+    import redis
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            redis.Redis.from_url(url).ping()
+            return
+        except redis.ConnectionError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise CliError(f"redis-server did not start (log: {log})")
+            time.sleep(0.05)
+
+
 @dataclass
 class Options:
     prefill: str = "tp1*1"
@@ -135,24 +158,10 @@ class Deployment:
         return ports
 
     def _start_redis(self) -> None:
-        exe = shutil.which("redis-server")
-        if exe is None:
-            raise CliError("redis-server not found: install it (apt-get install redis-server) or pass --redis-url")
         port = free_port()
-        self._spawn("redis", [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                              "--appendonly", "no", "--dir", str(self.run_dir)], ready=False)
+        self._spawn("redis", redis_command(port, self.run_dir), ready=False)
         self.redis_url = f"redis://127.0.0.1:{port}/0"
-        import redis
-
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                redis.Redis.from_url(self.redis_url).ping()
-                return
-            except redis.ConnectionError:
-                if time.monotonic() > deadline or self.children[-1].proc.poll() is not None:
-                    raise CliError(f"redis-server did not start (log: {self.children[-1].log})")
-                time.sleep(0.05)
+        wait_for_redis(self.redis_url, self.children[-1].proc, self.children[-1].log)
 
     def start(self) -> "Deployment":
         o = self.opts

@@ -16,7 +16,26 @@ def _cmd(args: argparse.Namespace) -> int:
                          timeout_s=args.timeout)
 
 
+def _sched(args: argparse.Namespace) -> int:
+    import json
+
+    from ampd.bench.sched import format_sched, run
+
+    r = run(args.redis_url, args.decisions)
+    print(format_sched(r))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=2)
+    return 0
+
+
 def register(sub) -> None:
+    s = sub.add_parser("bench-sched", help="routing and reordering decision latency")
+    s.add_argument("--json", default="", help="write the results (DESIGN section 8 keys) here")
+    s.add_argument("--redis-url", default="", help="use this Redis (default: start a private one)")
+    s.add_argument("--decisions", type=int, default=3000)
+    s.set_defaults(func=_sched)
+
     p = sub.add_parser("bench", help="replay a trace over gRPC and report SLO attainment")
     p.add_argument("--target", required=True, help="coordinator HOST:PORT")
     p.add_argument("--trace", required=True, help="trace file (JSON Lines)")

@@ -6,8 +6,11 @@ Keys (prefix `ns`, default "ampd"):
 - `{ns}:stats`          hash worker_id -> WorkerStats JSON (published on every queue change and at
                         least every `heartbeat_s`; its `ts` doubles as the heartbeat)
 - `{ns}:session:{sid}`  hash of one live session (binding, round, state); deleted when it ends
+- channel `{ns}:stats`  every stats publish is also PUBLISHed here (same JSON), so a coordinator can
+                        keep the cluster view in memory instead of reading it per decision
 
-Routing needs every worker's stats, so they live in ONE hash: one HGETALL per decision.
+Routing needs every worker's stats, so they live in ONE hash: one HGETALL per decision (the
+`read` mode), or none at all when the coordinator follows the channel (the `push` mode).
 """
 from __future__ import annotations
 
@@ -115,7 +118,16 @@ class StateStore:
             await p.execute()
 
     async def publish_stats(self, stats: WorkerStats) -> None:
-        await self.r.hset(self.k_stats, stats.worker_id, stats.to_json())
+        raw = stats.to_json()
+        async with self.r.pipeline(transaction=False) as p:  # one round trip
+            p.hset(self.k_stats, stats.worker_id, raw)
+            p.publish(self.k_stats, raw)
+            await p.execute()
+
+    def subscribe(self):
+        """A pub/sub handle subscribed (on first use) to the stats channel."""
+        ps = self.r.pubsub(ignore_subscribe_messages=True)
+        return ps
 
     async def workers(self) -> dict[str, WorkerInfo]:
         raw = await self.r.hgetall(self.k_workers)

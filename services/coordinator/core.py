@@ -1,13 +1,14 @@
 """Coordinator core: validation, binding and routing over a snapshot of the cluster in Redis."""
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 
 import structlog
 
 from ampd.policy import PrefillRequest, RouteDecision, Router, WorkerView, bind
-from ampd.state import StateStore, WorkerInfo
+from ampd.state import StateStore, WorkerInfo, WorkerStats
 from ampd.v1 import common_pb2
 from ampd.worker import STALE_AFTER_S
 
@@ -55,35 +56,107 @@ class ClusterView:
 
 
 class Cluster:
-    """Worker registry cache plus the per-decision statistics read (one HGETALL)."""
+    """The coordinator's view of the workers.
 
-    def __init__(self, store: StateStore) -> None:
+    `read` mode: one HGETALL of every worker's statistics per decision. `push` mode: workers
+    PUBLISH every change, a background task keeps the latest of each in memory, and a decision
+    reads no Redis at all; the delivery lag of each update (its age when it arrived) is recorded
+    so the view's staleness stays measured (`lag_s`).
+    """
+
+    def __init__(self, store: StateStore, mode: str = "push") -> None:
+        if mode not in ("push", "read"):
+            raise ValueError(f"stats mode must be 'push' or 'read', got {mode!r}")
         self.store = store
+        self.mode = mode
         self.infos: dict[str, WorkerInfo] = {}
         self._infos_at = 0.0
+        self._views: dict[str, tuple[float, str, WorkerView]] = {}  # wid -> (ts, kind, view)
+        self.lag_s: list[float] = []  # recent delivery lags (push mode), bounded
+        self._follower: asyncio.Task | None = None
 
     async def refresh_infos(self) -> None:
         self.infos = await self.store.workers()
         self._infos_at = time.monotonic()
 
+    async def start(self) -> None:
+        await self.refresh_infos()
+        if self.mode == "push":
+            ps = self.store.subscribe()
+            await ps.subscribe(self.store.k_stats)  # subscribe first, then snapshot: no gap
+            for st in (await self.store.stats()).values():
+                await self._ingest(st)
+            self._follower = asyncio.create_task(self._follow(ps), name="stats-follower")
+
+    async def stop(self) -> None:
+        if self._follower:
+            self._follower.cancel()
+            await asyncio.gather(self._follower, return_exceptions=True)
+
+    async def _follow(self, ps) -> None:
+        while True:
+            try:
+                msg = await ps.get_message(timeout=1.0)
+                if msg is None or msg.get("type") != "message":
+                    continue
+                st = WorkerStats.from_json(msg["data"])
+                lag = time.time() - st.ts
+                if len(self.lag_s) >= 10_000:
+                    del self.lag_s[:5_000]
+                self.lag_s.append(lag)
+                await self._ingest(st)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a Redis blip: resubscribe and take a fresh snapshot
+                log.warning("stats channel failed; resubscribing", error=str(exc))
+                await asyncio.sleep(0.2)
+                try:
+                    ps = self.store.subscribe()
+                    await ps.subscribe(self.store.k_stats)
+                    for st in (await self.store.stats()).values():
+                        await self._ingest(st)
+                except Exception:
+                    pass
+
+    async def _ingest(self, st: WorkerStats) -> None:
+        info = self.infos.get(st.worker_id)
+        if info is None:
+            await self.refresh_infos()
+            info = self.infos.get(st.worker_id)
+            if info is None:
+                return
+        prev = self._views.get(st.worker_id)
+        if prev is None or st.ts >= prev[0]:
+            self._views[st.worker_id] = (st.ts, info.kind, st.view(info.kind, info.tp))
+
     async def view(self) -> ClusterView:
+        if self.mode == "push":
+            return self._assemble(self._views.values(), 0.0)
         t0 = time.perf_counter()
         stats = await self.store.stats()
         read_s = time.perf_counter() - t0
         if any(wid not in self.infos for wid in stats) or time.monotonic() - self._infos_at > 5.0:
             await self.refresh_infos()
+        entries = []
+        for wid, st in stats.items():
+            info = self.infos.get(wid)
+            if info is not None:
+                entries.append((st.ts, info.kind, st.view(info.kind, info.tp)))
+        return self._assemble(entries, read_s)
+
+    @staticmethod
+    def _assemble(entries, read_s: float) -> ClusterView:
         now = time.time()
         decode: dict[str, WorkerView] = {}
         prefill: list[WorkerView] = []
-        for wid, st in stats.items():
-            info = self.infos.get(wid)
-            if info is None or now - st.ts > STALE_AFTER_S:
+        for ts, kind, v in entries:
+            if now - ts > STALE_AFTER_S:  # no heartbeat: the worker is gone
                 continue
-            v = st.view(info.kind, info.tp)
-            if info.kind == "decode":
-                decode[wid] = v
+            if kind == "decode":
+                decode[v.worker_id] = v
             else:
                 prefill.append(v)
+        # Algorithm 1 visits prefill workers in a seeded order over list positions: keep it stable.
         prefill.sort(key=lambda v: v.worker_id)
         return ClusterView(decode, tuple(prefill), read_s)
 

@@ -43,9 +43,9 @@ class Stubs:
 
 
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
-    def __init__(self, store: StateStore, router, policy: str) -> None:
+    def __init__(self, store: StateStore, router, policy: str, stats_mode: str = "push") -> None:
         self.store = store
-        self.cluster = Cluster(store)
+        self.cluster = Cluster(store, stats_mode)
         self.router = router
         self.policy = policy
         self.stubs = Stubs()
@@ -180,6 +180,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         values = {k: float(v) for k, v in self.counters.items()}
         values["sessions_live"] = len(self.live)
         values["route_redis_read_ms_total"] = self.route_read_ms_total
+        lags = sorted(self.cluster.lag_s[-1000:])
+        if lags:
+            values["stats_lag_p50_ms"] = lags[len(lags) // 2] * 1e3
+            values["stats_lag_max_ms"] = lags[-1] * 1e3
         return common_pb2.MetricsReply(worker_id="coordinator", values=values, labels=self.labels)
 
 
@@ -191,9 +195,9 @@ async def amain(args: argparse.Namespace) -> None:
     router = make_router(spec.router, profile, slo, seed=args.seed, alpha=args.alpha, beta=args.beta,
                          threshold_tokens=args.threshold_tokens)
     store = StateStore(await connect(args.redis_url), args.namespace)
-    service = CoordinatorService(store, router, args.policy)
+    service = CoordinatorService(store, router, args.policy, args.stats_mode)
     service.labels.update(profile=profile.name, ttft_slo=str(slo.ttft_s), itl_slo=str(slo.itl_s))
-    await service.cluster.refresh_infos()
+    await service.cluster.start()
     server, port, health = await grpcserver.start_server(
         f"{args.host}:{args.port}",
         lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, s),
@@ -202,7 +206,7 @@ async def amain(args: argparse.Namespace) -> None:
     write_ready_file(args.ready_file, port)
     log.info("coordinator serving", address=f"{args.host}:{port}", policy=args.policy,
              profile=profile.name, ttft_slo=slo.ttft_s, itl_slo=slo.itl_s)
-    await grpcserver.serve_until_signal(server, health)
+    await grpcserver.serve_until_signal(server, health, service.cluster.stop)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -219,6 +223,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--beta", type=float, default=0.85)
     parser.add_argument("--threshold-tokens", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stats-mode", default="push", choices=["push", "read"],
+                        help="push: follow workers' statistics on a Redis channel; read: HGETALL per decision")
     parser.add_argument("--ready-file", default="")
     grpcserver.run(amain(parser.parse_args(argv)))
 

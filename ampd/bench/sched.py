@@ -1,0 +1,189 @@
+"""`ampd bench-sched`: how long scheduling decisions take, including the shared-state read.
+
+Routing: a real coordinator `Cluster` over a real Redis holding N prefill and N decode workers with
+realistic queues, then `route` (Algorithm 1, every rung down to the cost model). Two modes:
+`push` (the default live mode: workers publish, the coordinator follows the channel; the decision
+reads no Redis, and the statistics' delivery lag is measured) and `read` (HGETALL per decision).
+Reorder: one `pop` of the Algorithm 2 queue at windows 3 and 5. A bare Redis PING is measured in
+the same run for scale.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ampd.bench.report import SLO
+from ampd.perf import load_profile
+from ampd.policy import PrefillRequest, QueuedTask, make_queue, make_router
+from ampd.state import StateStore, WorkerInfo, WorkerStats, connect
+
+PROFILE = "qwen3-32b@h20"
+
+
+def _pct(xs: list[float]) -> tuple[float, float]:
+    a = np.asarray(xs) * 1e3
+    return round(float(np.percentile(a, 50)), 4), round(float(np.percentile(a, 99)), 4)
+
+
+def _queue(rng: random.Random, now: float) -> tuple:
+    return tuple((f"s{rng.randrange(10**6)}", rng.randrange(3), rng.randrange(0, 8000), rng.randrange(50, 3000),
+                  now - rng.random() * 2) for _ in range(rng.randrange(0, 9)))
+
+
+def _stats(wid: str, rng: random.Random, profile, tp: int, slo: SLO, kind: str) -> WorkerStats:
+    now = time.time()
+    q = _queue(rng, now)
+    # Every window over its slack threshold: each decision walks all three rungs of Algorithm 1.
+    window = slo.ttft_s * (1.0 + rng.random()) if kind == "prefill" else slo.itl_s * (1.0 + rng.random())
+    return WorkerStats(wid, now, window, q, sum(profile.t_pre(tp, t[2], t[3]) for t in q),
+                       rng.randrange(10_000, 400_000), rng.randrange(0, 64))
+
+
+async def _setup(store: StateStore, n: int, profile, slo: SLO, rng: random.Random) -> list[str]:
+    await store.r.flushdb()
+    decode_ids = []
+    for kind, count in (("prefill", n), ("decode", n)):
+        for i in range(count):
+            wid = f"{kind}-{i}"
+            info = WorkerInfo(wid, kind, f"127.0.0.1:{40000 + i}", 2, f"agent-{wid}", {}, 400_000)
+            await store.register_worker(info, b"md", _stats(wid, rng, profile, 2, slo, kind))
+            if kind == "decode":
+                decode_ids.append(wid)
+    return decode_ids
+
+
+async def _routing(store: StateStore, n: int, mode: str, iters: int) -> dict:
+    from services.coordinator.core import Cluster, route
+
+    profile = load_profile(PROFILE)
+    slo = SLO(2.0, 0.05)
+    rng = random.Random(n)
+    decode_ids = await _setup(store, n, profile, slo, rng)
+    cluster = Cluster(store, mode)
+    await cluster.start()
+    router = make_router("adaptive", profile, slo, seed=1)
+    stop = asyncio.Event()
+
+    async def churn():  # every worker keeps publishing changes while decisions run (~400 updates/s)
+        k = 0
+        while not stop.is_set():
+            kind, i = ("prefill", "decode")[k % 2], (k // 2) % n
+            await store.publish_stats(_stats(f"{kind}-{i}", rng, profile, 2, slo, kind))
+            k += 1
+            await asyncio.sleep(0.0025)
+
+    churner = asyncio.create_task(churn())
+    lat, reasons = [], {}
+    for k in range(iters + 200):
+        req = PrefillRequest(f"r{k}", 1, rng.randrange(0, 8000), rng.randrange(50, 3000), rng.choice(decode_ids))
+        t0 = time.perf_counter()
+        view = await cluster.view()
+        d = route(router, view, req, time.time())
+        dt = time.perf_counter() - t0
+        if k >= 200:  # warm-up excluded
+            lat.append(dt)
+            reasons[d.reason] = reasons.get(d.reason, 0) + 1
+        await asyncio.sleep(0)  # let the follower ingest updates between decisions
+    stop.set()
+    await churner
+    await cluster.stop()
+    p50, p99 = _pct(lat)
+    out = {"prefill_workers": n, "decode_workers": n, "mode": mode, "p50_ms": p50, "p99_ms": p99,
+           "decisions": iters, "reasons": reasons}
+    if mode == "push" and cluster.lag_s:
+        out["stats_lag_p50_ms"], out["stats_lag_p99_ms"] = _pct(cluster.lag_s)
+    return out
+
+
+def _reorder(window: int, iters: int = 20_000) -> dict:
+    profile = load_profile(PROFILE)
+    slo = SLO(2.0, 0.05)
+    rng = random.Random(window)
+    q = make_queue("ttft-aware", profile, slo, 2, window=window)
+    now = 1000.0
+    for _ in range(16):
+        q.push(QueuedTask(f"s{rng.randrange(10**6)}", 1, rng.randrange(0, 8000), rng.randrange(50, 3000),
+                          now - rng.random() * 2))
+    lat = []
+    for _ in range(iters):
+        now += 0.01
+        t0 = time.perf_counter()
+        q.pop(now)
+        lat.append(time.perf_counter() - t0)
+        q.push(QueuedTask(f"s{rng.randrange(10**6)}", 1, rng.randrange(0, 8000), rng.randrange(50, 3000),
+                          now - rng.random() * 2))
+    p50, p99 = _pct(lat)
+    return {"window": window, "p50_ms": p50, "p99_ms": p99, "pops": iters}
+
+
+async def _run(url: str, iters: int) -> dict:
+    store = StateStore(await connect(url), "benchsched")
+    ping = []
+    for _ in range(2000):
+        t0 = time.perf_counter()
+        await store.r.ping()
+        ping.append(time.perf_counter() - t0)
+    routing = []
+    for mode in ("push", "read"):
+        for n in (8, 32):
+            routing.append(await _routing(store, n, mode, iters))
+    await store.r.flushdb()
+    await store.r.aclose()
+    p50, p99 = _pct(ping[200:])
+    return {"redis_rtt_p50_ms": p50, "redis_rtt_p99_ms": p99, "routing": routing,
+            "reorder": [_reorder(3), _reorder(5)]}
+
+
+def run(redis_url: str = "", iters: int = 3000) -> dict:
+    import uvloop
+
+    from ampd.launcher import free_port, redis_command, wait_for_redis
+
+    proc = None
+    if not redis_url:
+        port = free_port()
+        proc = subprocess.Popen(redis_command(port, Path(tempfile.mkdtemp(prefix="ampd-sched-"))),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        redis_url = f"redis://127.0.0.1:{port}/0"
+        wait_for_redis(redis_url, proc)
+    try:
+        out = uvloop.run(_run(redis_url, iters))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(10)
+    out["command"] = "ampd bench-sched"
+    out["profile"] = PROFILE
+    out["when"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    return out
+
+
+def format_sched(r: dict) -> str:
+    lines = [f"redis PING p50 {r['redis_rtt_p50_ms']:.3f} ms",
+             "routing (decision incl. shared-state read)   p50 ms    p99 ms   stats lag p50/p99 ms"]
+    for x in r["routing"]:
+        lag = f"{x['stats_lag_p50_ms']:.3f}/{x['stats_lag_p99_ms']:.3f}" if "stats_lag_p50_ms" in x else "-"
+        lines.append(f"  {x['mode']:>4} mode, {x['prefill_workers']:>2} prefill workers   "
+                     f"{x['p50_ms']:8.4f}  {x['p99_ms']:8.4f}   {lag}")
+    lines.append("reorder (Algorithm 2 pop)                    p50 ms    p99 ms")
+    for x in r["reorder"]:
+        lines.append(f"  window {x['window']}                             {x['p50_ms']:8.4f}  {x['p99_ms']:8.4f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    r = run()
+    print(format_sched(r))
+    out = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "bench_sched.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(r, indent=2) + "\n")
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
