@@ -300,7 +300,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from ampd.bench.client import run_bench_cli
     from ampd.workload import dump_trace, generate
 
-    opts = Options(prefill="tp1*2", decode="tp1*2", profile=args.profile, policy=args.policy,
+    opts = Options(prefill="tp2*2", decode="tp2*2", profile=args.profile, policy=args.policy,
                    ttft_slo=args.ttft_slo, itl_slo=args.itl_slo)
     dep = Deployment(opts)
     trace = dep.run_dir / "demo-trace.jsonl"

@@ -35,5 +35,7 @@ def generate(out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    generate(ROOT)
-    print(f"generated {len(proto_files())} protos into ampd/v1", file=sys.stderr)
+    # `--out DIR` generates elsewhere (the staleness test compares with the committed stubs).
+    out = Path(sys.argv[sys.argv.index("--out") + 1]) if "--out" in sys.argv else ROOT
+    generate(out)
+    print(f"generated {len(proto_files())} protos into {out / 'ampd' / 'v1'}", file=sys.stderr)

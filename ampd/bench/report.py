@@ -13,7 +13,8 @@ from typing import Sequence
 import numpy as np
 
 __all__ = ["SLO", "RoundRecord", "SessionRecord", "SessionVerdict", "judge_session",
-           "build_report", "format_report", "latency_summary", "REPORT_KEYS", "EPS_S"]
+           "build_report", "format_report", "latency_summary", "weighted_latency_summary",
+           "REPORT_KEYS", "EPS_S"]
 
 # Comparisons with a threshold allow this much float noise (far below any meaningful latency).
 EPS_S = 1e-9
@@ -41,7 +42,14 @@ class RoundRecord:
     """What happened in one round. ``input_ready``: arrival (round 0) or tool result time;
     ``first_token``: None if it never came; ``token_times``: every token of the round including
     the first; ``local``: prefill ran on the decode worker (True), a prefill worker (False) or
-    unknown (None); ``l_hist``/``l_incr``: the prefill task's sizes (informational)."""
+    unknown (None); ``l_hist``/``l_incr``: the prefill task's sizes (informational).
+
+    Compact form (when token times are not kept, e.g. paper-scale simulations): leave
+    ``token_times`` empty and give ``n_tokens`` (tokens of the round, the first included),
+    ``last_token`` (time of its last token) and optionally the ITL aggregates ``itl_sum`` (sum of
+    the round's token gaps) and ``itl_count`` (number of gaps). Without ``itl_count`` the gaps are
+    ``last_token - first_token`` over ``n_tokens - 1``. These fields are ignored whenever
+    ``token_times`` is not empty."""
 
     session_id: str
     round: int
@@ -51,6 +59,10 @@ class RoundRecord:
     local: bool | None
     l_hist: int = 0
     l_incr: int = 0
+    n_tokens: int | None = None
+    last_token: float | None = None
+    itl_sum: float = 0.0
+    itl_count: int = 0
 
     @property
     def ttft(self) -> float | None:
@@ -58,10 +70,33 @@ class RoundRecord:
 
     @property
     def end(self) -> float | None:
-        """Time of the round's last token (its first token if no token times were kept)."""
+        """Time of the round's last token (``last_token`` in the compact form; its first token if
+        neither was kept)."""
         if self.token_times:
             return self.token_times[-1]
+        if self.last_token is not None:
+            return self.last_token
         return self.first_token
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of the round: ``len(token_times)``, else ``n_tokens`` (0 when unknown)."""
+        if self.token_times:
+            return len(self.token_times)
+        return self.n_tokens or 0
+
+    def gaps(self) -> tuple[float, int]:
+        """(sum of the round's token gaps, number of gaps)."""
+        tt = self.token_times
+        if tt:
+            n = len(tt)
+            return (tt[-1] - tt[0], n - 1) if n >= 2 else (0.0, 0)
+        if self.itl_count > 0:
+            return float(self.itl_sum), int(self.itl_count)
+        n = self.n_tokens
+        if n is not None and n >= 2 and self.first_token is not None and self.last_token is not None:
+            return self.last_token - self.first_token, n - 1
+        return 0.0, 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,9 +128,9 @@ def judge_session(s: SessionRecord, slo: SLO) -> SessionVerdict:
     span = 0.0
     gaps = 0
     for r in s.rounds:
-        if len(r.token_times) >= 2:
-            span += r.token_times[-1] - r.token_times[0]   # sum of the round's gaps
-            gaps += len(r.token_times) - 1
+        a, k = r.gaps()   # the sum of the round's gaps (span of its tokens) and their number
+        span += a
+        gaps += k
     mean_itl = span / gaps if gaps else None
     itl_ok = mean_itl is None or mean_itl <= slo.itl_s + EPS_S
     return SessionVerdict(ttft_ok, itl_ok, mean_itl, bool(s.completed) and ttft_ok and itl_ok)
@@ -110,8 +145,44 @@ def latency_summary(samples) -> dict:
     return {"mean": float(a.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
 
 
-def build_report(policy: str, sessions: Sequence[SessionRecord], slo: SLO, duration_s: float) -> dict:
+def weighted_latency_summary(values, weights) -> dict:
+    """``latency_summary`` of a weighted sample: value ``v[i]`` counted ``w[i]`` times (weights
+    >= 0, need not be integers). Percentiles interpolate linearly between order statistics as
+    numpy's default does, so integer weights give exactly ``latency_summary`` of the repeated
+    sample (up to float rounding)."""
+    v = np.asarray(values, dtype=float).ravel()
+    w = np.asarray(weights, dtype=float).ravel()
+    if v.shape != w.shape:
+        raise ValueError(f"values and weights differ in length ({v.size} != {w.size})")
+    if w.size and (not np.all(np.isfinite(w)) or float(w.min()) < 0):
+        raise ValueError("weights must be finite and >= 0")
+    n = float(w.sum()) if w.size else 0.0
+    if n <= 0:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    order = np.argsort(v, kind="stable")
+    vs = v[order]
+    cum = np.cumsum(w[order])  # cum[i]: count of samples <= vs[i]
+    last = len(vs) - 1
+    out = {"mean": float(np.dot(v, w) / n)}
+    for q in (50, 90, 99):
+        h = (n - 1) * q / 100.0 if n > 1 else 0.0   # 0-based rank, as np.percentile "linear"
+        lo = math.floor(h)
+        hi = min(lo + 1, n - 1) if n > 1 else 0
+        a = vs[min(int(np.searchsorted(cum, lo + 1 - 1e-9)), last)]
+        b = vs[min(int(np.searchsorted(cum, hi + 1 - 1e-9)), last)]
+        out[f"p{q}"] = float(a + (b - a) * (h - lo))
+    return out
+
+
+def build_report(policy: str, sessions: Sequence[SessionRecord], slo: SLO, duration_s: float,
+                 *, itl_samples=None) -> dict:
     """The report of DESIGN.md section 8 (its keys first, then extras).
+
+    ``itl_s`` comes from the gaps of every round's ``token_times``; a compact round (no token
+    times, ``itl_count``/``n_tokens`` gaps) contributes its mean gap weighted by its gap count.
+    ``itl_samples=(values, weights)``, when given, replaces all of that for the ITL percentiles
+    and mean (a weighted gap distribution the caller computed, e.g. the simulator's step log);
+    the SLO verdicts always use each session's own gaps.
 
     Latency samples come from every round that has them, including rounds of sessions that later
     failed; ``e2e_s`` (last token of the last round minus arrival) only from completed sessions.
@@ -125,6 +196,9 @@ def build_report(policy: str, sessions: Sequence[SessionRecord], slo: SLO, durat
     ttft_init: list[float] = []
     ttft_incr: list[float] = []
     itl_parts: list[np.ndarray] = []
+    compact_vals: list[float] = []
+    compact_wts: list[int] = []
+    want_gaps = itl_samples is None
     e2e: list[float] = []
     attained = ttft_ok = itl_ok = 0
     local = remote = 0
@@ -149,14 +223,32 @@ def build_report(policy: str, sessions: Sequence[SessionRecord], slo: SLO, durat
                 ttft_all.append(t)
                 (ttft_init if r.round == 0 else ttft_incr).append(t)
                 rounds_done += 1
-            tokens += len(r.token_times)
-            if len(r.token_times) >= 2:
-                itl_parts.append(np.diff(np.asarray(r.token_times, dtype=float)))
+            tt = r.token_times
+            if tt:
+                tokens += len(tt)
+                if want_gaps and len(tt) >= 2:
+                    itl_parts.append(np.diff(np.asarray(tt, dtype=float)))
+            else:
+                tokens += r.n_tokens or 0
+                if want_gaps:
+                    a, k = r.gaps()
+                    if k:
+                        compact_vals.append(a / k)
+                        compact_wts.append(k)
         if s.completed and s.rounds:
             end = s.rounds[-1].end
             if end is not None:
                 e2e.append(end - s.arrival)
-    itl = np.concatenate(itl_parts) if itl_parts else np.empty(0)
+    if itl_samples is not None:
+        values, weights = itl_samples
+        itl_summary = weighted_latency_summary(values, weights)
+    else:
+        itl = np.concatenate(itl_parts) if itl_parts else np.empty(0)
+        if compact_vals:
+            itl_summary = weighted_latency_summary(np.concatenate([itl, compact_vals]),
+                                                   np.concatenate([np.ones(itl.size), compact_wts]))
+        else:
+            itl_summary = latency_summary(itl)
     placed = local + remote
     return {
         "policy": policy,
@@ -169,7 +261,7 @@ def build_report(policy: str, sessions: Sequence[SessionRecord], slo: SLO, durat
         "ttft_s": latency_summary(ttft_all),
         "ttft_initial_s": latency_summary(ttft_init),
         "ttft_incremental_s": latency_summary(ttft_incr),
-        "itl_s": latency_summary(itl),
+        "itl_s": itl_summary,
         "e2e_s": latency_summary(e2e),
         # extras
         "slo": {"ttft_s": slo.ttft_s, "itl_s": slo.itl_s},

@@ -199,7 +199,8 @@ class _Decode:
     __slots__ = ("idx", "wid", "tp", "queue", "qpred", "state", "batch_n", "ctx_sum", "pending",
                  "exit_at", "exit_heap", "step_idx", "log", "last_end", "step_new", "step_ft",
                  "seg_t0", "seg_A", "seg_g", "seg_m", "seg_ver", "seg_flushed", "cut",
-                 "kv_cap", "kv_used", "live", "kv_wait", "new_wait", "wait_need", "evictable", "win", "nic", "busy_s")
+                 "kv_cap", "kv_used", "live", "kv_wait", "new_wait", "wait_need", "evictable", "win", "nic", "busy_s",
+                 "qver", "vq_ver", "vq", "vpred", "view", "v_mean", "v_free")
 
     def __init__(self, idx, tp, queue, kv_cap, window_s):
         self.idx = idx
@@ -235,10 +236,20 @@ class _Decode:
         self.win = WindowedMean(window_s)
         self.nic = 0.0
         self.busy_s = 0.0
+        # routing-view cache: ``qver`` counts pushes/pops of ``queue``; the queue snapshot
+        # (``vq``, ``vpred``) is rebuilt only when it changed, the view only when a field changed
+        self.qver = 0
+        self.vq_ver = -1
+        self.vq = ()
+        self.vpred = 0.0
+        self.view = None
+        self.v_mean = None
+        self.v_free = 0
 
 
 class _Prefill:
-    __slots__ = ("idx", "wid", "tp", "queue", "qpred", "busy", "win", "nic", "kv_cap", "busy_s", "tasks")
+    __slots__ = ("idx", "wid", "tp", "queue", "qpred", "busy", "win", "nic", "kv_cap", "busy_s", "tasks",
+                 "qver", "vq_ver", "view", "v_mean")
 
     def __init__(self, idx, tp, queue, kv_cap, window_s):
         self.idx = idx
@@ -252,6 +263,10 @@ class _Prefill:
         self.kv_cap = kv_cap
         self.busy_s = 0.0
         self.tasks = 0
+        self.qver = 0  # pushes/pops of ``queue`` (routing-view cache, as _Decode)
+        self.vq_ver = -1
+        self.view = None
+        self.v_mean = None
 
 
 def policy_shape(name: str):
@@ -457,6 +472,7 @@ class Simulator:
             q = d.queue
             if len(q):
                 task = q.pop(now)
+                d.qver += 1
                 st = live[task.session_id]
                 dur = t_pre(d.tp, task.l_hist, task.l_incr)
                 d.state = _PREFILLING
@@ -555,6 +571,7 @@ class Simulator:
             if p.busy or not len(p.queue):
                 return
             task = p.queue.pop(now)
+            p.qver += 1
             st = live[task.session_id]
             d = st.dw
             lh = task.l_hist
@@ -696,13 +713,47 @@ class Simulator:
         pviews_static = not prefills
         self._flush = flush
 
+        def decode_view(d: _Decode, now: float):
+            """``Simulator._decode_view``, cached: the same WorkerView object while no field changed."""
+            if d.state == _STEPPING:
+                flush(d, _steps_done(now - d.seg_t0, d.seg_A, d.seg_g, d.seg_m))
+            mean = d.win.mean(now)
+            free = d.kv_cap - d.kv_used - d.wait_need
+            v = d.view
+            if d.vq_ver != d.qver:
+                d.vq = tuple(d.queue.tasks())
+                d.vpred = d.queue.predicted_total()
+                d.vq_ver = d.qver
+            elif v is not None and mean == d.v_mean and free == d.v_free:
+                return v
+            v = WorkerView(worker_id=d.wid, kind="decode", tp=d.tp, window_mean_s=mean, queue=d.vq,
+                           kv_free_tokens=free, queue_predicted_s=d.vpred)
+            d.view = v
+            d.v_mean = mean
+            d.v_free = free
+            return v
+
+        def prefill_view(p: _Prefill, now: float):
+            """``Simulator._prefill_view``, cached likewise."""
+            mean = p.win.mean(now)
+            v = p.view
+            if p.vq_ver == p.qver and v is not None and mean == p.v_mean:
+                return v
+            v = WorkerView(worker_id=p.wid, kind="prefill", tp=p.tp, window_mean_s=mean,
+                           queue=tuple(p.queue.tasks()), kv_free_tokens=p.kv_cap,
+                           queue_predicted_s=p.queue.predicted_total())
+            p.view = v
+            p.v_mean = mean
+            p.vq_ver = p.qver
+            return v
+
         def route(st: _Sess, now: float):
             nonlocal n_local, n_remote
             d = st.dw
             req = PrefillRequest(session_id=st.sid, round=st.r, l_hist=st.l_hist, l_incr=st.l_incr,
                                  decode_worker=d.wid)
-            dview = self._decode_view(d, now)
-            pviews = () if pviews_static else [self._prefill_view(p, now) for p in prefills]
+            dview = decode_view(d, now)
+            pviews = () if pviews_static else [prefill_view(p, now) for p in prefills]
             dec = router.route(req, dview, pviews, now)
             reasons[dec.reason] = reasons.get(dec.reason, 0) + 1
             task = QueuedTask(session_id=st.sid, round=st.r, l_hist=st.l_hist, l_incr=st.l_incr,
@@ -712,6 +763,7 @@ class Simulator:
                 st.target = d.wid
                 n_local += 1
                 d.queue.push(task)
+                d.qver += 1
                 if d.state == _IDLE:
                     decode_next(d, now)
                 elif d.state == _STEPPING:
@@ -724,6 +776,7 @@ class Simulator:
                 st.target = p.wid
                 n_remote += 1
                 p.queue.push(task)
+                p.qver += 1
                 prefill_next(p, now)
 
         def arrive(s, now: float):
@@ -737,7 +790,7 @@ class Simulator:
                 rec.completed = True
                 rec.end = now
                 return
-            target = bind([self._decode_view(d, now) for d in decodes])
+            target = bind([decode_view(d, now) for d in decodes])
             d = by_id[target]
             rec.decode_worker = d.wid
             st = _Sess(sid, s.rounds, rec)

@@ -1,25 +1,25 @@
 """From a simulation run to the report of DESIGN section 8, through ``ampd.bench.report``.
 
-Small runs are converted to ``SessionRecord``/``RoundRecord`` with every token time and handed to
-``build_report``: the same code that judges live runs. ``RoundRecord`` only takes whole
-``token_times`` tuples, which for paper-scale runs (100k GAIA sessions: ~600M tokens) do not fit in
-memory; above ``max_full_tokens`` this module computes the same report from the compact per-round
-form (first token, last token, token count) and the step-weighted gap distribution of
-``SimResult.itl_samples`` (see docs/simulator.md, "Reports"). The compact path reuses
-``latency_summary`` and the SLO rule of ``judge_session`` (span / gaps per session); only the ITL
-percentiles are computed here, as weighted percentiles.
+There is one report code path: every run becomes ``SessionRecord``/``RoundRecord``s handed to
+``build_report``, the same code that judges live runs. Small runs keep every token time. Runs
+above ``max_full_tokens`` (paper scale: 100k GAIA sessions are ~600M tokens, which do not fit in
+memory as tuples) use ``RoundRecord``'s compact form (``n_tokens``, ``last_token``, ``itl_sum``,
+``itl_count``; no token times) and pass the step-weighted gap distribution of
+``SimResult.itl_samples`` as ``build_report(..., itl_samples=...)`` for the ITL percentiles (see
+docs/simulator.md, "Reports"). The SLO rule is therefore the live one in both cases.
 """
 from __future__ import annotations
 
 import math
 
-import numpy as np
-
 from .engine import SimResult
 
-__all__ = ["to_session_records", "sim_report", "total_tokens", "DEFAULT_MAX_FULL_TOKENS"]
+__all__ = ["to_session_records", "to_compact_session_records", "sim_report", "total_tokens",
+           "DEFAULT_MAX_FULL_TOKENS"]
 
 DEFAULT_MAX_FULL_TOKENS = 3_000_000
+
+_UNFINISHED = "unfinished at the end of the simulation"
 
 
 def total_tokens(res: SimResult) -> int:
@@ -37,100 +37,28 @@ def to_session_records(res: SimResult) -> list:
             for r in s.rounds
         )
         out.append(SessionRecord(s.session_id, s.arrival, rounds, s.completed,
-                                 "" if s.completed else "unfinished at the end of the simulation"))
+                                 "" if s.completed else _UNFINISHED))
     return out
 
 
-def _duration(res: SimResult) -> float:
-    d = res.duration_s
-    return d if d > 0 and math.isfinite(d) else 1e-9
+def to_compact_session_records(res: SimResult) -> list:
+    """Every session as a ``SessionRecord`` of compact ``RoundRecord``s (no token times: token
+    count, last token time and the round's ITL sum/count)."""
+    from ampd.bench.report import RoundRecord, SessionRecord
 
-
-def _weighted_summary(values: np.ndarray, weights: np.ndarray) -> dict:
-    """{"mean", "p50", "p90", "p99"} of a weighted sample (the sample with value v repeated w
-    times), with numpy's default linear interpolation between order statistics."""
-    n = float(weights.sum()) if weights.size else 0.0
-    if n <= 0:
-        return {"mean": None, "p50": None, "p90": None, "p99": None}
-    order = np.argsort(values, kind="stable")
-    v = values[order]
-    cum = np.cumsum(weights[order])  # cum[i]: count of samples <= v[i]
-    out = {"mean": float(np.dot(values, weights) / n)}
-    for q in (50, 90, 99):
-        h = (n - 1) * q / 100.0  # 0-based rank, as np.percentile "linear"
-        lo = math.floor(h)
-        hi = min(lo + 1, n - 1)
-        last = len(v) - 1
-        a = v[min(int(np.searchsorted(cum, lo + 1 - 1e-9)), last)]
-        b = v[min(int(np.searchsorted(cum, hi + 1 - 1e-9)), last)]
-        out[f"p{q}"] = float(a + (b - a) * (h - lo))
-    return out
-
-
-def _compact_report(res: SimResult, slo) -> dict:
-    from ampd.bench.report import EPS_S, build_report, latency_summary
-
-    duration = _duration(res)
-    # the skeleton of the report (keys, order, extras) from build_report itself, then the numbers
-    report = build_report(res.policy, [], slo, duration)
-    n = len(res.sessions)
-    completed = attained = ttft_ok_n = itl_ok_n = 0
-    ttft_init: list[float] = []
-    ttft_incr: list[float] = []
-    e2e: list[float] = []
-    local = remote = rounds_total = tokens = 0
+    out = []
+    append = out.append
     for s in res.sessions:
-        ok_t = bool(s.rounds)
-        span = 0.0
-        gaps = 0
-        for r in s.rounds:
-            rounds_total += 1
-            t = r.first_token - r.input_ready
-            (ttft_init if r.round == 0 else ttft_incr).append(t)
-            if t > slo.ttft_s + EPS_S:
-                ok_t = False
-            if r.local:
-                local += 1
-            else:
-                remote += 1
-            tokens += r.n_tokens
-            if r.n_tokens >= 2:
-                span += r.last_token - r.first_token
-                gaps += r.n_tokens - 1
-        ok_i = gaps == 0 or span / gaps <= slo.itl_s + EPS_S
-        ttft_ok_n += ok_t
-        itl_ok_n += ok_i
-        if s.completed:
-            completed += 1
-            attained += ok_t and ok_i
-            if s.rounds:
-                e2e.append(s.rounds[-1].last_token - s.arrival)
-    vals, wts = res.itl_samples()
-    placed = local + remote
-    report.update({
-        "sessions": n,
-        "completed": completed,
-        "failed": n - completed,
-        "slo_attainment": attained / n if n else 0.0,
-        "goodput_rps": attained / duration,
-        "local_fraction": local / placed if placed else None,
-        "ttft_s": latency_summary(ttft_init + ttft_incr),
-        "ttft_initial_s": latency_summary(ttft_init),
-        "ttft_incremental_s": latency_summary(ttft_incr),
-        "itl_s": _weighted_summary(vals, wts),
-        "e2e_s": latency_summary(e2e),
-        "attained": attained,
-        "ttft_attainment": ttft_ok_n / n if n else 0.0,
-        "itl_attainment": itl_ok_n / n if n else 0.0,
-        "rounds": rounds_total,
-        "rounds_with_first_token": rounds_total,
-        "local_prefills": local,
-        "remote_prefills": remote,
-        "output_tokens": tokens,
-        "output_tokens_per_s": tokens / duration,
-        "errors": ({"unfinished at the end of the simulation": n - completed} if n - completed else {}),
-    })
-    return report
+        sid = s.session_id
+        rounds = tuple(
+            RoundRecord(sid, r.round, r.input_ready, r.first_token, (), r.local, 0, 0,
+                        r.n_tokens, r.last_token,
+                        r.last_token - r.first_token if r.n_tokens > 1 else 0.0,
+                        r.n_tokens - 1 if r.n_tokens > 1 else 0)
+            for r in s.rounds
+        )
+        append(SessionRecord(sid, s.arrival, rounds, s.completed, "" if s.completed else _UNFINISHED))
+    return out
 
 
 def sim_report(res: SimResult, slo, *, max_full_tokens: int = DEFAULT_MAX_FULL_TOKENS,
@@ -138,11 +66,14 @@ def sim_report(res: SimResult, slo, *, max_full_tokens: int = DEFAULT_MAX_FULL_T
     """The DESIGN section 8 report of a run (plus a ``"simulation"`` block of run statistics)."""
     from ampd.bench.report import build_report
 
+    d = res.duration_s
+    duration = d if d > 0 and math.isfinite(d) else 1e-9
     if total_tokens(res) <= max_full_tokens:
-        report = build_report(res.policy, to_session_records(res), slo, _duration(res))
+        report = build_report(res.policy, to_session_records(res), slo, duration)
         path = "full"
     else:
-        report = _compact_report(res, slo)
+        report = build_report(res.policy, to_compact_session_records(res), slo, duration,
+                              itl_samples=res.itl_samples())
         path = "compact"
     if extras:
         st = dict(res.stats)

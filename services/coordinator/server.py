@@ -150,6 +150,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         decide_ms = (time.perf_counter() - t0) * 1e3
         self.route_read_ms_total += view.read_s * 1e3
         self.counters[f"route_{decision.reason}"] += 1
+        await self.store.update_session(sid, {"round": need.round, "route": decision.reason,
+                                              "prefill_worker": decision.target})
         if not decision.local:
             target = self.cluster.infos.get(decision.target)
             try:

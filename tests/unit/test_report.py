@@ -137,3 +137,73 @@ def test_format_report():
     for label in ("ttft", "initial", "incremental", "itl", "e2e"):
         assert label in text
     assert "250.0 ms" in text and "worker died" in text
+
+
+# ------------------------------------------------------------------ compact rounds, weighted ITL
+def _compact(r: RoundRecord, with_aggregates=True) -> RoundRecord:
+    tt = r.token_times
+    n = len(tt)
+    kw = dict(n_tokens=n, last_token=tt[-1] if tt else None)
+    if with_aggregates and n >= 2:
+        kw.update(itl_sum=tt[-1] - tt[0], itl_count=n - 1)
+    return RoundRecord(r.session_id, r.round, r.input_ready, r.first_token, (), r.local, **kw)
+
+
+def _sessions():
+    return [
+        sess("a", 0.0, [rnd("a", 0, 0.0, 0.25, (0.125, 0.375), True), rnd("a", 1, 1.0, 1.5, (0.25,), False)]),
+        sess("b", 0.1, [rnd("b", 0, 0.1, 0.4, (0.1, 0.2, 0.3), False)]),
+        sess("c", 0.2, [rnd("c", 0, 0.2, 0.9)], completed=False, error="worker died"),
+        sess("d", 0.3, [rnd("d", 0, 0.3, 0.5, (0.5,), None)]),
+    ]
+
+
+@pytest.mark.parametrize("with_aggregates", [True, False])
+def test_compact_records_give_the_same_report(with_aggregates):
+    full = _sessions()
+    compact = [SessionRecord(s.session_id, s.arrival, tuple(_compact(r, with_aggregates) for r in s.rounds),
+                             s.completed, s.error) for s in full]
+    gaps = np.concatenate([np.diff(r.token_times) for s in full for r in s.rounds if len(r.token_times) > 1])
+    a = build_report("p", full, SLOS, 4.0)
+    b = build_report("p", compact, SLOS, 4.0, itl_samples=(gaps, np.ones(gaps.size)))
+    assert list(a) == list(b)
+    for k, v in a.items():
+        if isinstance(v, dict) and "p50" in v:
+            for q in v:
+                assert b[k][q] == pytest.approx(v[q], rel=1e-12, abs=1e-12), (k, q)
+        else:
+            assert b[k] == v, k
+    for fs, cs in zip(full, compact):
+        vf, vc = judge_session(fs, SLOS), judge_session(cs, SLOS)
+        assert (vf.ttft_ok, vf.itl_ok, vf.attained) == (vc.ttft_ok, vc.itl_ok, vc.attained)
+        assert (vf.mean_itl is None) == (vc.mean_itl is None)
+        if vf.mean_itl is not None:
+            assert vc.mean_itl == pytest.approx(vf.mean_itl)
+    # without samples: the mean ITL is exact (each compact round's mean gap, weighted by its gaps)
+    c = build_report("p", compact, SLOS, 4.0)
+    assert c["itl_s"]["mean"] == pytest.approx(a["itl_s"]["mean"])
+    assert c["output_tokens"] == a["output_tokens"] and c["e2e_s"] == a["e2e_s"]
+
+
+def test_weighted_itl_samples_match_repeated_samples():
+    from ampd.bench.report import weighted_latency_summary
+
+    rng = np.random.default_rng(0)
+    v = rng.random(50)
+    w = rng.integers(0, 5, 50)
+    w[0] = 3
+    rep = np.repeat(v, w)
+    got = weighted_latency_summary(v, w)
+    want = latency_summary(rep)
+    for q in want:
+        assert got[q] == pytest.approx(want[q], rel=1e-12), q
+    assert weighted_latency_summary([], [])["p50"] is None
+    assert weighted_latency_summary([1.0], [0.0])["mean"] is None
+    with pytest.raises(ValueError):
+        weighted_latency_summary([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError):
+        weighted_latency_summary([1.0], [-1.0])
+    s = [sess("a", 0.0, [rnd("a", 0, 0.0, 0.1, (0.2,))])]
+    r = build_report("p", s, SLOS, 1.0, itl_samples=(v, w))
+    assert r["itl_s"] == got
+    assert r["slo_attainment"] == 1.0  # verdicts use the session's own gaps, not the samples
