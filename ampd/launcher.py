@@ -228,7 +228,7 @@ class Deployment:
 
         return (f"policy {self.opts.policy}, profile {self.opts.profile}, engine {self.opts.engine}, "
                 f"prefill {groups(self.prefill_tps)}, decode {groups(self.decode_tps)}, "
-                f"redis {self.redis_url}, logs {self.run_dir}")
+                f"redis {self.redis_url or 'private (started here)'}, logs {self.run_dir}")
 
 
 def _spec(value: str) -> str:
