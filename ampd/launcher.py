@@ -77,6 +77,7 @@ class Options:
     window: float = 10.0
     reorder_window: int = 3
     seed: int = 0
+    slack: str = ""  # Algorithm 1 slack rule; "" = the policy's default
     tools: list[str] = field(default_factory=list)
     run_dir: str = ""
     extra_worker_args: list[str] = field(default_factory=list)
@@ -188,7 +189,7 @@ class Deployment:
                 py, "-m", "services.prefill", "--worker-id", f"prefill-{i}", "--tp", str(tp), *worker]))
         self._wait_ready(workers)
         coord = self._spawn("coordinator", [py, "-m", "services.coordinator", *common, "--port", str(o.port),
-                                             "--seed", str(o.seed)])
+                                             "--seed", str(o.seed), *(["--slack", o.slack] if o.slack else [])])
         self.coordinator = f"{o.host}:{self._wait_ready([coord])['coordinator']}"
         return self
 
@@ -246,7 +247,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
                    engine=args.engine, redis_url=args.redis_url, ttft_slo=args.ttft_slo,
                    itl_slo=args.itl_slo, host=args.host, port=args.port, namespace=args.namespace,
                    window=args.window, reorder_window=args.reorder_window, seed=args.seed,
-                   tools=list(args.tool), run_dir=args.run_dir)
+                   slack=args.slack, tools=list(args.tool), run_dir=args.run_dir)
 
 
 def add_deployment_args(p: argparse.ArgumentParser) -> None:
@@ -263,7 +264,10 @@ def add_deployment_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--namespace", default="ampd", help="Redis key prefix")
     p.add_argument("--window", type=float, default=10.0, help="statistics window, seconds")
     p.add_argument("--reorder-window", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the router's random visiting order")
+    p.add_argument("--slack", default="", choices=["", "window", "queue"],
+                   help="Algorithm 1 slack rule: 'window' is the paper's, 'queue' (ampd's default) also "
+                        "checks the task's predicted TTFT")
     p.add_argument("--tool", action="append", default=[], help="sidecar tool NAME=module:function")
     p.add_argument("--run-dir", default="", help="where logs go (default: a new temp folder)")
 

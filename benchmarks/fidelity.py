@@ -70,9 +70,15 @@ def trace(case: Case) -> list[Session]:
     return generate(PRESET, rate=case.rate, duration=case.duration, seed=case.seed)
 
 
-def options(policy: str, redis_url: str = "", run_dir: str = "", namespace: str = "fidelity") -> Options:
+def slo() -> SLO:
+    return SLO(TTFT_SLO_S, ITL_SLO_S)
+
+
+def options(policy: str, redis_url: str = "", run_dir: str = "", namespace: str = "fidelity",
+            slo_: SLO | None = None) -> Options:
+    s = slo_ or slo()
     return Options(prefill=PREFILL, decode=DECODE, profile=PROFILE, policy=policy, redis_url=redis_url,
-                   namespace=namespace, ttft_slo=TTFT_SLO_S, itl_slo=ITL_SLO_S, window=WINDOW_S,
+                   namespace=namespace, ttft_slo=s.ttft_s, itl_slo=s.itl_s, window=WINDOW_S,
                    seed=SEED, run_dir=run_dir)
 
 
@@ -88,22 +94,25 @@ def warm_up(address: str) -> None:
         raise RuntimeError(f"warm-up failed: {stats.errors[:2]}")
 
 
-def run_live(address: str, sessions: list[Session], policy: str, *, settle_s: float = WINDOW_S + 0.5) -> dict:
+def run_live(address: str, sessions: list[Session], policy: str, *, slo_: SLO | None = None,
+             settle_s: float = WINDOW_S + 0.5) -> dict:
     """Replays ``sessions`` on a running deployment; returns the build_report report. Waits
     ``settle_s`` first so that the workers' windows hold nothing from an earlier run."""
     time.sleep(settle_s)
     records, stats, wall, labels = asyncio.run(replay(address, sessions, progress=False, timeout_s=300))
     if labels.get("policy") not in (None, policy):
         raise RuntimeError(f"deployment runs policy {labels.get('policy')!r}, expected {policy!r}")
-    rep = build_report(policy, records, SLO(TTFT_SLO_S, ITL_SLO_S), wall)
+    rep = build_report(policy, records, slo_ or slo(), wall)
     rep["errors_sample"] = stats.errors[:3]
     return rep
 
 
-def run_sim(sessions: list[Session], policy: str) -> dict:
+def run_sim(sessions: list[Session], policy: str, *, slo_: SLO | None = None):
+    """(report, SimResult) of the same trace on the simulated deployment (full report path)."""
+    s = slo_ or slo()
     res = simulate(sessions, load_profile(PROFILE), policy=policy, prefill=PREFILL, decode=DECODE,
-                   ttft_slo_s=TTFT_SLO_S, itl_slo_s=ITL_SLO_S, seed=SEED, window_s=WINDOW_S)
-    return sim_report(res, SLO(TTFT_SLO_S, ITL_SLO_S), max_full_tokens=10**12)
+                   ttft_slo_s=s.ttft_s, itl_slo_s=s.itl_s, seed=SEED, window_s=WINDOW_S)
+    return sim_report(res, s, max_full_tokens=10**12), res
 
 
 def _rel(live: float | None, sim: float | None) -> float | None:
@@ -157,7 +166,7 @@ def run_cases(cases, policies, *, redis_url: str = "", run_dir: str = "", log=pr
                 t0 = time.monotonic()
                 live = run_live(dep.coordinator, sessions, policy)
                 live_s = time.monotonic() - t0
-                sim = run_sim(sessions, policy)
+                sim, _ = run_sim(sessions, policy)
                 cmp = compare(live, sim)
                 row = {"policy": policy, "case": case.name, "rate": case.rate, "duration_s": case.duration,
                        "trace_seed": case.seed, "live_wall_s": round(live_s, 2), **cmp,

@@ -1,9 +1,12 @@
 """Simulator speed: GAIA-preset sessions on 32 GPUs (P tp8*2 + D tp8*2, the paper's top GAIA plan).
 
-    python benchmarks/sim_speed.py [--sessions 100000] [--rate 0.3] [--policy ampd]
+    python benchmarks/sim_speed.py [--sessions 100000] [--rates 0.04,0.3] [--policy ampd]
 
-Writes benchmarks/results/sim_speed.json (wall seconds of the simulation alone, sessions/s,
-events, and the report's headline numbers) with the command that made it.
+One run per rate: 0.04 sessions/s is a load this deployment sustains (decode ~72 % busy, no KV
+overcommit, the run ends with the last arrivals); 0.3 sessions/s is ~15x overloaded (KV runs out,
+the backlog takes ~5M virtual seconds to drain). Writes benchmarks/results/sim_speed.json (wall
+and CPU seconds of the simulation alone, wall seconds of the report, sessions/s, events, and the report's headline
+numbers) with the command that made it.
 """
 from __future__ import annotations
 
@@ -20,50 +23,67 @@ from ampd.sim import Simulator, SimConfig, sim_report
 from ampd.workload import generate
 
 
+def one_run(a, prof, rate: float) -> dict:
+    t = time.perf_counter()
+    sessions = generate("gaia", rate, a.sessions / rate, 1)
+    gen_s = time.perf_counter() - t
+    cfg = SimConfig(profile=prof, policy=a.policy, prefill=a.prefill, decode=a.decode,
+                    ttft_slo_s=a.ttft_slo, itl_slo_s=a.itl_slo)
+    t = time.perf_counter()
+    c = time.process_time()
+    res = Simulator(cfg).run(sessions)
+    sim_cpu_s = time.process_time() - c
+    sim_s = time.perf_counter() - t
+    t = time.perf_counter()
+    rep = sim_report(res, SLO(a.ttft_slo, a.itl_slo), extras=False)
+    rep_s = time.perf_counter() - t
+    st = res.stats
+    return {
+        "preset": "gaia", "rate": rate, "sessions": len(sessions),
+        "rounds": sum(len(s.rounds) for s in sessions),
+        "output_tokens": rep["output_tokens"],
+        "profile": prof.name, "policy": a.policy, "prefill": a.prefill, "decode": a.decode, "gpus": st["gpus"],
+        "generate_s": gen_s, "simulate_s": sim_s, "simulate_cpu_s": sim_cpu_s, "report_s": rep_s,
+        "sessions_per_s": len(sessions) / sim_s, "events": st["events"],
+        "decode_steps": sum(st["decode_steps"]), "virtual_s": st["sim_end_s"],
+        "last_arrival_s": max((s.arrival for s in sessions), default=0.0),
+        "decode_busy_fraction": [round(x, 3) for x in st["decode_busy_fraction"]],
+        "prefill_busy_fraction": [round(x, 3) for x in st["prefill_busy_fraction"]],
+        "kv_overcommits": st["kv_overcommits"],
+        "slo_attainment": rep["slo_attainment"], "local_fraction": rep["local_fraction"],
+        "ttft_p50_s": rep["ttft_s"]["p50"], "ttft_p99_s": rep["ttft_s"]["p99"], "itl_p50_s": rep["itl_s"]["p50"],
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sessions", type=int, default=100_000)
-    ap.add_argument("--rate", type=float, default=0.3, help="Poisson arrival rate, sessions/s")
+    ap.add_argument("--rates", default="0.04,0.3",
+                    help="comma-separated Poisson arrival rates, sessions/s (one run each)")
     ap.add_argument("--policy", default="ampd")
     ap.add_argument("--profile", default="llama3.1-70b@h20")
     ap.add_argument("--prefill", default="tp8*2")
     ap.add_argument("--decode", default="tp8*2")
     ap.add_argument("--ttft-slo", type=float, default=5.0)
     ap.add_argument("--itl-slo", type=float, default=0.1)
+    ap.add_argument("--note", default="", help="free text stored with the results (load on the box, ...)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "sim_speed.json"))
     a = ap.parse_args()
     prof = load_profile(a.profile)
-    t = time.perf_counter()
-    sessions = generate("gaia", a.rate, a.sessions / a.rate, 1)
-    gen_s = time.perf_counter() - t
-    cfg = SimConfig(profile=prof, policy=a.policy, prefill=a.prefill, decode=a.decode,
-                    ttft_slo_s=a.ttft_slo, itl_slo_s=a.itl_slo)
-    t = time.perf_counter()
-    res = Simulator(cfg).run(sessions)
-    sim_s = time.perf_counter() - t
-    t = time.perf_counter()
-    rep = sim_report(res, SLO(a.ttft_slo, a.itl_slo), extras=False)
-    rep_s = time.perf_counter() - t
-    st = res.stats
+    runs = []
+    for rate in (float(x) for x in a.rates.split(",") if x.strip()):
+        runs.append(one_run(a, prof, rate))
+        print(json.dumps(runs[-1], indent=2), flush=True)
     out = {
         "command": "python " + " ".join(sys.argv),
         "machine": f"{platform.processor() or platform.machine()}, Python {platform.python_version()}, one core",
-        "preset": "gaia", "rate": a.rate, "sessions": len(sessions),
-        "rounds": sum(len(s.rounds) for s in sessions),
-        "output_tokens": rep["output_tokens"],
-        "profile": prof.name, "policy": a.policy, "prefill": a.prefill, "decode": a.decode, "gpus": st["gpus"],
-        "generate_s": gen_s, "simulate_s": sim_s, "report_s": rep_s,
-        "sessions_per_s": len(sessions) / sim_s, "events": st["events"],
-        "decode_steps": sum(st["decode_steps"]), "virtual_s": st["sim_end_s"],
-        "kv_overcommits": st["kv_overcommits"],
-        "slo_attainment": rep["slo_attainment"], "local_fraction": rep["local_fraction"],
-        "ttft_p50_s": rep["ttft_s"]["p50"], "itl_p50_s": rep["itl_s"]["p50"],
+        "note": a.note,
+        "runs": runs,
     }
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w", encoding="utf-8") as f:
         json.dump(out, f, indent=2)
         f.write("\n")
-    print(json.dumps(out, indent=2))
     return 0
 
 

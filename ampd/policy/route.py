@@ -42,6 +42,10 @@ POLICY_LOCAL = "policy-local"
 THRESHOLD_LOCAL = "threshold-local"
 THRESHOLD_REMOTE = "threshold-remote"
 
+# How Algorithm 1's first two rungs judge slack: "window" (the paper: windowed means only) or
+# "queue" (also the task's own predicted TTFT from the published queues; docs/policies.md).
+SLACK_RULES = ("window", "queue")
+
 
 @runtime_checkable
 class Router(Protocol):
@@ -94,14 +98,24 @@ class AdaptiveRouter:
        ties go to local, then to the lowest worker id.
     With no prefill workers at all the prefill runs locally (``no-prefill-workers``).
 
+    ``slack="queue"`` (our extension, see docs/policies.md) also asks each slack test for the
+    task's own predicted TTFT: a prefill worker has slack only if Eq. (2) ``t_remote`` is within
+    ``alpha * slo.ttft_s`` too, and the decode worker only if Eq. (1) ``t_local`` is. The windowed
+    means see finished tasks of the last window only, so under a growing backlog they lag; the
+    queues the workers publish do not. ``slack="window"`` is the paper's rule exactly.
+
     The random order is drawn lazily (a Fisher-Yates shuffle stopped at the first slack worker),
     over the positions of ``prefills``: callers pass workers in a stable order (e.g. sorted by id)
     so that a seed reproduces the same decisions live and in the simulator.
     """
 
-    __slots__ = ("name", "cost", "slo", "alpha", "beta", "seed", "_rng", "_ttft_limit", "_itl_limit")
+    __slots__ = ("name", "cost", "slo", "alpha", "beta", "seed", "slack", "_rng", "_ttft_limit", "_itl_limit")
 
-    def __init__(self, cost: CostModel, slo: SLO, *, seed: int = 0, alpha: float = 0.9, beta: float = 0.85):
+    def __init__(self, cost: CostModel, slo: SLO, *, seed: int = 0, alpha: float = 0.9, beta: float = 0.85,
+                 slack: str = "window"):
+        if slack not in SLACK_RULES:
+            raise ValueError(f"slack must be one of {', '.join(SLACK_RULES)}, got {slack!r}")
+        self.slack = slack
         if not alpha > 0:
             raise ValueError(f"alpha must be > 0, got {alpha!r}")
         if not beta > 0:
@@ -132,6 +146,7 @@ class AdaptiveRouter:
 
         # Rung 1: first prefill worker with TTFT slack, in a seeded random visiting order.
         limit = self._ttft_limit
+        queue_rule = self.slack == "queue"
         est["ttft_limit"] = limit
         rand = self._rng.random
         pos = list(range(n))
@@ -141,26 +156,29 @@ class AdaptiveRouter:
                 pos[i], pos[j] = pos[j], pos[i]
             p = prefills[pos[i]]
             w = p.window_mean_s
-            if w is None:
-                return RouteDecision(p.worker_id, False, PREFILL_SLACK, est)
-            est["ttft_window:" + p.worker_id] = w
-            if w <= limit:
+            if w is not None:
+                est["ttft_window:" + p.worker_id] = w
+            if (w is None or w <= limit) and (not queue_rule or self._t_remote(req, decode, p, est) <= limit):
                 return RouteDecision(p.worker_id, False, PREFILL_SLACK, est)
 
         # Rung 2: the bound decode worker has ITL slack.
-        est["itl_limit"] = self._itl_limit
-        w = decode.window_mean_s
-        if w is None:
-            return RouteDecision(decode.worker_id, True, DECODE_SLACK, est)
-        est["itl_window"] = w
-        if w <= self._itl_limit:
-            return RouteDecision(decode.worker_id, True, DECODE_SLACK, est)
-
-        # Rung 3: cost model, Eq. (1) against Eq. (2) for every prefill worker.
         cost = self.cost
         l_hist = req.l_hist
         l_incr = req.l_incr
         dtp = decode.tp
+        est["itl_limit"] = self._itl_limit
+        w = decode.window_mean_s
+        if w is not None:
+            est["itl_window"] = w
+        if w is None or w <= self._itl_limit:
+            if not queue_rule:
+                return RouteDecision(decode.worker_id, True, DECODE_SLACK, est)
+            t_local = cost.t_pre(dtp, l_hist, l_incr) + decode.queue_predicted_s
+            est["t_local"] = t_local
+            if t_local <= limit:
+                return RouteDecision(decode.worker_id, True, DECODE_SLACK, est)
+
+        # Rung 3: cost model, Eq. (1) against Eq. (2) for every prefill worker.
         t_local = cost.t_pre(dtp, l_hist, l_incr) + decode.queue_predicted_s
         est["t_local"] = t_local
         best_t = t_local
@@ -187,6 +205,18 @@ class AdaptiveRouter:
                 best_id = wid
                 best_local = False
         return RouteDecision(best_id, best_local, COST_MODEL, est)
+
+
+    def _t_remote(self, req: PrefillRequest, decode: WorkerView, p: WorkerView, est: dict[str, float]) -> float:
+        """Eq. (2) for one prefill worker: queue + compute + history KV in + new KV back."""
+        cost = self.cost
+        t = cost.t_pre(p.tp, req.l_hist, req.l_incr) + p.queue_predicted_s
+        if req.l_hist:
+            t += cost.t_kv(req.l_hist, decode.tp, p.tp)
+        if req.l_incr:
+            t += cost.t_kv(req.l_incr, p.tp, decode.tp)
+        est["t_remote:" + p.worker_id] = t
+        return t
 
 
 class RemoteRouter:
@@ -260,10 +290,12 @@ def make_router(
     alpha: float = 0.9,
     beta: float = 0.85,
     threshold_tokens: int = 1000,
+    slack: str | None = None,
     **opts: object,
 ) -> Router:
     """Build a router by router name (``ROUTERS``) or by policy name (``POLICIES``, resolved
-    through ``policy_spec(name).router``). Unknown names or options raise ``ValueError``."""
+    through ``policy_spec(name).router``; the policy also sets the default ``slack`` rule).
+    Unknown names or options raise ``ValueError``."""
     if opts:
         raise ValueError(f"make_router: unknown option(s) {', '.join(sorted(opts))}")
     kind = name
@@ -275,9 +307,12 @@ def make_router(
                 f"unknown router {name!r}; valid routers: {', '.join(ROUTERS)}; "
                 f"valid policies: {', '.join(POLICIES)}"
             )
-        kind = policy_spec(kind).router
+        spec = policy_spec(kind)
+        kind = spec.router
+        if slack is None:
+            slack = spec.slack
     if kind == "adaptive":
-        return AdaptiveRouter(cost, slo, seed=seed, alpha=alpha, beta=beta)
+        return AdaptiveRouter(cost, slo, seed=seed, alpha=alpha, beta=beta, slack=slack or "window")
     if kind == "remote":
         return RemoteRouter()
     if kind == "local":

@@ -33,15 +33,17 @@ class PolicySpec:
     kv_pin_ttl_s: float | None = None
     chunked_local_prefill: bool = False
     description: str = ""
+    slack: str = "window"  # Algorithm 1's slack rule (ampd.policy.route.SLACK_RULES)
 
 
 _SPECS: dict[str, PolicySpec] = {
     s.name: s
     for s in (
-        PolicySpec("ampd", "adaptive", "ttft-aware", "ttft-aware", True,
-                   description="AMPD: adaptive routing (Alg. 1) + TTFT-aware reordering (Alg. 2) on every queue"),
-        PolicySpec("ampd-noreorder", "adaptive", "fcfs", "fcfs", True,
-                   description="AMPD routing (Alg. 1) with FCFS queues (ablation)"),
+        PolicySpec("ampd", "adaptive", "ttft-aware", "ttft-aware", True, slack="queue",
+                   description="AMPD: adaptive routing (Alg. 1, queue-aware slack) + TTFT-aware reordering "
+                               "(Alg. 2) on every queue"),
+        PolicySpec("ampd-noreorder", "adaptive", "fcfs", "fcfs", True, slack="queue",
+                   description="AMPD routing (Alg. 1, queue-aware slack) with FCFS queues (ablation)"),
         PolicySpec("remote", "remote", "fcfs", "fcfs", True,
                    description="Dynamo-style disaggregation: every prefill on the least-loaded prefill worker, FCFS"),
         PolicySpec("local", "local", "fcfs", "fcfs", True,

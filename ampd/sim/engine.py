@@ -200,7 +200,7 @@ class _Decode:
                  "exit_at", "exit_heap", "step_idx", "log", "last_end", "step_new", "step_ft",
                  "seg_t0", "seg_A", "seg_g", "seg_m", "seg_ver", "seg_flushed", "cut",
                  "kv_cap", "kv_used", "live", "kv_wait", "new_wait", "wait_need", "evictable", "win", "nic", "busy_s",
-                 "qver", "vq_ver", "vq", "vpred", "view", "v_mean", "v_free")
+                 "qver", "qlen", "vq_ver", "vq", "vpred", "view", "v_mean", "v_free", "wadds", "m_adds", "m_t0", "m_mean")
 
     def __init__(self, idx, tp, queue, kv_cap, window_s):
         self.idx = idx
@@ -239,17 +239,24 @@ class _Decode:
         # routing-view cache: ``qver`` counts pushes/pops of ``queue``; the queue snapshot
         # (``vq``, ``vpred``) is rebuilt only when it changed, the view only when a field changed
         self.qver = 0
+        self.qlen = 0  # len(queue), kept by the simulator (cheaper than calling __len__)
         self.vq_ver = -1
         self.vq = ()
         self.vpred = 0.0
         self.view = None
         self.v_mean = None
         self.v_free = 0
+        # windowed-mean cache: ``wadds`` counts win.add calls; the mean last read (``m_mean``) holds
+        # while no sample was added (``m_adds``) and the oldest sample (``m_t0``) has not expired
+        self.wadds = 0
+        self.m_adds = -1
+        self.m_t0 = math.inf
+        self.m_mean = None
 
 
 class _Prefill:
     __slots__ = ("idx", "wid", "tp", "queue", "qpred", "busy", "win", "nic", "kv_cap", "busy_s", "tasks",
-                 "qver", "vq_ver", "view", "v_mean")
+                 "qver", "qlen", "vq_ver", "view", "v_mean", "wadds", "m_adds", "m_t0", "m_mean")
 
     def __init__(self, idx, tp, queue, kv_cap, window_s):
         self.idx = idx
@@ -264,9 +271,14 @@ class _Prefill:
         self.busy_s = 0.0
         self.tasks = 0
         self.qver = 0  # pushes/pops of ``queue`` (routing-view cache, as _Decode)
+        self.qlen = 0
         self.vq_ver = -1
         self.view = None
         self.v_mean = None
+        self.wadds = 0
+        self.m_adds = -1
+        self.m_t0 = math.inf
+        self.m_mean = None
 
 
 def policy_shape(name: str):
@@ -315,35 +327,74 @@ class SimResult:
         The first step of a run has one gap shared by the ``old`` sessions (it includes any prefill
         pause); step ``j >= 1`` of a run has the gap ``A + g*j`` shared by the whole batch (a long
         run's arithmetic series is summarised by ``SERIES_POINTS`` evenly spaced points carrying
-        equal weight); a round's first gap (first token -> its first step) is its own sample."""
+        equal weight); a round's first gap (first token -> its first step) is its own sample.
+        Vectorised with numpy (the same samples as a per-segment loop)."""
         import numpy as np
 
-        vals: list[float] = []
-        wts: list[float] = []
         P = self.SERIES_POINTS
-        for lg in self.step_logs:
-            for s in range(len(lg.lo)):
-                A, g, k, n, old = lg.A[s], lg.g[s], lg.k[s], lg.n[s], lg.old[s]
-                if old:
-                    vals.append(lg.t0[s] + A - lg.prev[s])
-                    wts.append(old)
-                if k > 1:
-                    if k - 1 <= P:
-                        for j in range(1, k):
-                            vals.append(A + g * j)
-                            wts.append(n)
-                    else:
-                        w = n * (k - 1) / P
-                        for i in range(P):
-                            j = 1 + (k - 2) * (i + 0.5) / P
-                            vals.append(A + g * j)
-                            wts.append(w)
+        vals: list = []
+        wts: list = []
+        logs = self.step_logs
+        for lg in logs:
+            if not len(lg.lo):
+                continue
+            t0 = np.frombuffer(lg.t0, dtype=np.float64)
+            A = np.frombuffer(lg.A, dtype=np.float64)
+            g = np.frombuffer(lg.g, dtype=np.float64)
+            k = np.frombuffer(lg.k, dtype=np.int64)
+            n = np.frombuffer(lg.n, dtype=np.int64).astype(np.float64)
+            old = np.frombuffer(lg.old, dtype=np.int64)
+            prev = np.frombuffer(lg.prev, dtype=np.float64)
+            m = old != 0
+            vals.append((t0[m] + A[m]) - prev[m])
+            wts.append(old[m].astype(np.float64))
+            # short runs: every step j = 1 .. k-1
+            sh = np.nonzero((k > 1) & (k - 1 <= P))[0]
+            if sh.size:
+                c = k[sh] - 1
+                idx = np.repeat(sh, c)
+                starts = np.cumsum(c) - c
+                j = (np.arange(idx.size) - np.repeat(starts, c) + 1).astype(np.float64)
+                vals.append(A[idx] + g[idx] * j)
+                wts.append(n[idx])
+            # long runs: P evenly spaced points of the series
+            lo_ = np.nonzero(k - 1 > P)[0]
+            if lo_.size:
+                kk = k[lo_].astype(np.float64)[:, None]
+                i = (np.arange(P, dtype=np.float64) + 0.5)[None, :]
+                j = 1 + (kk - 2) * i / P
+                vals.append((A[lo_][:, None] + g[lo_][:, None] * j).ravel())
+                wts.append(np.repeat(n[lo_] * (k[lo_] - 1) / P, P))
+        # each round's first gap: first token -> end of its first step
+        wk: list[int] = []
+        lo_idx: list[int] = []
+        ft: list[float] = []
         for sess in self.sessions:
             for r in sess.rounds:
                 if r.n_tokens > 1:
-                    vals.append(self.step_logs[r.worker].step_end(r.step_lo) - r.first_token)
-                    wts.append(1)
-        return np.asarray(vals, dtype=np.float64), np.asarray(wts, dtype=np.float64)
+                    wk.append(r.worker)
+                    lo_idx.append(r.step_lo)
+                    ft.append(r.first_token)
+        if wk:
+            wk_a = np.asarray(wk, dtype=np.int64)
+            lo_a = np.asarray(lo_idx, dtype=np.int64)
+            ft_a = np.asarray(ft, dtype=np.float64)
+            first = np.empty(ft_a.size)
+            for w in np.unique(wk_a):
+                sel = wk_a == w
+                lg = logs[int(w)]
+                LO = np.frombuffer(lg.lo, dtype=np.int64)
+                s = np.searchsorted(LO, lo_a[sel], side="right") - 1
+                jj = (lo_a[sel] - LO[s]).astype(np.float64)
+                T0 = np.frombuffer(lg.t0, dtype=np.float64)[s]
+                AA = np.frombuffer(lg.A, dtype=np.float64)[s]
+                GG = np.frombuffer(lg.g, dtype=np.float64)[s]
+                first[sel] = T0 + (jj + 1) * AA + GG * jj * (jj + 1) * 0.5
+            vals.append(first - ft_a)
+            wts.append(np.ones(ft_a.size))
+        if not vals:
+            return np.empty(0), np.empty(0)
+        return np.concatenate(vals).astype(np.float64), np.concatenate(wts).astype(np.float64)
 
     def token_times(self, rnd: SimRound) -> tuple[float, ...]:
         """Every token time of a round, first token included."""
@@ -390,7 +441,7 @@ class Simulator:
         self.decode_spec = format_spec(dec_groups)
         slo = SLO(ttft_s=cfg.ttft_slo_s, itl_s=cfg.itl_slo_s)
         self.slo = slo
-        self.router = make_router(spec.router, prof, slo, seed=cfg.seed, **cfg.router_options)
+        self.router = make_router(cfg.policy, prof, slo, seed=cfg.seed, **cfg.router_options)
         self._bind = bind
         w = cfg.window_s
         self.decodes = [
@@ -469,10 +520,10 @@ class Simulator:
         # ---- helpers (closures: local-variable access is the fastest in CPython)
         def decode_next(d: _Decode, now: float):
             nonlocal seq
-            q = d.queue
-            if len(q):
-                task = q.pop(now)
+            if d.qlen:
+                task = d.queue.pop(now)
                 d.qver += 1
+                d.qlen -= 1
                 st = live[task.session_id]
                 dur = t_pre(d.tp, task.l_hist, task.l_incr)
                 d.state = _PREFILLING
@@ -564,14 +615,16 @@ class Simulator:
                 gsum += n * ((upto - a) * A + g * (a + upto - 1) * (upto - a) * 0.5)
             cnt = n * (upto - d.seg_flushed)
             d.win.add(t0 + upto * A + g * (upto - 1) * upto * 0.5, gsum / cnt, cnt)
+            d.wadds += 1
             d.seg_flushed = upto
 
         def prefill_next(p: _Prefill, now: float):
             nonlocal seq
-            if p.busy or not len(p.queue):
+            if p.busy or not p.qlen:
                 return
             task = p.queue.pop(now)
             p.qver += 1
+            p.qlen -= 1
             st = live[task.session_id]
             d = st.dw
             lh = task.l_hist
@@ -713,11 +766,27 @@ class Simulator:
         pviews_static = not prefills
         self._flush = flush
 
+        window_s = cfg.window_s
+
+        def win_mean(x, now: float):
+            """x.win.mean(now), remembering when it can next change (an add, or the oldest sample
+            expiring: WindowedMean drops samples older than now - window_s)."""
+            w = x.win
+            mean = w.mean(now)
+            smp = w._samples
+            x.m_t0 = smp[0][0] if smp else math.inf
+            x.m_adds = x.wadds
+            x.m_mean = mean
+            return mean
+
         def decode_view(d: _Decode, now: float):
             """``Simulator._decode_view``, cached: the same WorkerView object while no field changed."""
             if d.state == _STEPPING:
                 flush(d, _steps_done(now - d.seg_t0, d.seg_A, d.seg_g, d.seg_m))
-            mean = d.win.mean(now)
+            if d.m_adds == d.wadds and d.m_t0 >= now - window_s:
+                mean = d.m_mean  # no sample added or expired since the last read
+            else:
+                mean = win_mean(d, now)
             free = d.kv_cap - d.kv_used - d.wait_need
             v = d.view
             if d.vq_ver != d.qver:
@@ -735,7 +804,10 @@ class Simulator:
 
         def prefill_view(p: _Prefill, now: float):
             """``Simulator._prefill_view``, cached likewise."""
-            mean = p.win.mean(now)
+            if p.m_adds == p.wadds and p.m_t0 >= now - window_s:
+                mean = p.m_mean
+            else:
+                mean = win_mean(p, now)
             v = p.view
             if p.vq_ver == p.qver and v is not None and mean == p.v_mean:
                 return v
@@ -764,6 +836,7 @@ class Simulator:
                 n_local += 1
                 d.queue.push(task)
                 d.qver += 1
+                d.qlen += 1
                 if d.state == _IDLE:
                     decode_next(d, now)
                 elif d.state == _STEPPING:
@@ -777,6 +850,7 @@ class Simulator:
                 n_remote += 1
                 p.queue.push(task)
                 p.qver += 1
+                p.qlen += 1
                 prefill_next(p, now)
 
         def arrive(s, now: float):
@@ -853,6 +927,7 @@ class Simulator:
                 p.busy = False
                 st.pw = None
                 p.win.add(now, now - st.ready, 1)
+                p.wadds += 1
                 first_token(st, now)
                 prefill_next(p, now)
             elif code == _LOCAL_DONE:

@@ -194,8 +194,8 @@ async def amain(args: argparse.Namespace) -> None:
     profile = load_profile(args.profile)
     spec = policy_spec(args.policy)
     slo = SLO(args.ttft_slo, args.itl_slo)
-    router = make_router(spec.router, profile, slo, seed=args.seed, alpha=args.alpha, beta=args.beta,
-                         threshold_tokens=args.threshold_tokens)
+    router = make_router(args.policy, profile, slo, seed=args.seed, alpha=args.alpha, beta=args.beta,
+                         threshold_tokens=args.threshold_tokens, slack=args.slack or None)
     store = StateStore(await connect(args.redis_url), args.namespace)
     service = CoordinatorService(store, router, args.policy, args.stats_mode)
     service.labels.update(profile=profile.name, ttft_slo=str(slo.ttft_s), itl_slo=str(slo.itl_s))
@@ -225,6 +225,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--beta", type=float, default=0.85)
     parser.add_argument("--threshold-tokens", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--slack", default="", choices=["", "window", "queue"],
+                        help="Algorithm 1 slack rule (default: the policy's; 'window' is the paper's)")
     parser.add_argument("--stats-mode", default="push", choices=["push", "read"],
                         help="push: follow workers' statistics on a Redis channel; read: HGETALL per decision")
     parser.add_argument("--ready-file", default="")

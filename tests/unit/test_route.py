@@ -266,3 +266,40 @@ def test_route_rejects_a_decode_view_of_another_worker():
     for r in (adaptive(), RemoteRouter(), LocalRouter(), ThresholdRouter()):
         with pytest.raises(ValueError, match="bound to 'd0'.*'d9'"):
             r.route(REQ, dw(0.0, wid="d9"), [pw("p0", None)], 0.0)
+
+
+# --- slack="queue": our extension; the task's own predicted TTFT must fit as well ---------------
+
+def queue_aware(seed=0):
+    return AdaptiveRouter(LinearCost(), SLO_, seed=seed, alpha=0.5, beta=0.5, slack="queue")
+
+
+def test_queue_slack_skips_a_prefill_worker_whose_backlog_breaks_the_ttft_limit():
+    # Both windows are within alpha * TTFT (1.0 s). p0's queue makes Eq. (2) 0.9 + 0.175 + 0.02 +
+    # 0.005 = 1.1 s > 1.0 s; p1's is 0.2 s. The paper's rule may pick p0; ours must pick p1.
+    prefills = [pw("p0", 0.2, q=0.9), pw("p1", 0.2, q=0.0)]
+    for seed in range(20):
+        d = queue_aware(seed).route(REQ, dw(0.01), prefills, 0.0)
+        assert (d.target, d.local, d.reason) == ("p1", False, PREFILL_SLACK)
+        assert d.estimates["t_remote:p1"] == pytest.approx(0.175 + 0.02 + 0.005)
+    picks = {adaptive(seed).route(REQ, dw(0.01), prefills, 0.0).target for seed in range(20)}
+    assert picks == {"p0", "p1"}  # the window-only rule cannot tell them apart
+
+
+def test_queue_slack_sends_to_decode_only_when_the_local_queue_fits():
+    prefills = [pw("p0", 0.2, q=5.0), pw("p1", 0.2, q=5.0)]  # both backlogged
+    d = queue_aware().route(REQ, dw(0.01, q=0.0), prefills, 0.0)  # t_local = 0.35 s
+    assert (d.target, d.local, d.reason) == ("d0", True, DECODE_SLACK)
+    assert d.estimates["t_local"] == pytest.approx(0.35)
+    d = queue_aware().route(REQ, dw(0.01, q=0.8), prefills, 0.0)  # t_local = 1.15 s > 1.0 s
+    assert d.reason == COST_MODEL and d.local  # still the cheapest: 1.15 < 5.2
+    assert d.estimates["t_remote:p0"] == pytest.approx(5.2)
+
+
+def test_ampd_policy_uses_queue_slack_and_the_paper_rule_stays_available():
+    assert make_router("ampd", LinearCost(), SLO_).slack == "queue"
+    assert make_router("ampd-noreorder", LinearCost(), SLO_).slack == "queue"
+    assert make_router("ampd", LinearCost(), SLO_, slack="window").slack == "window"
+    assert make_router("adaptive", LinearCost(), SLO_).slack == "window"
+    with pytest.raises(ValueError, match="slack"):
+        make_router("ampd", LinearCost(), SLO_, slack="psychic")
