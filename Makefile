@@ -7,7 +7,7 @@ AMPD := $(VENV)/bin/ampd
 PROTOS := $(wildcard proto/ampd/v1/*.proto)
 export NIXL_LOG_LEVEL ?= WARN
 
-.PHONY: venv proto test test-unit test-integration test-e2e demo bench lint clean
+.PHONY: venv proto test test-unit test-integration test-e2e demo bench paper lint clean
 
 venv: $(VENV)/.installed
 
@@ -40,6 +40,10 @@ demo: venv
 
 bench: venv
 	$(PY) -m benchmarks.run $(BENCH)
+
+# The paper's experiments on the simulator (not part of `make test`); results in benchmarks/results/paper/.
+paper: venv
+	$(PY) -m benchmarks.paper $(PAPER_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -78,6 +78,7 @@ class Options:
     reorder_window: int = 3
     seed: int = 0
     slack: str = ""  # Algorithm 1 slack rule; "" = the policy's default
+    chunked_prefill: bool = False  # decode workers chunk local prefills (beyond the paper)
     tools: list[str] = field(default_factory=list)
     run_dir: str = ""
     extra_worker_args: list[str] = field(default_factory=list)
@@ -183,7 +184,8 @@ class Deployment:
         for i, tp in enumerate(self.decode_tps):
             workers.append(self._spawn(f"decode-{i}", [
                 py, "-m", "services.decode", "--worker-id", f"decode-{i}", "--tp", str(tp), *worker,
-                "--sidecar", f"{o.host}:{sidecar_ports[f'sidecar-{i}']}"]))
+                "--sidecar", f"{o.host}:{sidecar_ports[f'sidecar-{i}']}",
+                *(["--chunked-prefill"] if o.chunked_prefill else [])]))
         for i, tp in enumerate(self.prefill_tps):
             workers.append(self._spawn(f"prefill-{i}", [
                 py, "-m", "services.prefill", "--worker-id", f"prefill-{i}", "--tp", str(tp), *worker]))
@@ -247,7 +249,8 @@ def options_from_args(args: argparse.Namespace) -> Options:
                    engine=args.engine, redis_url=args.redis_url, ttft_slo=args.ttft_slo,
                    itl_slo=args.itl_slo, host=args.host, port=args.port, namespace=args.namespace,
                    window=args.window, reorder_window=args.reorder_window, seed=args.seed,
-                   slack=args.slack, tools=list(args.tool), run_dir=args.run_dir)
+                   slack=args.slack, chunked_prefill=args.chunked_prefill, tools=list(args.tool),
+                   run_dir=args.run_dir)
 
 
 def add_deployment_args(p: argparse.ArgumentParser) -> None:
@@ -268,6 +271,8 @@ def add_deployment_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slack", default="", choices=["", "window", "queue"],
                    help="Algorithm 1 slack rule: 'window' is the paper's, 'queue' (ampd's default) also "
                         "checks the task's predicted TTFT")
+    p.add_argument("--chunked-prefill", action="store_true",
+                   help="decode workers split local prefills into chunks interleaved with decode steps")
     p.add_argument("--tool", action="append", default=[], help="sidecar tool NAME=module:function")
     p.add_argument("--run-dir", default="", help="where logs go (default: a new temp folder)")
 

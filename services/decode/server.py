@@ -111,7 +111,8 @@ async def amain(args: argparse.Namespace) -> None:
                        window=cfg.reorder_window)
     rt = WorkerRuntime(cfg, store, pool_for(profile, cfg), queue)
     sidecar = sidecar_pb2_grpc.ToolSidecarStub(grpcserver.channel(args.sidecar)) if args.sidecar else None
-    service.core = DecodeCore(rt, make_engine(cfg.engine, profile, cfg.tp), sidecar)
+    chunk = profile.prefill_chunk_tokens(cfg.tp) if args.chunked_prefill else 0
+    service.core = DecodeCore(rt, make_engine(cfg.engine, profile, cfg.tp), sidecar, chunk_tokens=chunk)
     service.core.start()
     await rt.start(sidecar=args.sidecar)
     write_ready_file(args.ready_file, port)
@@ -129,6 +130,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="ampd-decode", description="AMPD decode worker")
     add_worker_args(parser)
     parser.add_argument("--sidecar", default="", help="address of this worker's tool sidecar")
+    parser.add_argument("--chunked-prefill", action="store_true",
+                        help="split local prefills into chunks (size from the profile) interleaved with decode steps")
     args = parser.parse_args(argv)
     grpcserver.run(amain(args))
 

@@ -60,8 +60,11 @@ class Session:
 
 
 class DecodeCore:
-    def __init__(self, rt: WorkerRuntime, engine: Engine, sidecar_stub=None) -> None:
+    def __init__(self, rt: WorkerRuntime, engine: Engine, sidecar_stub=None, chunk_tokens: int = 0) -> None:
         self.rt = rt
+        # > 0: local prefills longer than this run in chunks interleaved with decode steps.
+        self.chunk_tokens = chunk_tokens
+        self.chunking: list | None = None  # [session, tokens done] of the chunked prefill running
         self.engine = engine
         self.sidecar = sidecar_stub
         self.sessions: dict[str, Session] = {}
@@ -72,7 +75,7 @@ class DecodeCore:
         self.metrics: dict[str, float] = {
             "sessions_opened": 0, "sessions_completed": 0, "sessions_failed": 0,
             "prefills_local": 0, "prefills_remote": 0, "decode_steps": 0, "tokens": 0,
-            "kv_bytes_verified": 0, "kv_bytes_mismatched": 0, "tool_calls": 0,
+            "kv_bytes_verified": 0, "kv_bytes_mismatched": 0, "tool_calls": 0, "prefill_chunks": 0,
         }
         self._tasks: list[asyncio.Task] = []
 
@@ -241,7 +244,12 @@ class DecodeCore:
     # ------------------------------------------------------------------------------- the loop
     async def _loop(self) -> None:
         while True:
-            if len(self.rt.queue):
+            if self.chunking is not None:
+                # Chunked local prefill: one chunk, then one decode step for the waiting batch.
+                await self._run_chunk()
+                if self.batch or self.joining:
+                    await self._step()
+            elif len(self.rt.queue):
                 await self._run_local_prefill()
             elif self.batch or self.joining:
                 await self._step()
@@ -255,11 +263,32 @@ class DecodeCore:
         s = self.sessions.get(task.session_id)
         if s is None or s.round != task.round:
             return  # the session ended while queued
+        if self.chunk_tokens and s.l_incr > self.chunk_tokens:
+            self.chunking = [s, 0]
+            return
         token = await self.engine.prefill(s.session_id, s.l_hist, s.l_incr, self.rt.pool, s.dest)
         if s.closed:
             return
         self.metrics["prefills_local"] += 1
         self.first_token(s, token, time.time(), True, self.rt.cfg.worker_id)
+
+    async def _run_chunk(self) -> None:
+        s, done = self.chunking
+        if s.closed:
+            self.chunking = None
+            return
+        n = min(self.chunk_tokens, s.l_incr - done)
+        start = s.l_hist + done
+        token = await self.engine.prefill(s.session_id, start, n, self.rt.pool, s.kv.segments(start, n))
+        done += n
+        self.metrics["prefill_chunks"] += 1
+        if done < s.l_incr:
+            self.chunking[1] = done
+            return
+        self.chunking = None
+        if not s.closed:
+            self.metrics["prefills_local"] += 1
+            self.first_token(s, token, time.time(), True, self.rt.cfg.worker_id)
 
     async def _step(self) -> None:
         if self.joining:
