@@ -109,3 +109,27 @@ def test_bad_session_fields_get_invalid_argument_and_others_keep_working(deploym
         await ch.close()
 
     asyncio.run(scenario())
+
+
+def test_every_service_serves_health_and_reflection(deployment, redis_url):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    from ampd.state import StateStore, connect
+
+    async def addresses():
+        store = StateStore(await connect(redis_url), "live")
+        infos = await store.workers()
+        await store.r.aclose()
+        return {i.worker_id: i.address for i in infos.values()} | {
+            f"sidecar-of-{i.worker_id}": i.sidecar for i in infos.values() if i.sidecar}
+
+    targets = {"coordinator": deployment.coordinator, **asyncio.run(addresses())}
+    assert len(targets) == 1 + 2 + 2 + 2
+    for name, address in targets.items():
+        with grpc.insecure_channel(address) as ch:
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING, name
+            services = set(ProtoReflectionDescriptorDatabase(ch).get_services())
+            assert "grpc.health.v1.Health" in services, name
+            assert any(s.startswith("ampd.v1.") for s in services), (name, services)
