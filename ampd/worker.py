@@ -17,7 +17,8 @@ from ampd.window import WindowedMean
 
 log = structlog.get_logger()
 
-STALE_AFTER_S = 3.0  # a worker whose stats are older than this is treated as gone
+STALE_AFTER_S = 10.0  # a worker whose stats are older than this is treated as gone (a loaded 2-core box
+# can delay a worker's 0.5 s heartbeat by seconds; a false "gone" fails sessions, a late one only delays)
 HEARTBEAT_S = 0.5
 
 

@@ -1,10 +1,11 @@
 """Simulator fidelity, small: one seeded trace replayed live (mock engines, 1 prefill + 1 decode
-worker, policy ampd) and simulated with the same profile, policy, SLO and window; both reports come
+worker, policy remote) and simulated with the same profile, policy, SLO and window; both reports come
 from build_report. The full version (three rates, two policies) is benchmarks/fidelity.py.
 
 Tolerances: SLO attainment within 5 points and ITL P50 within 10 % (the issue's). TTFT P50/P90:
 within 25 %, not the issue's 10 %: on this ~45-round trace the live TTFT P50 itself moves by ~20 %
-from run to run (0.88, 0.88, 1.00, 1.10 s in four runs against the model's 0.91 s; the order in
+from run to run (0.88, 0.88, 1.00, 1.10 s in four runs of an earlier ampd trace against the
+model's 0.91 s; the order in
 which rounds queue at the one prefill worker flips with ms-level timing), so 10 % or 15 % fail now
 and then. ITL P90: within 50 %, live slower; the issue's 10 % is NOT met on the loaded 2-core dev
 box: the live P90 gap is 12-33 % above the model in every run (scheduling jitter of the decode
@@ -12,14 +13,17 @@ worker's event loop; docs/fidelity.md "Known differences").
 Why the others hold reliably (docs/fidelity.md):
 - TP 1 of qwen3-32b@h20: prefill ~0.72 s per 1k tokens, a decode step ~22 ms. The live path adds
   ~15-90 ms to a round's TTFT and ~1 ms to a decode step (measured), a few % of these costs.
-- 12 sessions, so one session flipping would move attainment by 8 points: the trace seed and the
+- 11 sessions, so one session flipping would move attainment by 9 points: the trace seed and the
   TTFT SLO are chosen so that, in the simulation, every session's worst TTFT and its mean ITL are
   at least 15 % away from their thresholds (checked below), so a few-% timing difference cannot
   flip a verdict.
 - Percentiles of ~50 TTFTs are sensitive to the order in which rounds queue at the one prefill
   worker (a round ready 20 ms later can wait behind a 1-2 s prefill). This trace was picked because
-  its simulated TTFT P50/P90 move by < 4 % when arrivals and tool times are jittered by 0-60 ms
+  its simulated TTFT P50/P90 move by <= 5 % when arrivals and tool times are jittered by 0-60 ms
   (the live path's per-round overhead); many seeds move by 10-35 %.
+- Policy remote: its routing and FCFS queues do not change with the ampd router's tuning (the ampd
+  slack rule changed while this test was written and moved the simulated ampd result of the
+  first trace chosen); benchmarks/fidelity.py covers ampd.
 """
 from __future__ import annotations
 
@@ -34,9 +38,9 @@ ATTAINMENT_TOL_POINTS = 5.0
 LATENCY_TOL_REL = 0.10  # ITL P50
 TTFT_TOL_REL = 0.25     # TTFT P50/P90; see the module docstring
 ITL_P90_TOL_REL = 0.50  # one-sided (live slower); see the module docstring
-TTFT_SLO_S = 3.0        # with trace seed 35: no simulated session within 15 % of a threshold
-TRACE = fid.Case("medium", rate=0.4, duration=30.0, seed=35)
-POLICY = "ampd"
+TTFT_SLO_S = 3.0        # with trace seed 14: no simulated session within 15 % of a threshold
+TRACE = fid.Case("medium", rate=0.4, duration=30.0, seed=14)
+POLICY = "remote"
 MIN_SIM_MARGIN = 0.15
 
 
@@ -59,7 +63,8 @@ def test_simulator_matches_live_bench_on_one_trace(redis_url, tmp_path):
     assert len(sessions) >= 10
     sim, res = fid.run_sim(sessions, POLICY, slo_=SLO_)
     assert sim["completed"] == len(sessions)
-    # The premise of a 5-point bound on 11 sessions (see the module docstring).
+    # The premise of a 5-point bound on 11 sessions (see the module docstring). If this fails, the
+    # simulator's result for this trace changed: pick a trace/SLO with margins again.
     assert _sim_margin(res) >= MIN_SIM_MARGIN
 
     with Deployment(fid.options(POLICY, redis_url, str(tmp_path), namespace="fidelity-test",
@@ -81,5 +86,5 @@ def test_simulator_matches_live_bench_on_one_trace(redis_url, tmp_path):
     assert abs(cmp["itl_p50"]["rel_diff"]) <= LATENCY_TOL_REL, report
     itl90 = cmp["itl_p90"]
     assert itl90["sim_s"] * (1 - LATENCY_TOL_REL) <= itl90["live_s"] <= itl90["sim_s"] * (1 + ITL_P90_TOL_REL), report
-    # Both sides make the same kind of routing decisions (ampd keeps some prefills local here).
-    assert cmp["local_fraction"]["sim"] is not None and cmp["local_fraction"]["live"] is not None
+    # Policy remote: every prefill on the prefill worker, on both sides.
+    assert cmp["local_fraction"]["sim"] == cmp["local_fraction"]["live"] == 0.0
