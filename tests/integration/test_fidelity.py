@@ -57,6 +57,7 @@ def _sim_margin(res) -> float:
     return margin
 
 
+@pytest.mark.fidelity
 @pytest.mark.timeout(240)
 def test_simulator_matches_live_bench_on_one_trace(redis_url, tmp_path):
     sessions = fid.trace(TRACE)

@@ -1,0 +1,177 @@
+"""Markdown tables from benchmarks/results/paper/*.json (used to write docs/paper-results.md).
+
+    python -m benchmarks.paper_tables [--out benchmarks/results/paper] > /tmp/tables.md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+
+SHORT = {"llama3.1-70b@h20": "Llama3.1-70B", "qwen3-32b@h20": "Qwen3-32B", "mixtral-8x7b@h20": "Mixtral-8x7B"}
+
+
+def pct(x, nd=0):
+    if x is None:
+        return "n/a"
+    if isinstance(x, float) and math.isinf(x):
+        return "inf"
+    return f"{x * 100:.{nd}f}"
+
+
+def g(x):
+    if x is None:
+        return "n/a"
+    if math.isinf(x):
+        return "inf"
+    return f"{x:+.1f}%"
+
+
+def load(d, name):
+    p = os.path.join(d, name)
+    if not os.path.exists(p):
+        return None
+    with open(p) as f:
+        return json.load(f)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results/paper")
+    a = ap.parse_args()
+    d = a.out
+    slo = load(d, "slo.json")
+    if slo:
+        print("### SLO thresholds\n")
+        print(f"Rule: {slo['rule']}\n")
+        print("| model | preset | P / D (Table 2 #1) | P90 standalone prefill (s) | median initial prefill (s) "
+              "| TTFT_thres (s) | ITL_thres (ms) | sessions feasible on an idle cluster |")
+        print("|---|---|---|---|---|---|---|---|")
+        for k, v in slo["slos"].items():
+            print(f"| {SHORT[v['model']]} | {v['preset']} | {v['prefill']} / {v['decode']} | "
+                  f"{v['p90_standalone_prefill_s']:.2f} | {v['median_initial_prefill_s']:.2f} | {v['ttft_s']:.2f} | "
+                  f"{v['itl_s'] * 1000:.1f} | {v['idle_feasible_sessions'] * 100:.1f}% |")
+        print()
+    sw = load(d, "sweep.json")
+    if sw:
+        print("### Deployments chosen for the baselines\n")
+        print("| model | preset | colocated | continuum | remote-best (of Table 2 top-3) |")
+        print("|---|---|---|---|---|")
+        cc = sw["coloc_choice"]
+        keys = sorted({k.rsplit("|", 1)[0] for k in cc}, key=lambda s: s)
+        for k in keys:
+            m, p = k.split("|")
+            def fmt(pol):
+                c = cc[f"{k}|{pol}"]
+                opts = ", ".join(f"{s} {v * 100:.0f}" for s, v in c["mean_attainment_by_spec"].items())
+                return f"**{c.get('decode') or c.get('deployment')}** ({opts})"
+            print(f"| {SHORT[m]} | {p} | {fmt('colocated')} | {fmt('continuum')} | {fmt('remote-best')} |")
+        print()
+        print("### SLO attainment (%) per rate (means over seeds)\n")
+        print("| model | preset | rate (sess/s) | ampd | ampd-noreorder | ampd-window (paper slack) | remote | "
+              "remote-best | colocated | continuum | AMPD best? |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for e in sw["table"]:
+            best = max(e[x] for x in ("remote", "remote-best", "colocated", "continuum"))
+            mark = "yes" if e["ampd"] >= best - 1e-9 else f"**no** (-{(best - e['ampd']) * 100:.1f} pts)"
+            print(f"| {SHORT[e['model']]} | {e['preset']} | {e['rate']} | **{pct(e['ampd'], 1)}** | "
+                  f"{pct(e['ampd-noreorder'], 1)} | {pct(e['ampd-window'], 1)} | {pct(e['remote'], 1)} | "
+                  f"{pct(e['remote-best'], 1)} | {pct(e['colocated'], 1)} | {pct(e['continuum'], 1)} | {mark} |")
+        print()
+        print("### Average gains of AMPD\n")
+        print("| baseline | mean relative gain | median | max | min | points (finite / baseline 0, AMPD > 0 / both 0) "
+              "| mean absolute gain (pts) | points where AMPD is worse |")
+        print("|---|---|---|---|---|---|---|---|")
+        for b, v in sw["gains"].items():
+            print(f"| {b} | {g(v['mean_rel_pct'])} | {g(v['median_rel_pct'])} | {g(v['max_rel_pct'])} | "
+                  f"{g(v['min_rel_pct'])} | {v['points_finite']} / {v['points_baseline_zero_ampd_positive']} / "
+                  f"{v['points_both_zero']} | {v['mean_abs_pts']:+.1f} | {v['ampd_worse_points']} |")
+        print()
+        print("### Per model x preset: AMPD's relative gain (mean / worst / best over the rates)\n")
+        print("| model | preset | vs remote | vs remote-best | vs colocated | vs continuum |")
+        print("|---|---|---|---|---|---|")
+        per = {b: sw["gains"][b]["per_model_preset"] for b in ("remote", "remote-best", "colocated", "continuum")}
+        for k in per["remote"]:
+            m, p = k.split("|")
+            cells = []
+            for b in ("remote", "remote-best", "colocated", "continuum"):
+                v = per[b][k]
+                inf = f" (+{v['inf_points']} pts vs 0)" if v["inf_points"] else ""
+                cells.append(f"{g(v['mean_rel_pct'])} / {g(v['min_rel_pct'])} / {g(v['max_rel_pct'])}{inf}")
+            print(f"| {SHORT[m]} | {p} | " + " | ".join(cells) + " |")
+        print()
+    br = load(d, "breakdown.json")
+    if br:
+        print("### Breakdown at the middle rate\n")
+        print("| model | preset | rate | policy | deployment | SLO att. | TTFT ok | ITL ok | TTFT init mean (s) | "
+              "TTFT incr mean (s) | ITL mean (ms) | ITL p99 (ms) | local |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for o in br["rows"]:
+            print(f"| {SHORT[o['model']]} | {o['preset']} | {o['rate']} | {o['policy']} | {o['deployment']} | "
+                  f"{pct(o['slo_attainment'])} | {pct(o['ttft_attainment'])} | {pct(o['itl_attainment'])} | "
+                  f"{o['ttft_initial_mean_s']:.2f} | {o['ttft_incremental_mean_s']:.2f} | {o['itl_mean_s'] * 1000:.1f} | "
+                  f"{o['itl_p99_s'] * 1000:.0f} | {pct(o['local_fraction'])} |")
+        print()
+    ab = load(d, "ablation.json")
+    if ab:
+        print("### Ablation at the middle rate\n")
+        print("| model | preset | rate | remote | + routing (ampd-noreorder) | + reordering (ampd) | routing gain | "
+              "reorder extra | both | AMPD local share |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for o in ab["rows"]:
+            if not o["middle"]:
+                continue
+            print(f"| {SHORT[o['model']]} | {o['preset']} | {o['rate']} | {pct(o['att_remote'], 1)} | "
+                  f"{pct(o['att_ampd-noreorder'], 1)} | {pct(o['att_ampd'], 1)} | {g(o['routing_gain_pct'])} | "
+                  f"{g(o['reorder_extra_pct'])} | {g(o['both_pct'])} | {pct(o['ampd_local_fraction'], 1)} |")
+        print()
+    ls = load(d, "local_share.json")
+    if ls:
+        print("### AMPD local share by rate\n")
+        print("| model | preset | local share per rate (rate: %) |")
+        print("|---|---|---|")
+        for k, v in ls["ampd_local_fraction_by_rate"].items():
+            m, p = k.split("|")
+            print(f"| {SHORT[m]} | {p} | " + ", ".join(f"{r}: {x * 100:.1f}" for r, x in v.items()) + " |")
+        print()
+    se = load(d, "sensitivity.json")
+    if se:
+        print(f"### Sensitivity ({se['model']}, {se['preset']}, seeds {se['seeds']})\n")
+        for slack in ("queue", "window"):
+            for param in ("w", "alpha", "beta"):
+                rows = [o for o in se["rows"] if o["slack"] == slack and o["param"] == param]
+                vals = sorted({o["value"] for o in rows})
+                print(f"slack={slack}, {param}:\n")
+                print("| rate | " + " | ".join(str(v) for v in vals) + " | band (pts) |")
+                print("|---|" + "---|" * (len(vals) + 1))
+                for rate in se["rates"]:
+                    xs = [[o for o in rows if o["rate"] == rate and o["value"] == v][0]["slo_attainment"] for v in vals]
+                    print(f"| {rate} | " + " | ".join(pct(x, 1) for x in xs) +
+                          f" | {(max(xs) - min(xs)) * 100:.1f} |")
+                print()
+    kv = load(d, "kv_ratio.json")
+    if kv:
+        print("### T_kv / T_pre of incremental prefills\n")
+        print(f"Formula: {kv['formula']}; by tokens = {kv['by_tokens']}.\n")
+        b = kv["buckets"]
+        print("| model | preset | set | n | by | " + " | ".join(b) + " | median ratio |")
+        print("|---|---|---|---|---|" + "---|" * len(b) + "---|")
+        for k, v in kv["results"].items():
+            m, p = k.split("|")
+            for setname in ("all_incremental", "ampd_remote_incremental"):
+                s = v[setname]
+                if not s["n"]:
+                    continue
+                for how in ("tasks", "tokens"):
+                    print(f"| {SHORT[m]} | {p} | {setname} | {s['n']} | {how} | " +
+                          " | ".join(pct(s[f'by_{how}'][x], 1) for x in b) + f" | {s['median_ratio'] * 100:.2f}% |")
+        print()
+    meta = load(d, "run_meta.json")
+    if meta:
+        print(f"Run: `{' '.join(meta['argv'])}`; timings {meta['timings_s']}, total {meta['total_s']} s; "
+              f"chunked prefill in simulator: {meta['chunked_prefill_in_simulator']}")
+
+
+if __name__ == "__main__":
+    main()
