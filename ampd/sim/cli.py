@@ -33,6 +33,10 @@ def register(subparsers) -> None:
                    help="serialize concurrent KV transfers on each worker's NIC (default off)")
     p.add_argument("--queue-window", type=int, default=3, metavar="W",
                    help="lookahead window w of the TTFT-aware queue (default 3)")
+    p.add_argument("--chunked-prefill", action="store_true",
+                   help="decode workers split local prefills into chunks interleaved with decode steps")
+    p.add_argument("--slack", choices=["window", "queue"], default=None,
+                   help="Algorithm 1 slack rule (default: the policy's; 'window' is the paper's)")
     p.set_defaults(func=run)
 
 
@@ -94,7 +98,8 @@ def run(args) -> int:
         raise CliError(f"{args.trace}: the trace has no sessions")
     cfg = SimConfig(profile=profile, policy=args.policy, prefill=pre, decode=dec, ttft_slo_s=ttft,
                     itl_slo_s=itl, seed=args.seed, window_s=window, kv_contention=args.kv_contention,
-                    queue_window=args.queue_window)
+                    queue_window=args.queue_window, chunked_prefill=args.chunked_prefill,
+                    router_options={"slack": args.slack} if args.slack else {})
     try:
         sim = Simulator(cfg)
         res = sim.run(sessions)

@@ -36,6 +36,7 @@ _REMOTE_DONE = 2
 _COMPUTE_DONE = 3
 _ROUND_READY = 4
 _PIN_EXPIRED = 5
+_LOCAL_CHUNK = 6  # one chunk of a chunked local prefill ended
 
 # decode-worker states
 _IDLE = 0
@@ -57,6 +58,7 @@ class SimConfig:
     window_s: float = 10.0
     kv_contention: bool = False
     queue_window: int = 3
+    chunked_prefill: bool = False  # local prefills in chunks interleaved with decode steps
     router_options: dict = field(default_factory=dict)
 
 
@@ -200,7 +202,8 @@ class _Decode:
                  "exit_at", "exit_heap", "step_idx", "log", "last_end", "step_new", "step_ft",
                  "seg_t0", "seg_A", "seg_g", "seg_m", "seg_ver", "seg_flushed", "cut",
                  "kv_cap", "kv_used", "live", "kv_wait", "new_wait", "wait_need", "evictable", "win", "nic", "busy_s",
-                 "qver", "qlen", "vq_ver", "vq", "vpred", "view", "v_mean", "v_free", "wadds", "m_adds", "m_t0", "m_mean")
+                 "qver", "qlen", "vq_ver", "vq", "vpred", "view", "v_mean", "v_free", "wadds", "m_adds", "m_t0", "m_mean",
+                 "chunk", "chunk_step_due")
 
     def __init__(self, idx, tp, queue, kv_cap, window_s):
         self.idx = idx
@@ -236,6 +239,8 @@ class _Decode:
         self.win = WindowedMean(window_s)
         self.nic = 0.0
         self.busy_s = 0.0
+        self.chunk: list | None = None  # [session, tokens done] of the chunked local prefill
+        self.chunk_step_due = False  # a chunk just ended: one decode step comes next
         # routing-view cache: ``qver`` counts pushes/pops of ``queue``; the queue snapshot
         # (``vq``, ``vpred``) is rebuilt only when it changed, the view only when a field changed
         self.qver = 0
@@ -465,6 +470,9 @@ class Simulator:
             if c is not None:
                 self.ctx_coef[tp] = c
         self.gpus = sum(tp * r for tp, r in (*pre_groups, *dec_groups))
+        # chunked local prefill (beyond the paper): chunk size per TP from the profile, as live
+        self.chunk_tokens = ({tp: int(prof.prefill_chunk_tokens(tp)) for tp in {*expand_spec(dec_groups)}}
+                             if cfg.chunked_prefill else {})
 
     # ----------------------------------------------------------------- views for the policy cores
     def _decode_view(self, d: _Decode, now: float):
@@ -494,6 +502,7 @@ class Simulator:
         t_dec = prof.t_dec
         t_kv = prof.t_kv
         ctx_coef = self.ctx_coef
+        chunk_tokens = self.chunk_tokens
         contention = cfg.kv_contention
         decodes = self.decodes
         prefills = self.prefills
@@ -518,13 +527,32 @@ class Simulator:
         ids_seen: set = set()
 
         # ---- helpers (closures: local-variable access is the fastest in CPython)
+        def run_chunk(d: _Decode, now: float):
+            nonlocal seq
+            st, done = d.chunk
+            n = min(chunk_tokens[d.tp], st.l_incr - done)
+            dur = t_pre(d.tp, st.l_hist + done, n)
+            d.chunk[1] = done + n
+            d.chunk_step_due = True
+            d.state = _PREFILLING
+            d.busy_s += dur
+            seq += 1
+            push(heap, (now + dur, seq, _LOCAL_CHUNK, st))
+
         def decode_next(d: _Decode, now: float):
             nonlocal seq
-            if d.qlen:
+            if d.chunk is not None and not (d.chunk_step_due and (d.batch_n or d.pending)):
+                run_chunk(d, now)
+                return
+            if d.qlen and d.chunk is None:
                 task = d.queue.pop(now)
                 d.qver += 1
                 d.qlen -= 1
                 st = live[task.session_id]
+                if chunk_tokens and task.l_incr > chunk_tokens[d.tp]:
+                    d.chunk = [st, 0]
+                    run_chunk(d, now)
+                    return
                 dur = t_pre(d.tp, task.l_hist, task.l_incr)
                 d.state = _PREFILLING
                 d.busy_s += dur
@@ -557,9 +585,10 @@ class Simulator:
             if n:
                 A = t_dec(d.tp, n, d.ctx_sum)
                 c = ctx_coef.get(d.tp)
-                if c is None:
+                if c is None or d.chunk is not None:  # one step between two prefill chunks
                     m = 1
-                    g = 0.0
+                    g = 0.0 if c is None else c * n
+                    d.chunk_step_due = False
                 else:
                     # a run of steps up to the next exit from the batch (cut short when a session
                     # joins or a local prefill arrives: see interrupt())
@@ -930,6 +959,16 @@ class Simulator:
                 p.wadds += 1
                 first_token(st, now)
                 prefill_next(p, now)
+            elif code == _LOCAL_CHUNK:
+                st = obj
+                d = st.dw
+                d.state = _IDLE
+                if d.chunk[1] >= st.l_incr:
+                    d.chunk = None
+                    d.chunk_step_due = False
+                    first_token(st, now)
+                if d.state == _IDLE:
+                    decode_next(d, now)
             elif code == _LOCAL_DONE:
                 st = obj
                 d = st.dw
@@ -985,11 +1024,12 @@ class Simulator:
 
 def simulate(sessions: Iterable, profile, *, policy: str, prefill="none", decode="tp1*1",
              ttft_slo_s: float = 1.0, itl_slo_s: float = 0.1, seed: int = 0, window_s: float = 10.0,
-             kv_contention: bool = False, queue_window: int = 3, **router_options) -> SimResult:
+             kv_contention: bool = False, queue_window: int = 3, chunked_prefill: bool = False,
+             **router_options) -> SimResult:
     """Run ``sessions`` (``ampd.workload.Session``s) on a deployment; see ``SimConfig``."""
     cfg = SimConfig(profile=profile, policy=policy, prefill=prefill, decode=decode,
                     ttft_slo_s=ttft_slo_s, itl_slo_s=itl_slo_s, seed=seed, window_s=window_s,
                     kv_contention=kv_contention, queue_window=queue_window,
-                    router_options=router_options)
+                    chunked_prefill=chunked_prefill, router_options=router_options)
     sess = list(sessions)
     return Simulator(cfg).run(sess)

@@ -264,3 +264,28 @@ def test_cli_errors(tmp_path, capsys, args, msg):
     assert _cli(argv) == 2
     err = capsys.readouterr().err
     assert msg in err and err.count("\n") == 1
+
+
+def test_chunked_local_prefill_interleaves_decode_steps():
+    """A long local prefill in chunks: the co-batched session keeps getting tokens (no gap as long
+    as the whole prefill), the long prompt's first token comes later than unchunked, and the
+    tokens of every round still all come out."""
+    from ampd.perf import load_profile
+    from ampd.sim import simulate
+    from ampd.workload import Round, Session
+
+    prof = load_profile("qwen3-32b@h20")
+    sessions = [Session("decoder", 0.0, (Round(input=200, output=300),)),
+                Session("long", 0.5, (Round(input=6000, output=5),))]
+    runs = {}
+    for chunked in (False, True):
+        res = simulate(sessions, prof, policy="local", decode="tp2*1", ttft_slo_s=10, itl_slo_s=1,
+                       chunked_prefill=chunked)
+        by_id = {s.session_id: s for s in res.sessions}
+        gaps = res.itl_gaps(by_id["decoder"].rounds[0])
+        runs[chunked] = (max(gaps), by_id["long"].rounds[0].ttft, by_id["decoder"].rounds[0].n_tokens)
+    whole = prof.t_pre(2, 0, 6000)
+    assert runs[False][0] >= whole  # unchunked: the decoder waits out the whole prefill
+    assert runs[True][0] < 0.5 * whole
+    assert runs[True][1] > runs[False][1]  # chunking delays the long prompt's first token
+    assert runs[True][2] == runs[False][2] == 300
