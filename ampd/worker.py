@@ -67,6 +67,9 @@ class WorkerRuntime:
         self.transport = NixlTransport(self.agent_name, pool)
         self.window = WindowedMean(cfg.window_s)
         self.active_sessions = 0
+        # Predicted end (unix time) of the prefill in service: its remaining time counts as queued
+        # work in queue_predicted_s, so a worker that just started a long prefill is not "empty".
+        self.busy_until = 0.0
         self.extra: dict = {}
         self._dirty = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -95,7 +98,7 @@ class WorkerRuntime:
             queue=tuple(
                 (t.session_id, t.round, t.l_hist, t.l_incr, t.enqueued_at) for t in self.queue.tasks()
             ),
-            queue_predicted_s=self.queue.predicted_total(),
+            queue_predicted_s=self.queue.predicted_total() + max(0.0, self.busy_until - now),
             kv_free_tokens=self.pool.free_tokens,
             active_sessions=self.active_sessions,
             extra=self.extra,

@@ -203,7 +203,7 @@ class _Decode:
                  "seg_t0", "seg_A", "seg_g", "seg_m", "seg_ver", "seg_flushed", "cut",
                  "kv_cap", "kv_used", "live", "kv_wait", "new_wait", "wait_need", "evictable", "win", "nic", "busy_s",
                  "qver", "qlen", "vq_ver", "vq", "vpred", "view", "v_mean", "v_free", "wadds", "m_adds", "m_t0", "m_mean",
-                 "chunk", "chunk_step_due")
+                 "chunk", "chunk_step_due", "busy_until")
 
     def __init__(self, idx, tp, queue, kv_cap, window_s):
         self.idx = idx
@@ -241,6 +241,7 @@ class _Decode:
         self.busy_s = 0.0
         self.chunk: list | None = None  # [session, tokens done] of the chunked local prefill
         self.chunk_step_due = False  # a chunk just ended: one decode step comes next
+        self.busy_until = 0.0  # predicted end of the local prefill in service (counts as queued work)
         # routing-view cache: ``qver`` counts pushes/pops of ``queue``; the queue snapshot
         # (``vq``, ``vpred``) is rebuilt only when it changed, the view only when a field changed
         self.qver = 0
@@ -260,7 +261,7 @@ class _Decode:
 
 
 class _Prefill:
-    __slots__ = ("idx", "wid", "tp", "queue", "qpred", "busy", "win", "nic", "kv_cap", "busy_s", "tasks",
+    __slots__ = ("idx", "wid", "tp", "queue", "qpred", "busy", "busy_until", "win", "nic", "kv_cap", "busy_s", "tasks",
                  "qver", "qlen", "vq_ver", "view", "v_mean", "wadds", "m_adds", "m_t0", "m_mean")
 
     def __init__(self, idx, tp, queue, kv_cap, window_s):
@@ -270,6 +271,7 @@ class _Prefill:
         self.queue = queue
         self.qpred = 0.0
         self.busy = False
+        self.busy_until = 0.0  # predicted end of the task in service (its residual counts as queued work)
         self.win = WindowedMean(window_s)
         self.nic = 0.0
         self.kv_cap = kv_cap
@@ -535,6 +537,7 @@ class Simulator:
             d.chunk[1] = done + n
             d.chunk_step_due = True
             d.state = _PREFILLING
+            d.busy_until = now + dur
             d.busy_s += dur
             seq += 1
             push(heap, (now + dur, seq, _LOCAL_CHUNK, st))
@@ -555,6 +558,7 @@ class Simulator:
                     return
                 dur = t_pre(d.tp, task.l_hist, task.l_incr)
                 d.state = _PREFILLING
+                d.busy_until = now + dur
                 d.busy_s += dur
                 seq += 1
                 push(heap, (now + dur, seq, _LOCAL_DONE, st))
@@ -672,11 +676,13 @@ class Simulator:
                 else:
                     rend = now
                 st.write_s = write
+                p.busy_until = rend + comp + write
                 p.busy_s += rend - now + comp
                 seq += 1
                 push(heap, (rend + comp, seq, _COMPUTE_DONE, st))
             else:
                 dur = read + comp + write
+                p.busy_until = now + dur
                 p.busy_s += dur
                 seq += 1
                 push(heap, (now + dur, seq, _REMOTE_DONE, st))
@@ -818,14 +824,15 @@ class Simulator:
                 mean = win_mean(d, now)
             free = d.kv_cap - d.kv_used - d.wait_need
             v = d.view
+            residual = d.busy_until - now if d.state == _PREFILLING and d.busy_until > now else 0.0
             if d.vq_ver != d.qver:
                 d.vq = tuple(d.queue.tasks())
                 d.vpred = d.queue.predicted_total()
                 d.vq_ver = d.qver
-            elif v is not None and mean == d.v_mean and free == d.v_free:
+            elif v is not None and mean == d.v_mean and free == d.v_free and not residual:
                 return v
             v = WorkerView(worker_id=d.wid, kind="decode", tp=d.tp, window_mean_s=mean, queue=d.vq,
-                           kv_free_tokens=free, queue_predicted_s=d.vpred)
+                           kv_free_tokens=free, queue_predicted_s=d.vpred + residual)
             d.view = v
             d.v_mean = mean
             d.v_free = free
@@ -838,11 +845,12 @@ class Simulator:
             else:
                 mean = win_mean(p, now)
             v = p.view
-            if p.vq_ver == p.qver and v is not None and mean == p.v_mean:
+            residual = p.busy_until - now if p.busy and p.busy_until > now else 0.0
+            if p.vq_ver == p.qver and v is not None and mean == p.v_mean and not residual:
                 return v
             v = WorkerView(worker_id=p.wid, kind="prefill", tp=p.tp, window_mean_s=mean,
                            queue=tuple(p.queue.tasks()), kv_free_tokens=p.kv_cap,
-                           queue_predicted_s=p.queue.predicted_total())
+                           queue_predicted_s=p.queue.predicted_total() + residual)
             p.view = v
             p.v_mean = mean
             p.vq_ver = p.qver

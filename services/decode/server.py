@@ -112,7 +112,8 @@ async def amain(args: argparse.Namespace) -> None:
     rt = WorkerRuntime(cfg, store, pool_for(profile, cfg), queue)
     sidecar = sidecar_pb2_grpc.ToolSidecarStub(grpcserver.channel(args.sidecar)) if args.sidecar else None
     chunk = profile.prefill_chunk_tokens(cfg.tp) if args.chunked_prefill else 0
-    service.core = DecodeCore(rt, make_engine(cfg.engine, profile, cfg.tp), sidecar, chunk_tokens=chunk)
+    service.core = DecodeCore(rt, make_engine(cfg.engine, profile, cfg.tp), sidecar, chunk_tokens=chunk,
+                              cost=profile)
     service.core.start()
     await rt.start(sidecar=args.sidecar)
     write_ready_file(args.ready_file, port)

@@ -60,8 +60,10 @@ class Session:
 
 
 class DecodeCore:
-    def __init__(self, rt: WorkerRuntime, engine: Engine, sidecar_stub=None, chunk_tokens: int = 0) -> None:
+    def __init__(self, rt: WorkerRuntime, engine: Engine, sidecar_stub=None, chunk_tokens: int = 0,
+                 cost=None) -> None:
         self.rt = rt
+        self.cost = cost  # the profile: predicts the local prefill in service (queue_predicted_s)
         # > 0: local prefills longer than this run in chunks interleaved with decode steps.
         self.chunk_tokens = chunk_tokens
         self.chunking: list | None = None  # [session, tokens done] of the chunked prefill running
@@ -266,7 +268,13 @@ class DecodeCore:
         if self.chunk_tokens and s.l_incr > self.chunk_tokens:
             self.chunking = [s, 0]
             return
-        token = await self.engine.prefill(s.session_id, s.l_hist, s.l_incr, self.rt.pool, s.dest)
+        if self.cost is not None:
+            self.rt.busy_until = time.time() + self.cost.t_pre(self.rt.cfg.tp, s.l_hist, s.l_incr)
+            self.rt.changed()
+        try:
+            token = await self.engine.prefill(s.session_id, s.l_hist, s.l_incr, self.rt.pool, s.dest)
+        finally:
+            self.rt.busy_until = 0.0
         if s.closed:
             return
         self.metrics["prefills_local"] += 1

@@ -67,7 +67,7 @@ async def amain(args: argparse.Namespace) -> None:
     queue = make_queue(spec.prefill_queue or "fcfs", profile, SLO(cfg.ttft_slo_s, cfg.itl_slo_s), cfg.tp,
                        window=cfg.reorder_window)
     rt = WorkerRuntime(cfg, store, pool_for(profile, cfg), queue)
-    service.core = PrefillCore(rt, make_engine(cfg.engine, profile, cfg.tp))
+    service.core = PrefillCore(rt, make_engine(cfg.engine, profile, cfg.tp), cost=profile)
     service.core.start()
     await rt.start()
     await rt.sync_peers()

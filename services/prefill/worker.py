@@ -20,9 +20,10 @@ def segs(pb) -> list[Segment]:
 
 
 class PrefillCore:
-    def __init__(self, rt: WorkerRuntime, engine: Engine) -> None:
+    def __init__(self, rt: WorkerRuntime, engine: Engine, cost=None) -> None:
         self.rt = rt
         self.engine = engine
+        self.cost = cost  # the profile: predicts the task in service (queue_predicted_s)
         self.tasks: dict[tuple[str, int], prefill_pb2.PrefillTask] = {}
         self.wake = asyncio.Event()
         self.metrics: dict[str, float] = {
@@ -60,7 +61,15 @@ class PrefillCore:
             q = self.rt.queue.pop(time.time())
             self.rt.changed()
             task = self.tasks.pop((q.session_id, q.round))
-            await self._run(task)
+            if self.cost is not None:
+                c = self.cost
+                self.rt.busy_until = time.time() + c.t_pre(self.rt.cfg.tp, task.l_hist, task.l_incr) + (
+                    c.t_kv(task.l_hist, task.decode_tp, self.rt.cfg.tp) if task.l_hist else 0.0) + (
+                    c.t_kv(task.l_incr, self.rt.cfg.tp, task.decode_tp))
+            try:
+                await self._run(task)
+            finally:
+                self.rt.busy_until = 0.0
 
     async def _run(self, task: prefill_pb2.PrefillTask) -> None:
         rt = self.rt
