@@ -71,7 +71,7 @@ TABLE2_ALT = {
 # "ampd" uses our default queue-aware slack (docs/policies.md).
 DISAGG = ["ampd", "ampd-noreorder", "ampd-window", "remote"]
 COLOC = ["colocated", "continuum"]
-SWEEP_POLICIES = DISAGG + ["remote-best"] + COLOC
+SWEEP_POLICIES = DISAGG + ["remote-best", "ampd-best"] + COLOC
 PAPER_POLICIES = ["ampd", "remote", "colocated", "continuum"]  # Figure 3's four lines
 
 # ---- SLO rule (one rule for every model x preset, fixed before any sweep was run) ---------------
@@ -204,7 +204,28 @@ def run_point(job: dict) -> dict:
         "kv_evictions": rep["simulation"].get("kv_evictions", 0),
         "wall_s": round(time.time() - t0, 3),
     })
-    # mean per-session ITL (the quantity the SLO judges) over sessions
+    if job.get("itl_stats"):
+        from ampd.sim.records import to_session_records
+        tt, itl = slo["ttft_s"], slo["itl_s"]
+        ok = {"mean": 0, "p90": 0, "p99": 0, "max": 0}
+        n = 0
+        for s in to_session_records(res):
+            n += 1
+            ttft_ok = s.completed and all(r.first_token is not None and r.first_token - r.input_ready <= tt + 1e-9
+                                          for r in s.rounds)
+            gaps = np.concatenate([np.diff(r.token_times) for r in s.rounds if len(r.token_times) > 1] or
+                                  [np.zeros(0)])
+            if not ttft_ok:
+                continue
+            if gaps.size == 0:
+                for k in ok:
+                    ok[k] += 1
+                continue
+            ok["mean"] += gaps.mean() <= itl + 1e-9
+            ok["p90"] += np.percentile(gaps, 90) <= itl + 1e-9
+            ok["p99"] += np.percentile(gaps, 99) <= itl + 1e-9
+            ok["max"] += gaps.max() <= itl + 1e-9
+        out["attainment_by_itl_stat"] = {k: v / max(n, 1) for k, v in ok.items()}
     if job.get("want_remote_rounds"):
         rr = []
         for s in res.sessions:
@@ -321,8 +342,9 @@ def part_sweep(ctx):
                         jobs.append(dict(model=m, preset=p, policy=pol, rate=rate, duration=dur, seed=seed,
                                          prefill=pre, decode=dec, slo=ctx.slos[key]))
                     for pre, dec in TABLE2_ALT[(m, p)]:
-                        jobs.append(dict(model=m, preset=p, policy="remote", rate=rate, duration=dur, seed=seed,
-                                         prefill=pre, decode=dec, slo=ctx.slos[key]))
+                        for pol in ("remote", "ampd"):
+                            jobs.append(dict(model=m, preset=p, policy=pol, rate=rate, duration=dur, seed=seed,
+                                             prefill=pre, decode=dec, slo=ctx.slos[key]))
                     for pol in COLOC:
                         for spec in coloc_candidates(m, p):
                             jobs.append(dict(model=m, preset=p, policy=pol, rate=rate, duration=dur,
@@ -355,14 +377,15 @@ def part_sweep(ctx):
                 best = max(cands, key=lambda d: (np.mean(cands[d]), -tp_of(d)))
                 chosen[f"{m}|{p}|{pol}"] = {"decode": best, "mean_attainment_by_spec":
                                             {d: float(np.mean(v)) for d, v in cands.items()}}
-            # remote-best: the best of Table 2's top-3 deployments under the remote policy
-            cands = {}
-            for r in rows:
-                if r["model"] == m and r["preset"] == p and r["policy"] == "remote":
-                    cands.setdefault(f"{r['prefill']}|{r['decode']}", []).append(r["slo_attainment"])
-            best = max(cands, key=lambda d: np.mean(cands[d]))
-            chosen[f"{m}|{p}|remote-best"] = {"deployment": best, "mean_attainment_by_spec":
-                                              {d: float(np.mean(v)) for d, v in cands.items()}}
+            # remote-best / ampd-best: the best of Table 2's top-3 deployments under that policy
+            for base in ("remote", "ampd"):
+                cands = {}
+                for r in rows:
+                    if r["model"] == m and r["preset"] == p and r["policy"] == base:
+                        cands.setdefault(f"{r['prefill']}|{r['decode']}", []).append(r["slo_attainment"])
+                best = max(cands, key=lambda d: np.mean(cands[d]))
+                chosen[f"{m}|{p}|{base}-best"] = {"deployment": best, "mean_attainment_by_spec":
+                                                  {d: float(np.mean(v)) for d, v in cands.items()}}
     final = []
     t1 = {(m, p): TABLE2[(m, p)] for m in ctx.models for p in ctx.presets}
     for r in rows:
@@ -370,13 +393,13 @@ def part_sweep(ctx):
         if r["policy"] in COLOC:
             if r["decode"] == chosen[key3]["decode"]:
                 final.append(r)
-        elif r["policy"] == "remote":
+        elif r["policy"] in ("remote", "ampd"):
             dep = f"{r['prefill']}|{r['decode']}"
             if (r["prefill"], r["decode"]) == t1[(r["model"], r["preset"])]:
                 final.append(r)
-            if dep == chosen[f"{r['model']}|{r['preset']}|remote-best"]["deployment"]:
+            if dep == chosen[f"{r['model']}|{r['preset']}|{r['policy']}-best"]["deployment"]:
                 rb = dict(r)
-                rb["policy"] = "remote-best"
+                rb["policy"] = f"{r['policy']}-best"
                 final.append(rb)
         else:
             final.append(r)
@@ -416,7 +439,7 @@ def gain_table(ctx, rows):
                 e["ampd_best"] = all(e["ampd"] >= e[b] - 1e-9 for b in ("remote", "colocated", "continuum"))
                 table.append(e)
     gains = {}
-    for base in ("remote", "remote-best", "colocated", "continuum", "ampd-window"):
+    for base in ("remote", "remote-best", "colocated", "continuum", "ampd-window", "ampd-best"):
         rel, inf_n, both0, diffs = [], 0, 0, []
         for e in table:
             g = rel_gain(e["ampd"], e[base])
@@ -455,22 +478,24 @@ def plot_fig3(ctx, rows):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     styles = {"ampd": ("C3", "o", "-"), "remote": ("C0", "s", "-"), "colocated": ("C2", "^", "-"),
-              "continuum": ("C1", "v", "-"), "remote-best": ("C0", "s", ":"), "ampd-noreorder": ("C4", "x", ":"),
+              "continuum": ("C1", "v", "-"), "remote-best": ("C0", "s", ":"), "ampd-best": ("C3", "o", ":"), "ampd-noreorder": ("C4", "x", ":"),
               "ampd-window": ("C3", "d", "--")}
     fig, axes = plt.subplots(len(ctx.models), len(ctx.presets),
                              figsize=(4 * len(ctx.presets), 3.2 * len(ctx.models)), squeeze=False)
     for i, m in enumerate(ctx.models):
         for j, p in enumerate(ctx.presets):
             ax = axes[i][j]
-            for pol in ["ampd", "ampd-window", "remote", "remote-best", "colocated", "continuum"]:
+            for pol in ["ampd", "ampd-best", "ampd-window", "remote", "remote-best", "colocated", "continuum"]:
                 pts = sorted((r["rate"], r["slo_attainment"]) for r in rows
                              if r["model"] == m and r["preset"] == p and r["policy"] == pol)
                 if not pts:
                     continue
                 c, mk, ls = styles[pol]
                 lab = pol if pol not in COLOC else f"{pol} ({_coloc_label(rows, m, p, pol)})"
-                if pol == "remote-best":
-                    lab = f"remote-best ({_dep_label(rows, m, p, pol)})"
+                if pol in ("remote-best", "ampd-best"):
+                    if _dep_label(rows, m, p, pol) == _dep_label(rows, m, p, pol.split("-")[0]):
+                        continue  # same deployment as the top-1 line
+                    lab = f"{pol} ({_dep_label(rows, m, p, pol)})"
                 ax.plot([x for x, _ in pts], [y * 100 for _, y in pts], color=c, marker=mk, ls=ls, label=lab)
             ax.set_title(f"{SHORT[m]} / {p} ({GPUS[p]} GPUs)", fontsize=9)
             ax.set_ylim(-3, 103)
@@ -674,6 +699,102 @@ def part_sensitivity(ctx):
     print(f"  wrote {path}", flush=True)
 
 
+def part_itlrule(ctx):
+    """How the verdict depends on the ITL statistic the SLO judges: at each middle rate, attainment with
+    the session's mean ITL (our rule), its P90 gap, its P99 gap, its max gap <= ITL_thres."""
+    chosen = {}
+    for r in ctx.sweep:
+        if r["policy"] in COLOC:
+            chosen[(r["model"], r["preset"], r["policy"])] = r["decode"]
+    jobs = []
+    for m in ctx.models:
+        for p in ctx.presets:
+            key = f"{m}|{p}"
+            rate = mid_rate(ctx, key)
+            dur = duration_for(p, rate, ctx.quick)
+            for pol in ("ampd", "remote", "colocated", "continuum"):
+                pre, dec = deployment(m, p, pol, chosen.get((m, p, pol)))
+                jobs.append(dict(model=m, preset=p, policy=pol, rate=rate, duration=dur, seed=ctx.seeds[0],
+                                 prefill=pre, decode=dec, slo=ctx.slos[key], itl_stats=True))
+    res = run_jobs(jobs, ctx.jobs)
+    rows = [{"model": r["model"], "preset": r["preset"], "rate": r["rate"], "policy": r["policy"],
+             "decode": r["decode"], **{f"att_itl_{k}": v for k, v in r["attainment_by_itl_stat"].items()}}
+            for r in res]
+    save(ctx.out, "itl_rule.json", {"note": "middle rate, seed %d; TTFT rule unchanged" % ctx.seeds[0],
+                                    "rows": rows})
+
+
+def part_chunked(ctx):
+    """Beyond the paper: chunked local prefill (simulate(..., chunked_prefill=True)) for AMPD and for the
+    co-located baseline (vLLM chunks prefills by default in its V1 engine), at every sweep point."""
+    if not chunked_supported():
+        save(ctx.out, "chunked.json", {"pending": "simulate() has no chunked_prefill option yet"})
+        return
+    chosen = {}
+    for r in ctx.sweep:
+        if r["policy"] in COLOC:
+            chosen[(r["model"], r["preset"], r["policy"])] = r["decode"]
+    jobs = []
+    for m in ctx.models:
+        for p in ctx.presets:
+            key = f"{m}|{p}"
+            for rate in ctx.rates[key]:
+                dur = duration_for(p, rate, ctx.quick)
+                for seed in ctx.seeds:
+                    for pol in ("ampd", "colocated"):
+                        pre, dec = deployment(m, p, pol, chosen.get((m, p, pol)))
+                        jobs.append(dict(model=m, preset=p, policy=pol, rate=rate, duration=dur, seed=seed,
+                                         prefill=pre, decode=dec, slo=ctx.slos[key],
+                                         opts={"chunked_prefill": True}))
+    res = run_jobs(jobs, ctx.jobs)
+    agg = {}
+    for r in res:
+        agg.setdefault((r["model"], r["preset"], r["policy"] + "+chunked", r["rate"]), []).append(r)
+    rows = []
+    for (m, p, pol, rate), rs in sorted(agg.items()):
+        base = {x: _att(ctx.sweep, m, p, x, rate) for x in ("ampd", "colocated", "continuum", "remote")}
+        rows.append({"model": m, "preset": p, "policy": pol, "rate": rate, "decode": rs[0]["decode"],
+                     "slo_attainment": float(np.mean([x["slo_attainment"] for x in rs])),
+                     "ttft_attainment": float(np.mean([x["ttft_attainment"] for x in rs])),
+                     "itl_attainment": float(np.mean([x["itl_attainment"] for x in rs])),
+                     "local_fraction": float(np.mean([x["local_fraction"] for x in rs])),
+                     "unchunked": base})
+    summ = {}
+    for pol, ref in (("ampd+chunked", "ampd"), ("colocated+chunked", "colocated")):
+        d = [(r["slo_attainment"] - r["unchunked"][ref]) * 100 for r in rows if r["policy"] == pol]
+        summ[pol] = {"mean_abs_pts_vs_unchunked": float(np.mean(d)) if d else None,
+                     "min": float(min(d)) if d else None, "max": float(max(d)) if d else None}
+    a = {(r["model"], r["preset"], r["rate"]): r["slo_attainment"] for r in rows if r["policy"] == "ampd+chunked"}
+    c = {(r["model"], r["preset"], r["rate"]): r["slo_attainment"] for r in rows if r["policy"] == "colocated+chunked"}
+    diffs = [(a[k] - max(c[k], _att(ctx.sweep, k[0], k[1], "colocated", k[2]))) * 100 for k in a if k in c]
+    summ["ampd+chunked_vs_best_colocated"] = {"mean_abs_pts": float(np.mean(diffs)) if diffs else None,
+                                              "worse_points": sum(1 for x in diffs if x < -1e-6),
+                                              "points": len(diffs)}
+    save(ctx.out, "chunked.json", {"rows": rows, "summary": summ})
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(len(ctx.models), len(ctx.presets),
+                             figsize=(4 * len(ctx.presets), 3.2 * len(ctx.models)), squeeze=False)
+    for i, m in enumerate(ctx.models):
+        for j, p in enumerate(ctx.presets):
+            ax = axes[i][j]
+            for pol, c_, ls, src in (("ampd", "C3", "-", ctx.sweep), ("ampd+chunked", "C3", "--", rows),
+                                     ("colocated", "C2", "-", ctx.sweep), ("colocated+chunked", "C2", "--", rows)):
+                pts = sorted((r["rate"], r["slo_attainment"]) for r in src
+                             if r["model"] == m and r["preset"] == p and r["policy"] == pol)
+                ax.plot([x for x, _ in pts], [y * 100 for _, y in pts], color=c_, ls=ls, marker="o", label=pol)
+            ax.set_title(f"{SHORT[m]} / {p}", fontsize=9)
+            ax.set_ylim(-3, 103)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=6)
+    fig.tight_layout()
+    path = os.path.join(ctx.out, "fig3b_chunked.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    print(f"  wrote {path}", flush=True)
+
+
 def part_kvratio(ctx):
     """T_kv/T_pre of incremental prefills on AMPD's deployment: every incremental prefill of the trace
     (as if remote), and the ones AMPD actually sent remote at the middle rate."""
@@ -748,14 +869,22 @@ def _bucket(xs):
 def chunked_supported() -> bool:
     import inspect
     from ampd.sim import engine
-    return "chunk" in inspect.getsource(engine.Simulator) and "chunked_prefill" in inspect.getsource(engine)
+    return "chunked_prefill" in inspect.signature(engine.simulate).parameters
+
+
+def _git_head() -> str:
+    import subprocess
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except Exception:  # noqa: BLE001
+        return ""
 
 
 class Ctx:
     pass
 
 
-PARTS = ["slo", "scan", "sweep", "breakdown", "ablation", "sensitivity", "kvratio"]
+PARTS = ["slo", "scan", "sweep", "breakdown", "ablation", "sensitivity", "itlrule", "kvratio", "chunked"]
 
 
 def main(argv=None):
@@ -766,7 +895,7 @@ def main(argv=None):
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {PARTS}")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--presets", default=",".join(PRESETS))
-    ap.add_argument("--seeds", default="1", help="trace/router seeds of the sweep, comma list")
+    ap.add_argument("--seeds", default="1,2", help="trace/router seeds of the sweep, comma list")
     ap.add_argument("--sens-seeds", default="1,2,3")
     ap.add_argument("--reuse", action="store_true", help="reuse slo/scan/sweep JSON in --out when present")
     a = ap.parse_args(argv)
@@ -774,7 +903,7 @@ def main(argv=None):
     ctx.quick, ctx.jobs, ctx.out = a.quick, max(1, min(a.jobs, 2)), a.out
     ctx.models = a.models.split(",") if not a.quick else ["llama3.1-70b@h20"]
     ctx.presets = a.presets.split(",")
-    ctx.seeds = [int(s) for s in a.seeds.split(",")]
+    ctx.seeds = [int(s) for s in a.seeds.split(",")][:1] if a.quick else [int(s) for s in a.seeds.split(",")]
     ctx.sens_seeds = [int(s) for s in a.sens_seeds.split(",")] if not a.quick else [1]
     parts = a.parts.split(",")
     t0 = time.time()
@@ -801,11 +930,20 @@ def main(argv=None):
                 ctx.sweep = load("sweep.json")["points"]
         elif part in parts:
             {"breakdown": part_breakdown, "ablation": part_ablation, "sensitivity": part_sensitivity,
-             "kvratio": part_kvratio}[part](ctx)
+             "kvratio": part_kvratio, "itlrule": part_itlrule, "chunked": part_chunked}[part](ctx)
         timings[part] = round(time.time() - t, 1)
         print(f"[{part}] {timings[part]} s", flush=True)
     meta = {"argv": sys.argv, "timings_s": timings, "total_s": round(time.time() - t0, 1),
-            "chunked_prefill_in_simulator": chunked_supported()}
+            "chunked_prefill_in_simulator": chunked_supported(), "git_head": _git_head()}
+    prev = os.path.join(ctx.out, "run_meta.json")
+    runs = []
+    if os.path.exists(prev):
+        try:
+            old = load("run_meta.json")
+            runs = old.get("runs", [{k: v for k, v in old.items() if k != "runs"}])
+        except (OSError, ValueError):
+            runs = []
+    meta["runs"] = runs + [{k: v for k, v in meta.items() if k != "runs"}]
     save(ctx.out, "run_meta.json", meta)
 
 
