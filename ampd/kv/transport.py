@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Sequence
@@ -30,6 +31,42 @@ log = logging.getLogger(__name__)
 _BACKOFF_FIRST_S = 50e-6
 _BACKOFF_MAX_S = 1e-3
 _WARM_BYTES = 64
+
+
+# Microseconds NIXL's progress thread sleeps between passes. nixl 1.5.1's Python wrapper hard-codes
+# 0, a busy loop: two idle workers took both cores of a 2-core box (measured). At 200 us an idle
+# agent uses ~2.5 % of a core and a transfer waits at most ~0.2 ms more for progress.
+PROGRESS_DELAY_US = 200
+_agent_lock = threading.Lock()
+
+
+def _make_agent(name: str, backends: list[str]) -> nixl_agent:
+    """A NIXL agent whose progress thread sleeps PROGRESS_DELAY_US between passes.
+
+    The wrapper exposes no setting for it, so for the duration of the constructor the binding's
+    config class is swapped for a subclass that keeps the delay at least PROGRESS_DELAY_US.
+    """
+    import nixl._api as api
+
+    real = api.nixlBind
+    prop = real.nixlAgentConfig.pthrDelay
+
+    class _Config(real.nixlAgentConfig):
+        pthrDelay = property(lambda self: prop.__get__(self),
+                             lambda self, v: prop.__set__(self, max(int(v), PROGRESS_DELAY_US)))
+
+    class _Binding:
+        nixlAgentConfig = _Config
+
+        def __getattr__(self, attr):
+            return getattr(real, attr)
+
+    with _agent_lock:
+        api.nixlBind = _Binding()
+        try:
+            return nixl_agent(name, nixl_agent_config(backends=backends))
+        finally:
+            api.nixlBind = real
 
 
 class KVTransferError(Exception):
@@ -64,7 +101,7 @@ class NixlTransport:
         self.notifs_sent = 0
         self._peers: dict[str, _Peer] = {}
         self._closed = False
-        self._agent = nixl_agent(agent_name, nixl_agent_config(backends=list(backends)))
+        self._agent = _make_agent(agent_name, list(backends))
         if not self._agent.backends:
             raise KVTransferError(f"NIXL agent {agent_name!r}: no backend of {list(backends)} loaded")
         lay = pool.layout
