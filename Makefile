@@ -23,10 +23,8 @@ $(VENV)/.installed: requirements.txt requirements-nixl.txt pyproject.toml
 proto: venv
 	$(PY) -m ampd.protogen
 
-# The fidelity check (simulator vs live timings) is left out: on a loaded 2-core box its live
-# timings drift past the bounds; run it on a quiet machine with `make test-fidelity`.
 test: venv
-	$(PY) -m pytest -q -m "not fidelity" tests/unit tests/integration tests/e2e
+	$(PY) -m pytest -q tests/unit tests/integration tests/e2e
 
 test-fidelity: venv
 	$(PY) -m pytest -q -m fidelity tests/integration
