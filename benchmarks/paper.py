@@ -263,6 +263,30 @@ def save(out_dir, name, obj):
 
 
 # ---------------------------------------------------------------------------------------------
+
+def _pyplot():
+    """matplotlib's pyplot on the file-only Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save_fig(ctx, fig, name: str, dpi: int) -> None:
+    plt = _pyplot()
+    fig.tight_layout()
+    path = os.path.join(ctx.out, name)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    print(f"  wrote {path}", flush=True)
+
+
+def _coloc_choice(ctx) -> dict:
+    """(model, preset, co-located policy) -> the decode SPEC the sweep picked for it."""
+    return {(r["model"], r["preset"], r["policy"]): r["decode"] for r in ctx.sweep if r["policy"] in COLOC}
+
 def part_slo(ctx):
     slos = {f"{m}|{p}": slo_rule(m, p) for m in ctx.models for p in ctx.presets}
     ctx.slos = slos
@@ -474,9 +498,7 @@ def gain_table(ctx, rows):
 
 
 def plot_fig3(ctx, rows):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
     styles = {"ampd": ("C3", "o", "-"), "remote": ("C0", "s", "-"), "colocated": ("C2", "^", "-"),
               "continuum": ("C1", "v", "-"), "remote-best": ("C0", "s", ":"), "ampd-best": ("C3", "o", ":"), "ampd-noreorder": ("C4", "x", ":"),
               "ampd-window": ("C3", "d", "--")}
@@ -505,11 +527,7 @@ def plot_fig3(ctx, rows):
             if i == len(ctx.models) - 1:
                 ax.set_xlabel("rate (sessions/s)")
             ax.legend(fontsize=6)
-    fig.tight_layout()
-    path = os.path.join(ctx.out, "fig3_slo_attainment.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"  wrote {path}", flush=True)
+    _save_fig(ctx, fig, "fig3_slo_attainment.png", 110)
 
 
 def _dep_label(rows, m, p, pol):
@@ -548,9 +566,7 @@ def part_breakdown(ctx):
                                     "itl_mean_s": r["itl_s"]["mean"], "itl_p99_s": r["itl_s"]["p99"],
                                     "e2e_mean_s": r["e2e_s"]["mean"], "local_fraction": r["local_fraction"]})
     save(ctx.out, "breakdown.json", {"note": "middle rate of each sweep; means over seeds", "rows": out})
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
     pols = PAPER_POLICIES
     m = ctx.models[0]
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.6))
@@ -572,11 +588,7 @@ def part_breakdown(ctx):
         ax.grid(alpha=0.3, axis="y")
     axes[0].legend(fontsize=7)
     fig.suptitle(f"{SHORT[m]}: latency breakdown at each preset's middle sweep rate", fontsize=10)
-    fig.tight_layout()
-    path = os.path.join(ctx.out, "fig4_breakdown.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"  wrote {path}", flush=True)
+    _save_fig(ctx, fig, "fig4_breakdown.png", 110)
 
 
 def part_ablation(ctx):
@@ -596,9 +608,7 @@ def part_ablation(ctx):
                             "both_pct": rel_gain(a["ampd"], a["remote"]),
                             "ampd_local_fraction": loc})
     save(ctx.out, "ablation.json", {"rows": out, "paper": {k: PAPER[k] for k in PAPER if "ablation" in k}})
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 3.8))
     labels, x = [], 0
     for m in ctx.models:
@@ -628,11 +638,7 @@ def part_ablation(ctx):
     axes[1].set_ylabel("prefills run locally (%)")
     axes[1].legend(fontsize=7)
     axes[1].set_title("AMPD local share at the middle rate", fontsize=9)
-    fig.tight_layout()
-    path = os.path.join(ctx.out, "fig5_ablation_local.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"  wrote {path}", flush=True)
+    _save_fig(ctx, fig, "fig5_ablation_local.png", 110)
     # local share per preset, all rates
     loc = {f"{m}|{p}": {str(r["rate"]): r["local_fraction"] for r in ctx.sweep if r["model"] == m
                         and r["preset"] == p and r["policy"] == "ampd"} for m in ctx.models for p in ctx.presets}
@@ -675,9 +681,7 @@ def part_sensitivity(ctx):
            for k, v in sorted(rows.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2], kv[0][3]))]
     save(ctx.out, "sensitivity.json", {"model": m, "preset": p, "rates": rates, "seeds": seeds,
                                        "defaults": {"w": 3, "alpha": 0.9, "beta": 0.85}, "rows": out})
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.5))
     for ax, param in zip(axes, ["w", "alpha", "beta"]):
         for slack, ls in (("queue", "-"), ("window", "--")):
@@ -692,20 +696,13 @@ def part_sensitivity(ctx):
     axes[0].legend(fontsize=6)
     fig.suptitle(f"Sensitivity, {SHORT[m]} / {p}, AMPD (solid: our queue slack; dashed: paper's window slack)",
                  fontsize=9)
-    fig.tight_layout()
-    path = os.path.join(ctx.out, "fig6_sensitivity.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"  wrote {path}", flush=True)
+    _save_fig(ctx, fig, "fig6_sensitivity.png", 110)
 
 
 def part_itlrule(ctx):
     """How the verdict depends on the ITL statistic the SLO judges: at each middle rate, attainment with
     the session's mean ITL (our rule), its P90 gap, its P99 gap, its max gap <= ITL_thres."""
-    chosen = {}
-    for r in ctx.sweep:
-        if r["policy"] in COLOC:
-            chosen[(r["model"], r["preset"], r["policy"])] = r["decode"]
+    chosen = _coloc_choice(ctx)
     jobs = []
     for m in ctx.models:
         for p in ctx.presets:
@@ -730,10 +727,7 @@ def part_chunked(ctx):
     if not chunked_supported():
         save(ctx.out, "chunked.json", {"pending": "simulate() has no chunked_prefill option yet"})
         return
-    chosen = {}
-    for r in ctx.sweep:
-        if r["policy"] in COLOC:
-            chosen[(r["model"], r["preset"], r["policy"])] = r["decode"]
+    chosen = _coloc_choice(ctx)
     jobs = []
     for m in ctx.models:
         for p in ctx.presets:
@@ -771,9 +765,7 @@ def part_chunked(ctx):
                                               "worse_points": sum(1 for x in diffs if x < -1e-6),
                                               "points": len(diffs)}
     save(ctx.out, "chunked.json", {"rows": rows, "summary": summ})
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
     fig, axes = plt.subplots(len(ctx.models), len(ctx.presets),
                              figsize=(4 * len(ctx.presets), 3.2 * len(ctx.models)), squeeze=False)
     for i, m in enumerate(ctx.models):
@@ -788,11 +780,7 @@ def part_chunked(ctx):
             ax.set_ylim(-3, 103)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=6)
-    fig.tight_layout()
-    path = os.path.join(ctx.out, "fig3b_chunked.png")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    print(f"  wrote {path}", flush=True)
+    _save_fig(ctx, fig, "fig3b_chunked.png", 100)
 
 
 def part_kvratio(ctx):
@@ -827,9 +815,7 @@ def part_kvratio(ctx):
     save(ctx.out, "kv_ratio.json", {"buckets": [b[2] for b in KV_BUCKETS], "by_tokens": "weighted by l_incr",
                                     "formula": "(T_kv(l_hist, D->P) + T_kv(l_incr, P->D)) / T_pre(P, l_hist, l_incr)",
                                     "results": out})
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
     fig, axes = plt.subplots(len(ctx.models), 2, figsize=(11, 2.8 * len(ctx.models)), squeeze=False)
     labs = [b[2] for b in KV_BUCKETS]
     for i, m in enumerate(ctx.models):
@@ -844,11 +830,7 @@ def part_kvratio(ctx):
             ax.set_ylabel(f"% of {how}")
             ax.set_title(f"{SHORT[m]}: T_kv/T_pre of incremental prefills, by {how}", fontsize=9)
             ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = os.path.join(ctx.out, "fig_kv_ratio.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"  wrote {path}", flush=True)
+    _save_fig(ctx, fig, "fig_kv_ratio.png", 110)
 
 
 def _bucket(xs):

@@ -192,7 +192,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 async def amain(args: argparse.Namespace) -> None:
     logs.configure("coordinator")
     profile = load_profile(args.profile)
-    spec = policy_spec(args.policy)
+    policy_spec(args.policy)  # an unknown name fails here, with the valid ones listed
     slo = SLO(args.ttft_slo, args.itl_slo)
     router = make_router(args.policy, profile, slo, seed=args.seed, alpha=args.alpha, beta=args.beta,
                          threshold_tokens=args.threshold_tokens, slack=args.slack or None)

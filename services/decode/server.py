@@ -20,10 +20,6 @@ from services.decode.worker import DecodeCore, SessionError, SessionFailed
 log = structlog.get_logger()
 
 
-def _invalid(field: str, why: str) -> str:
-    return f"{field}: {why}"
-
-
 class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
     def __init__(self) -> None:
         self.core: DecodeCore | None = None

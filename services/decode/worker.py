@@ -6,7 +6,6 @@ decode step for the whole batch; see docs/architecture.md "Timing semantics".
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass, field
 
@@ -383,6 +382,3 @@ class SessionFailed:
     def __init__(self, error: str) -> None:
         self.error = error
 
-
-def tool_args(arguments: str) -> dict:
-    return json.loads(arguments) if arguments else {}
