@@ -262,7 +262,7 @@ class _Decode:
 
 class _Prefill:
     __slots__ = ("idx", "wid", "tp", "queue", "qpred", "busy", "busy_until", "win", "nic", "kv_cap", "busy_s", "tasks",
-                 "qver", "qlen", "vq_ver", "view", "v_mean", "wadds", "m_adds", "m_t0", "m_mean")
+                 "qver", "qlen", "vq_ver", "vq", "vpred", "view", "v_mean", "wadds", "m_adds", "m_t0", "m_mean")
 
     def __init__(self, idx, tp, queue, kv_cap, window_s):
         self.idx = idx
@@ -280,6 +280,8 @@ class _Prefill:
         self.qver = 0  # pushes/pops of ``queue`` (routing-view cache, as _Decode)
         self.qlen = 0
         self.vq_ver = -1
+        self.vq = ()
+        self.vpred = 0.0
         self.view = None
         self.v_mean = None
         self.wadds = 0
@@ -846,14 +848,16 @@ class Simulator:
                 mean = win_mean(p, now)
             v = p.view
             residual = p.busy_until - now if p.busy and p.busy_until > now else 0.0
-            if p.vq_ver == p.qver and v is not None and mean == p.v_mean and not residual:
+            if p.vq_ver != p.qver:  # the queue changed: copy it once, not per view
+                p.vq = tuple(p.queue.tasks())
+                p.vpred = p.queue.predicted_total()
+                p.vq_ver = p.qver
+            elif v is not None and mean == p.v_mean and not residual:
                 return v
             v = WorkerView(worker_id=p.wid, kind="prefill", tp=p.tp, window_mean_s=mean,
-                           queue=tuple(p.queue.tasks()), kv_free_tokens=p.kv_cap,
-                           queue_predicted_s=p.queue.predicted_total() + residual)
+                           queue=p.vq, kv_free_tokens=p.kv_cap, queue_predicted_s=p.vpred + residual)
             p.view = v
             p.v_mean = mean
-            p.vq_ver = p.qver
             return v
 
         def route(st: _Sess, now: float):
