@@ -150,33 +150,34 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         decide_ms = (time.perf_counter() - t0) * 1e3
         self.route_read_ms_total += view.read_s * 1e3
         self.counters[f"route_{decision.reason}"] += 1
-        await self.store.update_session(sid, {"round": need.round, "route": decision.reason,
-                                              "prefill_worker": decision.target})
-        if not decision.local:
-            target = self.cluster.infos.get(decision.target)
-            try:
-                await self.stubs.prefill(target.address).Submit(prefill_pb2.PrefillTask(
-                    session_id=sid, round=need.round, l_hist=need.l_hist, l_incr=need.l_incr,
-                    input_ready=need.input_ready, decode_worker=decode_id, decode_tp=decode_tp,
-                    history=need.history, dest=need.dest))
-                self.counters["prefills_remote"] += 1
-                routes[need.round] = (decision.target, decision.reason, False)
-                log.info("route", session=sid, round=need.round, target=decision.target, local=False,
-                         reason=decision.reason, decide_ms=round(decide_ms, 3),
-                         **{k: round(v, 4) for k, v in decision.estimates.items()})
-                return
-            except (grpc.aio.AioRpcError, AttributeError) as exc:
-                # A prefill worker that vanished must not lose the round: run it locally.
-                log.warning("remote prefill submit failed; running locally", session=sid,
-                            target=decision.target, error=str(exc))
-                self.counters["route_fallback-local"] += 1
-                decision = decision.__class__(decode_id, True, "fallback-local", decision.estimates)
-        await stub.LocalPrefill(decode_pb2.RouteInfo(session_id=sid, round=need.round, reason=decision.reason))
-        self.counters["prefills_local"] += 1
-        routes[need.round] = (decode_id, decision.reason, True)
-        log.info("route", session=sid, round=need.round, target=decode_id, local=True,
-                 reason=decision.reason, decide_ms=round(decide_ms, 3),
-                 **{k: round(v, 4) for k, v in decision.estimates.items()})
+        # The session record is written while the prefill is handed over, not before it.
+        record = asyncio.create_task(self.store.update_session(
+            sid, {"round": need.round, "route": decision.reason, "prefill_worker": decision.target}))
+        try:
+            if not decision.local:
+                target = self.cluster.infos.get(decision.target)
+                try:
+                    await self.stubs.prefill(target.address).Submit(prefill_pb2.PrefillTask(
+                        session_id=sid, round=need.round, l_hist=need.l_hist, l_incr=need.l_incr,
+                        input_ready=need.input_ready, decode_worker=decode_id, decode_tp=decode_tp,
+                        history=need.history, dest=need.dest))
+                    self.counters["prefills_remote"] += 1
+                except (grpc.aio.AioRpcError, AttributeError) as exc:
+                    # A prefill worker that vanished must not lose the round: run it locally.
+                    log.warning("remote prefill submit failed; running locally", session=sid,
+                                target=decision.target, error=str(exc))
+                    self.counters["route_fallback-local"] += 1
+                    decision = decision.__class__(decode_id, True, "fallback-local", decision.estimates)
+            if decision.local:
+                await stub.LocalPrefill(decode_pb2.RouteInfo(session_id=sid, round=need.round,
+                                                             reason=decision.reason))
+                self.counters["prefills_local"] += 1
+            routes[need.round] = (decision.target, decision.reason, decision.local)
+            log.info("route", session=sid, round=need.round, target=decision.target, local=decision.local,
+                     reason=decision.reason, decide_ms=round(decide_ms, 3),
+                     **{k: round(v, 4) for k, v in decision.estimates.items()})
+        finally:
+            await record
 
     async def Metrics(self, request, context) -> common_pb2.MetricsReply:
         values = {k: float(v) for k, v in self.counters.items()}
