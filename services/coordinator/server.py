@@ -106,6 +106,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     for t in out.done.rounds:
                         self._annotate(t, routes)
                     self.counters["sessions_completed"] += 1
+                    # Forget the session before telling the client: a client that checks right after
+                    # SessionDone (or cancels its stream) must find nothing left behind.
+                    self.live.discard(sid)
+                    await self.store.delete_session(sid)
                 yield out
         except grpc.aio.AioRpcError as exc:
             self.counters["sessions_failed"] += 1
