@@ -353,26 +353,31 @@ def part_scan(ctx):
                                         "best of them attains <= 30%; sweep = geometric between them"})
 
 
-def part_sweep(ctx):
-    jobs = []
+def _sweep_points(ctx):
+    """Every (model, preset, rate, duration, seed) of the sweep, with a job builder bound to it."""
     for m in ctx.models:
         for p in ctx.presets:
             key = f"{m}|{p}"
             for rate in ctx.rates[key]:
                 dur = duration_for(p, rate, ctx.quick)
                 for seed in ctx.seeds:
-                    for pol in DISAGG:
-                        pre, dec = deployment(m, p, pol)
-                        jobs.append(dict(model=m, preset=p, policy=pol, rate=rate, duration=dur, seed=seed,
-                                         prefill=pre, decode=dec, slo=ctx.slos[key]))
-                    for pre, dec in TABLE2_ALT[(m, p)]:
-                        for pol in ("remote", "ampd"):
-                            jobs.append(dict(model=m, preset=p, policy=pol, rate=rate, duration=dur, seed=seed,
-                                             prefill=pre, decode=dec, slo=ctx.slos[key]))
-                    for pol in COLOC:
-                        for spec in coloc_candidates(m, p):
-                            jobs.append(dict(model=m, preset=p, policy=pol, rate=rate, duration=dur,
-                                             seed=seed, prefill="none", decode=spec, slo=ctx.slos[key]))
+                    def job(pol, pre, dec, _m=m, _p=p, _rate=rate, _dur=dur, _seed=seed, _key=key, **extra):
+                        return dict(model=_m, preset=_p, policy=pol, rate=_rate, duration=_dur, seed=_seed,
+                                    prefill=pre, decode=dec, slo=ctx.slos[_key], **extra)
+                    yield m, p, job
+
+
+def part_sweep(ctx):
+    jobs = []
+    for m, p, job in _sweep_points(ctx):
+        for pol in DISAGG:
+            jobs.append(job(pol, *deployment(m, p, pol)))
+        for pre, dec in TABLE2_ALT[(m, p)]:
+            for pol in ("remote", "ampd"):
+                jobs.append(job(pol, pre, dec))
+        for pol in COLOC:
+            for spec in coloc_candidates(m, p):
+                jobs.append(job(pol, "none", spec))
     t = time.time()
     res = run_jobs(jobs, ctx.jobs)
     print(f"  sweep: {len(jobs)} simulations in {time.time() - t:.0f} s", flush=True)
@@ -724,22 +729,12 @@ def part_itlrule(ctx):
 def part_chunked(ctx):
     """Beyond the paper: chunked local prefill (simulate(..., chunked_prefill=True)) for AMPD and for the
     co-located baseline (vLLM chunks prefills by default in its V1 engine), at every sweep point."""
-    if not chunked_supported():
-        save(ctx.out, "chunked.json", {"pending": "simulate() has no chunked_prefill option yet"})
-        return
     chosen = _coloc_choice(ctx)
     jobs = []
-    for m in ctx.models:
-        for p in ctx.presets:
-            key = f"{m}|{p}"
-            for rate in ctx.rates[key]:
-                dur = duration_for(p, rate, ctx.quick)
-                for seed in ctx.seeds:
-                    for pol in ("ampd", "colocated"):
-                        pre, dec = deployment(m, p, pol, chosen.get((m, p, pol)))
-                        jobs.append(dict(model=m, preset=p, policy=pol, rate=rate, duration=dur, seed=seed,
-                                         prefill=pre, decode=dec, slo=ctx.slos[key],
-                                         opts={"chunked_prefill": True}))
+    for m, p, job in _sweep_points(ctx):
+        for pol in ("ampd", "colocated"):
+            pre, dec = deployment(m, p, pol, chosen.get((m, p, pol)))
+            jobs.append(job(pol, pre, dec, opts={"chunked_prefill": True}))
     res = run_jobs(jobs, ctx.jobs)
     agg = {}
     for r in res:
@@ -848,12 +843,6 @@ def _bucket(xs):
     return res
 
 
-def chunked_supported() -> bool:
-    import inspect
-    from ampd.sim import engine
-    return "chunked_prefill" in inspect.signature(engine.simulate).parameters
-
-
 def _git_head() -> str:
     import subprocess
     try:
@@ -916,7 +905,7 @@ def main(argv=None):
         timings[part] = round(time.time() - t, 1)
         print(f"[{part}] {timings[part]} s", flush=True)
     meta = {"argv": sys.argv, "timings_s": timings, "total_s": round(time.time() - t0, 1),
-            "chunked_prefill_in_simulator": chunked_supported(), "git_head": _git_head()}
+            "git_head": _git_head()}
     prev = os.path.join(ctx.out, "run_meta.json")
     runs = []
     if os.path.exists(prev):

@@ -38,7 +38,7 @@ class ReplayStats:
     client_latency: list[float] = field(default_factory=list)  # client send -> first token seen
 
 
-async def run_session(stub, s: Session, stats: ReplayStats, *, verify_tokens: bool = False,
+async def run_session(coordinator, s: Session, stats: ReplayStats, *, verify_tokens: bool = False,
                       client_tools: bool = False, timeout_s: float = 600.0) -> SessionRecord:
     """Runs one session to its end and returns what happened to it."""
     req = open_request(s)
@@ -66,7 +66,7 @@ async def run_session(stub, s: Session, stats: ReplayStats, *, verify_tokens: bo
         pos += r.input
         expect_pos[i] = pos
         pos += r.output
-    call = stub.Session(requests(), timeout=timeout_s)
+    call = coordinator.Session(requests(), timeout=timeout_s)
     try:
         async for ev in call:
             kind = ev.WhichOneof("event")
@@ -123,9 +123,9 @@ async def replay(target: str, sessions: list[Session], *, verify_tokens: bool = 
                  timeout_s: float = 600.0) -> tuple[list[SessionRecord], ReplayStats, float, dict]:
     """Replays `sessions` at their arrival times; returns records, stats, wall seconds, labels."""
     channel = grpcserver.channel(target)
-    stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+    coordinator = coordinator_pb2_grpc.CoordinatorStub(channel)
     try:
-        info = await stub.Metrics(common_pb2.MetricsRequest(), timeout=10)
+        info = await coordinator.Metrics(common_pb2.MetricsRequest(), timeout=10)
     except grpc.aio.AioRpcError as exc:
         await channel.close()
         raise ConnectionError(f"cannot reach the coordinator at {target}: {exc.code().name} {exc.details()}")
@@ -142,7 +142,7 @@ async def replay(target: str, sessions: list[Session], *, verify_tokens: bool = 
         delay = s.arrival - (time.monotonic() - t0)
         if delay > 0:
             await asyncio.sleep(delay)
-        rec = await run_session(stub, s, stats, verify_tokens=verify_tokens,
+        rec = await run_session(coordinator, s, stats, verify_tokens=verify_tokens,
                                 client_tools=client_tools, timeout_s=timeout_s)
         if bar is not None:
             bar.update(1)

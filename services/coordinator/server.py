@@ -79,16 +79,16 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.live.add(sid)
         self.counters["sessions_opened"] += 1
         await self.store.put_session(sid, {"decode_worker": decode_id, "arrival": arrival, "round": 0})
-        stub = self.stubs.decode(info.address)
-        call = stub.Attach(decode_pb2.AttachRequest(open=o, arrival=arrival))
+        decode_stub = self.stubs.decode(info.address)
+        call = decode_stub.Attach(decode_pb2.AttachRequest(open=o, arrival=arrival))
         routes: dict[int, tuple[str, str, bool]] = {}
-        reader = asyncio.create_task(self._client_messages(request_iterator, stub, sid))
+        reader = asyncio.create_task(self._client_messages(request_iterator, decode_stub, sid))
         first_event = True
         try:
             async for ev in call:
                 kind = ev.WhichOneof("event")
                 if kind == "prefill_needed":
-                    await self._route(sid, decode_id, info.tp, stub, ev.prefill_needed, routes)
+                    await self._route(sid, decode_id, info.tp, decode_stub, ev.prefill_needed, routes)
                     continue
                 out = coordinator_pb2.SessionEvent(session_id=sid)
                 if first_event:
@@ -130,7 +130,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             worker, reason, _ = routes[t.round]
             t.route_reason = reason
 
-    async def _client_messages(self, request_iterator, stub, sid: str) -> None:
+    async def _client_messages(self, request_iterator, decode_stub, sid: str) -> None:
         """Tool results and cancels the client sends while its session runs."""
         async for msg in request_iterator:
             kind = msg.WhichOneof("msg")
@@ -138,15 +138,15 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 if kind == "tool_result":
                     tr = msg.tool_result
                     n = tr.input_tokens if tr.HasField("input_tokens") else 0
-                    await stub.ToolResult(decode_pb2.ToolResultRequest(
+                    await decode_stub.ToolResult(decode_pb2.ToolResultRequest(
                         session_id=sid, call_id=tr.call_id, input_tokens=n, content=tr.content))
                 elif kind == "cancel":
-                    await stub.Cancel(decode_pb2.CancelRequest(session_id=sid, reason=msg.cancel.reason))
+                    await decode_stub.Cancel(decode_pb2.CancelRequest(session_id=sid, reason=msg.cancel.reason))
             except grpc.aio.AioRpcError as exc:
                 # The session's stream carries the outcome; a bad tool result is logged here.
                 log.warning("client message rejected", session=sid, kind=kind, error=exc.details())
 
-    async def _route(self, sid, decode_id, decode_tp, stub, need: decode_pb2.PrefillNeeded, routes) -> None:
+    async def _route(self, sid, decode_id, decode_tp, decode_stub, need: decode_pb2.PrefillNeeded, routes) -> None:
         t0 = time.perf_counter()
         view = await self.cluster.view()
         req = PrefillRequest(sid, need.round, need.l_hist, need.l_incr, decode_id)
@@ -173,7 +173,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     self.counters["route_fallback-local"] += 1
                     decision = decision.__class__(decode_id, True, "fallback-local", decision.estimates)
             if decision.local:
-                await stub.LocalPrefill(decode_pb2.RouteInfo(session_id=sid, round=need.round,
+                await decode_stub.LocalPrefill(decode_pb2.RouteInfo(session_id=sid, round=need.round,
                                                              reason=decision.reason))
                 self.counters["prefills_local"] += 1
             routes[need.round] = (decision.target, decision.reason, decision.local)
