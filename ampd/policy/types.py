@@ -1,8 +1,12 @@
 """Value types shared by the policy cores.
 
-All types are frozen, slotted dataclasses: cheap attribute access, no ``__dict__``, hashable where
-their fields are. Nothing here does I/O or reads a clock; times are floats in seconds on whatever
-clock the caller uses (wall clock live, virtual clock in the simulator).
+All types are slotted dataclasses, treated as values: nothing assigns to a field after
+construction. They are not ``frozen``: a frozen dataclass sets every field through
+``object.__setattr__``, which makes construction ~5x slower (1.28 us against 0.23 us for
+``QueuedTask``, measured on the dev box), and the simulator builds a request, a task, a decision
+and a few views for each of ~1.1M rounds in a 100k-session run. Nothing here does I/O or reads a
+clock; times are floats in seconds on whatever clock the caller uses (wall clock live, virtual clock
+in the simulator).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ class CostModel(Protocol):
         ...
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class QueuedTask:
     """One prefill task waiting in a worker's prefill queue.
 
@@ -57,7 +61,7 @@ class QueuedTask:
     enqueued_at: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class WorkerView:
     """A snapshot of one worker as the coordinator sees it (read from shared state).
 
@@ -76,7 +80,7 @@ class WorkerView:
     queue_predicted_s: float = 0.0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PrefillRequest:
     """A prefill task to place: ``l_incr`` new tokens on ``l_hist`` history tokens of a session
     whose KV lives on ``decode_worker`` (its binding)."""
@@ -88,7 +92,7 @@ class PrefillRequest:
     decode_worker: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RouteDecision:
     """Where a prefill runs and why.
 

@@ -37,6 +37,11 @@ def register(subparsers) -> None:
                    help="decode workers split local prefills into chunks interleaved with decode steps")
     p.add_argument("--slack", choices=["window", "queue"], default=None,
                    help="Algorithm 1 slack rule (default: the policy's; 'window' is the paper's)")
+    p.add_argument("--path-latency", default="none", metavar="NAME=S[,...]",
+                   help="what the live control path adds per round, seconds: open (new session), "
+                        "dispatch (input ready -> routed and queued), handoff (remote prefill end -> "
+                        "first token), tool (per tool call); e.g. 'dispatch=0.01,handoff=0.002' "
+                        "(default none; docs/simulator.md)")
     p.set_defaults(func=run)
 
 
@@ -53,13 +58,17 @@ def run(args) -> int:
     from ampd.policy import POLICIES, policy_spec
     from ampd.workload import TraceError, load_trace
 
-    from .engine import SimConfig, Simulator
+    from .engine import PathLatency, SimConfig, Simulator
     from .records import sim_report
     from .spec import SpecError, format_spec, parse_spec
 
     ttft = _positive("--ttft-slo", args.ttft_slo)
     itl = _positive("--itl-slo", args.itl_slo)
     window = _positive("--window", args.window)
+    try:
+        path = PathLatency.parse(args.path_latency)
+    except ValueError as exc:
+        raise CliError(f"--path-latency: {exc}") from None
     if args.queue_window < 1:
         raise CliError(f"--queue-window must be >= 1, got {args.queue_window}")
     try:
@@ -99,7 +108,7 @@ def run(args) -> int:
     cfg = SimConfig(profile=profile, policy=args.policy, prefill=pre, decode=dec, ttft_slo_s=ttft,
                     itl_slo_s=itl, seed=args.seed, window_s=window, kv_contention=args.kv_contention,
                     queue_window=args.queue_window, chunked_prefill=args.chunked_prefill,
-                    router_options={"slack": args.slack} if args.slack else {})
+                    router_options={"slack": args.slack} if args.slack else {}, path=path)
     try:
         sim = Simulator(cfg)
         res = sim.run(sessions)
@@ -109,7 +118,7 @@ def run(args) -> int:
     report["deployment"] = {"prefill": format_spec(pre), "decode": format_spec(dec),
                             "gpus": res.stats["gpus"], "profile": profile.name,
                             "kv_contention": bool(args.kv_contention), "seed": args.seed,
-                            "window_s": window}
+                            "window_s": window, "path_latency": path.format()}
     print(format_report(report))
     st = res.stats
     print(f"simulated {len(sessions)} sessions on {format_spec(pre)} + {format_spec(dec)} "

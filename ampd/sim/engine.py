@@ -13,6 +13,7 @@ Hot-path notes (100k GAIA sessions on 32 GPUs must run in about a minute on one 
 """
 from __future__ import annotations
 
+import gc
 import heapq
 from bisect import bisect_right
 import math
@@ -20,6 +21,7 @@ import random
 import time as _time
 from array import array
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -27,7 +29,25 @@ from ampd.window import WindowedMean
 
 from .spec import expand_spec, format_spec, parse_spec
 
-__all__ = ["SimConfig", "SimRound", "SimSession", "SimResult", "Simulator", "simulate", "policy_shape"]
+__all__ = ["gc_paused", "PathLatency", "SimConfig", "SimRound", "SimSession", "SimResult", "Simulator", "simulate", "policy_shape"]
+
+@contextmanager
+def gc_paused():
+    """Pause CPython's cyclic garbage collector for a block (restored after).
+
+    A paper-scale run keeps millions of long-lived objects (sessions, rounds, heap entries); every
+    generation-2 collection walks all of them, and collections are triggered by allocation counts,
+    so their cost grows with the run: 100k GAIA sessions simulate in 79 s with the collector and
+    61 s without, and the report builds in 29 s against 12 s (benchmarks/sim_speed.py). Reference
+    counting still frees everything that is not in a cycle; cycles wait for the block to end."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
 
 # event codes (ints: cheap to compare in the dispatch loop)
 _STEP_DONE = 0
@@ -37,11 +57,66 @@ _COMPUTE_DONE = 3
 _ROUND_READY = 4
 _PIN_EXPIRED = 5
 _LOCAL_CHUNK = 6  # one chunk of a chunked local prefill ended
+_DISPATCH = 7  # a round reaches the coordinator and is routed (after PathLatency.dispatch_s)
+_HANDOFF = 8  # a remote prefill's KV notification reaches the decode worker
 
 # decode-worker states
 _IDLE = 0
 _STEPPING = 1
 _PREFILLING = 2
+
+
+@dataclass(frozen=True)
+class PathLatency:
+    """What the live control path adds to a round, in seconds (all 0 by default: the paper's model).
+
+    ``open_s``: a new session from the coordinator accepting it to its first round being routed
+    (bind, attach); ``dispatch_s``: a round's input ready at the decode worker to the coordinator
+    routing it and the task reaching the chosen queue; ``handoff_s``: a remote prefill's end to the
+    decode worker holding its first token (KV-written notification); ``tool_s``: added to every tool
+    call (the sidecar RPC). TTFT still runs from the input being ready, as live."""
+
+    open_s: float = 0.0
+    dispatch_s: float = 0.0
+    handoff_s: float = 0.0
+    tool_s: float = 0.0
+
+    FIELDS = ("open", "dispatch", "handoff", "tool")
+
+    def __post_init__(self):
+        for f in self.FIELDS:
+            v = getattr(self, f + "_s")
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"path latency {f!r} must be a number >= 0 seconds, got {v!r}")
+
+    @property
+    def zero(self) -> bool:
+        return not (self.open_s or self.dispatch_s or self.handoff_s or self.tool_s)
+
+    @classmethod
+    def parse(cls, text: str) -> "PathLatency":
+        """``"dispatch=0.012,handoff=0.002"`` (seconds; unnamed fields stay 0; '' or 'none': all 0)."""
+        text = (text or "").strip()
+        if text in ("", "none", "0"):
+            return cls()
+        vals: dict[str, float] = {}
+        for part in text.split(","):
+            name, sep, num = part.strip().partition("=")
+            name = name.strip()
+            if not sep or name not in cls.FIELDS:
+                raise ValueError(f"path latency {part.strip()!r}: expected NAME=SECONDS with NAME one of "
+                                 f"{', '.join(cls.FIELDS)}")
+            if name in vals:
+                raise ValueError(f"path latency {name!r} given twice")
+            try:
+                vals[name] = float(num)
+            except ValueError:
+                raise ValueError(f"path latency {name!r}: {num.strip()!r} is not a number") from None
+        return cls(**{k + "_s": v for k, v in vals.items()})
+
+    def format(self) -> str:
+        parts = [f"{f}={getattr(self, f + '_s'):g}" for f in self.FIELDS if getattr(self, f + "_s")]
+        return ",".join(parts) or "none"
 
 
 @dataclass
@@ -60,6 +135,7 @@ class SimConfig:
     queue_window: int = 3
     chunked_prefill: bool = False  # local prefills in chunks interleaved with decode steps
     router_options: dict = field(default_factory=dict)
+    path: PathLatency = field(default_factory=PathLatency)  # live control-path latencies (default none)
 
 
 class SimRound:
@@ -497,6 +573,10 @@ class Simulator:
 
     # ----------------------------------------------------------------------------------- the run
     def run(self, sessions: Sequence) -> SimResult:
+        with gc_paused():
+            return self._run(sessions)
+
+    def _run(self, sessions: Sequence) -> SimResult:
         from ampd.policy import PrefillRequest, QueuedTask, WorkerView
 
         wall0 = _time.perf_counter()
@@ -525,6 +605,8 @@ class Simulator:
         n_overcommit = 0
         n_evictions = 0
         pin_ttl = self.kv_pin_ttl_s
+        path = cfg.path
+        open_s, dispatch_s, handoff_s, tool_rpc_s = path.open_s, path.dispatch_s, path.handoff_s, path.tool_s
         reasons: dict[str, int] = {}
 
         order = sorted(range(len(sessions)), key=lambda i: (sessions[i].arrival, i))
@@ -712,7 +794,7 @@ class Simulator:
             rounds = st.rounds
             if st.r + 1 < len(rounds):
                 tool = rounds[st.r].tool_s
-                tool = tool if tool and tool > 0 else 0.0
+                tool = (tool if tool and tool > 0 else 0.0) + tool_rpc_s
                 st.r += 1
                 seq += 1
                 push(heap, (now + tool, seq, _ROUND_READY, st))
@@ -757,7 +839,7 @@ class Simulator:
                 w.popleft()
                 d.wait_need -= st.l_incr
                 d.kv_used += st.l_incr
-                route(st, now)
+                dispatch(st, now)
             nw = d.new_wait
             while nw:
                 st = nw[0]
@@ -771,7 +853,7 @@ class Simulator:
                 d.wait_need -= st.l_incr
                 d.live += 1
                 d.kv_used += st.l_incr
-                route(st, now)
+                dispatch(st, now)
 
         def round_ready(st: _Sess, now: float):
             rnd = st.rounds[st.r]
@@ -798,7 +880,7 @@ class Simulator:
                 admit_waiters(d, now)
                 return
             d.kv_used += st.l_incr
-            route(st, now)
+            dispatch(st, now)
 
         pviews_static = not prefills
         self._flush = flush
@@ -894,6 +976,18 @@ class Simulator:
                 p.qlen += 1
                 prefill_next(p, now)
 
+        def dispatch_later(st: _Sess, now: float):
+            """Route the round once the control path has carried it (PathLatency)."""
+            nonlocal seq
+            delay = dispatch_s + open_s if st.r == 0 else dispatch_s
+            if delay:
+                seq += 1
+                push(heap, (now + delay, seq, _DISPATCH, st))
+            else:
+                route(st, now)
+
+        dispatch = route if not (open_s or dispatch_s) else dispatch_later
+
         def arrive(s, now: float):
             sid = str(s.id)
             if sid in ids_seen:
@@ -969,7 +1063,11 @@ class Simulator:
                 st.pw = None
                 p.win.add(now, now - st.ready, 1)
                 p.wadds += 1
-                first_token(st, now)
+                if handoff_s:
+                    seq += 1
+                    push(heap, (now + handoff_s, seq, _HANDOFF, st))
+                else:
+                    first_token(st, now)
                 prefill_next(p, now)
             elif code == _LOCAL_CHUNK:
                 st = obj
@@ -990,6 +1088,10 @@ class Simulator:
                     decode_next(d, now)
             elif code == _ROUND_READY:
                 round_ready(obj, now)
+            elif code == _DISPATCH:
+                route(obj, now)
+            elif code == _HANDOFF:
+                first_token(obj, now)
             elif code == _PIN_EXPIRED:
                 st = obj
                 if st.in_tool and not st.evicted:
@@ -1037,11 +1139,12 @@ class Simulator:
 def simulate(sessions: Iterable, profile, *, policy: str, prefill="none", decode="tp1*1",
              ttft_slo_s: float = 1.0, itl_slo_s: float = 0.1, seed: int = 0, window_s: float = 10.0,
              kv_contention: bool = False, queue_window: int = 3, chunked_prefill: bool = False,
-             **router_options) -> SimResult:
+             path: PathLatency | None = None, **router_options) -> SimResult:
     """Run ``sessions`` (``ampd.workload.Session``s) on a deployment; see ``SimConfig``."""
     cfg = SimConfig(profile=profile, policy=policy, prefill=prefill, decode=decode,
                     ttft_slo_s=ttft_slo_s, itl_slo_s=itl_slo_s, seed=seed, window_s=window_s,
                     kv_contention=kv_contention, queue_window=queue_window,
-                    chunked_prefill=chunked_prefill, router_options=router_options)
+                    chunked_prefill=chunked_prefill, router_options=router_options,
+                    path=path or PathLatency())
     sess = list(sessions)
     return Simulator(cfg).run(sess)

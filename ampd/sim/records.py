@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from .engine import SimResult
+from .engine import SimResult, gc_paused
 
 __all__ = ["to_session_records", "to_compact_session_records", "sim_report", "total_tokens",
            "DEFAULT_MAX_FULL_TOKENS"]
@@ -64,6 +64,11 @@ def to_compact_session_records(res: SimResult) -> list:
 def sim_report(res: SimResult, slo, *, max_full_tokens: int = DEFAULT_MAX_FULL_TOKENS,
                extras: bool = True) -> dict:
     """The DESIGN section 8 report of a run (plus a ``"simulation"`` block of run statistics)."""
+    with gc_paused():  # ~1M records at paper scale: see gc_paused
+        return _sim_report(res, slo, max_full_tokens, extras)
+
+
+def _sim_report(res: SimResult, slo, max_full_tokens: int, extras: bool) -> dict:
     from ampd.bench.report import build_report
 
     d = res.duration_s

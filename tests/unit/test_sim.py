@@ -13,7 +13,7 @@ perf = pytest.importorskip("ampd.perf")
 workload = pytest.importorskip("ampd.workload")
 
 from ampd.perf import profile_from_dict  # noqa: E402
-from ampd.sim import SimConfig, Simulator, sim_report, simulate, to_session_records  # noqa: E402
+from ampd.sim import PathLatency, SimConfig, Simulator, sim_report, simulate, to_session_records  # noqa: E402
 from ampd.workload import Round, Session  # noqa: E402
 
 
@@ -246,6 +246,8 @@ def test_cli_runs_and_writes_json(tmp_path, capsys):
     (["--profile", "no-such@thing"], "unknown profile"),
     (["--policy", "colocated"], "co-located"),
     (["--trace", "BAD"], "line 1"),
+    (["--path-latency", "dispatch=-1"], "--path-latency: path latency 'dispatch' must be"),
+    (["--path-latency", "route=0.1"], "--path-latency: path latency 'route=0.1': expected NAME=SECONDS"),
 ])
 def test_cli_errors(tmp_path, capsys, args, msg):
     prof = tmp_path / "p.json"
@@ -289,3 +291,49 @@ def test_chunked_local_prefill_interleaves_decode_steps():
     assert runs[True][0] < 0.5 * whole
     assert runs[True][1] > runs[False][1]  # chunking delays the long prompt's first token
     assert runs[True][2] == runs[False][2] == 300
+
+
+def test_path_latency_delays_routing_handoff_and_tools():
+    """PathLatency: round 0 is routed open+dispatch after arrival, later rounds dispatch after their
+    input is ready (tool + tool rpc after the last token); a remote first token comes handoff after
+    the prefill ends. TTFT still runs from the input being ready."""
+    from ampd.sim import PathLatency
+
+    s = Session("a", 1.0, (Round(1000, 6, 2.0), Round(300, 4)))
+    path = PathLatency(open_s=0.03, dispatch_s=0.01, handoff_s=0.002, tool_s=0.005)
+    r = _run([s], policy="remote", prefill="tp2*1", decode="tp1*1", path=path)
+    r0, r1 = r.sessions[0].rounds
+    ttft0 = 0.03 + 0.01 + P.t_pre(2, 0, 1000) + P.t_kv(1000, 2, 1) + 0.002
+    assert r0.input_ready == pytest.approx(1.0, abs=1e-12)
+    assert r0.first_token - r0.input_ready == pytest.approx(ttft0, abs=1e-12)
+    assert r1.input_ready == pytest.approx(r0.last_token + 2.0 + 0.005, abs=1e-12)
+    ttft1 = 0.01 + P.t_kv(1006, 1, 2) + P.t_pre(2, 1006, 300) + P.t_kv(300, 2, 1) + 0.002
+    assert r1.first_token - r1.input_ready == pytest.approx(ttft1, abs=1e-12)
+    # local: no handoff
+    r = _run([s], policy="local", prefill="tp2*1", decode="tp4*1", path=path)
+    r0 = r.sessions[0].rounds[0]
+    assert r0.first_token - r0.input_ready == pytest.approx(0.04 + P.t_pre(4, 0, 1000), abs=1e-12)
+
+
+@pytest.mark.parametrize("text, want", [
+    ("none", PathLatency()),
+    ("", PathLatency()),
+    ("dispatch=0.012, handoff=0.002", PathLatency(dispatch_s=0.012, handoff_s=0.002)),
+    ("open=0.05,tool=1e-3", PathLatency(open_s=0.05, tool_s=0.001)),
+])
+def test_path_latency_parse(text, want):
+    got = PathLatency.parse(text)
+    assert got == want
+    assert PathLatency.parse(got.format()) == got
+
+
+@pytest.mark.parametrize("bad, msg", [
+    ("dispatch", "expected NAME=SECONDS"),
+    ("dispatch=x", "is not a number"),
+    ("dispatch=0.1,dispatch=0.2", "given twice"),
+    ("tool=-0.1", "must be a number >= 0"),
+    ("handoff=nan", "must be a number >= 0"),
+])
+def test_path_latency_parse_errors(bad, msg):
+    with pytest.raises(ValueError, match=msg):
+        PathLatency.parse(bad)
