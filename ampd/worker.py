@@ -102,6 +102,7 @@ class WorkerRuntime:
             kv_free_tokens=self.pool.free_tokens,
             active_sessions=self.active_sessions,
             extra=self.extra,
+            busy_until=self.busy_until if self.busy_until > now else 0.0,
         )
 
     async def start(self, sidecar: str = "") -> None:

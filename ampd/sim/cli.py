@@ -40,7 +40,8 @@ def register(subparsers) -> None:
     p.add_argument("--path-latency", default="none", metavar="NAME=S[,...]",
                    help="what the live control path adds per round, seconds: open (new session), "
                         "dispatch (input ready -> routed and queued), handoff (remote prefill end -> "
-                        "first token), tool (per tool call); e.g. 'dispatch=0.01,handoff=0.002' "
+                        "first token), tool (per tool call), prefill_busy (each remote prefill holds its "
+                        "worker this much longer than modelled); e.g. 'dispatch=0.01,handoff=0.002' "
                         "(default none; docs/simulator.md)")
     p.set_defaults(func=run)
 

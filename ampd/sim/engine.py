@@ -74,14 +74,18 @@ class PathLatency:
     (bind, attach); ``dispatch_s``: a round's input ready at the decode worker to the coordinator
     routing it and the task reaching the chosen queue; ``handoff_s``: a remote prefill's end to the
     decode worker holding its first token (KV-written notification); ``tool_s``: added to every tool
-    call (the sidecar RPC). TTFT still runs from the input being ready, as live."""
+    call (the sidecar RPC); ``prefill_busy_s``: how much longer than modelled (read + compute +
+    write-back) each remote prefill holds its prefill worker (timer slack, the KV write and its
+    completion poll); unlike the others it adds up along a queue. The workers' predicted queues
+    (``busy_until``) do not include it, as live. TTFT still runs from the input being ready."""
 
     open_s: float = 0.0
     dispatch_s: float = 0.0
     handoff_s: float = 0.0
     tool_s: float = 0.0
+    prefill_busy_s: float = 0.0
 
-    FIELDS = ("open", "dispatch", "handoff", "tool")
+    FIELDS = ("open", "dispatch", "handoff", "tool", "prefill_busy")
 
     def __post_init__(self):
         for f in self.FIELDS:
@@ -91,7 +95,7 @@ class PathLatency:
 
     @property
     def zero(self) -> bool:
-        return not (self.open_s or self.dispatch_s or self.handoff_s or self.tool_s)
+        return not (self.open_s or self.dispatch_s or self.handoff_s or self.tool_s or self.prefill_busy_s)
 
     @classmethod
     def parse(cls, text: str) -> "PathLatency":
@@ -607,6 +611,7 @@ class Simulator:
         pin_ttl = self.kv_pin_ttl_s
         path = cfg.path
         open_s, dispatch_s, handoff_s, tool_rpc_s = path.open_s, path.dispatch_s, path.handoff_s, path.tool_s
+        busy_extra = path.prefill_busy_s
         reasons: dict[str, int] = {}
 
         order = sorted(range(len(sessions)), key=lambda i: (sessions[i].arrival, i))
@@ -761,15 +766,15 @@ class Simulator:
                     rend = now
                 st.write_s = write
                 p.busy_until = rend + comp + write
-                p.busy_s += rend - now + comp
+                p.busy_s += rend - now + comp + busy_extra
                 seq += 1
-                push(heap, (rend + comp, seq, _COMPUTE_DONE, st))
+                push(heap, (rend + comp + busy_extra, seq, _COMPUTE_DONE, st))
             else:
                 dur = read + comp + write
                 p.busy_until = now + dur
-                p.busy_s += dur
+                p.busy_s += dur + busy_extra
                 seq += 1
-                push(heap, (now + dur, seq, _REMOTE_DONE, st))
+                push(heap, (now + dur + busy_extra, seq, _REMOTE_DONE, st))
 
         def first_token(st: _Sess, now: float):
             st.first = now

@@ -15,7 +15,7 @@ Routing needs every worker's stats, so they live in ONE hash: one HGETALL per de
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import redis.asyncio as aioredis
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
@@ -50,10 +50,11 @@ class WorkerStats:
     ts: float  # publish time (unix); stale entries mean a dead worker
     window_mean_s: float | None  # windowed TTFT (prefill) or ITL (decode)
     queue: tuple[tuple[str, int, int, int, float], ...]  # (session, round, l_hist, l_incr, enqueued_at)
-    queue_predicted_s: float
+    queue_predicted_s: float  # queued tasks + the remaining time of the one in service, as of ts
     kv_free_tokens: int
     active_sessions: int = 0
     extra: dict = field(default_factory=dict)
+    busy_until: float = 0.0  # predicted end (unix) of the prefill in service; 0: none
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -75,6 +76,16 @@ class WorkerStats:
             kv_free_tokens=self.kv_free_tokens,
             queue_predicted_s=self.queue_predicted_s,
         )
+
+
+def age_view(v: WorkerView, ts: float, busy_until: float, now: float) -> WorkerView:
+    """``v`` (published at ``ts``) as of ``now``: the remaining time of the prefill in service,
+    part of ``queue_predicted_s``, has shrunk by the time since ``ts``. A worker republishes on
+    every queue change but otherwise only every heartbeat (0.5 s), so without this a router would
+    see a long prefill's remaining time up to a heartbeat too high."""
+    if busy_until <= ts or now <= ts:
+        return v
+    return replace(v, queue_predicted_s=max(0.0, v.queue_predicted_s - (min(now, busy_until) - ts)))
 
 
 async def connect(url: str, timeout_s: float = 10.0) -> aioredis.Redis:

@@ -9,6 +9,7 @@ import structlog
 
 from ampd.policy import PrefillRequest, RouteDecision, Router, WorkerView, bind
 from ampd.state import StateStore, WorkerInfo, WorkerStats
+from ampd.state.store import age_view
 from ampd.v1 import common_pb2
 from ampd.worker import STALE_AFTER_S
 
@@ -71,7 +72,7 @@ class Cluster:
         self.mode = mode
         self.infos: dict[str, WorkerInfo] = {}
         self._infos_at = 0.0
-        self._views: dict[str, tuple[float, str, WorkerView]] = {}  # wid -> (ts, kind, view)
+        self._views: dict[str, tuple[float, str, WorkerView, float]] = {}  # wid -> (ts, kind, view, busy_until)
         self.lag_s: list[float] = []  # recent delivery lags (push mode), bounded
         self._follower: asyncio.Task | None = None
 
@@ -127,7 +128,7 @@ class Cluster:
                 return
         prev = self._views.get(st.worker_id)
         if prev is None or st.ts >= prev[0]:
-            self._views[st.worker_id] = (st.ts, info.kind, st.view(info.kind, info.tp))
+            self._views[st.worker_id] = (st.ts, info.kind, st.view(info.kind, info.tp), st.busy_until)
 
     async def view(self) -> ClusterView:
         if self.mode == "push":
@@ -141,7 +142,7 @@ class Cluster:
         for wid, st in stats.items():
             info = self.infos.get(wid)
             if info is not None:
-                entries.append((st.ts, info.kind, st.view(info.kind, info.tp)))
+                entries.append((st.ts, info.kind, st.view(info.kind, info.tp), st.busy_until))
         return self._assemble(entries, read_s)
 
     @staticmethod
@@ -149,9 +150,11 @@ class Cluster:
         now = time.time()
         decode: dict[str, WorkerView] = {}
         prefill: list[WorkerView] = []
-        for ts, kind, v in entries:
+        for ts, kind, v, busy_until in entries:
             if now - ts > STALE_AFTER_S:  # no heartbeat: the worker is gone
                 continue
+            if busy_until > ts:  # the prefill in service has progressed since the publish
+                v = age_view(v, ts, busy_until, now)
             if kind == "decode":
                 decode[v.worker_id] = v
             else:

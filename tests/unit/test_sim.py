@@ -315,11 +315,27 @@ def test_path_latency_delays_routing_handoff_and_tools():
     assert r0.first_token - r0.input_ready == pytest.approx(0.04 + P.t_pre(4, 0, 1000), abs=1e-12)
 
 
+def test_path_latency_prefill_busy_adds_up_along_the_queue():
+    """prefill_busy: each remote prefill holds the worker longer; the task behind waits for it."""
+    from ampd.sim import PathLatency
+
+    a = Session("a", 0.0, (Round(1000, 2),))
+    b = Session("b", 0.0, (Round(500, 2),))
+    r = _run([a, b], policy="remote", prefill="tp2*1", decode="tp1*2",
+             path=PathLatency(prefill_busy_s=0.003))
+    ra, rb = (s.rounds[0] for s in r.sessions)
+    da = P.t_pre(2, 0, 1000) + P.t_kv(1000, 2, 1)
+    db = P.t_pre(2, 0, 500) + P.t_kv(500, 2, 1)
+    assert ra.first_token == pytest.approx(da + 0.003, abs=1e-12)
+    assert rb.first_token == pytest.approx(da + 0.003 + db + 0.003, abs=1e-12)
+
+
 @pytest.mark.parametrize("text, want", [
     ("none", PathLatency()),
     ("", PathLatency()),
     ("dispatch=0.012, handoff=0.002", PathLatency(dispatch_s=0.012, handoff_s=0.002)),
     ("open=0.05,tool=1e-3", PathLatency(open_s=0.05, tool_s=0.001)),
+    ("prefill_busy=0.0025", PathLatency(prefill_busy_s=0.0025)),
 ])
 def test_path_latency_parse(text, want):
     got = PathLatency.parse(text)
