@@ -230,7 +230,7 @@ def measure_prefill_busy(log, n: int = 30, profile: str = FIDELITY_PROFILE) -> d
     """Extra time a prefill occupies the prefill worker live, beyond its modelled history read +
     compute + write-back: in a burst the worker runs the tasks back to back, so the k-th task's
     first token is late (live vs simulated, relative to the burst's first) by k times that extra.
-    Not expressible in PathLatency (its handoff does not occupy the worker)."""
+    The simulator models it as ``PathLatency.prefill_busy`` (``handoff`` does not occupy the worker)."""
     trace = burst_trace(n, profile)
     opts = Options(prefill="tp1*1", decode="tp1*1", profile=profile, policy="remote", namespace="overhead-burst")
     load_before = os.getloadavg()[0]
@@ -279,7 +279,8 @@ def main(n: int = 60, rounds: int = 5) -> dict:
                   "the same). The prefill worker runs the burst back to back, so the slope is the time "
                   "each task holds the worker beyond the modelled read + compute + write-back (timer "
                   "slack of the mock's sleeps, the NIXL write and its completion poll, the loop). "
-                  "PathLatency cannot express it: see docs/fidelity.md.",
+                  "The simulator models it as PathLatency.prefill_busy (the mean of both slopes in "
+                  "benchmarks/fidelity.py): see docs/fidelity.md.",
     }
     log(f"PathLatency: {est}")
     out["path_latency"] = {

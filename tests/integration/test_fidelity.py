@@ -4,14 +4,15 @@ from build_report. The full version (three rates, two policies) is benchmarks/fi
 Tolerances are the issue's: SLO attainment within 5 points; TTFT and ITL P50/P90 within 10 %.
 The simulated side models the live control path's own latencies (``ampd.sim.PathLatency``) with the
 values benchmarks/live_overhead.py measured independently (benchmarks/results/live_overhead.json,
-``path_latency``: a few ms per round and per tool call); ``fid.run_sim`` reads them.
+``path_latency``: a few ms per round and per tool call; ``prefill_busy_extra``: ~2.65 ms per remote
+prefill); ``fid.measured_path`` reads them.
 Measured on the 2-core box: attainment equal, every percentile within 2.3 % (three runs before the
 path latency was modelled, within 1.7 % after); before NIXL's progress thread stopped busy-polling a
 core per agent the live side was CPU-starved and drifted by 15-40 %.
 Why it holds reliably (docs/fidelity.md):
 - TP 1 of qwen3-32b@h20: prefill ~0.72 s per 1k tokens, a decode step ~22 ms. What the simulator
-  does not model (each prefill holds the live prefill worker ~2.5-3 ms longer than modelled, which
-  adds up in a queue; the mock's millisecond timer slack) is a few % of these costs.
+  models only as medians and means (the path latencies, the prefill worker's per-task extra) or not
+  at all (the mock's millisecond timer slack on decode steps) varies by a few % of these costs.
 - 11 sessions, so one session flipping would move attainment by 9 points: the trace seed and the
   TTFT SLO are chosen so that, in the simulation, every session's worst TTFT and its mean ITL are
   at least 15 % away from their thresholds (checked below), so a few-% timing difference cannot
