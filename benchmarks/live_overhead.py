@@ -131,18 +131,25 @@ def residuals(trace: list[Session], live_records, sim) -> dict[str, list[float]]
     return out
 
 
-def run_path_scenario(profile: str, policy: str, trace: list[Session], log) -> dict:
-    opts = Options(prefill="tp1*1", decode="tp1*1", profile=profile, policy=policy,
-                   namespace=f"overhead-{policy}")
+def live_and_sim(profile: str, policy: str, trace: list[Session], namespace: str):
+    """(live records, SimResult, 1-minute load before/after) of ``trace`` on 1P+1D at TP 1: replayed
+    on a fresh live deployment (after warming NIXL connections and channels) and simulated without
+    a path latency."""
+    opts = Options(prefill="tp1*1", decode="tp1*1", profile=profile, policy=policy, namespace=namespace)
     load_before = os.getloadavg()[0]
     with Deployment(opts) as dep:
-        asyncio.run(measure(dep.coordinator, 3, 2))  # warm NIXL connections and channels
+        asyncio.run(measure(dep.coordinator, 3, 2))
         records, stats, _, _ = asyncio.run(replay(dep.coordinator, trace, progress=False, timeout_s=600))
     assert not stats.errors, stats.errors[:3]
     sim = simulate(trace, load_profile(profile), policy=policy, prefill="tp1*1", decode="tp1*1")
+    return records, sim, {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2)}
+
+
+def run_path_scenario(profile: str, policy: str, trace: list[Session], log) -> dict:
+    records, sim, load = live_and_sim(profile, policy, trace, f"overhead-{policy}")
     res = residuals(trace, records, sim)
     out = {k: summary(v) for k, v in res.items()}
-    out["loadavg_1m"] = {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2)}
+    out["loadavg_1m"] = load
     out["_raw"] = res
     log(f"  {profile} {policy}: " + "; ".join(f"{k} p50 {out[k]['p50_ms']:.1f} mean {out[k]['mean_ms']:.1f} "
                                               f"p90 {out[k]['p90_ms']:.1f} ms" for k in ("round0", "later", "tool"))
@@ -231,17 +238,10 @@ def measure_prefill_busy(log, n: int = 30, profile: str = FIDELITY_PROFILE) -> d
     compute + write-back: in a burst the worker runs the tasks back to back, so the k-th task's
     first token is late (live vs simulated, relative to the burst's first) by k times that extra.
     The simulator models it as ``PathLatency.prefill_busy`` (``handoff`` does not occupy the worker)."""
-    trace = burst_trace(n, profile)
-    opts = Options(prefill="tp1*1", decode="tp1*1", profile=profile, policy="remote", namespace="overhead-burst")
-    load_before = os.getloadavg()[0]
-    with Deployment(opts) as dep:
-        asyncio.run(measure(dep.coordinator, 3, 2))
-        records, stats, _, _ = asyncio.run(replay(dep.coordinator, trace, progress=False, timeout_s=600))
-    assert not stats.errors, stats.errors[:3]
-    sim = simulate(trace, load_profile(profile), policy="remote", prefill="tp1*1", decode="tp1*1")
+    records, sim, load = live_and_sim(profile, "remote", burst_trace(n, profile), "overhead-burst")
     simft = {(s.session_id, r.round): r.first_token for s in sim.sessions for r in s.rounds}
     liveft = {(rec.session_id, r.round): r.first_token for rec in records for r in rec.rounds}
-    out = {"sessions": n, "loadavg_1m": {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2)}}
+    out = {"sessions": n, "loadavg_1m": load}
     for rnd, name in ((0, "no_history"), (1, "with_history")):
         keys = sorted((k for k in simft if k[1] == rnd), key=simft.get)
         same_order = keys == sorted(keys, key=liveft.get)

@@ -153,8 +153,7 @@ class Cluster:
         for ts, kind, v, busy_until in entries:
             if now - ts > STALE_AFTER_S:  # no heartbeat: the worker is gone
                 continue
-            if busy_until > ts:  # the prefill in service has progressed since the publish
-                v = age_view(v, ts, busy_until, now)
+            v = age_view(v, ts, busy_until, now)  # the prefill in service progressed since ts
             if kind == "decode":
                 decode[v.worker_id] = v
             else:
