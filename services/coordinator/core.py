@@ -11,7 +11,7 @@ from ampd.policy import PrefillRequest, RouteDecision, Router, WorkerView, bind
 from ampd.state import StateStore, WorkerInfo, WorkerStats
 from ampd.state.store import age_view
 from ampd.v1 import common_pb2
-from ampd.worker import STALE_AFTER_S
+from ampd.runtime import STALE_AFTER_S
 
 log = structlog.get_logger()
 

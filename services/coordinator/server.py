@@ -18,7 +18,7 @@ from ampd.v1 import (
     common_pb2, coordinator_pb2, coordinator_pb2_grpc, decode_pb2, decode_pb2_grpc, prefill_pb2,
     prefill_pb2_grpc,
 )
-from ampd.worker import write_ready_file
+from ampd.runtime import write_ready_file
 from services.coordinator.core import Cluster, InvalidArgument, choose_decode_worker, route, validate_open
 
 log = structlog.get_logger()

@@ -14,7 +14,7 @@ from ampd.perf import load_profile
 from ampd.policy import SLO, make_queue, policy_spec
 from ampd.state import StateStore, connect
 from ampd.v1 import common_pb2, decode_pb2, decode_pb2_grpc, sidecar_pb2_grpc
-from ampd.worker import WorkerRuntime, add_worker_args, config_from_args, pool_for, write_ready_file
+from ampd.runtime import WorkerRuntime, add_worker_args, config_from_args, pool_for, write_ready_file
 from services.decode.worker import DecodeCore, SessionError, SessionFailed
 
 log = structlog.get_logger()

@@ -15,7 +15,7 @@ from ampd.engine.base import DecodeSeq, Engine
 from ampd.kv import KVPoolExhausted, Segment, SessionKV, verify_pattern
 from ampd.policy import QueuedTask
 from ampd.v1 import common_pb2, decode_pb2, prefill_pb2, sidecar_pb2
-from ampd.worker import WorkerRuntime
+from ampd.runtime import WorkerRuntime
 
 log = structlog.get_logger()
 

@@ -13,7 +13,7 @@ from ampd.perf import load_profile
 from ampd.policy import SLO, make_queue, policy_spec
 from ampd.state import StateStore, connect
 from ampd.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
-from ampd.worker import WorkerRuntime, add_worker_args, config_from_args, pool_for, write_ready_file
+from ampd.runtime import WorkerRuntime, add_worker_args, config_from_args, pool_for, write_ready_file
 from services.prefill.worker import PrefillCore
 
 log = structlog.get_logger()

@@ -10,7 +10,7 @@ from ampd.engine.base import Engine
 from ampd.kv import Segment, SessionKV, verify_pattern
 from ampd.policy import QueuedTask
 from ampd.v1 import prefill_pb2
-from ampd.worker import WorkerRuntime
+from ampd.runtime import WorkerRuntime
 
 log = structlog.get_logger()
 

@@ -12,7 +12,7 @@ import structlog
 from ampd import grpcserver, logs
 from ampd.tools import ToolInput, ToolRegistry
 from ampd.v1 import common_pb2, sidecar_pb2, sidecar_pb2_grpc
-from ampd.worker import write_ready_file
+from ampd.runtime import write_ready_file
 
 log = structlog.get_logger()
 
