@@ -176,7 +176,7 @@ def _summ(x):
 def run_point(job: dict) -> dict:
     """One simulation: job = {model, preset, policy, rate, duration, seed, prefill, decode, slo, opts}."""
     from ampd.policy import SLO
-    from ampd.sim.engine import simulate
+    from ampd.sim import simulate
     from ampd.sim.records import sim_report
 
     t0 = time.time()
@@ -186,11 +186,11 @@ def run_point(job: dict) -> dict:
     policy = job["policy"]
     if policy == "ampd-window":
         policy, opts["slack"] = "ampd", "window"
-    qw = opts.pop("queue_window", 3)
+    qw = opts.pop("reorder_window", 3)
     slo = job["slo"]
     res = simulate(sess, prof, policy=policy, prefill=job["prefill"], decode=job["decode"],
                    ttft_slo_s=slo["ttft_s"], itl_slo_s=slo["itl_s"], seed=job["seed"],
-                   queue_window=qw, **opts)
+                   reorder_window=qw, **opts)
     rep = sim_report(res, SLO(ttft_s=slo["ttft_s"], itl_s=slo["itl_s"]))
     out = {k: job[k] for k in ("model", "preset", "policy", "rate", "duration", "seed", "prefill", "decode")}
     out["opts"] = job.get("opts") or {}
@@ -668,7 +668,7 @@ def part_sensitivity(ctx):
                 for v in vals:
                     opts = {"slack": slack}
                     if param == "w":
-                        opts["queue_window"] = v
+                        opts["reorder_window"] = v
                     else:
                         opts[param] = v
                     for seed in seeds:

@@ -42,13 +42,15 @@ __all__ = ["PrefillCore", "PrefillWork", "KvRead"]
 class PrefillWork:
     """Run ``task`` now: ``read_s`` of history KV still to read (0 when it was read ahead, or has no
     history), then ``compute_s``, then ``write_s`` to write its new KV back. ``total_s`` is their sum
-    (Eq. 2 less its queue term when nothing was read ahead)."""
+    (Eq. 2 less its queue term when nothing was read ahead). ``was_ahead``: its read started earlier
+    (the overlap's read ahead) and ``read_s`` is what is left of it."""
 
     task: PrefillTask
     read_s: float
     compute_s: float
     write_s: float
     total_s: float
+    was_ahead: bool = False
 
 
 @dataclass(slots=True)
@@ -135,11 +137,13 @@ class PrefillCore:
             read, comp, write = self.ahead_parts
             read = self.ahead_read_end - now if self.ahead_read_end > now else 0.0
             self.ahead = None
+            was_ahead = True
         elif self.qlen:
             task = self.queue.pop(now)
             self.qver += 1
             self.qlen -= 1
             read, comp, write = remote_parts(self.cost, task.l_hist, task.l_incr, task.decode_tp, self.tp)
+            was_ahead = False
         else:
             return None
         self.current = task
@@ -147,7 +151,7 @@ class PrefillCore:
         self.tasks += 1
         total = comp + read + write  # remote_prefill_s's order: the same float as Eq. (2)
         self.busy_until = now + total
-        return PrefillWork(task, read, comp, write, total)
+        return PrefillWork(task, read, comp, write, total, was_ahead)
 
     def compute_started(self, now: float) -> KvRead | None:
         """The task in service has its history: with the overlap, the next task leaves the queue
