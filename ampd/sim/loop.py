@@ -13,7 +13,7 @@ of decode steps, never per step or token; heap entries are plain tuples ``(time,
 """
 from __future__ import annotations
 
-import heapq
+from heapq import heappop, heappush
 import math
 import time as _time
 from typing import Sequence
@@ -161,7 +161,7 @@ class _Run:
 
     def push(self, t: float, code: int, obj) -> None:
         self.seq += 1
-        heapq.heappush(self.heap, (t, self.seq, code, obj))
+        heappush(self.heap, (t, self.seq, code, obj))
 
     # ------------------------------------------------------------------------------- the loop
     def go(self, sessions: Sequence) -> SimResult:
@@ -169,7 +169,7 @@ class _Run:
         order = sorted(range(len(sessions)), key=lambda i: (sessions[i].arrival, i))
         ids_seen: set = set()
         heap = self.heap
-        pop = heapq.heappop
+        pop = heappop
         n_events = 0
         ai = 0
         na = len(order)
@@ -267,7 +267,8 @@ class _Run:
             tool = rounds[st.round].tool_s
             tool = (tool if tool and tool > 0 else 0.0) + self.tool_rpc_s
             st.round += 1
-            self.push(now + tool, _ROUND_READY, st)
+            self.seq += 1
+            heappush(self.heap, (now + tool, self.seq, _ROUND_READY, st))
             if self.pin_ttl is not None and tool > self.pin_ttl:
                 d.tool_call(st)
                 self.push(now + self.pin_ttl, _PIN_EXPIRED, st)
@@ -329,10 +330,11 @@ class _Run:
         act = d.schedule(now)
         if act is None:
             return
+        self.seq += 1
         if type(act) is DecodeRun:
-            self.push(act.end, _STEP_DONE, (d, d.run_ver))
+            heappush(self.heap, (act.end, self.seq, _STEP_DONE, (d, d.run_ver)))
         else:
-            self.push(act.end, _PREFILL_DONE, d)
+            heappush(self.heap, (act.end, self.seq, _PREFILL_DONE, d))
 
     def interrupt(self, d: _Decode, now: float) -> None:
         """Something for this worker arrived mid-run: end the run at the next step boundary."""
@@ -346,7 +348,15 @@ class _Run:
             return  # a run that was cut short
         k = d.run_m
         n = d.batch_n
-        d.log.add_run(d.step_idx, d.run_t0, d.run_A, d.run_g, k, n, n - d.step_new, d.last_end)
+        lg = d.log  # one entry per run of steps (StepLog)
+        lg.lo.append(d.step_idx)
+        lg.t0.append(d.run_t0)
+        lg.A.append(d.run_A)
+        lg.g.append(d.run_g)
+        lg.k.append(k)
+        lg.n.append(n)
+        lg.old.append(n - d.step_new)
+        lg.prev.append(d.last_end)
         for st in d.run_done(k, now):
             self.round_end(st, now, now)
         self.decode_next(d, now)
@@ -395,7 +405,8 @@ class _Run:
         else:
             dur = w.total_s
             p.busy_s += dur + extra
-            self.push(now + dur + extra, _REMOTE_DONE, st)
+            self.seq += 1
+            heappush(self.heap, (now + dur + extra, self.seq, _REMOTE_DONE, st))
 
     def read_ahead(self, p: _Prefill, task: PrefillTask, now: float) -> None:
         """KV overlap: the next task's history read starts now (sharing NICs under contention)."""

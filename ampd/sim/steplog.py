@@ -35,18 +35,6 @@ class StepLog:
         self.old = array("q")
         self.prev = array("d")
 
-    def add_run(self, lo: int, t0: float, A: float, g: float, k: int, n: int, old: int, prev: float) -> None:
-        """A run of ``k`` steps of a batch of ``n`` (``old`` of them already in the batch before it)
-        from global step ``lo``, started at ``t0`` after the step that ended at ``prev``."""
-        self.lo.append(lo)
-        self.t0.append(t0)
-        self.A.append(A)
-        self.g.append(g)
-        self.k.append(k)
-        self.n.append(n)
-        self.old.append(old)
-        self.prev.append(prev)
-
     def step_end(self, idx: int) -> float:
         s = bisect_right(self.lo, idx) - 1
         j = idx - self.lo[s]

@@ -467,7 +467,7 @@ class DecodeCore:
         self.run_ver += 1
         return t0 + k * A + g * (k - 1) * k * 0.5
 
-    def run_done(self, k: int, now: float) -> list[DecodeSession]:
+    def run_done(self, k: int, now: float) -> list[DecodeSession] | tuple[()]:
         """``k`` steps of the run ended at ``now`` (the whole run, or its first ``k`` steps when a
         driver stops early): returns the sessions whose round ended with them (call
         ``round_end`` for each, then ``schedule``)."""
@@ -483,7 +483,7 @@ class DecodeCore:
         # exits are handled sees a run that has just ended (cut() then changes nothing)
         exits = self.exit_at.pop(k0 + k - 1, None)
         if not exits:
-            return []
+            return ()
         heapq.heappop(self.exit_heap)
         self.batch_n = n - len(exits)
         for s in exits:

@@ -70,7 +70,7 @@ class PrefillCore:
 
     __slots__ = ("worker_id", "tp", "cost", "queue", "window", "kv_overlap", "kv_capacity_tokens",
                  "current", "computing", "busy_until", "ahead", "ahead_parts", "ahead_read_end",
-                 "_tail_cw", "busy_s", "tasks", "qver", "qlen",
+                 "_tail_cw", "_parts", "busy_s", "tasks", "qver", "qlen",
                  "wadds", "m_adds", "m_t0", "m_mean", "vq_ver", "vq", "vpred", "view_", "v_mean")
 
     def __init__(self, worker_id: str, tp: int, cost: CostModel, queue: PrefillQueue, *,
@@ -89,6 +89,7 @@ class PrefillCore:
         self.ahead_parts = (0.0, 0.0, 0.0)
         self.ahead_read_end = 0.0
         self._tail_cw = 0.0  # compute + write of the last queued task (what hides the next read)
+        self._parts: dict[int, tuple[float, float, float]] = {}  # id(queued task) -> its Eq. (2) terms
         self.busy_s = 0.0
         self.tasks = 0
         self.qver = 0  # pushes + pops of the queue (the view's queue copy is rebuilt when it moves)
@@ -112,7 +113,9 @@ class PrefillCore:
         if not self.kv_overlap:
             self.queue.push(task)
         else:
-            read, comp, write = remote_parts(self.cost, task.l_hist, task.l_incr, task.decode_tp, self.tp)
+            parts = remote_parts(self.cost, task.l_hist, task.l_incr, task.decode_tp, self.tp)
+            self._parts[id(task)] = parts  # a queued task is alive, so its id is unique meanwhile
+            read, comp, write = parts
             if self.qlen:
                 hide = self._tail_cw
             elif self.ahead is not None:
@@ -142,7 +145,7 @@ class PrefillCore:
             task = self.queue.pop(now)
             self.qver += 1
             self.qlen -= 1
-            read, comp, write = remote_parts(self.cost, task.l_hist, task.l_incr, task.decode_tp, self.tp)
+            read, comp, write = self._parts_of(task)
             was_ahead = False
         else:
             return None
@@ -176,11 +179,18 @@ class PrefillCore:
         task = self.queue.pop(now)
         self.qver += 1
         self.qlen -= 1
-        parts = remote_parts(self.cost, task.l_hist, task.l_incr, task.decode_tp, self.tp)
+        parts = self._parts_of(task)
         self.ahead = task
         self.ahead_parts = parts
         self.ahead_read_end = now + parts[0]
         return KvRead(task, parts[0])
+
+    def _parts_of(self, task: PrefillTask) -> tuple[float, float, float]:
+        """Eq. (2)'s terms of a task leaving the queue (computed at submit with the overlap)."""
+        parts = self._parts.pop(id(task), None)
+        if parts is None:
+            parts = remote_parts(self.cost, task.l_hist, task.l_incr, task.decode_tp, self.tp)
+        return parts
 
     # ----------------------------------------------------------------------------------- view
     @property

@@ -75,7 +75,7 @@ def test_cut_ends_the_run_at_the_next_step_boundary():
     end = core.cut(t)
     assert end == pytest.approx(2 * A + g) and core.run_ver == ver + 1
     assert core.cut(t) is None  # already cut
-    assert core.run_done(2, end) == []
+    assert not core.run_done(2, end)
     assert core.step_idx == 2 and core.kv_used == 500 + 1 + 100 + 2
     p = core.schedule(end)
     assert isinstance(p, LocalPrefill) and p.session is o  # prefill priority
