@@ -176,7 +176,7 @@ def _summ(x):
 def run_point(job: dict) -> dict:
     """One simulation: job = {model, preset, policy, rate, duration, seed, prefill, decode, slo, opts}."""
     from ampd.policy import SLO
-    from ampd.sim.engine import simulate
+    from ampd.sim import simulate
     from ampd.sim.records import sim_report
 
     t0 = time.time()
@@ -186,14 +186,15 @@ def run_point(job: dict) -> dict:
     policy = job["policy"]
     if policy == "ampd-window":
         policy, opts["slack"] = "ampd", "window"
-    qw = opts.pop("queue_window", 3)
+    qw = opts.pop("reorder_window", 3)
     slo = job["slo"]
     res = simulate(sess, prof, policy=policy, prefill=job["prefill"], decode=job["decode"],
                    ttft_slo_s=slo["ttft_s"], itl_slo_s=slo["itl_s"], seed=job["seed"],
-                   queue_window=qw, **opts)
+                   reorder_window=qw, **opts, **job.get("sim", {}))
     rep = sim_report(res, SLO(ttft_s=slo["ttft_s"], itl_s=slo["itl_s"]))
     out = {k: job[k] for k in ("model", "preset", "policy", "rate", "duration", "seed", "prefill", "decode")}
     out["opts"] = job.get("opts") or {}
+    out["sim"] = job.get("sim") or {}
     out.update({
         "sessions": rep["sessions"], "slo_attainment": rep["slo_attainment"],
         "ttft_attainment": rep["ttft_attainment"], "itl_attainment": rep["itl_attainment"],
@@ -236,7 +237,13 @@ def run_point(job: dict) -> dict:
     return out
 
 
+# simulate() keywords every job gets (set from the command line, e.g. --no-kv-overlap)
+SIM_OPTS: dict = {}
+
+
 def run_jobs(jobs, nproc):
+    if SIM_OPTS:
+        jobs = [dict(j, sim=dict(SIM_OPTS)) for j in jobs]
     if nproc <= 1 or len(jobs) <= 1:
         return [run_point(j) for j in jobs]
     out = [None] * len(jobs)
@@ -668,7 +675,7 @@ def part_sensitivity(ctx):
                 for v in vals:
                     opts = {"slack": slack}
                     if param == "w":
-                        opts["queue_window"] = v
+                        opts["reorder_window"] = v
                     else:
                         opts[param] = v
                     for seed in seeds:
@@ -869,7 +876,11 @@ def main(argv=None):
     ap.add_argument("--seeds", default="1,2", help="trace/router seeds of the sweep, comma list")
     ap.add_argument("--sens-seeds", default="1,2,3")
     ap.add_argument("--reuse", action="store_true", help="reuse slo/scan/sweep JSON in --out when present")
+    ap.add_argument("--no-kv-overlap", action="store_true",
+                    help="prefill workers read the next task's history KV only when it starts (no overlap)")
     a = ap.parse_args(argv)
+    if a.no_kv_overlap:
+        SIM_OPTS["kv_overlap"] = False
     ctx = Ctx()
     ctx.quick, ctx.jobs, ctx.out = a.quick, max(1, min(a.jobs, 2)), a.out
     ctx.models = a.models.split(",") if not a.quick else ["llama3.1-70b@h20"]
@@ -904,7 +915,7 @@ def main(argv=None):
              "kvratio": part_kvratio, "itlrule": part_itlrule, "chunked": part_chunked}[part](ctx)
         timings[part] = round(time.time() - t, 1)
         print(f"[{part}] {timings[part]} s", flush=True)
-    meta = {"argv": sys.argv, "timings_s": timings, "total_s": round(time.time() - t0, 1),
+    meta = {"argv": sys.argv, "sim_options": SIM_OPTS, "timings_s": timings, "total_s": round(time.time() - t0, 1),
             "git_head": _git_head()}
     prev = os.path.join(ctx.out, "run_meta.json")
     runs = []

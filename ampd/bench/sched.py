@@ -22,7 +22,7 @@ import numpy as np
 
 from ampd.bench.report import SLO
 from ampd.perf import load_profile
-from ampd.policy import PrefillRequest, QueuedTask, make_queue, make_router
+from ampd.policy import PrefillTask, make_queue, make_router
 from ampd.state import StateStore, WorkerInfo, WorkerStats, connect
 
 PROFILE = "qwen3-32b@h20"
@@ -83,7 +83,7 @@ async def _routing(store: StateStore, n: int, mode: str, iters: int) -> dict:
     churner = asyncio.create_task(churn())
     lat, reasons = [], {}
     for k in range(iters + 200):
-        req = PrefillRequest(f"r{k}", 1, rng.randrange(0, 8000), rng.randrange(50, 3000), rng.choice(decode_ids))
+        req = PrefillTask(f"r{k}", 1, rng.randrange(0, 8000), rng.randrange(50, 3000), decode_worker=rng.choice(decode_ids))
         t0 = time.perf_counter()
         view = await cluster.view()
         d = route(router, view, req, time.time())
@@ -110,7 +110,7 @@ def _reorder(window: int, iters: int = 20_000) -> dict:
     q = make_queue("ttft-aware", profile, slo, 2, window=window)
     now = 1000.0
     for _ in range(16):
-        q.push(QueuedTask(f"s{rng.randrange(10**6)}", 1, rng.randrange(0, 8000), rng.randrange(50, 3000),
+        q.push(PrefillTask(f"s{rng.randrange(10**6)}", 1, rng.randrange(0, 8000), rng.randrange(50, 3000),
                           now - rng.random() * 2))
     lat = []
     for _ in range(iters):
@@ -118,7 +118,7 @@ def _reorder(window: int, iters: int = 20_000) -> dict:
         t0 = time.perf_counter()
         q.pop(now)
         lat.append(time.perf_counter() - t0)
-        q.push(QueuedTask(f"s{rng.randrange(10**6)}", 1, rng.randrange(0, 8000), rng.randrange(50, 3000),
+        q.push(PrefillTask(f"s{rng.randrange(10**6)}", 1, rng.randrange(0, 8000), rng.randrange(50, 3000),
                           now - rng.random() * 2))
     p50, p99 = _pct(lat)
     return {"window": window, "p50_ms": p50, "p99_ms": p99, "pops": iters}

@@ -22,14 +22,17 @@ from .route import (
     make_router,
 )
 from .spec import POLICIES, PolicySpec, policy_spec
-from .types import SLO, CostModel, PrefillRequest, QueuedTask, RouteDecision, WorkerView
+from .cost import remote_parts, t_local, t_remote
+from .types import SLO, CostModel, PrefillRequest, PrefillTask, QueuedTask, RouteDecision, WorkerView
 
 __all__ = [
     "CostModel",
     "SLO",
-    "QueuedTask",
+    "PrefillTask",
     "WorkerView",
-    "PrefillRequest",
+    "remote_parts",
+    "t_local",
+    "t_remote",
     "RouteDecision",
     "Router",
     "AdaptiveRouter",

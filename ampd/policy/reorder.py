@@ -12,7 +12,7 @@ from collections import deque
 from heapq import heappop, heappush
 from itertools import permutations
 
-from .types import SLO, CostModel, QueuedTask
+from .types import SLO, CostModel, PrefillTask
 
 __all__ = [
     "PrefillQueue",
@@ -24,7 +24,8 @@ __all__ = [
 ]
 
 # An entry is a 3-item list [task, predicted t_pre, postponement counter]; lists are the cheapest
-# mutable record in CPython and the counter belongs to this queue, not to the frozen task.
+# mutable record in CPython and the counter belongs to this queue, not to the task (a value
+# nobody assigns to).
 _TASK = 0
 _TPRE = 1
 _POST = 2
@@ -33,7 +34,7 @@ _POST = 2
 class PrefillQueue:
     """Base: FCFS storage in a deque of entries, running predicted total.
 
-    ``push(task)``; ``pop(now) -> QueuedTask`` (``IndexError`` when empty); ``len(q)``;
+    ``push(task[, predicted_s])``; ``pop(now) -> PrefillTask`` (``IndexError`` when empty); ``len(q)``;
     ``tasks()`` in current order; ``predicted_total()`` = sum of predicted t_pre of queued tasks
     (what the worker publishes as ``WorkerView.queue_predicted_s``); ``predict(task)``.
     """
@@ -47,16 +48,18 @@ class PrefillQueue:
         self._q: deque[list] = deque()
         self._total = 0.0
 
-    def predict(self, task: QueuedTask) -> float:
+    def predict(self, task: PrefillTask) -> float:
         """Predicted prefill time of ``task`` on this queue's worker."""
         return self.cost.t_pre(self.tp, task.l_hist, task.l_incr)
 
-    def push(self, task: QueuedTask) -> None:
-        t = self.cost.t_pre(self.tp, task.l_hist, task.l_incr)
+    def push(self, task: PrefillTask, predicted_s: float | None = None) -> None:
+        """Queue ``task``; ``predicted_s`` is its predicted time on this worker (default: its
+        ``t_pre``; a prefill worker with the KV overlap passes compute + the transfers it still pays)."""
+        t = self.cost.t_pre(self.tp, task.l_hist, task.l_incr) if predicted_s is None else predicted_s
         self._q.append([task, t, 0])
         self._total += t
 
-    def _take(self, e: list) -> QueuedTask:
+    def _take(self, e: list) -> PrefillTask:
         """Account for an entry that has just left ``self._q`` and return its task."""
         if self._q:
             self._total -= e[_TPRE]
@@ -64,7 +67,7 @@ class PrefillQueue:
             self._total = 0.0  # drop accumulated rounding error whenever the queue drains
         return e[_TASK]
 
-    def pop(self, now: float) -> QueuedTask:
+    def pop(self, now: float) -> PrefillTask:
         if not self._q:
             raise IndexError(f"pop from an empty {self.name} prefill queue")
         return self._take(self._q.popleft())
@@ -75,7 +78,7 @@ class PrefillQueue:
     def __bool__(self) -> bool:
         return bool(self._q)
 
-    def tasks(self) -> tuple[QueuedTask, ...]:
+    def tasks(self) -> tuple[PrefillTask, ...]:
         return tuple(e[_TASK] for e in self._q)
 
     def predicted_total(self) -> float:
@@ -153,7 +156,7 @@ class TTFTAwareQueue(PrefillQueue):
         # plans per window size n (1..window); index 0, 1 unused (no enumeration needed)
         self._plans = [()] * 2 + [_plans(n) for n in range(2, window + 1)]
 
-    def pop(self, now: float) -> QueuedTask:
+    def pop(self, now: float) -> PrefillTask:
         q = self._q
         size = len(q)
         if size <= 1 or self.window == 1:
@@ -220,12 +223,12 @@ class ContinuumQueue(PrefillQueue):
         self.name = "continuum"
         self._new: deque[list] = deque()  # round-0 tasks; self._q holds round >= 1 tasks
 
-    def push(self, task: QueuedTask) -> None:
-        t = self.cost.t_pre(self.tp, task.l_hist, task.l_incr)
+    def push(self, task: PrefillTask, predicted_s: float | None = None) -> None:
+        t = self.cost.t_pre(self.tp, task.l_hist, task.l_incr) if predicted_s is None else predicted_s
         (self._q if task.round >= 1 else self._new).append([task, t, 0])
         self._total += t
 
-    def pop(self, now: float) -> QueuedTask:
+    def pop(self, now: float) -> PrefillTask:
         if self._q:
             e = self._q.popleft()
         elif self._new:
@@ -243,7 +246,7 @@ class ContinuumQueue(PrefillQueue):
     def __bool__(self) -> bool:
         return bool(self._q) or bool(self._new)
 
-    def tasks(self) -> tuple[QueuedTask, ...]:
+    def tasks(self) -> tuple[PrefillTask, ...]:
         return tuple(e[_TASK] for e in self._q) + tuple(e[_TASK] for e in self._new)
 
 

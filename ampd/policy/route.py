@@ -12,7 +12,8 @@ import random
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from .types import SLO, CostModel, PrefillRequest, RouteDecision, WorkerView
+from .cost import remote_prefill_s, t_local, t_remote
+from .types import SLO, CostModel, PrefillTask, RouteDecision, WorkerView
 
 __all__ = [
     "Router",
@@ -53,14 +54,14 @@ class Router(Protocol):
 
     def route(
         self,
-        req: PrefillRequest,
+        req: PrefillTask,
         decode: WorkerView,
         prefills: Sequence[WorkerView],
         now: float,
     ) -> RouteDecision: ...
 
 
-def _check_binding(req: PrefillRequest, decode: WorkerView) -> None:
+def _check_binding(req: PrefillTask, decode: WorkerView) -> None:
     if req.decode_worker != decode.worker_id:
         raise ValueError(
             f"route: request of session {req.session_id!r} is bound to {req.decode_worker!r} "
@@ -132,7 +133,7 @@ class AdaptiveRouter:
 
     def route(
         self,
-        req: PrefillRequest,
+        req: PrefillTask,
         decode: WorkerView,
         prefills: Sequence[WorkerView],
         now: float,
@@ -173,15 +174,15 @@ class AdaptiveRouter:
         if w is None or w <= self._itl_limit:
             if not queue_rule:
                 return RouteDecision(decode.worker_id, True, DECODE_SLACK, est)
-            t_local = cost.t_pre(dtp, l_hist, l_incr) + decode.queue_predicted_s
-            est["t_local"] = t_local
-            if t_local <= limit:
+            t_loc = t_local(cost, l_hist, l_incr, dtp, decode.queue_predicted_s)
+            est["t_local"] = t_loc
+            if t_loc <= limit:
                 return RouteDecision(decode.worker_id, True, DECODE_SLACK, est)
 
         # Rung 3: cost model, Eq. (1) against Eq. (2) for every prefill worker.
-        t_local = cost.t_pre(dtp, l_hist, l_incr) + decode.queue_predicted_s
-        est["t_local"] = t_local
-        best_t = t_local
+        t_loc = t_local(cost, l_hist, l_incr, dtp, decode.queue_predicted_s)
+        est["t_local"] = t_loc
+        best_t = t_loc
         best_id = decode.worker_id
         best_local = True
         base: dict[int, float] = {}
@@ -189,13 +190,7 @@ class AdaptiveRouter:
             ptp = p.tp
             b = base.get(ptp)
             if b is None:
-                # compute + history KV in (decode -> prefill) + new KV back (prefill -> decode);
-                # a zero-token transfer does not happen, so it costs nothing.
-                b = cost.t_pre(ptp, l_hist, l_incr)
-                if l_hist:
-                    b += cost.t_kv(l_hist, dtp, ptp)
-                if l_incr:
-                    b += cost.t_kv(l_incr, ptp, dtp)
+                b = remote_prefill_s(cost, l_hist, l_incr, dtp, ptp)  # Eq. (2) less its queue term
                 base[ptp] = b
             t = b + p.queue_predicted_s
             wid = p.worker_id
@@ -207,14 +202,9 @@ class AdaptiveRouter:
         return RouteDecision(best_id, best_local, COST_MODEL, est)
 
 
-    def _t_remote(self, req: PrefillRequest, decode: WorkerView, p: WorkerView, est: dict[str, float]) -> float:
+    def _t_remote(self, req: PrefillTask, decode: WorkerView, p: WorkerView, est: dict[str, float]) -> float:
         """Eq. (2) for one prefill worker: queue + compute + history KV in + new KV back."""
-        cost = self.cost
-        t = cost.t_pre(p.tp, req.l_hist, req.l_incr) + p.queue_predicted_s
-        if req.l_hist:
-            t += cost.t_kv(req.l_hist, decode.tp, p.tp)
-        if req.l_incr:
-            t += cost.t_kv(req.l_incr, p.tp, decode.tp)
+        t = t_remote(self.cost, req.l_hist, req.l_incr, decode.tp, p.tp, p.queue_predicted_s)
         est["t_remote:" + p.worker_id] = t
         return t
 

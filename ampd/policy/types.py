@@ -3,8 +3,8 @@
 All types are slotted dataclasses, treated as values: nothing assigns to a field after
 construction. They are not ``frozen``: a frozen dataclass sets every field through
 ``object.__setattr__``, which makes construction ~5x slower (1.28 us against 0.23 us for
-``QueuedTask``, measured on the dev box), and the simulator builds a request, a task, a decision
-and a few views for each of ~1.1M rounds in a 100k-session run. Nothing here does I/O or reads a
+``PrefillTask``, measured on the dev box), and the simulator builds a task, a decision and a
+few views for each of ~1.1M rounds in a 100k-session run. Nothing here does I/O or reads a
 clock; times are floats in seconds on whatever clock the caller uses (wall clock live, virtual clock
 in the simulator).
 """
@@ -21,9 +21,8 @@ from ampd.bench.report import SLO
 __all__ = [
     "CostModel",
     "SLO",
-    "QueuedTask",
+    "PrefillTask",
     "WorkerView",
-    "PrefillRequest",
     "RouteDecision",
     "PREFILL",
     "DECODE",
@@ -47,18 +46,31 @@ class CostModel(Protocol):
 
 
 @dataclass(slots=True)
-class QueuedTask:
-    """One prefill task waiting in a worker's prefill queue.
+class PrefillTask:
+    """One prefill task: ``l_incr`` new tokens on ``l_hist`` history tokens of round ``round`` of a
+    session, whose KV lives on ``decode_worker`` (its binding, a worker of degree ``decode_tp``).
 
-    ``enqueued_at`` is the time Algorithm 2 measures waiting from (the paper's ``T_enq``). Callers
+    The coordinator routes it (Algorithm 1), a worker queues it (Algorithm 2) and a worker core runs
+    it. ``enqueued_at`` is the time Algorithm 2 measures waiting from (the paper's ``T_enq``); callers
     that want the queue to optimise true TTFT pass the time the round's input became ready.
+    ``decode_tp`` is what a prefill worker needs to time the KV transfers (0 when unknown).
     """
 
     session_id: str
     round: int
     l_hist: int
     l_incr: int
-    enqueued_at: float
+    enqueued_at: float = 0.0
+    decode_worker: str = ""
+    decode_tp: int = 0
+
+
+def PrefillRequest(session_id: str, round: int, l_hist: int, l_incr: int, decode_worker: str) -> PrefillTask:
+    """Deprecated spelling kept for services/ until the live port: a ``PrefillTask`` to route."""
+    return PrefillTask(session_id, round, l_hist, l_incr, 0.0, decode_worker)
+
+
+QueuedTask = PrefillTask  # deprecated name kept for services/ until the live port
 
 
 @dataclass(slots=True)
@@ -68,28 +80,18 @@ class WorkerView:
     ``window_mean_s`` is the windowed mean TTFT (prefill workers) or ITL (decode workers); ``None``
     means the window holds no samples, which every policy treats as full slack (an idle worker is
     not congested). ``queue_predicted_s`` is the sum of predicted prefill times of the tasks queued
-    on that worker at its own ``tp`` (``PrefillQueue.predicted_total()``), published by the worker.
+    on that worker at its own ``tp`` (``PrefillQueue.predicted_total()``) plus the remaining time of the
+task in service, published by the worker (``ampd.worker`` cores); with the KV overlap on, a prefill
+worker's queued tasks also count the KV transfers they still pay that the overlap does not hide.
     """
 
     worker_id: str
     kind: str
     tp: int
     window_mean_s: float | None
-    queue: tuple[QueuedTask, ...] = ()
+    queue: tuple[PrefillTask, ...] = ()
     kv_free_tokens: int = 0
     queue_predicted_s: float = 0.0
-
-
-@dataclass(slots=True)
-class PrefillRequest:
-    """A prefill task to place: ``l_incr`` new tokens on ``l_hist`` history tokens of a session
-    whose KV lives on ``decode_worker`` (its binding)."""
-
-    session_id: str
-    round: int
-    l_hist: int
-    l_incr: int
-    decode_worker: str
 
 
 @dataclass(slots=True)

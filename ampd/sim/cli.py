@@ -31,7 +31,7 @@ def register(subparsers) -> None:
                    help="window of the workers' TTFT/ITL statistics, seconds (default 10)")
     p.add_argument("--kv-contention", action="store_true",
                    help="serialize concurrent KV transfers on each worker's NIC (default off)")
-    p.add_argument("--queue-window", type=int, default=3, metavar="W",
+    p.add_argument("--reorder-window", type=int, default=3, metavar="W",
                    help="lookahead window w of the TTFT-aware queue (default 3)")
     p.add_argument("--chunked-prefill", action="store_true",
                    help="decode workers split local prefills into chunks interleaved with decode steps")
@@ -59,7 +59,8 @@ def run(args) -> int:
     from ampd.policy import POLICIES, policy_spec
     from ampd.workload import TraceError, load_trace
 
-    from .engine import PathLatency, SimConfig, Simulator
+    from .config import PathLatency, SimConfig
+    from .loop import Simulator
     from .records import sim_report
     from .spec import SpecError, format_spec, parse_spec
 
@@ -70,8 +71,8 @@ def run(args) -> int:
         path = PathLatency.parse(args.path_latency)
     except ValueError as exc:
         raise CliError(f"--path-latency: {exc}") from None
-    if args.queue_window < 1:
-        raise CliError(f"--queue-window must be >= 1, got {args.queue_window}")
+    if args.reorder_window < 1:
+        raise CliError(f"--reorder-window must be >= 1, got {args.reorder_window}")
     try:
         spec = policy_spec(args.policy)
     except ValueError as exc:
@@ -108,7 +109,7 @@ def run(args) -> int:
         raise CliError(f"{args.trace}: the trace has no sessions")
     cfg = SimConfig(profile=profile, policy=args.policy, prefill=pre, decode=dec, ttft_slo_s=ttft,
                     itl_slo_s=itl, seed=args.seed, window_s=window, kv_contention=args.kv_contention,
-                    queue_window=args.queue_window, chunked_prefill=args.chunked_prefill,
+                    reorder_window=args.reorder_window, chunked_prefill=args.chunked_prefill,
                     router_options={"slack": args.slack} if args.slack else {}, path=path)
     try:
         sim = Simulator(cfg)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import math
 
-from .engine import SimResult, gc_paused
+from .gcpause import gc_paused
+from .result import SimResult
 
 __all__ = ["to_session_records", "to_compact_session_records", "sim_report", "total_tokens",
            "DEFAULT_MAX_FULL_TOKENS"]
@@ -37,7 +38,7 @@ def to_session_records(res: SimResult) -> list:
             for r in s.rounds
         )
         out.append(SessionRecord(s.session_id, s.arrival, rounds, s.completed,
-                                 "" if s.completed else _UNFINISHED))
+                                 "" if s.completed else (s.error or _UNFINISHED)))
     return out
 
 
@@ -57,7 +58,7 @@ def to_compact_session_records(res: SimResult) -> list:
                         r.n_tokens - 1 if r.n_tokens > 1 else 0)
             for r in s.rounds
         )
-        append(SessionRecord(sid, s.arrival, rounds, s.completed, "" if s.completed else _UNFINISHED))
+        append(SessionRecord(sid, s.arrival, rounds, s.completed, "" if s.completed else (s.error or _UNFINISHED)))
     return out
 
 

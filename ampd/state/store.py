@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field, replace
 import redis.asyncio as aioredis
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from ampd.policy import QueuedTask, WorkerView
+from ampd.policy import PrefillTask, WorkerView
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class WorkerStats:
             kind=kind,
             tp=tp,
             window_mean_s=self.window_mean_s,
-            queue=tuple(QueuedTask(*q) for q in self.queue),
+            queue=tuple(PrefillTask(*q) for q in self.queue),
             kv_free_tokens=self.kv_free_tokens,
             queue_predicted_s=self.queue_predicted_s,
         )

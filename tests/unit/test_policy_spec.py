@@ -8,7 +8,7 @@ from ampd.policy import (
     SLO,
     CostModel,
     PolicySpec,
-    QueuedTask,
+    PrefillTask,
     WorkerView,
     make_queue,
     make_router,
@@ -72,8 +72,8 @@ def test_ttl_override_and_errors():
 
 def test_types_are_slotted_values():
     # not frozen on purpose (construction cost, see ampd/policy/types.py), but slotted values
-    t = QueuedTask("s", 0, 0, 10, 1.0)
-    assert t == QueuedTask("s", 0, 0, 10, 1.0) and t != QueuedTask("s", 0, 0, 11, 1.0)
+    t = PrefillTask("s", 0, 0, 10, 1.0)
+    assert t == PrefillTask("s", 0, 0, 10, 1.0) and t != PrefillTask("s", 0, 0, 11, 1.0)
     with pytest.raises(AttributeError):
         t.priority = 5  # no such field: slots
     assert not hasattr(t, "__dict__")

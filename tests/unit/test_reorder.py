@@ -11,7 +11,7 @@ from ampd.policy import (
     SLO,
     ContinuumQueue,
     FCFSQueue,
-    QueuedTask,
+    PrefillTask,
     TTFTAwareQueue,
     make_queue,
 )
@@ -32,7 +32,7 @@ SLO_ = SLO(ttft_s=1.5, itl_s=0.1)
 
 
 def task(sid, l_incr, enq, rnd=1, l_hist=0):
-    return QueuedTask(sid, rnd, l_hist, l_incr, enq)
+    return PrefillTask(sid, rnd, l_hist, l_incr, enq)
 
 
 def drain(q, now=0.0):
@@ -241,7 +241,7 @@ def _check_ttft_aware(ops, w, tp):
         n = min(w, len(before))
         win = before[:n]
         got = q.pop(now)
-        assert isinstance(got, QueuedTask)
+        assert isinstance(got, PrefillTask)
         after = q.tasks()
         chosen = (got,) + after[: n - 1]
         assert sorted(t.session_id for t in chosen) == sorted(t.session_id for t in win)
@@ -269,7 +269,7 @@ def _check_ttft_aware(ops, w, tp):
         if op[0] == "push":
             _, l_incr, l_hist, age = op
             sid = f"s{len(pushed)}"
-            t = QueuedTask(sid, 1, l_hist, l_incr, now - age)
+            t = PrefillTask(sid, 1, l_hist, l_incr, now - age)
             q.push(t)
             tpre[sid] = COST.t_pre(tp, l_hist, l_incr)
             post[sid] = 0

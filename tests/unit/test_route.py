@@ -12,7 +12,7 @@ from ampd.policy import (
     SLO,
     AdaptiveRouter,
     LocalRouter,
-    PrefillRequest,
+    PrefillTask,
     RemoteRouter,
     ThresholdRouter,
     WorkerView,
@@ -36,7 +36,7 @@ class NoKvCost(LinearCost):
 
 
 SLO_ = SLO(ttft_s=2.0, itl_s=0.1)  # alpha=0.5 -> TTFT limit 1.0; beta=0.5 -> ITL limit 0.05
-REQ = PrefillRequest("s1", 1, l_hist=2000, l_incr=500, decode_worker="d0")
+REQ = PrefillTask("s1", 1, l_hist=2000, l_incr=500, decode_worker="d0")
 
 
 def pw(wid, window, tp=4, q=0.0):
@@ -156,7 +156,7 @@ def test_cost_model_ties_go_local_then_lowest_id():
 
 
 def test_initial_prefill_has_no_history_transfer():
-    req = PrefillRequest("s2", 0, l_hist=0, l_incr=1000, decode_worker="d0")
+    req = PrefillTask("s2", 0, l_hist=0, l_incr=1000, decode_worker="d0")
     d = adaptive().route(req, dw(0.2, tp=2, q=1.0), [pw("p1", 1.5, 4, 0.0)], 0.0)
     assert d.estimates["t_remote:p1"] == pytest.approx(0.25 + 0.01)  # t_pre + new KV back only
     assert d.target == "p1"
@@ -224,8 +224,8 @@ def test_local_router_always_local():
 def test_threshold_router():
     r = ThresholdRouter()  # default 1000 tokens
     prefills = [pw("p1", None, 4, 0.4), pw("p0", None, 4, 0.2)]
-    short = PrefillRequest("s", 3, l_hist=50_000, l_incr=999, decode_worker="d0")
-    long = PrefillRequest("s", 3, l_hist=0, l_incr=1000, decode_worker="d0")
+    short = PrefillTask("s", 3, l_hist=50_000, l_incr=999, decode_worker="d0")
+    long = PrefillTask("s", 3, l_hist=0, l_incr=1000, decode_worker="d0")
     d = r.route(short, dw(9.0), prefills, 0.0)
     assert (d.target, d.local, d.reason) == ("d0", True, "threshold-local")
     assert d.estimates["l_incr"] == 999 and d.estimates["threshold_tokens"] == 1000

@@ -1,0 +1,38 @@
+"""The performance model's two placements of one prefill task: Eq. (1) local and Eq. (2) remote.
+
+Every caller (the router's cost rung and slack tests, the prefill worker core's in-service estimate,
+the simulator's timing of a remote prefill) goes through these functions, so the terms and their
+floating-point order are the same everywhere. Pure: no I/O, no clock.
+"""
+from __future__ import annotations
+
+from .types import CostModel
+
+__all__ = ["remote_parts", "remote_prefill_s", "t_remote", "t_local"]
+
+
+def remote_parts(cost: CostModel, l_hist: int, l_incr: int, decode_tp: int,
+                 prefill_tp: int) -> tuple[float, float, float]:
+    """(history KV in, compute, new KV back) of a prefill on a ``prefill_tp`` worker for a session
+    bound to a ``decode_tp`` worker; a zero-token transfer does not happen, so it costs nothing."""
+    read = cost.t_kv(l_hist, decode_tp, prefill_tp) if l_hist else 0.0
+    write = cost.t_kv(l_incr, prefill_tp, decode_tp) if l_incr else 0.0
+    return read, cost.t_pre(prefill_tp, l_hist, l_incr), write
+
+
+def remote_prefill_s(cost: CostModel, l_hist: int, l_incr: int, decode_tp: int, prefill_tp: int) -> float:
+    """Eq. (2) without its queue term: compute + history KV in + new KV back."""
+    read, comp, write = remote_parts(cost, l_hist, l_incr, decode_tp, prefill_tp)
+    return comp + read + write
+
+
+def t_remote(cost: CostModel, l_hist: int, l_incr: int, decode_tp: int, prefill_tp: int,
+             queue_s: float) -> float:
+    """Eq. (2): the worker's predicted queue (``WorkerView.queue_predicted_s``) + history KV in +
+    compute + new KV back."""
+    return remote_prefill_s(cost, l_hist, l_incr, decode_tp, prefill_tp) + queue_s
+
+
+def t_local(cost: CostModel, l_hist: int, l_incr: int, decode_tp: int, queue_s: float) -> float:
+    """Eq. (1): the decode worker's predicted local queue + compute (no KV moves)."""
+    return cost.t_pre(decode_tp, l_hist, l_incr) + queue_s

@@ -1,0 +1,94 @@
+"""What to simulate: the deployment, the policy and its options, and the live path's latencies."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["PathLatency", "SimConfig"]
+
+
+@dataclass(frozen=True)
+class PathLatency:
+    """What the live control path adds to a round, in seconds (all 0 by default: the paper's model).
+
+    ``open_s``: a new session from the coordinator accepting it to its first round being routed
+    (bind, attach); ``dispatch_s``: a round's input ready at the decode worker to the coordinator
+    routing it and the task reaching the chosen queue; ``handoff_s``: a remote prefill's end to the
+    decode worker holding its first token (KV-written notification); ``tool_s``: added to every tool
+    call (the sidecar RPC); ``prefill_busy_s``: how much longer than modelled (read + compute +
+    write-back) each remote prefill holds its prefill worker (timer slack, the KV write and its
+    completion poll); unlike the others it adds up along a queue. The workers' predicted queues
+    (``busy_until``) do not include it, as live. TTFT still runs from the input being ready."""
+
+    open_s: float = 0.0
+    dispatch_s: float = 0.0
+    handoff_s: float = 0.0
+    tool_s: float = 0.0
+    prefill_busy_s: float = 0.0
+
+    FIELDS = ("open", "dispatch", "handoff", "tool", "prefill_busy")
+
+    def __post_init__(self):
+        for f in self.FIELDS:
+            v = getattr(self, f + "_s")
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"path latency {f!r} must be a number >= 0 seconds, got {v!r}")
+
+    @property
+    def zero(self) -> bool:
+        return not (self.open_s or self.dispatch_s or self.handoff_s or self.tool_s or self.prefill_busy_s)
+
+    @classmethod
+    def parse(cls, text: str) -> "PathLatency":
+        """``"dispatch=0.012,handoff=0.002"`` (seconds; unnamed fields stay 0; '' or 'none': all 0)."""
+        text = (text or "").strip()
+        if text in ("", "none", "0"):
+            return cls()
+        vals: dict[str, float] = {}
+        for part in text.split(","):
+            name, sep, num = part.strip().partition("=")
+            name = name.strip()
+            if not sep or name not in cls.FIELDS:
+                raise ValueError(f"path latency {part.strip()!r}: expected NAME=SECONDS with NAME one of "
+                                 f"{', '.join(cls.FIELDS)}")
+            if name in vals:
+                raise ValueError(f"path latency {name!r} given twice")
+            try:
+                vals[name] = float(num)
+            except ValueError:
+                raise ValueError(f"path latency {name!r}: {num.strip()!r} is not a number") from None
+        return cls(**{k + "_s": v for k, v in vals.items()})
+
+    def format(self) -> str:
+        parts = [f"{f}={getattr(self, f + '_s'):g}" for f in self.FIELDS if getattr(self, f + "_s")]
+        return ",".join(parts) or "none"
+
+
+@dataclass
+class SimConfig:
+    """What to simulate. ``prefill``/``decode`` are SPEC strings or (tp, replicas) groups.
+
+    ``reorder_window``: Algorithm 2's lookahead ``w`` (``ampd up --reorder-window``).
+    ``chunked_prefill``: local prefills in chunks interleaved with decode steps (beyond the paper).
+    ``kv_contention``: KV transfers share each worker's NIC (one at a time per NIC).
+    ``kv_admission``: what a round whose new KV does not fit does, ``"wait"`` or ``"fail"``
+    (``ampd.worker.DecodeCore``). ``kv_overlap``: a prefill worker reads the next task's history KV
+    while the current one computes (the paper's section 6; ``ampd.worker.PrefillCore``).
+    ``router_options``: keywords for ``ampd.policy.make_router`` (alpha, beta, slack, ...)."""
+
+    profile: Any
+    policy: str
+    prefill: Any = ()
+    decode: Any = "tp1*1"
+    ttft_slo_s: float = 1.0
+    itl_slo_s: float = 0.1
+    seed: int = 0
+    window_s: float = 10.0
+    kv_contention: bool = False
+    reorder_window: int = 3
+    chunked_prefill: bool = False
+    kv_admission: str = "wait"
+    kv_overlap: bool = True
+    router_options: dict = field(default_factory=dict)
+    path: PathLatency = field(default_factory=PathLatency)  # live control-path latencies (default none)

@@ -1,0 +1,496 @@
+"""The event loop: the worker cores (``ampd.worker``) and the policy cores (``ampd.policy``) driven
+on a virtual clock.
+
+Every decode worker is a ``DecodeCore`` and every prefill worker a ``PrefillCore``, the same cores
+the live services drive; this module only turns what they say into timed events and back. It adds
+what only a simulation has: the sessions' scripted rounds and tool calls, the control path's
+latencies (``PathLatency``), NIC contention between KV transfers, and the step logs that keep every
+token time in closed form (``ampd.sim.steplog``). docs/simulator.md explains the model.
+
+Hot path (100k GAIA sessions on 32 GPUs in well under a minute on one core): one heap event per run
+of decode steps, never per step or token; heap entries are plain tuples ``(time, seq, code, obj)``
+(``seq`` breaks ties in push order); handlers are methods of one slotted object.
+"""
+from __future__ import annotations
+
+from heapq import heappop, heappush
+import math
+import time as _time
+from typing import Sequence
+
+from ampd.policy import SLO, PrefillTask, bind, make_queue, make_router, policy_spec
+from ampd.worker import (ADMITTED, FAILED, IDLE, STEPPING, DecodeCore, DecodeRun, DecodeSession, PrefillCore)
+
+from .config import PathLatency, SimConfig
+from .gcpause import gc_paused
+from .result import SimResult, SimRound, SimSession
+from .spec import expand_spec, format_spec, parse_spec
+from .steplog import StepLog
+
+__all__ = ["Simulator", "simulate"]
+
+# event codes (ints: cheap to compare in the dispatch loop)
+_STEP_DONE = 0  # a run of decode steps ended (obj: (worker, run version))
+_PREFILL_DONE = 1  # a local prefill or one of its chunks ended
+_REMOTE_DONE = 2  # a remote prefill's new KV is written back
+_COMPUTE_DONE = 3  # a remote prefill's compute ended (NIC contention: its write-back queues next)
+_ROUND_READY = 4  # a round's input is ready at its decode worker
+_PIN_EXPIRED = 5  # a session's KV pin expired during its tool call (Continuum)
+_DISPATCH = 7  # a round reaches the coordinator and is routed (after PathLatency.dispatch_s)
+_HANDOFF = 8  # a remote prefill's KV notification reaches the decode worker
+_COMPUTE_START = 9  # a remote prefill's history read ended: its compute starts (KV overlap)
+
+
+class _Decode(DecodeCore):
+    """A decode worker in the simulator: the core plus its step log and NIC."""
+
+    __slots__ = ("idx", "log", "nic")
+
+    def __init__(self, idx: int, *args, **kw):
+        super().__init__(*args, **kw)
+        self.idx = idx
+        self.log = StepLog()
+        self.nic = 0.0  # when its NIC is free (kv_contention)
+
+
+class _Prefill(PrefillCore):
+    """A prefill worker in the simulator: the core plus its NIC."""
+
+    __slots__ = ("nic",)
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.nic = 0.0
+
+
+class _Sess(DecodeSession):
+    """A session on its decode worker, plus its script (rounds) and where its record goes."""
+
+    __slots__ = ("rounds", "rec", "dw", "ready", "local", "pw", "write_s", "comp_s", "target")
+
+    def __init__(self, sid: str, rounds, rec: SimSession, dw: _Decode):
+        super().__init__(sid)
+        self.rounds = rounds
+        self.rec = rec
+        self.dw = dw
+        self.ready = 0.0  # the current round's input-ready time
+        self.local = False
+        self.pw: _Prefill | None = None  # the prefill worker running its remote prefill
+        self.write_s = 0.0
+        self.comp_s = 0.0
+        self.target = ""
+
+
+class Simulator:
+    """A deployment (workers, router, queues) built from a ``SimConfig``; ``run`` simulates a trace."""
+
+    def __init__(self, cfg: SimConfig):
+        self.cfg = cfg
+        prof = cfg.profile
+        self.profile = prof
+        spec = policy_spec(cfg.policy)
+        self.spec = spec
+        self.kv_pin_ttl_s = spec.kv_pin_ttl_s
+        pre_groups = parse_spec(cfg.prefill) if isinstance(cfg.prefill, (str, type(None))) else tuple(cfg.prefill)
+        dec_groups = parse_spec(cfg.decode) if isinstance(cfg.decode, (str, type(None))) else tuple(cfg.decode)
+        if not dec_groups:
+            raise ValueError("the deployment needs at least one decode worker")
+        if not spec.uses_prefill_workers and pre_groups:
+            raise ValueError(f"policy {cfg.policy!r} is co-located: it takes no prefill workers "
+                             f"(got --prefill {format_spec(pre_groups)})")
+        tps = set(prof.tps)
+        for tp, _ in (*pre_groups, *dec_groups):
+            if tp not in tps:
+                raise ValueError(f"TP {tp} is not in profile {prof.name!r} (it covers {sorted(tps)})")
+        if cfg.reorder_window < 1:
+            raise ValueError(f"reorder_window must be >= 1, got {cfg.reorder_window!r}")
+        self.prefill_spec = format_spec(pre_groups)
+        self.decode_spec = format_spec(dec_groups)
+        slo = SLO(ttft_s=cfg.ttft_slo_s, itl_s=cfg.itl_slo_s)
+        self.slo = slo
+        self.router = make_router(cfg.policy, prof, slo, seed=cfg.seed, **cfg.router_options)
+        w, rw = cfg.window_s, cfg.reorder_window
+        self.decodes = [
+            _Decode(i, f"decode-{i}", tp, prof, make_queue(spec.decode_queue, prof, slo, tp, window=rw),
+                    kv_capacity_tokens=int(prof.kv_capacity_tokens(tp)), window_s=w,
+                    chunk_tokens=int(prof.prefill_chunk_tokens(tp)) if cfg.chunked_prefill else 0,
+                    kv_admission=cfg.kv_admission)
+            for i, tp in enumerate(expand_spec(dec_groups))
+        ]
+        self.prefills = [
+            _Prefill(f"prefill-{i}", tp, prof, make_queue(spec.prefill_queue or "fcfs", prof, slo, tp, window=rw),
+                     window_s=w, kv_overlap=cfg.kv_overlap, kv_capacity_tokens=int(prof.kv_capacity_tokens(tp)))
+            for i, tp in enumerate(expand_spec(pre_groups))
+        ]
+        self.by_id = {d.worker_id: d for d in self.decodes}
+        self.by_id.update({p.worker_id: p for p in self.prefills})
+        self.gpus = sum(tp * r for tp, r in (*pre_groups, *dec_groups))
+
+    def run(self, sessions: Sequence) -> SimResult:
+        with gc_paused():
+            return _Run(self).go(sessions)
+
+
+class _Run:
+    """One simulation run: the event heap, the sessions in flight and the handlers."""
+
+    __slots__ = ("sim", "heap", "seq", "live", "outcomes", "reasons", "n_local", "n_remote", "n_failed",
+                 "decodes", "prefills", "by_id", "router", "pviews_static", "pin_ttl", "open_s", "dispatch_s",
+                 "handoff_s", "tool_rpc_s", "busy_extra", "contention", "dispatch")
+
+    def __init__(self, sim: Simulator):
+        cfg = sim.cfg
+        self.sim = sim
+        self.heap: list = []
+        self.seq = 0
+        self.live: dict[str, _Sess] = {}
+        self.outcomes: list[SimSession] = []
+        self.reasons: dict[str, int] = {}
+        self.n_local = self.n_remote = self.n_failed = 0
+        self.decodes = sim.decodes
+        self.prefills = sim.prefills
+        self.by_id = sim.by_id
+        self.router = sim.router
+        self.pviews_static = not sim.prefills
+        self.pin_ttl = sim.kv_pin_ttl_s
+        path = cfg.path or PathLatency()
+        self.open_s, self.dispatch_s, self.handoff_s = path.open_s, path.dispatch_s, path.handoff_s
+        self.tool_rpc_s, self.busy_extra = path.tool_s, path.prefill_busy_s
+        self.contention = cfg.kv_contention
+        self.dispatch = self.route if not (self.open_s or self.dispatch_s) else self.dispatch_later
+
+    def push(self, t: float, code: int, obj) -> None:
+        self.seq += 1
+        heappush(self.heap, (t, self.seq, code, obj))
+
+    # ------------------------------------------------------------------------------- the loop
+    def go(self, sessions: Sequence) -> SimResult:
+        wall0 = _time.perf_counter()
+        order = sorted(range(len(sessions)), key=lambda i: (sessions[i].arrival, i))
+        ids_seen: set = set()
+        heap = self.heap
+        pop = heappop
+        n_events = 0
+        ai = 0
+        na = len(order)
+        next_arr = float(sessions[order[0]].arrival) if na else math.inf
+        now = 0.0
+        step_done, prefill_done, remote_done = self.step_done, self.prefill_done, self.remote_done
+        while True:
+            if heap and heap[0][0] <= next_arr:
+                now, _, code, obj = pop(heap)
+            elif ai < na:
+                now = next_arr
+                self.arrive(sessions[order[ai]], now, ids_seen)
+                ai += 1
+                next_arr = float(sessions[order[ai]].arrival) if ai < na else math.inf
+                n_events += 1
+                continue
+            else:
+                break
+            n_events += 1
+            if code == _STEP_DONE:
+                step_done(obj, now)
+            elif code == _REMOTE_DONE:
+                remote_done(obj, now)
+            elif code == _PREFILL_DONE:
+                prefill_done(obj, now)
+            elif code == _ROUND_READY:
+                self.round_ready(obj, now)
+            elif code == _DISPATCH:
+                self.route(obj, now)
+            elif code == _HANDOFF:
+                self.first_token(obj, now)
+            elif code == _PIN_EXPIRED:
+                d = obj.dw
+                if d.pin_expired(obj):
+                    self.drain(d, now)
+            elif code == _COMPUTE_START:
+                self.compute_start(obj, now)
+            elif code == _COMPUTE_DONE:
+                self.compute_done(obj, now)
+        return self.result(now, n_events, _time.perf_counter() - wall0, len(sessions))
+
+    # --------------------------------------------------------------------- sessions and rounds
+    def arrive(self, s, now: float, ids_seen: set) -> None:
+        sid = str(s.id)
+        if sid in ids_seen:
+            raise ValueError(f"duplicate session id {sid!r} in the trace")
+        ids_seen.add(sid)
+        rec = SimSession(sid, float(s.arrival), "")
+        self.outcomes.append(rec)
+        if not s.rounds:
+            rec.completed = True
+            rec.end = now
+            return
+        d = self.by_id[bind([d.view(now) for d in self.decodes])]
+        rec.decode_worker = d.worker_id
+        st = _Sess(sid, s.rounds, rec, d)
+        self.live[sid] = st
+        self.round_ready(st, now)
+
+    def round_ready(self, st: _Sess, now: float) -> None:
+        rnd = st.rounds[st.round]
+        st.ready = now
+        st.l_incr = int(rnd.input)
+        st.out = int(rnd.output)
+        d = st.dw
+        code = d.round_ready(st, now)
+        if code == ADMITTED:
+            self.dispatch(st, now)
+        elif code == FAILED:
+            self.n_failed += 1
+            rec = st.rec
+            rec.error = st.error
+            rec.end = now
+            del self.live[st.session_id]
+        else:
+            self.drain(d, now)
+
+    def drain(self, d: _Decode, now: float) -> None:
+        """Route every waiting round whose KV now fits."""
+        while True:
+            st = d.admit_next(now)
+            if st is None:
+                return
+            self.dispatch(st, now)
+
+    def round_end(self, st: _Sess, now: float, last: float) -> None:
+        d = st.dw
+        out = st.out
+        st.rec.rounds.append(SimRound(st.round, st.ready, st.first, last, out, st.local, d.idx,
+                                      st.lo if out > 1 else 0, st.target))
+        rounds = st.rounds
+        final = st.round + 1 >= len(rounds)
+        d.round_end(st, final)
+        if not final:
+            tool = rounds[st.round].tool_s
+            tool = (tool if tool and tool > 0 else 0.0) + self.tool_rpc_s
+            st.round += 1
+            self.seq += 1
+            heappush(self.heap, (now + tool, self.seq, _ROUND_READY, st))
+            if self.pin_ttl is not None and tool > self.pin_ttl:
+                d.tool_call(st)
+                self.push(now + self.pin_ttl, _PIN_EXPIRED, st)
+        else:
+            st.rec.completed = True
+            st.rec.end = now
+            del self.live[st.session_id]
+            self.drain(d, now)
+
+    def first_token(self, st: _Sess, now: float) -> None:
+        d = st.dw
+        if not d.first_token(st, now):
+            self.round_end(st, now, now)
+        elif d.state == IDLE:
+            self.decode_next(d, now)
+        elif d.state == STEPPING:
+            self.interrupt(d, now)
+
+    # --------------------------------------------------------------------------------- routing
+    def dispatch_later(self, st: _Sess, now: float) -> None:
+        """Route the round once the control path has carried it (PathLatency)."""
+        delay = self.dispatch_s + self.open_s if st.round == 0 else self.dispatch_s
+        if delay:
+            self.push(now + delay, _DISPATCH, st)
+        else:
+            self.route(st, now)
+
+    def route(self, st: _Sess, now: float) -> None:
+        d = st.dw
+        task = PrefillTask(st.session_id, st.round, st.l_hist, st.l_incr, st.ready, d.worker_id, d.tp)
+        dview = d.view(now)
+        pviews = () if self.pviews_static else [p.view(now) for p in self.prefills]
+        dec = self.router.route(task, dview, pviews, now)
+        reasons = self.reasons
+        reasons[dec.reason] = reasons.get(dec.reason, 0) + 1
+        if dec.local or dec.target == d.worker_id:
+            st.local = True
+            st.target = d.worker_id
+            self.n_local += 1
+            d.submit_local(task)
+            if d.state == IDLE:
+                self.decode_next(d, now)
+            elif d.state == STEPPING:
+                self.interrupt(d, now)
+            return
+        p = self.by_id.get(dec.target)
+        if not isinstance(p, _Prefill):
+            raise RuntimeError(f"router {self.sim.cfg.policy!r} chose unknown prefill worker {dec.target!r}")
+        st.local = False
+        st.target = p.worker_id
+        self.n_remote += 1
+        r = p.submit(task, now)
+        if r is not None:
+            self.read_ahead(p, r.task, now)
+        self.prefill_next(p, now)
+
+    # --------------------------------------------------------------------------- decode workers
+    def decode_next(self, d: _Decode, now: float) -> None:
+        act = d.schedule(now)
+        if act is None:
+            return
+        self.seq += 1
+        if type(act) is DecodeRun:
+            heappush(self.heap, (act.end, self.seq, _STEP_DONE, (d, d.run_ver)))
+        else:
+            heappush(self.heap, (act.end, self.seq, _PREFILL_DONE, d))
+
+    def interrupt(self, d: _Decode, now: float) -> None:
+        """Something for this worker arrived mid-run: end the run at the next step boundary."""
+        end = d.cut(now)
+        if end is not None:
+            self.push(end, _STEP_DONE, (d, d.run_ver))
+
+    def step_done(self, obj, now: float) -> None:
+        d, ver = obj
+        if ver != d.run_ver:
+            return  # a run that was cut short
+        k = d.run_m
+        n = d.batch_n
+        lg = d.log  # one entry per run of steps (StepLog)
+        lg.lo.append(d.step_idx)
+        lg.t0.append(d.run_t0)
+        lg.A.append(d.run_A)
+        lg.g.append(d.run_g)
+        lg.k.append(k)
+        lg.n.append(n)
+        lg.old.append(n - d.step_new)
+        lg.prev.append(d.last_end)
+        for st in d.run_done(k, now):
+            self.round_end(st, now, now)
+        self.decode_next(d, now)
+
+    def prefill_done(self, d: _Decode, now: float) -> None:
+        st = d.prefill_done(now)
+        if st is not None:
+            self.first_token(st, now)
+        if d.state == IDLE:
+            self.decode_next(d, now)
+
+    # -------------------------------------------------------------------------- prefill workers
+    def prefill_next(self, p: _Prefill, now: float) -> None:
+        if p.current is not None or (not p.qlen and p.ahead is None):
+            return
+        w = p.next(now)
+        st = self.live[w.task.session_id]
+        d = st.dw
+        st.pw = p
+        st.write_s = w.write_s
+        st.comp_s = w.compute_s
+        extra = self.busy_extra
+        if p.kv_overlap:
+            if self.contention and w.read_s and not w.was_ahead:
+                start = max(now, d.nic, p.nic)
+                rend = start + w.read_s
+                d.nic = p.nic = rend
+            else:
+                rend = now + w.read_s
+            p.busy_until = rend + w.compute_s + w.write_s
+            p.busy_s += rend - now
+            if rend > now:
+                self.push(rend, _COMPUTE_START, st)
+            else:
+                self.compute_start(st, now)
+        elif self.contention:
+            if w.task.l_hist > 0:
+                start = max(now, d.nic, p.nic)
+                rend = start + w.read_s
+                d.nic = p.nic = rend
+            else:
+                rend = now
+            p.busy_until = rend + w.compute_s + w.write_s
+            p.busy_s += rend - now + w.compute_s + extra
+            self.push(rend + w.compute_s + extra, _COMPUTE_DONE, st)
+        else:
+            dur = w.total_s
+            p.busy_s += dur + extra
+            self.seq += 1
+            heappush(self.heap, (now + dur + extra, self.seq, _REMOTE_DONE, st))
+
+    def read_ahead(self, p: _Prefill, task: PrefillTask, now: float) -> None:
+        """KV overlap: the next task's history read starts now (sharing NICs under contention)."""
+        if self.contention and task.l_hist:
+            d = self.live[task.session_id].dw
+            start = max(now, d.nic, p.nic)
+            p.ahead_read_end = start + p.ahead_parts[0]
+            d.nic = p.nic = p.ahead_read_end
+
+    def compute_start(self, st: _Sess, now: float) -> None:
+        """KV overlap: the task in service has its history; the next read starts, and the task
+        computes and writes back."""
+        p = st.pw
+        r = p.compute_started(now)
+        if r is not None:
+            self.read_ahead(p, r.task, now)
+        extra = self.busy_extra
+        if self.contention:
+            p.busy_s += st.comp_s + extra
+            self.push(now + st.comp_s + extra, _COMPUTE_DONE, st)
+        else:
+            p.busy_s += st.comp_s + st.write_s + extra
+            self.push(now + st.comp_s + st.write_s + extra, _REMOTE_DONE, st)
+
+    def compute_done(self, st: _Sess, now: float) -> None:
+        """NIC contention: the new KV's write-back waits for both workers' NICs."""
+        p = st.pw
+        d = st.dw
+        start = max(now, d.nic, p.nic)
+        end = start + st.write_s
+        d.nic = p.nic = end
+        p.busy_s += end - now
+        self.push(end, _REMOTE_DONE, st)
+
+    def remote_done(self, st: _Sess, now: float) -> None:
+        p = st.pw
+        st.pw = None
+        p.finish(now)
+        if self.handoff_s:
+            self.push(now + self.handoff_s, _HANDOFF, st)
+        else:
+            self.first_token(st, now)
+        self.prefill_next(p, now)
+
+    # ---------------------------------------------------------------------------------- result
+    def result(self, now: float, n_events: int, wall: float, n_sessions: int) -> SimResult:
+        sim = self.sim
+        decodes, prefills = self.decodes, self.prefills
+        for st in self.live.values():
+            st.rec.completed = False
+        stats = {
+            "events": n_events,
+            "wall_s": wall,
+            "sessions_per_s": (n_sessions / wall) if wall > 0 else math.inf,
+            "sim_end_s": now,
+            "local_prefills": self.n_local,
+            "remote_prefills": self.n_remote,
+            "route_reasons": self.reasons,
+            "kv_overcommits": sum(d.kv_overcommits for d in decodes),
+            "kv_evictions": sum(d.kv_evictions for d in decodes),
+            "unfinished_sessions": len(self.live),
+            "decode_steps": [d.step_idx for d in decodes],
+            "decode_busy_fraction": [d.busy_s / now if now > 0 else 0.0 for d in decodes],
+            "prefill_busy_fraction": [p.busy_s / now if now > 0 else 0.0 for p in prefills],
+            "kv_used_end": [d.kv_used for d in decodes],
+            "gpus": sim.gpus,
+            "prefill_spec": sim.prefill_spec,
+            "decode_spec": sim.decode_spec,
+        }
+        if sim.cfg.kv_admission == "fail":
+            stats["kv_failed_sessions"] = self.n_failed
+        return SimResult(sim.cfg.policy, self.outcomes, [d.log for d in decodes], now, stats,
+                         [d.worker_id for d in decodes])
+
+
+def simulate(sessions, profile, *, policy: str, prefill="none", decode="tp1*1",
+             ttft_slo_s: float = 1.0, itl_slo_s: float = 0.1, seed: int = 0, window_s: float = 10.0,
+             kv_contention: bool = False, reorder_window: int = 3, chunked_prefill: bool = False,
+             kv_admission: str = "wait", kv_overlap: bool = True,
+             path: PathLatency | None = None, **router_options) -> SimResult:
+    """Run ``sessions`` (``ampd.workload.Session``s) on a deployment; see ``SimConfig``."""
+    cfg = SimConfig(profile=profile, policy=policy, prefill=prefill, decode=decode,
+                    ttft_slo_s=ttft_slo_s, itl_slo_s=itl_slo_s, seed=seed, window_s=window_s,
+                    kv_contention=kv_contention, reorder_window=reorder_window,
+                    chunked_prefill=chunked_prefill, kv_admission=kv_admission, kv_overlap=kv_overlap,
+                    router_options=router_options, path=path or PathLatency())
+    return Simulator(cfg).run(list(sessions))

@@ -1,0 +1,139 @@
+"""The token times of a run, without one object per token: per decode worker, its runs of steps.
+
+Every decode worker keeps the end time of each of its steps in closed form: a run ("segment") of
+steps with a fixed batch starts at a known time and its step ``j`` lasts ``A + g*j``. A round that
+joined the batch at global step ``lo`` and made ``n`` tokens has the token times ``first_token,
+end(lo), ..., end(lo + n - 2)``. ``itl_samples`` turns the logs into the weighted gap distribution
+that the compact report path uses for ITL percentiles (docs/simulator.md, "Reports").
+"""
+from __future__ import annotations
+
+from array import array
+from bisect import bisect_right
+
+__all__ = ["StepLog", "itl_samples", "SERIES_POINTS"]
+
+
+class StepLog:
+    """The decode steps of one worker as runs ("segments") of steps with a fixed batch.
+
+    Segment ``s`` starts at global step index ``lo[s]`` and time ``t0[s]``; its step ``j`` lasts
+    ``A[s] + g[s] * j`` (the batch's context grows by ``batch`` tokens a step and ``t_dec`` is
+    affine in the context), so step ``j`` ends at ``t0 + (j + 1) * A + g * j * (j + 1) / 2``.
+    ``old[s]``: sessions whose previous token came from the step before the segment; ``n[s]``: batch;
+    ``prev[s]``: end of the step before the segment (its first gap includes any prefill pause)."""
+
+    __slots__ = ("lo", "t0", "A", "g", "k", "n", "old", "prev")
+
+    def __init__(self):
+        self.lo = array("q")
+        self.t0 = array("d")
+        self.A = array("d")
+        self.g = array("d")
+        self.k = array("q")
+        self.n = array("q")
+        self.old = array("q")
+        self.prev = array("d")
+
+    def step_end(self, idx: int) -> float:
+        s = bisect_right(self.lo, idx) - 1
+        j = idx - self.lo[s]
+        return self.t0[s] + (j + 1) * self.A[s] + self.g[s] * j * (j + 1) * 0.5
+
+    def ends(self, lo: int, count: int) -> list[float]:
+        """End times of global steps lo .. lo + count - 1."""
+        out = []
+        idx = lo
+        stop = lo + count
+        s = bisect_right(self.lo, idx) - 1
+        LO, T0, A, G, K = self.lo, self.t0, self.A, self.g, self.k
+        while idx < stop:
+            base = LO[s]
+            t0, a, g = T0[s], A[s], G[s]
+            last = min(stop, base + K[s])
+            for i in range(idx, last):
+                j = i - base
+                out.append(t0 + (j + 1) * a + g * j * (j + 1) * 0.5)
+            idx = last
+            s += 1
+        return out
+
+
+# at most this many points summarise the gaps inside one run of steps (compact ITL percentiles)
+SERIES_POINTS = 16
+
+
+def itl_samples(step_logs, sessions):
+    """Every token gap of a run as (values, weights) numpy arrays, without one entry per token.
+
+    The first step of a run has one gap shared by the ``old`` sessions (it includes any prefill
+    pause); step ``j >= 1`` of a run has the gap ``A + g*j`` shared by the whole batch (a long
+    run's arithmetic series is summarised by ``SERIES_POINTS`` evenly spaced points carrying
+    equal weight); a round's first gap (first token -> its first step) is its own sample.
+    Vectorised with numpy (the same samples as a per-segment loop)."""
+    import numpy as np
+
+    P = SERIES_POINTS
+    vals: list = []
+    wts: list = []
+    logs = step_logs
+    for lg in logs:
+        if not len(lg.lo):
+            continue
+        t0 = np.frombuffer(lg.t0, dtype=np.float64)
+        A = np.frombuffer(lg.A, dtype=np.float64)
+        g = np.frombuffer(lg.g, dtype=np.float64)
+        k = np.frombuffer(lg.k, dtype=np.int64)
+        n = np.frombuffer(lg.n, dtype=np.int64).astype(np.float64)
+        old = np.frombuffer(lg.old, dtype=np.int64)
+        prev = np.frombuffer(lg.prev, dtype=np.float64)
+        m = old != 0
+        vals.append((t0[m] + A[m]) - prev[m])
+        wts.append(old[m].astype(np.float64))
+        # short runs: every step j = 1 .. k-1
+        sh = np.nonzero((k > 1) & (k - 1 <= P))[0]
+        if sh.size:
+            c = k[sh] - 1
+            idx = np.repeat(sh, c)
+            starts = np.cumsum(c) - c
+            j = (np.arange(idx.size) - np.repeat(starts, c) + 1).astype(np.float64)
+            vals.append(A[idx] + g[idx] * j)
+            wts.append(n[idx])
+        # long runs: P evenly spaced points of the series
+        lo_ = np.nonzero(k - 1 > P)[0]
+        if lo_.size:
+            kk = k[lo_].astype(np.float64)[:, None]
+            i = (np.arange(P, dtype=np.float64) + 0.5)[None, :]
+            j = 1 + (kk - 2) * i / P
+            vals.append((A[lo_][:, None] + g[lo_][:, None] * j).ravel())
+            wts.append(np.repeat(n[lo_] * (k[lo_] - 1) / P, P))
+    # each round's first gap: first token -> end of its first step
+    wk: list[int] = []
+    lo_idx: list[int] = []
+    ft: list[float] = []
+    for sess in sessions:
+        for r in sess.rounds:
+            if r.n_tokens > 1:
+                wk.append(r.worker)
+                lo_idx.append(r.step_lo)
+                ft.append(r.first_token)
+    if wk:
+        wk_a = np.asarray(wk, dtype=np.int64)
+        lo_a = np.asarray(lo_idx, dtype=np.int64)
+        ft_a = np.asarray(ft, dtype=np.float64)
+        first = np.empty(ft_a.size)
+        for w in np.unique(wk_a):
+            sel = wk_a == w
+            lg = logs[int(w)]
+            LO = np.frombuffer(lg.lo, dtype=np.int64)
+            s = np.searchsorted(LO, lo_a[sel], side="right") - 1
+            jj = (lo_a[sel] - LO[s]).astype(np.float64)
+            T0 = np.frombuffer(lg.t0, dtype=np.float64)[s]
+            AA = np.frombuffer(lg.A, dtype=np.float64)[s]
+            GG = np.frombuffer(lg.g, dtype=np.float64)[s]
+            first[sel] = T0 + (jj + 1) * AA + GG * jj * (jj + 1) * 0.5
+        vals.append(first - ft_a)
+        wts.append(np.ones(ft_a.size))
+    if not vals:
+        return np.empty(0), np.empty(0)
+    return np.concatenate(vals).astype(np.float64), np.concatenate(wts).astype(np.float64)

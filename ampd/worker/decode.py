@@ -1,0 +1,548 @@
+"""Decode worker core: KV admission, the continuous batch, the local prefill queue, chunked local
+prefill, windowed ITL and the published view.
+
+Pure: no I/O, no clock; every call takes the time. A driver (the live decode service, the simulator)
+feeds it events and runs what it says::
+
+    core.round_ready(s, now)   -> ADMITTED | WAITING | FAILED   a round's input is ready: KV admission
+    core.admit_next(now)       -> DecodeSession | None   a waiting round whose KV now fits (loop on it
+                                                      after WAITING, round_end(last) and pin_expired)
+    core.submit_local(task)                           a prefill routed to this worker (its local queue)
+    core.schedule(now)         -> LocalPrefill | DecodeRun | None   when idle: what runs next
+    core.prefill_done(now)     -> DecodeSession | None   the prefill (or chunk) ended; a session whose
+                                                      prefill is complete is returned: first token
+    core.first_token(s, now)   -> bool               False: the round ended with its first token
+    core.run_done(k, now)      -> list[DecodeSession] k steps of the run ended: the sessions whose
+                                                      round ended with them
+    core.cut(now)              -> float | None       work arrived mid-run: end it at the next step
+                                                      boundary (the new end time, or None)
+    core.round_end(s, last)                           account the round's KV (release on the last)
+    core.pin_expired(s)        -> bool               a pinned session's KV may be evicted
+    core.view(now)             -> WorkerView
+
+After any call, a driver calls ``schedule`` when ``state == IDLE`` and ``cut`` when it is ``STEPPING``
+and new work (a joining session, a local prefill) arrived.
+
+Decode runs: a ``DecodeRun`` is ``steps`` decode steps with a fixed batch, step ``j`` lasting
+``first_s + growth_s * j`` (the batch's context grows by ``batch`` tokens a step, and ``t_dec`` is
+affine in the context). It runs up to the next exit from the batch. The simulator schedules one event
+for the whole run (cut short by ``cut``); the live service runs it step by step and reports each step
+with ``run_done(1, now)`` (a run is a plan, not a promise). A profile whose ``t_dec`` is not affine in
+the context gets runs of one step.
+
+KV admission (``kv_admission``): a round needs KV for its new input. ``"wait"``: a round whose KV does
+not fit waits until KV frees; the next rounds of running sessions go before new sessions, and when
+every running session on the worker waits (nobody will free any), the first goes ahead over capacity
+rather than deadlock (counted in ``kv_overcommits``). ``"fail"``: the round's session fails ("KV
+exhausted") and releases its KV. Decode tokens are charged as they are made (one per step per
+session; one for the round's first token) and never refused. A session in a tool call whose KV pin
+expired (Continuum) is evicted when a waiting round needs the room; its next round re-prefills its
+whole context.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from ampd.policy.reorder import PrefillQueue
+from ampd.policy.types import CostModel, PrefillTask, WorkerView
+from ampd.window import WindowedMean
+
+__all__ = ["DecodeCore", "DecodeSession", "LocalPrefill", "DecodeRun", "steps_done", "affine_ctx_coef",
+           "IDLE", "STEPPING", "PREFILLING", "ADMITTED", "WAITING", "FAILED", "KV_ADMISSION", "KV_EXHAUSTED"]
+
+# worker states
+IDLE = 0
+STEPPING = 1
+PREFILLING = 2
+
+# round_ready outcomes
+ADMITTED = 0
+WAITING = 1
+FAILED = 2
+
+KV_ADMISSION = ("wait", "fail")
+KV_EXHAUSTED = "KV exhausted"
+
+
+class DecodeSession:
+    """What a decode worker keeps of one session: its KV, and its current round's progress.
+
+    A driver sets ``round``, ``l_incr`` (new input tokens) and ``out`` (output tokens the round
+    makes; live: its upper bound) before ``round_ready``. The core keeps the rest."""
+
+    __slots__ = ("session_id", "round", "l_hist", "l_incr", "out", "first", "lo", "ctx_join", "in_tool",
+                 "evicted", "error")
+
+    def __init__(self, session_id: str):
+        self.session_id = session_id
+        self.round = 0
+        self.l_hist = 0  # KV tokens held before this round
+        self.l_incr = 0
+        self.out = 0
+        self.first = 0.0  # first-token time of the current round
+        self.lo = 0  # global index of the round's first decode step on this worker
+        self.ctx_join = 0  # context the session brought into the batch
+        self.in_tool = False
+        self.evicted = False
+        self.error = ""
+
+
+@dataclass(slots=True)
+class LocalPrefill:
+    """Prefill ``tokens`` tokens of ``session``'s round now, ``seconds`` long (ending at ``end``).
+    ``last`` is False for a chunk that does not finish the prefill."""
+
+    session: DecodeSession
+    tokens: int
+    seconds: float
+    end: float
+    last: bool
+
+
+@dataclass(slots=True)
+class DecodeRun:
+    """Up to ``steps`` decode steps of a fixed batch of ``batch`` sessions from now; step ``j``
+    lasts ``first_s + growth_s * j``; the last one ends at ``end``."""
+
+    steps: int
+    first_s: float
+    growth_s: float
+    batch: int
+    end: float
+
+
+def steps_done(x: float, A: float, g: float, m: int) -> int:
+    """How many steps of a run (step j lasts A + g*j) have ended within time x of its start."""
+    if x <= 0:
+        return 0
+    if g > 0:
+        # (j+1)*A + g*j*(j+1)/2 <= x  <=>  (g/2) q^2 + (A - g/2) q - x <= 0 with q = j + 1
+        a2 = 0.5 * g
+        b = A - a2
+        q = int((-b + math.sqrt(b * b + 4 * a2 * x)) / (2 * a2))
+    else:
+        q = int(x / A) if A > 0 else m
+    if q > m:
+        q = m
+    # guard rounding on both sides
+    while q < m and (q + 1) * A + g * q * (q + 1) * 0.5 <= x:
+        q += 1
+    while q > 0 and q * A + g * (q - 1) * q * 0.5 > x:
+        q -= 1
+    return q
+
+
+def affine_ctx_coef(cost, tp: int) -> float | None:
+    """c such that t_dec(tp, b, x) == t_dec(tp, b, 0) + c * x for the probed b and x, or None."""
+    X = 1_000_000
+    c = None
+    for b in (1, 2, 7, 33, 128, 512):
+        t0 = cost.t_dec(tp, b, 0)
+        cb = (cost.t_dec(tp, b, X) - t0) / X
+        if cb < 0:
+            return None
+        for x in (1, 977, 65_536, 4_000_000):
+            if not math.isclose(cost.t_dec(tp, b, x), t0 + cb * x, rel_tol=1e-9, abs_tol=1e-12):
+                return None
+        if c is None:
+            c = cb
+        elif not math.isclose(c, cb, rel_tol=1e-9, abs_tol=1e-15):
+            return None
+    return c
+
+
+class DecodeCore:
+    """State of one decode worker (see the module docstring for the protocol).
+
+    ``cost`` needs ``t_pre`` and ``t_dec`` (``ampd.perf.Profile``). ``chunk_tokens`` > 0 splits a
+    local prefill longer than that into chunks, one decode step of the batch between two chunks.
+    The run in progress is ``run_t0``/``run_A``/``run_g``/``run_m`` (start, first step, growth,
+    steps); ``run_ver`` changes whenever a run starts or is cut, so a driver can drop stale ends."""
+
+    __slots__ = ("worker_id", "tp", "cost", "queue", "kv_admission", "ctx_coef", "chunk_tokens",
+                 "sessions", "state", "batch_n", "ctx_sum", "pending", "exit_at", "exit_heap", "step_idx",
+                 "last_end", "step_new", "step_ft", "run_t0", "run_A", "run_g", "run_m", "run_ver",
+                 "run_flushed", "run_cut", "kv_cap", "kv_used", "live", "kv_wait", "new_wait", "wait_need",
+                 "evictable", "window", "busy_s", "in_prefill", "chunk", "chunk_step_due", "busy_until",
+                 "kv_overcommits", "kv_evictions", "qver", "qlen",
+                 "wadds", "m_adds", "m_t0", "m_mean", "vq_ver", "vq", "vpred", "view_", "v_mean", "v_free")
+
+    def __init__(self, worker_id: str, tp: int, cost: CostModel, queue: PrefillQueue, *,
+                 kv_capacity_tokens: int, window_s: float = 10.0, chunk_tokens: int = 0,
+                 kv_admission: str = "wait"):
+        if kv_admission not in KV_ADMISSION:
+            raise ValueError(f"kv_admission must be one of {', '.join(KV_ADMISSION)}, got {kv_admission!r}")
+        self.worker_id = worker_id
+        self.tp = tp
+        self.cost = cost
+        self.queue = queue
+        self.kv_admission = kv_admission
+        self.ctx_coef = affine_ctx_coef(cost, tp)  # None: runs of one step
+        self.chunk_tokens = chunk_tokens
+        self.sessions: dict[str, DecodeSession] = {}  # admitted sessions by id
+        self.state = IDLE
+        self.batch_n = 0
+        self.ctx_sum = 0  # context tokens of the batch
+        self.pending: list[DecodeSession] = []  # sessions with a first token, joining at the next run
+        self.exit_at: dict[int, list[DecodeSession]] = {}  # global step index -> sessions ending there
+        self.exit_heap: list[int] = []
+        self.step_idx = 0  # global index of the next decode step
+        self.last_end = 0.0  # end of the last decode step
+        self.step_new = 0  # sessions that joined at the run in progress
+        self.step_ft = 0.0  # sum of their first-token times
+        self.run_t0 = 0.0
+        self.run_A = 0.0
+        self.run_g = 0.0
+        self.run_m = 0
+        self.run_ver = 0
+        self.run_flushed = 0  # steps of the run already in the ITL window
+        self.run_cut = False
+        self.kv_cap = kv_capacity_tokens
+        self.kv_used = 0
+        self.live = 0  # admitted sessions
+        self.kv_wait: deque[DecodeSession] = deque()  # next rounds of running sessions waiting for KV
+        self.new_wait: deque[DecodeSession] = deque()  # new sessions whose first round waits for KV
+        self.wait_need = 0  # KV tokens the waiting rounds need
+        self.evictable: deque[DecodeSession] = deque()  # sessions in a tool call whose KV pin expired
+        self.window = WindowedMean(window_s)
+        self.busy_s = 0.0
+        self.in_prefill: DecodeSession | None = None  # the (unchunked) local prefill in service
+        self.chunk: list | None = None  # [session, tokens done] of the chunked local prefill
+        self.chunk_step_due = False  # a chunk just ended: one decode step comes next
+        self.busy_until = 0.0  # predicted end of the local prefill in service (counts as queued work)
+        self.kv_overcommits = 0
+        self.kv_evictions = 0
+        self.qver = 0  # pushes + pops of the queue (the view's queue copy is rebuilt when it moves)
+        self.qlen = 0
+        self.wadds = 0  # window.add calls (the cached mean holds while none was added or expired)
+        self.m_adds = -1
+        self.m_t0 = math.inf
+        self.m_mean: float | None = None
+        self.vq_ver = -1
+        self.vq: tuple = ()
+        self.vpred = 0.0
+        self.view_: WorkerView | None = None
+        self.v_mean: float | None = None
+        self.v_free = 0
+
+    # ------------------------------------------------------------------------------ admission
+    def round_ready(self, s: DecodeSession, now: float) -> int:
+        """A round's input is ready (``s.round``, ``s.l_incr``, ``s.out`` set): reserve its KV.
+        ADMITTED: route it now. WAITING: it waits (then loop on ``admit_next``). FAILED: the session
+        failed (``s.error``) and released its KV."""
+        s.in_tool = False
+        if s.evicted:
+            s.evicted = False
+            s.l_incr += s.l_hist
+            s.l_hist = 0
+        need = s.l_incr
+        if self.kv_admission == "fail":
+            if self.kv_cap - self.kv_used < need and not self._make_room(need):
+                return self._fail(s)
+            if s.round == 0:
+                self.live += 1
+                self.sessions[s.session_id] = s
+        elif s.round == 0:
+            # a new session starts only when its first input fits; running sessions go first
+            if self.kv_wait or self.new_wait or self.kv_cap - self.kv_used < need:
+                self.new_wait.append(s)
+                self.wait_need += need
+                return WAITING
+            self.live += 1
+            self.sessions[s.session_id] = s
+        elif self.kv_wait or self.kv_cap - self.kv_used < need:
+            self.kv_wait.append(s)
+            self.wait_need += need
+            return WAITING
+        self.kv_used += need
+        return ADMITTED
+
+    def _fail(self, s: DecodeSession) -> int:
+        s.error = f"{KV_EXHAUSTED} on {self.worker_id}: {s.l_incr} tokens needed, {self.kv_cap - self.kv_used} free"
+        if s.round > 0 or s.session_id in self.sessions:
+            self.kv_used -= s.l_hist
+            self.live -= 1
+            self.sessions.pop(s.session_id, None)
+        return FAILED
+
+    def admit_next(self, now: float) -> DecodeSession | None:
+        """The first waiting round whose KV fits now (evicting expired pins as needed), admitted;
+        None when none fits. Running sessions' rounds go first; see the no-deadlock rule above."""
+        w = self.kv_wait
+        if w:
+            s = w[0]
+            if not self._make_room(s.l_incr):
+                if len(w) < self.live:
+                    return None
+                # every running session on this worker waits for KV: nobody will free any, so the
+                # head goes ahead over capacity rather than deadlock
+                self.kv_overcommits += 1
+            w.popleft()
+            self.wait_need -= s.l_incr
+            self.kv_used += s.l_incr
+            return s
+        nw = self.new_wait
+        if nw:
+            s = nw[0]
+            if not self._make_room(s.l_incr):
+                if self.live != 0:
+                    return None
+                self.kv_overcommits += 1  # a single session larger than the whole worker
+            nw.popleft()
+            self.wait_need -= s.l_incr
+            self.live += 1
+            self.sessions[s.session_id] = s
+            self.kv_used += s.l_incr
+            return s
+        return None
+
+    def _make_room(self, need: int) -> bool:
+        ev = self.evictable
+        while ev and self.kv_cap - self.kv_used < need:
+            # Continuum: a session whose KV pin expired during its tool call loses its KV
+            # (its next round re-prefills the whole context)
+            v = ev.popleft()
+            if v.in_tool and not v.evicted:
+                v.evicted = True
+                self.kv_used -= v.l_hist
+                self.kv_evictions += 1
+        return self.kv_cap - self.kv_used >= need
+
+    def round_end(self, s: DecodeSession, last: bool) -> None:
+        """The round's last token is made: its input and output join the session's history; the
+        last round releases the session's KV (then loop on ``admit_next``)."""
+        s.l_hist += s.l_incr + s.out
+        if last:
+            self.kv_used -= s.l_hist
+            self.live -= 1
+            del self.sessions[s.session_id]
+
+    def tool_call(self, s: DecodeSession) -> None:
+        """The session waits for a tool result with its KV pinned (Continuum's TTL starts)."""
+        s.in_tool = True
+
+    def pin_expired(self, s: DecodeSession) -> bool:
+        """The session's KV pin expired during its tool call: its KV may be evicted. True when a
+        waiting round may now fit (loop on ``admit_next``)."""
+        if s.in_tool and not s.evicted:
+            self.evictable.append(s)
+            return bool(self.kv_wait or self.new_wait)
+        return False
+
+    # -------------------------------------------------------------------------- local prefills
+    def submit_local(self, task: PrefillTask) -> None:
+        """A prefill routed to this worker joins its local queue."""
+        self.queue.push(task)
+        self.qver += 1
+        self.qlen += 1
+
+    def _chunk(self, now: float) -> LocalPrefill:
+        s, done = self.chunk
+        n = min(self.chunk_tokens, s.l_incr - done)
+        dur = self.cost.t_pre(self.tp, s.l_hist + done, n)
+        self.chunk[1] = done + n
+        self.chunk_step_due = True
+        self.state = PREFILLING
+        self.busy_until = now + dur
+        self.busy_s += dur
+        return LocalPrefill(s, n, dur, now + dur, done + n >= s.l_incr)
+
+    def prefill_done(self, now: float) -> DecodeSession | None:
+        """The local prefill or chunk in service ended; the session whose prefill is complete is
+        returned (its first token is now: call ``first_token``)."""
+        self.state = IDLE
+        ch = self.chunk
+        if ch is not None:
+            if ch[1] >= ch[0].l_incr:
+                self.chunk = None
+                self.chunk_step_due = False
+                return ch[0]
+            return None
+        s = self.in_prefill
+        self.in_prefill = None
+        return s
+
+    def first_token(self, s: DecodeSession, now: float) -> bool:
+        """The round's first token is made (here or by a remote prefill). False: the round ended
+        with it (``round_end`` next); True: the session joins the batch at the next run."""
+        s.first = now
+        self.kv_used += 1
+        if s.out <= 1:
+            return False
+        self.pending.append(s)
+        return True
+
+    # ------------------------------------------------------------------------------- schedule
+    def schedule(self, now: float) -> LocalPrefill | DecodeRun | None:
+        """When idle: the next thing to run. A chunked prefill alternates with one decode step of
+        the batch; else a queued local prefill (Algorithm 2's pick) goes before decoding
+        (prefill-priority); else a run of decode steps up to the next exit; else None (idle)."""
+        if self.chunk is not None and not (self.chunk_step_due and (self.batch_n or self.pending)):
+            return self._chunk(now)
+        if self.qlen and self.chunk is None:
+            task = self.queue.pop(now)
+            self.qver += 1
+            self.qlen -= 1
+            s = self.sessions[task.session_id]
+            if self.chunk_tokens and task.l_incr > self.chunk_tokens:
+                self.chunk = [s, 0]
+                return self._chunk(now)
+            dur = self.cost.t_pre(self.tp, task.l_hist, task.l_incr)
+            self.state = PREFILLING
+            self.in_prefill = s
+            self.busy_until = now + dur
+            self.busy_s += dur
+            return LocalPrefill(s, task.l_incr, dur, now + dur, True)
+        if self.pending:
+            self._join()
+        else:
+            self.step_new = 0
+            self.step_ft = 0.0
+        n = self.batch_n
+        if not n:
+            self.state = IDLE
+            return None
+        A = self.cost.t_dec(self.tp, n, self.ctx_sum)
+        c = self.ctx_coef
+        if c is None or self.chunk is not None:  # one step between two prefill chunks
+            m = 1
+            g = 0.0 if c is None else c * n
+            self.chunk_step_due = False
+        else:
+            # a run of steps up to the next exit from the batch (cut short when a session joins or
+            # a local prefill arrives: see cut())
+            m = self.exit_heap[0] - self.step_idx + 1
+            g = c * n
+        self.state = STEPPING
+        self.run_t0 = now
+        self.run_A = A
+        self.run_g = g
+        self.run_m = m
+        self.run_flushed = 0
+        self.run_cut = False
+        self.run_ver += 1
+        return DecodeRun(m, A, g, n, now + m * A + g * m * (m - 1) * 0.5)
+
+    def _join(self) -> None:
+        """The sessions with a first token join the batch at the run about to start."""
+        pend = self.pending
+        k = self.step_idx
+        exit_at = self.exit_at
+        ft = 0.0
+        for s in pend:
+            s.lo = k
+            c = s.l_hist + s.l_incr + 1
+            s.ctx_join = c
+            self.ctx_sum += c
+            ex = k + s.out - 2  # index of the session's last step
+            b = exit_at.get(ex)
+            if b is None:
+                exit_at[ex] = [s]
+                heapq.heappush(self.exit_heap, ex)
+            else:
+                b.append(s)
+            ft += s.first
+        self.step_new = len(pend)
+        self.step_ft = ft
+        self.batch_n += len(pend)
+        pend.clear()
+
+    def cut(self, now: float) -> float | None:
+        """Something for this worker arrived mid-run: end the run at the next step boundary.
+        Returns the run's new end (its ``run_ver`` changed), or None when it ends there anyway."""
+        if self.run_cut:
+            return None
+        self.run_cut = True
+        A, g, m, t0 = self.run_A, self.run_g, self.run_m, self.run_t0
+        q = steps_done(now - t0, A, g, m)
+        # the step in progress (index q) ends the run; if q steps ended exactly at now, the
+        # boundary is now
+        k = q if q >= 1 and t0 + q * A + g * (q - 1) * q * 0.5 >= now else q + 1
+        if k >= m:
+            return None
+        self.run_m = k
+        self.run_ver += 1
+        return t0 + k * A + g * (k - 1) * k * 0.5
+
+    def run_done(self, k: int, now: float) -> list[DecodeSession] | tuple[()]:
+        """``k`` steps of the run ended at ``now`` (the whole run, or its first ``k`` steps when a
+        driver stops early): returns the sessions whose round ended with them (call
+        ``round_end`` for each, then ``schedule``)."""
+        n = self.batch_n
+        k0 = self.step_idx
+        self.flush(k)
+        self.busy_s += now - self.run_t0
+        self.last_end = now
+        self.step_idx = k0 + k
+        self.ctx_sum += n * k
+        self.kv_used += n * k
+        # state stays STEPPING until the driver calls schedule(): work that arrives while the
+        # exits are handled sees a run that has just ended (cut() then changes nothing)
+        exits = self.exit_at.pop(k0 + k - 1, None)
+        if not exits:
+            return ()
+        heapq.heappop(self.exit_heap)
+        self.batch_n = n - len(exits)
+        for s in exits:
+            self.ctx_sum -= s.ctx_join + s.out - 1
+        return exits
+
+    def flush(self, upto: int) -> None:
+        """Steps [run_flushed, upto) of the run join the ITL window (one sample of their mean gap).
+        The run's first gap of a session that was in the batch before it includes any prefill pause;
+        a joining session's first gap runs from its first token."""
+        a = self.run_flushed
+        if upto <= a:
+            return
+        A, g, n, t0 = self.run_A, self.run_g, self.batch_n, self.run_t0
+        gsum = 0.0
+        if a == 0:
+            e0 = t0 + A
+            gsum = n * e0 - (n - self.step_new) * self.last_end - self.step_ft
+            a = 1
+        if upto > a:
+            gsum += n * ((upto - a) * A + g * (a + upto - 1) * (upto - a) * 0.5)
+        cnt = n * (upto - self.run_flushed)
+        self.window.add(t0 + upto * A + g * (upto - 1) * upto * 0.5, gsum / cnt, cnt)
+        self.wadds += 1
+        self.run_flushed = upto
+
+    # ------------------------------------------------------------------------------------ view
+    def window_mean(self, now: float) -> float | None:
+        """The windowed mean ITL, cached while no sample was added or expired."""
+        if self.m_adds == self.wadds and self.m_t0 >= now - self.window.window_s:
+            return self.m_mean
+        w = self.window
+        mean = w.mean(now)
+        smp = w._samples
+        self.m_t0 = smp[0][0] if smp else math.inf
+        self.m_adds = self.wadds
+        self.m_mean = mean
+        return mean
+
+    def view(self, now: float) -> WorkerView:
+        """The published view: windowed ITL (the steps of the run in progress that ended by now
+        count), free KV (less what waiting rounds need), the local queue, and ``queue_predicted_s``
+        (the queued prefills plus the remaining time of the one in service). The same object is
+        returned while nothing in it changed."""
+        if self.state == STEPPING:
+            self.flush(steps_done(now - self.run_t0, self.run_A, self.run_g, self.run_m))
+        mean = self.window_mean(now)
+        free = self.kv_cap - self.kv_used - self.wait_need
+        v = self.view_
+        residual = self.busy_until - now if self.state == PREFILLING and self.busy_until > now else 0.0
+        if self.vq_ver != self.qver:
+            self.vq = self.queue.tasks()
+            self.vpred = self.queue.predicted_total()
+            self.vq_ver = self.qver
+        elif v is not None and mean == self.v_mean and free == self.v_free and not residual:
+            return v
+        v = WorkerView(worker_id=self.worker_id, kind="decode", tp=self.tp, window_mean_s=mean, queue=self.vq,
+                       kv_free_tokens=free, queue_predicted_s=self.vpred + residual)
+        self.view_ = v
+        self.v_mean = mean
+        self.v_free = free
+        return v

@@ -1,0 +1,234 @@
+"""Prefill worker core: its queue (Algorithm 2), the task in service, the KV read ahead, its view.
+
+Pure: no I/O, no clock; every call takes the time. A driver (the live prefill service, the simulator)
+runs what the core says and reports back::
+
+    core.submit(task, now)        -> KvRead | None   queue a task (with the overlap, a read may start)
+    core.next(now)                -> PrefillWork | None   idle: the task to run now, or None
+    core.compute_started(now)     -> KvRead | None   its compute begins (after its history read):
+                                                     with the overlap, the next task is popped and its
+                                                     history KV read starts now
+    core.finish(now)              -> PrefillTask     its new KV is written back: the TTFT sample
+    core.view(now)                -> WorkerView      what the coordinator sees
+
+A task's life: history KV in (``read_s``), compute (``compute_s``), new KV back (``write_s``),
+timed by ``ampd.policy.remote_parts`` (Eq. 2's terms). The read is lazy: a task's history moves only
+once it leaves the queue. With ``kv_overlap`` (the paper's section 6) the next task leaves the queue
+when the current one starts computing, and its read runs while the current task computes and writes
+back (at most one read ahead); a task that arrives while the worker computes and nothing is read ahead
+starts its read at once. Without it, the worker reads, computes and writes one task at a time.
+
+Published queue (``WorkerView.queue_predicted_s``): the queued tasks' predicted times plus the
+remaining time of the task in service. With the overlap, each queued task counts its compute, its
+write-back and the part of its read that the task before it (at push time: the last queued task, or
+the one read ahead) does not hide, and the task read ahead counts its compute, its write-back and
+whatever of its read outlasts the task in service; Algorithm 2 orders the queue by these same times.
+Without the overlap, a queued task counts its compute only (the paper's Eq. 2 queue term).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ampd.policy.cost import remote_parts
+from ampd.policy.reorder import PrefillQueue
+from ampd.policy.types import CostModel, PrefillTask, WorkerView
+from ampd.window import WindowedMean
+
+__all__ = ["PrefillCore", "PrefillWork", "KvRead"]
+
+
+@dataclass(slots=True)
+class PrefillWork:
+    """Run ``task`` now: ``read_s`` of history KV still to read (0 when it was read ahead, or has no
+    history), then ``compute_s``, then ``write_s`` to write its new KV back. ``total_s`` is their sum
+    (Eq. 2 less its queue term when nothing was read ahead). ``was_ahead``: its read started earlier
+    (the overlap's read ahead) and ``read_s`` is what is left of it."""
+
+    task: PrefillTask
+    read_s: float
+    compute_s: float
+    write_s: float
+    total_s: float
+    was_ahead: bool = False
+
+
+@dataclass(slots=True)
+class KvRead:
+    """Start reading ``task``'s history KV now (``seconds`` long): the read ahead of the overlap."""
+
+    task: PrefillTask
+    seconds: float
+
+
+class PrefillCore:
+    """State of one prefill worker (see the module docstring for the protocol).
+
+    ``busy_until`` is the predicted end of the task in service; a driver that knows better (the
+    simulator's NIC contention) may set it. ``ahead_read_end`` likewise for the read ahead.
+    ``busy_s`` is left to the driver to accumulate (it knows the real durations)."""
+
+    __slots__ = ("worker_id", "tp", "cost", "queue", "window", "kv_overlap", "kv_capacity_tokens",
+                 "current", "computing", "busy_until", "ahead", "ahead_parts", "ahead_read_end",
+                 "_tail_cw", "_parts", "busy_s", "tasks", "qver", "qlen",
+                 "wadds", "m_adds", "m_t0", "m_mean", "vq_ver", "vq", "vpred", "view_", "v_mean")
+
+    def __init__(self, worker_id: str, tp: int, cost: CostModel, queue: PrefillQueue, *,
+                 window_s: float = 10.0, kv_overlap: bool = True, kv_capacity_tokens: int = 0):
+        self.worker_id = worker_id
+        self.tp = tp
+        self.cost = cost
+        self.queue = queue
+        self.window = WindowedMean(window_s)
+        self.kv_overlap = kv_overlap
+        self.kv_capacity_tokens = kv_capacity_tokens
+        self.current: PrefillTask | None = None  # the task in service (reading, computing, writing)
+        self.computing = False  # the task in service has finished its history read
+        self.busy_until = 0.0
+        self.ahead: PrefillTask | None = None  # the next task, its history read under way
+        self.ahead_parts = (0.0, 0.0, 0.0)
+        self.ahead_read_end = 0.0
+        self._tail_cw = 0.0  # compute + write of the last queued task (what hides the next read)
+        self._parts: dict[int, tuple[float, float, float]] = {}  # id(queued task) -> its Eq. (2) terms
+        self.busy_s = 0.0
+        self.tasks = 0
+        self.qver = 0  # pushes + pops of the queue (the view's queue copy is rebuilt when it moves)
+        self.qlen = 0
+        # view cache: the windowed mean last read holds while no sample was added (wadds) and the
+        # oldest sample has not expired (m_t0); the view object holds while nothing it shows changed
+        self.wadds = 0
+        self.m_adds = -1
+        self.m_t0 = math.inf
+        self.m_mean: float | None = None
+        self.vq_ver = -1
+        self.vq: tuple = ()
+        self.vpred = 0.0
+        self.view_: WorkerView | None = None
+        self.v_mean: float | None = None
+
+    # ----------------------------------------------------------------------------- the protocol
+    def submit(self, task: PrefillTask, now: float) -> KvRead | None:
+        """Queue ``task``. With the overlap, a task arriving while the worker computes with nothing
+        read ahead leaves the queue at once and its read starts (returned)."""
+        if not self.kv_overlap:
+            self.queue.push(task)
+        else:
+            parts = remote_parts(self.cost, task.l_hist, task.l_incr, task.decode_tp, self.tp)
+            self._parts[id(task)] = parts  # a queued task is alive, so its id is unique meanwhile
+            read, comp, write = parts
+            if self.qlen:
+                hide = self._tail_cw
+            elif self.ahead is not None:
+                hide = self.ahead_parts[1] + self.ahead_parts[2]
+            else:
+                hide = 0.0
+            exposed = read - hide if read > hide else 0.0
+            self._tail_cw = comp + write
+            self.queue.push(task, comp + write + exposed)
+        self.qver += 1
+        self.qlen += 1
+        if self.kv_overlap and self.computing and self.ahead is None:
+            return self._read_ahead(now)
+        return None
+
+    def next(self, now: float) -> PrefillWork | None:
+        """When idle: the task to run now (the one read ahead, else Algorithm 2's pick), or None."""
+        if self.current is not None:
+            return None
+        if self.ahead is not None:
+            task = self.ahead
+            read, comp, write = self.ahead_parts
+            read = self.ahead_read_end - now if self.ahead_read_end > now else 0.0
+            self.ahead = None
+            was_ahead = True
+        elif self.qlen:
+            task = self.queue.pop(now)
+            self.qver += 1
+            self.qlen -= 1
+            read, comp, write = self._parts_of(task)
+            was_ahead = False
+        else:
+            return None
+        self.current = task
+        self.computing = False
+        self.tasks += 1
+        total = comp + read + write  # remote_prefill_s's order: the same float as Eq. (2)
+        self.busy_until = now + total
+        return PrefillWork(task, read, comp, write, total, was_ahead)
+
+    def compute_started(self, now: float) -> KvRead | None:
+        """The task in service has its history: with the overlap, the next task leaves the queue
+        and its history read starts now (returned)."""
+        self.computing = True
+        if self.kv_overlap and self.ahead is None and self.qlen:
+            return self._read_ahead(now)
+        return None
+
+    def finish(self, now: float) -> PrefillTask:
+        """The task in service wrote its new KV back: its TTFT (from ``enqueued_at``) is sampled."""
+        task = self.current
+        if task is None:
+            raise RuntimeError(f"{self.worker_id}: finish() with no task in service")
+        self.current = None
+        self.computing = False
+        self.window.add(now, now - task.enqueued_at, 1)
+        self.wadds += 1
+        return task
+
+    def _read_ahead(self, now: float) -> KvRead:
+        task = self.queue.pop(now)
+        self.qver += 1
+        self.qlen -= 1
+        parts = self._parts_of(task)
+        self.ahead = task
+        self.ahead_parts = parts
+        self.ahead_read_end = now + parts[0]
+        return KvRead(task, parts[0])
+
+    def _parts_of(self, task: PrefillTask) -> tuple[float, float, float]:
+        """Eq. (2)'s terms of a task leaving the queue (computed at submit with the overlap)."""
+        parts = self._parts.pop(id(task), None)
+        if parts is None:
+            parts = remote_parts(self.cost, task.l_hist, task.l_incr, task.decode_tp, self.tp)
+        return parts
+
+    # ----------------------------------------------------------------------------------- view
+    @property
+    def busy(self) -> bool:
+        return self.current is not None
+
+    def window_mean(self, now: float) -> float | None:
+        """The windowed mean TTFT, cached while no sample was added or expired."""
+        if self.m_adds == self.wadds and self.m_t0 >= now - self.window.window_s:
+            return self.m_mean
+        w = self.window
+        mean = w.mean(now)
+        smp = w._samples
+        self.m_t0 = smp[0][0] if smp else math.inf
+        self.m_adds = self.wadds
+        self.m_mean = mean
+        return mean
+
+    def view(self, now: float) -> WorkerView:
+        """The published view: windowed TTFT, the queue, and ``queue_predicted_s`` (the module
+        docstring says what it counts). The same object is returned while nothing in it changed."""
+        mean = self.window_mean(now)
+        v = self.view_
+        residual = self.busy_until - now if self.current is not None and self.busy_until > now else 0.0
+        ahead = self.ahead
+        if self.vq_ver != self.qver:  # the queue changed: copy it once, not per view
+            self.vq = self.queue.tasks()
+            self.vpred = self.queue.predicted_total()
+            self.vq_ver = self.qver
+        elif v is not None and mean == self.v_mean and not residual and ahead is None:
+            return v
+        pred = self.vpred + residual
+        if ahead is not None:
+            _, comp, write = self.ahead_parts
+            late = self.ahead_read_end - (self.busy_until if self.current is not None else now)
+            pred += comp + write + (late if late > 0.0 else 0.0)
+        v = WorkerView(worker_id=self.worker_id, kind="prefill", tp=self.tp, window_mean_s=mean,
+                       queue=self.vq, kv_free_tokens=self.kv_capacity_tokens, queue_predicted_s=pred)
+        self.view_ = v
+        self.v_mean = mean
+        return v

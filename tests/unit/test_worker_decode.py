@@ -1,0 +1,172 @@
+"""Unit tests of the decode worker core (ampd/worker/decode.py): hand-computed times on a linear
+profile, runs of decode steps and cutting them, chunked local prefill, KV admission (both rules),
+eviction of expired pins, and the published view."""
+from __future__ import annotations
+
+import pytest
+
+from ampd.policy import SLO, PrefillTask, make_queue
+from ampd.worker import (ADMITTED, FAILED, IDLE, PREFILLING, STEPPING, WAITING, DecodeCore, DecodeRun,
+                         DecodeSession, LocalPrefill, steps_done)
+from tests.unit.test_worker_prefill import P  # t_pre = 0.01 + 1e-4 l_incr + 1e-6 l_hist; t_dec = 0.02 + 1e-4 b + 1e-7 ctx
+
+SLO_ = SLO(ttft_s=1.0, itl_s=0.1)
+
+
+def _core(cap=10_000, chunk=0, rule="wait") -> DecodeCore:
+    return DecodeCore("decode-0", 1, P, make_queue("fcfs", P, SLO_, 1), kv_capacity_tokens=cap,
+                      chunk_tokens=chunk, kv_admission=rule)
+
+
+def _sess(sid, l_incr, out, rnd=0) -> DecodeSession:
+    s = DecodeSession(sid)
+    s.round, s.l_incr, s.out = rnd, l_incr, out
+    return s
+
+
+def _one_token_round(core, s, now, last):
+    """A round of one output token ends: its first token is its last."""
+    assert core.first_token(s, now) is False
+    core.round_end(s, last)
+
+
+def _local(core, s, now):
+    core.submit_local(PrefillTask(s.session_id, s.round, s.l_hist, s.l_incr, now, core.worker_id, 1))
+
+
+def test_local_prefill_then_a_run_of_steps_by_hand():
+    core = _core()
+    s = _sess("s", 500, 4)
+    assert core.round_ready(s, 0.0) == ADMITTED and core.kv_used == 500
+    _local(core, s, 0.0)
+    p = core.schedule(0.0)
+    assert isinstance(p, LocalPrefill) and p.last and p.tokens == 500
+    assert p.seconds == pytest.approx(0.06) and core.state == PREFILLING
+    assert core.view(0.02).queue_predicted_s == pytest.approx(0.04)  # the residual of the prefill
+    assert core.prefill_done(0.06) is s
+    assert core.first_token(s, 0.06) and core.kv_used == 501
+    r = core.schedule(0.06)
+    A = 0.02 + 1e-4 + 501e-7  # batch 1, context 501 (input + first token)
+    assert isinstance(r, DecodeRun) and r.steps == 3 and r.batch == 1
+    assert r.first_s == pytest.approx(A) and r.growth_s == pytest.approx(1e-7)
+    assert r.end == pytest.approx(0.06 + 3 * A + 3e-7)  # steps last A, A + g, A + 2g
+    assert core.run_done(3, r.end) == [s]
+    assert core.kv_used == 504
+    core.round_end(s, last=True)
+    assert core.kv_used == 0 and core.live == 0
+    assert core.schedule(r.end) is None and core.state == IDLE
+    # the window holds the run's 3 gaps; the first runs from the first token
+    assert core.view(r.end).window_mean_s == pytest.approx((r.end - 0.06) / 3)
+
+
+def test_cut_ends_the_run_at_the_next_step_boundary():
+    core = _core()
+    s = _sess("s", 500, 10)
+    core.round_ready(s, 0.0)
+    core.first_token(s, 0.0)  # a remote prefill's first token
+    r = core.schedule(0.0)
+    A, g = r.first_s, r.growth_s
+    assert r.steps == 9 and core.state == STEPPING
+    ver = core.run_ver
+    t = 1.5 * A  # inside step 2
+    o = _sess("o", 100, 2)
+    core.round_ready(o, t)
+    _local(core, o, t)
+    end = core.cut(t)
+    assert end == pytest.approx(2 * A + g) and core.run_ver == ver + 1
+    assert core.cut(t) is None  # already cut
+    assert not core.run_done(2, end)
+    assert core.step_idx == 2 and core.kv_used == 500 + 1 + 100 + 2
+    p = core.schedule(end)
+    assert isinstance(p, LocalPrefill) and p.session is o  # prefill priority
+
+
+def test_steps_done_counts_whole_steps():
+    A, g = 0.1, 0.01
+    ends = [A, 2 * A + g, 3 * A + 3 * g]
+    assert [steps_done(x, A, g, 10) for x in (0.0, ends[0], ends[1] - 1e-9, ends[1], ends[2] + 1e-9)] == [0, 1, 1, 2, 3]
+    assert steps_done(100.0, A, g, 5) == 5
+
+
+def test_chunked_local_prefill_alternates_with_one_decode_step():
+    core = _core(chunk=512)
+    a = _sess("a", 100, 50)
+    core.round_ready(a, 0.0)
+    core.first_token(a, 0.0)
+    run = core.schedule(0.0)
+    b = _sess("b", 1200, 2)
+    core.round_ready(b, 0.001)
+    _local(core, b, 0.001)
+    end = core.cut(0.001)
+    core.run_done(1, end)
+    c1 = core.schedule(end)
+    assert (c1.tokens, c1.last) == (512, False) and c1.seconds == pytest.approx(0.01 + 0.0512)
+    assert core.prefill_done(c1.end) is None
+    step = core.schedule(c1.end)
+    assert isinstance(step, DecodeRun) and step.steps == 1  # one step of the batch between chunks
+    core.run_done(1, step.end)
+    c2 = core.schedule(step.end)
+    assert c2.tokens == 512 and c2.seconds == pytest.approx(0.01 + 0.0512 + 512e-6)
+    core.prefill_done(c2.end)
+    core.run_done(1, core.schedule(c2.end).end)
+    c3 = core.schedule(core.last_end)
+    assert (c3.tokens, c3.last) == (176, True) and c3.seconds == pytest.approx(0.01 + 0.0176 + 1024e-6)
+    assert core.prefill_done(c3.end) is b
+    assert run.steps == 49
+
+
+def test_kv_wait_new_sessions_wait_for_running_ones():
+    core = _core(cap=1000)
+    s1 = _sess("s1", 600, 1)
+    s2 = _sess("s2", 600, 1)
+    assert core.round_ready(s1, 0.0) == ADMITTED
+    assert core.round_ready(s2, 0.0) == WAITING
+    assert core.admit_next(0.0) is None
+    assert core.view(0.0).kv_free_tokens == 1000 - 600 - 600  # waiting rounds count as used
+    _one_token_round(core, s1, 0.5, last=True)
+    assert core.admit_next(1.0) is s2 and core.kv_used == 600 and core.live == 1
+    assert core.admit_next(1.0) is None
+
+
+def test_kv_wait_no_deadlock_rule_overcommits():
+    core = _core(cap=1000)
+    s1 = _sess("s1", 600, 1)
+    core.round_ready(s1, 0.0)
+    _one_token_round(core, s1, 0.5, last=False)  # history 601
+    s1.round, s1.l_incr = 1, 500
+    assert core.round_ready(s1, 1.0) == WAITING
+    # every running session waits: nobody would free KV, so it goes ahead over capacity
+    assert core.admit_next(1.0) is s1 and core.kv_overcommits == 1 and core.kv_used == 1101
+
+
+def test_kv_fail_rule_fails_the_session_and_frees_its_kv():
+    core = _core(cap=1000, rule="fail")
+    s1 = _sess("s1", 600, 1)
+    s2 = _sess("s2", 600, 1)
+    assert core.round_ready(s1, 0.0) == ADMITTED
+    assert core.round_ready(s2, 0.0) == FAILED and s2.error.startswith("KV exhausted on decode-0")
+    assert core.live == 1 and core.kv_used == 600
+    _one_token_round(core, s1, 0.5, last=False)
+    s1.round, s1.l_incr = 1, 500
+    assert core.round_ready(s1, 1.0) == FAILED
+    assert core.kv_used == 0 and core.live == 0 and not core.sessions
+
+
+def test_bad_kv_admission_rule_is_named():
+    with pytest.raises(ValueError, match="kv_admission"):
+        _core(rule="drop")
+
+
+def test_expired_pin_is_evicted_for_a_waiting_round_and_re_prefills():
+    core = _core(cap=1000)
+    s1 = _sess("s1", 599, 1)
+    core.round_ready(s1, 0.0)
+    _one_token_round(core, s1, 0.5, last=False)  # history 600
+    core.tool_call(s1)
+    assert core.pin_expired(s1) is False  # nobody waits yet
+    s2 = _sess("s2", 600, 1)
+    assert core.round_ready(s2, 1.0) == WAITING
+    assert core.admit_next(1.0) is s2 and s1.evicted and core.kv_evictions == 1
+    s1.round, s1.l_incr = 1, 100
+    assert core.round_ready(s1, 2.0) == WAITING  # re-prefills its whole context: 700 tokens
+    assert s1.l_incr == 700 and s1.l_hist == 0

@@ -1,0 +1,148 @@
+"""Unit tests of the prefill worker core (ampd/worker/prefill.py): hand-computed times on a linear
+profile, the lazy read, the KV overlap on and off, and the published queue estimate."""
+from __future__ import annotations
+
+import pytest
+
+from ampd.perf import profile_from_dict
+from ampd.policy import SLO, PrefillTask, make_queue, remote_parts, t_remote
+from ampd.worker import KvRead, PrefillCore, PrefillWork
+
+
+def _profile():
+    """t_pre = 0.01 + 1e-4 * l_incr + 1e-6 * l_hist; t_kv = 0.001 + 1e-6 * tokens (1000 bytes a
+    token, 1e-9 s a byte); t_dec = 0.02 + 1e-4 * batch + 1e-7 * context."""
+    tp = {"1": {"kv_capacity_tokens": 10_000, "prefill_chunk_tokens": 512,
+                "t_pre": {"l_incr": {"breakpoints": [0, 1e9], "alpha": [0.01], "beta": [1e-4]},
+                          "hist_s_per_token": 1e-6, "attn_s_per_token2": 0.0},
+                "t_dec": {"batch": {"breakpoints": [0, 1e9], "alpha": [0.02], "beta": [1e-4]},
+                          "ctx_s_per_token": 1e-7}}}
+    return profile_from_dict({
+        "schema_version": 1, "name": "test@worker", "model": "test", "hardware": "sim", "kv_bytes_per_token": 1000,
+        "t_kv": {"bytes_per_link": {"breakpoints": [0, 1e12], "alpha": [0.001], "beta": [1e-9]}, "links": "min_tp"},
+        "tp": tp})
+
+
+P = _profile()
+SLO_ = SLO(ttft_s=1.0, itl_s=0.1)
+
+
+def _core(overlap: bool, queue: str = "fcfs") -> PrefillCore:
+    return PrefillCore("prefill-0", 1, P, make_queue(queue, P, SLO_, 1), kv_overlap=overlap,
+                       kv_capacity_tokens=10_000)
+
+
+def _task(sid: str, l_hist: int, l_incr: int, enq: float = 0.0) -> PrefillTask:
+    return PrefillTask(sid, 1, l_hist, l_incr, enq, "decode-0", 1)
+
+
+A = _task("a", 1000, 500)   # read 0.002, compute 0.061, write 0.0015
+B = _task("b", 2000, 300)   # read 0.003, compute 0.042, write 0.0013
+C = _task("c", 100_000, 100)  # read 0.101, compute 0.12, write 0.0011
+
+
+def test_eq2_parts_by_hand():
+    assert remote_parts(P, 1000, 500, 1, 1) == pytest.approx((0.002, 0.061, 0.0015))
+    assert remote_parts(P, 0, 500, 1, 1) == pytest.approx((0.0, 0.06, 0.0015))
+    assert t_remote(P, 1000, 500, 1, 1, 0.5) == pytest.approx(0.5 + 0.002 + 0.061 + 0.0015)
+
+
+def test_no_overlap_one_task_at_a_time():
+    core = _core(False)
+    assert core.submit(A, 0.0) is None
+    assert core.submit(B, 0.0) is None
+    w = core.next(0.0)
+    assert isinstance(w, PrefillWork) and w.task == A
+    assert (w.read_s, w.compute_s, w.write_s) == pytest.approx((0.002, 0.061, 0.0015))
+    assert w.total_s == pytest.approx(0.0645) and core.busy_until == pytest.approx(0.0645)
+    assert core.next(0.01) is None  # busy
+    assert core.compute_started(0.002) is None  # no read ahead without the overlap
+    assert core.qlen == 1
+    # queue: B's compute only (today's Eq. 2 queue term) + A's remaining time
+    assert core.view(0.01).queue_predicted_s == pytest.approx(0.042 + 0.0545)
+    assert core.finish(0.0645) == A
+    assert core.view(0.0645).window_mean_s == pytest.approx(0.0645)
+    w = core.next(0.0645)
+    assert w.task == B and w.read_s == pytest.approx(0.003)  # lazy read: only now
+    assert core.busy_until == pytest.approx(0.0645 + 0.003 + 0.042 + 0.0013)
+
+
+def test_overlap_reads_the_next_task_while_the_current_computes():
+    core = _core(True)
+    core.submit(A, 0.0)
+    core.submit(B, 0.0)
+    w = core.next(0.0)
+    assert w.task == A and w.read_s == pytest.approx(0.002)
+    assert core.qlen == 1  # B stays queued while A reads: the lazy-read property
+    r = core.compute_started(0.002)
+    assert isinstance(r, KvRead) and r.task == B and r.seconds == pytest.approx(0.003)
+    assert core.qlen == 0 and core.ahead == B
+    assert core.ahead_read_end == pytest.approx(0.005)
+    # published queue: A's remainder + B's compute + write-back (its read is hidden)
+    assert core.view(0.01).queue_predicted_s == pytest.approx((0.0645 - 0.01) + 0.042 + 0.0013)
+    core.finish(0.0645)
+    w = core.next(0.0645)
+    assert w.task == B and w.read_s == 0.0  # read ahead, done long ago
+    assert w.total_s == pytest.approx(0.042 + 0.0013)
+    assert core.busy_until == pytest.approx(0.0645 + 0.0433)
+
+
+def test_overlap_exposes_the_part_of_a_long_read_that_outlasts_the_current_task():
+    core = _core(True)
+    core.submit(A, 0.0)
+    core.submit(C, 0.0)
+    core.next(0.0)
+    r = core.compute_started(0.002)
+    assert r.task == C and core.ahead_read_end == pytest.approx(0.103)
+    # C's read ends 0.0385 s after A does: that part is not hidden
+    assert core.view(0.002).queue_predicted_s == pytest.approx((0.0645 - 0.002) + 0.12 + 0.0011 + 0.0385)
+    core.finish(0.0645)
+    w = core.next(0.0645)
+    assert w.read_s == pytest.approx(0.0385)
+    assert core.busy_until == pytest.approx(0.103 + 0.12 + 0.0011)
+
+
+def test_overlap_starts_reading_a_task_that_arrives_while_the_worker_computes():
+    core = _core(True)
+    core.submit(A, 0.0)
+    core.next(0.0)
+    assert core.submit(B, 0.001) is None  # A still reads its own history: B waits in the queue
+    assert core.compute_started(0.002).task == B
+    core2 = _core(True)
+    core2.submit(A, 0.0)
+    core2.next(0.0)
+    assert core2.compute_started(0.002) is None  # nothing queued
+    r = core2.submit(B, 0.01)
+    assert r is not None and r.task == B and core2.ahead_read_end == pytest.approx(0.013)
+
+
+def test_overlap_queue_estimate_counts_unhidden_transfers():
+    core = _core(True)
+    core.submit(A, 0.0)  # idle, empty queue: nothing hides A's read
+    assert core.view(0.0).queue_predicted_s == pytest.approx(0.061 + 0.0015 + 0.002)
+    core.submit(B, 0.0)  # hidden behind A's compute + write-back
+    assert core.view(0.0).queue_predicted_s == pytest.approx(0.0645 + 0.042 + 0.0013)
+    core.submit(C, 0.0)  # 0.101 read behind B's 0.0433: 0.0577 exposed
+    assert core.view(0.0).queue_predicted_s == pytest.approx(0.0645 + 0.0433 + 0.1211 + 0.0577)
+
+
+def test_overlap_off_queue_estimate_is_compute_only():
+    core = _core(False)
+    for t in (A, B, C):
+        core.submit(t, 0.0)
+    assert core.view(0.0).queue_predicted_s == pytest.approx(0.061 + 0.042 + 0.12)
+
+
+def test_finish_without_a_task_is_an_error():
+    with pytest.raises(RuntimeError, match="no task in service"):
+        _core(True).finish(1.0)
+
+
+def test_reordering_queue_pops_by_algorithm_2():
+    core = PrefillCore("prefill-0", 1, P, make_queue("ttft-aware", P, SLO(ttft_s=0.1, itl_s=0.1), 1),
+                       kv_overlap=False)
+    long_ = _task("long", 0, 2000, 0.0)  # 0.21 s: misses anyway
+    short = _task("short", 0, 100, 0.0)  # 0.02 s: meets the SLO only if it goes first
+    core.submit(long_, 0.0)
+    core.submit(short, 0.0)
+    assert core.next(0.0).task == short
