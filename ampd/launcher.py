@@ -79,6 +79,8 @@ class Options:
     seed: int = 0
     slack: str = ""  # Algorithm 1 slack rule; "" = the policy's default
     chunked_prefill: bool = False  # decode workers chunk local prefills (beyond the paper)
+    kv_admission: str = "wait"  # a decode round whose KV does not fit: "wait" for KV, or "fail" the session
+    kv_overlap: bool = True  # prefill workers read the next task's history KV during the current compute
     tools: list[str] = field(default_factory=list)
     run_dir: str = ""
     extra_worker_args: list[str] = field(default_factory=list)
@@ -174,7 +176,8 @@ class Deployment:
                   "--policy", o.policy, "--ttft-slo", str(o.ttft_slo), "--itl-slo", str(o.itl_slo),
                   "--host", o.host]
         worker = [*common, "--engine", o.engine, "--window", str(o.window),
-                  "--reorder-window", str(o.reorder_window), *o.extra_worker_args]
+                  "--reorder-window", str(o.reorder_window), "--kv-admission", o.kv_admission,
+                  "--kv-overlap" if o.kv_overlap else "--no-kv-overlap", *o.extra_worker_args]
         tool_args = [a for t in o.tools for a in ("--tool", t)]
         sidecars = [self._spawn(f"sidecar-{i}", [py, "-m", "services.sidecar", "--name", f"sidecar-{i}",
                                                  "--host", o.host, *tool_args])
@@ -250,7 +253,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
                    itl_slo=args.itl_slo, host=args.host, port=args.port, namespace=args.namespace,
                    window=args.window, reorder_window=args.reorder_window, seed=args.seed,
                    slack=args.slack, chunked_prefill=args.chunked_prefill, tools=list(args.tool),
-                   run_dir=args.run_dir)
+                   run_dir=args.run_dir, kv_admission=args.kv_admission, kv_overlap=args.kv_overlap)
 
 
 def add_deployment_args(p: argparse.ArgumentParser) -> None:
@@ -273,6 +276,10 @@ def add_deployment_args(p: argparse.ArgumentParser) -> None:
                         "checks the task's predicted TTFT")
     p.add_argument("--chunked-prefill", action="store_true",
                    help="decode workers split local prefills into chunks interleaved with decode steps")
+    p.add_argument("--kv-admission", default="wait", choices=["wait", "fail"],
+                   help="a decode round whose KV does not fit: 'wait' until KV frees, or 'fail' its session")
+    p.add_argument("--kv-overlap", action=argparse.BooleanOptionalAction, default=True,
+                   help="prefill workers read the next task's history KV while the current one computes")
     p.add_argument("--tool", action="append", default=[], help="sidecar tool NAME=module:function")
     p.add_argument("--run-dir", default="", help="where logs go (default: a new temp folder)")
 
