@@ -176,8 +176,7 @@ class Deployment:
                   "--policy", o.policy, "--ttft-slo", str(o.ttft_slo), "--itl-slo", str(o.itl_slo),
                   "--host", o.host]
         worker = [*common, "--engine", o.engine, "--window", str(o.window),
-                  "--reorder-window", str(o.reorder_window), "--kv-admission", o.kv_admission,
-                  "--kv-overlap" if o.kv_overlap else "--no-kv-overlap", *o.extra_worker_args]
+                  "--reorder-window", str(o.reorder_window), *o.extra_worker_args]
         tool_args = [a for t in o.tools for a in ("--tool", t)]
         sidecars = [self._spawn(f"sidecar-{i}", [py, "-m", "services.sidecar", "--name", f"sidecar-{i}",
                                                  "--host", o.host, *tool_args])
@@ -188,10 +187,12 @@ class Deployment:
             workers.append(self._spawn(f"decode-{i}", [
                 py, "-m", "services.decode", "--worker-id", f"decode-{i}", "--tp", str(tp), *worker,
                 "--sidecar", f"{o.host}:{sidecar_ports[f'sidecar-{i}']}",
-                *(["--chunked-prefill"] if o.chunked_prefill else [])]))
+                *(["--chunked-prefill"] if o.chunked_prefill else []),
+                *(["--kv-admission", o.kv_admission] if o.kv_admission != "wait" else [])]))
         for i, tp in enumerate(self.prefill_tps):
             workers.append(self._spawn(f"prefill-{i}", [
-                py, "-m", "services.prefill", "--worker-id", f"prefill-{i}", "--tp", str(tp), *worker]))
+                py, "-m", "services.prefill", "--worker-id", f"prefill-{i}", "--tp", str(tp), *worker,
+                *([] if o.kv_overlap else ["--no-kv-overlap"])]))
         self._wait_ready(workers)
         coord = self._spawn("coordinator", [py, "-m", "services.coordinator", *common, "--port", str(o.port),
                                              "--seed", str(o.seed), *(["--slack", o.slack] if o.slack else [])])

@@ -55,8 +55,8 @@ class PrefillWorker:
             "tasks_submitted": 0, "tasks_done": 0, "tasks_failed": 0,
             "kv_bytes_verified": 0, "kv_bytes_mismatched": 0,
             "history_tokens_read": 0, "new_tokens_written": 0,
-            # the overlap: reads started while another task was in service, and the seconds of
-            # them that ran before that task left service (hidden behind it)
+            # the overlap: history reads started while another task was in service, and the
+            # seconds of them that ran before that task left service (hidden behind it)
             "kv_reads_ahead": 0, "kv_read_hidden_s": 0.0,
         }
         self._task: asyncio.Task | None = None
@@ -115,7 +115,8 @@ class PrefillWorker:
         job = _Job(self.tasks.pop(self._key(read.task)), SessionKV(self.rt.pool.block_tokens))
         job.reading = asyncio.create_task(self._read(job), name="kv-read-ahead")
         self.ahead = job
-        self.metrics["kv_reads_ahead"] += 1
+        if job.task.l_hist:
+            self.metrics["kv_reads_ahead"] += 1
 
     def _take(self, work: PrefillWork) -> _Job:
         """The job of the task the core put in service (the one read ahead, or a new one)."""
