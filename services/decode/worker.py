@@ -318,7 +318,10 @@ class DecodeWorker:
 
     async def _prefill(self, work: LocalPrefill) -> None:
         """One local prefill, or one chunk of it (the core chose it)."""
-        s = self.sessions[work.session.session_id]
+        s = self.sessions.get(work.session.session_id)
+        if s is None or s.core is not work.session:  # cannot happen: drop() unqueues a closed session
+            self.core.prefill_done(time.time())
+            return
         self.rt.changed()  # the queue and busy_until moved
         start = s.l_hist + s.prefilled
         chunk = not (work.last and s.prefilled == 0)
