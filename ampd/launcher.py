@@ -79,6 +79,8 @@ class Options:
     seed: int = 0
     slack: str = ""  # Algorithm 1 slack rule; "" = the policy's default
     chunked_prefill: bool = False  # decode workers chunk local prefills (beyond the paper)
+    kv_admission: str = "wait"  # a decode round whose KV does not fit: "wait" for KV, or "fail" the session
+    kv_overlap: bool = True  # prefill workers read the next task's history KV during the current compute
     tools: list[str] = field(default_factory=list)
     run_dir: str = ""
     extra_worker_args: list[str] = field(default_factory=list)
@@ -185,10 +187,12 @@ class Deployment:
             workers.append(self._spawn(f"decode-{i}", [
                 py, "-m", "services.decode", "--worker-id", f"decode-{i}", "--tp", str(tp), *worker,
                 "--sidecar", f"{o.host}:{sidecar_ports[f'sidecar-{i}']}",
-                *(["--chunked-prefill"] if o.chunked_prefill else [])]))
+                *(["--chunked-prefill"] if o.chunked_prefill else []),
+                *(["--kv-admission", o.kv_admission] if o.kv_admission != "wait" else [])]))
         for i, tp in enumerate(self.prefill_tps):
             workers.append(self._spawn(f"prefill-{i}", [
-                py, "-m", "services.prefill", "--worker-id", f"prefill-{i}", "--tp", str(tp), *worker]))
+                py, "-m", "services.prefill", "--worker-id", f"prefill-{i}", "--tp", str(tp), *worker,
+                *([] if o.kv_overlap else ["--no-kv-overlap"])]))
         self._wait_ready(workers)
         coord = self._spawn("coordinator", [py, "-m", "services.coordinator", *common, "--port", str(o.port),
                                              "--seed", str(o.seed), *(["--slack", o.slack] if o.slack else [])])
@@ -250,7 +254,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
                    itl_slo=args.itl_slo, host=args.host, port=args.port, namespace=args.namespace,
                    window=args.window, reorder_window=args.reorder_window, seed=args.seed,
                    slack=args.slack, chunked_prefill=args.chunked_prefill, tools=list(args.tool),
-                   run_dir=args.run_dir)
+                   run_dir=args.run_dir, kv_admission=args.kv_admission, kv_overlap=args.kv_overlap)
 
 
 def add_deployment_args(p: argparse.ArgumentParser) -> None:
@@ -273,6 +277,10 @@ def add_deployment_args(p: argparse.ArgumentParser) -> None:
                         "checks the task's predicted TTFT")
     p.add_argument("--chunked-prefill", action="store_true",
                    help="decode workers split local prefills into chunks interleaved with decode steps")
+    p.add_argument("--kv-admission", default="wait", choices=["wait", "fail"],
+                   help="a decode round whose KV does not fit: 'wait' until KV frees, or 'fail' its session")
+    p.add_argument("--kv-overlap", action=argparse.BooleanOptionalAction, default=True,
+                   help="prefill workers read the next task's history KV while the current one computes")
     p.add_argument("--tool", action="append", default=[], help="sidecar tool NAME=module:function")
     p.add_argument("--run-dir", default="", help="where logs go (default: a new temp folder)")
 

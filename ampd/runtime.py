@@ -2,18 +2,19 @@
 statistics publishing, peer discovery. The decisions stay in ampd.policy; this only adapts."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import structlog
 
 from ampd.kv import KVPool, PoolLayout
 from ampd.perf import Profile
-from ampd.policy import PrefillQueue
+from ampd.policy import WorkerView
 from ampd.state import StateStore, WorkerInfo, WorkerStats
-from ampd.window import WindowedMean
 
 log = structlog.get_logger()
 
@@ -42,6 +43,8 @@ class WorkerConfig:
     block_tokens: int = 32
     kv_bytes_per_token: int = 64  # bytes the mock keeps per token (the profile's are for timing)
     kv_pool_mb: int = 256
+    kv_admission: str = "wait"  # decode: a round whose KV does not fit waits ("wait") or fails ("fail")
+    kv_overlap: bool = True  # prefill: read the next task's history KV while the current one computes
 
 
 def pool_for(profile: Profile, cfg: WorkerConfig) -> KVPool:
@@ -56,20 +59,19 @@ def pool_for(profile: Profile, cfg: WorkerConfig) -> KVPool:
 class WorkerRuntime:
     """Owns the pool, the NIXL agent, the Redis registration and the stats publisher."""
 
-    def __init__(self, cfg: WorkerConfig, store: StateStore, pool: KVPool, queue: PrefillQueue) -> None:
+    def __init__(self, cfg: WorkerConfig, store: StateStore, pool: KVPool) -> None:
         from ampd.kv import NixlTransport
 
         self.cfg = cfg
         self.store = store
         self.pool = pool
-        self.queue = queue
         self.agent_name = f"{cfg.worker_id}-{os.getpid()}-{int(time.time() * 1000) % 10**8}"
         self.transport = NixlTransport(self.agent_name, pool)
-        self.window = WindowedMean(cfg.window_s)
+        # What the worker publishes, from the worker core that the service drives (set before
+        # start): its view at a time (window, queue, queue_predicted_s, free KV) and the predicted
+        # end (unix time) of the prefill in service, 0 when none (the coordinator ages the view by it).
+        self.published: Callable[[float], tuple[WorkerView, float]] | None = None
         self.active_sessions = 0
-        # Predicted end (unix time) of the prefill in service: its remaining time counts as queued
-        # work in queue_predicted_s, so a worker that just started a long prefill is not "empty".
-        self.busy_until = 0.0
         self.extra: dict = {}
         self._dirty = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -91,18 +93,17 @@ class WorkerRuntime:
 
     def snapshot(self) -> WorkerStats:
         now = time.time()
+        v, busy_until = self.published(now)
         return WorkerStats(
             worker_id=self.cfg.worker_id,
             ts=now,
-            window_mean_s=self.window.mean(now),
-            queue=tuple(
-                (t.session_id, t.round, t.l_hist, t.l_incr, t.enqueued_at) for t in self.queue.tasks()
-            ),
-            queue_predicted_s=self.queue.predicted_total() + max(0.0, self.busy_until - now),
-            kv_free_tokens=self.pool.free_tokens,
+            window_mean_s=v.window_mean_s,
+            queue=tuple((t.session_id, t.round, t.l_hist, t.l_incr, t.enqueued_at) for t in v.queue),
+            queue_predicted_s=v.queue_predicted_s,
+            kv_free_tokens=v.kv_free_tokens,
             active_sessions=self.active_sessions,
             extra=self.extra,
-            busy_until=self.busy_until if self.busy_until > now else 0.0,
+            busy_until=busy_until if busy_until > now else 0.0,
         )
 
     async def start(self, sidecar: str = "") -> None:
@@ -193,6 +194,10 @@ def add_worker_args(parser) -> None:
     parser.add_argument("--block-tokens", type=int, default=32)
     parser.add_argument("--kv-bytes-per-token", type=int, default=64)
     parser.add_argument("--kv-pool-mb", type=int, default=256)
+    parser.add_argument("--kv-admission", default="wait", choices=["wait", "fail"],
+                        help="decode: a round whose KV does not fit waits until KV frees, or fails its session")
+    parser.add_argument("--kv-overlap", action=argparse.BooleanOptionalAction, default=True,
+                        help="prefill: read the next task's history KV while the current task computes")
     parser.add_argument("--ready-file", default="", help="write the bound port here once serving")
 
 
@@ -216,6 +221,8 @@ def config_from_args(args, kind: str, port: int) -> WorkerConfig:
         block_tokens=args.block_tokens,
         kv_bytes_per_token=args.kv_bytes_per_token,
         kv_pool_mb=args.kv_pool_mb,
+        kv_admission=args.kv_admission,
+        kv_overlap=args.kv_overlap,
     )
 
 

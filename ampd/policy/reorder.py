@@ -81,6 +81,21 @@ class PrefillQueue:
     def tasks(self) -> tuple[PrefillTask, ...]:
         return tuple(e[_TASK] for e in self._q)
 
+    def discard(self, session_id: str, round: int) -> bool:
+        """Remove the queued task of round ``round`` of ``session_id`` (its session ended while the
+        task waited, a live worker's cancel); False when none is queued."""
+        for q in self._deques():
+            for e in q:
+                t = e[_TASK]
+                if t.session_id == session_id and t.round == round:
+                    q.remove(e)
+                    self._total = self._total - e[_TPRE] if len(self) else 0.0
+                    return True
+        return False
+
+    def _deques(self) -> tuple[deque, ...]:
+        return (self._q,)
+
     def predicted_total(self) -> float:
         t = self._total
         return t if t > 0.0 else 0.0
@@ -248,6 +263,9 @@ class ContinuumQueue(PrefillQueue):
 
     def tasks(self) -> tuple[PrefillTask, ...]:
         return tuple(e[_TASK] for e in self._q) + tuple(e[_TASK] for e in self._new)
+
+    def _deques(self) -> tuple[deque, ...]:
+        return (self._q, self._new)
 
 
 QUEUES: tuple[str, ...] = ("fcfs", "ttft-aware", "continuum")

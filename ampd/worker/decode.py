@@ -19,6 +19,9 @@ feeds it events and runs what it says::
     core.round_end(s, last)                           account the round's KV (release on the last)
     core.pin_expired(s)        -> bool               a pinned session's KV may be evicted
     core.view(now)             -> WorkerView
+    core.step_done(now)        -> list[DecodeSession] live: the run's first step ended (measured)
+    core.batch()               -> list[DecodeSession] live: the sessions of the run in progress
+    core.drop(s)               -> bool               live: the session ended early (cancel, failure)
 
 After any call, a driver calls ``schedule`` when ``state == IDLE`` and ``cut`` when it is ``STEPPING``
 and new work (a joining session, a local prefill) arrived.
@@ -509,6 +512,69 @@ class DecodeCore:
         self.window.add(t0 + upto * A + g * (upto - 1) * upto * 0.5, gsum / cnt, cnt)
         self.wadds += 1
         self.run_flushed = upto
+
+    # ------------------------------------------------------------------------- live drivers
+    def step_done(self, now: float) -> list[DecodeSession]:
+        """A driver that runs one step per ``schedule`` (the live service): the run's first step
+        ended at ``now``, a measured time. The run becomes that one step, its ITL samples use
+        ``now`` (unless a ``view`` already counted the step at its planned end), then as
+        ``run_done(1, now)``."""
+        self.run_m = 1
+        if self.run_flushed == 0:
+            self.run_A = now - self.run_t0
+            self.run_g = 0.0
+        return self.run_done(1, now)
+
+    def batch(self) -> list[DecodeSession]:
+        """The sessions in the batch (after ``schedule`` returned a run: the run's), for a driver
+        that feeds an engine."""
+        return [s for b in self.exit_at.values() for s in b]
+
+    def drop(self, s: DecodeSession) -> bool:
+        """The session ended early (cancelled, or failed outside the core: a remote prefill, a
+        tool): forget it wherever it is and release the KV charged to it. A driver calls it
+        between runs, never while a decode run that holds ``s`` is in progress. True when KV was
+        freed (then loop on ``admit_next``)."""
+        in_round = not s.in_tool  # between rounds (a tool call), round_end has charged its round
+        s.in_tool = False  # an expired pin must not be evicted any more
+        for w in (self.new_wait, self.kv_wait):
+            if s in w:
+                w.remove(s)
+                self.wait_need -= s.l_incr
+                if w is self.new_wait:
+                    return False  # not admitted: nothing charged
+                in_round = False  # its round was never admitted
+                break
+        if self.sessions.get(s.session_id) is not s:
+            return False
+        del self.sessions[s.session_id]
+        self.live -= 1
+        kv = 0 if s.evicted else s.l_hist
+        ex = s.lo + s.out - 2
+        if in_round:
+            kv += s.l_incr
+            if self.queue.discard(s.session_id, s.round):
+                self.qver += 1
+                self.qlen -= 1
+            if self.chunk is not None and self.chunk[0] is s:
+                self.chunk = None
+                self.chunk_step_due = False
+            if s in self.pending:
+                self.pending.remove(s)
+                kv += 1
+            elif s in self.exit_at.get(ex, ()):
+                steps = self.step_idx - s.lo
+                kv += 1 + steps
+                self.batch_n -= 1
+                self.ctx_sum -= s.ctx_join + steps
+                b = self.exit_at[ex]
+                b.remove(s)
+                if not b:
+                    del self.exit_at[ex]
+                    self.exit_heap.remove(ex)
+                    heapq.heapify(self.exit_heap)
+        self.kv_used -= kv
+        return kv > 0
 
     # ------------------------------------------------------------------------------------ view
     def window_mean(self, now: float) -> float | None:

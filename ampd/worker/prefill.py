@@ -9,6 +9,7 @@ runs what the core says and reports back::
                                                      with the overlap, the next task is popped and its
                                                      history KV read starts now
     core.finish(now)              -> PrefillTask     its new KV is written back: the TTFT sample
+    core.abort(now)               -> PrefillTask     live: it failed (no sample)
     core.view(now)                -> WorkerView      what the coordinator sees
 
 A task's life: history KV in (``read_s``), compute (``compute_s``), new KV back (``write_s``),
@@ -173,6 +174,16 @@ class PrefillCore:
         self.computing = False
         self.window.add(now, now - task.enqueued_at, 1)
         self.wadds += 1
+        return task
+
+    def abort(self, now: float) -> PrefillTask:
+        """The task in service failed (live: a transfer or the engine): it leaves service with no
+        TTFT sample. A task read ahead stays next."""
+        task = self.current
+        if task is None:
+            raise RuntimeError(f"{self.worker_id}: abort() with no task in service")
+        self.current = None
+        self.computing = False
         return task
 
     def _read_ahead(self, now: float) -> KvRead:

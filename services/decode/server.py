@@ -1,4 +1,4 @@
-"""Decode worker gRPC server: a thin adapter over services.decode.worker.DecodeCore."""
+"""Decode worker gRPC server: a thin adapter over services.decode.worker.DecodeWorker."""
 from __future__ import annotations
 
 import argparse
@@ -15,14 +15,15 @@ from ampd.policy import SLO, make_queue, policy_spec
 from ampd.state import StateStore, connect
 from ampd.v1 import common_pb2, decode_pb2, decode_pb2_grpc, sidecar_pb2_grpc
 from ampd.runtime import WorkerRuntime, add_worker_args, config_from_args, pool_for, write_ready_file
-from services.decode.worker import DecodeCore, SessionError, SessionFailed
+from ampd.worker import DecodeCore
+from services.decode.worker import DecodeWorker, SessionError, SessionFailed
 
 log = structlog.get_logger()
 
 
 class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
     def __init__(self) -> None:
-        self.core: DecodeCore | None = None
+        self.core: DecodeWorker | None = None
 
     async def Attach(self, request: decode_pb2.AttachRequest, context: grpc.aio.ServicerContext):
         core = self.core
@@ -84,7 +85,8 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
             kv_capacity_tokens=core.rt.pool.capacity_tokens,
             kv_used_blocks=core.rt.pool.layout.num_blocks - core.rt.pool.free_blocks,
             active_sessions=len(core.sessions),
-            queue_length=len(core.rt.queue),
+            queue_length=len(core.core.queue),
+            kv_overcommits=core.core.kv_overcommits,
             nixl_bytes_read=core.rt.transport.bytes_read,
             nixl_bytes_written=core.rt.transport.bytes_written,
         )
@@ -105,11 +107,12 @@ async def amain(args: argparse.Namespace) -> None:
     store = StateStore(await connect(cfg.redis_url), cfg.namespace)
     queue = make_queue(spec.decode_queue, profile, SLO(cfg.ttft_slo_s, cfg.itl_slo_s), cfg.tp,
                        window=cfg.reorder_window)
-    rt = WorkerRuntime(cfg, store, pool_for(profile, cfg), queue)
+    rt = WorkerRuntime(cfg, store, pool_for(profile, cfg))
     sidecar = sidecar_pb2_grpc.ToolSidecarStub(grpcserver.channel(args.sidecar)) if args.sidecar else None
     chunk = profile.prefill_chunk_tokens(cfg.tp) if args.chunked_prefill else 0
-    service.core = DecodeCore(rt, make_engine(cfg.engine, profile, cfg.tp), sidecar, chunk_tokens=chunk,
-                              cost=profile)
+    core = DecodeCore(cfg.worker_id, cfg.tp, profile, queue, kv_capacity_tokens=rt.pool.capacity_tokens,
+                      window_s=cfg.window_s, chunk_tokens=chunk, kv_admission=cfg.kv_admission)
+    service.core = DecodeWorker(rt, make_engine(cfg.engine, profile, cfg.tp), core, sidecar)
     service.core.start()
     await rt.start(sidecar=args.sidecar)
     write_ready_file(args.ready_file, port)

@@ -1,7 +1,18 @@
-"""Decode worker core: the sessions it owns, its continuous batch, its local prefill queue.
+"""Decode worker service: drives the pure decode core (``ampd.worker.DecodeCore``) with the engine,
+the KV pool, NIXL notifications, the session streams (gRPC) and the tool sidecar.
 
-One asyncio loop step is either one local prefill (the batch waits: prefill has priority) or one
-decode step for the whole batch; see docs/architecture.md "Timing semantics".
+The core decides: KV admission (``kv_admission``), what runs next (a local prefill or one chunk of
+it, or decode steps; prefill has priority), the local queue (Algorithm 2), the windowed ITL and the
+published view. This module does the I/O and runs what the core says. A decode run is executed one
+step at a time (each reported with ``DecodeCore.step_done`` at its measured end), so work that
+arrives during a step is seen at the next ``schedule``: the run is cut there. See
+docs/architecture.md "Timing semantics".
+
+KV: the pool holds what the core charges, in blocks, and reserves each decode token's slot one
+step late (when the step that writes its KV runs). Before each admission decision and each view the
+core's capacity is set to what it has charged plus the pool's free tokens, so the core admits by the
+pool's real free space. What the core lets through over capacity (its no-deadlock rule) and a
+decode token the pool cannot hold fail the session ("KV exhausted"): a real pool does not overcommit.
 """
 from __future__ import annotations
 
@@ -12,10 +23,11 @@ from dataclasses import dataclass, field
 import structlog
 
 from ampd.engine.base import DecodeSeq, Engine
-from ampd.kv import KVPoolExhausted, Segment, SessionKV, verify_pattern
-from ampd.policy import QueuedTask
-from ampd.v1 import common_pb2, decode_pb2, prefill_pb2, sidecar_pb2
+from ampd.kv import KVPoolExhausted, Segment, SessionKV, kv_pattern, verify_pattern
+from ampd.policy import PrefillTask, WorkerView
 from ampd.runtime import WorkerRuntime
+from ampd.v1 import common_pb2, decode_pb2, prefill_pb2, sidecar_pb2
+from ampd.worker import ADMITTED, FAILED, PREFILLING, DecodeCore, DecodeSession, LocalPrefill
 
 log = structlog.get_logger()
 
@@ -30,55 +42,58 @@ def seg_pb(segments: list[Segment]) -> list[common_pb2.Segment]:
 
 @dataclass(eq=False)
 class Session:
+    """The I/O side of one session: its plan, KV blocks, event stream and round timing. The core's
+    ``DecodeSession`` (``core``) holds its scheduling state."""
+
     session_id: str
     plan: list[common_pb2.RoundPlan]
     max_rounds: int
     max_output: int
     kv: SessionKV
+    core: DecodeSession
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    round: int = 0
     l_hist: int = 0
-    l_incr: int = 0
     input_ready: float = 0.0
     dest: list[Segment] = field(default_factory=list)
-    remaining: int = 0  # tokens still to produce this round
+    prefilled: int = 0  # input tokens of the round prefilled here so far (chunks)
     last_token: int = 0
     position: int = 0  # position of last_token (its KV not written yet)
-    last_emit: float = 0.0
     timing: common_pb2.RoundTiming | None = None
     rounds_done: list[common_pb2.RoundTiming] = field(default_factory=list)
     pending_call: str = ""
     closed: bool = False
 
-    def output_tokens(self) -> int:
-        n = self.plan[self.round].output_tokens
+    @property
+    def round(self) -> int:
+        return self.core.round
+
+    def output_tokens(self, rnd: int) -> int:
+        n = self.plan[rnd].output_tokens
         return min(n, self.max_output) if self.max_output else n
 
     def last_round(self) -> bool:
         return self.round + 1 >= len(self.plan) or (self.max_rounds and self.round + 1 >= self.max_rounds)
 
 
-class DecodeCore:
-    def __init__(self, rt: WorkerRuntime, engine: Engine, sidecar_stub=None, chunk_tokens: int = 0,
-                 cost=None) -> None:
+class DecodeWorker:
+    def __init__(self, rt: WorkerRuntime, engine: Engine, core: DecodeCore, sidecar_stub=None) -> None:
         self.rt = rt
-        self.cost = cost  # the profile: predicts the local prefill in service (queue_predicted_s)
-        # > 0: local prefills longer than this run in chunks interleaved with decode steps.
-        self.chunk_tokens = chunk_tokens
-        self.chunking: list | None = None  # [session, tokens done] of the chunked prefill running
         self.engine = engine
+        self.core = core
         self.sidecar = sidecar_stub
         self.sessions: dict[str, Session] = {}
-        self.batch: list[Session] = []
-        self.joining: list[Session] = []  # first token emitted, joins the batch at the next step
         self.awaiting_remote: dict[tuple[str, int], Session] = {}
         self.wake = asyncio.Event()
+        self._stepping = False  # a decode step is in flight: the core forgets sessions after it
+        self._after_step: list[tuple[Session, str]] = []  # (session, error) to end after the step
         self.metrics: dict[str, float] = {
             "sessions_opened": 0, "sessions_completed": 0, "sessions_failed": 0,
             "prefills_local": 0, "prefills_remote": 0, "decode_steps": 0, "tokens": 0,
             "kv_bytes_verified": 0, "kv_bytes_mismatched": 0, "tool_calls": 0, "prefill_chunks": 0,
+            "kv_waits": 0,
         }
         self._tasks: list[asyncio.Task] = []
+        rt.published = self.published
 
     # ---------------------------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -89,8 +104,20 @@ class DecodeCore:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._stepping = False
         for s in list(self.sessions.values()):
             self.fail(s, "worker shutting down")
+
+    # ------------------------------------------------------------------------------------ KV / view
+    def _sync_kv(self, room: int = 0) -> None:
+        """The core admits by the pool's free space (``room``: what the deciding session's partial
+        last block still holds)."""
+        self.core.kv_cap = self.core.kv_used + self.rt.pool.free_tokens + room
+
+    def published(self, now: float) -> tuple[WorkerView, float]:
+        self._sync_kv()
+        core = self.core
+        return core.view(now), (core.busy_until if core.state == PREFILLING else 0.0)
 
     # ----------------------------------------------------------------------------- session events
     def emit(self, s: Session, event: decode_pb2.DecodeEvent) -> None:
@@ -107,6 +134,7 @@ class DecodeCore:
             max_rounds=o.limits.max_rounds,
             max_output=o.limits.max_output_tokens,
             kv=SessionKV(self.rt.pool.block_tokens),
+            core=DecodeSession(o.session_id),
         )
         self.sessions[s.session_id] = s
         self.rt.active_sessions = len(self.sessions)
@@ -115,27 +143,56 @@ class DecodeCore:
         return s
 
     def begin_round(self, s: Session, rnd: int, l_incr: int, input_ready: float) -> None:
-        """The round's input is ready: reserve its KV and ask the coordinator to route it."""
-        s.round, s.l_hist, s.l_incr, s.input_ready = rnd, s.kv.tokens, l_incr, input_ready
+        """The round's input is ready: the core admits its KV now, later (it waits) or never."""
+        c = s.core
+        c.round, c.l_incr, c.out = rnd, l_incr, s.output_tokens(rnd)
+        s.input_ready = input_ready
+        bt = self.rt.pool.block_tokens
+        self._sync_kv(room=len(s.kv.blocks) * bt - s.kv.tokens)
+        r = self.core.round_ready(c, time.time())
+        if r == FAILED:
+            self.fail(s, c.error)
+        elif r == ADMITTED:
+            self._start_round(s)
+        else:
+            self.metrics["kv_waits"] += 1
+            self.rt.changed()
+
+    def _start_round(self, s: Session) -> None:
+        """The round's KV is admitted: reserve it and ask the coordinator to route the prefill."""
+        rnd, l_incr = s.round, s.core.l_incr
+        s.l_hist = s.kv.tokens
+        s.prefilled = 0
         try:
             s.dest = s.kv.reserve(self.rt.pool, l_incr)
         except KVPoolExhausted as exc:
             self.fail(s, f"KV exhausted on {self.rt.cfg.worker_id}: {exc}")
             return
         self.rt.changed()
-        s.timing = common_pb2.RoundTiming(round=rnd, input_ready=input_ready, l_hist=s.l_hist, l_incr=l_incr)
+        s.timing = common_pb2.RoundTiming(round=rnd, input_ready=s.input_ready, l_hist=s.l_hist, l_incr=l_incr)
         self.emit(s, decode_pb2.DecodeEvent(prefill_needed=decode_pb2.PrefillNeeded(
-            round=rnd, l_hist=s.l_hist, l_incr=l_incr, input_ready=input_ready,
+            round=rnd, l_hist=s.l_hist, l_incr=l_incr, input_ready=s.input_ready,
             history=seg_pb(s.kv.segments(0, s.l_hist)), dest=seg_pb(s.dest),
         )))
         self.awaiting_remote[(s.session_id, rnd)] = s
+
+    def _admit_waiting(self) -> None:
+        """KV freed: start the waiting rounds that fit now, in the core's order."""
+        while True:
+            self._sync_kv()
+            c = self.core.admit_next(time.time())
+            if c is None:
+                return
+            self._start_round(self.sessions[c.session_id])
 
     def local_prefill(self, session_id: str, rnd: int) -> None:
         s = self._session(session_id)
         if s.round != rnd or (session_id, rnd) not in self.awaiting_remote:
             raise SessionError(f"session {session_id!r} round {rnd} is not waiting for a prefill")
         del self.awaiting_remote[(session_id, rnd)]
-        self.rt.queue.push(QueuedTask(session_id, rnd, s.l_hist, s.l_incr, s.input_ready))
+        c = s.core
+        self.core.submit_local(PrefillTask(session_id, rnd, c.l_hist, c.l_incr, s.input_ready,
+                                           self.rt.cfg.worker_id, self.rt.cfg.tp))
         self.rt.changed()
         self.wake.set()
 
@@ -158,20 +215,25 @@ class DecodeCore:
         return s
 
     def close(self, s: Session) -> None:
-        """Frees everything the session holds on this worker."""
+        """Frees everything the session holds on this worker (in the core once no step holds it)."""
         if s.closed:
             return
         s.closed = True
         self.sessions.pop(s.session_id, None)
         self.awaiting_remote.pop((s.session_id, s.round), None)
-        for lst in (self.batch, self.joining):
-            if s in lst:
-                lst.remove(s)
+        if self._stepping:
+            self._after_step.append((s, ""))
+        else:
+            self.core.drop(s.core)
         s.kv.release(self.rt.pool)
         self.rt.active_sessions = len(self.sessions)
         self.rt.changed()
+        if not self._stepping:
+            self._admit_waiting()
 
     def fail(self, s: Session, error: str) -> None:
+        if s.closed:
+            return
         log.warning("session failed", session=s.session_id, error=error)
         self.metrics["sessions_failed"] += 1
         self.emit(s, SessionFailed(error))
@@ -179,27 +241,28 @@ class DecodeCore:
 
     # --------------------------------------------------------------------------- round progress
     def first_token(self, s: Session, token: int, now: float, local: bool, worker: str) -> None:
-        s.kv.commit(s.l_incr)
+        s.kv.commit(s.core.l_incr)
         s.dest = []
         s.position = s.kv.tokens
         s.last_token = token
-        s.remaining = s.output_tokens() - 1
         t = s.timing
         t.first_token = t.last_token = now
         t.tokens = 1
         t.local = local
         t.prefill_worker = worker
-        s.last_emit = now
         self.emit(s, decode_pb2.DecodeEvent(tokens=common_pb2.Tokens(
             round=s.round, position=s.position, token_ids=[token], times=[now])))
         self.metrics["tokens"] += 1
-        if s.remaining <= 0:
-            self.end_round(s, now)
+        if self.core.first_token(s.core, now):
+            self.wake.set()  # it joins the batch at the next step
         else:
-            self.joining.append(s)
-            self.wake.set()
+            self.end_round(s, now)
 
     def end_round(self, s: Session, now: float) -> None:
+        last = s.last_round()
+        self.core.round_end(s.core, last)
+        if not last:
+            self.core.tool_call(s.core)
         # The round's last token is consumed as if by the next forward pass, so the session's
         # history holds every input and output token (l_hist of the next round).
         try:
@@ -207,13 +270,11 @@ class DecodeCore:
         except KVPoolExhausted as exc:
             self.fail(s, f"KV exhausted on {self.rt.cfg.worker_id}: {exc}")
             return
-        from ampd.kv import kv_pattern
-
         self.rt.pool.write(segs, kv_pattern(s.session_id, s.position, 1, self.rt.pool.layout.bytes_per_token))
         s.kv.commit(1)
         s.rounds_done.append(s.timing)
         self.emit(s, decode_pb2.DecodeEvent(round_end=common_pb2.RoundEnd(timing=s.timing)))
-        if s.last_round():
+        if last:
             self.emit(s, decode_pb2.DecodeEvent(done=common_pb2.SessionDone(rounds=s.rounds_done)))
             self.metrics["sessions_completed"] += 1
             self.close(s)
@@ -245,76 +306,57 @@ class DecodeCore:
     # ------------------------------------------------------------------------------- the loop
     async def _loop(self) -> None:
         while True:
-            if self.chunking is not None:
-                # Chunked local prefill: one chunk, then one decode step for the waiting batch.
-                await self._run_chunk()
-                if self.batch or self.joining:
-                    await self._step()
-            elif len(self.rt.queue):
-                await self._run_local_prefill()
-            elif self.batch or self.joining:
-                await self._step()
-            else:
+            work = self.core.schedule(time.time())
+            if work is None:
                 self.wake.clear()
                 await self.wake.wait()
+            elif isinstance(work, LocalPrefill):
+                await self._prefill(work)
+            else:
+                self.core.cut(self.core.run_t0)  # a plan of one step: views count no step not run
+                await self._step()
 
-    async def _run_local_prefill(self) -> None:
-        task = self.rt.queue.pop(time.time())
+    async def _prefill(self, work: LocalPrefill) -> None:
+        """One local prefill, or one chunk of it (the core chose it)."""
+        s = self.sessions.get(work.session.session_id)
+        if s is None or s.core is not work.session:  # cannot happen: drop() unqueues a closed session
+            self.core.prefill_done(time.time())
+            return
+        self.rt.changed()  # the queue and busy_until moved
+        start = s.l_hist + s.prefilled
+        chunk = not (work.last and s.prefilled == 0)
+        segs = s.kv.segments(start, work.tokens) if chunk else s.dest
+        token = await self.engine.prefill(s.session_id, start, work.tokens, self.rt.pool, segs)
+        s.prefilled += work.tokens
+        if chunk:
+            self.metrics["prefill_chunks"] += 1
+        done = self.core.prefill_done(time.time())
         self.rt.changed()
-        s = self.sessions.get(task.session_id)
-        if s is None or s.round != task.round:
-            return  # the session ended while queued
-        if self.chunk_tokens and s.l_incr > self.chunk_tokens:
-            self.chunking = [s, 0]
-            return
-        if self.cost is not None:
-            self.rt.busy_until = time.time() + self.cost.t_pre(self.rt.cfg.tp, s.l_hist, s.l_incr)
-            self.rt.changed()
-        try:
-            token = await self.engine.prefill(s.session_id, s.l_hist, s.l_incr, self.rt.pool, s.dest)
-        finally:
-            self.rt.busy_until = 0.0
-        if s.closed:
-            return
-        self.metrics["prefills_local"] += 1
-        self.first_token(s, token, time.time(), True, self.rt.cfg.worker_id)
-
-    async def _run_chunk(self) -> None:
-        s, done = self.chunking
-        if s.closed:
-            self.chunking = None
-            return
-        n = min(self.chunk_tokens, s.l_incr - done)
-        start = s.l_hist + done
-        token = await self.engine.prefill(s.session_id, start, n, self.rt.pool, s.kv.segments(start, n))
-        done += n
-        self.metrics["prefill_chunks"] += 1
-        if done < s.l_incr:
-            self.chunking[1] = done
-            return
-        self.chunking = None
-        if not s.closed:
+        if done is not None and not s.closed:
             self.metrics["prefills_local"] += 1
             self.first_token(s, token, time.time(), True, self.rt.cfg.worker_id)
 
     async def _step(self) -> None:
-        if self.joining:
-            self.batch.extend(self.joining)
-            self.joining.clear()
-        batch = list(self.batch)
+        """One decode step of the core's batch."""
+        pool = self.rt.pool
         seqs = []
-        for s in batch:
+        for c in self.core.batch():
+            s = self.sessions.get(c.session_id)
+            if s is None:
+                continue
             try:
-                segs = s.kv.reserve(self.rt.pool, 1)
+                segs = s.kv.reserve(pool, 1)
             except KVPoolExhausted as exc:
-                self.fail(s, f"KV exhausted on {self.rt.cfg.worker_id}: {exc}")
+                self._after_step.append((s, f"KV exhausted on {self.rt.cfg.worker_id}: {exc}"))
                 continue
             seqs.append((s, DecodeSeq(s.session_id, s.position, s.last_token, segs, s.position + 1)))
-        if not seqs:
-            return
-        tokens = await self.engine.decode_step(self.rt.pool, [d for _, d in seqs])
+        self._stepping = True
+        try:
+            tokens = await self.engine.decode_step(pool, [d for _, d in seqs]) if seqs else []
+        finally:
+            self._stepping = False
         now = time.time()
-        gaps = 0.0
+        ended = self.core.step_done(now)
         live = 0
         for (s, _), tok in zip(seqs, tokens):
             if s.closed:
@@ -322,20 +364,29 @@ class DecodeCore:
             s.kv.commit(1)
             s.position += 1
             s.last_token = tok
-            gaps += now - s.last_emit
             live += 1
-            s.last_emit = now
-            s.remaining -= 1
             t = s.timing
             t.last_token = now
             t.tokens += 1
             self.emit(s, decode_pb2.DecodeEvent(tokens=common_pb2.Tokens(
                 round=s.round, position=s.position, token_ids=[tok], times=[now])))
-            if s.remaining <= 0:
-                self.batch.remove(s)
+        # sessions closed or out of KV during the step: the core forgets them now
+        after, self._after_step = self._after_step, []
+        gone = {id(s.core) for s, _ in after}
+        for c in ended:
+            if id(c) in gone:
+                self.core.round_end(c, True)  # its round ended with this step: its whole charge goes
+                continue
+            s = self.sessions.get(c.session_id)
+            if s is not None and s.core is c:
                 self.end_round(s, now)
-        if live:
-            self.rt.window.add(now, gaps / live, live)
+        for s, error in after:
+            if error:
+                self.fail(s, error)
+            else:
+                self.core.drop(s.core)
+        if after:
+            self._admit_waiting()
         self.metrics["decode_steps"] += 1
         self.metrics["tokens"] += live
         self.rt.changed()
@@ -381,4 +432,3 @@ class SessionFailed:
 
     def __init__(self, error: str) -> None:
         self.error = error
-

@@ -1,4 +1,4 @@
-"""Prefill worker gRPC server: a thin adapter over services.prefill.worker.PrefillCore."""
+"""Prefill worker gRPC server: a thin adapter over services.prefill.worker.PrefillWorker."""
 from __future__ import annotations
 
 import argparse
@@ -14,14 +14,15 @@ from ampd.policy import SLO, make_queue, policy_spec
 from ampd.state import StateStore, connect
 from ampd.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from ampd.runtime import WorkerRuntime, add_worker_args, config_from_args, pool_for, write_ready_file
-from services.prefill.worker import PrefillCore
+from ampd.worker import PrefillCore
+from services.prefill.worker import PrefillWorker
 
 log = structlog.get_logger()
 
 
 class PrefillService(prefill_pb2_grpc.PrefillWorkerServicer):
     def __init__(self) -> None:
-        self.core: PrefillCore | None = None
+        self.core: PrefillWorker | None = None
 
     async def Submit(self, request: prefill_pb2.PrefillTask, context) -> common_pb2.Ack:
         for field in ("session_id", "decode_worker"):
@@ -43,7 +44,7 @@ class PrefillService(prefill_pb2_grpc.PrefillWorkerServicer):
         core = self.core
         values = dict(core.metrics)
         values.update(
-            queue_length=len(core.rt.queue),
+            queue_length=len(core.core.queue),
             kv_free_tokens=core.rt.pool.free_tokens,
             kv_capacity_tokens=core.rt.pool.capacity_tokens,
             nixl_bytes_read=core.rt.transport.bytes_read,
@@ -66,8 +67,10 @@ async def amain(args: argparse.Namespace) -> None:
     store = StateStore(await connect(cfg.redis_url), cfg.namespace)
     queue = make_queue(spec.prefill_queue or "fcfs", profile, SLO(cfg.ttft_slo_s, cfg.itl_slo_s), cfg.tp,
                        window=cfg.reorder_window)
-    rt = WorkerRuntime(cfg, store, pool_for(profile, cfg), queue)
-    service.core = PrefillCore(rt, make_engine(cfg.engine, profile, cfg.tp), cost=profile)
+    rt = WorkerRuntime(cfg, store, pool_for(profile, cfg))
+    core = PrefillCore(cfg.worker_id, cfg.tp, profile, queue, window_s=cfg.window_s, kv_overlap=cfg.kv_overlap,
+                       kv_capacity_tokens=rt.pool.capacity_tokens)
+    service.core = PrefillWorker(rt, make_engine(cfg.engine, profile, cfg.tp), core)
     service.core.start()
     await rt.start()
     await rt.sync_peers()

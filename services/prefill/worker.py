@@ -1,16 +1,28 @@
-"""Prefill worker core: one task at a time, lazily reading the history KV at dequeue."""
+"""Prefill worker service: drives the pure prefill core (``ampd.worker.PrefillCore``) with the
+engine, the KV pool and NIXL.
+
+The core decides which task runs next (Algorithm 2's queue), when a history read starts and what is
+published. This module moves the bytes: a task's history KV is read from its decode worker (lazily:
+only once the task leaves the queue), computed, and its new KV written back with a NIXL notification.
+With ``kv_overlap`` the core starts the next task's history read when the current task starts
+computing (``KvRead``, at most one read ahead); it runs here as its own asyncio task and the next task
+awaits what is left of it. Without it, one task at a time: read, compute, write.
+"""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
+from dataclasses import dataclass
 
 import structlog
 
 from ampd.engine.base import Engine
 from ampd.kv import Segment, SessionKV, verify_pattern
-from ampd.policy import QueuedTask
-from ampd.v1 import prefill_pb2
+from ampd.policy import PrefillTask, WorkerView
 from ampd.runtime import WorkerRuntime
+from ampd.v1 import prefill_pb2
+from ampd.worker import KvRead, PrefillCore, PrefillWork
 
 log = structlog.get_logger()
 
@@ -19,19 +31,36 @@ def segs(pb) -> list[Segment]:
     return [Segment(s.block, s.offset, s.tokens) for s in pb]
 
 
-class PrefillCore:
-    def __init__(self, rt: WorkerRuntime, engine: Engine, cost=None) -> None:
+@dataclass(eq=False)
+class _Job:
+    """One task's I/O: its KV here, the decode worker's NIXL agent, when its history read ran."""
+
+    task: prefill_pb2.PrefillTask
+    kv: SessionKV
+    peer: str = ""
+    read_start: float = 0.0
+    read_end: float = 0.0
+    reading: asyncio.Task | None = None  # its history read, when it runs ahead
+
+
+class PrefillWorker:
+    def __init__(self, rt: WorkerRuntime, engine: Engine, core: PrefillCore) -> None:
         self.rt = rt
         self.engine = engine
-        self.cost = cost  # the profile: predicts the task in service (queue_predicted_s)
-        self.tasks: dict[tuple[str, int], prefill_pb2.PrefillTask] = {}
+        self.core = core
+        self.tasks: dict[tuple[str, int], prefill_pb2.PrefillTask] = {}  # queued in the core
+        self.ahead: _Job | None = None  # the task whose history is read while another computes
         self.wake = asyncio.Event()
         self.metrics: dict[str, float] = {
             "tasks_submitted": 0, "tasks_done": 0, "tasks_failed": 0,
             "kv_bytes_verified": 0, "kv_bytes_mismatched": 0,
             "history_tokens_read": 0, "new_tokens_written": 0,
+            # the overlap: history reads started while another task was in service, and the
+            # seconds of them that ran before that task left service (hidden behind it)
+            "kv_reads_ahead": 0, "kv_read_hidden_s": 0.0,
         }
         self._task: asyncio.Task | None = None
+        rt.published = self.published
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="prefill-loop")
@@ -40,79 +69,120 @@ class PrefillCore:
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        job, self.ahead = self.ahead, None
+        if job is not None:
+            job.reading.cancel()
+            await asyncio.gather(job.reading, return_exceptions=True)
+            job.kv.release(self.rt.pool)
+
+    def published(self, now: float) -> tuple[WorkerView, float]:
+        core = self.core
+        v = dataclasses.replace(core.view(now), kv_free_tokens=self.rt.pool.free_tokens)
+        return v, (core.busy_until if core.busy else 0.0)
 
     def submit(self, task: prefill_pb2.PrefillTask) -> None:
         key = (task.session_id, task.round)
-        if key in self.tasks:
+        if key in self.tasks or (self.ahead is not None and self._key(self.ahead.task) == key):
             raise ValueError(f"session {task.session_id!r} round {task.round} is already queued here")
         self.tasks[key] = task
         # The queue sees the time the round's input became ready: TTFT runs from there.
-        self.rt.queue.push(QueuedTask(task.session_id, task.round, task.l_hist, task.l_incr, task.input_ready))
+        read = self.core.submit(PrefillTask(task.session_id, task.round, task.l_hist, task.l_incr,
+                                            task.input_ready, task.decode_worker, task.decode_tp), time.time())
+        self._read_ahead(read)
         self.metrics["tasks_submitted"] += 1
         self.rt.changed()
         self.wake.set()
 
+    @staticmethod
+    def _key(task) -> tuple[str, int]:
+        return task.session_id, task.round
+
+    # ------------------------------------------------------------------------------- the loop
     async def _loop(self) -> None:
         while True:
-            if not len(self.rt.queue):
+            work = self.core.next(time.time())
+            if work is None:
                 self.wake.clear()
                 await self.wake.wait()
                 continue
-            q = self.rt.queue.pop(time.time())
             self.rt.changed()
-            task = self.tasks.pop((q.session_id, q.round))
-            if self.cost is not None:
-                c = self.cost
-                self.rt.busy_until = time.time() + c.t_pre(self.rt.cfg.tp, task.l_hist, task.l_incr) + (
-                    c.t_kv(task.l_hist, task.decode_tp, self.rt.cfg.tp) if task.l_hist else 0.0) + (
-                    c.t_kv(task.l_incr, self.rt.cfg.tp, task.decode_tp))
-            try:
-                await self._run(task)
-            finally:
-                self.rt.busy_until = 0.0
+            await self._run(work)
 
-    async def _run(self, task: prefill_pb2.PrefillTask) -> None:
+    def _read_ahead(self, read: KvRead | None) -> None:
+        """The core started a read ahead: run it while the task in service computes."""
+        if read is None:
+            return
+        job = _Job(self.tasks.pop(self._key(read.task)), SessionKV(self.rt.pool.block_tokens))
+        job.reading = asyncio.create_task(self._read(job), name="kv-read-ahead")
+        self.ahead = job
+        if job.task.l_hist:
+            self.metrics["kv_reads_ahead"] += 1
+
+    def _take(self, work: PrefillWork) -> _Job:
+        """The job of the task the core put in service (the one read ahead, or a new one)."""
+        job = self.ahead
+        if job is not None and self._key(job.task) == self._key(work.task):
+            self.ahead = None
+            now = time.time()
+            # the part of its read that ran before the task before it left service
+            self.metrics["kv_read_hidden_s"] += max(0.0, min(job.read_end or now, now) - job.read_start)
+            return job
+        return _Job(self.tasks.pop(self._key(work.task)), SessionKV(self.rt.pool.block_tokens))
+
+    async def _read(self, job: _Job) -> None:
+        """Lazy read: the history KV moves only now that the task left the queue."""
+        rt, task = self.rt, job.task
+        job.read_start = time.time()
+        job.peer = await rt.ensure_peer(task.decode_worker)
+        local_hist = job.kv.reserve(rt.pool, task.l_hist)
+        if task.l_hist:
+            started = time.monotonic()
+            await rt.transport.read(job.peer, segs(task.history), local_hist)
+            await self.engine.pace_transfer(started, task.l_hist, task.decode_tp, rt.cfg.tp)
+            data = rt.pool.read(local_hist)
+            bad = verify_pattern(task.session_id, 0, data, rt.pool.layout.bytes_per_token)
+            self.metrics["kv_bytes_verified"] += data.size
+            self.metrics["kv_bytes_mismatched"] += bad
+            self.metrics["history_tokens_read"] += task.l_hist
+            if bad:
+                raise RuntimeError(f"history KV read from {task.decode_worker} has {bad} wrong bytes")
+        job.kv.commit(task.l_hist)
+        job.read_end = time.time()
+
+    async def _run(self, work: PrefillWork) -> None:
         rt = self.rt
-        kv = SessionKV(rt.pool.block_tokens)
+        job = self._take(work)
+        task = job.task
+        # started: when the task left the queue (a task read ahead left it when its read began)
         done = prefill_pb2.PrefillDone(session_id=task.session_id, round=task.round,
-                                       prefill_worker=rt.cfg.worker_id, started=time.time())
-        peer = ""
+                                       prefill_worker=rt.cfg.worker_id, started=job.read_start or time.time())
         try:
-            peer = await rt.ensure_peer(task.decode_worker)
-            # Lazy read: the history KV moves only now that the task runs.
-            local_hist = kv.reserve(rt.pool, task.l_hist)
-            if task.l_hist:
-                started = time.monotonic()
-                await rt.transport.read(peer, segs(task.history), local_hist)
-                await self.engine.pace_transfer(started, task.l_hist, task.decode_tp, rt.cfg.tp)
-                data = rt.pool.read(local_hist)
-                bad = verify_pattern(task.session_id, 0, data, rt.pool.layout.bytes_per_token)
-                self.metrics["kv_bytes_verified"] += data.size
-                self.metrics["kv_bytes_mismatched"] += bad
-                self.metrics["history_tokens_read"] += task.l_hist
-                if bad:
-                    raise RuntimeError(f"history KV read from {task.decode_worker} has {bad} wrong bytes")
-            kv.commit(task.l_hist)
-            local_new = kv.reserve(rt.pool, task.l_incr)
+            if job.reading is not None:
+                await job.reading  # what is left of its read ahead (raises what the read raised)
+            else:
+                await self._read(job)
+            self._read_ahead(self.core.compute_started(time.time()))
+            local_new = job.kv.reserve(rt.pool, task.l_incr)
             done.first_token = await self.engine.prefill(
                 task.session_id, task.l_hist, task.l_incr, rt.pool, local_new)
             started = time.monotonic()
             await self.engine.pace_transfer(started, task.l_incr, rt.cfg.tp, task.decode_tp)
             done.finished = time.time()
             done.kv_bytes = await rt.transport.write(
-                peer, local_new, segs(task.dest), done.SerializeToString())
+                job.peer, local_new, segs(task.dest), done.SerializeToString())
             self.metrics["new_tokens_written"] += task.l_incr
             self.metrics["tasks_done"] += 1
-            rt.window.add(time.time(), time.time() - task.input_ready)
+            self.core.finish(time.time())
         except Exception as exc:  # noqa: BLE001 - any failure ends this task, never the worker
+            self.core.abort(time.time())
             self.metrics["tasks_failed"] += 1
             log.warning("prefill failed", session=task.session_id, round=task.round, error=str(exc))
-            if peer:
+            if job.peer:
                 done.error = str(exc) or type(exc).__name__
                 try:
-                    await rt.transport.send_notif(peer, done.SerializeToString())
+                    await rt.transport.send_notif(job.peer, done.SerializeToString())
                 except Exception as exc2:
                     log.warning("failure notification lost", session=task.session_id, error=str(exc2))
         finally:
-            kv.release(rt.pool)
+            job.kv.release(rt.pool)
             rt.changed()

@@ -27,6 +27,8 @@ Why it holds reliably (docs/fidelity.md):
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from ampd.bench.report import SLO, judge_session
@@ -70,8 +72,11 @@ def test_simulator_matches_live_bench_on_one_trace(redis_url, tmp_path):
     # simulator's result for this trace changed: pick a trace/SLO with margins again.
     assert _sim_margin(res) >= MIN_SIM_MARGIN
 
-    with Deployment(fid.options(POLICY, redis_url, str(tmp_path), namespace="fidelity-test",
-                                slo_=SLO_)) as dep:
+    # The simulator on this branch does not model the prefill worker's KV overlap (issue 8 adds it
+    # there too): compare like with like until it does, then drop this replace().
+    opts = replace(fid.options(POLICY, redis_url, str(tmp_path), namespace="fidelity-test", slo_=SLO_),
+                   kv_overlap=False)
+    with Deployment(opts) as dep:
         fid.warm_up(dep.coordinator)
         live = fid.run_live(dep.coordinator, sessions, POLICY, slo_=SLO_)
     assert live["completed"] == len(sessions), live["errors"]
