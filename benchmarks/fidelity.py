@@ -127,11 +127,6 @@ def measured_path() -> PathLatency:
                        tool_s=d["tool_s"], prefill_busy_s=round(extra_s, 5))
 
 
-# The live prefill worker reads a task's history only when the task starts (no KV overlap) until the
-# live services run on ampd.worker's PrefillCore; the simulated one must do the same to be compared.
-LIVE_KV_OVERLAP = False
-
-
 def run_sim(sessions: list[Session], policy: str, *, slo_: SLO | None = None, path: PathLatency | None = None):
     """(report, SimResult) of the same trace on the simulated deployment (full report path).
     ``path``: the control-path latencies to model; default the measured ones (``measured_path``);
@@ -139,8 +134,7 @@ def run_sim(sessions: list[Session], policy: str, *, slo_: SLO | None = None, pa
     s = slo_ or slo()
     res = simulate(sessions, load_profile(PROFILE), policy=policy, prefill=PREFILL, decode=DECODE,
                    ttft_slo_s=s.ttft_s, itl_slo_s=s.itl_s, seed=SEED, window_s=WINDOW_S,
-                   path=measured_path() if path is None else path,
-                   kv_overlap=LIVE_KV_OVERLAP)
+                   path=measured_path() if path is None else path)
     return sim_report(res, s, max_full_tokens=10**12), res
 
 

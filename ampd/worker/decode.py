@@ -514,7 +514,7 @@ class DecodeCore:
         self.run_flushed = upto
 
     # ------------------------------------------------------------------------- live drivers
-    def step_done(self, now: float) -> list[DecodeSession]:
+    def step_done(self, now: float) -> list[DecodeSession] | tuple[()]:
         """A driver that runs one step per ``schedule`` (the live service): the run's first step
         ended at ``now``, a measured time. The run becomes that one step, its ITL samples use
         ``now`` (unless a ``view`` already counted the step at its planned end), then as

@@ -27,7 +27,6 @@ Why it holds reliably (docs/fidelity.md):
 """
 from __future__ import annotations
 
-from dataclasses import replace
 
 import pytest
 
@@ -72,10 +71,7 @@ def test_simulator_matches_live_bench_on_one_trace(redis_url, tmp_path):
     # simulator's result for this trace changed: pick a trace/SLO with margins again.
     assert _sim_margin(res) >= MIN_SIM_MARGIN
 
-    # The simulator on this branch does not model the prefill worker's KV overlap (issue 8 adds it
-    # there too): compare like with like until it does, then drop this replace().
-    opts = replace(fid.options(POLICY, redis_url, str(tmp_path), namespace="fidelity-test", slo_=SLO_),
-                   kv_overlap=False)
+    opts = fid.options(POLICY, redis_url, str(tmp_path), namespace="fidelity-test", slo_=SLO_)
     with Deployment(opts) as dep:
         fid.warm_up(dep.coordinator)
         live = fid.run_live(dep.coordinator, sessions, POLICY, slo_=SLO_)

@@ -18,7 +18,7 @@ def test_step_done_uses_the_measured_end_and_runs_one_step():
     core.first_token(s, 0.0)
     r = core.schedule(0.0)
     assert isinstance(r, DecodeRun) and r.steps == 9 and core.batch() == [s]
-    assert core.step_done(0.05) == []  # measured: 50 ms, not the planned first_s
+    assert list(core.step_done(0.05)) == []  # measured: 50 ms, not the planned first_s
     assert core.step_idx == 1 and core.kv_used == 502
     assert core.view(0.05).window_mean_s == pytest.approx(0.05)
     core.schedule(0.05)
