@@ -21,8 +21,8 @@ class PolicySpec:
     ``uses_prefill_workers``: False for the co-located baselines (all GPUs are decode workers
     that also prefill). ``kv_pin_ttl_s``: seconds a finished round's KV stays pinned waiting for
     the next round (Continuum), ``None`` = no TTL pinning (the session's KV stays on its
-    decode worker for the session's life). ``chunked_local_prefill``: split local prefills into
-    chunks interleaved with decode steps (not used by any policy yet).
+    decode worker for the session's life). Chunked local prefill is a worker option
+    (``chunked_prefill``), not a policy's.
     """
 
     name: str
@@ -31,7 +31,6 @@ class PolicySpec:
     decode_queue: str
     uses_prefill_workers: bool
     kv_pin_ttl_s: float | None = None
-    chunked_local_prefill: bool = False
     description: str = ""
     slack: str = "window"  # Algorithm 1's slack rule (ampd.policy.route.SLACK_RULES)
 

@@ -16,6 +16,7 @@ feeds it events and runs what it says::
                                                       round ended with them
     core.cut(now)              -> float | None       work arrived mid-run: end it at the next step
                                                       boundary (the new end time, or None)
+    core.stop_early(s, tokens)                        live: a round ended before its planned length
     core.round_end(s, last)                           account the round's KV (release on the last)
     core.pin_expired(s)        -> bool               a pinned session's KV may be evicted
     core.view(now)             -> WorkerView
@@ -492,6 +493,25 @@ class DecodeCore:
         for s in exits:
             self.ctx_sum -= s.ctx_join + s.out - 1
         return exits
+
+    def stop_early(self, s: DecodeSession, tokens: int) -> None:
+        """The round of ``s`` (in the batch) ended after ``tokens`` output tokens, before its planned
+        last step (EOS, a stop string, a cancellation): it leaves the batch now. Call it after
+        ``run_done`` reported the step that made its last token and before the next ``schedule``;
+        ``s.out`` becomes ``tokens`` (``round_end`` next). Live only: the simulator knows every
+        round's length."""
+        ex = s.lo + s.out - 2
+        bucket = self.exit_at.get(ex)
+        if bucket is None or s not in bucket:
+            raise ValueError(f"{self.worker_id}: session {s.session_id!r} is not in the batch")
+        bucket.remove(s)
+        if not bucket:
+            del self.exit_at[ex]
+            self.exit_heap.remove(ex)
+            heapq.heapify(self.exit_heap)
+        self.batch_n -= 1
+        self.ctx_sum -= s.ctx_join + (tokens - 1)  # its context after tokens - 1 steps
+        s.out = tokens
 
     def flush(self, upto: int) -> None:
         """Steps [run_flushed, upto) of the run join the ITL window (one sample of their mean gap).

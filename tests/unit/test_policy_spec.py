@@ -44,7 +44,6 @@ def test_specs():
     for name in POLICIES:
         s = policy_spec(name)
         assert isinstance(s, PolicySpec) and s.name == name and s.description
-        assert s.chunked_local_prefill is False
         if name != "continuum":
             assert s.kv_pin_ttl_s is None
 

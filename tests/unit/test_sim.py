@@ -353,3 +353,44 @@ def test_path_latency_parse(text, want):
 def test_path_latency_parse_errors(bad, msg):
     with pytest.raises(ValueError, match=msg):
         PathLatency.parse(bad)
+
+
+def _collide():
+    """Two sessions whose incremental rounds meet on one prefill worker: a's long round 1 computes
+    when b's round 1 (history 101 tokens) arrives."""
+    a = Session("a", 0.0, (Round(100, 1, 1.0), Round(2000, 2)))
+    b = Session("b", 0.0, (Round(100, 1, 1.0), Round(500, 2)))
+    return [a, b]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_kv_overlap_hides_the_next_tasks_history_read(overlap):
+    r = _run(_collide(), policy="remote", prefill="tp2*1", decode="tp1*1", kv_overlap=overlap)
+    a1 = r.sessions[0].rounds[1]
+    b1 = r.sessions[1].rounds[1]
+    a_end = a1.first_token  # a's new KV written back: the prefill worker is free
+    assert a1.input_ready < b1.input_ready < a_end - P.t_kv(2000, 2, 1)  # b arrives while a computes
+    read_b = P.t_kv(101, 1, 2)
+    rest_b = P.t_pre(2, 101, 500) + P.t_kv(500, 2, 1)
+    # with the overlap b's history was read while a computed: b computes as soon as a is done
+    expected = a_end + rest_b if overlap else a_end + read_b + rest_b
+    assert b1.first_token == pytest.approx(expected, abs=1e-12)
+
+
+def test_kv_admission_fail_fails_the_session_that_does_not_fit():
+    prof = _profile(cap=1500)
+    a = Session("a", 0.0, (Round(1000, 3),))
+    b = Session("b", 0.1, (Round(1000, 3),))
+    wait = simulate([a, b], prof, policy="colocated", decode="tp1*1", ttft_slo_s=5, itl_slo_s=1)
+    assert all(s.completed for s in wait.sessions)  # "wait": b starts once a frees its KV
+    b0 = wait.sessions[1].rounds[0]
+    assert b0.first_token == pytest.approx(wait.sessions[0].end + P.t_pre(1, 0, 1000), abs=1e-12)
+    fail = simulate([a, b], prof, policy="colocated", decode="tp1*1", ttft_slo_s=5, itl_slo_s=1,
+                    kv_admission="fail")
+    sa, sb = fail.sessions
+    assert sa.completed and not sb.completed and sb.error.startswith("KV exhausted on decode-0")
+    assert fail.stats["kv_failed_sessions"] == 1
+    rep = sim_report(fail, policy.SLO(5, 1))
+    assert rep["completed"] == 1 and rep["failed"] == 1
+    with pytest.raises(ValueError, match="kv_admission"):
+        simulate([a], prof, policy="colocated", decode="tp1*1", kv_admission="drop")

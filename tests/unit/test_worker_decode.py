@@ -170,3 +170,23 @@ def test_expired_pin_is_evicted_for_a_waiting_round_and_re_prefills():
     s1.round, s1.l_incr = 1, 100
     assert core.round_ready(s1, 2.0) == WAITING  # re-prefills its whole context: 700 tokens
     assert s1.l_incr == 700 and s1.l_hist == 0
+
+
+def test_stop_early_takes_a_session_out_of_the_batch():
+    core = _core()
+    a = _sess("a", 100, 10)
+    b = _sess("b", 200, 5)
+    for s in (a, b):
+        core.round_ready(s, 0.0)
+        core.first_token(s, 0.0)
+    r = core.schedule(0.0)
+    assert r.batch == 2 and r.steps == 4  # up to b's exit
+    assert not core.run_done(1, r.first_s)  # live: one step at a time
+    with pytest.raises(ValueError, match="not in the batch"):
+        core.stop_early(_sess("x", 1, 3), 2)
+    core.stop_early(a, 2)  # EOS after its second token
+    assert core.batch_n == 1 and core.ctx_sum == 201 + 1 and a.out == 2
+    core.round_end(a, last=True)
+    assert core.kv_used == 200 + 1 + 1  # a released 100 + 2 tokens; b holds input, first token, 1 step
+    r2 = core.schedule(r.first_s)
+    assert r2.batch == 1 and r2.steps == 3  # b's remaining steps
