@@ -1,5 +1,5 @@
 """Pure decision cores: binding, routing (Algorithm 1 and baselines), prefill queues
-(Algorithm 2 and baselines) and the deployment shape of each policy. No I/O, no clock.
+(Algorithm 2 and baselines) and the policy registry (name -> router, queues, workers). No I/O, no clock.
 See docs/policies.md."""
 
 from .bind import bind
@@ -21,7 +21,7 @@ from .route import (
     ThresholdRouter,
     make_router,
 )
-from .spec import POLICIES, PolicySpec, policy_spec
+from .spec import POLICIES, PolicySpec, policy_spec, register_policy
 from .types import SLO, CostModel, PrefillRequest, QueuedTask, RouteDecision, WorkerView
 
 __all__ = [
@@ -48,6 +48,7 @@ __all__ = [
     "PolicySpec",
     "POLICIES",
     "policy_spec",
+    "register_policy",
     "PREFILL_SLACK",
     "DECODE_SLACK",
     "COST_MODEL",

@@ -14,9 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-# One SLO type for the whole tree: the report module (ampd.bench.report) owns it and judges
-# sessions with it; the policies re-export it. SLO(ttft_s, itl_s), both > 0 seconds.
-from ampd.bench.report import SLO
+# One SLO type for the whole tree (ampd.slo); the policies re-export it. SLO(ttft_s, itl_s), both > 0 seconds.
+from ampd.slo import SLO
 
 __all__ = [
     "CostModel",
