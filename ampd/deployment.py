@@ -1,13 +1,16 @@
-"""Deployment SPEC strings: replica groups ``tpN*R``, comma-separated (DESIGN section 8).
+"""Deployment shapes: SPEC strings and the co-located rule, shared by `ampd up` and `ampd simulate`.
 
-``tp4*2`` is two replicas of TP 4; ``tp4*1,tp2*2`` mixes degrees; ``tp8`` is short for ``tp8*1``.
-An empty string, ``none`` or ``-`` is the empty deployment (no workers of that kind).
+A SPEC lists replica groups ``tpN*R``, comma-separated (DESIGN section 8): ``tp4*2`` is two
+replicas of TP 4; ``tp4*1,tp2*2`` mixes degrees; ``tp8`` is short for ``tp8*1``. An empty string,
+``none``, ``-`` or ``0`` is the empty deployment (no workers of that kind). A bare count ``N`` is
+``tp1*N``. Pure.
 """
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
-__all__ = ["SpecError", "parse_spec", "format_spec", "expand_spec"]
+__all__ = ["SpecError", "parse_spec", "format_spec", "expand_spec", "Shape", "worker_shape"]
 
 _GROUP = re.compile(r"^tp(\d+)(?:\*(\d+))?$")
 _EMPTY = {"", "none", "-", "0"}
@@ -24,6 +27,8 @@ def parse_spec(spec: str | None) -> tuple[tuple[int, int], ...]:
     text = spec.strip().lower()
     if text in _EMPTY:
         return ()
+    if text.isdigit():  # a bare count: that many workers of TP 1
+        return ((1, int(text)),)
     groups: list[tuple[int, int]] = []
     for part in text.split(","):
         part = part.strip()
@@ -48,3 +53,46 @@ def expand_spec(groups) -> list[int]:
 def format_spec(groups) -> str:
     """Inverse of parse_spec (``"none"`` for the empty deployment)."""
     return ",".join(f"tp{tp}*{reps}" for tp, reps in groups) or "none"
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The workers a deployment runs: (tp, replicas) groups of each kind."""
+
+    prefill: tuple[tuple[int, int], ...]
+    decode: tuple[tuple[int, int], ...]
+    colocated: bool  # the decode workers also take what were prefill GPUs (a co-located policy)
+
+
+def _merge(a, b) -> tuple[tuple[int, int], ...]:
+    counts: dict[int, int] = {}
+    for tp, reps in (*a, *b):
+        counts[tp] = counts.get(tp, 0) + reps
+    return tuple(counts.items())
+
+
+def worker_shape(policy: str, prefill: str | None, decode: str | None, tps=None) -> Shape:
+    """The one rule for both `ampd up` and `ampd simulate`: a co-located policy (one that runs no
+    prefill workers) turns the prefill GPUs into co-located workers, so the GPU count stays what
+    was asked. ``tps``: the TP degrees the profile covers (checked when given). Raises SpecError
+    naming the flag (``--prefill``/``--decode``) or ValueError for an unknown policy."""
+    from ampd.policy import policy_spec
+
+    spec = policy_spec(policy)
+    groups = {}
+    for flag, text in (("--prefill", prefill), ("--decode", decode)):
+        try:
+            groups[flag] = parse_spec(text)
+        except SpecError as exc:
+            raise SpecError(f"{flag}: {exc}") from None
+        if tps is not None:
+            for tp, _ in groups[flag]:
+                if tp not in tps:
+                    raise SpecError(f"{flag}: TP {tp} is not in the profile (it covers "
+                                    f"{', '.join(map(str, tps))})")
+    pre, dec = groups["--prefill"], groups["--decode"]
+    if not spec.uses_prefill_workers:
+        pre, dec = (), _merge(dec, pre)
+    if not dec:
+        raise SpecError("--decode: the deployment needs at least one decode worker")
+    return Shape(pre, dec, not spec.uses_prefill_workers)

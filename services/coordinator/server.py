@@ -11,6 +11,7 @@ import grpc
 import structlog
 
 from ampd import grpcserver, logs
+from ampd.config import SERVICE_SETTINGS, ConfigError, add_flags, env_name
 from ampd.perf import load_profile
 from ampd.policy import SLO, PrefillRequest, make_router, policy_spec
 from ampd.state import StateStore, connect
@@ -18,7 +19,7 @@ from ampd.v1 import (
     common_pb2, coordinator_pb2, coordinator_pb2_grpc, decode_pb2, decode_pb2_grpc, prefill_pb2,
     prefill_pb2_grpc,
 )
-from ampd.runtime import write_ready_file
+from ampd.grpcserver import write_ready_file
 from services.coordinator.core import Cluster, InvalidArgument, choose_decode_worker, route, validate_open
 
 log = structlog.get_logger()
@@ -203,6 +204,7 @@ async def amain(args: argparse.Namespace) -> None:
                          threshold_tokens=args.threshold_tokens, slack=args.slack or None)
     store = StateStore(await connect(args.redis_url), args.namespace)
     service = CoordinatorService(store, router, args.policy, args.stats_mode)
+    service.cluster.stale_after_s = args.stale_after
     service.labels.update(profile=profile.name, ttft_slo=str(slo.ttft_s), itl_slo=str(slo.itl_s))
     await service.cluster.start()
     server, port, health = await grpcserver.start_server(
@@ -216,26 +218,20 @@ async def amain(args: argparse.Namespace) -> None:
     await grpcserver.serve_until_signal(server, health, service.cluster.stop)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ampd-coordinator", description="AMPD coordinator")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
-    parser.add_argument("--namespace", default="ampd")
-    parser.add_argument("--profile", default="qwen3-32b@h20")
-    parser.add_argument("--policy", default="ampd")
-    parser.add_argument("--ttft-slo", type=float, default=2.0)
-    parser.add_argument("--itl-slo", type=float, default=0.1)
-    parser.add_argument("--alpha", type=float, default=0.9)
-    parser.add_argument("--beta", type=float, default=0.85)
-    parser.add_argument("--threshold-tokens", type=int, default=1000)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--slack", default="", choices=["", "window", "queue"],
-                        help="Algorithm 1 slack rule (default: the policy's; 'window' is the paper's)")
-    parser.add_argument("--stats-mode", default="push", choices=["push", "read"],
-                        help="push: follow workers' statistics on a Redis channel; read: HGETALL per decision")
-    parser.add_argument("--ready-file", default="")
-    grpcserver.run(amain(parser.parse_args(argv)))
+    add_flags(parser, SERVICE_SETTINGS["coordinator"], env=True)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        args = build_parser().parse_args(argv)
+        if not args.redis_url:
+            raise ConfigError(f"--redis-url ({env_name('redis_url')}): required")
+    except ConfigError as exc:
+        sys.exit(f"ampd-coordinator: error: {exc}")
+    grpcserver.run(amain(args))
 
 
 if __name__ == "__main__":
