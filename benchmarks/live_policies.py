@@ -29,7 +29,7 @@ from ampd.bench.report import SLO, build_report
 from ampd.launcher import Deployment, Options
 from ampd.perf import load_profile
 from ampd.policy import policy_spec
-from ampd.workload import dump_trace, generate
+from ampd.workload import generate
 
 RESULTS = Path(__file__).parent / "results"
 DEFAULT_POLICIES = ("ampd", "remote", "local", "colocated")

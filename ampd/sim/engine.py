@@ -17,7 +17,6 @@ import gc
 import heapq
 from bisect import bisect_right
 import math
-import random
 import time as _time
 from array import array
 from collections import deque

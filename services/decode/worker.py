@@ -237,7 +237,8 @@ class DecodeCore:
                 arguments=tool.arguments, latency_s=tool.latency_s, result_tokens=result_tokens))
         except Exception as exc:  # grpc.aio.AioRpcError and connection failures
             if not s.closed:
-                self.fail(s, f"tool {tool.name or 'replay'!r} failed: {getattr(exc, 'details', lambda: exc)()}")
+                detail = exc.details() if hasattr(exc, "details") else exc
+                self.fail(s, f"tool {tool.name or 'replay'!r} failed: {detail}")
             return
         if not s.closed:
             self.begin_round(s, s.round + 1, res.result_tokens or result_tokens, time.time())
