@@ -16,8 +16,7 @@ from ampd.perf import load_profile
 from ampd.policy import SLO, PrefillRequest, make_router, policy_spec
 from ampd.state import StateStore, connect
 from ampd.v1 import (
-    common_pb2, coordinator_pb2, coordinator_pb2_grpc, decode_pb2, decode_pb2_grpc, prefill_pb2,
-    prefill_pb2_grpc,
+    common_pb2, coordinator_pb2, coordinator_pb2_grpc, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc,
 )
 from ampd.grpcserver import write_ready_file
 from services.coordinator.core import Cluster, InvalidArgument, choose_decode_worker, route, validate_open
@@ -88,8 +87,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         try:
             async for ev in call:
                 kind = ev.WhichOneof("event")
-                if kind == "prefill_needed":
-                    await self._route(sid, decode_id, info.tp, decode_stub, ev.prefill_needed, routes)
+                if kind == "prefill_task":
+                    await self._route(sid, decode_id, info.tp, decode_stub, ev.prefill_task, routes)
                     continue
                 out = coordinator_pb2.SessionEvent(session_id=sid)
                 if first_event:
@@ -147,7 +146,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 # The session's stream carries the outcome; a bad tool result is logged here.
                 log.warning("client message rejected", session=sid, kind=kind, error=exc.details())
 
-    async def _route(self, sid, decode_id, decode_tp, decode_stub, need: decode_pb2.PrefillNeeded, routes) -> None:
+    async def _route(self, sid, decode_id, decode_tp, decode_stub, need: common_pb2.PrefillTask, routes) -> None:
         t0 = time.perf_counter()
         view = await self.cluster.view()
         req = PrefillRequest(sid, need.round, need.l_hist, need.l_incr, decode_id)
@@ -162,10 +161,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             if not decision.local:
                 target = self.cluster.infos.get(decision.target)
                 try:
-                    await self.stubs.prefill(target.address).Submit(prefill_pb2.PrefillTask(
-                        session_id=sid, round=need.round, l_hist=need.l_hist, l_incr=need.l_incr,
-                        input_ready=need.input_ready, decode_worker=decode_id, decode_tp=decode_tp,
-                        history=need.history, dest=need.dest))
+                    # The task goes on as the decode worker sent it, bound to the worker this
+                    # coordinator bound the session to.
+                    need.session_id, need.decode_worker, need.decode_tp = sid, decode_id, decode_tp
+                    await self.stubs.prefill(target.address).Submit(need)
                     self.counters["prefills_remote"] += 1
                 except (grpc.aio.AioRpcError, AttributeError) as exc:
                     # A prefill worker that vanished must not lose the round: run it locally.

@@ -124,8 +124,9 @@ class DecodeCore:
             return
         self.rt.changed()
         s.timing = common_pb2.RoundTiming(round=rnd, input_ready=input_ready, l_hist=s.l_hist, l_incr=l_incr)
-        self.emit(s, decode_pb2.DecodeEvent(prefill_needed=decode_pb2.PrefillNeeded(
-            round=rnd, l_hist=s.l_hist, l_incr=l_incr, input_ready=input_ready,
+        self.emit(s, decode_pb2.DecodeEvent(prefill_task=common_pb2.PrefillTask(
+            session_id=s.session_id, round=rnd, l_hist=s.l_hist, l_incr=l_incr, input_ready=input_ready,
+            decode_worker=self.rt.cfg.worker_id, decode_tp=self.rt.cfg.tp,
             history=seg_pb(s.kv.segments(0, s.l_hist)), dest=seg_pb(s.dest),
         )))
         self.awaiting_remote[(s.session_id, rnd)] = s

@@ -25,7 +25,7 @@ class PrefillService(prefill_pb2_grpc.PrefillWorkerServicer):
     def __init__(self) -> None:
         self.core: PrefillCore | None = None
 
-    async def Submit(self, request: prefill_pb2.PrefillTask, context) -> common_pb2.Ack:
+    async def Submit(self, request: common_pb2.PrefillTask, context) -> common_pb2.Ack:
         for field in ("session_id", "decode_worker"):
             if not getattr(request, field):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: required")

@@ -9,7 +9,7 @@ import structlog
 from ampd.engine.base import Engine
 from ampd.kv import Segment, SessionKV, verify_pattern
 from ampd.policy import QueuedTask
-from ampd.v1 import prefill_pb2
+from ampd.v1 import common_pb2, prefill_pb2
 from ampd.runtime import WorkerRuntime
 
 log = structlog.get_logger()
@@ -24,7 +24,7 @@ class PrefillCore:
         self.rt = rt
         self.engine = engine
         self.cost = cost  # the profile: predicts the task in service (queue_predicted_s)
-        self.tasks: dict[tuple[str, int], prefill_pb2.PrefillTask] = {}
+        self.tasks: dict[tuple[str, int], common_pb2.PrefillTask] = {}
         self.wake = asyncio.Event()
         self.metrics: dict[str, float] = {
             "tasks_submitted": 0, "tasks_done": 0, "tasks_failed": 0,
@@ -41,7 +41,7 @@ class PrefillCore:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
 
-    def submit(self, task: prefill_pb2.PrefillTask) -> None:
+    def submit(self, task: common_pb2.PrefillTask) -> None:
         key = (task.session_id, task.round)
         if key in self.tasks:
             raise ValueError(f"session {task.session_id!r} round {task.round} is already queued here")
@@ -71,7 +71,7 @@ class PrefillCore:
             finally:
                 self.rt.busy_until = 0.0
 
-    async def _run(self, task: prefill_pb2.PrefillTask) -> None:
+    async def _run(self, task: common_pb2.PrefillTask) -> None:
         rt = self.rt
         kv = SessionKV(rt.pool.block_tokens)
         done = prefill_pb2.PrefillDone(session_id=task.session_id, round=task.round,
