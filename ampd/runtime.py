@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from ampd.config import SERVICE_SETTINGS, ConfigError, add_flags, env_name
+from ampd.config import SERVICE_SETTINGS, ConfigError, add_flags, check_names, env_name
 from ampd.kv import KVPool, PoolLayout
 from ampd.perf import Profile
 from ampd.policy import PrefillQueue
@@ -189,6 +189,7 @@ def config_from_args(args, kind: str, port: int) -> WorkerConfig:
         raise ConfigError("--worker-id: required")
     if not args.redis_url:
         raise ConfigError(f"--redis-url ({env_name('redis_url')}): required")
+    check_names(args)
     return WorkerConfig(
         worker_id=args.worker_id,
         kind=kind,

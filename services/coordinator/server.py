@@ -11,7 +11,7 @@ import grpc
 import structlog
 
 from ampd import grpcserver, logs
-from ampd.config import SERVICE_SETTINGS, ConfigError, add_flags, env_name
+from ampd.config import SERVICE_SETTINGS, ConfigError, add_flags, check_names, env_name
 from ampd.perf import load_profile
 from ampd.policy import SLO, PrefillRequest, make_router, policy_spec
 from ampd.state import StateStore, connect
@@ -228,6 +228,7 @@ def main(argv: list[str] | None = None) -> None:
         args = build_parser().parse_args(argv)
         if not args.redis_url:
             raise ConfigError(f"--redis-url ({env_name('redis_url')}): required")
+        check_names(args)
     except ConfigError as exc:
         sys.exit(f"ampd-coordinator: error: {exc}")
     grpcserver.run(amain(args))
