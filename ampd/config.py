@@ -30,7 +30,7 @@ __all__ = [
     "DeploymentConfig", "PolicyConfig", "WorkerSettings", "CoordinatorSettings", "ProcessConfig",
     "SimulatorSettings", "Config", "ConfigError", "SETTINGS", "SERVICE_SETTINGS", "UP_SETTINGS",
     "SIMULATE_SETTINGS", "PLACEMENT", "flag_name", "env_name", "add_flags", "to_argv", "env_names", "pick",
-    "config_from_args", "check", "check_names",
+    "config_from_args", "check",
 ]
 
 # ------------------------------------------------------------------------------------- defaults
@@ -401,23 +401,6 @@ def pick(args: argparse.Namespace | Mapping[str, Any], cls: type) -> Any:
 def config_from_args(args: argparse.Namespace | Mapping[str, Any]) -> Config:
     """The whole config from parsed flags; settings the parser did not take keep their defaults."""
     return Config(**{g: pick(args, cls) for g, cls in _GROUP_OF.items()})
-
-
-def check_names(args: argparse.Namespace | Mapping[str, Any]) -> None:
-    """Checks the settings whose valid values live in a registry (policy, profile), as a service
-    does before it binds a port: ConfigError names the flag and lists what is valid."""
-    get = args.get if isinstance(args, Mapping) else (lambda k, d=None: getattr(args, k, d))
-    from ampd.perf import load_profile
-    from ampd.policy import policy_spec
-
-    for name, lookup in (("policy", policy_spec), ("profile", load_profile)):
-        value = get(name)
-        if value is None:
-            continue
-        try:
-            lookup(value)
-        except ValueError as exc:
-            raise ConfigError(f"{flag_name(name)} ({env_name(name)}): {exc}") from None
 
 
 def to_argv(values: Config | Mapping[str, Any], names: Iterable[str]) -> list[str]:

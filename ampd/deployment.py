@@ -8,9 +8,11 @@ replicas of TP 4; ``tp4*1,tp2*2`` mixes degrees; ``tp8`` is short for ``tp8*1``.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["SpecError", "parse_spec", "format_spec", "expand_spec", "Shape", "worker_shape"]
+__all__ = ["SpecError", "parse_spec", "format_spec", "expand_spec", "Shape", "worker_shape", "check_names"]
 
 _GROUP = re.compile(r"^tp(\d+)(?:\*(\d+))?$")
 _EMPTY = {"", "none", "-", "0"}
@@ -96,3 +98,22 @@ def worker_shape(policy: str, prefill: str | None, decode: str | None, tps=None)
     if not dec:
         raise SpecError("--decode: the deployment needs at least one decode worker")
     return Shape(pre, dec, not spec.uses_prefill_workers)
+
+
+def check_names(args: Any) -> None:
+    """Checks the settings whose valid values live in a registry (policy, profile), as a service
+    does before it binds a port: ConfigError names the flag and lists what is valid."""
+    from ampd.config import ConfigError, env_name, flag_name
+    from ampd.perf import load_profile
+    from ampd.policy import policy_spec
+
+    get = args.get if isinstance(args, Mapping) else (lambda k, d=None: getattr(args, k, d))
+
+    for name, lookup in (("policy", policy_spec), ("profile", load_profile)):
+        value = get(name)
+        if value is None:
+            continue
+        try:
+            lookup(value)
+        except ValueError as exc:
+            raise ConfigError(f"{flag_name(name)} ({env_name(name)}): {exc}") from None

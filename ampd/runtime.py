@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import structlog
 
-from ampd.config import SERVICE_SETTINGS, ConfigError, add_flags, check_names, env_name
+from ampd.config import SERVICE_SETTINGS, ConfigError, add_flags, env_name
+from ampd.deployment import check_names
 from ampd.kv import KVPool, PoolLayout
 from ampd.perf import Profile
 from ampd.policy import PrefillQueue

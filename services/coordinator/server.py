@@ -11,7 +11,8 @@ import grpc
 import structlog
 
 from ampd import grpcserver, logs
-from ampd.config import SERVICE_SETTINGS, ConfigError, add_flags, check_names, env_name
+from ampd.config import SERVICE_SETTINGS, ConfigError, add_flags, env_name
+from ampd.deployment import check_names
 from ampd.perf import load_profile
 from ampd.policy import SLO, PrefillRequest, make_router, policy_spec
 from ampd.state import StateStore, connect

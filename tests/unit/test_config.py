@@ -8,7 +8,7 @@ import pytest
 
 from ampd import config
 from ampd.cli import build_parser
-from ampd.deployment import SpecError, parse_spec, worker_shape
+from ampd.deployment import SpecError, check_names, parse_spec, worker_shape
 
 
 def _parser(names, **kw) -> argparse.ArgumentParser:
@@ -93,11 +93,11 @@ def test_up_simulate_and_services_share_flag_names():
 
 
 def test_check_names_lists_the_registry():
-    config.check_names({"policy": "ampd-window", "profile": "zero@none"})
+    check_names({"policy": "ampd-window", "profile": "zero@none"})
     with pytest.raises(config.ConfigError, match=r"--policy \(AMPD_POLICY\): unknown policy 'x'; valid policies: ampd"):
-        config.check_names({"policy": "x"})
+        check_names({"policy": "x"})
     with pytest.raises(config.ConfigError, match=r"--profile \(AMPD_PROFILE\): unknown profile"):
-        config.check_names({"profile": "no-such@thing"})
+        check_names({"profile": "no-such@thing"})
 
 
 # ------------------------------------------------------------------------ deployment shapes
