@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ampd.cli import CliError
-from ampd.deployment import expand_spec, format_spec, worker_shape
-from ampd.state.local import RedisStartError, start_redis
 from ampd.config import (SERVICE_SETTINGS, SETTINGS, UP_SETTINGS, Config, ConfigError, add_flags,
                          config_from_args, env_name, to_argv)
+from ampd.deployment import expand_spec, format_spec, worker_shape
+from ampd.state.local import RedisStartError, start_redis
 
 _PR_SET_PDEATHSIG = 1
 
@@ -179,10 +179,6 @@ class Deployment:
                 f"redis {self.redis_url or 'private (started here)'}, logs {self.run_dir}")
 
 
-def add_up_args(p: argparse.ArgumentParser) -> None:
-    add_flags(p, UP_SETTINGS)
-
-
 def cmd_up(args: argparse.Namespace) -> int:
     dep = Deployment(config_from_args(args))
     stop = {"now": False}
@@ -234,7 +230,7 @@ def register(sub) -> None:
                                    "workers and one tool sidecar per decode worker on this machine. A co-located "
                                    "policy (colocated, continuum) runs no prefill workers: the --prefill GPUs "
                                    "become co-located workers, as in `ampd simulate`.")
-    add_up_args(p)
+    add_flags(p, UP_SETTINGS)
     p.set_defaults(func=cmd_up)
     d = sub.add_parser("demo", help="launch a deployment, replay a short trace, print the SLO report")
     d.add_argument("--preset", default="toolbench", help="workload preset of the demo trace")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ampd.config import DEFAULT_PROFILE as PROFILE
+from ampd.config import DEFAULT_PROFILE as PROFILE  # the profile every tool uses unless told
 from ampd.perf import load_profile
 from ampd.policy import PrefillRequest, QueuedTask, make_queue, make_router
 from ampd.slo import SLO
