@@ -368,6 +368,8 @@ def add_flags(parser: argparse.ArgumentParser, names: Iterable[str], *, env: boo
             if kind is not bool:
                 kw["help"] += " (default: %(default)s)" if default not in ("", ()) else ""
         if kind is bool:
+            if "default" in kw:
+                kw["help"] += f" (default: {'on' if kw['default'] else 'off'})"
             target.add_argument(flag_name(name), action=argparse.BooleanOptionalAction, **kw)
             continue
         if kind is tuple:
