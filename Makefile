@@ -48,5 +48,10 @@ bench: venv
 paper: venv
 	$(PY) -m benchmarks.paper $(PAPER_ARGS)
 
+# Unused or undefined names and syntax errors (ruff, rules in pyproject.toml), then the import layers.
+lint: venv
+	$(VENV)/bin/ruff check ampd services tests benchmarks
+	$(PY) -m pytest -q tests/unit/test_layers.py
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 from collections.abc import Awaitable, Callable, Iterable
 
@@ -75,3 +76,12 @@ def channel(address: str) -> grpc.aio.Channel:
         address,
         options=[("grpc.keepalive_time_ms", 20_000), ("grpc.enable_http_proxy", 0)],
     )
+
+
+def write_ready_file(path: str, port: int) -> None:
+    """Tells whoever started this server (`ampd up`) the bound port: written atomically, once serving."""
+    if path:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            f.write(str(port))
+        os.replace(tmp, path)

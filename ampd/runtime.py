@@ -11,6 +11,8 @@ from typing import Callable
 
 import structlog
 
+from ampd.config import SERVICE_SETTINGS, ConfigError, add_flags, env_name
+from ampd.deployment import check_names
 from ampd.kv import KVPool, PoolLayout
 from ampd.perf import Profile
 from ampd.policy import WorkerView
@@ -18,13 +20,11 @@ from ampd.state import StateStore, WorkerInfo, WorkerStats
 
 log = structlog.get_logger()
 
-STALE_AFTER_S = 10.0  # a worker whose stats are older than this is treated as gone (a loaded 2-core box
-# can delay a worker's 0.5 s heartbeat by seconds; a false "gone" fails sessions, a late one only delays)
-HEARTBEAT_S = 0.5
-
-
 @dataclass(frozen=True)
 class WorkerConfig:
+    """One worker's settings, resolved (kind and bound port known). Built by ``config_from_args``
+    from the flags ampd.config derives; the defaults are ampd.config's."""
+
     worker_id: str
     kind: str
     host: str
@@ -38,13 +38,16 @@ class WorkerConfig:
     policy: str
     ttft_slo_s: float
     itl_slo_s: float
-    window_s: float = 10.0
-    reorder_window: int = 3
-    block_tokens: int = 32
-    kv_bytes_per_token: int = 64  # bytes the mock keeps per token (the profile's are for timing)
-    kv_pool_mb: int = 256
-    kv_admission: str = "wait"  # decode: a round whose KV does not fit waits ("wait") or fails ("fail")
-    kv_overlap: bool = True  # prefill: read the next task's history KV while the current one computes
+    window_s: float  # the statistics window (--stats-window)
+    reorder_window: int
+    block_tokens: int
+    kv_bytes_per_token: int  # bytes the mock keeps per token (the profile's are for timing)
+    kv_pool_mb: int
+    heartbeat_s: float
+    kv_overlap: bool
+    kv_admission: str  # "wait" | "fail"
+    chunked_prefill: bool = False  # decode workers only
+    sidecar: str = ""  # decode workers only
 
 
 def pool_for(profile: Profile, cfg: WorkerConfig) -> KVPool:
@@ -118,7 +121,7 @@ class WorkerRuntime:
     async def _publisher(self) -> None:
         while True:
             try:
-                await asyncio.wait_for(self._dirty.wait(), HEARTBEAT_S)
+                await asyncio.wait_for(self._dirty.wait(), self.cfg.heartbeat_s)
             except asyncio.TimeoutError:
                 pass
             self._dirty.clear()
@@ -175,33 +178,18 @@ class WorkerRuntime:
         self.transport.close()
 
 
-def add_worker_args(parser) -> None:
-    """Command-line flags every worker takes (the launcher and docker-compose pass the same)."""
-    parser.add_argument("--worker-id", required=True)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--advertise", default="", help="address others dial (default host:port)")
-    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
-    parser.add_argument("--namespace", default="ampd")
-    parser.add_argument("--profile", default="qwen3-32b@h20")
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--engine", default="mock", choices=["mock"])
-    parser.add_argument("--policy", default="ampd")
-    parser.add_argument("--ttft-slo", type=float, default=2.0)
-    parser.add_argument("--itl-slo", type=float, default=0.1)
-    parser.add_argument("--window", type=float, default=10.0, help="statistics window, seconds")
-    parser.add_argument("--reorder-window", type=int, default=3)
-    parser.add_argument("--block-tokens", type=int, default=32)
-    parser.add_argument("--kv-bytes-per-token", type=int, default=64)
-    parser.add_argument("--kv-pool-mb", type=int, default=256)
-    parser.add_argument("--kv-admission", default="wait", choices=["wait", "fail"],
-                        help="decode: a round whose KV does not fit waits until KV frees, or fails its session")
-    parser.add_argument("--kv-overlap", action=argparse.BooleanOptionalAction, default=True,
-                        help="prefill: read the next task's history KV while the current task computes")
-    parser.add_argument("--ready-file", default="", help="write the bound port here once serving")
+def add_worker_args(parser, kind: str) -> None:
+    """The flags of a ``kind`` ("prefill" or "decode") worker, derived from ampd.config; each also
+    reads its AMPD_* environment variable (docker-compose)."""
+    add_flags(parser, SERVICE_SETTINGS[kind], env=True)
 
 
 def config_from_args(args, kind: str, port: int) -> WorkerConfig:
+    if not args.worker_id:
+        raise ConfigError("--worker-id: required")
+    if not args.redis_url:
+        raise ConfigError(f"--redis-url ({env_name('redis_url')}): required")
+    check_names(args)
     return WorkerConfig(
         worker_id=args.worker_id,
         kind=kind,
@@ -216,19 +204,14 @@ def config_from_args(args, kind: str, port: int) -> WorkerConfig:
         policy=args.policy,
         ttft_slo_s=args.ttft_slo,
         itl_slo_s=args.itl_slo,
-        window_s=args.window,
+        window_s=args.stats_window,
         reorder_window=args.reorder_window,
         block_tokens=args.block_tokens,
         kv_bytes_per_token=args.kv_bytes_per_token,
         kv_pool_mb=args.kv_pool_mb,
-        kv_admission=args.kv_admission,
+        heartbeat_s=args.heartbeat,
         kv_overlap=args.kv_overlap,
+        kv_admission=args.kv_admission,
+        chunked_prefill=getattr(args, "chunked_prefill", False),
+        sidecar=getattr(args, "sidecar", ""),
     )
-
-
-def write_ready_file(path: str, port: int) -> None:
-    if path:
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            f.write(str(port))
-        os.replace(tmp, path)

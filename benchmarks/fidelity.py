@@ -85,7 +85,7 @@ def options(policy: str, redis_url: str = "", run_dir: str = "", namespace: str 
             slo_: SLO | None = None) -> Options:
     s = slo_ or slo()
     return Options(prefill=PREFILL, decode=DECODE, profile=PROFILE, policy=policy, redis_url=redis_url,
-                   namespace=namespace, ttft_slo=s.ttft_s, itl_slo=s.itl_s, window=WINDOW_S,
+                   namespace=namespace, ttft_slo=s.ttft_s, itl_slo=s.itl_s, stats_window=WINDOW_S,
                    seed=SEED, run_dir=run_dir)
 
 

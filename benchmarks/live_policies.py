@@ -26,10 +26,11 @@ from pathlib import Path
 
 from ampd.bench.client import replay
 from ampd.bench.report import SLO, build_report
+from ampd.config import DEFAULT_PROFILE
 from ampd.launcher import Deployment, Options
 from ampd.perf import load_profile
 from ampd.policy import policy_spec
-from ampd.workload import dump_trace, generate
+from ampd.workload import generate
 
 RESULTS = Path(__file__).parent / "results"
 DEFAULT_POLICIES = ("ampd", "remote", "local", "colocated")
@@ -42,7 +43,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rate", type=float, default=0.6, help="sessions per second (Poisson)")
     p.add_argument("--duration", type=float, default=60.0, help="arrival window of the trace, seconds")
     p.add_argument("--seed", type=int, default=7, help="trace seed")
-    p.add_argument("--profile", default="qwen3-32b@h20")
+    p.add_argument("--profile", default=DEFAULT_PROFILE)
     p.add_argument("--tp", type=int, default=2, help="TP degree of every worker")
     p.add_argument("--prefill", type=int, default=2, help="prefill workers")
     p.add_argument("--decode", type=int, default=2, help="decode workers")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from ampd.cli import CliError
+from ampd.config import add_flags
 
 
 def _cmd(args: argparse.Namespace) -> int:
@@ -20,8 +21,12 @@ def _sched(args: argparse.Namespace) -> int:
     import json
 
     from ampd.bench.sched import format_sched, run
+    from ampd.state.local import RedisStartError
 
-    r = run(args.redis_url, args.decisions)
+    try:
+        r = run(args.redis_url, args.decisions)
+    except RedisStartError as exc:
+        raise CliError(str(exc)) from None
     print(format_sched(r))
     if args.json:
         with open(args.json, "w") as f:
@@ -32,15 +37,14 @@ def _sched(args: argparse.Namespace) -> int:
 def register(sub) -> None:
     s = sub.add_parser("bench-sched", help="routing and reordering decision latency")
     s.add_argument("--json", default="", help="write the results (DESIGN section 8 keys) here")
-    s.add_argument("--redis-url", default="", help="use this Redis (default: start a private one)")
+    add_flags(s, ("redis_url",))
     s.add_argument("--decisions", type=int, default=3000)
     s.set_defaults(func=_sched)
 
     p = sub.add_parser("bench", help="replay a trace over gRPC and report SLO attainment")
     p.add_argument("--target", required=True, help="coordinator HOST:PORT")
     p.add_argument("--trace", required=True, help="trace file (JSON Lines)")
-    p.add_argument("--ttft-slo", type=float, required=True, help="seconds")
-    p.add_argument("--itl-slo", type=float, required=True, help="seconds")
+    add_flags(p, ("ttft_slo", "itl_slo"), required=("ttft_slo", "itl_slo"))
     p.add_argument("--json", default="", help="write the report (DESIGN section 8 keys) here")
     p.add_argument("--verify-tokens", action="store_true",
                    help="check every token against the mock engine's deterministic output")

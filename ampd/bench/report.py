@@ -12,6 +12,8 @@ from typing import Sequence
 
 import numpy as np
 
+from ampd.slo import SLO
+
 __all__ = ["SLO", "RoundRecord", "SessionRecord", "SessionVerdict", "judge_session",
            "build_report", "format_report", "latency_summary", "weighted_latency_summary",
            "REPORT_KEYS", "EPS_S"]
@@ -21,20 +23,6 @@ EPS_S = 1e-9
 
 REPORT_KEYS = ("policy", "sessions", "completed", "failed", "slo_attainment", "goodput_rps",
                "local_fraction", "ttft_s", "ttft_initial_s", "ttft_incremental_s", "itl_s", "e2e_s")
-
-
-@dataclass(frozen=True, slots=True)
-class SLO:
-    """Per-round TTFT threshold and per-session mean-ITL threshold, in seconds."""
-
-    ttft_s: float
-    itl_s: float
-
-    def __post_init__(self) -> None:
-        for name in ("ttft_s", "itl_s"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise ValueError(f"SLO {name} must be a finite number > 0 seconds, got {v!r}")
 
 
 # Not frozen (treated as a value all the same): a frozen dataclass sets its 12 fields through

@@ -1,6 +1,6 @@
 """`ampd bench-sched`: how long scheduling decisions take, including the shared-state read.
 
-Routing: a real coordinator `Cluster` over a real Redis holding N prefill and N decode workers with
+Routing: the coordinator's `Cluster` (ampd.state.cluster) over a real Redis holding N prefill and N decode workers with
 realistic queues, then `route` (Algorithm 1, every rung down to the cost model). Two modes:
 `push` (the default live mode: workers publish, the coordinator follows the channel; the decision
 reads no Redis, and the statistics' delivery lag is measured) and `read` (HGETALL per decision).
@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -20,12 +19,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ampd.bench.report import SLO
+from ampd.config import DEFAULT_PROFILE as PROFILE  # the profile every tool uses unless told
 from ampd.perf import load_profile
 from ampd.policy import PrefillTask, make_queue, make_router
+from ampd.slo import SLO
 from ampd.state import StateStore, WorkerInfo, WorkerStats, connect
-
-PROFILE = "qwen3-32b@h20"
+from ampd.state.cluster import Cluster, route
 
 
 def _pct(xs: list[float]) -> tuple[float, float]:
@@ -61,8 +60,6 @@ async def _setup(store: StateStore, n: int, profile, slo: SLO, rng: random.Rando
 
 
 async def _routing(store: StateStore, n: int, mode: str, iters: int) -> dict:
-    from services.coordinator.core import Cluster, route
-
     profile = load_profile(PROFILE)
     slo = SLO(2.0, 0.05)
     rng = random.Random(n)
@@ -145,21 +142,16 @@ async def _run(url: str, iters: int) -> dict:
 def run(redis_url: str = "", iters: int = 3000) -> dict:
     import uvloop
 
-    from ampd.launcher import free_port, redis_command, wait_for_redis
+    from ampd.state.local import start_redis, stop_process
 
     proc = None
     if not redis_url:
-        port = free_port()
-        proc = subprocess.Popen(redis_command(port, Path(tempfile.mkdtemp(prefix="ampd-sched-"))),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        redis_url = f"redis://127.0.0.1:{port}/0"
-        wait_for_redis(redis_url, proc)
+        proc, redis_url = start_redis(Path(tempfile.mkdtemp(prefix="ampd-sched-")))
     try:
         out = uvloop.run(_run(redis_url, iters))
     finally:
         if proc is not None:
-            proc.terminate()
-            proc.wait(10)
+            stop_process(proc)
     out["command"] = "ampd bench-sched"
     out["profile"] = PROFILE
     out["when"] = time.strftime("%Y-%m-%d %H:%M:%S")

@@ -1,5 +1,5 @@
 """Pure decision cores: binding, routing (Algorithm 1 and baselines), prefill queues
-(Algorithm 2 and baselines) and the deployment shape of each policy. No I/O, no clock.
+(Algorithm 2 and baselines) and the policy registry (name -> router, queues, workers). No I/O, no clock.
 See docs/policies.md."""
 
 from .bind import bind
@@ -21,9 +21,9 @@ from .route import (
     ThresholdRouter,
     make_router,
 )
-from .spec import POLICIES, PolicySpec, policy_spec
+from .spec import POLICIES, PolicySpec, policy_spec, register_policy
 from .cost import remote_parts, t_local, t_remote
-from .types import SLO, CostModel, PrefillRequest, PrefillTask, QueuedTask, RouteDecision, WorkerView
+from .types import SLO, CostModel, PrefillTask, RouteDecision, WorkerView
 
 __all__ = [
     "CostModel",
@@ -51,6 +51,7 @@ __all__ = [
     "PolicySpec",
     "POLICIES",
     "policy_spec",
+    "register_policy",
     "PREFILL_SLACK",
     "DECODE_SLACK",
     "COST_MODEL",

@@ -268,16 +268,19 @@ class ContinuumQueue(PrefillQueue):
         return (self._q, self._new)
 
 
-QUEUES: tuple[str, ...] = ("fcfs", "ttft-aware", "continuum")
+# The queue registry: name -> builder(cost, slo, tp, window). Policies name their queues here.
+_QUEUE_BUILDERS = {
+    "fcfs": lambda cost, slo, tp, window: FCFSQueue(cost, slo, tp),
+    "ttft-aware": lambda cost, slo, tp, window: TTFTAwareQueue(cost, slo, tp, window=window),
+    "continuum": lambda cost, slo, tp, window: ContinuumQueue(cost, slo, tp),
+}
+QUEUES: tuple[str, ...] = tuple(_QUEUE_BUILDERS)
 
 
 def make_queue(name: str, cost: CostModel, slo: SLO, tp: int, *, window: int = 3) -> PrefillQueue:
     """Build a prefill queue for a worker of degree ``tp``: ``"fcfs"``, ``"ttft-aware"``
     (Algorithm 2 with lookahead ``window``) or ``"continuum"``. Unknown names raise ``ValueError``."""
-    if name == "fcfs":
-        return FCFSQueue(cost, slo, tp)
-    if name == "ttft-aware":
-        return TTFTAwareQueue(cost, slo, tp, window=window)
-    if name == "continuum":
-        return ContinuumQueue(cost, slo, tp)
-    raise ValueError(f"unknown prefill queue {name!r}; valid queues: {', '.join(QUEUES)}")
+    build = _QUEUE_BUILDERS.get(name)
+    if build is None:
+        raise ValueError(f"unknown prefill queue {name!r}; valid queues: {', '.join(QUEUES)}")
+    return build(cost, slo, tp, window)

@@ -47,6 +47,12 @@ THRESHOLD_REMOTE = "threshold-remote"
 # "queue" (also the task's own predicted TTFT from the published queues; docs/policies.md).
 SLACK_RULES = ("window", "queue")
 
+# Algorithm 1's slack factors (the paper's values): a prefill worker has TTFT slack when its windowed
+# TTFT <= ALPHA * TTFT SLO, a decode worker ITL slack when its windowed ITL <= BETA * ITL SLO.
+ALPHA = 0.9
+BETA = 0.85
+THRESHOLD_TOKENS = 1000  # the threshold baseline's limit (Dynamo's default)
+
 
 @runtime_checkable
 class Router(Protocol):
@@ -112,7 +118,7 @@ class AdaptiveRouter:
 
     __slots__ = ("name", "cost", "slo", "alpha", "beta", "seed", "slack", "_rng", "_ttft_limit", "_itl_limit")
 
-    def __init__(self, cost: CostModel, slo: SLO, *, seed: int = 0, alpha: float = 0.9, beta: float = 0.85,
+    def __init__(self, cost: CostModel, slo: SLO, *, seed: int = 0, alpha: float = ALPHA, beta: float = BETA,
                  slack: str = "window"):
         if slack not in SLACK_RULES:
             raise ValueError(f"slack must be one of {', '.join(SLACK_RULES)}, got {slack!r}")
@@ -251,7 +257,7 @@ class ThresholdRouter:
 
     __slots__ = ("name", "threshold_tokens")
 
-    def __init__(self, threshold_tokens: int = 1000) -> None:
+    def __init__(self, threshold_tokens: int = THRESHOLD_TOKENS) -> None:
         if threshold_tokens < 0:
             raise ValueError(f"threshold_tokens must be >= 0, got {threshold_tokens!r}")
         self.name = "threshold"
@@ -268,7 +274,15 @@ class ThresholdRouter:
         return RouteDecision(_least_loaded(prefills, est), False, THRESHOLD_REMOTE, est)
 
 
-ROUTERS: tuple[str, ...] = ("adaptive", "remote", "local", "threshold")
+# The router registry: name -> builder(cost, slo, seed, alpha, beta, threshold_tokens, slack).
+_ROUTER_BUILDERS = {
+    "adaptive": lambda cost, slo, seed, alpha, beta, threshold_tokens, slack: AdaptiveRouter(
+        cost, slo, seed=seed, alpha=alpha, beta=beta, slack=slack or "window"),
+    "remote": lambda *_: RemoteRouter(),
+    "local": lambda *_: LocalRouter(),
+    "threshold": lambda cost, slo, seed, alpha, beta, threshold_tokens, slack: ThresholdRouter(threshold_tokens),
+}
+ROUTERS: tuple[str, ...] = tuple(_ROUTER_BUILDERS)
 
 
 def make_router(
@@ -277,19 +291,19 @@ def make_router(
     slo: SLO,
     *,
     seed: int = 0,
-    alpha: float = 0.9,
-    beta: float = 0.85,
-    threshold_tokens: int = 1000,
+    alpha: float = ALPHA,
+    beta: float = BETA,
+    threshold_tokens: int = THRESHOLD_TOKENS,
     slack: str | None = None,
     **opts: object,
 ) -> Router:
     """Build a router by router name (``ROUTERS``) or by policy name (``POLICIES``, resolved
-    through ``policy_spec(name).router``; the policy also sets the default ``slack`` rule).
+    through the policy registry; the policy also sets the default ``slack`` rule).
     Unknown names or options raise ``ValueError``."""
     if opts:
         raise ValueError(f"make_router: unknown option(s) {', '.join(sorted(opts))}")
     kind = name
-    if kind not in ROUTERS:
+    if kind not in _ROUTER_BUILDERS:
         from .spec import POLICIES, policy_spec
 
         if kind not in POLICIES:
@@ -301,10 +315,4 @@ def make_router(
         kind = spec.router
         if slack is None:
             slack = spec.slack
-    if kind == "adaptive":
-        return AdaptiveRouter(cost, slo, seed=seed, alpha=alpha, beta=beta, slack=slack or "window")
-    if kind == "remote":
-        return RemoteRouter()
-    if kind == "local":
-        return LocalRouter()
-    return ThresholdRouter(threshold_tokens)
+    return _ROUTER_BUILDERS[kind](cost, slo, seed, alpha, beta, threshold_tokens, slack)

@@ -1,10 +1,13 @@
-"""Deployment shape of each policy name: which router, which queues, which workers."""
+"""The policy registry: each policy name -> its router, its queues, which workers it runs.
+
+Every tool (`ampd up`, `ampd simulate`, the services, the benchmarks) resolves a policy name here;
+nothing else branches on policy names."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-__all__ = ["PolicySpec", "POLICIES", "policy_spec", "CONTINUUM_KV_PIN_TTL_S"]
+__all__ = ["PolicySpec", "POLICIES", "policy_spec", "register_policy", "CONTINUUM_KV_PIN_TTL_S"]
 
 # How long Continuum keeps a session's KV pinned on its worker after a round ends, waiting for
 # the tool result. Continuum derives its TTL from the tool-call latency distribution; 5 s covers
@@ -14,15 +17,16 @@ CONTINUUM_KV_PIN_TTL_S = 5.0
 
 @dataclass(frozen=True, slots=True)
 class PolicySpec:
-    """How a policy is deployed.
+    """How a policy is deployed: one entry of the policy registry.
 
-    ``router``: a name for ``make_router``. ``prefill_queue``: queue of prefill workers (``None``
-    when the policy runs none). ``decode_queue``: queue of each decode worker's local prefills.
-    ``uses_prefill_workers``: False for the co-located baselines (all GPUs are decode workers
-    that also prefill). ``kv_pin_ttl_s``: seconds a finished round's KV stays pinned waiting for
-    the next round (Continuum), ``None`` = no TTL pinning (the session's KV stays on its
-    decode worker for the session's life). Chunked local prefill is a worker option
-    (``chunked_prefill``), not a policy's.
+    ``router``: a router name (``ampd.policy.route.ROUTERS``). ``prefill_queue``: queue of prefill
+    workers (``None`` when the policy runs none). ``decode_queue``: queue of each decode worker's
+    local prefills (``ampd.policy.reorder.QUEUES``). ``uses_prefill_workers``: False for the
+    co-located baselines (all GPUs are decode workers that also prefill). ``kv_pin_ttl_s``: seconds a
+    finished round's KV stays pinned waiting for the next round (Continuum), ``None`` = no TTL
+    pinning (the session's KV stays on its decode worker for the session's life). ``slack``:
+    Algorithm 1's slack rule (``ampd.policy.route.SLACK_RULES``) when the router is adaptive.
+    Chunked local prefill is a worker option (``chunked_prefill``), not a policy's.
     """
 
     name: str
@@ -32,29 +36,53 @@ class PolicySpec:
     uses_prefill_workers: bool
     kv_pin_ttl_s: float | None = None
     description: str = ""
-    slack: str = "window"  # Algorithm 1's slack rule (ampd.policy.route.SLACK_RULES)
+    slack: str = "window"
 
 
-_SPECS: dict[str, PolicySpec] = {
-    s.name: s
-    for s in (
-        PolicySpec("ampd", "adaptive", "ttft-aware", "ttft-aware", True, slack="queue",
-                   description="AMPD: adaptive routing (Alg. 1, queue-aware slack) + TTFT-aware reordering "
-                               "(Alg. 2) on every queue"),
-        PolicySpec("ampd-noreorder", "adaptive", "fcfs", "fcfs", True, slack="queue",
-                   description="AMPD routing (Alg. 1, queue-aware slack) with FCFS queues (ablation)"),
-        PolicySpec("remote", "remote", "fcfs", "fcfs", True,
-                   description="Dynamo-style disaggregation: every prefill on the least-loaded prefill worker, FCFS"),
-        PolicySpec("local", "local", "fcfs", "fcfs", True,
-                   description="every prefill on the session's decode worker, FCFS (prefill workers idle)"),
-        PolicySpec("threshold", "threshold", "fcfs", "fcfs", True,
-                   description="conditional disaggregation: local when l_incr < threshold_tokens, else least-loaded remote"),
-        PolicySpec("colocated", "local", None, "fcfs", False,
-                   description="vLLM-style co-location: no prefill workers, prefill-priority continuous batching, FCFS"),
-        PolicySpec("continuum", "local", None, "continuum", False, kv_pin_ttl_s=CONTINUUM_KV_PIN_TTL_S,
-                   description="vLLM-Continuum: co-located, KV pinned through tool calls for a TTL, running sessions first"),
-    )
-}
+_SPECS: dict[str, PolicySpec] = {}
+
+
+def register_policy(spec: PolicySpec) -> PolicySpec:
+    """Adds ``spec`` to the registry; its router, queues and slack rule must exist."""
+    from .reorder import QUEUES
+    from .route import ROUTERS, SLACK_RULES
+
+    problems = []
+    if spec.router not in ROUTERS:
+        problems.append(f"router {spec.router!r} (valid: {', '.join(ROUTERS)})")
+    for q in (spec.prefill_queue, spec.decode_queue):
+        if q is not None and q not in QUEUES:
+            problems.append(f"queue {q!r} (valid: {', '.join(QUEUES)})")
+    if spec.slack not in SLACK_RULES:
+        problems.append(f"slack {spec.slack!r} (valid: {', '.join(SLACK_RULES)})")
+    if spec.uses_prefill_workers != (spec.prefill_queue is not None):
+        problems.append("a policy has a prefill queue exactly when it uses prefill workers")
+    if problems:
+        raise ValueError(f"policy {spec.name!r}: " + "; ".join(problems))
+    _SPECS[spec.name] = spec
+    return spec
+
+
+for _spec in (
+    PolicySpec("ampd", "adaptive", "ttft-aware", "ttft-aware", True, slack="queue",
+               description="AMPD: adaptive routing (Alg. 1, queue-aware slack) + TTFT-aware reordering "
+                           "(Alg. 2) on every queue"),
+    PolicySpec("ampd-window", "adaptive", "ttft-aware", "ttft-aware", True, slack="window",
+               description="AMPD as the paper writes it: Alg. 1 with the windowed-mean slack rule + Alg. 2"),
+    PolicySpec("ampd-noreorder", "adaptive", "fcfs", "fcfs", True, slack="queue",
+               description="AMPD routing (Alg. 1, queue-aware slack) with FCFS queues (ablation)"),
+    PolicySpec("remote", "remote", "fcfs", "fcfs", True,
+               description="Dynamo-style disaggregation: every prefill on the least-loaded prefill worker, FCFS"),
+    PolicySpec("local", "local", "fcfs", "fcfs", True,
+               description="every prefill on the session's decode worker, FCFS (prefill workers idle)"),
+    PolicySpec("threshold", "threshold", "fcfs", "fcfs", True,
+               description="conditional disaggregation: local when l_incr < threshold_tokens, else least-loaded remote"),
+    PolicySpec("colocated", "local", None, "fcfs", False,
+               description="vLLM-style co-location: no prefill workers, prefill-priority continuous batching, FCFS"),
+    PolicySpec("continuum", "local", None, "continuum", False, kv_pin_ttl_s=CONTINUUM_KV_PIN_TTL_S,
+               description="vLLM-Continuum: co-located, KV pinned through tool calls for a TTL, running sessions first"),
+):
+    register_policy(_spec)
 
 POLICIES: tuple[str, ...] = tuple(_SPECS)
 
@@ -65,7 +93,7 @@ def policy_spec(name: str, *, kv_pin_ttl_s: float | None = None) -> PolicySpec:
     try:
         spec = _SPECS[name]
     except (KeyError, TypeError):
-        raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(POLICIES)}") from None
+        raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(_SPECS)}") from None
     if kv_pin_ttl_s is not None:
         if spec.kv_pin_ttl_s is None:
             raise ValueError(f"policy {name!r} does not pin KV; kv_pin_ttl_s applies to: "

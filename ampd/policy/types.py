@@ -14,9 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-# One SLO type for the whole tree: the report module (ampd.bench.report) owns it and judges
-# sessions with it; the policies re-export it. SLO(ttft_s, itl_s), both > 0 seconds.
-from ampd.bench.report import SLO
+# One SLO type for the whole tree (ampd.slo); the policies re-export it. SLO(ttft_s, itl_s), both > 0 seconds.
+from ampd.slo import SLO
 
 __all__ = [
     "CostModel",
@@ -63,14 +62,6 @@ class PrefillTask:
     enqueued_at: float = 0.0
     decode_worker: str = ""
     decode_tp: int = 0
-
-
-def PrefillRequest(session_id: str, round: int, l_hist: int, l_incr: int, decode_worker: str) -> PrefillTask:
-    """Deprecated spelling kept for services/ until the live port: a ``PrefillTask`` to route."""
-    return PrefillTask(session_id, round, l_hist, l_incr, 0.0, decode_worker)
-
-
-QueuedTask = PrefillTask  # deprecated name kept for services/ until the live port
 
 
 @dataclass(slots=True)

@@ -11,7 +11,7 @@ from .gcpause import gc_paused
 from .loop import Simulator, simulate
 from .records import sim_report, to_session_records
 from .result import SimResult, SimRound, SimSession
-from .spec import SpecError, expand_spec, format_spec, parse_spec
+from ampd.deployment import SpecError, expand_spec, format_spec, parse_spec
 
 __all__ = ["PathLatency", "SimConfig", "SimResult", "SimRound", "SimSession", "Simulator", "simulate", "sim_report",
            "to_session_records", "gc_paused", "SpecError", "parse_spec", "format_spec", "expand_spec"]

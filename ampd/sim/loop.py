@@ -24,7 +24,7 @@ from ampd.worker import (ADMITTED, FAILED, IDLE, STEPPING, DecodeCore, DecodeRun
 from .config import PathLatency, SimConfig
 from .gcpause import gc_paused
 from .result import SimResult, SimRound, SimSession
-from .spec import expand_spec, format_spec, parse_spec
+from ampd.deployment import expand_spec, format_spec, parse_spec
 from .steplog import StepLog
 
 __all__ = ["Simulator", "simulate"]

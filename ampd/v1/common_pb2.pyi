@@ -118,6 +118,28 @@ class SessionDone(_message.Message):
     rounds: _containers.RepeatedCompositeFieldContainer[RoundTiming]
     def __init__(self, rounds: _Optional[_Iterable[_Union[RoundTiming, _Mapping]]] = ...) -> None: ...
 
+class PrefillTask(_message.Message):
+    __slots__ = ("session_id", "round", "l_hist", "l_incr", "input_ready", "decode_worker", "decode_tp", "history", "dest")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    L_HIST_FIELD_NUMBER: _ClassVar[int]
+    L_INCR_FIELD_NUMBER: _ClassVar[int]
+    INPUT_READY_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TP_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
+    DEST_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    round: int
+    l_hist: int
+    l_incr: int
+    input_ready: float
+    decode_worker: str
+    decode_tp: int
+    history: _containers.RepeatedCompositeFieldContainer[Segment]
+    dest: _containers.RepeatedCompositeFieldContainer[Segment]
+    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., l_hist: _Optional[int] = ..., l_incr: _Optional[int] = ..., input_ready: _Optional[float] = ..., decode_worker: _Optional[str] = ..., decode_tp: _Optional[int] = ..., history: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., dest: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
+
 class Ack(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

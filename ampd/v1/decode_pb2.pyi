@@ -1,8 +1,7 @@
 from ampd.v1 import common_pb2 as _common_pb2
-from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from collections.abc import Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -27,35 +26,19 @@ class RouteInfo(_message.Message):
     prefill_worker: str
     def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., reason: _Optional[str] = ..., prefill_worker: _Optional[str] = ...) -> None: ...
 
-class PrefillNeeded(_message.Message):
-    __slots__ = ("round", "l_hist", "l_incr", "input_ready", "history", "dest")
-    ROUND_FIELD_NUMBER: _ClassVar[int]
-    L_HIST_FIELD_NUMBER: _ClassVar[int]
-    L_INCR_FIELD_NUMBER: _ClassVar[int]
-    INPUT_READY_FIELD_NUMBER: _ClassVar[int]
-    HISTORY_FIELD_NUMBER: _ClassVar[int]
-    DEST_FIELD_NUMBER: _ClassVar[int]
-    round: int
-    l_hist: int
-    l_incr: int
-    input_ready: float
-    history: _containers.RepeatedCompositeFieldContainer[_common_pb2.Segment]
-    dest: _containers.RepeatedCompositeFieldContainer[_common_pb2.Segment]
-    def __init__(self, round: _Optional[int] = ..., l_hist: _Optional[int] = ..., l_incr: _Optional[int] = ..., input_ready: _Optional[float] = ..., history: _Optional[_Iterable[_Union[_common_pb2.Segment, _Mapping]]] = ..., dest: _Optional[_Iterable[_Union[_common_pb2.Segment, _Mapping]]] = ...) -> None: ...
-
 class DecodeEvent(_message.Message):
-    __slots__ = ("prefill_needed", "tokens", "tool_call", "round_end", "done")
-    PREFILL_NEEDED_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("prefill_task", "tokens", "tool_call", "round_end", "done")
+    PREFILL_TASK_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_FIELD_NUMBER: _ClassVar[int]
     ROUND_END_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
-    prefill_needed: PrefillNeeded
+    prefill_task: _common_pb2.PrefillTask
     tokens: _common_pb2.Tokens
     tool_call: _common_pb2.ToolCall
     round_end: _common_pb2.RoundEnd
     done: _common_pb2.SessionDone
-    def __init__(self, prefill_needed: _Optional[_Union[PrefillNeeded, _Mapping]] = ..., tokens: _Optional[_Union[_common_pb2.Tokens, _Mapping]] = ..., tool_call: _Optional[_Union[_common_pb2.ToolCall, _Mapping]] = ..., round_end: _Optional[_Union[_common_pb2.RoundEnd, _Mapping]] = ..., done: _Optional[_Union[_common_pb2.SessionDone, _Mapping]] = ...) -> None: ...
+    def __init__(self, prefill_task: _Optional[_Union[_common_pb2.PrefillTask, _Mapping]] = ..., tokens: _Optional[_Union[_common_pb2.Tokens, _Mapping]] = ..., tool_call: _Optional[_Union[_common_pb2.ToolCall, _Mapping]] = ..., round_end: _Optional[_Union[_common_pb2.RoundEnd, _Mapping]] = ..., done: _Optional[_Union[_common_pb2.SessionDone, _Mapping]] = ...) -> None: ...
 
 class ToolResultRequest(_message.Message):
     __slots__ = ("session_id", "call_id", "input_tokens", "content")

@@ -4,7 +4,6 @@ import grpc
 import warnings
 
 from ampd.v1 import common_pb2 as ampd_dot_v1_dot_common__pb2
-from ampd.v1 import prefill_pb2 as ampd_dot_v1_dot_prefill__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -27,7 +26,7 @@ if _version_not_supported:
 
 
 class PrefillWorkerStub:
-    """A prefill worker queues prefill tasks; at dequeue it reads the history KV from the bound decode
+    """A prefill worker queues prefill tasks (PrefillTask, in common.proto); at dequeue it reads the history KV from the bound decode
     worker over NIXL, runs the prefill and writes the new KV back with a NIXL notification carrying
     a PrefillDone.
     """
@@ -40,7 +39,7 @@ class PrefillWorkerStub:
         """
         self.Submit = channel.unary_unary(
                 '/ampd.v1.PrefillWorker/Submit',
-                request_serializer=ampd_dot_v1_dot_prefill__pb2.PrefillTask.SerializeToString,
+                request_serializer=ampd_dot_v1_dot_common__pb2.PrefillTask.SerializeToString,
                 response_deserializer=ampd_dot_v1_dot_common__pb2.Ack.FromString,
                 _registered_method=True)
         self.Metrics = channel.unary_unary(
@@ -51,7 +50,7 @@ class PrefillWorkerStub:
 
 
 class PrefillWorkerServicer:
-    """A prefill worker queues prefill tasks; at dequeue it reads the history KV from the bound decode
+    """A prefill worker queues prefill tasks (PrefillTask, in common.proto); at dequeue it reads the history KV from the bound decode
     worker over NIXL, runs the prefill and writes the new KV back with a NIXL notification carrying
     a PrefillDone.
     """
@@ -73,7 +72,7 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Submit': grpc.unary_unary_rpc_method_handler(
                     servicer.Submit,
-                    request_deserializer=ampd_dot_v1_dot_prefill__pb2.PrefillTask.FromString,
+                    request_deserializer=ampd_dot_v1_dot_common__pb2.PrefillTask.FromString,
                     response_serializer=ampd_dot_v1_dot_common__pb2.Ack.SerializeToString,
             ),
             'Metrics': grpc.unary_unary_rpc_method_handler(
@@ -90,7 +89,7 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class PrefillWorker:
-    """A prefill worker queues prefill tasks; at dequeue it reads the history KV from the bound decode
+    """A prefill worker queues prefill tasks (PrefillTask, in common.proto); at dequeue it reads the history KV from the bound decode
     worker over NIXL, runs the prefill and writes the new KV back with a NIXL notification carrying
     a PrefillDone.
     """
@@ -110,7 +109,7 @@ class PrefillWorker:
             request,
             target,
             '/ampd.v1.PrefillWorker/Submit',
-            ampd_dot_v1_dot_prefill__pb2.PrefillTask.SerializeToString,
+            ampd_dot_v1_dot_common__pb2.PrefillTask.SerializeToString,
             ampd_dot_v1_dot_common__pb2.Ack.FromString,
             options,
             channel_credentials,

@@ -11,14 +11,15 @@ import grpc
 import structlog
 
 from ampd import grpcserver, logs
+from ampd.config import SERVICE_SETTINGS, ConfigError, add_flags, env_name
+from ampd.deployment import check_names
 from ampd.perf import load_profile
-from ampd.policy import SLO, PrefillRequest, make_router, policy_spec
+from ampd.policy import SLO, PrefillTask, make_router, policy_spec
 from ampd.state import StateStore, connect
 from ampd.v1 import (
-    common_pb2, coordinator_pb2, coordinator_pb2_grpc, decode_pb2, decode_pb2_grpc, prefill_pb2,
-    prefill_pb2_grpc,
+    common_pb2, coordinator_pb2, coordinator_pb2_grpc, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc,
 )
-from ampd.runtime import write_ready_file
+from ampd.grpcserver import write_ready_file
 from services.coordinator.core import Cluster, InvalidArgument, choose_decode_worker, route, validate_open
 
 log = structlog.get_logger()
@@ -87,8 +88,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         try:
             async for ev in call:
                 kind = ev.WhichOneof("event")
-                if kind == "prefill_needed":
-                    await self._route(sid, decode_id, info.tp, decode_stub, ev.prefill_needed, routes)
+                if kind == "prefill_task":
+                    await self._route(sid, decode_id, info.tp, decode_stub, ev.prefill_task, routes)
                     continue
                 out = coordinator_pb2.SessionEvent(session_id=sid)
                 if first_event:
@@ -146,10 +147,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 # The session's stream carries the outcome; a bad tool result is logged here.
                 log.warning("client message rejected", session=sid, kind=kind, error=exc.details())
 
-    async def _route(self, sid, decode_id, decode_tp, decode_stub, need: decode_pb2.PrefillNeeded, routes) -> None:
+    async def _route(self, sid, decode_id, decode_tp, decode_stub, need: common_pb2.PrefillTask, routes) -> None:
         t0 = time.perf_counter()
         view = await self.cluster.view()
-        req = PrefillRequest(sid, need.round, need.l_hist, need.l_incr, decode_id)
+        req = PrefillTask(sid, need.round, need.l_hist, need.l_incr, need.input_ready, decode_id, decode_tp)
         decision = route(self.router, view, req, time.time())
         decide_ms = (time.perf_counter() - t0) * 1e3
         self.route_read_ms_total += view.read_s * 1e3
@@ -161,10 +162,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             if not decision.local:
                 target = self.cluster.infos.get(decision.target)
                 try:
-                    await self.stubs.prefill(target.address).Submit(prefill_pb2.PrefillTask(
-                        session_id=sid, round=need.round, l_hist=need.l_hist, l_incr=need.l_incr,
-                        input_ready=need.input_ready, decode_worker=decode_id, decode_tp=decode_tp,
-                        history=need.history, dest=need.dest))
+                    # The task goes on as the decode worker sent it, bound to the worker this
+                    # coordinator bound the session to.
+                    need.session_id, need.decode_worker, need.decode_tp = sid, decode_id, decode_tp
+                    await self.stubs.prefill(target.address).Submit(need)
                     self.counters["prefills_remote"] += 1
                 except (grpc.aio.AioRpcError, AttributeError) as exc:
                     # A prefill worker that vanished must not lose the round: run it locally.
@@ -203,6 +204,7 @@ async def amain(args: argparse.Namespace) -> None:
                          threshold_tokens=args.threshold_tokens, slack=args.slack or None)
     store = StateStore(await connect(args.redis_url), args.namespace)
     service = CoordinatorService(store, router, args.policy, args.stats_mode)
+    service.cluster.stale_after_s = args.stale_after
     service.labels.update(profile=profile.name, ttft_slo=str(slo.ttft_s), itl_slo=str(slo.itl_s))
     await service.cluster.start()
     server, port, health = await grpcserver.start_server(
@@ -216,26 +218,21 @@ async def amain(args: argparse.Namespace) -> None:
     await grpcserver.serve_until_signal(server, health, service.cluster.stop)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ampd-coordinator", description="AMPD coordinator")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
-    parser.add_argument("--namespace", default="ampd")
-    parser.add_argument("--profile", default="qwen3-32b@h20")
-    parser.add_argument("--policy", default="ampd")
-    parser.add_argument("--ttft-slo", type=float, default=2.0)
-    parser.add_argument("--itl-slo", type=float, default=0.1)
-    parser.add_argument("--alpha", type=float, default=0.9)
-    parser.add_argument("--beta", type=float, default=0.85)
-    parser.add_argument("--threshold-tokens", type=int, default=1000)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--slack", default="", choices=["", "window", "queue"],
-                        help="Algorithm 1 slack rule (default: the policy's; 'window' is the paper's)")
-    parser.add_argument("--stats-mode", default="push", choices=["push", "read"],
-                        help="push: follow workers' statistics on a Redis channel; read: HGETALL per decision")
-    parser.add_argument("--ready-file", default="")
-    grpcserver.run(amain(parser.parse_args(argv)))
+    add_flags(parser, SERVICE_SETTINGS["coordinator"], env=True)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        args = build_parser().parse_args(argv)
+        if not args.redis_url:
+            raise ConfigError(f"--redis-url ({env_name('redis_url')}): required")
+        check_names(args)
+    except ConfigError as exc:
+        sys.exit(f"ampd-coordinator: error: {exc}")
+    grpcserver.run(amain(args))
 
 
 if __name__ == "__main__":

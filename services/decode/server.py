@@ -2,19 +2,20 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 
 import grpc
 import structlog
 
 from ampd import grpcserver, logs
+from ampd.config import ConfigError
 from ampd.engine.mock import make_engine
 from ampd.perf import load_profile
 from ampd.policy import SLO, make_queue, policy_spec
 from ampd.state import StateStore, connect
 from ampd.v1 import common_pb2, decode_pb2, decode_pb2_grpc, sidecar_pb2_grpc
-from ampd.runtime import WorkerRuntime, add_worker_args, config_from_args, pool_for, write_ready_file
+from ampd.grpcserver import write_ready_file
+from ampd.runtime import WorkerRuntime, add_worker_args, config_from_args, pool_for
 from ampd.worker import DecodeCore
 from services.decode.worker import DecodeWorker, SessionError, SessionFailed
 
@@ -108,13 +109,13 @@ async def amain(args: argparse.Namespace) -> None:
     queue = make_queue(spec.decode_queue, profile, SLO(cfg.ttft_slo_s, cfg.itl_slo_s), cfg.tp,
                        window=cfg.reorder_window)
     rt = WorkerRuntime(cfg, store, pool_for(profile, cfg))
-    sidecar = sidecar_pb2_grpc.ToolSidecarStub(grpcserver.channel(args.sidecar)) if args.sidecar else None
-    chunk = profile.prefill_chunk_tokens(cfg.tp) if args.chunked_prefill else 0
+    sidecar = sidecar_pb2_grpc.ToolSidecarStub(grpcserver.channel(cfg.sidecar)) if cfg.sidecar else None
+    chunk = profile.prefill_chunk_tokens(cfg.tp) if cfg.chunked_prefill else 0
     core = DecodeCore(cfg.worker_id, cfg.tp, profile, queue, kv_capacity_tokens=rt.pool.capacity_tokens,
                       window_s=cfg.window_s, chunk_tokens=chunk, kv_admission=cfg.kv_admission)
     service.core = DecodeWorker(rt, make_engine(cfg.engine, profile, cfg.tp), core, sidecar)
     service.core.start()
-    await rt.start(sidecar=args.sidecar)
+    await rt.start(sidecar=cfg.sidecar)
     write_ready_file(args.ready_file, port)
     log.info("decode worker serving", address=cfg.advertise, tp=cfg.tp, profile=profile.name,
              kv_capacity_tokens=rt.pool.capacity_tokens, policy=args.policy)
@@ -126,13 +127,18 @@ async def amain(args: argparse.Namespace) -> None:
     await grpcserver.serve_until_signal(server, health, on_stop)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ampd-decode", description="AMPD decode worker")
-    add_worker_args(parser)
-    parser.add_argument("--sidecar", default="", help="address of this worker's tool sidecar")
-    parser.add_argument("--chunked-prefill", action="store_true",
-                        help="split local prefills into chunks (size from the profile) interleaved with decode steps")
-    args = parser.parse_args(argv)
+    add_worker_args(parser, "decode")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        args = build_parser().parse_args(argv)
+        config_from_args(args, "decode", args.port)  # bad settings fail before a port is bound
+    except ConfigError as exc:
+        sys.exit(f"ampd-decode: error: {exc}")
     grpcserver.run(amain(args))
 
 

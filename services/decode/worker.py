@@ -170,8 +170,9 @@ class DecodeWorker:
             return
         self.rt.changed()
         s.timing = common_pb2.RoundTiming(round=rnd, input_ready=s.input_ready, l_hist=s.l_hist, l_incr=l_incr)
-        self.emit(s, decode_pb2.DecodeEvent(prefill_needed=decode_pb2.PrefillNeeded(
-            round=rnd, l_hist=s.l_hist, l_incr=l_incr, input_ready=s.input_ready,
+        self.emit(s, decode_pb2.DecodeEvent(prefill_task=common_pb2.PrefillTask(
+            session_id=s.session_id, round=rnd, l_hist=s.l_hist, l_incr=l_incr, input_ready=s.input_ready,
+            decode_worker=self.rt.cfg.worker_id, decode_tp=self.rt.cfg.tp,
             history=seg_pb(s.kv.segments(0, s.l_hist)), dest=seg_pb(s.dest),
         )))
         self.awaiting_remote[(s.session_id, rnd)] = s
@@ -298,7 +299,8 @@ class DecodeWorker:
                 arguments=tool.arguments, latency_s=tool.latency_s, result_tokens=result_tokens))
         except Exception as exc:  # grpc.aio.AioRpcError and connection failures
             if not s.closed:
-                self.fail(s, f"tool {tool.name or 'replay'!r} failed: {getattr(exc, 'details', lambda: exc)()}")
+                detail = exc.details() if hasattr(exc, "details") else exc
+                self.fail(s, f"tool {tool.name or 'replay'!r} failed: {detail}")
             return
         if not s.closed:
             self.begin_round(s, s.round + 1, res.result_tokens or result_tokens, time.time())

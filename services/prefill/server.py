@@ -8,12 +8,14 @@ import grpc
 import structlog
 
 from ampd import grpcserver, logs
+from ampd.config import ConfigError
 from ampd.engine.mock import make_engine
 from ampd.perf import load_profile
 from ampd.policy import SLO, make_queue, policy_spec
 from ampd.state import StateStore, connect
 from ampd.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
-from ampd.runtime import WorkerRuntime, add_worker_args, config_from_args, pool_for, write_ready_file
+from ampd.grpcserver import write_ready_file
+from ampd.runtime import WorkerRuntime, add_worker_args, config_from_args, pool_for
 from ampd.worker import PrefillCore
 from services.prefill.worker import PrefillWorker
 
@@ -24,7 +26,7 @@ class PrefillService(prefill_pb2_grpc.PrefillWorkerServicer):
     def __init__(self) -> None:
         self.core: PrefillWorker | None = None
 
-    async def Submit(self, request: prefill_pb2.PrefillTask, context) -> common_pb2.Ack:
+    async def Submit(self, request: common_pb2.PrefillTask, context) -> common_pb2.Ack:
         for field in ("session_id", "decode_worker"):
             if not getattr(request, field):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: required")
@@ -84,10 +86,19 @@ async def amain(args: argparse.Namespace) -> None:
     await grpcserver.serve_until_signal(server, health, on_stop)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ampd-prefill", description="AMPD prefill worker")
-    add_worker_args(parser)
-    grpcserver.run(amain(parser.parse_args(argv)))
+    add_worker_args(parser, "prefill")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        args = build_parser().parse_args(argv)
+        config_from_args(args, "prefill", args.port)  # bad settings fail before a port is bound
+    except ConfigError as exc:
+        sys.exit(f"ampd-prefill: error: {exc}")
+    grpcserver.run(amain(args))
 
 
 if __name__ == "__main__":

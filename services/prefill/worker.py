@@ -21,7 +21,7 @@ from ampd.engine.base import Engine
 from ampd.kv import Segment, SessionKV, verify_pattern
 from ampd.policy import PrefillTask, WorkerView
 from ampd.runtime import WorkerRuntime
-from ampd.v1 import prefill_pb2
+from ampd.v1 import common_pb2, prefill_pb2
 from ampd.worker import KvRead, PrefillCore, PrefillWork
 
 log = structlog.get_logger()
@@ -35,7 +35,7 @@ def segs(pb) -> list[Segment]:
 class _Job:
     """One task's I/O: its KV here, the decode worker's NIXL agent, when its history read ran."""
 
-    task: prefill_pb2.PrefillTask
+    task: common_pb2.PrefillTask
     kv: SessionKV
     peer: str = ""
     read_start: float = 0.0
@@ -48,7 +48,7 @@ class PrefillWorker:
         self.rt = rt
         self.engine = engine
         self.core = core
-        self.tasks: dict[tuple[str, int], prefill_pb2.PrefillTask] = {}  # queued in the core
+        self.tasks: dict[tuple[str, int], common_pb2.PrefillTask] = {}  # queued in the core
         self.ahead: _Job | None = None  # the task whose history is read while another computes
         self.wake = asyncio.Event()
         self.metrics: dict[str, float] = {
@@ -80,7 +80,7 @@ class PrefillWorker:
         v = dataclasses.replace(core.view(now), kv_free_tokens=self.rt.pool.free_tokens)
         return v, (core.busy_until if core.busy else 0.0)
 
-    def submit(self, task: prefill_pb2.PrefillTask) -> None:
+    def submit(self, task: common_pb2.PrefillTask) -> None:
         key = (task.session_id, task.round)
         if key in self.tasks or (self.ahead is not None and self._key(self.ahead.task) == key):
             raise ValueError(f"session {task.session_id!r} round {task.round} is already queued here")

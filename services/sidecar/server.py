@@ -10,9 +10,10 @@ import grpc
 import structlog
 
 from ampd import grpcserver, logs
+from ampd.config import SERVICE_SETTINGS, ConfigError, add_flags
+from ampd.grpcserver import write_ready_file
 from ampd.tools import ToolInput, ToolRegistry
 from ampd.v1 import common_pb2, sidecar_pb2, sidecar_pb2_grpc
-from ampd.runtime import write_ready_file
 
 log = structlog.get_logger()
 
@@ -71,19 +72,23 @@ async def amain(args: argparse.Namespace) -> None:
     await grpcserver.serve_until_signal(server, health)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ampd-sidecar", description="AMPD tool sidecar")
-    parser.add_argument("--name", default="sidecar")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--tool", action="append", default=[], help="NAME=module:function (repeatable)")
-    parser.add_argument("--ready-file", default="")
+    add_flags(parser, SERVICE_SETTINGS["sidecar"], env=True)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        parser = build_parser()
+    except ConfigError as exc:
+        sys.exit(f"ampd-sidecar: error: {exc}")
     args = parser.parse_args(argv)
     for spec in args.tool:  # fail fast with a clear message, before binding a port
         try:
             ToolRegistry().load(spec)
         except ValueError as exc:
-            parser.error(str(exc))
+            parser.error(f"--tool: {exc}")
     grpcserver.run(amain(args))
 
 

@@ -1,10 +1,10 @@
 """docker-compose.yml, Dockerfile and .dockerignore, checked without Docker.
 
-The compose file must start the same processes with the same settings `ampd up` does
-(ampd/launcher.py), so every command is parsed by its service's real argparse parser and compared
-with the flags the launcher passes. Services build their parser inline in `main()`; there is no
-parser-building function to import, so `_real_parser` runs `main()` with `parse_args` patched to
-hand back the parser it was about to use.
+Settings reach a compose service through AMPD_* environment variables that ampd/config.py derives
+from the settings the service reads (ampd.config.SERVICE_SETTINGS); the command line carries only
+where the process runs. These tests check that derivation: the variables compose passes are exactly
+the ones the service reads, each one reaches the parsed settings, an empty one means the config
+default, and every command is parsed by the service's own parser (its `build_parser()`).
 """
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ from unittest import mock
 
 import pytest
 import yaml
+
+from ampd import config
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -97,11 +99,6 @@ def flags(argv: list[str]) -> dict[str, str]:
     return out
 
 
-class _Captured(Exception):
-    def __init__(self, parser: argparse.ArgumentParser) -> None:
-        self.parser = parser
-
-
 def _main_module(package: str) -> str:
     """The module whose `main` `python -m <package>` calls (read from <package>/__main__.py)."""
     path = ROOT / package.replace(".", "/") / "__main__.py"
@@ -112,58 +109,32 @@ def _main_module(package: str) -> str:
     raise AssertionError(f"{path} does not import a main()")
 
 
-def _real_parser(package: str) -> argparse.ArgumentParser:
+def real_parser(package: str, environ: dict[str, str] | None = None) -> argparse.ArgumentParser:
+    """The parser `python -m <package>` uses, built under ``environ`` (its only AMPD_* variables)."""
     mod = importlib.import_module(_main_module(package))
-
-    def capture(self, *args, **kwargs):
-        raise _Captured(self)
-
-    with mock.patch.object(argparse.ArgumentParser, "parse_args", capture):
-        try:
-            mod.main([])
-        except _Captured as c:
-            return c.parser
-    raise AssertionError(f"{package}: main() did not parse arguments")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("AMPD_")}
+    with mock.patch.dict(os.environ, {**clean, **(environ or {})}, clear=True):
+        return mod.build_parser()
 
 
-_PARSERS: dict[str, argparse.ArgumentParser] = {}
+def service_env(svc: dict, host_env: dict[str, str] | None = None) -> dict[str, str]:
+    """The container's environment: compose's `environment`, interpolated from the host's."""
+    return {k: interpolate(str(v), host_env or {}) for k, v in svc["environment"].items()}
 
 
-def real_parser(package: str) -> argparse.ArgumentParser:
-    if package not in _PARSERS:
-        _PARSERS[package] = _real_parser(package)
-    return _PARSERS[package]
-
-
-def parse(svc: dict, env: dict[str, str] | None = None) -> argparse.Namespace:
-    cmd = command(svc, env)
-    parser = real_parser(module_of(cmd))
+def parse(svc: dict, host_env: dict[str, str] | None = None) -> argparse.Namespace:
+    cmd = command(svc, host_env)
+    parser = real_parser(module_of(cmd), service_env(svc, host_env))
     with mock.patch.object(parser, "exit", side_effect=AssertionError):
         return parser.parse_args(cmd[3:])
 
 
-def launcher_commands() -> dict[str, list[str]]:
-    """The argv `ampd up` (default options) gives each process, without starting anything."""
-    from ampd import launcher
+def kind_of(name: str) -> str:
+    return name.split("-")[0]
 
-    spawned: dict[str, list[str]] = {}
 
-    def spawn(self, name, args, ready=True):
-        spawned[name] = list(args)
-        return mock.Mock(name=name)
-
-    def wait_ready(self, children, timeout_s=90.0):
-        return {c._mock_name: 1000 + i for i, c in enumerate(children)}
-
-    opts = launcher.Options(prefill="tp1*2", decode="tp1*2", redis_url="redis://127.0.0.1:1/0")
-    with mock.patch.object(launcher.Deployment, "_spawn", spawn), \
-            mock.patch.object(launcher.Deployment, "_wait_ready", wait_ready):
-        dep = launcher.Deployment(opts)
-        try:
-            dep.start()
-        finally:
-            dep.children.clear()
-    return spawned
+# Variables a process reads that are not settings: logging (ampd/logs.py).
+NOT_SETTINGS = {"AMPD_LOG_LEVEL", "AMPD_LOG_FORMAT"}
 
 
 # --------------------------------------------------------------------------------------- services
@@ -196,42 +167,85 @@ def test_command_module_exists_and_flags_parse(services, name):
 
 
 @pytest.mark.parametrize("name", GRPC_SERVICES)
-def test_flags_parse_with_settings_swapped(services, name):
-    env = {"AMPD_POLICY": "remote", "AMPD_PROFILE": "llama3.1-70b@h20", "AMPD_TTFT_SLO": "5",
-           "AMPD_ITL_SLO": "0.05", "AMPD_PREFILL_TP": "2", "AMPD_DECODE_TP": "4", "AMPD_NAMESPACE": "x"}
-    args = parse(services[name], env)
+def test_compose_passes_exactly_the_settings_the_service_reads(services, name):
+    """The derivation: compose's AMPD_* keys == ampd.config.env_names(kind), and the command line
+    carries only per-process settings."""
+    env = {k for k in services[name]["environment"] if k.startswith("AMPD_")} - NOT_SETTINGS
+    assert env == set(config.env_names(kind_of(name))), name
+    placement = {config.flag_name(n) for n in config.PLACEMENT}
+    given = set(flags(command(services[name])[3:]))
+    assert given <= placement, f"{name}: settings on the command line: {sorted(given - placement)}"
+
+
+@pytest.mark.parametrize("name", GRPC_SERVICES)
+def test_unset_variables_give_the_config_defaults(services, name):
+    args = parse(services[name])
+    defaults = config.Config().flat()
+    for setting in config.SERVICE_SETTINGS[kind_of(name)]:
+        if setting in config.PLACEMENT or setting == "redis_url":
+            continue
+        got = getattr(args, setting)
+        assert (tuple(got) if isinstance(got, list) else got) == defaults[setting], f"{name} {setting}"
     if not name.startswith("sidecar"):
-        assert (args.policy, args.profile, args.ttft_slo, args.itl_slo, args.namespace) == \
-            ("remote", "llama3.1-70b@h20", 5.0, 0.05, "x")
-    if name.startswith("decode"):
-        assert args.tp == 4
-    if name.startswith("prefill"):
-        assert args.tp == 2
+        assert args.redis_url == REDIS_URL
 
 
-def test_same_settings_as_ampd_up(services):
-    """Same flag names and default values as the launcher; only host/port/advertise differ."""
-    launched = launcher_commands()
-    placement = {"--host", "--port", "--advertise", "--redis-url", "--sidecar", "--ready-file"}
+@pytest.mark.parametrize("name", GRPC_SERVICES)
+def test_every_variable_reaches_the_parsed_settings(services, name):
+    host = {"AMPD_POLICY": "remote", "AMPD_PROFILE": "llama3.1-70b@h20", "AMPD_TTFT_SLO": "5",
+            "AMPD_ITL_SLO": "0.05", "AMPD_PREFILL_TP": "2", "AMPD_DECODE_TP": "4", "AMPD_NAMESPACE": "x",
+            "AMPD_REORDER_WINDOW": "5", "AMPD_KV_OVERLAP": "false", "AMPD_KV_ADMISSION": "fail",
+            "AMPD_STATS_WINDOW": "4.5", "AMPD_SLACK": "window", "AMPD_SEED": "7", "AMPD_STATS_MODE": "read",
+            "AMPD_CHUNKED_PREFILL": "true", "AMPD_TOOL": "echo=ampd.tools:replay", "AMPD_KV_POOL_MB": "64",
+            "AMPD_REDIS_URL": "redis://elsewhere:6380/1"}
+    args = parse(services[name], host)
+    want = {"policy": "remote", "profile": "llama3.1-70b@h20", "ttft_slo": 5.0, "itl_slo": 0.05, "namespace": "x",
+            "reorder_window": 5, "kv_overlap": False, "kv_admission": "fail", "stats_window": 4.5,
+            "slack": "window", "seed": 7, "stats_mode": "read", "chunked_prefill": True,
+            "tool": ["echo=ampd.tools:replay"], "kv_pool_mb": 64, "redis_url": "redis://elsewhere:6380/1",
+            "tp": {"decode": 4, "prefill": 2}.get(kind_of(name))}
+    checked = 0
+    for setting in config.SERVICE_SETTINGS[kind_of(name)]:
+        if setting in want:
+            assert getattr(args, setting) == want[setting], f"{name} {setting}"
+            checked += 1
+    assert checked >= 1
+
+
+def test_a_bad_variable_names_itself(services):
+    env = service_env(services["prefill-0"], {"AMPD_REORDER_WINDOW": "0"})
+    with pytest.raises(config.ConfigError, match=r"AMPD_REORDER_WINDOW \(--reorder-window\): must be >= 1"):
+        real_parser("services.prefill", env)
+
+
+def test_ampd_up_starts_the_same_settings_as_compose(services):
+    """Both derive from ampd/config.py: with nothing set, every setting `ampd up` passes a child
+    equals what the compose service parses (placement and the Redis URL aside)."""
+    from ampd import launcher
+
+    spawned: dict[str, list[str]] = {}
+
+    def spawn(self, name, args, ready=True):
+        spawned[name] = list(args)
+        return mock.Mock(name=name)
+
+    def wait_ready(self, children, timeout_s=90.0):
+        return {c._mock_name: 1000 + i for i, c in enumerate(children)}
+
+    opts = launcher.Options(prefill="tp1*2", decode="tp1*2", redis_url="redis://127.0.0.1:1/0")
+    with mock.patch.object(launcher.Deployment, "_spawn", spawn), \
+            mock.patch.object(launcher.Deployment, "_wait_ready", wait_ready):
+        dep = launcher.Deployment(opts)
+        dep.start()
+        dep.children.clear()
     for name in GRPC_SERVICES:
-        ours = flags(command(services[name])[3:])
-        theirs = flags(launched[name][3:])
-        assert module_of(command(services[name])) == launched[name][2], name
-        missing = set(theirs) - set(ours) - {"--ready-file"}
-        assert not missing, f"{name}: `ampd up` passes {sorted(missing)}, compose does not"
-        for flag, value in theirs.items():
-            if flag not in placement:
-                assert ours[flag] == value or _same_number(ours[flag], value), \
-                    f"{name} {flag}: compose {ours[flag]!r}, ampd up {value!r}"
-        if "--redis-url" in theirs:
-            assert ours["--redis-url"] == REDIS_URL
-
-
-def _same_number(a: str, b: str) -> bool:
-    try:
-        return float(a) == float(b)
-    except ValueError:
-        return False
+        package = module_of(command(services[name]))
+        assert spawned[name][1:3] == ["-m", package], name
+        ours = parse(services[name])
+        theirs = real_parser(package, {}).parse_args(spawned[name][3:])
+        for setting in config.SERVICE_SETTINGS[kind_of(name)]:
+            if setting not in config.PLACEMENT and setting != "redis_url":
+                assert getattr(ours, setting) == getattr(theirs, setting), f"{name} {setting}"
 
 
 def test_decode_workers_point_at_their_own_sidecar(services):

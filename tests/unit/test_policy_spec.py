@@ -25,12 +25,16 @@ class LinearCost:
 
 
 def test_policy_names():
-    assert POLICIES == ("ampd", "ampd-noreorder", "remote", "local", "threshold", "colocated", "continuum")
+    assert POLICIES == ("ampd", "ampd-window", "ampd-noreorder", "remote", "local", "threshold", "colocated",
+                        "continuum")
 
 
 def test_specs():
     s = policy_spec("ampd")
     assert (s.router, s.prefill_queue, s.decode_queue, s.uses_prefill_workers) == ("adaptive", "ttft-aware", "ttft-aware", True)
+    s = policy_spec("ampd-window")  # the paper's literal Algorithm 1: windowed-mean slack
+    assert (s.router, s.prefill_queue, s.decode_queue, s.slack) == ("adaptive", "ttft-aware", "ttft-aware", "window")
+    assert policy_spec("ampd").slack == "queue"
     s = policy_spec("ampd-noreorder")
     assert (s.router, s.prefill_queue, s.decode_queue) == ("adaptive", "fcfs", "fcfs")
     for name in ("remote", "local", "threshold"):
@@ -58,6 +62,25 @@ def test_every_spec_builds():
             make_queue(s.prefill_queue, cost, slo, 4)
 
 
+def test_policy_router_follows_its_slack_rule():
+    cost, slo = LinearCost(), SLO(1.0, 0.1)
+    assert make_router("ampd-window", cost, slo).slack == "window"
+    assert make_router("ampd", cost, slo).slack == "queue"
+    assert make_router("ampd", cost, slo, slack="window").slack == "window"  # --slack overrides
+
+
+def test_registry_rejects_an_inconsistent_policy():
+    from ampd.policy import register_policy
+
+    with pytest.raises(ValueError, match="router 'nope'"):
+        register_policy(PolicySpec("x", "nope", "fcfs", "fcfs", True))
+    with pytest.raises(ValueError, match="queue 'lifo'"):
+        register_policy(PolicySpec("x", "local", "lifo", "fcfs", True))
+    with pytest.raises(ValueError, match="prefill queue exactly when"):
+        register_policy(PolicySpec("x", "local", None, "fcfs", True))
+    assert "x" not in POLICIES
+
+
 def test_ttl_override_and_errors():
     assert policy_spec("continuum", kv_pin_ttl_s=2.5).kv_pin_ttl_s == 2.5
     assert policy_spec("continuum").kv_pin_ttl_s == 5.0  # override does not leak
@@ -65,7 +88,7 @@ def test_ttl_override_and_errors():
         policy_spec("ampd", kv_pin_ttl_s=1.0)
     with pytest.raises(ValueError, match=">= 0"):
         policy_spec("continuum", kv_pin_ttl_s=-1.0)
-    with pytest.raises(ValueError, match=r"unknown policy 'vllm'; valid policies: ampd, ampd-noreorder, remote, local, threshold, colocated, continuum"):
+    with pytest.raises(ValueError, match=r"unknown policy 'vllm'; valid policies: ampd, ampd-window, ampd-noreorder, remote, local, threshold, colocated, continuum"):
         policy_spec("vllm")
 
 

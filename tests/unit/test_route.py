@@ -240,7 +240,7 @@ def test_threshold_router():
 
 def test_make_router_by_router_and_policy_name():
     cost = LinearCost()
-    kinds = {"ampd": "adaptive", "ampd-noreorder": "adaptive", "remote": "remote", "local": "local",
+    kinds = {"ampd": "adaptive", "ampd-window": "adaptive", "ampd-noreorder": "adaptive", "remote": "remote", "local": "local",
              "threshold": "threshold", "colocated": "local", "continuum": "local"}
     assert set(kinds) == set(POLICIES)
     for name, kind in kinds.items():
@@ -252,7 +252,7 @@ def test_make_router_by_router_and_policy_name():
 
 
 def test_make_router_errors():
-    with pytest.raises(ValueError, match=r"unknown router 'nope'.*adaptive, remote, local, threshold.*ampd, ampd-noreorder"):
+    with pytest.raises(ValueError, match=r"unknown router 'nope'.*adaptive, remote, local, threshold.*ampd, ampd-window, ampd-noreorder"):
         make_router("nope", LinearCost(), SLO_)
     with pytest.raises(ValueError, match="unknown option.*gamma"):
         make_router("ampd", LinearCost(), SLO_, gamma=1)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ampd.sim.spec import SpecError, format_spec, parse_spec
+from ampd.deployment import SpecError, format_spec, parse_spec
 
 policy = pytest.importorskip("ampd.policy")
 perf = pytest.importorskip("ampd.perf")
@@ -239,12 +239,26 @@ def test_cli_runs_and_writes_json(tmp_path, capsys):
     assert "SLO attainment" in capsys.readouterr().out
 
 
+def test_cli_colocated_policy_turns_prefill_gpus_into_colocated_workers(tmp_path, capsys):
+    """The rule `ampd up` follows too (ampd.deployment.worker_shape): same GPU count, no prefill workers."""
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps(P.to_json()))
+    trace = tmp_path / "t.jsonl"
+    _write_trace(trace, workload.generate("toolbench", 2.0, 3, 1))
+    out = tmp_path / "r.json"
+    rc = _cli(["simulate", "--trace", str(trace), "--profile", str(prof), "--prefill", "tp1*1",
+               "--decode", "tp2*1", "--policy", "colocated", "--ttft-slo", "1", "--itl-slo", "0.05",
+               "--json", str(out)])
+    assert rc == 0
+    dep = json.loads(out.read_text())["deployment"]
+    assert (dep["prefill"], dep["decode"], dep["gpus"]) == ("none", "tp2*1,tp1*1", 3)
+
+
 @pytest.mark.parametrize("args, msg", [
     (["--prefill", "tp1x1"], "--prefill: bad replica group"),
     (["--decode", "tp9*1"], "TP 9 is not in profile"),
     (["--policy", "nope"], "unknown policy"),
     (["--profile", "no-such@thing"], "unknown profile"),
-    (["--policy", "colocated"], "co-located"),
     (["--trace", "BAD"], "line 1"),
     (["--path-latency", "dispatch=-1"], "--path-latency: path latency 'dispatch' must be"),
     (["--path-latency", "route=0.1"], "--path-latency: path latency 'route=0.1': expected NAME=SECONDS"),

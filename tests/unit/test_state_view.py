@@ -7,7 +7,7 @@ import pytest
 
 from ampd.state import WorkerStats
 from ampd.state.store import age_view
-from services.coordinator.core import Cluster
+from ampd.state.cluster import Cluster
 
 
 def stats(ts: float, predicted: float, busy_until: float) -> WorkerStats:
@@ -47,6 +47,6 @@ def test_cluster_view_ages_pushed_stats():
     now = time.time()
     st = stats(now - 0.3, 2.5, now + 1.2)  # published 0.3 s ago with 1.5 s in service
     entries = [(st.ts, "prefill", st.view("prefill", 1), st.busy_until)]
-    view = Cluster._assemble(entries, 0.0)
+    view = Cluster(store=None)._assemble(entries, 0.0)
     (p,) = view.prefill
     assert p.queue_predicted_s == pytest.approx(2.2, abs=0.05)

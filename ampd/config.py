@@ -1,0 +1,424 @@
+"""Typed configuration: the one home of every setting, its default and its help text.
+
+Each setting is a field of one of the dataclasses below; its metadata carries the help text. Two
+names are derived from the field name and from nothing else:
+
+- the command-line flag: ``reorder_window`` -> ``--reorder-window`` (booleans get ``--no-...`` too);
+- the environment variable the services read: ``reorder_window`` -> ``AMPD_REORDER_WINDOW``.
+
+``add_flags`` puts a chosen set of settings on an argparse parser (``ampd up``, ``ampd simulate``
+and every service build their parsers with it), ``to_argv`` turns values back into flags (how
+``ampd up`` starts its children), and ``env_names`` lists the environment variables a service reads
+(what docker-compose passes). A setting therefore has one flag name and one default everywhere.
+
+Pure: no I/O beyond reading ``os.environ`` when a parser is built with ``env=True``.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import MISSING, Field, dataclass, field, fields, replace
+from typing import Any
+
+from ampd.policy.route import ALPHA, BETA, THRESHOLD_TOKENS
+from ampd.policy.spec import POLICIES
+
+__all__ = [
+    "DEFAULT_PROFILE", "ALPHA", "BETA", "THRESHOLD_TOKENS", "SLACK_CHOICES", "KV_ADMISSION",
+    "DeploymentConfig", "PolicyConfig", "WorkerSettings", "CoordinatorSettings", "ProcessConfig",
+    "SimulatorSettings", "Config", "ConfigError", "SETTINGS", "SERVICE_SETTINGS", "UP_SETTINGS",
+    "SIMULATE_SETTINGS", "PLACEMENT", "flag_name", "env_name", "add_flags", "to_argv", "env_names", "pick",
+    "config_from_args", "check",
+]
+
+# ------------------------------------------------------------------------------------- defaults
+DEFAULT_PROFILE = "qwen3-32b@h20"  # the shipped profile `ampd up` and the services use unless told
+# ALPHA, BETA (Algorithm 1's slack factors) and THRESHOLD_TOKENS live beside Algorithm 1 in
+# ampd.policy.route, which the pure cores may import; the flags below take their defaults from there.
+SLACK_CHOICES = ("", "window", "queue")  # "" = the policy's own rule (ampd.policy.route.SLACK_RULES)
+KV_ADMISSION = ("wait", "fail")
+
+
+class ConfigError(ValueError):
+    """A bad setting; the message names the flag (and the environment variable when it came from one)."""
+
+
+def setting(default: Any = MISSING, help: str = "", *, choices: Sequence[Any] | None = None,
+            metavar: str | None = None, minimum: float | None = None, positive: bool = False) -> Any:
+    """A config field with its help text. ``minimum``/``positive`` are checked when flags parse."""
+    meta = {"help": help, "choices": tuple(choices) if choices is not None else None, "metavar": metavar,
+            "minimum": minimum, "positive": positive}
+    if isinstance(default, (list, tuple)):
+        return field(default_factory=lambda d=tuple(default): d, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+# ------------------------------------------------------------------------------------ the groups
+@dataclass(frozen=True)
+class DeploymentConfig:
+    """What runs where: the worker shape, the model profile, the engine, shared state."""
+
+    prefill: str = setting(
+        "tp1*1", "prefill workers: a count (of TP 1) or a SPEC of replica groups tpN*R[,tpN*R...]; 'none' for "
+        "none. A co-located policy (colocated, continuum) runs no prefill workers: their GPUs become "
+        "co-located workers (same GPU count)", metavar="SPEC")
+    decode: str = setting("tp1*1", "decode workers: a count (of TP 1) or a SPEC like tp2*2", metavar="SPEC")
+    profile: str = setting(DEFAULT_PROFILE, "performance profile: shipped name (MODEL@HARDWARE) or a JSON file",
+                           metavar="P")
+    engine: str = setting("mock", "model backend of the workers", choices=("mock",))
+    redis_url: str = setting("", "shared-state Redis (redis://HOST:PORT/DB); `ampd up` starts a private one "
+                                 "when empty, a service requires it", metavar="URL")
+    namespace: str = setting("ampd", "prefix of every Redis key of this deployment")
+    tool: tuple[str, ...] = setting((), "sidecar tool NAME=module:function (repeatable; environment: "
+                                        "comma-separated)", metavar="NAME=MOD:FN")
+    run_dir: str = setting("", "where `ampd up` writes logs (default: a new temporary folder)", metavar="DIR")
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """How prefills are placed and ordered (docs/policies.md)."""
+
+    # Checked against the policy registry where it is used (its error lists the valid names).
+    policy: str = setting("ampd", "routing/queue policy: " + ", ".join(POLICIES) + " (docs/policies.md)",
+                          metavar="NAME")
+    slack: str = setting("", "Algorithm 1 slack rule: 'window' is the paper's (windowed means only), 'queue' "
+                             "also checks the task's predicted TTFT; empty = the policy's own", choices=SLACK_CHOICES)
+    ttft_slo: float = setting(2.0, "TTFT threshold, seconds", metavar="S", positive=True)
+    itl_slo: float = setting(0.1, "mean ITL threshold, seconds", metavar="S", positive=True)
+    reorder_window: int = setting(3, "lookahead window w of the TTFT-aware queue (Algorithm 2)", metavar="W",
+                                  minimum=1)
+    chunked_prefill: bool = setting(False, "decode workers split local prefills into chunks interleaved with "
+                                           "decode steps (beyond the paper)")
+    kv_overlap: bool = setting(True, "a prefill worker reads the next task's history KV while the current "
+                                     "task computes (the paper's section 6 overlap)")
+    kv_admission: str = setting("wait", "when a decode worker's KV pool is full: 'wait' queues the round until "
+                                        "KV frees, 'fail' fails the session", choices=KV_ADMISSION)
+    seed: int = setting(0, "seed of the router's random visiting order", metavar="K")
+    alpha: float = setting(ALPHA, "Algorithm 1 TTFT slack factor (alpha * TTFT SLO)", positive=True)
+    beta: float = setting(BETA, "Algorithm 1 ITL slack factor (beta * ITL SLO)", positive=True)
+    threshold_tokens: int = setting(THRESHOLD_TOKENS, "the threshold policy runs a prefill locally below this "
+                                                      "many new tokens", minimum=0)
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """How one worker runs (both kinds)."""
+
+    tp: int = setting(1, "tensor-parallel degree of this worker", minimum=1)
+    stats_window: float = setting(10.0, "window of the workers' windowed TTFT/ITL means, seconds", metavar="S",
+                                  positive=True)
+    heartbeat: float = setting(0.5, "longest gap between a worker's statistics publications, seconds",
+                               metavar="S", positive=True)
+    block_tokens: int = setting(32, "tokens per KV block", minimum=1)
+    kv_bytes_per_token: int = setting(64, "KV bytes the mock engine keeps per token (the profile's bytes are "
+                                          "for timing only)", minimum=1)
+    kv_pool_mb: int = setting(256, "cap on a worker's KV pool memory, MiB (the profile's capacity applies "
+                                   "below it)", minimum=1)
+
+
+@dataclass(frozen=True)
+class CoordinatorSettings:
+    """How the coordinator follows the workers."""
+
+    stats_mode: str = setting("push", "push: follow the workers' statistics on a Redis channel; read: one "
+                                      "HGETALL per decision", choices=("push", "read"))
+    # A loaded 2-core box can delay a worker's heartbeat by seconds: a false "gone" fails sessions, a
+    # late one only delays, so this is generous.
+    stale_after: float = setting(10.0, "a worker whose statistics are older than this is gone, seconds",
+                                 metavar="S", positive=True)
+
+
+@dataclass(frozen=True)
+class ProcessConfig:
+    """Where one process listens and how it is named (set per process, not per deployment)."""
+
+    host: str = setting("127.0.0.1", "address to bind")
+    port: int = setting(0, "port to bind (0 = a free one); for `ampd up`, the coordinator's", minimum=0)
+    advertise: str = setting("", "address other services dial (default HOST:PORT)", metavar="HOST:PORT")
+    worker_id: str = setting("", "this worker's id in the registry (required by a worker)", metavar="ID")
+    name: str = setting("sidecar", "this sidecar's name (logs and metrics)")
+    sidecar: str = setting("", "address of this decode worker's tool sidecar", metavar="HOST:PORT")
+    ready_file: str = setting("", "write the bound port here once serving (how `ampd up` waits)", metavar="F")
+
+
+@dataclass(frozen=True)
+class SimulatorSettings:
+    """What only the simulator models."""
+
+    kv_contention: bool = setting(False, "serialize concurrent KV transfers on each worker's NIC")
+    path_latency: str = setting(
+        "none", "what the live control path adds per round, seconds: open (new session), dispatch (input "
+                "ready -> routed and queued), handoff (remote prefill end -> first token), tool (per tool "
+                "call), prefill_busy (each remote prefill holds its worker this much longer than "
+                "modelled); e.g. 'dispatch=0.01,handoff=0.002' (docs/simulator.md)", metavar="NAME=S[,...]")
+
+
+GROUPS = (DeploymentConfig, PolicyConfig, WorkerSettings, CoordinatorSettings, ProcessConfig, SimulatorSettings)
+
+
+def _index() -> dict[str, tuple[type, Field]]:
+    out: dict[str, tuple[type, Field]] = {}
+    for cls in GROUPS:
+        for f in fields(cls):
+            if f.name in out:  # one flag per setting: a name may not mean two things
+                raise AssertionError(f"setting {f.name!r} is declared in {out[f.name][0].__name__} and {cls.__name__}")
+            out[f.name] = (cls, f)
+    return out
+
+
+SETTINGS: dict[str, tuple[type, Field]] = _index()
+
+
+@dataclass(frozen=True)
+class Config:
+    """Every group together (`ampd up` and tests use the whole; each service reads its part)."""
+
+    deployment: DeploymentConfig = field(default_factory=DeploymentConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    worker: WorkerSettings = field(default_factory=WorkerSettings)
+    coordinator: CoordinatorSettings = field(default_factory=CoordinatorSettings)
+    process: ProcessConfig = field(default_factory=ProcessConfig)
+
+    @classmethod
+    def of(cls, **settings: Any) -> "Config":
+        """A config from flat settings by name: ``Config.of(policy="remote", decode="tp2*2")``."""
+        parts: dict[str, dict[str, Any]] = {g: {} for g in _GROUP_OF}
+        for name, value in settings.items():
+            parts[_group_of(name)][name] = value
+        return cls(**{g: _GROUP_OF[g](**kw) for g, kw in parts.items()})
+
+    def get(self, name: str) -> Any:
+        """One setting by its flat name (settings have unique names)."""
+        return getattr(getattr(self, _group_of(name)), name)
+
+    def with_(self, **settings: Any) -> "Config":
+        """A copy with some settings changed (by flat name)."""
+        out = self
+        for name, value in settings.items():
+            g = _group_of(name)
+            out = replace(out, **{g: replace(getattr(out, g), **{name: value})})
+        return out
+
+    def validate(self) -> None:
+        """Raises ConfigError naming the flag of the first setting out of its bounds."""
+        for name, value in self.flat().items():
+            try:
+                check(name, value)
+            except ValueError as exc:
+                raise ConfigError(f"{flag_name(name)}: {exc}") from None
+
+    def flat(self) -> dict[str, Any]:
+        return {f.name: getattr(getattr(self, g), f.name) for g in _GROUP_OF for f in fields(getattr(self, g))}
+
+
+_GROUP_OF: dict[str, type] = {"deployment": DeploymentConfig, "policy": PolicyConfig, "worker": WorkerSettings,
+                              "coordinator": CoordinatorSettings, "process": ProcessConfig}
+
+
+def _group_of(name: str) -> str:
+    owner = SETTINGS.get(name)
+    for g, cls in _GROUP_OF.items():
+        if owner is not None and owner[0] is cls:
+            return g
+    raise TypeError(f"unknown setting {name!r}")
+
+
+# ---------------------------------------------------------------- which process reads which
+_POLICY_ALL = ("policy", "ttft_slo", "itl_slo")
+_WORKER = ("host", "port", "advertise", "worker_id", "ready_file", "redis_url", "namespace", "profile", "engine",
+           *_POLICY_ALL, "reorder_window", "kv_overlap", "kv_admission",
+           "tp", "stats_window", "heartbeat", "block_tokens", "kv_bytes_per_token", "kv_pool_mb")
+SERVICE_SETTINGS: dict[str, tuple[str, ...]] = {
+    "coordinator": ("host", "port", "ready_file", "redis_url", "namespace", "profile", *_POLICY_ALL, "slack",
+                    "seed", "alpha", "beta", "threshold_tokens", "stats_mode", "stale_after"),
+    "prefill": _WORKER,
+    "decode": (*_WORKER, "sidecar", "chunked_prefill"),
+    "sidecar": ("host", "port", "name", "tool", "ready_file"),
+}
+# Per-process settings: the launcher and compose give these on each process's command line.
+PLACEMENT = ("host", "port", "advertise", "worker_id", "name", "sidecar", "ready_file")
+
+# `ampd up`: the deployment, the policy, every worker and coordinator setting except the per-process
+# ones (the launcher places each process) and tp (it comes from the SPECs).
+UP_SETTINGS: tuple[str, ...] = (
+    "prefill", "decode", "profile", "engine", "redis_url", "namespace", "tool", "run_dir", "host", "port",
+    *(f.name for f in fields(PolicyConfig)),
+    *(f.name for f in fields(WorkerSettings) if f.name != "tp"),
+    *(f.name for f in fields(CoordinatorSettings)),
+)
+# `ampd simulate`: the deployment shape, the policy and what the simulator models.
+SIMULATE_SETTINGS: tuple[str, ...] = (
+    "prefill", "decode", "profile", *(f.name for f in fields(PolicyConfig)), "stats_window",
+    *(f.name for f in fields(SimulatorSettings)),
+)
+
+
+# ------------------------------------------------------------------------------ flattening
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def env_name(name: str) -> str:
+    return "AMPD_" + name.upper()
+
+
+def env_names(service: str) -> tuple[str, ...]:
+    """The environment variables `service` reads: every setting it takes except the per-process ones."""
+    return tuple(env_name(n) for n in SERVICE_SETTINGS[service] if n not in PLACEMENT)
+
+
+def _kind(f: Field) -> type:
+    t = f.type if isinstance(f.type, type) else {"str": str, "int": int, "float": float, "bool": bool}.get(
+        str(f.type))
+    if t is None:
+        return tuple  # tuple[str, ...]
+    return t
+
+
+def _default(f: Field) -> Any:
+    return f.default_factory() if f.default is MISSING else f.default
+
+
+def _parse_bool(text: str) -> bool:
+    v = text.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {text!r}")
+
+
+def _converter(name: str, kind: type):
+    """text -> value of setting ``name`` (``kind`` tuple splits on commas, as an environment value)."""
+
+    def convert(text: str):
+        if kind is bool:
+            value = _parse_bool(text)
+        elif kind is tuple:
+            value = tuple(p.strip() for p in text.split(",") if p.strip())
+        else:
+            try:
+                value = kind(text)
+            except ValueError:
+                raise ValueError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+        check(name, value)
+        return value
+
+    return convert
+
+
+def check(name: str, value: Any) -> None:
+    """Raises ValueError (without the flag name) when ``value`` breaks the setting's bounds."""
+    f = SETTINGS[name][1]
+    meta = f.metadata
+    if meta["choices"] is not None and value not in meta["choices"]:
+        raise ValueError(f"expected one of {', '.join(repr(c) for c in meta['choices'])}, got {value!r}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"must be finite, got {value!r}")
+    if meta["positive"] and not value > 0:
+        raise ValueError(f"must be > 0, got {value!r}")
+    if meta["minimum"] is not None and value < meta["minimum"]:
+        raise ValueError(f"must be >= {meta['minimum']:g}, got {value!r}")
+
+
+class _Typed:
+    """argparse `type=`: converts and names the flag in its error (argparse prefixes 'argument --x:')."""
+
+    def __init__(self, name: str, kind: type) -> None:
+        self.convert = _converter(name, kind)
+        self.__name__ = name  # argparse names the type in some messages
+
+    def __call__(self, text: str):
+        try:
+            return self.convert(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_flags(parser: argparse.ArgumentParser, names: Iterable[str], *, env: bool = False,
+              required: Iterable[str] = (), environ: Mapping[str, str] | None = None,
+              title: str | None = None) -> None:
+    """Adds one flag per setting in ``names``. With ``env``, a set ``AMPD_<NAME>`` variable (non-empty)
+    replaces the default (what docker-compose uses); a flag on the command line wins over both."""
+    environ = os.environ if environ is None else environ
+    required = set(required)
+    target = parser.add_argument_group(title) if title else parser
+    for name in names:
+        _cls, f = SETTINGS[name]
+        meta = f.metadata
+        kind = _kind(f)
+        default = _default(f)
+        source = ""
+        if env and environ.get(env_name(name), "") != "":
+            source = env_name(name)
+            try:
+                default = _converter(name, kind)(environ[source])
+            except ValueError as exc:
+                raise ConfigError(f"{source} ({flag_name(name)}): {exc}") from None
+        help_text = meta["help"]
+        if env and name not in PLACEMENT:
+            help_text += f" [env {env_name(name)}]"
+        kw: dict[str, Any] = {"dest": name, "help": help_text}
+        if name in required and not source:
+            kw["required"] = True
+        else:
+            kw["default"] = default
+            if kind is not bool:
+                kw["help"] += " (default: %(default)s)" if default not in ("", ()) else ""
+        if kind is bool:
+            if "default" in kw:
+                kw["help"] += f" (default: {'on' if kw['default'] else 'off'})"
+            target.add_argument(flag_name(name), action=argparse.BooleanOptionalAction, **kw)
+            continue
+        if kind is tuple:
+            kw["default"] = list(kw.get("default", ()))
+            target.add_argument(flag_name(name), action="append", metavar=meta["metavar"] or "VALUE",
+                                type=_Typed(name, str), **kw)
+            continue
+        if meta["choices"] is not None:
+            kw["choices"] = meta["choices"]
+            kw["type"] = kind
+            if "" in meta["choices"]:
+                kw["metavar"] = "{" + ",".join(c for c in meta["choices"] if c) + "}"
+        else:
+            kw["type"] = _Typed(name, kind)
+            kw["metavar"] = meta["metavar"] or name.upper()
+        target.add_argument(flag_name(name), **kw)
+
+
+def pick(args: argparse.Namespace | Mapping[str, Any], cls: type) -> Any:
+    """An instance of config group ``cls`` from parsed flags (settings absent from ``args`` keep
+    their defaults)."""
+    get = args.get if isinstance(args, Mapping) else (lambda k, d=None: getattr(args, k, d))
+    values = {}
+    for f in fields(cls):
+        v = get(f.name, MISSING)
+        if v is not MISSING:
+            values[f.name] = tuple(v) if isinstance(v, list) else v
+    return cls(**values)
+
+
+def config_from_args(args: argparse.Namespace | Mapping[str, Any]) -> Config:
+    """The whole config from parsed flags; settings the parser did not take keep their defaults."""
+    return Config(**{g: pick(args, cls) for g, cls in _GROUP_OF.items()})
+
+
+def to_argv(values: Config | Mapping[str, Any], names: Iterable[str]) -> list[str]:
+    """The flags that reproduce ``values`` for settings ``names`` (the inverse of ``add_flags``)."""
+    get = values.flat().get if isinstance(values, Config) else values.get
+    out: list[str] = []
+    for name in names:
+        v = get(name)
+        if v is None:
+            continue
+        kind = _kind(SETTINGS[name][1])
+        if kind is bool:
+            out.append(flag_name(name) if v else "--no-" + name.replace("_", "-"))
+        elif kind is tuple:
+            for item in v:
+                out += [flag_name(name), str(item)]
+        else:
+            out += [flag_name(name), str(v)]
+    return out

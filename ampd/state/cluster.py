@@ -1,0 +1,144 @@
+"""The coordinator's view of the workers, followed from Redis, and the two decisions taken on it
+(binding a new session, routing a prefill). Library, not service: `ampd bench-sched` measures the
+same code the coordinator runs."""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import structlog
+
+from ampd.config import CoordinatorSettings
+from ampd.policy import PrefillTask, RouteDecision, Router, WorkerView, bind
+from ampd.state.store import StateStore, WorkerInfo, WorkerStats, age_view
+
+__all__ = ["Cluster", "ClusterView", "choose_decode_worker", "route"]
+
+log = structlog.get_logger()
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    decode: dict[str, WorkerView]
+    prefill: tuple[WorkerView, ...]
+    read_s: float  # time the Redis read took
+
+
+class Cluster:
+    """The coordinator's view of the workers.
+
+    `read` mode: one HGETALL of every worker's statistics per decision. `push` mode: workers
+    PUBLISH every change, a background task keeps the latest of each in memory, and a decision
+    reads no Redis at all; the delivery lag of each update (its age when it arrived) is recorded
+    so the view's staleness stays measured (`lag_s`).
+    """
+
+    def __init__(self, store: StateStore, mode: str = "push", stale_after_s: float | None = None) -> None:
+        if mode not in ("push", "read"):
+            raise ValueError(f"stats mode must be 'push' or 'read', got {mode!r}")
+        self.store = store
+        self.mode = mode
+        # A worker whose statistics are older than this is gone (the coordinator's --stale-after).
+        self.stale_after_s = CoordinatorSettings().stale_after if stale_after_s is None else stale_after_s
+        self.infos: dict[str, WorkerInfo] = {}
+        self._infos_at = 0.0
+        self._views: dict[str, tuple[float, str, WorkerView, float]] = {}  # wid -> (ts, kind, view, busy_until)
+        self.lag_s: list[float] = []  # recent delivery lags (push mode), bounded
+        self._follower: asyncio.Task | None = None
+
+    async def refresh_infos(self) -> None:
+        self.infos = await self.store.workers()
+        self._infos_at = time.monotonic()
+
+    async def start(self) -> None:
+        await self.refresh_infos()
+        if self.mode == "push":
+            ps = self.store.subscribe()
+            await ps.subscribe(self.store.k_stats)  # subscribe first, then snapshot: no gap
+            for st in (await self.store.stats()).values():
+                await self._ingest(st)
+            self._follower = asyncio.create_task(self._follow(ps), name="stats-follower")
+
+    async def stop(self) -> None:
+        if self._follower:
+            self._follower.cancel()
+            await asyncio.gather(self._follower, return_exceptions=True)
+
+    async def _follow(self, ps) -> None:
+        while True:
+            try:
+                msg = await ps.get_message(timeout=1.0)
+                if msg is None or msg.get("type") != "message":
+                    continue
+                st = WorkerStats.from_json(msg["data"])
+                lag = time.time() - st.ts
+                if len(self.lag_s) >= 10_000:
+                    del self.lag_s[:5_000]
+                self.lag_s.append(lag)
+                await self._ingest(st)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a Redis blip: resubscribe and take a fresh snapshot
+                log.warning("stats channel failed; resubscribing", error=str(exc))
+                await asyncio.sleep(0.2)
+                try:
+                    ps = self.store.subscribe()
+                    await ps.subscribe(self.store.k_stats)
+                    for st in (await self.store.stats()).values():
+                        await self._ingest(st)
+                except Exception:
+                    pass
+
+    async def _ingest(self, st: WorkerStats) -> None:
+        info = self.infos.get(st.worker_id)
+        if info is None:
+            await self.refresh_infos()
+            info = self.infos.get(st.worker_id)
+            if info is None:
+                return
+        prev = self._views.get(st.worker_id)
+        if prev is None or st.ts >= prev[0]:
+            self._views[st.worker_id] = (st.ts, info.kind, st.view(info.kind, info.tp), st.busy_until)
+
+    async def view(self) -> ClusterView:
+        if self.mode == "push":
+            return self._assemble(self._views.values(), 0.0)
+        t0 = time.perf_counter()
+        stats = await self.store.stats()
+        read_s = time.perf_counter() - t0
+        if any(wid not in self.infos for wid in stats) or time.monotonic() - self._infos_at > 5.0:
+            await self.refresh_infos()
+        entries = []
+        for wid, st in stats.items():
+            info = self.infos.get(wid)
+            if info is not None:
+                entries.append((st.ts, info.kind, st.view(info.kind, info.tp), st.busy_until))
+        return self._assemble(entries, read_s)
+
+    def _assemble(self, entries, read_s: float) -> ClusterView:
+        now = time.time()
+        decode: dict[str, WorkerView] = {}
+        prefill: list[WorkerView] = []
+        for ts, kind, v, busy_until in entries:
+            if now - ts > self.stale_after_s:  # no heartbeat: the worker is gone
+                continue
+            v = age_view(v, ts, busy_until, now)  # the prefill in service progressed since ts
+            if kind == "decode":
+                decode[v.worker_id] = v
+            else:
+                prefill.append(v)
+        # Algorithm 1 visits prefill workers in a seeded order over list positions: keep it stable.
+        prefill.sort(key=lambda v: v.worker_id)
+        return ClusterView(decode, tuple(prefill), read_s)
+
+
+def choose_decode_worker(view: ClusterView) -> str:
+    return bind(list(view.decode.values()))
+
+
+def route(router: Router, view: ClusterView, req: PrefillTask, now: float) -> RouteDecision:
+    decode = view.decode.get(req.decode_worker)
+    if decode is None:
+        raise LookupError(f"decode worker {req.decode_worker!r} is gone")
+    return router.route(req, decode, view.prefill, now)
