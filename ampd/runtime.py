@@ -2,7 +2,6 @@
 statistics publishing, peer discovery. The decisions stay in ampd.policy; this only adapts."""
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import time

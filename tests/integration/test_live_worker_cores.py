@@ -66,7 +66,7 @@ def _run(opts: Options, sessions: list[Session]):
     with Deployment(opts) as dep:
         records, stats, _, _ = asyncio.run(replay(dep.coordinator, sessions, verify_tokens=True, progress=False,
                                                   timeout_s=120))
-        metrics = asyncio.run(_metrics(opts.redis_url, opts.namespace))
+        metrics = asyncio.run(_metrics(opts.deployment.redis_url, opts.deployment.namespace))
     return records, stats, metrics
 
 
