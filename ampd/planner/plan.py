@@ -9,7 +9,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from .estimates import EstimateCache, Estimates, build_estimates, latency_p95
+from .estimates import SAMPLE_SESSIONS, EstimateCache, Estimates, build_estimates, latency_p95
 from .ilp import solve_top
 from .objective import bottleneck, surrogate
 from .space import Deployment, PlanError, feasible_degrees
@@ -37,6 +37,7 @@ class PlanRequest:
     mixed: bool = True         # a phase may mix TP degrees (False: one degree per phase, like Table 2)
     candidates: int = 0        # ILP candidates to simulate (0: 2 x top)
     check_sessions: int = 0    # simulate the first this many sessions in the checks (0: all)
+    sample_sessions: int = SAMPLE_SESSIONS  # sessions per estimate simulation
     seed: int = 0
 
 
@@ -106,8 +107,14 @@ def search_space(req: PlanRequest) -> tuple[tuple[int, ...], bool, bool]:
 
     if not req.sessions:
         raise PlanError("trace", "the trace has no sessions")
-    if isinstance(req.top, bool) or not isinstance(req.top, int) or req.top < 1:
-        raise PlanError("top", f"must be an integer >= 1, got {req.top!r}")
+    for name in ("top", "sample_sessions"):
+        v = getattr(req, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise PlanError(name, f"must be an integer >= 1, got {v!r}")
+    for name in ("candidates", "check_sessions"):
+        v = getattr(req, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise PlanError(name, f"must be an integer >= 0 (0: the default), got {v!r}")
     try:
         spec = policy_spec(req.policy)
     except ValueError as exc:
@@ -149,7 +156,7 @@ def plan(req: PlanRequest, *, cache: EstimateCache | None = None, progress: Prog
         if progress is not None:
             progress("estimates", done, total)
     est = build_estimates(req.profile, req.sessions, degrees, req.slo, kinds=kinds, cache=cache,
-                          progress=est_progress)
+                          sample_size=req.sample_sessions, progress=est_progress)
     n_cand = req.candidates or 2 * req.top
     cands = solve_top(est, req.gpus, degrees, max(n_cand, req.top), disaggregated=disagg, colocated=coloc,
                       mixed=req.mixed)
