@@ -14,7 +14,7 @@ from .ilp import solve_top
 from .objective import bottleneck, surrogate
 from .space import Deployment, PlanError, feasible_degrees
 
-__all__ = ["PlanRequest", "PlanEntry", "PlanResult", "plan", "default_slo", "SLO_TTFT_K", "SLO_ITL_M"]
+__all__ = ["PlanRequest", "PlanEntry", "PlanResult", "plan", "default_slo", "resolve_slo", "SLO_TTFT_K", "SLO_ITL_M"]
 
 # Default SLO when the request gives none: the rule of docs/paper-results.md ("SLO rule"), taken at the
 # largest degree a prefill and a decode replica can both use.
@@ -99,6 +99,22 @@ def default_slo(profile, sessions, degree: int):
     ttft = SLO_TTFT_K * float(np.percentile(pre, 90))
     itl = SLO_ITL_M * profile.t_dec(degree, SLO_ITL_BATCH, int(SLO_ITL_BATCH * ctx))
     return SLO(ttft_s=round(ttft, 3), itl_s=round(itl, 4))
+
+
+def resolve_slo(profile, sessions, gpus: int, ttft_s: float | None, itl_s: float | None):
+    """The request's SLO: the thresholds given, else the default rule at the largest degree that leaves
+    room for a replica of each phase (docs/planner.md, "Default SLO")."""
+    from ampd.bench.report import SLO
+
+    for name, v in (("ttft_slo", ttft_s), ("itl_slo", itl_s)):
+        if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            raise PlanError(name, f"must be a number > 0 seconds, got {v!r}")
+    if not sessions:
+        raise PlanError("trace", "the trace has no sessions")
+    degrees = feasible_degrees(profile, gpus, max_context(sessions))
+    fit = [n for n in degrees if 2 * n <= gpus] or [min(degrees)]
+    rule = default_slo(profile, sessions, max(fit))
+    return SLO(ttft_s=ttft_s if ttft_s is not None else rule.ttft_s, itl_s=itl_s if itl_s is not None else rule.itl_s)
 
 
 def search_space(req: PlanRequest) -> tuple[tuple[int, ...], bool, bool]:
