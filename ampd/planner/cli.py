@@ -31,6 +31,8 @@ def register(subparsers) -> None:
                    help="leave co-located deployments (no prefill workers) out of the search")
     p.add_argument("--one-degree", action="store_true",
                    help="one TP degree per phase (like the paper's Table 2), not mixes such as tp4*1,tp2*2")
+    p.add_argument("--all-gpus", action="store_true",
+                   help="only deployments that use exactly N GPUs (by default fewer may win on a tie-break)")
     p.add_argument("--candidates", type=int, default=0, metavar="C",
                    help="ILP candidates to check by simulation (default 2 x --top)")
     p.add_argument("--check-sessions", type=int, default=0, metavar="M",
@@ -104,7 +106,7 @@ def run(args) -> int:
     try:
         slo = resolve_slo(profile, sessions, args.gpus, args.ttft_slo, args.itl_slo)
         req = PlanRequest(profile, sessions, args.gpus, slo, top=args.top, policy=args.policy,
-                          colocated=not args.no_colocated, mixed=not args.one_degree,
+                          colocated=not args.no_colocated, mixed=not args.one_degree, all_gpus=args.all_gpus,
                           candidates=args.candidates, check_sessions=args.check_sessions, seed=args.seed)
         result = plan(req, progress=progress)
     except PlanError as exc:

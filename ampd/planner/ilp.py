@@ -28,7 +28,7 @@ __all__ = ["solve_top"]
 
 
 def solve_top(est: Estimates, gpus: int, degrees: Sequence[int], k: int, *, disaggregated: bool = True,
-              colocated: bool = True, mixed: bool = True) -> list[tuple[float, Deployment]]:
+              colocated: bool = True, mixed: bool = True, all_gpus: bool = False) -> list[tuple[float, Deployment]]:
     """The ``k`` best deployments by the ILP's objective, best first (fewer if the space is smaller)."""
     from pyscipopt import SCIP_PARAMSETTING, Model, quicksum
 
@@ -67,7 +67,7 @@ def solve_top(est: Estimates, gpus: int, degrees: Sequence[int], k: int, *, disa
             taus = est.tau[kd][n]
             m.addCons(z >= quicksum(t * u[l] for l, t in enumerate(taus)) - max(taus) * (1 - act[kd, n]))
     used = quicksum(n * v for (kd, n), v in cnt.items())
-    m.addCons(used <= gpus)
+    m.addCons(used == gpus) if all_gpus else m.addCons(used <= gpus)
     m.setObjective(z + EPS_UNUSED * (gpus - used) / gpus, "minimize")
 
     found: list[tuple[float, Deployment]] = []

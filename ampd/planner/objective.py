@@ -52,15 +52,20 @@ def _vectors(degrees: Sequence[int], budget: int, mixed: bool) -> Iterator[tuple
 
 
 def enumerate_deployments(gpus: int, degrees: Sequence[int], *, disaggregated: bool = True,
-                          colocated: bool = True, mixed: bool = True) -> Iterator[Deployment]:
-    """Every deployment of the search space (at least one replica per phase it runs)."""
-    if disaggregated:
-        for pre, used in _vectors(degrees, gpus, mixed):
-            for dec, _ in _vectors(degrees, gpus - used, mixed):
-                yield Deployment.of(pre, dec)
-    if colocated:
-        for dec, _ in _vectors(degrees, gpus, mixed):
-            yield Deployment.of({}, dec)
+                          colocated: bool = True, mixed: bool = True, all_gpus: bool = False) -> Iterator[Deployment]:
+    """Every deployment of the search space (at least one replica per phase it runs; exactly ``gpus``
+    GPUs with ``all_gpus``)."""
+    def space():
+        if disaggregated:
+            for pre, used in _vectors(degrees, gpus, mixed):
+                for dec, _ in _vectors(degrees, gpus - used, mixed):
+                    yield Deployment.of(pre, dec)
+        if colocated:
+            for dec, _ in _vectors(degrees, gpus, mixed):
+                yield Deployment.of({}, dec)
+    for d in space():
+        if not all_gpus or d.gpus == gpus:
+            yield d
 
 
 def brute_force_top(est: Estimates, gpus: int, degrees: Sequence[int], k: int, **space) -> list[tuple[float, Deployment]]:

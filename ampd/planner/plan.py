@@ -35,6 +35,7 @@ class PlanRequest:
     policy: str = "ampd"       # the policy the candidates are checked with
     colocated: bool = True     # search co-located deployments (no prefill workers) too
     mixed: bool = True         # a phase may mix TP degrees (False: one degree per phase, like Table 2)
+    all_gpus: bool = False     # use exactly `gpus` GPUs (C3 as an equality, as every Table 2 entry does)
     candidates: int = 0        # ILP candidates to simulate (0: 2 x top)
     check_sessions: int = 0    # simulate the first this many sessions in the checks (0: all)
     sample_sessions: int = SAMPLE_SESSIONS  # sessions per estimate simulation
@@ -175,7 +176,9 @@ def plan(req: PlanRequest, *, cache: EstimateCache | None = None, progress: Prog
                           sample_size=req.sample_sessions, progress=est_progress)
     n_cand = req.candidates or 2 * req.top
     cands = solve_top(est, req.gpus, degrees, max(n_cand, req.top), disaggregated=disagg, colocated=coloc,
-                      mixed=req.mixed)
+                      mixed=req.mixed, all_gpus=req.all_gpus)
+    if not cands:
+        raise PlanError("gpus", f"no deployment of degrees {list(degrees)} uses exactly {req.gpus} GPUs")
     entries = []
     for i, (obj, dep) in enumerate(cands):
         if progress is not None:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x61mpd/v1/planner.proto\x12\x07\x61mpd.v1\"\xe9\x01\n\x0bPlanRequest\x12\x0f\n\x07profile\x18\x01 \x01(\t\x12\x13\n\x0btrace_jsonl\x18\x02 \x01(\t\x12\x0c\n\x04gpus\x18\x03 \x01(\r\x12\x0b\n\x03top\x18\x04 \x01(\r\x12\x12\n\nttft_slo_s\x18\x05 \x01(\x01\x12\x11\n\titl_slo_s\x18\x06 \x01(\x01\x12\x0e\n\x06policy\x18\x07 \x01(\t\x12\x14\n\x0cno_colocated\x18\x08 \x01(\x08\x12\x12\n\none_degree\x18\t \x01(\x08\x12\x12\n\ncandidates\x18\n \x01(\r\x12\x16\n\x0e\x63heck_sessions\x18\x0b \x01(\r\x12\x0c\n\x04seed\x18\x0c \x01(\x04\"\xb2\x01\n\x11PlannedDeployment\x12\x0f\n\x07prefill\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65\x63ode\x18\x02 \x01(\t\x12\r\n\x05p95_s\x18\x03 \x01(\x01\x12\x16\n\x0eslo_attainment\x18\x04 \x01(\x01\x12\x0c\n\x04gpus\x18\x05 \x01(\r\x12\x0e\n\x06policy\x18\x06 \x01(\t\x12\x11\n\tp95_itl_s\x18\x07 \x01(\x01\x12$\n\x1c\x65stimated_worst_p95_over_slo\x18\x08 \x01(\x01\"\xa4\x01\n\tPlanReply\x12\x0c\n\x04gpus\x18\x01 \x01(\r\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\'\n\x03top\x18\x03 \x03(\x0b\x32\x1a.ampd.v1.PlannedDeployment\x12\x12\n\nttft_slo_s\x18\x04 \x01(\x01\x12\x11\n\titl_slo_s\x18\x05 \x01(\x01\x12\x1a\n\x12\x63\x61ndidates_checked\x18\x06 \x01(\r\x12\x0c\n\x04json\x18\x07 \x01(\t\"\x15\n\x13ListProfilesRequest\"I\n\x0bProfileInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x08hardware\x18\x03 \x01(\t\x12\x0b\n\x03tps\x18\x04 \x03(\r\";\n\x11ListProfilesReply\x12&\n\x08profiles\x18\x01 \x03(\x0b\x32\x14.ampd.v1.ProfileInfo\"!\n\x11GetProfileRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"*\n\x0cProfileReply\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04json\x18\x02 \x01(\t2\xc6\x01\n\x07Planner\x12\x30\n\x04Plan\x12\x14.ampd.v1.PlanRequest\x1a\x12.ampd.v1.PlanReply\x12H\n\x0cListProfiles\x12\x1c.ampd.v1.ListProfilesRequest\x1a\x1a.ampd.v1.ListProfilesReply\x12?\n\nGetProfile\x12\x1a.ampd.v1.GetProfileRequest\x1a\x15.ampd.v1.ProfileReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x61mpd/v1/planner.proto\x12\x07\x61mpd.v1\"\xfb\x01\n\x0bPlanRequest\x12\x0f\n\x07profile\x18\x01 \x01(\t\x12\x13\n\x0btrace_jsonl\x18\x02 \x01(\t\x12\x0c\n\x04gpus\x18\x03 \x01(\r\x12\x0b\n\x03top\x18\x04 \x01(\r\x12\x12\n\nttft_slo_s\x18\x05 \x01(\x01\x12\x11\n\titl_slo_s\x18\x06 \x01(\x01\x12\x0e\n\x06policy\x18\x07 \x01(\t\x12\x14\n\x0cno_colocated\x18\x08 \x01(\x08\x12\x12\n\none_degree\x18\t \x01(\x08\x12\x12\n\ncandidates\x18\n \x01(\r\x12\x16\n\x0e\x63heck_sessions\x18\x0b \x01(\r\x12\x0c\n\x04seed\x18\x0c \x01(\x04\x12\x10\n\x08\x61ll_gpus\x18\r \x01(\x08\"\xb2\x01\n\x11PlannedDeployment\x12\x0f\n\x07prefill\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65\x63ode\x18\x02 \x01(\t\x12\r\n\x05p95_s\x18\x03 \x01(\x01\x12\x16\n\x0eslo_attainment\x18\x04 \x01(\x01\x12\x0c\n\x04gpus\x18\x05 \x01(\r\x12\x0e\n\x06policy\x18\x06 \x01(\t\x12\x11\n\tp95_itl_s\x18\x07 \x01(\x01\x12$\n\x1c\x65stimated_worst_p95_over_slo\x18\x08 \x01(\x01\"\xa4\x01\n\tPlanReply\x12\x0c\n\x04gpus\x18\x01 \x01(\r\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\'\n\x03top\x18\x03 \x03(\x0b\x32\x1a.ampd.v1.PlannedDeployment\x12\x12\n\nttft_slo_s\x18\x04 \x01(\x01\x12\x11\n\titl_slo_s\x18\x05 \x01(\x01\x12\x1a\n\x12\x63\x61ndidates_checked\x18\x06 \x01(\r\x12\x0c\n\x04json\x18\x07 \x01(\t\"\x15\n\x13ListProfilesRequest\"I\n\x0bProfileInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x08hardware\x18\x03 \x01(\t\x12\x0b\n\x03tps\x18\x04 \x03(\r\";\n\x11ListProfilesReply\x12&\n\x08profiles\x18\x01 \x03(\x0b\x32\x14.ampd.v1.ProfileInfo\"!\n\x11GetProfileRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"*\n\x0cProfileReply\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04json\x18\x02 \x01(\t2\xc6\x01\n\x07Planner\x12\x30\n\x04Plan\x12\x14.ampd.v1.PlanRequest\x1a\x12.ampd.v1.PlanReply\x12H\n\x0cListProfiles\x12\x1c.ampd.v1.ListProfilesRequest\x1a\x1a.ampd.v1.ListProfilesReply\x12?\n\nGetProfile\x12\x1a.ampd.v1.GetProfileRequest\x1a\x15.ampd.v1.ProfileReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,21 +32,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ampd.v1.planner_pb2', _glob
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PLANREQUEST']._serialized_start=35
-  _globals['_PLANREQUEST']._serialized_end=268
-  _globals['_PLANNEDDEPLOYMENT']._serialized_start=271
-  _globals['_PLANNEDDEPLOYMENT']._serialized_end=449
-  _globals['_PLANREPLY']._serialized_start=452
-  _globals['_PLANREPLY']._serialized_end=616
-  _globals['_LISTPROFILESREQUEST']._serialized_start=618
-  _globals['_LISTPROFILESREQUEST']._serialized_end=639
-  _globals['_PROFILEINFO']._serialized_start=641
-  _globals['_PROFILEINFO']._serialized_end=714
-  _globals['_LISTPROFILESREPLY']._serialized_start=716
-  _globals['_LISTPROFILESREPLY']._serialized_end=775
-  _globals['_GETPROFILEREQUEST']._serialized_start=777
-  _globals['_GETPROFILEREQUEST']._serialized_end=810
-  _globals['_PROFILEREPLY']._serialized_start=812
-  _globals['_PROFILEREPLY']._serialized_end=854
-  _globals['_PLANNER']._serialized_start=857
-  _globals['_PLANNER']._serialized_end=1055
+  _globals['_PLANREQUEST']._serialized_end=286
+  _globals['_PLANNEDDEPLOYMENT']._serialized_start=289
+  _globals['_PLANNEDDEPLOYMENT']._serialized_end=467
+  _globals['_PLANREPLY']._serialized_start=470
+  _globals['_PLANREPLY']._serialized_end=634
+  _globals['_LISTPROFILESREQUEST']._serialized_start=636
+  _globals['_LISTPROFILESREQUEST']._serialized_end=657
+  _globals['_PROFILEINFO']._serialized_start=659
+  _globals['_PROFILEINFO']._serialized_end=732
+  _globals['_LISTPROFILESREPLY']._serialized_start=734
+  _globals['_LISTPROFILESREPLY']._serialized_end=793
+  _globals['_GETPROFILEREQUEST']._serialized_start=795
+  _globals['_GETPROFILEREQUEST']._serialized_end=828
+  _globals['_PROFILEREPLY']._serialized_start=830
+  _globals['_PROFILEREPLY']._serialized_end=872
+  _globals['_PLANNER']._serialized_start=875
+  _globals['_PLANNER']._serialized_end=1073
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PlanRequest(_message.Message):
-    __slots__ = ("profile", "trace_jsonl", "gpus", "top", "ttft_slo_s", "itl_slo_s", "policy", "no_colocated", "one_degree", "candidates", "check_sessions", "seed")
+    __slots__ = ("profile", "trace_jsonl", "gpus", "top", "ttft_slo_s", "itl_slo_s", "policy", "no_colocated", "one_degree", "candidates", "check_sessions", "seed", "all_gpus")
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     TRACE_JSONL_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class PlanRequest(_message.Message):
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     CHECK_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    ALL_GPUS_FIELD_NUMBER: _ClassVar[int]
     profile: str
     trace_jsonl: str
     gpus: int
@@ -32,7 +33,8 @@ class PlanRequest(_message.Message):
     candidates: int
     check_sessions: int
     seed: int
-    def __init__(self, profile: _Optional[str] = ..., trace_jsonl: _Optional[str] = ..., gpus: _Optional[int] = ..., top: _Optional[int] = ..., ttft_slo_s: _Optional[float] = ..., itl_slo_s: _Optional[float] = ..., policy: _Optional[str] = ..., no_colocated: _Optional[bool] = ..., one_degree: _Optional[bool] = ..., candidates: _Optional[int] = ..., check_sessions: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    all_gpus: bool
+    def __init__(self, profile: _Optional[str] = ..., trace_jsonl: _Optional[str] = ..., gpus: _Optional[int] = ..., top: _Optional[int] = ..., ttft_slo_s: _Optional[float] = ..., itl_slo_s: _Optional[float] = ..., policy: _Optional[str] = ..., no_colocated: _Optional[bool] = ..., one_degree: _Optional[bool] = ..., candidates: _Optional[int] = ..., check_sessions: _Optional[int] = ..., seed: _Optional[int] = ..., all_gpus: _Optional[bool] = ...) -> None: ...
 
 class PlannedDeployment(_message.Message):
     __slots__ = ("prefill", "decode", "p95_s", "slo_attainment", "gpus", "policy", "p95_itl_s", "estimated_worst_p95_over_slo")

@@ -123,7 +123,8 @@ class PlannerService(planner_pb2_grpc.PlannerServicer):
                               request.itl_slo_s or None)
             req = PlanRequest(profile, sessions, int(request.gpus), slo, top=request.top or 3,
                               policy=request.policy or "ampd", colocated=not request.no_colocated,
-                              mixed=not request.one_degree, candidates=request.candidates,
+                              mixed=not request.one_degree, all_gpus=request.all_gpus,
+                              candidates=request.candidates,
                               check_sessions=request.check_sessions, seed=request.seed)
             async with self.lock:
                 result = await asyncio.to_thread(plan, req, cache=self.cache)

@@ -44,7 +44,7 @@ def test_ilp_optimum_equals_brute_force(prof, gpus, seed):
     # rate: about what the GPUs can serve, so the optimum trades prefill against decode capacity
     rate = gpus * 0.05 * (1 + seed % 3)
     est = _random_estimates(profile, degrees, rate, seed)
-    for space in ({}, {"mixed": False}, {"colocated": False}):
+    for space in ({}, {"mixed": False}, {"colocated": False}, {"all_gpus": True, "mixed": False}):
         if space.get("colocated") is False and gpus < 2 * min(degrees):
             continue
         got = solve_top(est, gpus, degrees, 3, **space)
