@@ -38,6 +38,9 @@ def register(subparsers) -> None:
     p.add_argument("--check-sessions", type=int, default=0, metavar="M",
                    help="simulate only the first M sessions of the trace in each check (default all)")
     p.add_argument("--seed", type=int, default=0, metavar="K", help="seed of the router's random order")
+    p.add_argument("--estimates-cache", metavar="F",
+                   help="keep the estimate simulations in this file: a later plan of the same workload mix, "
+                        "profile and SLO (any GPU count or rate) reuses them")
     p.set_defaults(func=run)
 
 
@@ -96,11 +99,33 @@ def format_plan(out: dict) -> str:
     return "\n".join(lines)
 
 
+def _load_cache(path: str | None):
+    from .estimates import EstimateCache
+
+    if not path or not os.path.exists(path):
+        return EstimateCache()
+    try:
+        with open(path, encoding="utf-8") as f:
+            return EstimateCache.from_json(json.load(f))
+    except (OSError, ValueError) as exc:
+        raise CliError(f"--estimates-cache: {path}: {exc}") from None
+
+
+def _save_cache(path: str | None, cache) -> None:
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(cache.to_json(), f)
+        os.replace(tmp, path)
+
+
 def run(args) -> int:
     from .plan import PlanRequest, plan, resolve_slo
     from .space import PlanError
 
     profile, sessions = load_inputs(args.profile, args.trace)
+    cache = _load_cache(args.estimates_cache)
     t0 = time.monotonic()
     progress = _StderrProgress()
     try:
@@ -108,13 +133,15 @@ def run(args) -> int:
         req = PlanRequest(profile, sessions, args.gpus, slo, top=args.top, policy=args.policy,
                           colocated=not args.no_colocated, mixed=not args.one_degree, all_gpus=args.all_gpus,
                           candidates=args.candidates, check_sessions=args.check_sessions, seed=args.seed)
-        result = plan(req, progress=progress)
+        result = plan(req, cache=cache, progress=progress)
     except PlanError as exc:
         raise CliError(f"--{exc.field.replace('_', '-')}: {str(exc).partition(': ')[2]}") from None
     finally:
         progress.close()
     out = result.to_json(time.monotonic() - t0)
     out["profile"] = profile.name
+    out["estimates"] = {"simulated": cache.misses, "cached": cache.hits}
+    _save_cache(args.estimates_cache, cache)
     print(format_plan(out))
     if args.json:
         text = json.dumps(out, indent=1)

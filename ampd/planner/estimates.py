@@ -79,6 +79,22 @@ class EstimateCache:
     def __len__(self) -> int:
         return len(self._d)
 
+    def to_json(self) -> dict:
+        return {"version": 1, "entries": [[list(k), list(v)] for k, v in self._d.items()]}
+
+    @staticmethod
+    def from_json(doc) -> "EstimateCache":
+        """The cache ``to_json`` wrote; ValueError if the document is not one."""
+        if not isinstance(doc, dict) or doc.get("version") != 1 or not isinstance(doc.get("entries"), list):
+            raise ValueError("not an estimate cache (version 1)")
+        c = EstimateCache()
+        try:
+            for k, v in doc["entries"]:
+                c._d[tuple(k)] = tuple(float(x) for x in v)
+        except (TypeError, ValueError):
+            raise ValueError("malformed estimate cache entry") from None
+        return c
+
 
 # ---- the workload -------------------------------------------------------------------------------
 

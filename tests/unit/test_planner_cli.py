@@ -11,9 +11,16 @@ def test_plan_json_keys(tmp_path, capsys):
     trace = tmp_path / "t.jsonl"
     dump_trace(generate("toolbench", 1.0, 60.0, 4)[:20], trace)
     out = tmp_path / "plan.json"
-    rc = main(["plan", "--profile", "qwen3-32b@h20", "--trace", str(trace), "--gpus", "4", "--top", "2",
-               "--candidates", "3", "--ttft-slo", "1.5", "--itl-slo", "0.05", "--json", str(out)])
-    assert rc == 0
+    args = ["plan", "--profile", "qwen3-32b@h20", "--trace", str(trace), "--gpus", "4", "--top", "2",
+            "--candidates", "3", "--ttft-slo", "1.5", "--itl-slo", "0.05", "--json", str(out),
+            "--estimates-cache", str(tmp_path / "est.json")]
+    assert main(args) == 0
+    doc = json.loads(out.read_text())
+    assert doc["estimates"]["simulated"] > 0 and doc["estimates"]["cached"] == 0
+    assert main(args[:-4] + ["--gpus", "6", "--json", str(out), "--estimates-cache", str(tmp_path / "est.json")]) == 0
+    again = json.loads(out.read_text())
+    assert again["estimates"]["simulated"] == 0 and again["estimates"]["cached"] > 0  # another N: all cached
+    assert main(args) == 0
     doc = json.loads(out.read_text())
     assert doc["gpus"] == 4 and doc["seconds"] > 0 and len(doc["top"]) == 2
     for t in doc["top"]:
