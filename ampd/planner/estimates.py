@@ -27,7 +27,9 @@ __all__ = ["LEVELS", "OVERLOAD", "Estimates", "EstimateCache", "capacities", "bu
 LEVELS = (0.1, 0.25, 0.4, 0.55, 0.7, 0.8, 0.9, 1.0, 1.2, math.inf)
 OVERLOAD = 100.0      # normalised P95 of a replica that does not keep up (unfinished sessions, rho = inf)
 STOP_AT = 20.0        # once a level reaches this, the higher levels copy it (tau is monotone in load)
-SAMPLE_SESSIONS = 96  # sessions per estimate simulation (the workload's mix, evenly drawn)
+SAMPLE_SESSIONS = 96  # sessions drawn from the workload (its mix, evenly drawn)
+STEADY_FACTOR = 2.5   # an estimate simulation runs this many session lifetimes' worth of arrivals ...
+MAX_SIM_SESSIONS = 400  # ... up to this many sessions (the sample repeated), so a big replica fills up
 AMPLE_RHO = 0.3       # the phase not being estimated runs at this utilisation (it must not be the bottleneck)
 MAX_AMPLE_REPLICAS = 32
 DECODE_BATCH_CAP = 256  # largest decode batch the compute-limit weight assumes
@@ -123,13 +125,22 @@ def _fingerprint(sample) -> str:
     return h.hexdigest()[:16]
 
 
-def _retimed(sample, rate: float) -> list:
-    """The sample arriving as a Poisson process of ``rate`` sessions/s (fixed unit gaps: deterministic)."""
+def _lifetime_s(sample, itl_s: float) -> float:
+    """Mean seconds a session lives when it decodes at the ITL threshold (tools included)."""
+    return statistics.fmean(sum(r.output * itl_s + r.tool_delay_s for r in s.rounds) for s in sample)
+
+
+def _retimed(sample, rate: float, itl_s: float) -> list:
+    """The sample arriving as a Poisson process of ``rate`` sessions/s (fixed unit gaps: deterministic),
+    repeated until the arrivals span STEADY_FACTOR session lifetimes (at most MAX_SIM_SESSIONS): with
+    fewer, a replica that holds many sessions at once never reaches its steady load."""
     import numpy as np
 
-    gaps = np.random.default_rng(12345).exponential(1.0, len(sample))
+    want = math.ceil(STEADY_FACTOR * rate * _lifetime_s(sample, itl_s))
+    n = max(len(sample), min(MAX_SIM_SESSIONS, want))
+    gaps = np.random.default_rng(12345).exponential(1.0, n)
     t = np.cumsum(gaps) - gaps[0]
-    return [replace(s, id=f"e{i}", arrival=float(t[i] / rate)) for i, s in enumerate(sample)]
+    return [replace(sample[i % len(sample)], id=f"e{i}", arrival=float(t[i] / rate)) for i in range(n)]
 
 
 # ---- capacity weights ---------------------------------------------------------------------------
@@ -167,7 +178,10 @@ def capacities(profile, sample, degrees, itl_slo_s: float) -> dict[str, dict[int
             work.append(w)
         c_pre = 1.0 / max(statistics.fmean(work), 1e-9)
         kv = profile.kv_capacity_tokens(n)
+        # the largest batch the KV holds whose step still meets the ITL threshold
         batch = max(1, min(DECODE_BATCH_CAP, int(kv // mean_ctx)))
+        while batch > 1 and profile.t_dec(n, batch, int(batch * mean_ctx)) > itl_slo_s:
+            batch = max(1, int(batch * 0.9))
         c_compute = batch / profile.t_dec(n, batch, int(batch * mean_ctx)) / mean_out
         c_dec = min(kv / mean_kv_ts, c_compute)
         cap["prefill"][n] = c_pre
@@ -219,7 +233,7 @@ def _simulate_one(profile, sample, cap, kind: str, n: int, rho: float, slo) -> t
     from ampd.sim import simulate
 
     rate = rho * cap[kind][n]
-    sessions = _retimed(sample, rate)
+    sessions = _retimed(sample, rate, slo.itl_s)
     if kind == "prefill":
         kw = dict(policy="remote", prefill=f"tp{n}*1", decode=_ample(cap["decode"], rate))
     elif kind == "decode":
@@ -248,7 +262,7 @@ def build_estimates(profile, sessions: Sequence, degrees: Sequence[int], slo, *,
         raise ValueError("levels: the last level must be inf (the overload level)")
     sample = sample_sessions(sessions, sample_size)
     cap = capacities(profile, sample, degrees, slo.itl_s)
-    key0 = (profile.name, profile.source, _fingerprint(sample), slo.ttft_s, slo.itl_s)
+    key0 = (profile.name, profile.source, _fingerprint(sample), slo.ttft_s, slo.itl_s, MAX_SIM_SESSIONS)
     tau: dict[str, dict[int, tuple[float, ...]]] = {}
     raw: dict[str, dict[int, tuple[tuple[float, float], ...]]] = {}
     total = len(kinds) * len(degrees) * (len(levels) - 1)
