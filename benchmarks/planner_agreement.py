@@ -62,7 +62,7 @@ def _spec_label(pre_spec: str, dec_spec: str) -> str:
 
 
 def run_case(model, preset, pool, all_sizes: bool) -> dict:
-    from ampd.planner import PlanRequest, feasible_degrees, plan
+    from ampd.planner import PlanRequest, feasible_degrees, plan, solve_top
     from ampd.planner.objective import enumerate_deployments
     from ampd.planner.plan import max_context
 
@@ -72,6 +72,9 @@ def run_case(model, preset, pool, all_sizes: bool) -> dict:
     res = plan(PlanRequest(prof, sessions, n, slo, top=3, colocated=False, mixed=False, all_gpus=not all_sizes))
     plan_s = time.perf_counter() - t0
     ours = [_label(e.deployment.prefill[0], e.deployment.decode[0]) for e in res.top]
+    # the ILP's own order (estimated worst P95 / SLO, before any check simulation)
+    ilp = [_label(d.prefill[0], d.decode[0]) for _, d in
+           solve_top(res.estimates, n, res.degrees, 3, colocated=False, mixed=False, all_gpus=not all_sizes)]
     degrees = feasible_degrees(prof, n, max_context(sessions))
     deps = [d for d in enumerate_deployments(n, degrees, colocated=False, mixed=False) if all_sizes or d.gpus == n]
     jobs = [(model, preset, d.prefill[0], d.decode[0]) for d in deps]
@@ -87,6 +90,8 @@ def run_case(model, preset, pool, all_sizes: bool) -> dict:
            "planner_top3": ours, "planner_top3_attainment": [att.get(x) for x in ours],
            "brute_force_top3": best, "brute_force_top3_attainment": [att[x] for x in best],
            "matches": sorted(set(ours) & set(best)), "misses": [x for x in best if x not in ours],
+           "ilp_top3": ilp, "ilp_top3_matches": sorted(set(ilp) & set(best)),
+           "candidates_cover_space": res.candidates >= len(deps),
            "same_first": ours[:1] == best[:1], "same_order": ours == best,
            "top1_attainment_gap": round(att[best[0]] - (att.get(ours[0]) or 0.0), 4),
            "table2_top3": t2, "table2_top3_attainment": [att.get(x) for x in t2],
@@ -110,12 +115,17 @@ def main(argv=None) -> int:
             for p in a.presets.split(","):
                 c = run_case(m, p, pool, a.all_sizes)
                 cases.append(c)
-                print(f"{m:<18} {p:<10} planner {c['planner_top3']} brute {c['brute_force_top3']} "
-                      f"matches {len(c['matches'])}/3 ({c['planner_s']} s vs {c['brute_force_s']} s)", flush=True)
+                print(f"{m:<18} {p:<10} planner {c['planner_top3']} ilp {c['ilp_top3']} brute {c['brute_force_top3']} "
+                      f"matches {len(c['matches'])}/3, ilp {len(c['ilp_top3_matches'])}/3 of "
+                      f"{c['deployments_brute_forced']} ({c['planner_s']} s vs {c['brute_force_s']} s)", flush=True)
     finally:
         if pool:
             pool.close()
     summary = {"cases": len(cases), "top3_matches": sum(len(c["matches"]) for c in cases),
+               "ilp_top3_matches": sum(len(c["ilp_top3_matches"]) for c in cases),
+               "cases_where_candidates_cover_space": sum(c["candidates_cover_space"] for c in cases),
+               "top3_matches_where_space_larger": sum(len(c["matches"]) for c in cases if not c["candidates_cover_space"]),
+               "top3_slots_where_space_larger": 3 * sum(not c["candidates_cover_space"] for c in cases),
                "top3_slots": 3 * len(cases), "same_first": sum(c["same_first"] for c in cases),
                "same_order": sum(c["same_order"] for c in cases),
                "max_top1_attainment_gap": max((c["top1_attainment_gap"] for c in cases), default=0.0)}
