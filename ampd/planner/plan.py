@@ -11,10 +11,11 @@ from typing import Callable, Sequence
 
 from .estimates import SAMPLE_SESSIONS, EstimateCache, Estimates, build_estimates, latency_p95
 from .ilp import solve_top
-from .objective import bottleneck, surrogate
+from .objective import bottleneck
 from .space import Deployment, PlanError, feasible_degrees
 
-__all__ = ["PlanRequest", "PlanEntry", "PlanResult", "plan", "default_slo", "resolve_slo", "SLO_TTFT_K", "SLO_ITL_M"]
+__all__ = ["PlanRequest", "PlanEntry", "PlanResult", "plan", "default_slo", "resolve_slo", "search_space", "check",
+           "max_context", "SLO_TTFT_K", "SLO_ITL_M"]
 
 # Default SLO when the request gives none: the rule of docs/paper-results.md ("SLO rule"), taken at the
 # largest degree a prefill and a decode replica can both use.
@@ -193,5 +194,3 @@ def plan(req: PlanRequest, *, cache: EstimateCache | None = None, progress: Prog
     return PlanResult(gpus=req.gpus, top=entries[: req.top], degrees=degrees, slo=req.slo,
                       candidates=len(cands), estimates=est)
 
-
-__all__ += ["surrogate", "search_space", "check", "max_context"]

@@ -1,7 +1,6 @@
 """Planner core: the SCIP ILP against brute-force enumeration, the search space and its errors."""
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
