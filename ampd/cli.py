@@ -11,6 +11,8 @@ _COMMANDS = (
     "ampd.launcher",
     "ampd.bench.cli",
     "ampd.sim.cli",
+    "ampd.planner.cli",
+    "ampd.perf.cli",
 )
 
 

@@ -1,0 +1,111 @@
+"""Fitting the piecewise alpha-beta cost functions to measured times (the profiler's pure core).
+
+Model (the form of docs/perf-model.md, the one ``Profile`` evaluates):
+
+* prefill ``t = P(l_incr) + hist * l_hist + attn * l_incr * (l_hist + l_incr / 2)``
+* decode  ``t = D(batch) + ctx * context_tokens``
+* KV      ``t = K(bytes per link)``
+
+``P``, ``D`` and ``K`` are piecewise linear (alpha + beta x per piece); ``hist``, ``attn`` and ``ctx``
+are one coefficient each. Prefill and decode are one joint linear least-squares problem each (the
+pieces' alphas and betas plus the shared coefficients), so the shared terms are fitted on every
+sample. A shared coefficient that comes out negative (noise on a term that is ~0) is fixed at 0 and
+the rest refitted: the profile format requires it >= 0.
+
+Breakpoints (``breakpoints_for``): every other distinct measured x, so each piece holds two measured
+x values (three at the end when their count is odd). With powers of two on the grid, a piece spans a
+factor of four; a kink between two measured x values is followed to within the grid's resolution.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from .piecewise import Piecewise, fit_piecewise
+
+__all__ = ["breakpoints_for", "fit_prefill", "fit_decode", "fit_kv", "FitError", "rel_errors"]
+
+
+@dataclass(frozen=True)
+class FitError:
+    """Relative error |model - measured| / measured over a set of points."""
+
+    max_rel: float
+    mean_rel: float
+    points: int
+
+    def to_json(self) -> dict:
+        return {"max_rel": round(self.max_rel, 6), "mean_rel": round(self.mean_rel, 6), "points": self.points}
+
+
+def rel_errors(pairs: Sequence[tuple[float, float]]) -> FitError:
+    """``pairs`` of (model, measured) seconds."""
+    errs = [abs(m - t) / t for m, t in pairs if t > 0]
+    if not errs:
+        return FitError(0.0, 0.0, 0)
+    return FitError(max(errs), sum(errs) / len(errs), len(errs))
+
+
+def breakpoints_for(xs: Sequence[float]) -> tuple[float, ...]:
+    """Every other distinct x (the first included); the last x closes the last piece."""
+    d = sorted(set(float(x) for x in xs))
+    if len(d) < 2:
+        raise ValueError(f"need >= 2 distinct values to fit a piecewise function, got {d}")
+    bps = d[0::2]
+    if bps[-1] != d[-1]:  # even count: the last x closes the last piece (x at or above it joins that piece)
+        bps.append(d[-1])
+    return tuple(bps)
+
+
+def _joint_lstsq(rows, bps, shared_cols):
+    """Least squares over per-piece (alpha, beta) of x plus ``shared_cols`` extra columns.
+
+    ``rows``: (x, extras tuple, t). Returns (alpha, beta, shared) with negative shared terms fixed at 0."""
+    import numpy as np
+
+    shell = Piecewise(bps, (0.0,) * (len(bps) - 1), (0.0,) * (len(bps) - 1))
+    k = len(bps) - 1
+    x = np.array([r[0] for r in rows], dtype=float)
+    ex = np.array([r[1] for r in rows], dtype=float).reshape(len(rows), shared_cols)
+    t = np.array([r[2] for r in rows], dtype=float)
+    piece = np.searchsorted(np.asarray(shell.inner), x, side="right")
+    for i in range(k):
+        if np.unique(x[piece == i]).size < 2:
+            raise ValueError(f"piece {i} [{bps[i]:g}, {bps[i + 1]:g}): needs samples at >= 2 distinct x")
+    active = list(range(shared_cols))
+    while True:
+        cols = []
+        for i in range(k):
+            on = (piece == i).astype(float)
+            cols += [on, on * x]
+        cols += [ex[:, j] for j in active]
+        coef, *_ = np.linalg.lstsq(np.column_stack(cols), t, rcond=None)
+        shared = dict(zip(active, coef[2 * k:]))
+        neg = [j for j, v in shared.items() if v < 0]
+        if not neg:
+            break
+        active = [j for j in active if j not in neg]
+    alpha = tuple(float(coef[2 * i]) for i in range(k))
+    beta = tuple(float(coef[2 * i + 1]) for i in range(k))
+    return alpha, beta, tuple(float(shared.get(j, 0.0)) for j in range(shared_cols))
+
+
+def fit_prefill(samples: Sequence[tuple[int, int, float]]):
+    """(l_hist, l_incr, seconds) samples -> (P, hist_s_per_token, attn_s_per_token2)."""
+    bps = breakpoints_for([li for _, li, _ in samples])
+    rows = [(li, (lh, li * (lh + li / 2)), t) for lh, li, t in samples]
+    alpha, beta, (hist, attn) = _joint_lstsq(rows, bps, 2)
+    return Piecewise(bps, alpha, beta), hist, attn
+
+
+def fit_decode(samples: Sequence[tuple[int, int, float]]):
+    """(batch, context_tokens, seconds) samples -> (D, ctx_s_per_token)."""
+    bps = breakpoints_for([b for b, _, _ in samples])
+    rows = [(b, (ctx,), t) for b, ctx, t in samples]
+    alpha, beta, (ctx,) = _joint_lstsq(rows, bps, 1)
+    return Piecewise(bps, alpha, beta), ctx
+
+
+def fit_kv(samples: Sequence[tuple[float, float]]) -> Piecewise:
+    """(bytes per link, seconds) samples -> K."""
+    return fit_piecewise(samples, breakpoints_for([x for x, _ in samples]))

@@ -1,0 +1,75 @@
+"""The planner's objective on one deployment, and the brute-force enumeration that checks the ILP."""
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+from .estimates import Estimates
+from .space import KINDS, Deployment
+
+__all__ = ["EPS_UNUSED", "surrogate", "bottleneck", "enumerate_deployments", "brute_force_top"]
+
+# Tie-break: among deployments with the same worst P95, prefer the one that leaves fewer GPUs idle.
+# Small against any difference of the normalised P95 that matters (0.001 of an SLO threshold).
+EPS_UNUSED = 1e-3
+
+
+def bottleneck(dep: Deployment, est: Estimates) -> tuple[float, dict[str, int]]:
+    """Z: the largest tau over the replicas the deployment instantiates, and the level of each kind."""
+    z, lv = 0.0, {}
+    for kind in KINDS:
+        groups = dep.groups(kind)
+        if not groups:
+            continue
+        i = est.level_index(kind, groups)
+        lv[kind] = i
+        z = max(z, max(est.tau[kind][n][i] for n, _ in groups))
+    return z, lv
+
+
+def surrogate(dep: Deployment, est: Estimates, gpus: int) -> float:
+    """The ILP's objective value of ``dep`` on ``gpus`` GPUs."""
+    return bottleneck(dep, est)[0] + EPS_UNUSED * (gpus - dep.gpus) / gpus
+
+
+def _vectors(degrees: Sequence[int], budget: int, mixed: bool) -> Iterator[tuple[dict[int, int], int]]:
+    """Every non-empty replica-count vector over ``degrees`` using at most ``budget`` GPUs."""
+    degs = list(degrees)
+
+    def rec(i: int, left: int, acc: dict[int, int]):
+        if i == len(degs):
+            if acc:
+                yield dict(acc), budget - left
+            return
+        n = degs[i]
+        yield from rec(i + 1, left, acc)
+        if not mixed and acc:
+            return
+        for c in range(1, left // n + 1):
+            acc[n] = c
+            yield from rec(i + 1, left - n * c, acc)
+        acc.pop(n, None)
+    yield from rec(0, budget, {})
+
+
+def enumerate_deployments(gpus: int, degrees: Sequence[int], *, disaggregated: bool = True,
+                          colocated: bool = True, mixed: bool = True, all_gpus: bool = False) -> Iterator[Deployment]:
+    """Every deployment of the search space (at least one replica per phase it runs; exactly ``gpus``
+    GPUs with ``all_gpus``)."""
+    def space():
+        if disaggregated:
+            for pre, used in _vectors(degrees, gpus, mixed):
+                for dec, _ in _vectors(degrees, gpus - used, mixed):
+                    yield Deployment.of(pre, dec)
+        if colocated:
+            for dec, _ in _vectors(degrees, gpus, mixed):
+                yield Deployment.of({}, dec)
+    for d in space():
+        if not all_gpus or d.gpus == gpus:
+            yield d
+
+
+def brute_force_top(est: Estimates, gpus: int, degrees: Sequence[int], k: int, **space) -> list[tuple[float, Deployment]]:
+    """The ``k`` best deployments by :func:`surrogate`, by full enumeration (tests, small N only)."""
+    scored = [(surrogate(d, est, gpus), d) for d in enumerate_deployments(gpus, degrees, **space)]
+    scored.sort(key=lambda t: (t[0], t[1]))
+    return scored[:k]

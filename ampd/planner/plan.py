@@ -1,0 +1,196 @@
+"""Plan a deployment: estimates -> ILP top candidates -> a whole-deployment simulation of each.
+
+Pure: takes the profile and the sessions as values, reports progress through a callback.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from .estimates import SAMPLE_SESSIONS, EstimateCache, Estimates, build_estimates, latency_p95
+from .ilp import solve_top
+from .objective import bottleneck
+from .space import Deployment, PlanError, feasible_degrees
+
+__all__ = ["PlanRequest", "PlanEntry", "PlanResult", "plan", "default_slo", "resolve_slo", "search_space", "check",
+           "max_context", "SLO_TTFT_K", "SLO_ITL_M"]
+
+# Default SLO when the request gives none: the rule of docs/paper-results.md ("SLO rule"), taken at the
+# largest degree a prefill and a decode replica can both use.
+SLO_TTFT_K = 3.0   # TTFT threshold = K x P90 of the standalone prefill time of every round
+SLO_ITL_M = 3.0    # ITL threshold = M x one decode step at batch SLO_ITL_BATCH, median round context
+SLO_ITL_BATCH = 32
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    profile: object            # ampd.perf.Profile
+    sessions: Sequence         # ampd.workload.Session
+    gpus: int
+    slo: object                # ampd.bench.report.SLO
+    top: int = 3
+    policy: str = "ampd"       # the policy the candidates are checked with
+    colocated: bool = True     # search co-located deployments (no prefill workers) too
+    mixed: bool = True         # a phase may mix TP degrees (False: one degree per phase, like Table 2)
+    all_gpus: bool = False     # use exactly `gpus` GPUs (C3 as an equality, as every Table 2 entry does)
+    candidates: int = 0        # ILP candidates to simulate (0: 2 x top)
+    check_sessions: int = 0    # simulate the first this many sessions in the checks (0: all)
+    sample_sessions: int = SAMPLE_SESSIONS  # sessions per estimate simulation
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    deployment: Deployment
+    policy: str                # policy of the check simulation
+    slo_attainment: float      # of the check simulation
+    p95_s: float               # P95 TTFT of the check simulation
+    p95_itl_s: float           # P95 over sessions of the mean ITL, check simulation
+    objective: float           # the ILP's objective (estimated worst P95 / SLO threshold)
+    levels: dict = field(default_factory=dict)  # kind -> estimated utilisation level
+
+    def to_json(self) -> dict:
+        d = self.deployment
+        return {"prefill": d.prefill_spec, "decode": d.decode_spec, "p95_s": _num(self.p95_s),
+                "slo_attainment": self.slo_attainment, "gpus": d.gpus, "policy": self.policy,
+                "p95_itl_s": _num(self.p95_itl_s),
+                "estimate": {"worst_p95_over_slo": round(self.objective, 6), "utilisation": self.levels}}
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    gpus: int
+    top: list[PlanEntry]
+    degrees: tuple[int, ...]
+    slo: object
+    candidates: int            # deployments the ILP proposed and the simulator checked
+    estimates: Estimates
+
+    def to_json(self, seconds: float) -> dict:
+        return {"gpus": self.gpus, "seconds": round(seconds, 4), "top": [e.to_json() for e in self.top],
+                "degrees": list(self.degrees), "slo": {"ttft_s": self.slo.ttft_s, "itl_s": self.slo.itl_s},
+                "candidates_checked": self.candidates}
+
+
+def _num(x: float):
+    return x if math.isfinite(x) else None
+
+
+def max_context(sessions) -> int:
+    return max(s.context_tokens for s in sessions)
+
+
+def default_slo(profile, sessions, degree: int):
+    """The default thresholds on this workload at ``degree`` (see SLO_TTFT_K, SLO_ITL_M)."""
+    import numpy as np
+
+    from ampd.bench.report import SLO
+
+    pre, ctxs = [], []
+    for s in sessions:
+        h = 0
+        for r in s.rounds:
+            pre.append(profile.t_pre(degree, h, r.input))
+            ctxs.append(h + r.input + r.output // 2)
+            h += r.input + r.output
+    ctx = statistics.median(ctxs)
+    ttft = SLO_TTFT_K * float(np.percentile(pre, 90))
+    itl = SLO_ITL_M * profile.t_dec(degree, SLO_ITL_BATCH, int(SLO_ITL_BATCH * ctx))
+    return SLO(ttft_s=round(ttft, 3), itl_s=round(itl, 4))
+
+
+def resolve_slo(profile, sessions, gpus: int, ttft_s: float | None, itl_s: float | None):
+    """The request's SLO: the thresholds given, else the default rule at the largest degree that leaves
+    room for a replica of each phase (docs/planner.md, "Default SLO")."""
+    from ampd.bench.report import SLO
+
+    for name, v in (("ttft_slo", ttft_s), ("itl_slo", itl_s)):
+        if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            raise PlanError(name, f"must be a number > 0 seconds, got {v!r}")
+    if not sessions:
+        raise PlanError("trace", "the trace has no sessions")
+    degrees = feasible_degrees(profile, gpus, max_context(sessions))
+    fit = [n for n in degrees if 2 * n <= gpus] or [min(degrees)]
+    rule = default_slo(profile, sessions, max(fit))
+    return SLO(ttft_s=ttft_s if ttft_s is not None else rule.ttft_s, itl_s=itl_s if itl_s is not None else rule.itl_s)
+
+
+def search_space(req: PlanRequest) -> tuple[tuple[int, ...], bool, bool]:
+    """(degrees, disaggregated, colocated) of the request; PlanError names the field at fault."""
+    from ampd.policy import policy_spec
+
+    if not req.sessions:
+        raise PlanError("trace", "the trace has no sessions")
+    for name in ("top", "sample_sessions"):
+        v = getattr(req, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise PlanError(name, f"must be an integer >= 1, got {v!r}")
+    for name in ("candidates", "check_sessions"):
+        v = getattr(req, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise PlanError(name, f"must be an integer >= 0 (0: the default), got {v!r}")
+    try:
+        spec = policy_spec(req.policy)
+    except ValueError as exc:
+        raise PlanError("policy", str(exc)) from None
+    degrees = feasible_degrees(req.profile, req.gpus, max_context(req.sessions))
+    disagg = spec.uses_prefill_workers
+    coloc = req.colocated or not disagg
+    if disagg and not coloc and req.gpus < 2 * min(degrees):
+        raise PlanError("gpus", f"{req.gpus} GPUs cannot hold one prefill and one decode replica of "
+                                f"{req.profile.name}: the smallest replica that holds the model needs "
+                                f"{min(degrees)} GPUs (allow co-located deployments to plan one replica)")
+    if disagg and req.gpus < 2 * min(degrees):
+        disagg = False  # one replica fits: only co-location remains
+    return degrees, disagg, coloc
+
+
+def check(req: PlanRequest, dep: Deployment) -> tuple[str, float, float, float]:
+    """(policy, SLO attainment, P95 TTFT, P95 mean ITL) of ``dep`` simulated on the request's trace."""
+    from ampd.sim import sim_report, simulate
+
+    policy = req.policy if not dep.colocated or req.policy in ("colocated", "continuum") else "colocated"
+    sessions = sorted(req.sessions, key=lambda s: s.arrival)
+    if req.check_sessions:
+        sessions = sessions[: req.check_sessions]
+    res = simulate(sessions, req.profile, policy=policy, prefill=dep.prefill_spec, decode=dep.decode_spec,
+                   ttft_slo_s=req.slo.ttft_s, itl_slo_s=req.slo.itl_s, seed=req.seed)
+    rep = sim_report(res, req.slo, extras=False)
+    ttft, itl, _ = latency_p95(res)
+    return policy, float(rep["slo_attainment"]), ttft, itl
+
+
+def plan(req: PlanRequest, *, cache: EstimateCache | None = None, progress: Progress | None = None) -> PlanResult:
+    """The ``req.top`` best deployments: the ILP's best ``candidates`` by estimated worst P95, each
+    simulated whole on the trace and ranked by simulated SLO attainment (then P95 TTFT)."""
+    degrees, disagg, coloc = search_space(req)
+    kinds = (("prefill", "decode") if disagg else ()) + (("colocated",) if coloc else ())
+
+    def est_progress(done, total):
+        if progress is not None:
+            progress("estimates", done, total)
+    est = build_estimates(req.profile, req.sessions, degrees, req.slo, kinds=kinds, cache=cache,
+                          sample_size=req.sample_sessions, progress=est_progress)
+    n_cand = req.candidates or 2 * req.top
+    cands = solve_top(est, req.gpus, degrees, max(n_cand, req.top), disaggregated=disagg, colocated=coloc,
+                      mixed=req.mixed, all_gpus=req.all_gpus)
+    if not cands:
+        raise PlanError("gpus", f"no deployment of degrees {list(degrees)} uses exactly {req.gpus} GPUs")
+    entries = []
+    for i, (obj, dep) in enumerate(cands):
+        if progress is not None:
+            progress("checks", i, len(cands))
+        policy, att, p95, p95_itl = check(req, dep)
+        _, lv = bottleneck(dep, est)
+        levels = {k: est.levels[l] if math.isfinite(est.levels[l]) else "overload" for k, l in lv.items()}
+        entries.append(PlanEntry(dep, policy, att, p95, p95_itl, obj, levels))
+    if progress is not None:
+        progress("checks", len(cands), len(cands))
+    entries.sort(key=lambda e: (-e.slo_attainment, e.p95_s, e.objective))
+    return PlanResult(gpus=req.gpus, top=entries[: req.top], degrees=degrees, slo=req.slo,
+                      candidates=len(cands), estimates=est)
+

@@ -1,0 +1,116 @@
+"""Planning time by cluster size, 8 to 256 GPUs, against the paper's (App. A.2, Fig. 7).
+
+    python -m benchmarks.planner_time [--repeats 3] [--out benchmarks/results/planner_time.json]
+
+Workload: Llama3.1-70B on H20, the DuReader preset at a rate that grows with the cluster (the rate
+`make paper` found AMPD's knee at on 16 GPUs, results/paper/scan.json, times N / 16), 300 s of
+arrivals, seed 3; the paper's SLO for the case (results/paper/slo.json). Full search space (mixed TP
+degrees, co-location), top 3 from 6 candidates.
+
+Phases, timed apart:
+- estimates: the tau simulations (kinds x degrees x levels); they depend on the session mix only,
+  not on N or the rate, so a cache serves every later plan of the workload. "cold" = empty cache.
+- ilp: SCIP finding the 6 best deployments (the paper's "planning" is this solve on its estimates);
+  wall and CPU seconds (the machine is shared: CPU seconds are what the solve itself costs), and the
+  solve for the single best deployment alone.
+- checks: one whole-deployment simulation per candidate, on the first --check-sessions sessions.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results")
+PAPER_S = {8: 0.54, 16: 1.93, 32: 5.06, 64: 14.50, 128: 28.88, 256: 61.67}
+MODEL, PRESET, BASE_GPUS = "llama3.1-70b@h20", "dureader", 16
+
+
+def one_size(n: int, a) -> dict:
+    from ampd.bench.report import SLO
+    from ampd.perf import load_profile
+    from ampd.planner import EstimateCache, PlanRequest, build_estimates, solve_top
+    from ampd.planner.plan import check, search_space
+    from ampd.workload import generate
+
+    slo_d = json.load(open(os.path.join(RESULTS, "paper", "slo.json")))["slos"][f"{MODEL}|{PRESET}"]
+    base = json.load(open(os.path.join(RESULTS, "paper", "scan.json")))["scale_rate"][f"{MODEL}|{PRESET}"]
+    rate = base * n / BASE_GPUS
+    prof = load_profile(MODEL)
+    sessions = generate(PRESET, rate, a.duration, 3)
+    slo = SLO(slo_d["ttft_s"], slo_d["itl_s"])
+    req = PlanRequest(prof, sessions, n, slo, top=3, candidates=6, check_sessions=a.check_sessions)
+    degrees, disagg, coloc = search_space(req)
+    kinds = ("prefill", "decode", "colocated")
+    cache = EstimateCache()
+    t = time.perf_counter()
+    est = build_estimates(prof, sessions, degrees, slo, kinds=kinds, cache=cache)
+    est_cold = time.perf_counter() - t
+    t = time.perf_counter()
+    est = build_estimates(prof, sessions, degrees, slo, kinds=kinds, cache=cache)
+    est_warm = time.perf_counter() - t
+    ilp, ilp_cpu = [], []
+    for _ in range(a.repeats):
+        t, c = time.perf_counter(), time.process_time()
+        cands = solve_top(est, n, degrees, 6, disaggregated=disagg, colocated=coloc)
+        ilp.append(time.perf_counter() - t)
+        ilp_cpu.append(time.process_time() - c)
+    t, c = time.perf_counter(), time.process_time()
+    top1 = solve_top(est, n, degrees, 1, disaggregated=disagg, colocated=coloc)
+    top1_s, top1_cpu = time.perf_counter() - t, time.process_time() - c
+    t = time.perf_counter()
+    checked = [(d, check(req, d)) for _, d in cands]
+    checks = time.perf_counter() - t
+    best = max(checked, key=lambda x: (x[1][1], -x[1][2]))
+    ilp_s = statistics.median(ilp)
+    out = {"gpus": n, "rate": round(rate, 4), "sessions": len(sessions), "degrees": list(degrees),
+           "estimate_simulations": len(cache), "estimates_cold_s": round(est_cold, 3),
+           "estimates_cached_s": round(est_warm, 4), "ilp_s": round(ilp_s, 4), "ilp_runs_s": [round(x, 4) for x in ilp],
+           "ilp_cpu_s": round(statistics.median(ilp_cpu), 4), "ilp_top1_s": round(top1_s, 4),
+           "ilp_top1_cpu_s": round(top1_cpu, 4), "ilp_top1": f"{top1[0][1].prefill_spec}|{top1[0][1].decode_spec}",
+           "checks_s": round(checks, 3), "check_sessions": a.check_sessions,
+           "total_cached_s": round(est_warm + ilp_s + checks, 3), "total_cold_s": round(est_cold + ilp_s + checks, 3),
+           "paper_s": PAPER_S[n], "goal_s": round(PAPER_S[n] / 10, 3),
+           "ilp_over_paper": round(ilp_s / PAPER_S[n], 4),
+           "ilp_cpu_over_paper": round(statistics.median(ilp_cpu) / PAPER_S[n], 4),
+           "total_cached_over_paper": round((est_warm + ilp_s + checks) / PAPER_S[n], 4),
+           "total_cold_over_paper": round((est_cold + ilp_s + checks) / PAPER_S[n], 4),
+           "best": {"prefill": best[0].prefill_spec, "decode": best[0].decode_spec,
+                    "slo_attainment": round(best[1][1], 4)},
+           "top6_ilp": [f"{d.prefill_spec}|{d.decode_spec}" for _, d in cands]}
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.path.join(RESULTS, "planner_time.json"))
+    ap.add_argument("--sizes", default="8,16,32,64,128,256")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--duration", type=float, default=300.0)
+    ap.add_argument("--check-sessions", type=int, default=200)
+    a = ap.parse_args(argv)
+    rows = []
+    for n in (int(x) for x in a.sizes.split(",")):
+        r = one_size(n, a)
+        rows.append(r)
+        print(f"{n:>4} GPUs: ilp {r['ilp_s']:.3f} s (cpu {r['ilp_cpu_s']:.3f} s), checks {r['checks_s']:.2f} s, estimates cold "
+              f"{r['estimates_cold_s']:.2f} s / cached {r['estimates_cached_s']:.3f} s; paper {r['paper_s']} s "
+              f"(goal {r['goal_s']} s); best {r['best']}", flush=True)
+    doc = {"command": "python -m benchmarks.planner_time " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "machine": f"{platform.machine()}, Python {platform.python_version()}, {os.cpu_count()} cores (shared: "
+                      f"load average {os.getloadavg()[0]:.1f} at the end)",
+           "workload": f"{MODEL}, {PRESET} preset at (knee rate on {BASE_GPUS} GPUs) x N/{BASE_GPUS}, "
+                       f"{a.duration:g} s of arrivals, seed 3",
+           "paper_s": PAPER_S, "sizes": rows}
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(doc, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

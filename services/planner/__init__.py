@@ -1,0 +1,1 @@
+"""The planner service: plans deployments and serves stored profiles over gRPC."""

@@ -1,0 +1,3 @@
+from services.planner.server import main
+
+main()

@@ -1,0 +1,135 @@
+"""Planner core: the SCIP ILP against brute-force enumeration, the search space and its errors."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ampd.bench.report import SLO
+from ampd.perf import load_profile
+from ampd.planner import (Deployment, EstimateCache, Estimates, PlanError, PlanRequest, brute_force_top,
+                          build_estimates, capacities, feasible_degrees, plan, solve_top, surrogate)
+from ampd.planner.estimates import LEVELS, OVERLOAD, sample_sessions
+from ampd.planner.objective import enumerate_deployments
+from ampd.workload import generate
+
+PROFILES = ["llama3.1-70b@h20", "qwen3-32b@h20", "mixtral-8x7b@h20"]
+
+
+def _random_estimates(profile, degrees, rate, seed) -> Estimates:
+    """Real capacity weights of the profile on a toolbench mix, random monotone tau per level."""
+    rng = random.Random(seed)
+    sample = sample_sessions(generate("toolbench", 1.0, 60.0, seed), 16)
+    cap = capacities(profile, sample, degrees, 0.05)
+    tau = {}
+    for kind in cap:
+        tau[kind] = {}
+        for n in degrees:
+            cur, vals = rng.uniform(0.1, 1.5), []
+            for rho in LEVELS[:-1]:
+                cur += rng.uniform(0.0, 0.6) * rho
+                vals.append(round(cur, 4))
+            tau[kind][n] = tuple(vals) + (OVERLOAD,)
+    return Estimates(rate=rate, levels=LEVELS, capacity=cap, tau=tau)
+
+
+CASES = [(prof, gpus, seed) for prof in PROFILES for gpus, seed in ((2, 1), (4, 2), (6, 3), (8, 4), (12, 5), (16, 6))]
+
+
+@pytest.mark.parametrize("prof,gpus,seed", CASES)
+def test_ilp_optimum_equals_brute_force(prof, gpus, seed):
+    profile = load_profile(prof)
+    degrees = feasible_degrees(profile, gpus, 1000)
+    # rate: about what the GPUs can serve, so the optimum trades prefill against decode capacity
+    rate = gpus * 0.05 * (1 + seed % 3)
+    est = _random_estimates(profile, degrees, rate, seed)
+    for space in ({}, {"mixed": False}, {"colocated": False}, {"all_gpus": True, "mixed": False}):
+        if space.get("colocated") is False and gpus < 2 * min(degrees):
+            continue
+        got = solve_top(est, gpus, degrees, 3, **space)
+        want = brute_force_top(est, gpus, degrees, 3, **space)
+        assert [round(v, 6) for v, _ in got] == [round(v, 6) for v, _ in want], (space, got, want)
+        # the ILP's value is the objective of the deployment it returns
+        for v, dep in got:
+            assert surrogate(dep, est, gpus) == pytest.approx(v, abs=1e-6)
+            assert dep.gpus <= gpus
+        assert len({d for _, d in got}) == len(got)  # the no-good cuts give distinct deployments
+
+
+def test_ilp_on_simulated_estimates_equals_brute_force():
+    profile = load_profile("qwen3-32b@h20")
+    sessions = generate("toolbench", 1.5, 120.0, 3)
+    slo = SLO(ttft_s=1.5, itl_s=0.05)
+    degrees = feasible_degrees(profile, 8, max(s.context_tokens for s in sessions))
+    est = build_estimates(profile, sessions, degrees, slo, sample_size=16)
+    got = solve_top(est, 8, degrees, 4)
+    want = brute_force_top(est, 8, degrees, 4)
+    assert [round(v, 6) for v, _ in got] == [round(v, 6) for v, _ in want]
+    for kind, by_n in est.tau.items():  # tau never falls as the load rises
+        for vals in by_n.values():
+            assert all(b >= a for a, b in zip(vals, vals[1:]))
+
+
+def test_enumeration_respects_phases_and_budget():
+    deps = list(enumerate_deployments(4, (1, 2, 4)))
+    assert all(d.gpus <= 4 for d in deps)
+    assert all(d.decode for d in deps)  # every deployment decodes
+    assert Deployment.of({2: 1}, {1: 2}) in deps and Deployment.of({}, {4: 1}) in deps
+    assert Deployment.of({4: 1}, {}) not in deps
+    homo = list(enumerate_deployments(4, (1, 2, 4), mixed=False))
+    assert all(len(d.prefill) <= 1 and len(d.decode) <= 1 for d in homo)
+    assert Deployment.of({1: 2}, {2: 1}) in homo and Deployment.of({}, {1: 2, 2: 1}) not in homo
+
+
+def test_deployment_specs():
+    d = Deployment.of({2: 2, 4: 1}, {8: 1})
+    assert d.prefill_spec == "tp4*1,tp2*2" and d.decode_spec == "tp8*1" and d.gpus == 16
+    assert not d.colocated and Deployment.of({}, {4: 2}).colocated
+    assert Deployment.of({}, {4: 2}).prefill_spec == "none"
+
+
+def test_degrees_hold_the_model():
+    llama = load_profile("llama3.1-70b@h20")
+    assert feasible_degrees(llama, 8, 1000) == (2, 4, 8)  # TP 1 cannot hold 70B weights on a 96 GB H20
+    # a session longer than a TP 2 replica's KV capacity rules TP 2 out
+    assert feasible_degrees(llama, 8, llama.kv_capacity_tokens(2) + 1) == (4, 8)
+    assert feasible_degrees(llama, 3, 1000) == (2,)
+
+
+def test_too_few_gpus_is_a_clear_error():
+    llama = load_profile("llama3.1-70b@h20")
+    with pytest.raises(PlanError, match=r"^gpus: 1 GPUs cannot hold one replica of llama3.1-70b@h20: .*needs 2 GPUs") as e:
+        feasible_degrees(llama, 1, 1000)
+    assert e.value.field == "gpus"
+    sessions = generate("toolbench", 1.0, 30.0, 1)
+    req = PlanRequest(llama, sessions, 3, SLO(2.0, 0.05), colocated=False)
+    with pytest.raises(PlanError, match=r"^gpus: 3 GPUs cannot hold one prefill and one decode replica"):
+        plan(req)
+    with pytest.raises(PlanError, match=r"^gpus: must be an integer >= 1"):
+        plan(PlanRequest(llama, sessions, 0, SLO(2.0, 0.05)))
+    with pytest.raises(PlanError, match=r"^top: "):
+        plan(PlanRequest(llama, sessions, 8, SLO(2.0, 0.05), top=0))
+    with pytest.raises(PlanError, match=r"^trace: the trace has no sessions"):
+        plan(PlanRequest(llama, [], 8, SLO(2.0, 0.05)))
+    with pytest.raises(PlanError, match=r"^policy: unknown policy 'nope'"):
+        plan(PlanRequest(llama, sessions, 8, SLO(2.0, 0.05), policy="nope"))
+
+
+def test_plan_checks_and_ranks_candidates_by_simulation():
+    prof = load_profile("qwen3-32b@h20")
+    sessions = generate("toolbench", 1.0, 60.0, 2)
+    cache = EstimateCache()
+    req = PlanRequest(prof, sessions, 4, SLO(1.5, 0.05), top=2, candidates=3, sample_sessions=16)
+    res = plan(req, cache=cache)
+    assert res.candidates == 3 and len(res.top) == 2
+    atts = [e.slo_attainment for e in res.top]
+    assert atts == sorted(atts, reverse=True)
+    for e in res.top:
+        assert 0.0 <= e.slo_attainment <= 1.0 and e.p95_s > 0 and e.deployment.gpus <= 4
+    out = res.to_json(1.25)
+    assert out["gpus"] == 4 and out["seconds"] == 1.25
+    assert set(out["top"][0]) >= {"prefill", "decode", "p95_s", "slo_attainment"}
+    n = len(cache)
+    assert n > 0 and cache.misses == n
+    plan(req, cache=cache)  # same workload again: every estimate comes from the cache
+    assert len(cache) == n and cache.hits >= n
