@@ -12,7 +12,7 @@ _COMMANDS = (
     "ampd.bench.cli",
     "ampd.sim.cli",
     "ampd.planner.cli",
-    "ampd.perf.cli",
+    "ampd.profiler.cli",
 )
 
 

@@ -141,6 +141,8 @@ class ProcessConfig:
     name: str = setting("sidecar", "this sidecar's name (logs and metrics)")
     sidecar: str = setting("", "address of this decode worker's tool sidecar", metavar="HOST:PORT")
     ready_file: str = setting("", "write the bound port here once serving (how `ampd up` waits)", metavar="F")
+    profiles_dir: str = setting("", "the planner service's stored profiles (*.json) beside the shipped ones",
+                                metavar="DIR")
 
 
 @dataclass(frozen=True)
@@ -236,6 +238,7 @@ SERVICE_SETTINGS: dict[str, tuple[str, ...]] = {
     "prefill": _WORKER,
     "decode": (*_WORKER, "sidecar", "chunked_prefill"),
     "sidecar": ("host", "port", "name", "tool", "ready_file"),
+    "planner": ("host", "port", "ready_file", "profiles_dir"),
 }
 # Per-process settings: the launcher and compose give these on each process's command line.
 PLACEMENT = ("host", "port", "advertise", "worker_id", "name", "sidecar", "ready_file")

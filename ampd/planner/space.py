@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ampd.sim.spec import format_spec
+from ampd.deployment import format_spec
 
 __all__ = ["DEGREES", "KINDS", "Deployment", "PlanError", "feasible_degrees"]
 

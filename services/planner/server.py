@@ -18,7 +18,8 @@ import grpc
 import structlog
 
 from ampd import grpcserver, logs
-from ampd.runtime import write_ready_file
+from ampd.config import SERVICE_SETTINGS, add_flags
+from ampd.grpcserver import write_ready_file
 from ampd.v1 import planner_pb2, planner_pb2_grpc
 
 log = structlog.get_logger()
@@ -162,10 +163,7 @@ async def amain(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="ampd-planner", description="AMPD planner service")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--profiles-dir", default="", help="extra stored profiles (*.json) beside the shipped ones")
-    parser.add_argument("--ready-file", default="")
+    add_flags(parser, SERVICE_SETTINGS["planner"], env=True)
     args = parser.parse_args(argv)
     grpcserver.run(amain(args))
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from ampd.perf import load_profile, profile_from_dict
-from ampd.perf.profiler import Grid, profile_engine
+from ampd.profiler import Grid, profile_engine
 
 pytestmark = pytest.mark.timeout(180)
 

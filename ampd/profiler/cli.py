@@ -57,7 +57,7 @@ def _progress():
 
 
 def run(args) -> int:
-    from .profiler import DEFAULT_GRID, QUICK_GRID, profile_engine
+    from ampd.profiler import DEFAULT_GRID, QUICK_GRID, profile_engine
 
     grid = QUICK_GRID if args.quick else DEFAULT_GRID
     if args.reps is not None:

@@ -25,8 +25,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from .fit import FitError, fit_decode, fit_kv, fit_prefill, rel_errors
-from .profile import LINK_RULES, KVTransfer, Profile, TPModel
+from ampd.perf.fit import FitError, fit_decode, fit_kv, fit_prefill, rel_errors
+from ampd.perf.profile import LINK_RULES, KVTransfer, Profile, TPModel
 
 __all__ = ["Grid", "DEFAULT_GRID", "QUICK_GRID", "EngineSetup", "ENGINES", "ProfileRun", "profile_engine"]
 
@@ -79,7 +79,7 @@ class EngineSetup:
 def _mock_setup(profile_name: str | None, tps: tuple[int, ...] | None) -> EngineSetup:
     from ampd.engine.mock import MockEngine
 
-    from .profile import load_profile
+    from ampd.perf.profile import load_profile
 
     if not profile_name:
         raise ValueError("profile: the mock engine is timed by a profile; give --profile NAME|FILE")
