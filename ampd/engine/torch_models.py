@@ -33,6 +33,13 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _MARK = "ampd-converted"  # written last: a cache folder without it is an interrupted conversion
 
 
+def _quiet() -> None:
+    """No per-shard progress bars in worker logs and test output."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def model_cache_dir() -> Path:
     """Where converted models live: $AMPD_MODEL_CACHE, else ~/.cache/ampd/models."""
     env = os.environ.get("AMPD_MODEL_CACHE")
@@ -62,6 +69,7 @@ def smollm2_dir(cache_dir: Path | None = None) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    _quiet()
     gguf = smollm2_gguf()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(
@@ -104,6 +112,7 @@ def load_model(path: str | Path) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
+    _quiet()
     model = AutoModelForCausalLM.from_pretrained(
         str(path), dtype=torch.float32, attn_implementation="sdpa", local_files_only=True
     )
@@ -147,6 +156,7 @@ def save_tiny_llama(
         eos_token_id=2,
         pad_token_id=0,
     )
+    _quiet()
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg)
     out = Path(folder)
