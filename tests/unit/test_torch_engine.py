@@ -94,6 +94,8 @@ def test_kv_shape_and_pool_follow_the_model_config(engine):
     assert shape.blocks_in(pool.nbytes, 16) == 7
     with pytest.raises(ValueError, match="bytes per token"):
         pool_rows(KVPool(4, 16, 256), shape)
+    with pytest.raises(ValueError, match="kv_heads must be > 0"):
+        KVShape(layers=2, kv_heads=0, head_dim=16)
 
 
 def test_token_rows_walks_segments_in_order():
