@@ -10,7 +10,8 @@ with distinct random prompts of `--prompt` tokens, `--new` greedy tokens each.
 - generate: `model.generate` on each prompt one after the other (what one transformers process
   serves without batching); tokens/s = B * new / the sum of the first B prompts' wall times (each
   prompt is generated once, the batches share them).
-Both produce the same tokens (checked). KV transfer: one session's history in the engine's block
+Both produce the same tokens (checked). Batching: a decode step of the largest batch as one padded
+forward against one forward per sequence. KV transfer: one session's history in the engine's block
 layout (16-token blocks, scattered), READ from one pool into another over NIXL (UCX, two agents in
 this process), against numpy copying the same number of bytes in one piece. Writes
 benchmarks/results/torch_engine.json with the command. Timings on a shared 2-core box are noisy:
@@ -104,7 +105,42 @@ async def _engine(engine: TorchEngine, pool: KVPool, prompts: list[list[int]], n
     return end - t, outs, end - t_dec
 
 
-def bench_decode(model, args) -> list[dict]:
+def _per_sequence_vs_batched(engine: TorchEngine, prompts: list[list[int]], steps: int) -> dict:
+    """Decode step time of B sequences as one padded batch vs one forward per sequence."""
+    pool = engine.make_pool(len(prompts) * (max(map(len, prompts)) + 2 * steps + 16), 16)
+    kvs = [SessionKV() for _ in prompts]
+    last = []
+    for kv, p in zip(kvs, prompts):
+        last.append(engine.prefill_sync(pool, p, [], kv.reserve(pool, len(p))))
+        kv.commit(len(p))
+
+    def step(group: list[int]) -> None:
+        seqs = []
+        for i in group:
+            pos = kvs[i].tokens
+            seg = kvs[i].reserve(pool, 1)
+            seqs.append(DecodeSeq(f"s{i}", pos, last[i], seg, pos + 1, kvs[i].segments(0, pos)))
+        for i, tok in zip(group, engine.decode_sync(pool, seqs)):
+            kvs[i].commit(1)
+            last[i] = tok
+
+    every = list(range(len(prompts)))
+    step(every)  # warm-up, untimed: first calls with new shapes are slower
+    step(every[:1])
+    t = time.perf_counter()
+    for _ in range(steps):
+        step(every)
+    batched = (time.perf_counter() - t) / steps
+    t = time.perf_counter()
+    for _ in range(steps):
+        for i in every:
+            step([i])
+    alone = (time.perf_counter() - t) / steps
+    return {"batch": len(prompts), "steps": steps, "padded_batch_step_ms": round(batched * 1e3, 2),
+            "per_sequence_step_ms": round(alone * 1e3, 2), "padded_speedup": round(alone / batched, 2)}
+
+
+def bench_decode(model, args) -> tuple[list[dict], dict]:
     engine = TorchEngine(model)
     rng = np.random.default_rng(0)
     vocab = engine.vocab_size
@@ -135,7 +171,7 @@ def bench_decode(model, args) -> list[dict]:
         }
         print(json.dumps(row), file=sys.stderr)
         rows.append(row)
-    return rows
+    return rows, _per_sequence_vs_batched(engine, prompts, 8)
 
 
 async def _kv_transfer(engine: TorchEngine, tokens: int, reps: int) -> dict:
@@ -205,7 +241,8 @@ def main(argv: list[str] | None = None) -> None:
     load_before = os.getloadavg()[0]  # the box is shared: say how busy it was
     model, info = _load(args.model)
     print(json.dumps(info), file=sys.stderr)
-    decode = bench_decode(model, args)
+    decode, padding = bench_decode(model, args)
+    print(json.dumps(padding), file=sys.stderr)
     kv = asyncio.run(_kv_transfer(TorchEngine(model), args.kv_tokens, args.reps))
     print(json.dumps(kv), file=sys.stderr)
     result = {
@@ -217,6 +254,7 @@ def main(argv: list[str] | None = None) -> None:
         "prompt_tokens": args.prompt,
         "new_tokens": args.new,
         "decode": decode,
+        "batching": padding,
         "kv_transfer": kv,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
