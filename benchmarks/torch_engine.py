@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
     kv = asyncio.run(_kv_transfer(TorchEngine(model), args.kv_tokens, args.reps))
     print(json.dumps(kv), file=sys.stderr)
     result = {
-        "command": "python -m benchmarks.torch_engine " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": " ".join(["python -m benchmarks.torch_engine", *(sys.argv[1:] if argv is None else argv)]),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
                    f"{torch.get_num_threads()} threads",
         "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
