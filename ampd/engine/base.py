@@ -1,7 +1,7 @@
 """The Engine protocol every backend (mock, torch, sglang) implements for the workers."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 from ampd.kv import KVPool, Segment
@@ -16,6 +16,9 @@ class DecodeSeq:
     last_token: int
     kv_segments: list[Segment]  # where the KV of `position` goes (reserved by the worker)
     context_tokens: int  # tokens whose KV the step reads (position + 1)
+    # Where the KV of positions [0, position) lies in the pool. An engine that computes attention
+    # (torch) reads it; the mock needs none, so workers that only drive the mock may leave it empty.
+    history_kv: list[Segment] = field(default_factory=list)
 
 
 class Engine(Protocol):
@@ -23,10 +26,20 @@ class Engine(Protocol):
     tp: int
 
     async def prefill(
-        self, session_id: str, l_hist: int, l_incr: int, pool: KVPool, new_kv: Sequence[Segment]
+        self,
+        session_id: str,
+        l_hist: int,
+        l_incr: int,
+        pool: KVPool,
+        new_kv: Sequence[Segment],
+        *,
+        token_ids: Sequence[int] | None = None,
+        history_kv: Sequence[Segment] = (),
     ) -> int:
         """Computes the KV of positions [l_hist, l_hist + l_incr) into `new_kv` (the history is
-        already in the pool) and returns the first output token (position l_hist + l_incr)."""
+        already in the pool, at `history_kv`) and returns the first output token (position
+        l_hist + l_incr). `token_ids` are the l_incr new input tokens: a real engine needs them and
+        the history's segments; the mock derives everything from (session, position)."""
         ...
 
     async def decode_step(self, pool: KVPool, seqs: Sequence[DecodeSeq]) -> list[int]:

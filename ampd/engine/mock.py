@@ -48,7 +48,8 @@ class MockEngine:
         self.tp = tp
 
     async def prefill(
-        self, session_id: str, l_hist: int, l_incr: int, pool: KVPool, new_kv: Sequence[Segment]
+        self, session_id: str, l_hist: int, l_incr: int, pool: KVPool, new_kv: Sequence[Segment],
+        *, token_ids: Sequence[int] | None = None, history_kv: Sequence[Segment] = (),
     ) -> int:
         deadline = time.monotonic() + self.profile.t_pre(self.tp, l_hist, l_incr)
         pool.write(new_kv, kv_pattern(session_id, l_hist, l_incr, pool.layout.bytes_per_token))

@@ -1,0 +1,196 @@
+"""The torch engine: a real transformers causal LM on the CPU, its KV in the worker's KVPool.
+
+The pool holds every session's KV in the layout of `ampd.kv.layout` (token rows of
+`[layers][k, v][kv_heads][head_dim]` fp32), so a remote prefill worker reads the history blocks and
+writes the new blocks back over NIXL, and the engine on either side attends to exactly those bytes
+(`ampd.engine.torch_kv.PoolCache`). The engine keeps no per-session state: the worker's block maps
+say where each session's KV is.
+
+- prefill: one forward over the new tokens on top of the history gathered from the pool; the new
+  KV lands in the segments the worker reserved; greedy next token.
+- decode_step: one forward for the whole batch, one new token per sequence; sequences of unequal
+  length are padded to the longest, with position ids and a mask per sequence (continuous batching:
+  the worker may change the batch between any two steps).
+
+Greedy only. The compute runs in a worker thread (torch releases the GIL), one forward at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import weakref
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ampd.engine.base import DecodeSeq
+from ampd.engine.torch_kv import PoolCache, attention_mask
+from ampd.kv import KVPool, Segment, segments_tokens
+from ampd.kv.layout import KVShape, pool_rows, token_rows
+
+__all__ = ["TorchEngine", "kv_shape_of"]
+
+
+def kv_shape_of(config: Any) -> KVShape:
+    """The per-token KV shape a transformers config implies (fp32)."""
+    heads = int(config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return KVShape(int(config.num_hidden_layers), int(kv_heads), int(head_dim), "float32")
+
+
+class TorchEngine:
+    """Engine protocol over one loaded model. `tp` is always 1 (one CPU process)."""
+
+    name = "torch"
+
+    def __init__(self, model: Any, *, tp: int = 1) -> None:
+        if tp != 1:
+            raise ValueError(f"tp must be 1 for the torch engine, got {tp}")
+        self.tp = 1
+        self.model = model.eval()
+        cfg = model.config
+        self.kv_shape = kv_shape_of(cfg)
+        self.vocab_size = int(cfg.vocab_size)
+        self.max_context = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
+        self._views: weakref.WeakKeyDictionary[KVPool, torch.Tensor] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_pretrained(cls, path: str, **kw: Any) -> "TorchEngine":
+        from ampd.engine.torch_models import load_model, resolve_model
+
+        return cls(load_model(resolve_model(path)), **kw)
+
+    # --- pools ----------------------------------------------------------------------------------
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.kv_shape.bytes_per_token
+
+    def make_pool(self, capacity_tokens: int, block_tokens: int = 16) -> KVPool:
+        """A pool cut for this model's KV, holding at least `capacity_tokens` positions."""
+        return self.kv_shape.pool(capacity_tokens, block_tokens)
+
+    def _rows(self, pool: KVPool) -> torch.Tensor:
+        rows = self._views.get(pool)
+        if rows is None:  # the buffer never moves, so one view serves the pool's whole life
+            rows = torch.from_numpy(pool_rows(pool, self.kv_shape))
+            self._views[pool] = rows
+        return rows
+
+    # --- checks ---------------------------------------------------------------------------------
+    def check_tokens(self, token_ids: Sequence[int], field: str = "token_ids") -> torch.Tensor:
+        ids = torch.as_tensor(np.asarray(token_ids, dtype=np.int64).reshape(-1))
+        if ids.numel() == 0:
+            raise ValueError(f"{field}: empty input")
+        bad = (ids < 0) | (ids >= self.vocab_size)
+        if bool(bad.any()):
+            i = int(torch.nonzero(bad)[0, 0])
+            raise ValueError(
+                f"{field}[{i}] = {int(ids[i])} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        return ids
+
+    def check_context(self, tokens: int, field: str = "context") -> None:
+        if tokens > self.max_context:
+            raise ValueError(
+                f"{field}: {tokens} tokens exceed the model's limit of {self.max_context}"
+            )
+
+    @staticmethod
+    def _check_cover(segs: Sequence[Segment], tokens: int, field: str) -> None:
+        got = segments_tokens(segs)
+        if got != tokens:
+            raise ValueError(f"{field}: segments cover {got} tokens, expected {tokens}")
+
+    # --- compute (blocking) ---------------------------------------------------------------------
+    def prefill_sync(
+        self,
+        pool: KVPool,
+        token_ids: Sequence[int],
+        history_kv: Sequence[Segment],
+        new_kv: Sequence[Segment],
+    ) -> int:
+        """KV of the new tokens into `new_kv` on top of the history at `history_kv`; next token."""
+        ids = self.check_tokens(token_ids)
+        l_hist, l_incr = segments_tokens(history_kv), int(ids.numel())
+        self._check_cover(new_kv, l_incr, "new_kv")
+        self.check_context(l_hist + l_incr)
+        bt = pool.block_tokens
+        hist_rows = token_rows(history_kv, bt)
+        new_rows = token_rows(new_kv, bt)
+        read = torch.from_numpy(np.concatenate((hist_rows, new_rows)))[None]
+        positions = torch.arange(l_hist, l_hist + l_incr)[None]
+        mask = attention_mask(positions, torch.tensor([l_hist + l_incr]), l_hist + l_incr)
+        cache = PoolCache(self._rows(pool), torch.from_numpy(new_rows)[None], read)
+        logits = self._forward(ids[None], positions, mask, cache)
+        return int(logits[0].argmax())
+
+    def decode_sync(self, pool: KVPool, seqs: Sequence[DecodeSeq]) -> list[int]:
+        """One step for the batch: KV of each sequence's `position` into its kv_segments."""
+        if not seqs:
+            return []
+        bt = pool.block_tokens
+        ctx = [s.position + 1 for s in seqs]
+        keys = max(ctx)
+        read = np.empty((len(seqs), keys), dtype=np.int64)
+        write = np.empty((len(seqs), 1), dtype=np.int64)
+        for i, s in enumerate(seqs):
+            self._check_cover(s.history_kv, s.position, f"seqs[{i}].history_kv")
+            self._check_cover(s.kv_segments, 1, f"seqs[{i}].kv_segments")
+            self.check_context(ctx[i], f"seqs[{i}].context")
+            rows = np.concatenate((token_rows(s.history_kv, bt), token_rows(s.kv_segments, bt)))
+            read[i, : ctx[i]] = rows
+            read[i, ctx[i] :] = rows[0]  # padding: any valid row, the mask hides it
+            write[i, 0] = rows[-1]
+        ids = self.check_tokens([s.last_token for s in seqs], "last_token")[:, None]
+        positions = torch.tensor([[s.position] for s in seqs])
+        mask = attention_mask(positions, torch.tensor(ctx), keys)
+        cache = PoolCache(self._rows(pool), torch.from_numpy(write), torch.from_numpy(read))
+        logits = self._forward(ids, positions, mask, cache)
+        return [int(t) for t in logits.argmax(-1)]
+
+    def _forward(self, ids, positions, mask, cache) -> torch.Tensor:
+        """Last-position logits `[batch, vocab]`."""
+        with self._lock, torch.inference_mode():
+            out = self.model(
+                input_ids=ids,
+                position_ids=positions,
+                attention_mask=mask,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        return out.logits[:, -1]
+
+    # --- Engine protocol ------------------------------------------------------------------------
+    async def prefill(
+        self,
+        session_id: str,
+        l_hist: int,
+        l_incr: int,
+        pool: KVPool,
+        new_kv: Sequence[Segment],
+        *,
+        token_ids: Sequence[int] | None = None,
+        history_kv: Sequence[Segment] = (),
+    ) -> int:
+        if token_ids is None:
+            raise ValueError(f"session {session_id}: the torch engine needs token_ids")
+        if len(token_ids) != l_incr:
+            raise ValueError(f"token_ids: {len(token_ids)} tokens, l_incr is {l_incr}")
+        self._check_cover(history_kv, l_hist, "history_kv")
+        return await asyncio.to_thread(self.prefill_sync, pool, token_ids, history_kv, new_kv)
+
+    async def decode_step(self, pool: KVPool, seqs: Sequence[DecodeSeq]) -> list[int]:
+        return await asyncio.to_thread(self.decode_sync, pool, list(seqs))
+
+    async def pace_transfer(self, started: float, tokens: int, src_tp: int, dst_tp: int) -> None:
+        """Real transfers take their real time: nothing to wait out."""
+        del started, tokens, src_tp, dst_tp
+        await asyncio.sleep(0)
+
+    def __repr__(self) -> str:
+        return f"TorchEngine({type(self.model).__name__}, kv={self.kv_shape})"
