@@ -56,17 +56,18 @@ class _Decode(DecodeCore):
 class _Prefill(PrefillCore):
     """A prefill worker in the simulator: the core plus its NIC."""
 
-    __slots__ = ("nic",)
+    __slots__ = ("nic", "cs_event")
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self.nic = 0.0
+        self.cs_event = False  # a _COMPUTE_START event is scheduled for the task in service
 
 
 class _Sess(DecodeSession):
     """A session on its decode worker, plus its script (rounds) and where its record goes."""
 
-    __slots__ = ("rounds", "rec", "dw", "ready", "local", "pw", "write_s", "comp_s", "target")
+    __slots__ = ("rounds", "rec", "dw", "ready", "local", "pw", "write_s", "target")
 
     def __init__(self, sid: str, rounds, rec: SimSession, dw: _Decode):
         super().__init__(sid)
@@ -77,7 +78,6 @@ class _Sess(DecodeSession):
         self.local = False
         self.pw: _Prefill | None = None  # the prefill worker running its remote prefill
         self.write_s = 0.0
-        self.comp_s = 0.0
         self.target = ""
 
 
@@ -323,6 +323,9 @@ class _Run:
         r = p.submit(task, now)
         if r is not None:
             self.read_ahead(p, r.task, now)
+        elif p.kv_overlap and p.current is not None and not p.cs_event and now < p.compute_at:
+            self.push(p.compute_at, _COMPUTE_START, (p, p.current))  # queued during a read
+            p.cs_event = True
         self.prefill_next(p, now)
 
     # --------------------------------------------------------------------------- decode workers
@@ -377,7 +380,6 @@ class _Run:
         d = st.dw
         st.pw = p
         st.write_s = w.write_s
-        st.comp_s = w.compute_s
         extra = self.busy_extra
         if p.kv_overlap:
             if self.contention and w.read_s and not w.was_ahead:
@@ -387,11 +389,21 @@ class _Run:
             else:
                 rend = now + w.read_s
             p.busy_until = rend + w.compute_s + w.write_s
+            p.compute_at = rend
             p.busy_s += rend - now
-            if rend > now:
-                self.push(rend, _COMPUTE_START, st)
+            # the task computes right after its read, then writes back (over the NICs under contention)
+            if self.contention:
+                p.busy_s += w.compute_s + extra
+                self.push(rend + w.compute_s + extra, _COMPUTE_DONE, st)
             else:
-                self.compute_start(st, now)
+                p.busy_s += w.compute_s + w.write_s + extra
+                self.push(rend + w.compute_s + w.write_s + extra, _REMOTE_DONE, st)
+            p.cs_event = False
+            if rend <= now:
+                self.compute_start((p, w.task), now)
+            elif p.qlen:  # a queued task's read starts when this one computes
+                self.push(rend, _COMPUTE_START, (p, w.task))
+                p.cs_event = True
         elif self.contention:
             if w.task.l_hist > 0:
                 start = max(now, d.nic, p.nic)
@@ -416,20 +428,16 @@ class _Run:
             p.ahead_read_end = start + p.ahead_parts[0]
             d.nic = p.nic = p.ahead_read_end
 
-    def compute_start(self, st: _Sess, now: float) -> None:
-        """KV overlap: the task in service has its history; the next read starts, and the task
-        computes and writes back."""
-        p = st.pw
+    def compute_start(self, obj, now: float) -> None:
+        """KV overlap: the task in service has its history and computes; the next task leaves the
+        queue and its read starts. Only scheduled while a task waits in the queue (an event per
+        remote prefill would cost ~10 % of a paper-scale run for nothing)."""
+        p, task = obj
+        if p.current is not task:
+            return  # that task already ended (zero compute and write-back)
         r = p.compute_started(now)
         if r is not None:
             self.read_ahead(p, r.task, now)
-        extra = self.busy_extra
-        if self.contention:
-            p.busy_s += st.comp_s + extra
-            self.push(now + st.comp_s + extra, _COMPUTE_DONE, st)
-        else:
-            p.busy_s += st.comp_s + st.write_s + extra
-            self.push(now + st.comp_s + st.write_s + extra, _REMOTE_DONE, st)
 
     def compute_done(self, st: _Sess, now: float) -> None:
         """NIC contention: the new KV's write-back waits for both workers' NICs."""

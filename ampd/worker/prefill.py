@@ -65,12 +65,15 @@ class KvRead:
 class PrefillCore:
     """State of one prefill worker (see the module docstring for the protocol).
 
-    ``busy_until`` is the predicted end of the task in service; a driver that knows better (the
-    simulator's NIC contention) may set it. ``ahead_read_end`` likewise for the read ahead.
+    ``busy_until`` is the predicted end of the task in service and ``compute_at`` when its compute
+    starts; a driver that knows better (the simulator's NIC contention) may set them.
+    ``ahead_read_end`` likewise for the read ahead. A task submitted once ``compute_at`` has passed
+    starts its read ahead even if ``compute_started`` was not called (it only matters when tasks
+    wait in the queue at that moment).
     ``busy_s`` is left to the driver to accumulate (it knows the real durations)."""
 
     __slots__ = ("worker_id", "tp", "cost", "queue", "window", "kv_overlap", "kv_capacity_tokens",
-                 "current", "computing", "busy_until", "ahead", "ahead_parts", "ahead_read_end",
+                 "current", "computing", "compute_at", "busy_until", "ahead", "ahead_parts", "ahead_read_end",
                  "_tail_cw", "_parts", "busy_s", "tasks", "qver", "qlen",
                  "wadds", "m_adds", "m_t0", "m_mean", "vq_ver", "vq", "vpred", "view_", "v_mean")
 
@@ -85,6 +88,7 @@ class PrefillCore:
         self.kv_capacity_tokens = kv_capacity_tokens
         self.current: PrefillTask | None = None  # the task in service (reading, computing, writing)
         self.computing = False  # the task in service has finished its history read
+        self.compute_at = 0.0  # when the task in service starts computing (its read's end)
         self.busy_until = 0.0
         self.ahead: PrefillTask | None = None  # the next task, its history read under way
         self.ahead_parts = (0.0, 0.0, 0.0)
@@ -128,7 +132,8 @@ class PrefillCore:
             self.queue.push(task, comp + write + exposed)
         self.qver += 1
         self.qlen += 1
-        if self.kv_overlap and self.computing and self.ahead is None:
+        if self.kv_overlap and self.ahead is None and self.current is not None and (
+                self.computing or now >= self.compute_at):
             return self._read_ahead(now)
         return None
 
@@ -155,6 +160,7 @@ class PrefillCore:
         self.tasks += 1
         total = comp + read + write  # remote_prefill_s's order: the same float as Eq. (2)
         self.busy_until = now + total
+        self.compute_at = now + read
         return PrefillWork(task, read, comp, write, total, was_ahead)
 
     def compute_started(self, now: float) -> KvRead | None:
