@@ -78,9 +78,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         info = self.cluster.infos[decode_id]
         self.live.add(sid)
         self.counters["sessions_opened"] += 1
-        await self.store.put_session(sid, {"decode_worker": decode_id, "arrival": arrival, "round": 0})
         decode_stub = self.stubs.decode(info.address)
         call = decode_stub.Attach(decode_pb2.AttachRequest(open=o, arrival=arrival))
+        # The session record is written while the decode worker opens the session, not before.
+        # (Round 0's route record, which may land first, writes the same round.)
+        record = asyncio.create_task(
+            self.store.put_session(sid, {"decode_worker": decode_id, "arrival": arrival, "round": 0}))
         routes: dict[int, tuple[str, str, bool]] = {}
         reader = asyncio.create_task(self._client_messages(request_iterator, decode_stub, sid))
         first_event = True
@@ -109,6 +112,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     # Forget the session before telling the client: a client that checks right after
                     # SessionDone (or cancels its stream) must find nothing left behind.
                     self.live.discard(sid)
+                    await record
                     await self.store.delete_session(sid)
                 yield out
         except grpc.aio.AioRpcError as exc:
@@ -122,6 +126,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             reader.cancel()
             call.cancel()
             self.live.discard(sid)
+            await asyncio.gather(record, return_exceptions=True)  # a put must not outlive the delete
             await self.store.delete_session(sid)
 
     @staticmethod
