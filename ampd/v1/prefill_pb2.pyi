@@ -48,3 +48,11 @@ class PrefillDone(_message.Message):
     started: float
     finished: float
     def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., first_token: _Optional[int] = ..., prefill_worker: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., error: _Optional[str] = ..., started: _Optional[float] = ..., finished: _Optional[float] = ...) -> None: ...
+
+class SubmitRequest(_message.Message):
+    __slots__ = ("id", "task")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    task: PrefillTask
+    def __init__(self, id: _Optional[int] = ..., task: _Optional[_Union[PrefillTask, _Mapping]] = ...) -> None: ...

@@ -25,11 +25,26 @@ log = structlog.get_logger()
 
 
 class Stubs:
-    """One channel per worker address, reused by every session."""
+    """One channel per worker address, reused by every session, and one call stream per worker for
+    the per-round requests (LocalPrefill, ToolResult, Cancel; Submit): see grpcserver.CallStream."""
 
     def __init__(self) -> None:
         self._decode: dict[str, decode_pb2_grpc.DecodeWorkerStub] = {}
         self._prefill: dict[str, prefill_pb2_grpc.PrefillWorkerStub] = {}
+        self._control: dict[str, grpcserver.CallStream] = {}
+        self._submit: dict[str, grpcserver.CallStream] = {}
+
+    def control(self, address: str) -> grpcserver.CallStream:
+        """DecodeWorker.Control of the worker at `address`: send decode_pb2.ControlRequest."""
+        if address not in self._control:
+            self._control[address] = grpcserver.CallStream(self.decode(address).Control)
+        return self._control[address]
+
+    def submit(self, address: str) -> grpcserver.CallStream:
+        """PrefillWorker.SubmitStream of the worker at `address`: send prefill_pb2.SubmitRequest."""
+        if address not in self._submit:
+            self._submit[address] = grpcserver.CallStream(self.prefill(address).SubmitStream)
+        return self._submit[address]
 
     def decode(self, address: str) -> decode_pb2_grpc.DecodeWorkerStub:
         if address not in self._decode:
@@ -85,13 +100,14 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         record = asyncio.create_task(
             self.store.put_session(sid, {"decode_worker": decode_id, "arrival": arrival, "round": 0}))
         routes: dict[int, tuple[str, str, bool]] = {}
-        reader = asyncio.create_task(self._client_messages(request_iterator, decode_stub, sid))
+        control = self.stubs.control(info.address)
+        reader = asyncio.create_task(self._client_messages(request_iterator, control, sid))
         first_event = True
         try:
             async for ev in call:
                 kind = ev.WhichOneof("event")
                 if kind == "prefill_needed":
-                    await self._route(sid, decode_id, info.tp, decode_stub, ev.prefill_needed, routes)
+                    await self._route(sid, decode_id, info.tp, control, ev.prefill_needed, routes)
                     continue
                 out = coordinator_pb2.SessionEvent(session_id=sid)
                 if first_event:
@@ -135,7 +151,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             worker, reason, _ = routes[t.round]
             t.route_reason = reason
 
-    async def _client_messages(self, request_iterator, decode_stub, sid: str) -> None:
+    async def _client_messages(self, request_iterator, control: grpcserver.CallStream, sid: str) -> None:
         """Tool results and cancels the client sends while its session runs."""
         async for msg in request_iterator:
             kind = msg.WhichOneof("msg")
@@ -143,15 +159,16 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 if kind == "tool_result":
                     tr = msg.tool_result
                     n = tr.input_tokens if tr.HasField("input_tokens") else 0
-                    await decode_stub.ToolResult(decode_pb2.ToolResultRequest(
-                        session_id=sid, call_id=tr.call_id, input_tokens=n, content=tr.content))
+                    await control.call(decode_pb2.ControlRequest(tool_result=decode_pb2.ToolResultRequest(
+                        session_id=sid, call_id=tr.call_id, input_tokens=n, content=tr.content)))
                 elif kind == "cancel":
-                    await decode_stub.Cancel(decode_pb2.CancelRequest(session_id=sid, reason=msg.cancel.reason))
+                    await control.call(decode_pb2.ControlRequest(cancel=decode_pb2.CancelRequest(
+                        session_id=sid, reason=msg.cancel.reason)))
             except grpc.aio.AioRpcError as exc:
                 # The session's stream carries the outcome; a bad tool result is logged here.
                 log.warning("client message rejected", session=sid, kind=kind, error=exc.details())
 
-    async def _route(self, sid, decode_id, decode_tp, decode_stub, need: decode_pb2.PrefillNeeded, routes) -> None:
+    async def _route(self, sid, decode_id, decode_tp, control, need: decode_pb2.PrefillNeeded, routes) -> None:
         t0 = time.perf_counter()
         view = await self.cluster.view()
         req = PrefillRequest(sid, need.round, need.l_hist, need.l_incr, decode_id)
@@ -166,10 +183,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             if not decision.local:
                 target = self.cluster.infos.get(decision.target)
                 try:
-                    await self.stubs.prefill(target.address).Submit(prefill_pb2.PrefillTask(
+                    await self.stubs.submit(target.address).call(prefill_pb2.SubmitRequest(task=prefill_pb2.PrefillTask(
                         session_id=sid, round=need.round, l_hist=need.l_hist, l_incr=need.l_incr,
                         input_ready=need.input_ready, decode_worker=decode_id, decode_tp=decode_tp,
-                        history=need.history, dest=need.dest))
+                        history=need.history, dest=need.dest)))
                     self.counters["prefills_remote"] += 1
                 except (grpc.aio.AioRpcError, AttributeError) as exc:
                     # A prefill worker that vanished must not lose the round: run it locally.
@@ -178,8 +195,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     self.counters["route_fallback-local"] += 1
                     decision = decision.__class__(decode_id, True, "fallback-local", decision.estimates)
             if decision.local:
-                await decode_stub.LocalPrefill(decode_pb2.RouteInfo(session_id=sid, round=need.round,
-                                                             reason=decision.reason))
+                await control.call(decode_pb2.ControlRequest(local_prefill=decode_pb2.RouteInfo(
+                    session_id=sid, round=need.round, reason=decision.reason)))
                 self.counters["prefills_local"] += 1
             routes[need.round] = (decision.target, decision.reason, decision.local)
             log.info("route", session=sid, round=need.round, target=decision.target, local=decision.local,
