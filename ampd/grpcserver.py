@@ -1,4 +1,5 @@
-"""What every AMPD gRPC server shares: health checking, reflection, signal-driven shutdown."""
+"""What every AMPD gRPC server shares: health checking, reflection, signal-driven shutdown, call
+streams (unary-like calls as messages on one long-lived stream)."""
 from __future__ import annotations
 
 import asyncio
@@ -9,6 +10,8 @@ from collections.abc import Awaitable, Callable, Iterable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from ampd.v1 import common_pb2
 
 # Token streams are small messages; keep keepalives modest so a dead peer is noticed.
 SERVER_OPTIONS = [
@@ -85,3 +88,104 @@ def write_ready_file(path: str, port: int) -> None:
         with open(tmp, "w") as f:
             f.write(str(port))
         os.replace(tmp, path)
+# ----------------------------------------------------------------------------- call streams
+class RpcFailure(Exception):
+    """A request refused with a gRPC status: a unary handler aborts with it, a call stream replies
+    with it (see CallStream)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+async def abort_on_failure(context: grpc.aio.ServicerContext, handle: Callable[[], None]) -> None:
+    """Runs ``handle()`` for a unary handler: an RpcFailure ends the call with its status."""
+    try:
+        handle()
+    except RpcFailure as f:
+        await context.abort(f.code, f.details)
+
+
+async def serve_calls(request_iterator, handle: Callable[[object], None]):
+    """The server half of a call stream: ``handle(request)`` for every request, in order, each
+    answered by a CallReply with its id (code 0, or the RpcFailure's status)."""
+    async for req in request_iterator:
+        try:
+            handle(req)
+        except RpcFailure as f:
+            yield common_pb2.CallReply(id=req.id, code=f.code.value[0], error=f.details)
+        else:
+            yield common_pb2.CallReply(id=req.id)
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+class CallStream:
+    """The client half of a call stream: unary-like calls as messages on one long-lived bidi
+    stream. A message costs ~0.1 ms where a unary call costs ~0.65 ms (between processes on this
+    2-core box), and the callee sees a request as soon as it arrives. ``await call(request)``
+    (``request.id`` is set here) returns when the reply comes and raises grpc.aio.AioRpcError with
+    the reply's status, as the unary call would. A broken stream fails the calls in flight with
+    its status; the next call opens a new stream."""
+
+    def __init__(self, open_stream: Callable[[object], grpc.aio.StreamStreamCall]) -> None:
+        self._open = open_stream
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._outbox: asyncio.Queue | None = None
+        self._pending: dict[int, asyncio.Future] = {}
+        self._next_id = 0
+
+    async def call(self, request, timeout_s: float = 30.0) -> None:
+        if self._call is None:
+            self._start()
+        self._next_id += 1
+        request.id = self._next_id
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[request.id] = fut
+        self._outbox.put_nowait(request)
+        try:
+            reply = await asyncio.wait_for(fut, timeout_s)
+        except asyncio.TimeoutError:
+            raise _rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply in {timeout_s:g} s") from None
+        finally:
+            self._pending.pop(request.id, None)
+        if reply.code:
+            raise _rpc_error(_CODES.get(reply.code, grpc.StatusCode.UNKNOWN), reply.error)
+
+    def close(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+
+    def _start(self) -> None:
+        outbox: asyncio.Queue = asyncio.Queue()
+
+        async def requests():
+            while True:
+                yield await outbox.get()
+
+        call = self._open(requests())
+        self._call, self._outbox = call, outbox
+        asyncio.get_running_loop().create_task(self._read(call))
+
+    async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
+        err = _rpc_error(grpc.StatusCode.UNAVAILABLE, "call stream ended")
+        try:
+            async for reply in call:
+                fut = self._pending.get(reply.id)
+                if fut is not None and not fut.done():
+                    fut.set_result(reply)
+        except grpc.aio.AioRpcError as exc:
+            err = exc
+        except asyncio.CancelledError:
+            err = _rpc_error(grpc.StatusCode.CANCELLED, "call stream closed")
+        if self._call is call:
+            self._call = self._outbox = None
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(err)
+
+
+def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)

@@ -123,6 +123,9 @@ class WorkerRuntime:
                 await asyncio.wait_for(self._dirty.wait(), self.cfg.heartbeat_s)
             except asyncio.TimeoutError:
                 pass
+            # Let the tasks woken with this change (the prefill or token it belongs to) run first:
+            # the publish is a Redis round trip the request path need not wait behind.
+            await asyncio.sleep(0)
             self._dirty.clear()
             try:
                 await self.store.publish_stats(self.snapshot())

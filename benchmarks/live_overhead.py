@@ -30,7 +30,7 @@ Two measurements, each on a small live deployment (mock engines, 1 prefill + 1 d
      coordinator -> route -> LocalPrefill -> the decode worker's queue -> its loop starts it);
      ``handoff`` = median later-round residual under ``remote`` minus ``dispatch`` (Submit instead
      of LocalPrefill, the prefill worker's loop, the NIXL write-back, the notification the decode
-     worker polls every 0.5 ms, the KV check); ``open`` = median round-0 residual minus median
+     worker polls every 0.2 ms while it waits, the KV check); ``open`` = median round-0 residual minus median
      later-round residual, mean of both policies (bind view, session record, Attach, the decode
      worker opening the session).
    - ``fidelity_busy``: the same with ``BACKGROUND`` sessions decoding throughout, so the decode
@@ -74,6 +74,16 @@ def sessions(n: int, rounds: int, l_hist_growth: int = 512) -> list[Session]:
     rs = tuple(Round(input=l_hist_growth, output=4, tool_s=0.0) for _ in range(rounds - 1)) + (
         Round(input=l_hist_growth, output=4),)
     return [Session(id=f"lat-{i:04d}", arrival=0.0, rounds=rs) for i in range(n)]
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) a process has used so far, from /proc."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 async def measure(address: str, n: int, rounds: int) -> list[float]:
@@ -253,11 +263,11 @@ def measure_prefill_busy(log, n: int = 30, profile: str = FIDELITY_PROFILE) -> d
     return out
 
 
-def main(n: int = 60, rounds: int = 5) -> dict:
+def main(n: int = 60, rounds: int = 5, paths_only: bool = False) -> dict:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    out = {"command": "make bench (benchmarks/live_overhead.py)", "profile": "zero@none",
+    out = {"command": "python -m benchmarks.live_overhead (make bench BENCH=live_overhead)", "profile": "zero@none",
            "machine": f"{platform.machine()} {platform.python_version()}", "when": time.strftime("%Y-%m-%d %H:%M:%S"),
            "loadavg_1m_at_start": round(os.getloadavg()[0], 2),
            "sessions": n, "rounds_per_session": rounds, "paths": {}}
@@ -265,9 +275,20 @@ def main(n: int = 60, rounds: int = 5) -> dict:
         opts = Options(prefill="tp1*1", decode="tp1*1", profile="zero@none", policy=policy)
         with Deployment(opts) as dep:
             asyncio.run(measure(dep.coordinator, 3, 2))  # warm NIXL connections and channels
+            # CPU per round of every process on the path: on a shared box it shows what the path
+            # costs whatever the load does to the latency.
+            procs = {c.name: c.proc.pid for c in dep.children if not c.name.startswith("sidecar")}
+            before = {k: cpu_s(p) for k, p in procs.items()} | {"client": sum(os.times()[:2])}
+            load = os.getloadavg()[0]
             lat = asyncio.run(measure(dep.coordinator, n, rounds))
+            after = {k: cpu_s(p) for k, p in procs.items()} | {"client": sum(os.times()[:2])}
         out["paths"][policy] = summary(lat)
+        out["paths"][policy]["cpu_ms_per_round"] = {k: round((after[k] - before[k]) * 1e3 / len(lat), 2)
+                                                    for k in before}
+        out["paths"][policy]["loadavg_1m"] = {"before": round(load, 2), "after": round(os.getloadavg()[0], 2)}
         log(f"{policy:>7}: per-round added latency {out['paths'][policy]}")
+    if paths_only:  # a quick look at the client latency; the results file is left alone
+        return out
     scenarios, raw = measure_path(log)
     est = derive(raw)
     out["prefill_busy_extra"] = {
@@ -302,4 +323,11 @@ def main(n: int = 60, rounds: int = 5) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    import argparse
+
+    ap = argparse.ArgumentParser(description="What the live path adds per round (see the module docstring).")
+    ap.add_argument("--sessions", type=int, default=60, help="sessions per policy for the client latency")
+    ap.add_argument("--paths-only", action="store_true",
+                    help="only the client latency (remote, local); print it, write no results file")
+    a = ap.parse_args()
+    main(a.sessions, paths_only=a.paths_only)

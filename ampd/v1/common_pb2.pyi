@@ -171,3 +171,13 @@ class MetricsReply(_message.Message):
     values: _containers.ScalarMap[str, float]
     labels: _containers.ScalarMap[str, str]
     def __init__(self, worker_id: _Optional[str] = ..., values: _Optional[_Mapping[str, float]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class CallReply(_message.Message):
+    __slots__ = ("id", "code", "error")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    code: int
+    error: str
+    def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...

@@ -6,6 +6,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ControlRequest(_message.Message):
+    __slots__ = ("id", "local_prefill", "tool_result", "cancel")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    TOOL_RESULT_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    local_prefill: RouteInfo
+    tool_result: ToolResultRequest
+    cancel: CancelRequest
+    def __init__(self, id: _Optional[int] = ..., local_prefill: _Optional[_Union[RouteInfo, _Mapping]] = ..., tool_result: _Optional[_Union[ToolResultRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelRequest, _Mapping]] = ...) -> None: ...
+
 class AttachRequest(_message.Message):
     __slots__ = ("open", "arrival")
     OPEN_FIELD_NUMBER: _ClassVar[int]

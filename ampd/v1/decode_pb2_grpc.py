@@ -57,6 +57,11 @@ class DecodeWorkerStub:
                 request_serializer=ampd_dot_v1_dot_decode__pb2.CancelRequest.SerializeToString,
                 response_deserializer=ampd_dot_v1_dot_common__pb2.Ack.FromString,
                 _registered_method=True)
+        self.Control = channel.stream_stream(
+                '/ampd.v1.DecodeWorker/Control',
+                request_serializer=ampd_dot_v1_dot_decode__pb2.ControlRequest.SerializeToString,
+                response_deserializer=ampd_dot_v1_dot_common__pb2.CallReply.FromString,
+                _registered_method=True)
         self.Metrics = channel.unary_unary(
                 '/ampd.v1.DecodeWorker/Metrics',
                 request_serializer=ampd_dot_v1_dot_common__pb2.MetricsRequest.SerializeToString,
@@ -95,6 +100,15 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Control(self, request_iterator, context):
+        """LocalPrefill, ToolResult and Cancel as messages on one long-lived stream (the coordinator keeps
+        one per worker): a stream message costs ~0.1 ms where a unary call costs ~0.65 ms. Each
+        request is answered by a CallReply with its id, with the status the unary call would return.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Metrics(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -123,6 +137,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Cancel,
                     request_deserializer=ampd_dot_v1_dot_decode__pb2.CancelRequest.FromString,
                     response_serializer=ampd_dot_v1_dot_common__pb2.Ack.SerializeToString,
+            ),
+            'Control': grpc.stream_stream_rpc_method_handler(
+                    servicer.Control,
+                    request_deserializer=ampd_dot_v1_dot_decode__pb2.ControlRequest.FromString,
+                    response_serializer=ampd_dot_v1_dot_common__pb2.CallReply.SerializeToString,
             ),
             'Metrics': grpc.unary_unary_rpc_method_handler(
                     servicer.Metrics,
@@ -240,6 +259,33 @@ class DecodeWorker:
             '/ampd.v1.DecodeWorker/Cancel',
             ampd_dot_v1_dot_decode__pb2.CancelRequest.SerializeToString,
             ampd_dot_v1_dot_common__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Control(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/ampd.v1.DecodeWorker/Control',
+            ampd_dot_v1_dot_decode__pb2.ControlRequest.SerializeToString,
+            ampd_dot_v1_dot_common__pb2.CallReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,7 +1,8 @@
 from ampd.v1 import common_pb2 as _common_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -24,3 +25,11 @@ class PrefillDone(_message.Message):
     started: float
     finished: float
     def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., first_token: _Optional[int] = ..., prefill_worker: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., error: _Optional[str] = ..., started: _Optional[float] = ..., finished: _Optional[float] = ...) -> None: ...
+
+class SubmitRequest(_message.Message):
+    __slots__ = ("id", "task")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    task: _common_pb2.PrefillTask
+    def __init__(self, id: _Optional[int] = ..., task: _Optional[_Union[_common_pb2.PrefillTask, _Mapping]] = ...) -> None: ...

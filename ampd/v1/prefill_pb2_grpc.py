@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from ampd.v1 import common_pb2 as ampd_dot_v1_dot_common__pb2
+from ampd.v1 import prefill_pb2 as ampd_dot_v1_dot_prefill__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -42,6 +43,11 @@ class PrefillWorkerStub:
                 request_serializer=ampd_dot_v1_dot_common__pb2.PrefillTask.SerializeToString,
                 response_deserializer=ampd_dot_v1_dot_common__pb2.Ack.FromString,
                 _registered_method=True)
+        self.SubmitStream = channel.stream_stream(
+                '/ampd.v1.PrefillWorker/SubmitStream',
+                request_serializer=ampd_dot_v1_dot_prefill__pb2.SubmitRequest.SerializeToString,
+                response_deserializer=ampd_dot_v1_dot_common__pb2.CallReply.FromString,
+                _registered_method=True)
         self.Metrics = channel.unary_unary(
                 '/ampd.v1.PrefillWorker/Metrics',
                 request_serializer=ampd_dot_v1_dot_common__pb2.MetricsRequest.SerializeToString,
@@ -61,6 +67,13 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubmitStream(self, request_iterator, context):
+        """Submit as messages on one long-lived stream (see DecodeWorker.Control).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Metrics(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -74,6 +87,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Submit,
                     request_deserializer=ampd_dot_v1_dot_common__pb2.PrefillTask.FromString,
                     response_serializer=ampd_dot_v1_dot_common__pb2.Ack.SerializeToString,
+            ),
+            'SubmitStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.SubmitStream,
+                    request_deserializer=ampd_dot_v1_dot_prefill__pb2.SubmitRequest.FromString,
+                    response_serializer=ampd_dot_v1_dot_common__pb2.CallReply.SerializeToString,
             ),
             'Metrics': grpc.unary_unary_rpc_method_handler(
                     servicer.Metrics,
@@ -111,6 +129,33 @@ class PrefillWorker:
             '/ampd.v1.PrefillWorker/Submit',
             ampd_dot_v1_dot_common__pb2.PrefillTask.SerializeToString,
             ampd_dot_v1_dot_common__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/ampd.v1.PrefillWorker/SubmitStream',
+            ampd_dot_v1_dot_prefill__pb2.SubmitRequest.SerializeToString,
+            ampd_dot_v1_dot_common__pb2.CallReply.FromString,
             options,
             channel_credentials,
             insecure,

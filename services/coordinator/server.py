@@ -17,7 +17,8 @@ from ampd.perf import load_profile
 from ampd.policy import SLO, PrefillTask, make_router, policy_spec
 from ampd.state import StateStore, connect
 from ampd.v1 import (
-    common_pb2, coordinator_pb2, coordinator_pb2_grpc, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc,
+    common_pb2, coordinator_pb2, coordinator_pb2_grpc, decode_pb2, decode_pb2_grpc, prefill_pb2,
+    prefill_pb2_grpc,
 )
 from ampd.grpcserver import write_ready_file
 from services.coordinator.core import Cluster, InvalidArgument, choose_decode_worker, route, validate_open
@@ -26,11 +27,26 @@ log = structlog.get_logger()
 
 
 class Stubs:
-    """One channel per worker address, reused by every session."""
+    """One channel per worker address, reused by every session, and one call stream per worker for
+    the per-round requests (LocalPrefill, ToolResult, Cancel; Submit): see grpcserver.CallStream."""
 
     def __init__(self) -> None:
         self._decode: dict[str, decode_pb2_grpc.DecodeWorkerStub] = {}
         self._prefill: dict[str, prefill_pb2_grpc.PrefillWorkerStub] = {}
+        self._control: dict[str, grpcserver.CallStream] = {}
+        self._submit: dict[str, grpcserver.CallStream] = {}
+
+    def control(self, address: str) -> grpcserver.CallStream:
+        """DecodeWorker.Control of the worker at `address`: send decode_pb2.ControlRequest."""
+        if address not in self._control:
+            self._control[address] = grpcserver.CallStream(self.decode(address).Control)
+        return self._control[address]
+
+    def submit(self, address: str) -> grpcserver.CallStream:
+        """PrefillWorker.SubmitStream of the worker at `address`: send prefill_pb2.SubmitRequest."""
+        if address not in self._submit:
+            self._submit[address] = grpcserver.CallStream(self.prefill(address).SubmitStream)
+        return self._submit[address]
 
     def decode(self, address: str) -> decode_pb2_grpc.DecodeWorkerStub:
         if address not in self._decode:
@@ -79,17 +95,21 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         info = self.cluster.infos[decode_id]
         self.live.add(sid)
         self.counters["sessions_opened"] += 1
-        await self.store.put_session(sid, {"decode_worker": decode_id, "arrival": arrival, "round": 0})
         decode_stub = self.stubs.decode(info.address)
         call = decode_stub.Attach(decode_pb2.AttachRequest(open=o, arrival=arrival))
+        # The session record is written while the decode worker opens the session, not before.
+        # (Round 0's route record, which may land first, writes the same round.)
+        record = asyncio.create_task(
+            self.store.put_session(sid, {"decode_worker": decode_id, "arrival": arrival, "round": 0}))
         routes: dict[int, tuple[str, str, bool]] = {}
-        reader = asyncio.create_task(self._client_messages(request_iterator, decode_stub, sid))
+        control = self.stubs.control(info.address)
+        reader = asyncio.create_task(self._client_messages(request_iterator, control, sid))
         first_event = True
         try:
             async for ev in call:
                 kind = ev.WhichOneof("event")
                 if kind == "prefill_task":
-                    await self._route(sid, decode_id, info.tp, decode_stub, ev.prefill_task, routes)
+                    await self._route(sid, decode_id, info.tp, control, ev.prefill_task, routes)
                     continue
                 out = coordinator_pb2.SessionEvent(session_id=sid)
                 if first_event:
@@ -110,6 +130,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     # Forget the session before telling the client: a client that checks right after
                     # SessionDone (or cancels its stream) must find nothing left behind.
                     self.live.discard(sid)
+                    await record
                     await self.store.delete_session(sid)
                 yield out
         except grpc.aio.AioRpcError as exc:
@@ -123,6 +144,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             reader.cancel()
             call.cancel()
             self.live.discard(sid)
+            await asyncio.gather(record, return_exceptions=True)  # a put must not outlive the delete
             await self.store.delete_session(sid)
 
     @staticmethod
@@ -131,7 +153,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             worker, reason, _ = routes[t.round]
             t.route_reason = reason
 
-    async def _client_messages(self, request_iterator, decode_stub, sid: str) -> None:
+    async def _client_messages(self, request_iterator, control: grpcserver.CallStream, sid: str) -> None:
         """Tool results and cancels the client sends while its session runs."""
         async for msg in request_iterator:
             kind = msg.WhichOneof("msg")
@@ -139,15 +161,16 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 if kind == "tool_result":
                     tr = msg.tool_result
                     n = tr.input_tokens if tr.HasField("input_tokens") else 0
-                    await decode_stub.ToolResult(decode_pb2.ToolResultRequest(
-                        session_id=sid, call_id=tr.call_id, input_tokens=n, content=tr.content))
+                    await control.call(decode_pb2.ControlRequest(tool_result=decode_pb2.ToolResultRequest(
+                        session_id=sid, call_id=tr.call_id, input_tokens=n, content=tr.content)))
                 elif kind == "cancel":
-                    await decode_stub.Cancel(decode_pb2.CancelRequest(session_id=sid, reason=msg.cancel.reason))
+                    await control.call(decode_pb2.ControlRequest(cancel=decode_pb2.CancelRequest(
+                        session_id=sid, reason=msg.cancel.reason)))
             except grpc.aio.AioRpcError as exc:
                 # The session's stream carries the outcome; a bad tool result is logged here.
                 log.warning("client message rejected", session=sid, kind=kind, error=exc.details())
 
-    async def _route(self, sid, decode_id, decode_tp, decode_stub, need: common_pb2.PrefillTask, routes) -> None:
+    async def _route(self, sid, decode_id, decode_tp, control, need: common_pb2.PrefillTask, routes) -> None:
         t0 = time.perf_counter()
         view = await self.cluster.view()
         req = PrefillTask(sid, need.round, need.l_hist, need.l_incr, need.input_ready, decode_id, decode_tp)
@@ -165,7 +188,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     # The task goes on as the decode worker sent it, bound to the worker this
                     # coordinator bound the session to.
                     need.session_id, need.decode_worker, need.decode_tp = sid, decode_id, decode_tp
-                    await self.stubs.prefill(target.address).Submit(need)
+                    await self.stubs.submit(target.address).call(prefill_pb2.SubmitRequest(task=need))
                     self.counters["prefills_remote"] += 1
                 except (grpc.aio.AioRpcError, AttributeError) as exc:
                     # A prefill worker that vanished must not lose the round: run it locally.
@@ -174,8 +197,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     self.counters["route_fallback-local"] += 1
                     decision = decision.__class__(decode_id, True, "fallback-local", decision.estimates)
             if decision.local:
-                await decode_stub.LocalPrefill(decode_pb2.RouteInfo(session_id=sid, round=need.round,
-                                                             reason=decision.reason))
+                await control.call(decode_pb2.ControlRequest(local_prefill=decode_pb2.RouteInfo(
+                    session_id=sid, round=need.round, reason=decision.reason)))
                 self.counters["prefills_local"] += 1
             routes[need.round] = (decision.target, decision.reason, decision.local)
             log.info("route", session=sid, round=need.round, target=decision.target, local=decision.local,

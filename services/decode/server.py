@@ -9,6 +9,7 @@ import structlog
 
 from ampd import grpcserver, logs
 from ampd.config import ConfigError
+from ampd.grpcserver import RpcFailure, abort_on_failure, serve_calls
 from ampd.engine.mock import make_engine
 from ampd.perf import load_profile
 from ampd.policy import SLO, make_queue, policy_spec
@@ -58,25 +59,45 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
             if not s.closed:  # the coordinator went away mid-session
                 core.cancel(s.session_id, "attach stream closed")
 
-    async def LocalPrefill(self, request: decode_pb2.RouteInfo, context) -> common_pb2.Ack:
+    # LocalPrefill, ToolResult and Cancel: one body each, served as unary calls and on Control.
+    def _local_prefill(self, request: decode_pb2.RouteInfo) -> None:
         try:
             self.core.local_prefill(request.session_id, request.round)
         except SessionError as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        return common_pb2.Ack()
+            raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
 
-    async def ToolResult(self, request: decode_pb2.ToolResultRequest, context) -> common_pb2.Ack:
+    def _tool_result(self, request: decode_pb2.ToolResultRequest) -> None:
         if request.input_tokens <= 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "input_tokens: must be >= 1")
+            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "input_tokens: must be >= 1")
         try:
             self.core.tool_result(request.session_id, request.call_id, request.input_tokens)
         except SessionError as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+
+    def _cancel(self, request: decode_pb2.CancelRequest) -> None:
+        self.core.cancel(request.session_id, request.reason)
+
+    def _control(self, request: decode_pb2.ControlRequest) -> None:
+        kind = request.WhichOneof("call")
+        if kind is None:
+            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "call: one of local_prefill, tool_result, cancel is required")
+        getattr(self, f"_{kind}")(getattr(request, kind))
+
+    async def LocalPrefill(self, request: decode_pb2.RouteInfo, context) -> common_pb2.Ack:
+        await abort_on_failure(context, lambda: self._local_prefill(request))
+        return common_pb2.Ack()
+
+    async def ToolResult(self, request: decode_pb2.ToolResultRequest, context) -> common_pb2.Ack:
+        await abort_on_failure(context, lambda: self._tool_result(request))
         return common_pb2.Ack()
 
     async def Cancel(self, request: decode_pb2.CancelRequest, context) -> common_pb2.Ack:
-        self.core.cancel(request.session_id, request.reason)
+        self._cancel(request)
         return common_pb2.Ack()
+
+    async def Control(self, request_iterator, context):
+        async for reply in serve_calls(request_iterator, self._control):
+            yield reply
 
     async def Metrics(self, request, context) -> common_pb2.MetricsReply:
         core = self.core

@@ -98,13 +98,15 @@ class DecodeWorker:
     # ---------------------------------------------------------------------------------- lifecycle
     def start(self) -> None:
         self._tasks.append(asyncio.create_task(self._loop(), name="decode-loop"))
-        self._tasks.append(asyncio.create_task(self._notif_poller(), name="nixl-notifs"))
+        self._notifs = self.rt.transport.listen(lambda _peer, msg: self._on_prefill_done(msg),
+                                                pending=lambda: bool(self.awaiting_remote))
 
     async def stop(self) -> None:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._stepping = False
+        await self._notifs.stop()
         for s in list(self.sessions.values()):
             self.fail(s, "worker shutting down")
 
@@ -176,6 +178,7 @@ class DecodeWorker:
             history=seg_pb(s.kv.segments(0, s.l_hist)), dest=seg_pb(s.dest),
         )))
         self.awaiting_remote[(s.session_id, rnd)] = s
+        self._notifs.arm()
 
     def _admit_waiting(self) -> None:
         """KV freed: start the waiting rounds that fit now, in the core's order."""
@@ -394,14 +397,6 @@ class DecodeWorker:
         self.rt.changed()
 
     # ------------------------------------------------------------------------- remote prefills
-    async def _notif_poller(self) -> None:
-        while True:
-            got = self.rt.transport.poll_notifs()
-            for _peer, msg in got:
-                self._on_prefill_done(msg)
-            # Poll fast only while a remote prefill may land.
-            await asyncio.sleep(0.0005 if self.awaiting_remote else 0.01)
-
     def _on_prefill_done(self, msg: bytes) -> None:
         done = prefill_pb2.PrefillDone()
         try:

@@ -9,6 +9,7 @@ import structlog
 
 from ampd import grpcserver, logs
 from ampd.config import ConfigError
+from ampd.grpcserver import RpcFailure, abort_on_failure, serve_calls
 from ampd.engine.mock import make_engine
 from ampd.perf import load_profile
 from ampd.policy import SLO, make_queue, policy_spec
@@ -26,21 +27,29 @@ class PrefillService(prefill_pb2_grpc.PrefillWorkerServicer):
     def __init__(self) -> None:
         self.core: PrefillWorker | None = None
 
-    async def Submit(self, request: common_pb2.PrefillTask, context) -> common_pb2.Ack:
+    def _submit(self, request: common_pb2.PrefillTask) -> None:
+        bad = grpc.StatusCode.INVALID_ARGUMENT
         for field in ("session_id", "decode_worker"):
             if not getattr(request, field):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: required")
+                raise RpcFailure(bad, f"{field}: required")
         if request.l_incr <= 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "l_incr: must be >= 1")
+            raise RpcFailure(bad, "l_incr: must be >= 1")
         if sum(s.tokens for s in request.history) != request.l_hist:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "history: segments must cover l_hist tokens")
+            raise RpcFailure(bad, "history: segments must cover l_hist tokens")
         if sum(s.tokens for s in request.dest) != request.l_incr:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "dest: segments must cover l_incr tokens")
+            raise RpcFailure(bad, "dest: segments must cover l_incr tokens")
         try:
             self.core.submit(request)
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+            raise RpcFailure(grpc.StatusCode.ALREADY_EXISTS, str(exc)) from None
+
+    async def Submit(self, request: prefill_pb2.PrefillTask, context) -> common_pb2.Ack:
+        await abort_on_failure(context, lambda: self._submit(request))
         return common_pb2.Ack()
+
+    async def SubmitStream(self, request_iterator, context):
+        async for reply in serve_calls(request_iterator, lambda req: self._submit(req.task)):
+            yield reply
 
     async def Metrics(self, request, context) -> common_pb2.MetricsReply:
         core = self.core

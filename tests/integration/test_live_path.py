@@ -133,3 +133,48 @@ def test_every_service_serves_health_and_reflection(deployment, redis_url):
             services = set(ProtoReflectionDescriptorDatabase(ch).get_services())
             assert "grpc.health.v1.Health" in services, name
             assert any(s.startswith("ampd.v1.") for s in services), (name, services)
+
+
+def test_call_streams_answer_like_the_unary_calls(deployment, redis_url):
+    """DecodeWorker.Control and PrefillWorker.SubmitStream: every request gets its own status."""
+    from ampd.state import StateStore, connect
+    from ampd.v1 import decode_pb2, prefill_pb2
+
+    async def scenario():
+        store = StateStore(await connect(redis_url), "live")
+        infos = await store.workers()
+        await store.r.aclose()
+        dec = next(i.address for i in infos.values() if i.kind == "decode")
+        pre = next(i.address for i in infos.values() if i.kind == "prefill")
+        chans = [grpcserver.channel(dec), grpcserver.channel(pre)]
+        control = grpcserver.CallStream(decode_pb2_grpc.DecodeWorkerStub(chans[0]).Control)
+        submit = grpcserver.CallStream(prefill_pb2_grpc.PrefillWorkerStub(chans[1]).SubmitStream)
+
+        async def status(stream, request) -> grpc.StatusCode:
+            try:
+                await stream.call(request)
+            except grpc.aio.AioRpcError as exc:
+                return exc.code()
+            return grpc.StatusCode.OK
+
+        ctl = decode_pb2.ControlRequest
+        assert await status(control, ctl(tool_result=decode_pb2.ToolResultRequest(
+            session_id="nobody", call_id="x", input_tokens=3))) == grpc.StatusCode.FAILED_PRECONDITION
+        assert await status(control, ctl(tool_result=decode_pb2.ToolResultRequest(
+            session_id="nobody", call_id="x"))) == grpc.StatusCode.INVALID_ARGUMENT
+        assert await status(control, ctl(local_prefill=decode_pb2.RouteInfo(
+            session_id="nobody", round=0))) == grpc.StatusCode.FAILED_PRECONDITION
+        assert await status(control, ctl()) == grpc.StatusCode.INVALID_ARGUMENT
+        assert await status(control, ctl(cancel=decode_pb2.CancelRequest(session_id="nobody"))) == grpc.StatusCode.OK
+        assert await status(submit, prefill_pb2.SubmitRequest(task=prefill_pb2.PrefillTask(
+            decode_worker="decode-0", l_incr=4))) == grpc.StatusCode.INVALID_ARGUMENT
+        # Several calls in flight on one stream each get their own answer.
+        codes = await asyncio.gather(*(status(control, ctl(cancel=decode_pb2.CancelRequest(session_id=f"n{i}")))
+                                       for i in range(5)))
+        assert codes == [grpc.StatusCode.OK] * 5
+        control.close()
+        submit.close()
+        for ch in chans:
+            await ch.close()
+
+    asyncio.run(scenario())

@@ -393,5 +393,32 @@ async def test_watch_notifs_callback(pair):
         task.cancel()
 
 
+@pytest.mark.timeout(60)
+async def test_notif_listener_polls_only_while_pending(pair):
+    a, b = pair
+    got: list[tuple[str, bytes]] = []
+    expected = {"n"}
+    listener = a.listen(lambda p, m: (got.append((p, m)), expected.discard(m.decode())), pending=lambda: bool(expected))
+    try:
+        listener.arm()
+        await b.write("inproc-a", [Segment(0, 0, 2)], [Segment(0, 0, 2)], b"n")
+        await _until(lambda: got, what="callback")
+        assert got == [("inproc-b", b"n")]
+        await asyncio.sleep(0.05)  # nothing pending: the listener goes quiet
+        polls = listener.polls
+        await asyncio.sleep(0.1)
+        assert listener.polls == polls
+        # a notification that lands while nobody waits is delivered at the next arm()
+        await b.send_notif("inproc-a", b"late")
+        await asyncio.sleep(0.05)
+        assert len(got) == 1
+        expected.add("late")
+        listener.arm()
+        await _until(lambda: len(got) == 2, what="late callback")
+        assert got[1] == ("inproc-b", b"late")
+    finally:
+        await listener.stop()
+
+
 if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == "peer":
     asyncio.run(_peer_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))
