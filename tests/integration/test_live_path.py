@@ -166,7 +166,7 @@ def test_call_streams_answer_like_the_unary_calls(deployment, redis_url):
             session_id="nobody", round=0))) == grpc.StatusCode.FAILED_PRECONDITION
         assert await status(control, ctl()) == grpc.StatusCode.INVALID_ARGUMENT
         assert await status(control, ctl(cancel=decode_pb2.CancelRequest(session_id="nobody"))) == grpc.StatusCode.OK
-        assert await status(submit, prefill_pb2.SubmitRequest(task=prefill_pb2.PrefillTask(
+        assert await status(submit, prefill_pb2.SubmitRequest(task=common_pb2.PrefillTask(
             decode_worker="decode-0", l_incr=4))) == grpc.StatusCode.INVALID_ARGUMENT
         # Several calls in flight on one stream each get their own answer.
         codes = await asyncio.gather(*(status(control, ctl(cancel=decode_pb2.CancelRequest(session_id=f"n{i}")))
