@@ -71,9 +71,10 @@ class WorkerView:
     ``window_mean_s`` is the windowed mean TTFT (prefill workers) or ITL (decode workers); ``None``
     means the window holds no samples, which every policy treats as full slack (an idle worker is
     not congested). ``queue_predicted_s`` is the sum of predicted prefill times of the tasks queued
-    on that worker at its own ``tp`` (``PrefillQueue.predicted_total()``) plus the remaining time of the
-task in service, published by the worker (``ampd.worker`` cores); with the KV overlap on, a prefill
-worker's queued tasks also count the KV transfers they still pay that the overlap does not hide.
+    on that worker at its own ``tp`` (``PrefillQueue.predicted_total()``) plus the remaining time of
+    the task in service, published by the worker (``ampd.worker`` cores); with the KV overlap on, a
+    prefill worker's queued tasks also count the KV transfers they still pay that the overlap does
+    not hide.
     """
 
     worker_id: str
