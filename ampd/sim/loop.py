@@ -64,6 +64,41 @@ class _Prefill(PrefillCore):
         self.cs_event = False  # a _COMPUTE_START event is scheduled for the task in service
 
 
+class _Views:
+    """The prefill workers' views for one routing decision, each built on first read. Algorithm 1
+    stops at the first prefill worker with slack (most decisions), so most views are never read;
+    the router is pure and nothing changes while it runs, so a view built late equals one built
+    up front. ``settle`` then reads the windowed mean of every worker whose view was not built:
+    that read expires old samples, and the window's float sum depends on when they leave, so every
+    worker's window moves exactly as when every view was built."""
+
+    __slots__ = ("ps", "now", "vs")
+
+    def __init__(self, ps: list, now: float):
+        self.ps = ps
+        self.now = now
+        self.vs = [None] * len(ps)
+
+    def __len__(self) -> int:
+        return len(self.ps)
+
+    def __getitem__(self, i: int):
+        v = self.vs[i]
+        if v is None:
+            v = self.vs[i] = self.ps[i].view(self.now)
+        return v
+
+    def __iter__(self):
+        for i in range(len(self.ps)):
+            yield self[i]
+
+    def settle(self) -> None:
+        vs, now = self.vs, self.now
+        for i, p in enumerate(self.ps):
+            if vs[i] is None:
+                p.window_mean(now)
+
+
 class _Sess(DecodeSession):
     """A session on its decode worker, plus its script (rounds) and where its record goes."""
 
@@ -300,8 +335,10 @@ class _Run:
         d = st.dw
         task = PrefillTask(st.session_id, st.round, st.l_hist, st.l_incr, st.ready, d.worker_id, d.tp)
         dview = d.view(now)
-        pviews = () if self.pviews_static else [p.view(now) for p in self.prefills]
+        pviews = () if self.pviews_static else _Views(self.prefills, now)
         dec = self.router.route(task, dview, pviews, now)
+        if pviews:
+            pviews.settle()
         reasons = self.reasons
         reasons[dec.reason] = reasons.get(dec.reason, 0) + 1
         if dec.local or dec.target == d.worker_id:
