@@ -116,7 +116,8 @@ class AdaptiveRouter:
     so that a seed reproduces the same decisions live and in the simulator.
     """
 
-    __slots__ = ("name", "cost", "slo", "alpha", "beta", "seed", "slack", "_rng", "_ttft_limit", "_itl_limit")
+    __slots__ = ("name", "cost", "slo", "alpha", "beta", "seed", "slack", "_rng", "_ttft_limit", "_itl_limit",
+                 "_keys")
 
     def __init__(self, cost: CostModel, slo: SLO, *, seed: int = 0, alpha: float = ALPHA, beta: float = BETA,
                  slack: str = "window"):
@@ -136,6 +137,7 @@ class AdaptiveRouter:
         self._rng = random.Random(seed)
         self._ttft_limit = alpha * slo.ttft_s
         self._itl_limit = beta * slo.itl_s
+        self._keys: dict[str, tuple[str, str]] = {}  # worker id -> its estimate keys (built once)
 
     def route(
         self,
@@ -164,8 +166,11 @@ class AdaptiveRouter:
                 pos[i], pos[j] = pos[j], pos[i]
             p = prefills[pos[i]]
             w = p.window_mean_s
+            keys = self._keys.get(p.worker_id)
+            if keys is None:
+                keys = self._keys[p.worker_id] = ("ttft_window:" + p.worker_id, "t_remote:" + p.worker_id)
             if w is not None:
-                est["ttft_window:" + p.worker_id] = w
+                est[keys[0]] = w
             if w is None or w <= limit:
                 if not queue_rule:
                     return RouteDecision(p.worker_id, False, PREFILL_SLACK, est)
@@ -175,7 +180,7 @@ class AdaptiveRouter:
                     b = remote_prefill_s(self.cost, req.l_hist, req.l_incr, decode.tp, ptp)
                     base[ptp] = b
                 t = b + p.queue_predicted_s  # t_remote's sum, the same float
-                est["t_remote:" + p.worker_id] = t
+                est[keys[1]] = t
                 if t <= limit:
                     return RouteDecision(p.worker_id, False, PREFILL_SLACK, est)
 

@@ -44,13 +44,16 @@ _COMPUTE_START = 9  # a remote prefill's history read ended: its compute starts 
 class _Decode(DecodeCore):
     """A decode worker in the simulator: the core plus its step log and NIC."""
 
-    __slots__ = ("idx", "log", "nic")
+    __slots__ = ("idx", "log", "nic", "log_add")
 
     def __init__(self, idx: int, *args, **kw):
         super().__init__(*args, **kw)
         self.idx = idx
-        self.log = StepLog()
+        lg = self.log = StepLog()
         self.nic = 0.0  # when its NIC is free (kv_contention)
+        # the step log's appends, bound once (step_done runs per run of steps)
+        self.log_add = (lg.lo.append, lg.t0.append, lg.A.append, lg.g.append, lg.k.append, lg.n.append,
+                        lg.old.append, lg.prev.append)
 
 
 class _Prefill(PrefillCore):
@@ -388,15 +391,15 @@ class _Run:
             return  # a run that was cut short
         k = d.run_m
         n = d.batch_n
-        lg = d.log  # one entry per run of steps (StepLog)
-        lg.lo.append(d.step_idx)
-        lg.t0.append(d.run_t0)
-        lg.A.append(d.run_A)
-        lg.g.append(d.run_g)
-        lg.k.append(k)
-        lg.n.append(n)
-        lg.old.append(n - d.step_new)
-        lg.prev.append(d.last_end)
+        lo, t0, A, g, kk, nn, old, prev = d.log_add  # one entry per run of steps (StepLog)
+        lo(d.step_idx)
+        t0(d.run_t0)
+        A(d.run_A)
+        g(d.run_g)
+        kk(k)
+        nn(n)
+        old(n - d.step_new)
+        prev(d.last_end)
         for st in d.run_done(k, now):
             self.round_end(st, now, now)
         self.decode_next(d, now)
