@@ -11,13 +11,27 @@ from .types import CostModel
 __all__ = ["remote_parts", "remote_prefill_s", "t_remote", "t_local"]
 
 
+# The last call's arguments and terms: the router prices a task (Eq. 2) and the prefill worker it
+# picks prices the same task again at submit; one entry saves that second pricing (~1/3 of the
+# simulator's cost-model calls). A pure function of its arguments, so the entry is always valid;
+# one tuple, replaced whole, so concurrent callers see a consistent pair.
+_last: tuple = (None, None)
+
+
 def remote_parts(cost: CostModel, l_hist: int, l_incr: int, decode_tp: int,
                  prefill_tp: int) -> tuple[float, float, float]:
     """(history KV in, compute, new KV back) of a prefill on a ``prefill_tp`` worker for a session
     bound to a ``decode_tp`` worker; a zero-token transfer does not happen, so it costs nothing."""
+    global _last
+    key = (l_hist, l_incr, decode_tp, prefill_tp, cost)
+    last = _last
+    if last[0] == key:
+        return last[1]
     read = cost.t_kv(l_hist, decode_tp, prefill_tp) if l_hist else 0.0
     write = cost.t_kv(l_incr, prefill_tp, decode_tp) if l_incr else 0.0
-    return read, cost.t_pre(prefill_tp, l_hist, l_incr), write
+    parts = (read, cost.t_pre(prefill_tp, l_hist, l_incr), write)
+    _last = (key, parts)
+    return parts
 
 
 def remote_prefill_s(cost: CostModel, l_hist: int, l_incr: int, decode_tp: int, prefill_tp: int) -> float:

@@ -12,7 +12,7 @@ import random
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from .cost import remote_prefill_s, t_local, t_remote
+from .cost import remote_prefill_s, t_local
 from .types import SLO, CostModel, PrefillTask, RouteDecision, WorkerView
 
 __all__ = [
@@ -116,7 +116,8 @@ class AdaptiveRouter:
     so that a seed reproduces the same decisions live and in the simulator.
     """
 
-    __slots__ = ("name", "cost", "slo", "alpha", "beta", "seed", "slack", "_rng", "_ttft_limit", "_itl_limit")
+    __slots__ = ("name", "cost", "slo", "alpha", "beta", "seed", "slack", "_rng", "_ttft_limit", "_itl_limit",
+                 "_keys")
 
     def __init__(self, cost: CostModel, slo: SLO, *, seed: int = 0, alpha: float = ALPHA, beta: float = BETA,
                  slack: str = "window"):
@@ -136,6 +137,7 @@ class AdaptiveRouter:
         self._rng = random.Random(seed)
         self._ttft_limit = alpha * slo.ttft_s
         self._itl_limit = beta * slo.itl_s
+        self._keys: dict[str, tuple[str, str]] = {}  # worker id -> its estimate keys (built once)
 
     def route(
         self,
@@ -157,16 +159,30 @@ class AdaptiveRouter:
         est["ttft_limit"] = limit
         rand = self._rng.random
         pos = list(range(n))
+        base: dict[int, float] = {}  # prefill tp -> Eq. (2) less its queue term (rungs 1 and 3 share it)
         for i in range(n):
             j = i + int(rand() * (n - i))
             if j != i:
                 pos[i], pos[j] = pos[j], pos[i]
             p = prefills[pos[i]]
             w = p.window_mean_s
+            keys = self._keys.get(p.worker_id)
+            if keys is None:
+                keys = self._keys[p.worker_id] = ("ttft_window:" + p.worker_id, "t_remote:" + p.worker_id)
             if w is not None:
-                est["ttft_window:" + p.worker_id] = w
-            if (w is None or w <= limit) and (not queue_rule or self._t_remote(req, decode, p, est) <= limit):
-                return RouteDecision(p.worker_id, False, PREFILL_SLACK, est)
+                est[keys[0]] = w
+            if w is None or w <= limit:
+                if not queue_rule:
+                    return RouteDecision(p.worker_id, False, PREFILL_SLACK, est)
+                ptp = p.tp
+                b = base.get(ptp)
+                if b is None:
+                    b = remote_prefill_s(self.cost, req.l_hist, req.l_incr, decode.tp, ptp)
+                    base[ptp] = b
+                t = b + p.queue_predicted_s  # t_remote's sum, the same float
+                est[keys[1]] = t
+                if t <= limit:
+                    return RouteDecision(p.worker_id, False, PREFILL_SLACK, est)
 
         # Rung 2: the bound decode worker has ITL slack.
         cost = self.cost
@@ -191,7 +207,6 @@ class AdaptiveRouter:
         best_t = t_loc
         best_id = decode.worker_id
         best_local = True
-        base: dict[int, float] = {}
         for p in prefills:
             ptp = p.tp
             b = base.get(ptp)
@@ -206,13 +221,6 @@ class AdaptiveRouter:
                 best_id = wid
                 best_local = False
         return RouteDecision(best_id, best_local, COST_MODEL, est)
-
-
-    def _t_remote(self, req: PrefillTask, decode: WorkerView, p: WorkerView, est: dict[str, float]) -> float:
-        """Eq. (2) for one prefill worker: queue + compute + history KV in + new KV back."""
-        t = t_remote(self.cost, req.l_hist, req.l_incr, decode.tp, p.tp, p.queue_predicted_s)
-        est["t_remote:" + p.worker_id] = t
-        return t
 
 
 class RemoteRouter:

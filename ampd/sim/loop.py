@@ -44,13 +44,16 @@ _COMPUTE_START = 9  # a remote prefill's history read ended: its compute starts 
 class _Decode(DecodeCore):
     """A decode worker in the simulator: the core plus its step log and NIC."""
 
-    __slots__ = ("idx", "log", "nic")
+    __slots__ = ("idx", "log", "nic", "log_add")
 
     def __init__(self, idx: int, *args, **kw):
         super().__init__(*args, **kw)
         self.idx = idx
-        self.log = StepLog()
+        lg = self.log = StepLog()
         self.nic = 0.0  # when its NIC is free (kv_contention)
+        # the step log's appends, bound once (step_done runs per run of steps)
+        self.log_add = (lg.lo.append, lg.t0.append, lg.A.append, lg.g.append, lg.k.append, lg.n.append,
+                        lg.old.append, lg.prev.append)
 
 
 class _Prefill(PrefillCore):
@@ -62,6 +65,41 @@ class _Prefill(PrefillCore):
         super().__init__(*args, **kw)
         self.nic = 0.0
         self.cs_event = False  # a _COMPUTE_START event is scheduled for the task in service
+
+
+class _Views:
+    """The prefill workers' views for one routing decision, each built on first read. Algorithm 1
+    stops at the first prefill worker with slack (most decisions), so most views are never read;
+    the router is pure and nothing changes while it runs, so a view built late equals one built
+    up front. ``settle`` then reads the windowed mean of every worker whose view was not built:
+    that read expires old samples, and the window's float sum depends on when they leave, so every
+    worker's window moves exactly as when every view was built."""
+
+    __slots__ = ("ps", "now", "vs")
+
+    def __init__(self, ps: list, now: float):
+        self.ps = ps
+        self.now = now
+        self.vs = [None] * len(ps)
+
+    def __len__(self) -> int:
+        return len(self.ps)
+
+    def __getitem__(self, i: int):
+        v = self.vs[i]
+        if v is None:
+            v = self.vs[i] = self.ps[i].view(self.now)
+        return v
+
+    def __iter__(self):
+        for i in range(len(self.ps)):
+            yield self[i]
+
+    def settle(self) -> None:
+        vs, now = self.vs, self.now
+        for i, p in enumerate(self.ps):
+            if vs[i] is None:
+                p.window_mean(now)
 
 
 class _Sess(DecodeSession):
@@ -300,8 +338,10 @@ class _Run:
         d = st.dw
         task = PrefillTask(st.session_id, st.round, st.l_hist, st.l_incr, st.ready, d.worker_id, d.tp)
         dview = d.view(now)
-        pviews = () if self.pviews_static else [p.view(now) for p in self.prefills]
+        pviews = () if self.pviews_static else _Views(self.prefills, now)
         dec = self.router.route(task, dview, pviews, now)
+        if pviews:
+            pviews.settle()
         reasons = self.reasons
         reasons[dec.reason] = reasons.get(dec.reason, 0) + 1
         if dec.local or dec.target == d.worker_id:
@@ -351,15 +391,15 @@ class _Run:
             return  # a run that was cut short
         k = d.run_m
         n = d.batch_n
-        lg = d.log  # one entry per run of steps (StepLog)
-        lg.lo.append(d.step_idx)
-        lg.t0.append(d.run_t0)
-        lg.A.append(d.run_A)
-        lg.g.append(d.run_g)
-        lg.k.append(k)
-        lg.n.append(n)
-        lg.old.append(n - d.step_new)
-        lg.prev.append(d.last_end)
+        lo, t0, A, g, kk, nn, old, prev = d.log_add  # one entry per run of steps (StepLog)
+        lo(d.step_idx)
+        t0(d.run_t0)
+        A(d.run_A)
+        g(d.run_g)
+        kk(k)
+        nn(n)
+        old(n - d.step_new)
+        prev(d.last_end)
         for st in d.run_done(k, now):
             self.round_end(st, now, now)
         self.decode_next(d, now)

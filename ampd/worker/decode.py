@@ -529,7 +529,16 @@ class DecodeCore:
         if upto > a:
             gsum += n * ((upto - a) * A + g * (a + upto - 1) * (upto - a) * 0.5)
         cnt = n * (upto - self.run_flushed)
-        self.window.add(t0 + upto * A + g * (upto - 1) * upto * 0.5, gsum / cnt, cnt)
+        # WindowedMean.add inlined (a call per run of steps is a visible share of a simulation)
+        t = t0 + upto * A + g * (upto - 1) * upto * 0.5
+        w = self.window
+        total = gsum / cnt * cnt
+        smp = w._samples
+        smp.append((t, total, cnt))
+        w._sum += total
+        w._count += cnt
+        if smp[0][0] < t - w.window_s:
+            w._expire(t)
         self.wadds += 1
         self.run_flushed = upto
 
@@ -626,8 +635,8 @@ class DecodeCore:
             self.vq_ver = self.qver
         elif v is not None and mean == self.v_mean and free == self.v_free and not residual:
             return v
-        v = WorkerView(worker_id=self.worker_id, kind="decode", tp=self.tp, window_mean_s=mean, queue=self.vq,
-                       kv_free_tokens=free, queue_predicted_s=self.vpred + residual)
+        # positional: the field order of WorkerView (cheaper than keywords; a view per routing decision)
+        v = WorkerView(self.worker_id, "decode", self.tp, mean, self.vq, free, self.vpred + residual)
         self.view_ = v
         self.v_mean = mean
         self.v_free = free

@@ -244,8 +244,9 @@ class PrefillCore:
             _, comp, write = self.ahead_parts
             late = self.ahead_read_end - (self.busy_until if self.current is not None else now)
             pred += comp + write + (late if late > 0.0 else 0.0)
-        v = WorkerView(worker_id=self.worker_id, kind="prefill", tp=self.tp, window_mean_s=mean,
-                       queue=self.vq, kv_free_tokens=self.kv_capacity_tokens, queue_predicted_s=pred)
+        # positional (worker_id, kind, tp, window_mean_s, queue, kv_free_tokens, queue_predicted_s):
+        # cheaper than keywords, and a view is built per routing decision
+        v = WorkerView(self.worker_id, "prefill", self.tp, mean, self.vq, self.kv_capacity_tokens, pred)
         self.view_ = v
         self.v_mean = mean
         return v
