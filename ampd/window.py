@@ -4,6 +4,7 @@ Pure: time is passed in, so the live workers and the simulator share it.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 
 
@@ -45,3 +46,23 @@ class WindowedMean:
             self._count -= count
         if not samples:  # drop float drift
             self._sum, self._count = 0.0, 0
+
+
+class CachedWindowMean:
+    """Mixin of the worker cores: ``window_mean(now)`` reads ``self.window`` (a WindowedMean) and
+    caches the mean while no sample was added (``wadds``, counted by the owner) and the oldest
+    sample has not expired; the owner declares the slots window, wadds, m_adds, m_t0, m_mean."""
+
+    __slots__ = ()
+
+    def window_mean(self, now: float) -> float | None:
+        """The windowed mean (TTFT on a prefill worker, ITL on a decode worker), cached."""
+        if self.m_adds == self.wadds and self.m_t0 >= now - self.window.window_s:
+            return self.m_mean
+        w = self.window
+        mean = w.mean(now)
+        smp = w._samples
+        self.m_t0 = smp[0][0] if smp else math.inf
+        self.m_adds = self.wadds
+        self.m_mean = mean
+        return mean

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 from ampd.policy.reorder import PrefillQueue
 from ampd.policy.types import CostModel, PrefillTask, WorkerView
-from ampd.window import WindowedMean
+from ampd.window import CachedWindowMean, WindowedMean
 
 __all__ = ["DecodeCore", "DecodeSession", "LocalPrefill", "DecodeRun", "steps_done", "affine_ctx_coef",
            "IDLE", "STEPPING", "PREFILLING", "ADMITTED", "WAITING", "FAILED", "KV_ADMISSION", "KV_EXHAUSTED"]
@@ -158,7 +158,7 @@ def affine_ctx_coef(cost, tp: int) -> float | None:
     return c
 
 
-class DecodeCore:
+class DecodeCore(CachedWindowMean):
     """State of one decode worker (see the module docstring for the protocol).
 
     ``cost`` needs ``t_pre`` and ``t_dec`` (``ampd.perf.Profile``). ``chunk_tokens`` > 0 splits a
@@ -606,18 +606,6 @@ class DecodeCore:
         return kv > 0
 
     # ------------------------------------------------------------------------------------ view
-    def window_mean(self, now: float) -> float | None:
-        """The windowed mean ITL, cached while no sample was added or expired."""
-        if self.m_adds == self.wadds and self.m_t0 >= now - self.window.window_s:
-            return self.m_mean
-        w = self.window
-        mean = w.mean(now)
-        smp = w._samples
-        self.m_t0 = smp[0][0] if smp else math.inf
-        self.m_adds = self.wadds
-        self.m_mean = mean
-        return mean
-
     def view(self, now: float) -> WorkerView:
         """The published view: windowed ITL (the steps of the run in progress that ended by now
         count), free KV (less what waiting rounds need), the local queue, and ``queue_predicted_s``

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from ampd.policy.cost import remote_parts
 from ampd.policy.reorder import PrefillQueue
 from ampd.policy.types import CostModel, PrefillTask, WorkerView
-from ampd.window import WindowedMean
+from ampd.window import CachedWindowMean, WindowedMean
 
 __all__ = ["PrefillCore", "PrefillWork", "KvRead"]
 
@@ -62,7 +62,7 @@ class KvRead:
     seconds: float
 
 
-class PrefillCore:
+class PrefillCore(CachedWindowMean):
     """State of one prefill worker (see the module docstring for the protocol).
 
     ``busy_until`` is the predicted end of the task in service and ``compute_at`` when its compute
@@ -213,18 +213,6 @@ class PrefillCore:
     @property
     def busy(self) -> bool:
         return self.current is not None
-
-    def window_mean(self, now: float) -> float | None:
-        """The windowed mean TTFT, cached while no sample was added or expired."""
-        if self.m_adds == self.wadds and self.m_t0 >= now - self.window.window_s:
-            return self.m_mean
-        w = self.window
-        mean = w.mean(now)
-        smp = w._samples
-        self.m_t0 = smp[0][0] if smp else math.inf
-        self.m_adds = self.wadds
-        self.m_mean = mean
-        return mean
 
     def view(self, now: float) -> WorkerView:
         """The published view: windowed TTFT, the queue, and ``queue_predicted_s`` (the module
