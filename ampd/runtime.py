@@ -12,6 +12,7 @@ import structlog
 
 from ampd.config import SERVICE_SETTINGS, ConfigError, add_flags, env_name
 from ampd.deployment import check_names
+from ampd.engine.base import Sampling
 from ampd.kv import KVPool, PoolLayout
 from ampd.perf import Profile
 from ampd.policy import WorkerView
@@ -217,3 +218,8 @@ def config_from_args(args, kind: str, port: int) -> WorkerConfig:
         chunked_prefill=getattr(args, "chunked_prefill", False),
         sidecar=getattr(args, "sidecar", ""),
     )
+
+
+def sampling_of(p) -> Sampling:
+    """An engine's Sampling from the API's SamplingParams (a Turn's, or a PrefillTask's)."""
+    return Sampling(p.temperature, p.top_p or 1.0, p.seed if p.HasField("seed") else None)

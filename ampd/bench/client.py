@@ -17,17 +17,35 @@ from ampd import grpcserver
 from ampd.bench.report import SLO, RoundRecord, SessionRecord, build_report, format_report
 from ampd.engine.mock import token_at
 from ampd.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from ampd.workload import Session
+from ampd.workload import Session, filler_ids
 
 
-def open_request(s: Session) -> common_pb2.OpenSession:
-    rounds = []
-    for i, r in enumerate(s.rounds):
-        plan = common_pb2.RoundPlan(input_tokens=r.input, output_tokens=r.output)
-        if i + 1 < len(s.rounds):
-            plan.tool.CopyFrom(common_pb2.ToolSpec(name=r.tool or "replay", latency_s=r.tool_s or 0.0))
-        rounds.append(plan)
-    return common_pb2.OpenSession(session_id=s.id, rounds=rounds)
+def replay_sampling(output: int) -> common_pb2.SamplingParams:
+    """A replayed round decodes exactly the trace's output length (vLLM's benchmark: ignore_eos)."""
+    return common_pb2.SamplingParams(max_tokens=output, ignore_eos=True)
+
+
+def replay_call(s: Session, i: int, client_side: bool) -> common_pb2.ScriptedCall:
+    """The tool call that ends round ``i`` (not the last) of a trace session."""
+    r, nxt = s.rounds[i], s.rounds[i + 1]
+    tool = common_pb2.ToolSpec(name=r.tool or "replay", latency_s=r.tool_s or 0.0, client_side=client_side)
+    if client_side:
+        return common_pb2.ScriptedCall(tool=tool)
+    return common_pb2.ScriptedCall(tool=tool, result_tokens=nxt.input, sampling=replay_sampling(nxt.output))
+
+
+def replay_turn(s: Session, i: int, position: int, client_tools: bool) -> common_pb2.Turn:
+    """Round ``i``'s input as a turn. With server-side tools the turn scripts every later round (each
+    tool's result is the next round's input, on the decode worker); with client tools, one round."""
+    r = s.rounds[i]
+    last = len(s.rounds) - 1
+    calls = range(i, i + 1 if client_tools else last) if i < last else ()
+    return common_pb2.Turn(token_ids=filler_ids(r.input, position), sampling=replay_sampling(r.output),
+                           script=[replay_call(s, j, client_tools) for j in calls])
+
+
+def open_request(s: Session, client_tools: bool = False) -> common_pb2.OpenSession:
+    return common_pb2.OpenSession(session_id=s.id, turn=replay_turn(s, 0, 0, client_tools))
 
 
 @dataclass
@@ -41,12 +59,8 @@ class ReplayStats:
 async def run_session(coordinator, s: Session, stats: ReplayStats, *, verify_tokens: bool = False,
                       client_tools: bool = False, timeout_s: float = 600.0) -> SessionRecord:
     """Runs one session to its end and returns what happened to it."""
-    req = open_request(s)
-    if client_tools:
-        for r in req.rounds[:-1]:
-            r.tool.client_side = True
     outbox: asyncio.Queue = asyncio.Queue()
-    await outbox.put(coordinator_pb2.ClientMessage(open=req))
+    await outbox.put(coordinator_pb2.ClientMessage(open=open_request(s, client_tools)))
     sent_at = {0: time.time()}
 
     async def requests():
@@ -89,8 +103,11 @@ async def run_session(coordinator, s: Session, stats: ReplayStats, *, verify_tok
                 rnd = ev.tool_call.round
                 await asyncio.sleep(s.rounds[rnd].tool_s or 0.0)
                 sent_at[rnd + 1] = time.time()
-                await outbox.put(coordinator_pb2.ClientMessage(tool_result=coordinator_pb2.ToolResult(
-                    call_id=ev.tool_call.call_id, input_tokens=s.rounds[rnd + 1].input)))
+                turn = replay_turn(s, rnd + 1, expect_pos[rnd + 1] - s.rounds[rnd + 1].input, True)
+                turn.tool_call_id = ev.tool_call.call_id
+                await outbox.put(coordinator_pb2.ClientMessage(turn=turn))
+            elif kind == "turn_end" and ev.turn_end.round + 1 >= len(s.rounds):
+                await outbox.put(None)  # half-close: the session ends (SessionDone)
             elif kind == "done":
                 completed = True
                 for t in ev.done.rounds:

@@ -7,6 +7,18 @@ from typing import Protocol, Sequence
 from ampd.kv import KVPool, Segment
 
 
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """How an engine picks each output token; greedy when temperature is 0."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+GREEDY = Sampling()
+
+
 @dataclass(slots=True)
 class DecodeSeq:
     """One sequence in a decode step: its last token sits at `position` and has no KV yet."""
@@ -19,11 +31,15 @@ class DecodeSeq:
     # Where the KV of positions [0, position) lies in the pool. An engine that computes attention
     # (torch) reads it; the mock needs none, so workers that only drive the mock may leave it empty.
     history_kv: list[Segment] = field(default_factory=list)
+    sampling: Sampling | None = None
 
 
 class Engine(Protocol):
     name: str
     tp: int
+    vocab_size: int
+    max_context: int  # tokens of one sequence (input and output)
+    eos_token_ids: tuple[int, ...]
 
     async def prefill(
         self,
@@ -35,6 +51,7 @@ class Engine(Protocol):
         *,
         token_ids: Sequence[int] | None = None,
         history_kv: Sequence[Segment] = (),
+        sampling: Sampling | None = None,
     ) -> int:
         """Computes the KV of positions [l_hist, l_hist + l_incr) into `new_kv` (the history is
         already in the pool, at `history_kv`) and returns the first output token (position

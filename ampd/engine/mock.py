@@ -40,6 +40,11 @@ async def sleep_until(deadline: float) -> None:
 
 class MockEngine:
     name = "mock"
+    vocab_size = VOCAB_SIZE
+    # The mock is no model: it has no context limit of its own (the KV pool bounds a session) and
+    # no EOS, so a round runs to its max_tokens.
+    max_context = 1 << 24
+    eos_token_ids: tuple[int, ...] = ()
 
     def __init__(self, profile: Profile, tp: int) -> None:
         if tp not in profile.tps:
@@ -50,6 +55,7 @@ class MockEngine:
     async def prefill(
         self, session_id: str, l_hist: int, l_incr: int, pool: KVPool, new_kv: Sequence[Segment],
         *, token_ids: Sequence[int] | None = None, history_kv: Sequence[Segment] = (),
+        sampling=None,
     ) -> int:
         deadline = time.monotonic() + self.profile.t_pre(self.tp, l_hist, l_incr)
         pool.write(new_kv, kv_pattern(session_id, l_hist, l_incr, pool.layout.bytes_per_token))

@@ -321,6 +321,14 @@ class SessionKV:
             pool.free(self.blocks[keep:])
             del self.blocks[keep:]
 
+    def truncate(self, pool: KVPool, n: int) -> None:
+        """Keep only positions [0, n) (an edited conversation rewinds its history)."""
+        n = int(n)
+        if n < 0 or n > self.tokens:
+            raise ValueError(f"truncate: {n} outside [0, {self.tokens}]")
+        self.tokens = n
+        self.trim(pool)
+
     def release(self, pool: KVPool) -> None:
         """Free every block; the session holds nothing afterwards."""
         blocks, self.blocks = self.blocks, []

@@ -28,15 +28,49 @@ class ToolSpec(_message.Message):
     arguments: str
     def __init__(self, name: _Optional[str] = ..., latency_s: _Optional[float] = ..., client_side: _Optional[bool] = ..., arguments: _Optional[str] = ...) -> None: ...
 
-class RoundPlan(_message.Message):
-    __slots__ = ("input_tokens", "output_tokens", "tool")
-    INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+class SamplingParams(_message.Message):
+    __slots__ = ("max_tokens", "temperature", "top_p", "seed", "stop_token_ids", "stop", "ignore_eos")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    ignore_eos: bool
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class ScriptedCall(_message.Message):
+    __slots__ = ("tool", "result_tokens", "sampling")
     TOOL_FIELD_NUMBER: _ClassVar[int]
-    input_tokens: int
-    output_tokens: int
+    RESULT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     tool: ToolSpec
-    def __init__(self, input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., tool: _Optional[_Union[ToolSpec, _Mapping]] = ...) -> None: ...
+    result_tokens: int
+    sampling: SamplingParams
+    def __init__(self, tool: _Optional[_Union[ToolSpec, _Mapping]] = ..., result_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+
+class Turn(_message.Message):
+    __slots__ = ("token_ids", "sampling", "server_tools", "script", "keep_tokens", "tool_call_id")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SERVER_TOOLS_FIELD_NUMBER: _ClassVar[int]
+    SCRIPT_FIELD_NUMBER: _ClassVar[int]
+    KEEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    server_tools: _containers.RepeatedScalarFieldContainer[str]
+    script: _containers.RepeatedCompositeFieldContainer[ScriptedCall]
+    keep_tokens: int
+    tool_call_id: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., server_tools: _Optional[_Iterable[str]] = ..., script: _Optional[_Iterable[_Union[ScriptedCall, _Mapping]]] = ..., keep_tokens: _Optional[int] = ..., tool_call_id: _Optional[str] = ...) -> None: ...
 
 class SessionLimits(_message.Message):
     __slots__ = ("max_rounds", "max_output_tokens")
@@ -47,17 +81,17 @@ class SessionLimits(_message.Message):
     def __init__(self, max_rounds: _Optional[int] = ..., max_output_tokens: _Optional[int] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("session_id", "rounds", "limits")
+    __slots__ = ("session_id", "limits", "turn")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    ROUNDS_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
+    TURN_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    rounds: _containers.RepeatedCompositeFieldContainer[RoundPlan]
     limits: SessionLimits
-    def __init__(self, session_id: _Optional[str] = ..., rounds: _Optional[_Iterable[_Union[RoundPlan, _Mapping]]] = ..., limits: _Optional[_Union[SessionLimits, _Mapping]] = ...) -> None: ...
+    turn: Turn
+    def __init__(self, session_id: _Optional[str] = ..., limits: _Optional[_Union[SessionLimits, _Mapping]] = ..., turn: _Optional[_Union[Turn, _Mapping]] = ...) -> None: ...
 
 class RoundTiming(_message.Message):
-    __slots__ = ("round", "input_ready", "first_token", "last_token", "tokens", "local", "prefill_worker", "route_reason", "l_hist", "l_incr")
+    __slots__ = ("round", "input_ready", "first_token", "last_token", "tokens", "local", "prefill_worker", "route_reason", "l_hist", "l_incr", "finish_reason")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     INPUT_READY_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +102,7 @@ class RoundTiming(_message.Message):
     ROUTE_REASON_FIELD_NUMBER: _ClassVar[int]
     L_HIST_FIELD_NUMBER: _ClassVar[int]
     L_INCR_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     round: int
     input_ready: float
     first_token: float
@@ -78,7 +113,8 @@ class RoundTiming(_message.Message):
     route_reason: str
     l_hist: int
     l_incr: int
-    def __init__(self, round: _Optional[int] = ..., input_ready: _Optional[float] = ..., first_token: _Optional[float] = ..., last_token: _Optional[float] = ..., tokens: _Optional[int] = ..., local: _Optional[bool] = ..., prefill_worker: _Optional[str] = ..., route_reason: _Optional[str] = ..., l_hist: _Optional[int] = ..., l_incr: _Optional[int] = ...) -> None: ...
+    finish_reason: str
+    def __init__(self, round: _Optional[int] = ..., input_ready: _Optional[float] = ..., first_token: _Optional[float] = ..., last_token: _Optional[float] = ..., tokens: _Optional[int] = ..., local: _Optional[bool] = ..., prefill_worker: _Optional[str] = ..., route_reason: _Optional[str] = ..., l_hist: _Optional[int] = ..., l_incr: _Optional[int] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class Tokens(_message.Message):
     __slots__ = ("round", "position", "token_ids", "times")
@@ -106,6 +142,16 @@ class ToolCall(_message.Message):
     client_side: bool
     def __init__(self, round: _Optional[int] = ..., call_id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ..., client_side: _Optional[bool] = ...) -> None: ...
 
+class TurnEnd(_message.Message):
+    __slots__ = ("round", "finish_reason", "history_tokens")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    finish_reason: str
+    history_tokens: int
+    def __init__(self, round: _Optional[int] = ..., finish_reason: _Optional[str] = ..., history_tokens: _Optional[int] = ...) -> None: ...
+
 class RoundEnd(_message.Message):
     __slots__ = ("timing",)
     TIMING_FIELD_NUMBER: _ClassVar[int]
@@ -119,7 +165,7 @@ class SessionDone(_message.Message):
     def __init__(self, rounds: _Optional[_Iterable[_Union[RoundTiming, _Mapping]]] = ...) -> None: ...
 
 class PrefillTask(_message.Message):
-    __slots__ = ("session_id", "round", "l_hist", "l_incr", "input_ready", "decode_worker", "decode_tp", "history", "dest")
+    __slots__ = ("session_id", "round", "l_hist", "l_incr", "input_ready", "decode_worker", "decode_tp", "history", "dest", "token_ids", "sampling")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     L_HIST_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +175,8 @@ class PrefillTask(_message.Message):
     DECODE_TP_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     DEST_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     round: int
     l_hist: int
@@ -138,7 +186,9 @@ class PrefillTask(_message.Message):
     decode_tp: int
     history: _containers.RepeatedCompositeFieldContainer[Segment]
     dest: _containers.RepeatedCompositeFieldContainer[Segment]
-    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., l_hist: _Optional[int] = ..., l_incr: _Optional[int] = ..., input_ready: _Optional[float] = ..., decode_worker: _Optional[str] = ..., decode_tp: _Optional[int] = ..., history: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., dest: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., l_hist: _Optional[int] = ..., l_incr: _Optional[int] = ..., input_ready: _Optional[float] = ..., decode_worker: _Optional[str] = ..., decode_tp: _Optional[int] = ..., history: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., dest: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ()

@@ -6,44 +6,42 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class ToolResult(_message.Message):
-    __slots__ = ("call_id", "input_tokens", "content")
-    CALL_ID_FIELD_NUMBER: _ClassVar[int]
-    INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    CONTENT_FIELD_NUMBER: _ClassVar[int]
-    call_id: str
-    input_tokens: int
-    content: str
-    def __init__(self, call_id: _Optional[str] = ..., input_tokens: _Optional[int] = ..., content: _Optional[str] = ...) -> None: ...
-
 class Cancel(_message.Message):
     __slots__ = ("reason",)
     REASON_FIELD_NUMBER: _ClassVar[int]
     reason: str
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
+class Close(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class ClientMessage(_message.Message):
-    __slots__ = ("open", "tool_result", "cancel")
+    __slots__ = ("open", "turn", "cancel", "close")
     OPEN_FIELD_NUMBER: _ClassVar[int]
-    TOOL_RESULT_FIELD_NUMBER: _ClassVar[int]
+    TURN_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
     open: _common_pb2.OpenSession
-    tool_result: ToolResult
+    turn: _common_pb2.Turn
     cancel: Cancel
-    def __init__(self, open: _Optional[_Union[_common_pb2.OpenSession, _Mapping]] = ..., tool_result: _Optional[_Union[ToolResult, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ...) -> None: ...
+    close: Close
+    def __init__(self, open: _Optional[_Union[_common_pb2.OpenSession, _Mapping]] = ..., turn: _Optional[_Union[_common_pb2.Turn, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., close: _Optional[_Union[Close, _Mapping]] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("session_id", "tokens", "tool_call", "round_end", "done", "decode_worker")
+    __slots__ = ("session_id", "tokens", "tool_call", "round_end", "done", "turn_end", "decode_worker")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_FIELD_NUMBER: _ClassVar[int]
     ROUND_END_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    TURN_END_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tokens: _common_pb2.Tokens
     tool_call: _common_pb2.ToolCall
     round_end: _common_pb2.RoundEnd
     done: _common_pb2.SessionDone
+    turn_end: _common_pb2.TurnEnd
     decode_worker: str
-    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Union[_common_pb2.Tokens, _Mapping]] = ..., tool_call: _Optional[_Union[_common_pb2.ToolCall, _Mapping]] = ..., round_end: _Optional[_Union[_common_pb2.RoundEnd, _Mapping]] = ..., done: _Optional[_Union[_common_pb2.SessionDone, _Mapping]] = ..., decode_worker: _Optional[str] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Union[_common_pb2.Tokens, _Mapping]] = ..., tool_call: _Optional[_Union[_common_pb2.ToolCall, _Mapping]] = ..., round_end: _Optional[_Union[_common_pb2.RoundEnd, _Mapping]] = ..., done: _Optional[_Union[_common_pb2.SessionDone, _Mapping]] = ..., turn_end: _Optional[_Union[_common_pb2.TurnEnd, _Mapping]] = ..., decode_worker: _Optional[str] = ...) -> None: ...

@@ -27,8 +27,9 @@ if _version_not_supported:
 
 
 class CoordinatorStub:
-    """The client-facing API. One bidirectional stream per session: the first message opens it; later
-    messages answer client-side tool calls or cancel. Events stream back until SessionDone, or the
+    """The client-facing API. One bidirectional stream per session: the first message opens it with its
+    first turn; later messages send the next turns (one at a time, after TurnEnd), cancel, or close.
+    Events stream back until SessionDone (after Close, or the client half-closing its side), or the
     stream ends with a gRPC status (INVALID_ARGUMENT names the bad field).
     """
 
@@ -51,8 +52,9 @@ class CoordinatorStub:
 
 
 class CoordinatorServicer:
-    """The client-facing API. One bidirectional stream per session: the first message opens it; later
-    messages answer client-side tool calls or cancel. Events stream back until SessionDone, or the
+    """The client-facing API. One bidirectional stream per session: the first message opens it with its
+    first turn; later messages send the next turns (one at a time, after TurnEnd), cancel, or close.
+    Events stream back until SessionDone (after Close, or the client half-closing its side), or the
     stream ends with a gRPC status (INVALID_ARGUMENT names the bad field).
     """
 
@@ -90,8 +92,9 @@ def add_CoordinatorServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Coordinator:
-    """The client-facing API. One bidirectional stream per session: the first message opens it; later
-    messages answer client-side tool calls or cancel. Events stream back until SessionDone, or the
+    """The client-facing API. One bidirectional stream per session: the first message opens it with its
+    first turn; later messages send the next turns (one at a time, after TurnEnd), cancel, or close.
+    Events stream back until SessionDone (after Close, or the client half-closing its side), or the
     stream ends with a gRPC status (INVALID_ARGUMENT names the bad field).
     """
 

@@ -7,16 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ControlRequest(_message.Message):
-    __slots__ = ("id", "local_prefill", "tool_result", "cancel")
+    __slots__ = ("id", "local_prefill", "turn", "cancel", "close")
     ID_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
-    TOOL_RESULT_FIELD_NUMBER: _ClassVar[int]
+    TURN_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
     id: int
     local_prefill: RouteInfo
-    tool_result: ToolResultRequest
+    turn: TurnRequest
     cancel: CancelRequest
-    def __init__(self, id: _Optional[int] = ..., local_prefill: _Optional[_Union[RouteInfo, _Mapping]] = ..., tool_result: _Optional[_Union[ToolResultRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelRequest, _Mapping]] = ...) -> None: ...
+    close: CloseRequest
+    def __init__(self, id: _Optional[int] = ..., local_prefill: _Optional[_Union[RouteInfo, _Mapping]] = ..., turn: _Optional[_Union[TurnRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelRequest, _Mapping]] = ..., close: _Optional[_Union[CloseRequest, _Mapping]] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("open", "arrival")
@@ -39,30 +41,34 @@ class RouteInfo(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., reason: _Optional[str] = ..., prefill_worker: _Optional[str] = ...) -> None: ...
 
 class DecodeEvent(_message.Message):
-    __slots__ = ("prefill_task", "tokens", "tool_call", "round_end", "done")
+    __slots__ = ("prefill_task", "tokens", "tool_call", "round_end", "done", "turn_end")
     PREFILL_TASK_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_FIELD_NUMBER: _ClassVar[int]
     ROUND_END_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    TURN_END_FIELD_NUMBER: _ClassVar[int]
     prefill_task: _common_pb2.PrefillTask
     tokens: _common_pb2.Tokens
     tool_call: _common_pb2.ToolCall
     round_end: _common_pb2.RoundEnd
     done: _common_pb2.SessionDone
-    def __init__(self, prefill_task: _Optional[_Union[_common_pb2.PrefillTask, _Mapping]] = ..., tokens: _Optional[_Union[_common_pb2.Tokens, _Mapping]] = ..., tool_call: _Optional[_Union[_common_pb2.ToolCall, _Mapping]] = ..., round_end: _Optional[_Union[_common_pb2.RoundEnd, _Mapping]] = ..., done: _Optional[_Union[_common_pb2.SessionDone, _Mapping]] = ...) -> None: ...
+    turn_end: _common_pb2.TurnEnd
+    def __init__(self, prefill_task: _Optional[_Union[_common_pb2.PrefillTask, _Mapping]] = ..., tokens: _Optional[_Union[_common_pb2.Tokens, _Mapping]] = ..., tool_call: _Optional[_Union[_common_pb2.ToolCall, _Mapping]] = ..., round_end: _Optional[_Union[_common_pb2.RoundEnd, _Mapping]] = ..., done: _Optional[_Union[_common_pb2.SessionDone, _Mapping]] = ..., turn_end: _Optional[_Union[_common_pb2.TurnEnd, _Mapping]] = ...) -> None: ...
 
-class ToolResultRequest(_message.Message):
-    __slots__ = ("session_id", "call_id", "input_tokens", "content")
+class TurnRequest(_message.Message):
+    __slots__ = ("session_id", "turn")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    CALL_ID_FIELD_NUMBER: _ClassVar[int]
-    INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TURN_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    call_id: str
-    input_tokens: int
-    content: str
-    def __init__(self, session_id: _Optional[str] = ..., call_id: _Optional[str] = ..., input_tokens: _Optional[int] = ..., content: _Optional[str] = ...) -> None: ...
+    turn: _common_pb2.Turn
+    def __init__(self, session_id: _Optional[str] = ..., turn: _Optional[_Union[_common_pb2.Turn, _Mapping]] = ...) -> None: ...
+
+class CloseRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("session_id", "reason")

@@ -47,11 +47,6 @@ class DecodeWorkerStub:
                 request_serializer=ampd_dot_v1_dot_decode__pb2.RouteInfo.SerializeToString,
                 response_deserializer=ampd_dot_v1_dot_common__pb2.Ack.FromString,
                 _registered_method=True)
-        self.ToolResult = channel.unary_unary(
-                '/ampd.v1.DecodeWorker/ToolResult',
-                request_serializer=ampd_dot_v1_dot_decode__pb2.ToolResultRequest.SerializeToString,
-                response_deserializer=ampd_dot_v1_dot_common__pb2.Ack.FromString,
-                _registered_method=True)
         self.Cancel = channel.unary_unary(
                 '/ampd.v1.DecodeWorker/Cancel',
                 request_serializer=ampd_dot_v1_dot_decode__pb2.CancelRequest.SerializeToString,
@@ -88,12 +83,6 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def ToolResult(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Cancel(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -101,7 +90,7 @@ class DecodeWorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Control(self, request_iterator, context):
-        """LocalPrefill, ToolResult and Cancel as messages on one long-lived stream (the coordinator keeps
+        """LocalPrefill, the next turns, Close and Cancel as messages on one long-lived stream (the coordinator keeps
         one per worker): a stream message costs ~0.1 ms where a unary call costs ~0.65 ms. Each
         request is answered by a CallReply with its id, with the status the unary call would return.
         """
@@ -126,11 +115,6 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
             'LocalPrefill': grpc.unary_unary_rpc_method_handler(
                     servicer.LocalPrefill,
                     request_deserializer=ampd_dot_v1_dot_decode__pb2.RouteInfo.FromString,
-                    response_serializer=ampd_dot_v1_dot_common__pb2.Ack.SerializeToString,
-            ),
-            'ToolResult': grpc.unary_unary_rpc_method_handler(
-                    servicer.ToolResult,
-                    request_deserializer=ampd_dot_v1_dot_decode__pb2.ToolResultRequest.FromString,
                     response_serializer=ampd_dot_v1_dot_common__pb2.Ack.SerializeToString,
             ),
             'Cancel': grpc.unary_unary_rpc_method_handler(
@@ -204,33 +188,6 @@ class DecodeWorker:
             target,
             '/ampd.v1.DecodeWorker/LocalPrefill',
             ampd_dot_v1_dot_decode__pb2.RouteInfo.SerializeToString,
-            ampd_dot_v1_dot_common__pb2.Ack.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def ToolResult(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/ampd.v1.DecodeWorker/ToolResult',
-            ampd_dot_v1_dot_decode__pb2.ToolResultRequest.SerializeToString,
             ampd_dot_v1_dot_common__pb2.Ack.FromString,
             options,
             channel_credentials,

@@ -18,6 +18,7 @@ feeds it events and runs what it says::
                                                       boundary (the new end time, or None)
     core.stop_early(s, tokens)                        live: a round ended before its planned length
     core.round_end(s, last)                           account the round's KV (release on the last)
+    core.rewind(s, tokens)                            between rounds: the history shrinks (an edit)
     core.pin_expired(s)        -> bool               a pinned session's KV may be evicted
     core.view(now)             -> WorkerView
     core.step_done(now)        -> list[DecodeSession] live: the run's first step ended (measured)
@@ -327,6 +328,17 @@ class DecodeCore(CachedWindowMean):
     def tool_call(self, s: DecodeSession) -> None:
         """The session waits for a tool result with its KV pinned (Continuum's TTL starts)."""
         s.in_tool = True
+
+    def rewind(self, s: DecodeSession, tokens: int) -> None:
+        """Between rounds: the session keeps only ``tokens`` of its history (an edited conversation);
+        the KV charged for the rest is released (then loop on ``admit_next``)."""
+        if not s.in_tool:
+            raise ValueError(f"{self.worker_id}: session {s.session_id!r} is in a round")
+        drop = s.l_hist - tokens
+        if drop > 0:
+            if not s.evicted:
+                self.kv_used -= drop
+            s.l_hist = tokens
 
     def pin_expired(self, s: DecodeSession) -> bool:
         """The session's KV pin expired during its tool call: its KV may be evicted. True when a

@@ -21,9 +21,18 @@ from ampd.v1 import (
     prefill_pb2_grpc,
 )
 from ampd.grpcserver import write_ready_file
-from services.coordinator.core import Cluster, InvalidArgument, choose_decode_worker, route, validate_open
+from services.coordinator.core import (
+    Cluster, InvalidArgument, choose_decode_worker, route, validate_open, validate_turn,
+)
 
 log = structlog.get_logger()
+
+
+class _Rejected(grpc.aio.AioRpcError):
+    """A client message this coordinator refused itself (it ends the session like a worker's refusal)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
 class Stubs:
@@ -103,7 +112,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self.store.put_session(sid, {"decode_worker": decode_id, "arrival": arrival, "round": 0}))
         routes: dict[int, tuple[str, str, bool]] = {}
         control = self.stubs.control(info.address)
-        reader = asyncio.create_task(self._client_messages(request_iterator, control, sid))
+        rejected: list[grpc.aio.AioRpcError] = []
+        reader = asyncio.create_task(self._client_messages(request_iterator, control, sid, call, rejected))
         first_event = True
         try:
             async for ev in call:
@@ -119,6 +129,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     out.tokens.CopyFrom(ev.tokens)
                 elif kind == "tool_call":
                     out.tool_call.CopyFrom(ev.tool_call)
+                elif kind == "turn_end":
+                    out.turn_end.CopyFrom(ev.turn_end)
                 elif kind == "round_end":
                     out.round_end.CopyFrom(ev.round_end)
                     self._annotate(out.round_end.timing, routes)
@@ -133,11 +145,17 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     await record
                     await self.store.delete_session(sid)
                 yield out
-        except grpc.aio.AioRpcError as exc:
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
+            if not rejected and isinstance(exc, asyncio.CancelledError):
+                raise  # the client went away
             self.counters["sessions_failed"] += 1
+            if rejected:  # a bad turn (the decode call was cancelled): the client gets the turn's error
+                exc = rejected[0]
             code = exc.code()
             if code == grpc.StatusCode.CANCELLED and context.cancelled():
                 return
+            if code == grpc.StatusCode.INVALID_ARGUMENT:
+                await context.abort(code, exc.details())
             await context.abort(code if code != grpc.StatusCode.UNKNOWN else grpc.StatusCode.INTERNAL,
                                 f"decode worker {decode_id}: {exc.details()}")
         finally:
@@ -153,22 +171,46 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             worker, reason, _ = routes[t.round]
             t.route_reason = reason
 
-    async def _client_messages(self, request_iterator, control: grpcserver.CallStream, sid: str) -> None:
-        """Tool results and cancels the client sends while its session runs."""
-        async for msg in request_iterator:
-            kind = msg.WhichOneof("msg")
-            try:
-                if kind == "tool_result":
-                    tr = msg.tool_result
-                    n = tr.input_tokens if tr.HasField("input_tokens") else 0
-                    await control.call(decode_pb2.ControlRequest(tool_result=decode_pb2.ToolResultRequest(
-                        session_id=sid, call_id=tr.call_id, input_tokens=n, content=tr.content)))
+    async def _client_messages(self, request_iterator, control: grpcserver.CallStream, sid: str, call,
+                               rejected: list) -> None:
+        """The client's next turns, Close and Cancel while its session runs. A rejected turn ends the
+        session with the turn's error (INVALID_ARGUMENT naming the field, or FAILED_PRECONDITION)."""
+        try:
+            async for msg in request_iterator:
+                kind = msg.WhichOneof("msg")
+                if kind == "turn":
+                    try:
+                        validate_turn(msg.turn, "turn")
+                    except InvalidArgument as exc:
+                        rejected.append(_Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
+                        call.cancel()
+                        return
+                    req = decode_pb2.ControlRequest(turn=decode_pb2.TurnRequest(session_id=sid, turn=msg.turn))
+                elif kind == "close":
+                    req = decode_pb2.ControlRequest(close=decode_pb2.CloseRequest(session_id=sid))
                 elif kind == "cancel":
-                    await control.call(decode_pb2.ControlRequest(cancel=decode_pb2.CancelRequest(
-                        session_id=sid, reason=msg.cancel.reason)))
-            except grpc.aio.AioRpcError as exc:
-                # The session's stream carries the outcome; a bad tool result is logged here.
-                log.warning("client message rejected", session=sid, kind=kind, error=exc.details())
+                    req = decode_pb2.ControlRequest(cancel=decode_pb2.CancelRequest(
+                        session_id=sid, reason=msg.cancel.reason))
+                else:
+                    rejected.append(_Rejected(grpc.StatusCode.INVALID_ARGUMENT,
+                                              f"{kind or 'msg'}: the session is already open; send turn, close or cancel"))
+                    call.cancel()
+                    return
+                try:
+                    await control.call(req)
+                except grpc.aio.AioRpcError as exc:
+                    if kind == "close" and exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                        return  # the session already ended
+                    rejected.append(exc)
+                    call.cancel()
+                    return
+        except (grpc.aio.AioRpcError, asyncio.CancelledError):
+            raise
+        # The client half-closed its side: the session ends after its current turn.
+        try:
+            await control.call(decode_pb2.ControlRequest(close=decode_pb2.CloseRequest(session_id=sid)))
+        except grpc.aio.AioRpcError:
+            pass  # the session already ended
 
     async def _route(self, sid, decode_id, decode_tp, control, need: common_pb2.PrefillTask, routes) -> None:
         t0 = time.perf_counter()

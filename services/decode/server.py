@@ -18,7 +18,8 @@ from ampd.v1 import common_pb2, decode_pb2, decode_pb2_grpc, sidecar_pb2_grpc
 from ampd.grpcserver import write_ready_file
 from ampd.runtime import WorkerRuntime, add_worker_args, config_from_args, pool_for
 from ampd.worker import DecodeCore
-from services.decode.worker import DecodeWorker, SessionError, SessionFailed
+from ampd.sessionapi import InvalidArgument, validate_open, validate_turn
+from services.decode.worker import DecodeWorker, InvalidTurn, SessionError, SessionFailed
 
 log = structlog.get_logger()
 
@@ -32,10 +33,11 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
         o = request.open
         if not o.session_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "open.session_id: required")
-        if not o.rounds:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "open.rounds: at least one round is required")
         try:
+            validate_open(o)
             s = core.open(request)
+        except (InvalidArgument, InvalidTurn) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except SessionError as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         try:
@@ -59,18 +61,27 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
             if not s.closed:  # the coordinator went away mid-session
                 core.cancel(s.session_id, "attach stream closed")
 
-    # LocalPrefill, ToolResult and Cancel: one body each, served as unary calls and on Control.
+    # LocalPrefill, Turn, Close and Cancel: one body each, served on Control (and some as unary calls).
     def _local_prefill(self, request: decode_pb2.RouteInfo) -> None:
         try:
             self.core.local_prefill(request.session_id, request.round)
         except SessionError as exc:
             raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
 
-    def _tool_result(self, request: decode_pb2.ToolResultRequest) -> None:
-        if request.input_tokens <= 0:
-            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "input_tokens: must be >= 1")
+    def _turn(self, request: decode_pb2.TurnRequest) -> None:
         try:
-            self.core.tool_result(request.session_id, request.call_id, request.input_tokens)
+            validate_turn(request.turn, "turn")
+            if request.session_id not in self.core.sessions:
+                raise InvalidTurn(f"session_id: {request.session_id!r} is not open on this worker")
+            self.core.turn(request.session_id, request.turn)
+        except (InvalidArgument, InvalidTurn) as exc:
+            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        except SessionError as exc:
+            raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+
+    def _close(self, request: decode_pb2.CloseRequest) -> None:
+        try:
+            self.core.close_session(request.session_id)
         except SessionError as exc:
             raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
 
@@ -80,15 +91,11 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
     def _control(self, request: decode_pb2.ControlRequest) -> None:
         kind = request.WhichOneof("call")
         if kind is None:
-            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "call: one of local_prefill, tool_result, cancel is required")
+            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "call: one of local_prefill, turn, close, cancel is required")
         getattr(self, f"_{kind}")(getattr(request, kind))
 
     async def LocalPrefill(self, request: decode_pb2.RouteInfo, context) -> common_pb2.Ack:
         await abort_on_failure(context, lambda: self._local_prefill(request))
-        return common_pb2.Ack()
-
-    async def ToolResult(self, request: decode_pb2.ToolResultRequest, context) -> common_pb2.Ack:
-        await abort_on_failure(context, lambda: self._tool_result(request))
         return common_pb2.Ack()
 
     async def Cancel(self, request: decode_pb2.CancelRequest, context) -> common_pb2.Ack:

@@ -73,8 +73,13 @@ def test_fifty_toolbench_sessions_all_tokens_and_kv_bytes_right(deployment, redi
             assert m["active_sessions"] == 0
     # Decode workers verified every new-KV byte written back; prefill workers every history byte read.
     bpt = 64
-    assert verified["decode"] == bpt * sum(r.input for s in sessions for r in s.rounds)
+    # (a round after the first also prefills the previous round's last output token)
+    assert verified["decode"] == bpt * sum(r.input + (i > 0) for s in sessions for i, r in enumerate(s.rounds))
     assert verified["prefill"] > 0
+
+
+def _turn(n: int, out: int, **kw) -> common_pb2.Turn:
+    return common_pb2.Turn(token_ids=list(range(1, n + 1)), sampling=common_pb2.SamplingParams(max_tokens=out), **kw)
 
 
 def test_bad_session_fields_get_invalid_argument_and_others_keep_working(deployment):
@@ -82,33 +87,78 @@ def test_bad_session_fields_get_invalid_argument_and_others_keep_working(deploym
         ch = grpcserver.channel(deployment.coordinator)
         stub = coordinator_pb2_grpc.CoordinatorStub(ch)
 
-        async def open_with(o: common_pb2.OpenSession):
-            call = stub.Session(iter([coordinator_pb2.ClientMessage(open=o)]), timeout=30)
+        async def run(*msgs: coordinator_pb2.ClientMessage):
+            call = stub.Session(iter(msgs), timeout=30)
             return [ev async for ev in call]
 
+        def opening(sid: str, turn: common_pb2.Turn) -> coordinator_pb2.ClientMessage:
+            return coordinator_pb2.ClientMessage(open=common_pb2.OpenSession(session_id=sid, turn=turn))
+
+        bad_sampling = common_pb2.SamplingParams(max_tokens=0)
+        nan_tool = common_pb2.ScriptedCall(tool=common_pb2.ToolSpec(latency_s=float("nan")), result_tokens=3,
+                                           sampling=common_pb2.SamplingParams(max_tokens=2))
         cases = {
-            "open.session_id": common_pb2.OpenSession(rounds=[common_pb2.RoundPlan(input_tokens=5, output_tokens=2)]),
-            "open.rounds[0].input_tokens": common_pb2.OpenSession(
-                session_id="bad-1", rounds=[common_pb2.RoundPlan(output_tokens=2)]),
-            "open.rounds[1].output_tokens": common_pb2.OpenSession(session_id="bad-2", rounds=[
-                common_pb2.RoundPlan(input_tokens=5, output_tokens=2),
-                common_pb2.RoundPlan(input_tokens=5, output_tokens=-3)]),
-            "open.rounds[0].tool.latency_s": common_pb2.OpenSession(session_id="bad-3", rounds=[
-                common_pb2.RoundPlan(input_tokens=5, output_tokens=2,
-                                     tool=common_pb2.ToolSpec(name="replay", latency_s=-1)),
-                common_pb2.RoundPlan(input_tokens=5, output_tokens=2)]),
+            "open.session_id": [opening("", _turn(5, 2))],
+            "open.turn": [coordinator_pb2.ClientMessage(open=common_pb2.OpenSession(session_id="bad-0"))],
+            "open.turn.token_ids": [opening("bad-1", _turn(0, 2))],
+            "open.turn.sampling.max_tokens": [opening("bad-2", common_pb2.Turn(token_ids=[1], sampling=bad_sampling))],
+            "open.turn.script[0].tool.latency_s": [opening("bad-3", _turn(5, 2, script=[nan_tool]))],
+            "open.turn.token_ids[1]": [opening("bad-4", common_pb2.Turn(
+                token_ids=[1, 32_000], sampling=common_pb2.SamplingParams(max_tokens=2)))],
+            "open.turn.sampling.stop": [opening("bad-5", common_pb2.Turn(
+                token_ids=[1], sampling=common_pb2.SamplingParams(max_tokens=2, stop=["\n"])))],
+            # a later turn: the session ends with the turn's error
+            "turn.sampling.max_tokens": [opening("bad-6", _turn(5, 2)), coordinator_pb2.ClientMessage(
+                turn=common_pb2.Turn(token_ids=[1], sampling=bad_sampling))],
+            "turn.keep_tokens": [opening("bad-7", _turn(5, 2)), coordinator_pb2.ClientMessage(
+                turn=_turn(3, 2, keep_tokens=100))],
         }
-        for field, o in cases.items():
+        for field, msgs in cases.items():
             with pytest.raises(grpc.aio.AioRpcError) as info:
-                await open_with(o)
-            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert field in info.value.details()
-        good = await open_with(common_pb2.OpenSession(session_id="good-after-bad", rounds=[
-            common_pb2.RoundPlan(input_tokens=40, output_tokens=3)]))
+                await run(*msgs)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
+            assert info.value.details().startswith(field + ":"), (field, info.value.details())
+        good = await run(opening("good-after-bad", _turn(40, 3)))
         assert good[-1].HasField("done")
         await ch.close()
 
     asyncio.run(scenario())
+
+
+def test_turns_one_at_a_time_on_one_session(deployment):
+    """A session answers turns as they come: the history grows by each turn's input and output, the
+    next prefill starts where the KV ends, and a rewound turn (keep_tokens) drops the tail."""
+    async def scenario():
+        ch = grpcserver.channel(deployment.coordinator)
+        stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+        outbox: asyncio.Queue = asyncio.Queue()
+        await outbox.put(coordinator_pb2.ClientMessage(open=common_pb2.OpenSession(
+            session_id="turns", turn=_turn(30, 4))))
+
+        async def requests():
+            while (m := await outbox.get()) is not None:
+                yield m
+
+        follow = [_turn(7, 3), _turn(5, 2, keep_tokens=20)]
+        ends, rounds, positions = [], [], []
+        async for ev in stub.Session(requests(), timeout=60):
+            kind = ev.WhichOneof("event")
+            if kind == "tokens":
+                positions.extend(range(ev.tokens.position, ev.tokens.position + len(ev.tokens.token_ids)))
+            elif kind == "turn_end":
+                ends.append((ev.turn_end.round, ev.turn_end.finish_reason, ev.turn_end.history_tokens))
+                await outbox.put(coordinator_pb2.ClientMessage(turn=follow.pop(0)) if follow else None)
+            elif kind == "done":
+                rounds = [(t.round, t.l_hist, t.l_incr, t.tokens, t.finish_reason) for t in ev.done.rounds]
+        await ch.close()
+        return ends, rounds, positions
+
+    ends, rounds, positions = asyncio.run(scenario())
+    assert ends == [(0, "length", 34), (1, "length", 44), (2, "length", 27)]
+    # round 1 prefills round 0's last output token and its 7 new tokens on top of 33 KV tokens;
+    # round 2 keeps 20 tokens (all in KV) and prefills its 5 new ones
+    assert rounds == [(0, 0, 30, 4, "length"), (1, 33, 8, 3, "length"), (2, 20, 5, 2, "length")]
+    assert positions == [*range(30, 34), *range(41, 44), *range(25, 27)]
 
 
 def test_every_service_serves_health_and_reflection(deployment, redis_url):
@@ -158,10 +208,12 @@ def test_call_streams_answer_like_the_unary_calls(deployment, redis_url):
             return grpc.StatusCode.OK
 
         ctl = decode_pb2.ControlRequest
-        assert await status(control, ctl(tool_result=decode_pb2.ToolResultRequest(
-            session_id="nobody", call_id="x", input_tokens=3))) == grpc.StatusCode.FAILED_PRECONDITION
-        assert await status(control, ctl(tool_result=decode_pb2.ToolResultRequest(
-            session_id="nobody", call_id="x"))) == grpc.StatusCode.INVALID_ARGUMENT
+        assert await status(control, ctl(turn=decode_pb2.TurnRequest(
+            session_id="nobody", turn=_turn(3, 2)))) == grpc.StatusCode.INVALID_ARGUMENT
+        assert await status(control, ctl(turn=decode_pb2.TurnRequest(
+            session_id="nobody"))) == grpc.StatusCode.INVALID_ARGUMENT
+        assert await status(control, ctl(close=decode_pb2.CloseRequest(
+            session_id="nobody"))) == grpc.StatusCode.FAILED_PRECONDITION
         assert await status(control, ctl(local_prefill=decode_pb2.RouteInfo(
             session_id="nobody", round=0))) == grpc.StatusCode.FAILED_PRECONDITION
         assert await status(control, ctl()) == grpc.StatusCode.INVALID_ARGUMENT
