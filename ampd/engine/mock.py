@@ -76,9 +76,3 @@ class MockEngine:
     async def pace_transfer(self, started: float, tokens: int, src_tp: int, dst_tp: int) -> None:
         if tokens > 0:
             await sleep_until(started + self.profile.t_kv(tokens, src_tp, dst_tp))
-
-
-def make_engine(name: str, profile: Profile, tp: int) -> MockEngine:
-    if name == "mock":
-        return MockEngine(profile, tp)
-    raise ValueError(f"engine {name!r} is not available in this build (available: mock)")

@@ -5,7 +5,8 @@ from __future__ import annotations
 FILLER_VOCAB = 32_000
 
 
-def filler_ids(n: int, start: int = 0) -> list[int]:
+def filler_ids(n: int, start: int = 0, vocab: int = FILLER_VOCAB) -> list[int]:
     """``n`` deterministic token ids for positions ``start``.. of a replayed input (or a replay tool's
-    result); their values only matter to a real model, which reads them as text."""
-    return [((start + i) * 2_654_435_761 + 1) % FILLER_VOCAB for i in range(n)]
+    result), below ``vocab``; their values only matter to a real model, which reads them as text."""
+    v = min(vocab, FILLER_VOCAB)
+    return [((start + i) * 2_654_435_761 + 1) % v for i in range(n)]

@@ -10,7 +10,7 @@ import structlog
 from ampd import grpcserver, logs
 from ampd.config import ConfigError
 from ampd.grpcserver import RpcFailure, abort_on_failure, serve_calls
-from ampd.engine.mock import make_engine
+from ampd.engine import make_engine
 from ampd.perf import load_profile
 from ampd.policy import SLO, make_queue, policy_spec
 from ampd.state import StateStore, connect
@@ -136,12 +136,13 @@ async def amain(args: argparse.Namespace) -> None:
     store = StateStore(await connect(cfg.redis_url), cfg.namespace)
     queue = make_queue(spec.decode_queue, profile, SLO(cfg.ttft_slo_s, cfg.itl_slo_s), cfg.tp,
                        window=cfg.reorder_window)
-    rt = WorkerRuntime(cfg, store, pool_for(profile, cfg))
+    engine = make_engine(cfg.engine, profile, cfg.tp, cfg.model)
+    rt = WorkerRuntime(cfg, store, pool_for(profile, cfg, engine))
     sidecar = sidecar_pb2_grpc.ToolSidecarStub(grpcserver.channel(cfg.sidecar)) if cfg.sidecar else None
     chunk = profile.prefill_chunk_tokens(cfg.tp) if cfg.chunked_prefill else 0
     core = DecodeCore(cfg.worker_id, cfg.tp, profile, queue, kv_capacity_tokens=rt.pool.capacity_tokens,
                       window_s=cfg.window_s, chunk_tokens=chunk, kv_admission=cfg.kv_admission)
-    service.core = DecodeWorker(rt, make_engine(cfg.engine, profile, cfg.tp), core, sidecar)
+    service.core = DecodeWorker(rt, engine, core, sidecar)
     service.core.start()
     await rt.start(sidecar=cfg.sidecar)
     write_ready_file(args.ready_file, port)

@@ -391,7 +391,7 @@ class DecodeWorker:
         if s.closed:
             return
         n = res.result_tokens or call.result_tokens
-        s.tokens.extend(filler_ids(n, len(s.tokens)))
+        s.tokens.extend(filler_ids(n, len(s.tokens), self.engine.vocab_size))
         self.begin_round(s, call.sampling, n, time.time())
 
     # ------------------------------------------------------------------------------- the loop

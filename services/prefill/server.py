@@ -10,7 +10,7 @@ import structlog
 from ampd import grpcserver, logs
 from ampd.config import ConfigError
 from ampd.grpcserver import RpcFailure, abort_on_failure, serve_calls
-from ampd.engine.mock import make_engine
+from ampd.engine import make_engine
 from ampd.perf import load_profile
 from ampd.policy import SLO, make_queue, policy_spec
 from ampd.state import StateStore, connect
@@ -78,10 +78,11 @@ async def amain(args: argparse.Namespace) -> None:
     store = StateStore(await connect(cfg.redis_url), cfg.namespace)
     queue = make_queue(spec.prefill_queue or "fcfs", profile, SLO(cfg.ttft_slo_s, cfg.itl_slo_s), cfg.tp,
                        window=cfg.reorder_window)
-    rt = WorkerRuntime(cfg, store, pool_for(profile, cfg))
+    engine = make_engine(cfg.engine, profile, cfg.tp, cfg.model)
+    rt = WorkerRuntime(cfg, store, pool_for(profile, cfg, engine))
     core = PrefillCore(cfg.worker_id, cfg.tp, profile, queue, window_s=cfg.window_s, kv_overlap=cfg.kv_overlap,
                        kv_capacity_tokens=rt.pool.capacity_tokens)
-    service.core = PrefillWorker(rt, make_engine(cfg.engine, profile, cfg.tp), core)
+    service.core = PrefillWorker(rt, engine, core)
     service.core.start()
     await rt.start()
     await rt.sync_peers()
