@@ -10,6 +10,8 @@ import structlog
 from ampd import grpcserver, logs
 from ampd.config import ConfigError
 from ampd.grpcserver import RpcFailure, abort_on_failure, serve_calls
+from ampd.chat.template import ChatFormat
+from ampd.chat.tokenizer import tokenizer_for
 from ampd.engine import make_engine
 from ampd.perf import load_profile
 from ampd.policy import SLO, make_queue, policy_spec
@@ -122,6 +124,18 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
         return common_pb2.MetricsReply(worker_id=core.rt.cfg.worker_id, values=values)
 
 
+def chat_format(cfg) -> ChatFormat | None:
+    """Text for a real engine whose model has a tokenizer: stop strings and tool calls in the output.
+    The mock's ids are not text; a model folder without a tokenizer serves ids only."""
+    if cfg.engine == "mock":
+        return None
+    try:
+        return ChatFormat(tokenizer_for(cfg.engine, cfg.model))
+    except ValueError as exc:
+        log.warning("no tokenizer: stop strings and tool-call parsing are off", model=cfg.model, error=str(exc))
+        return None
+
+
 async def amain(args: argparse.Namespace) -> None:
     logs.configure(f"decode:{args.worker_id}")
     profile = load_profile(args.profile)
@@ -142,7 +156,7 @@ async def amain(args: argparse.Namespace) -> None:
     chunk = profile.prefill_chunk_tokens(cfg.tp) if cfg.chunked_prefill else 0
     core = DecodeCore(cfg.worker_id, cfg.tp, profile, queue, kv_capacity_tokens=rt.pool.capacity_tokens,
                       window_s=cfg.window_s, chunk_tokens=chunk, kv_admission=cfg.kv_admission)
-    service.core = DecodeWorker(rt, engine, core, sidecar)
+    service.core = DecodeWorker(rt, engine, core, sidecar, chat_format(cfg))
     service.core.start()
     await rt.start(sidecar=cfg.sidecar)
     write_ready_file(args.ready_file, port)

@@ -23,6 +23,9 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from ampd.chat.stops import StopChecker
+from ampd.chat.template import ChatFormat
+from ampd.chat.toolcalls import parse_tool_calls
 from ampd.engine.base import GREEDY, DecodeSeq, Engine, Sampling
 from ampd.kv import KVPoolExhausted, Segment, SessionKV, verify_pattern
 from ampd.policy import PrefillTask, WorkerView
@@ -76,7 +79,8 @@ class Session:
     prefilled: int = 0  # tokens of the round prefilled here so far (chunks)
     timing: common_pb2.RoundTiming | None = None
     rounds_done: list[common_pb2.RoundTiming] = field(default_factory=list)
-    pending_call: str = ""
+    pending_calls: set[str] = field(default_factory=set)  # client-side calls the next turn may answer
+    stops: StopChecker | None = None  # the round's text and stop strings (engines with a tokenizer)
     closing: bool = False  # Close received: end after the turn
     closed: bool = False
 
@@ -90,6 +94,8 @@ class Session:
 
     def finish(self, tok: int, engine: Engine) -> str:
         """Why the round ends with ``tok`` (its latest output token), or "" to go on."""
+        if self.stops is not None:
+            return self.stops.add(tok) or ""
         p = self.params
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in engine.eos_token_ids):
             return FINISH_STOP
@@ -98,7 +104,7 @@ class Session:
         return ""
 
 
-def check_turn(t: common_pb2.Turn, engine: Engine, history: int, path: str) -> None:
+def check_turn(t: common_pb2.Turn, engine: Engine, history: int, path: str, text: bool = False) -> None:
     """What only the decode worker can check (its engine's vocabulary and context limit)."""
     if t.HasField("keep_tokens") and t.keep_tokens > history:
         raise InvalidTurn(f"{path}.keep_tokens: {t.keep_tokens} is beyond the session's {history} tokens")
@@ -113,15 +119,17 @@ def check_turn(t: common_pb2.Turn, engine: Engine, history: int, path: str) -> N
     if ctx + t.sampling.max_tokens > engine.max_context:
         raise InvalidTurn(f"{path}.sampling.max_tokens: {ctx} context tokens + {t.sampling.max_tokens} exceed "
                           f"the model's limit of {engine.max_context}")
-    if t.sampling.stop:
+    if t.sampling.stop and not text:
         raise InvalidTurn(f"{path}.sampling.stop: stop strings need an engine with a tokenizer "
                           f"({engine.name} has none); use stop_token_ids")
 
 
 class DecodeWorker:
-    def __init__(self, rt: WorkerRuntime, engine: Engine, core: DecodeCore, sidecar_stub=None) -> None:
+    def __init__(self, rt: WorkerRuntime, engine: Engine, core: DecodeCore, sidecar_stub=None,
+                 chat: ChatFormat | None = None) -> None:
         self.rt = rt
         self.engine = engine
+        self.chat = chat  # text: stop strings and tool calls in the output (an engine with a tokenizer)
         self.core = core
         self.sidecar = sidecar_stub
         self.sessions: dict[str, Session] = {}
@@ -175,7 +183,7 @@ class DecodeWorker:
         o = req.open
         if o.session_id in self.sessions:
             raise SessionError(f"session {o.session_id!r} is already open on this worker")
-        check_turn(o.turn, self.engine, 0, "open.turn")
+        check_turn(o.turn, self.engine, 0, "open.turn", self.chat is not None)
         s = Session(
             session_id=o.session_id,
             max_rounds=o.limits.max_rounds,
@@ -192,13 +200,13 @@ class DecodeWorker:
     def turn(self, session_id: str, t: common_pb2.Turn) -> None:
         """The client's next turn (after the previous one ended)."""
         s = self._session(session_id)
-        check_turn(t, self.engine, len(s.tokens), "turn")
+        check_turn(t, self.engine, len(s.tokens), "turn", self.chat is not None)
         if s.turn is not None or s.closing:
             raise SessionError(f"session {session_id!r} is still answering its previous turn")
-        if t.tool_call_id and t.tool_call_id != s.pending_call:
-            raise InvalidTurn(f"turn.tool_call_id: {t.tool_call_id!r} is not the session's pending call "
-                              f"({s.pending_call or 'none'})")
-        s.pending_call = ""
+        if t.tool_call_id and t.tool_call_id not in s.pending_calls:
+            raise InvalidTurn(f"turn.tool_call_id: {t.tool_call_id!r} is not a pending call of the session "
+                              f"({', '.join(sorted(s.pending_calls)) or 'none'})")
+        s.pending_calls.clear()
         self._start_turn(s, t, time.time())
 
     def _start_turn(self, s: Session, t: common_pb2.Turn, now: float) -> None:
@@ -219,6 +227,10 @@ class DecodeWorker:
             self.fail(s, f"limits.max_rounds: the session reached its {s.max_rounds} rounds")
             return
         s.params, s.sampling = params, sampling_of(params)
+        if self.chat is not None:
+            tok = self.chat.tokenizer
+            s.stops = StopChecker(s.max_tokens(), lambda ids: tok.decode(ids, skip_special_tokens=False),
+                                  self.engine.eos_token_ids, params.stop_token_ids, params.stop, params.ignore_eos)
         c = s.core
         # The core counts the round's new tokens; the prefill also computes the previous round's
         # last output token, which the core already counted in the history.
@@ -350,49 +362,64 @@ class DecodeWorker:
 
     def end_round(self, s: Session, now: float, reason: str) -> None:
         """The round's last token is made. What follows: a server-side tool's result (the next round
-        of the turn), or the end of the turn (a client-side call, or the answer is complete)."""
+        of the turn), or the end of the turn (a client-side call, or the answer is complete). The
+        calls are the turn's scripted ones, else those parsed from the output (engines with text)."""
         self.core.round_end(s.core, False)
         self.core.tool_call(s.core)  # pinned until its next round (a tool result, or the next turn)
-        call = s.script.popleft() if s.script else None
-        if call is not None:
+        scripted = s.script.popleft() if s.script else None
+        parsed = parse_tool_calls(s.stops.text)[1] if scripted is None and s.stops is not None else []
+        if scripted is not None or parsed:
             reason = FINISH_TOOL
         s.timing.finish_reason = reason
         s.rounds_done.append(s.timing)
         self.emit(s, decode_pb2.DecodeEvent(round_end=common_pb2.RoundEnd(timing=s.timing)))
-        if call is not None:
-            tool = call.tool
-            call_id = f"{s.session_id}/{s.round}"
+        calls = [(scripted.tool.name or "replay", scripted.tool.arguments, scripted.tool.client_side)] if scripted \
+            else [(c.name, c.arguments, c.name not in s.turn.server_tools) for c in parsed]
+        client = any(side for _, _, side in calls)
+        for i, (name, arguments, _) in enumerate(calls):
+            call_id = f"{s.session_id}/{s.round}" + (f"/{i}" if i else "")
             self.emit(s, decode_pb2.DecodeEvent(tool_call=common_pb2.ToolCall(
-                round=s.round, call_id=call_id, name=tool.name or "replay",
-                arguments=tool.arguments, client_side=tool.client_side)))
+                round=s.round, call_id=call_id, name=name, arguments=arguments, client_side=client)))
             self.metrics["tool_calls"] += 1
-            if not tool.client_side:
-                asyncio.create_task(self._run_tool(s, call))
-                return
-            s.pending_call = call_id
+            if client:
+                s.pending_calls.add(call_id)
+        if calls and not client:
+            after_eos = s.tokens[-1] in self.engine.eos_token_ids
+            asyncio.create_task(self._run_tools(s, scripted, calls, after_eos))
+            return
         s.turn = None
         self.emit(s, decode_pb2.DecodeEvent(turn_end=common_pb2.TurnEnd(
             round=s.round, finish_reason=reason, history_tokens=len(s.tokens))))
         if s.closing:
             self._done(s)
 
-    async def _run_tool(self, s: Session, call: common_pb2.ScriptedCall) -> None:
-        """Off the decode loop: the sidecar runs the tool; its result is the next round's input."""
-        tool = call.tool
-        try:
-            res = await self.sidecar.Call(sidecar_pb2.ToolCallRequest(
-                session_id=s.session_id, round=s.round, name=tool.name or "replay",
-                arguments=tool.arguments, latency_s=tool.latency_s, result_tokens=call.result_tokens))
-        except Exception as exc:  # grpc.aio.AioRpcError and connection failures
-            if not s.closed:
-                detail = exc.details() if hasattr(exc, "details") else exc
-                self.fail(s, f"tool {tool.name or 'replay'!r} failed: {detail}")
-            return
+    async def _run_tools(self, s: Session, scripted: common_pb2.ScriptedCall | None,
+                         calls: list[tuple[str, str, bool]], after_eos: bool) -> None:
+        """Off the decode loop: the sidecar runs the round's server-side calls, in order; their
+        results are the next round's input (a scripted call's result is ``result_tokens`` long)."""
+        results = []
+        for name, arguments, _ in calls:
+            try:
+                res = await self.sidecar.Call(sidecar_pb2.ToolCallRequest(
+                    session_id=s.session_id, round=s.round, name=name, arguments=arguments,
+                    latency_s=scripted.tool.latency_s if scripted else 0.0,
+                    result_tokens=scripted.result_tokens if scripted else 0))
+            except Exception as exc:  # grpc.aio.AioRpcError and connection failures
+                if not s.closed:
+                    detail = exc.details() if hasattr(exc, "details") else exc
+                    self.fail(s, f"tool {name!r} failed: {detail}")
+                return
+            results.append((name, res))
         if s.closed:
             return
-        n = res.result_tokens or call.result_tokens
-        s.tokens.extend(filler_ids(n, len(s.tokens), self.engine.vocab_size))
-        self.begin_round(s, call.sampling, n, time.time())
+        if self.chat is not None and all(res.content for _, res in results):
+            ids = self.chat.continuation_ids([{"role": "tool", "name": name, "content": res.content}
+                                              for name, res in results], after_eos=after_eos)
+        else:  # a replayed result: its length is what matters
+            n = sum(res.result_tokens for _, res in results) or (scripted.result_tokens if scripted else 1)
+            ids = filler_ids(n, len(s.tokens), self.engine.vocab_size)
+        s.tokens.extend(ids)
+        self.begin_round(s, scripted.sampling if scripted else s.turn.sampling, len(ids), time.time())
 
     # ------------------------------------------------------------------------------- the loop
     async def _loop(self) -> None:
