@@ -1,8 +1,9 @@
 """Prometheus metrics of every AMPD service: the names, the collectors, the ``/metrics`` server.
 
-Names follow vLLM's where the same quantity exists, with vLLM's ``prefix:`` style
-(``ampd:time_to_first_token_seconds`` beside ``vllm:time_to_first_token_seconds``); docs/metrics.md
-lists every metric. Three sources feed a service's registry:
+Names follow vLLM's where the same quantity exists, under the prefix ``ampd_``
+(``ampd_time_to_first_token_seconds`` beside ``vllm:time_to_first_token_seconds``), not vLLM's
+``vllm:``: prometheus_client's OpenMetrics output (what Prometheus asks for) rewrites ``:`` to ``_``.
+docs/metrics.md lists every metric. Three sources feed a service's registry:
 
 - the values its ``Metrics`` RPC returns, read at scrape time (``rpc_collector``): the RPC and
   ``/metrics`` are two views of the same numbers, and no request path is touched to count them;
@@ -33,7 +34,7 @@ from prometheus_client.utils import floatToGoString
 
 log = structlog.get_logger()
 
-PREFIX = "ampd:"
+PREFIX = "ampd_"
 # vLLM's TTFT buckets, with finer ones below 10 ms (the zero-cost profile and local prefills).
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -128,7 +129,7 @@ FAMILIES = {"coordinator": COORDINATOR, "decode": DECODE, "prefill": PREFILL, "s
 class ValuesCollector(Collector):
     """Renders a dict of values (one read per scrape) as ``families``; ``const`` labels go on every
     sample (a worker's id). Labels the dict came with (``read`` returns values, labels) become
-    ``ampd:deployment_info``."""
+    ``ampd_deployment_info``."""
 
     def __init__(self, read: Callable[[], tuple[dict[str, float], dict[str, str]]], families: Sequence[Family],
                  const: dict[str, str] | None = None) -> None:
@@ -266,14 +267,22 @@ class RoundMetrics(Collector):
         self.itl = WeightedHistogram(PREFIX + "inter_token_latency_seconds",
                                      "gaps between consecutive output tokens (each gap of a round counted at the "
                                      "round's mean)", ["kind"], ITL_BUCKETS)
+        # Every series exists from the start (a rate over a series that appears late misses its
+        # first observations), and observe() skips the label lookup.
+        kinds = ("initial", "incremental")
+        self._ttft = {(k, local): self.ttft.labels(k, "local" if local else "remote") for k in kinds
+                      for local in (False, True)}
+        self._tpot = {k: self.tpot.labels(k) for k in kinds}
+        for k in kinds:
+            self.itl.observe(0.0, 0, k)
 
     def observe(self, t) -> None:
         """One round's ``common_pb2.RoundTiming``."""
         kind = "initial" if t.round == 0 else "incremental"
-        self.ttft.labels(kind, "local" if t.local else "remote").observe(max(0.0, t.first_token - t.input_ready))
+        self._ttft[kind, t.local].observe(max(0.0, t.first_token - t.input_ready))
         if t.tokens > 1:
             gap = max(0.0, t.last_token - t.first_token) / (t.tokens - 1)
-            self.tpot.labels(kind).observe(gap)
+            self._tpot[kind].observe(gap)
             self.itl.observe(gap, t.tokens - 1, kind)
 
     def collect(self) -> Iterable[Metric]:
@@ -299,5 +308,8 @@ def serve(host: str, port: int, collectors: Iterable[Collector]) -> int:
     GCCollector(registry=registry)
     for c in collectors:
         registry.register(c)
-    server, _thread = start_http_server(port, addr=host, registry=registry)
+    try:
+        server, _thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise RuntimeError(f"--metrics-port: cannot bind {host}:{port}: {exc.strerror or exc}") from None
     return server.server_port

@@ -95,22 +95,34 @@ def replayed(deployment):
     return sessions, records, during
 
 
-def test_the_launcher_knows_every_metrics_url(deployment):
+def _listening(port: int) -> set[str]:
+    """The local addresses a TCP socket listens on ``port`` at (IPv4, from /proc/net/tcp)."""
+    out = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, _remote, state = line.split()[1:4]
+        addr, p = local.split(":")
+        if state == "0A" and int(p, 16) == port:  # 0A: LISTEN
+            out.add(".".join(str(b) for b in reversed(bytes.fromhex(addr))))
+    return out
+
+
+def test_the_launcher_knows_every_metrics_url_and_each_binds_loopback(deployment):
     assert set(deployment.metrics) == {"coordinator", "decode-0", "prefill-0", "sidecar-0"}
     for url in deployment.metrics.values():
         assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics")
+        assert _listening(int(url.rsplit(":", 1)[1].split("/")[0])) == {"127.0.0.1"}, url
 
 
 def test_gauges_move_during_the_replay(replayed):
     _sessions, _records, during = replayed
     assert len(during) >= 3
-    assert max(s["coordinator"].total("ampd:sessions_active") for s in during) >= 1
-    assert max(s["decode-0"].total("ampd:sessions_bound") for s in during) >= 1
-    assert max(s["decode-0"].total("ampd:kv_cache_blocks", state="used") for s in during) >= 1
-    assert max(s["decode-0"].total("ampd:kv_cache_usage_perc") for s in during) > 0
+    assert max(s["coordinator"].total("ampd_sessions_active") for s in during) >= 1
+    assert max(s["decode-0"].total("ampd_sessions_bound") for s in during) >= 1
+    assert max(s["decode-0"].total("ampd_kv_cache_blocks", state="used") for s in during) >= 1
+    assert max(s["decode-0"].total("ampd_kv_cache_usage_perc") for s in during) > 0
     for s in during:  # the pool's blocks are all accounted for, whatever the moment
-        blocks = s["decode-0"].total("ampd:kv_cache_blocks")
-        assert blocks == during[0]["decode-0"].total("ampd:kv_cache_blocks") and blocks > 0
+        blocks = s["decode-0"].total("ampd_kv_cache_blocks")
+        assert blocks == during[0]["decode-0"].total("ampd_kv_cache_blocks") and blocks > 0
 
 
 def test_coordinator_histograms_and_counters_match_the_replay(deployment, replayed):
@@ -121,37 +133,37 @@ def test_coordinator_histograms_and_counters_match_the_replay(deployment, replay
     local = [rr for rr in rounds if rr.local is True]
     assert remote and local and len(remote) + len(local) == len(rounds)
 
-    assert m.types["ampd:time_to_first_token_seconds"] == "histogram"
-    ttft = "ampd:time_to_first_token_seconds_count"
+    assert m.types["ampd_time_to_first_token_seconds"] == "histogram"
+    ttft = "ampd_time_to_first_token_seconds_count"
     assert m.total(ttft, kind="initial") == len(sessions)
     assert m.total(ttft, kind="incremental") == len(rounds) - len(sessions)
     assert m.total(ttft, prefill="remote") == len(remote) and m.total(ttft, prefill="local") == len(local)
-    assert m.total("ampd:time_to_first_token_seconds_sum") > 0
+    assert m.total("ampd_time_to_first_token_seconds_sum") > 0
     # the +Inf bucket holds every observation
-    assert m.total("ampd:time_to_first_token_seconds_bucket", le="+Inf") == len(rounds)
+    assert m.total("ampd_time_to_first_token_seconds_bucket", le="+Inf") == len(rounds)
 
     tokens = sum(len(rr.token_times) for rr in rounds)
     gaps = sum(len(rr.token_times) - 1 for rr in rounds)
-    assert m.types["ampd:inter_token_latency_seconds"] == "histogram"
-    assert m.total("ampd:inter_token_latency_seconds_count") == gaps
-    assert m.total("ampd:inter_token_latency_seconds_bucket", le="+Inf") == gaps
+    assert m.types["ampd_inter_token_latency_seconds"] == "histogram"
+    assert m.total("ampd_inter_token_latency_seconds_count") == gaps
+    assert m.total("ampd_inter_token_latency_seconds_bucket", le="+Inf") == gaps
     # exact sum: a round's gaps add up to last token - first token, measured where the tokens were made
     want = sum(rr.token_times[-1] - rr.token_times[0] for rr in rounds)
-    assert m.total("ampd:inter_token_latency_seconds_sum") == pytest.approx(want, rel=1e-6, abs=1e-6)
-    assert m.total("ampd:request_time_per_output_token_seconds_count") == sum(
+    assert m.total("ampd_inter_token_latency_seconds_sum") == pytest.approx(want, rel=1e-6, abs=1e-6)
+    assert m.total("ampd_request_time_per_output_token_seconds_count") == sum(
         1 for rr in rounds if len(rr.token_times) > 1)
 
-    assert m.types["ampd:route_decisions"] == "counter"
-    assert m.labels("ampd:route_decisions_total", "reason") == {"threshold-local", "threshold-remote"}
-    assert m.total("ampd:route_decisions_total", reason="threshold-remote") == len(remote)
-    assert m.total("ampd:route_decisions_total", reason="threshold-local") == len(local)
-    assert m.total("ampd:prefills_routed_total", where="remote") == len(remote)
+    assert m.types["ampd_route_decisions"] == "counter"
+    assert m.labels("ampd_route_decisions_total", "reason") == {"threshold-local", "threshold-remote"}
+    assert m.total("ampd_route_decisions_total", reason="threshold-remote") == len(remote)
+    assert m.total("ampd_route_decisions_total", reason="threshold-local") == len(local)
+    assert m.total("ampd_prefills_routed_total", where="remote") == len(remote)
 
-    assert m.total("ampd:sessions_total", status="opened") == len(sessions)
-    assert m.total("ampd:sessions_total", status="completed") == len(sessions)
-    assert m.total("ampd:sessions_total", status="failed") == 0
-    assert m.total("ampd:sessions_active") == 0
-    assert m.total("ampd:deployment_info", policy="threshold", profile="qwen3-32b@h20") == 1
+    assert m.total("ampd_sessions_total", status="opened") == len(sessions)
+    assert m.total("ampd_sessions_total", status="completed") == len(sessions)
+    assert m.total("ampd_sessions_total", status="failed") == 0
+    assert m.total("ampd_sessions_active") == 0
+    assert m.total("ampd_deployment_info", policy="threshold", profile="qwen3-32b@h20") == 1
     assert tokens == sum(r.output for s in sessions for r in s.rounds)
 
 
@@ -164,8 +176,8 @@ def test_the_metrics_rpc_is_the_same_numbers(deployment, replayed):
 
     values = asyncio.run(rpc())
     m = scrape(deployment.metrics["coordinator"])
-    assert m.total("ampd:sessions_total", status="completed") == values["sessions_completed"] > 0
-    assert m.total("ampd:route_decisions_total", reason="threshold-local") == values["route_threshold-local"]
+    assert m.total("ampd_sessions_total", status="completed") == values["sessions_completed"] > 0
+    assert m.total("ampd_route_decisions_total", reason="threshold-local") == values["route_threshold-local"]
 
 
 def test_workers_count_queue_kv_and_nixl_bytes(deployment, replayed):
@@ -175,37 +187,52 @@ def test_workers_count_queue_kv_and_nixl_bytes(deployment, replayed):
     p = scrape(deployment.metrics["prefill-0"])
     d = scrape(deployment.metrics["decode-0"])
     for m, wid in ((p, "prefill-0"), (d, "decode-0")):
-        assert m.labels("ampd:num_requests_waiting", "worker") == {wid}
-        assert m.total("ampd:num_requests_waiting") == 0  # drained
-        assert m.total("ampd:queue_predicted_seconds") == 0
-        assert m.total("ampd:kv_cache_blocks", state="used") == 0  # every session closed
-        assert m.total("ampd:kv_cache_blocks", state="free") > 0
-        assert m.total("ampd:kv_bytes_mismatched_total") == 0
+        assert m.labels("ampd_num_requests_waiting", "worker") == {wid}
+        assert m.total("ampd_num_requests_waiting") == 0  # drained
+        assert m.total("ampd_queue_predicted_seconds") == 0
+        assert m.total("ampd_kv_cache_blocks", state="used") == 0  # every session closed
+        assert m.total("ampd_kv_cache_blocks", state="free") > 0
+        assert m.total("ampd_kv_bytes_mismatched_total") == 0
         assert m.total("process_cpu_seconds_total") > 0
     # The prefill worker read the history and wrote the new KV of every remote prefill over NIXL.
     new_bytes = BYTES_PER_TOKEN * sum(rr.l_incr for rr in remote)
-    assert p.types["ampd:nixl_kv_bytes"] == "counter"
-    assert p.total("ampd:nixl_kv_bytes_total", direction="written") == new_bytes > 0
-    assert p.total("ampd:nixl_kv_bytes_total", direction="read") == BYTES_PER_TOKEN * sum(rr.l_hist for rr in remote)
-    assert p.total("ampd:prefill_tasks_total", status="done") == len(remote)
-    assert p.total("ampd:prefill_tokens_total", part="new") == sum(rr.l_incr for rr in remote)
-    assert p.total("ampd:window_mean_seconds") > 0  # windowed TTFT of its prefills
+    assert p.types["ampd_nixl_kv_bytes"] == "counter"
+    assert p.total("ampd_nixl_kv_bytes_total", direction="written") == new_bytes > 0
+    assert p.total("ampd_nixl_kv_bytes_total", direction="read") == BYTES_PER_TOKEN * sum(rr.l_hist for rr in remote)
+    assert p.total("ampd_prefill_tasks_total", status="done") == len(remote)
+    assert p.total("ampd_prefill_tokens_total", part="new") == sum(rr.l_incr for rr in remote)
+    assert p.total("ampd_window_mean_seconds") > 0  # windowed TTFT of its prefills
     # ... and the decode worker checked every byte that landed.
-    assert d.total("ampd:kv_bytes_verified_total") == new_bytes
-    assert d.total("ampd:prefills_completed_total", where="remote") == len(remote)
-    assert d.total("ampd:prefills_completed_total", where="local") == len(rounds) - len(remote)
-    assert d.total("ampd:generation_tokens_total") == sum(len(rr.token_times) for rr in rounds)
-    assert d.total("ampd:decode_steps_total") > 0
-    assert d.total("ampd:decode_sessions_total", status="completed") == len(sessions)
-    assert d.total("ampd:tool_calls_total") == len(rounds) - len(sessions)
+    assert d.total("ampd_kv_bytes_verified_total") == new_bytes
+    assert d.total("ampd_prefills_completed_total", where="remote") == len(remote)
+    assert d.total("ampd_prefills_completed_total", where="local") == len(rounds) - len(remote)
+    assert d.total("ampd_generation_tokens_total") == sum(len(rr.token_times) for rr in rounds)
+    assert d.total("ampd_decode_steps_total") > 0
+    assert d.total("ampd_decode_sessions_total", status="completed") == len(sessions)
+    assert d.total("ampd_tool_calls_total") == len(rounds) - len(sessions)
+
+
+def test_prometheus_sees_the_same_names_in_openmetrics(deployment, replayed):
+    """Prometheus asks for OpenMetrics first; its names must be the ones the text format shows
+    (prometheus_client would rewrite a ':' in a name there)."""
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
+
+    accept = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"
+    for name, url in deployment.metrics.items():
+        req = urllib.request.Request(url, headers={"Accept": accept})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert r.headers["Content-Type"].startswith("application/openmetrics-text"), name
+            om = {s.name for fam in parse_openmetrics(r.read().decode()) for s in fam.samples}
+        ours = {n for n in scrape(url).samples if n.startswith("ampd")}
+        assert ours and ours <= om, (name, ours - om)
 
 
 def test_the_sidecar_counts_its_tool_calls(deployment, replayed):
     sessions, records, _ = replayed
     m = scrape(deployment.metrics["sidecar-0"])
     calls = sum(len(r.rounds) - 1 for r in records)
-    assert m.total("ampd:sidecar_calls_total") == calls > 0
-    assert m.total("ampd:sidecar_call_failures_total") == 0
+    assert m.total("ampd_sidecar_calls_total") == calls > 0
+    assert m.total("ampd_sidecar_call_failures_total") == 0
 
 
 def test_the_planner_serves_metrics(tmp_path):
@@ -224,7 +251,7 @@ def test_the_planner_serves_metrics(tmp_path):
             time.sleep(0.05)
         ports = json.loads(ready.read_text())
         url = f"http://127.0.0.1:{ports['metrics_port']}/metrics"
-        assert scrape(url).total("ampd:plan_duration_seconds_count") == 0
+        assert scrape(url).total("ampd_plan_duration_seconds_count") == 0
         trace = tmp_path / "t.jsonl"
         dump_trace(generate("toolbench", 1.0, 20.0, 5)[:5], trace)
 
@@ -236,9 +263,22 @@ def test_the_planner_serves_metrics(tmp_path):
 
         asyncio.run(plan())
         m = scrape(url)
-        assert m.types["ampd:plan_duration_seconds"] == "histogram"
-        assert m.total("ampd:plan_duration_seconds_count") == 1
-        assert m.total("ampd:plan_duration_seconds_sum") > 0
+        assert m.types["ampd_plan_duration_seconds"] == "histogram"
+        assert m.total("ampd_plan_duration_seconds_count") == 1
+        assert m.total("ampd_plan_duration_seconds_sum") > 0
     finally:
         proc.terminate()
         proc.wait(20)
+
+
+def test_a_taken_metrics_port_is_a_clear_error():
+    import socket
+
+    from ampd import metrics
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(RuntimeError, match=rf"--metrics-port: cannot bind 127.0.0.1:{port}"):
+            metrics.serve("127.0.0.1", port, [])

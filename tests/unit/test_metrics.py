@@ -41,28 +41,28 @@ def test_rpc_values_become_labelled_counters_and_gauges():
     values = {"sessions_completed": 4, "sessions_live": 2, "route_decode-slack": 3, "route_prefill-slack": 5,
               "route_redis_read_ms_total": 1500.0, "route_fallback-local": 1}
     got = render(metrics.ValuesCollector(fixed(values, {"policy": "ampd"}), metrics.COORDINATOR))
-    assert ({"status": "completed"}, 4.0) in got["ampd:sessions_total"]
-    assert ({"status": "failed"}, 0.0) in got["ampd:sessions_total"]  # a counter not yet counted reads 0
-    assert got["ampd:sessions_active"] == [({}, 2.0)]
+    assert ({"status": "completed"}, 4.0) in got["ampd_sessions_total"]
+    assert ({"status": "failed"}, 0.0) in got["ampd_sessions_total"]  # a counter not yet counted reads 0
+    assert got["ampd_sessions_active"] == [({}, 2.0)]
     # route_* keys become reasons, except the one another family claims
-    assert {ls["reason"]: v for ls, v in got["ampd:route_decisions_total"]} == {
+    assert {ls["reason"]: v for ls, v in got["ampd_route_decisions_total"]} == {
         "decode-slack": 3.0, "prefill-slack": 5.0, "fallback-local": 1.0}
-    assert got["ampd:route_state_read_seconds_total"] == [({}, 1.5)]
-    assert "ampd:worker_stats_lag_seconds" not in got  # a gauge without a value is left out
-    assert got["ampd:deployment_info"] == [({"policy": "ampd"}, 1.0)]
+    assert got["ampd_route_state_read_seconds_total"] == [({}, 1.5)]
+    assert "ampd_worker_stats_lag_seconds" not in got  # a gauge without a value is left out
+    assert got["ampd_deployment_info"] == [({"policy": "ampd"}, 1.0)]
 
 
 def test_worker_metrics_carry_the_worker_id():
     got = render(metrics.ValuesCollector(fixed({"queue_length": 3, "kv_used_blocks": 7, "kv_free_blocks": 9}),
                                          metrics.PREFILL, {"worker": "prefill-1"}))
-    assert got["ampd:num_requests_waiting"] == [({"worker": "prefill-1"}, 3.0)]
-    assert sorted(got["ampd:kv_cache_blocks"], key=lambda x: x[1]) == [
+    assert got["ampd_num_requests_waiting"] == [({"worker": "prefill-1"}, 3.0)]
+    assert sorted(got["ampd_kv_cache_blocks"], key=lambda x: x[1]) == [
         ({"worker": "prefill-1", "state": "used"}, 7.0), ({"worker": "prefill-1", "state": "free"}, 9.0)]
 
 
 def test_weighted_histogram_equals_observing_one_by_one():
-    ours = metrics.WeightedHistogram("ampd:x_seconds", "x", ["kind"], metrics.ITL_BUCKETS)
-    ref = Histogram("ampd:x_seconds", "x", ["kind"], buckets=metrics.ITL_BUCKETS, registry=None)
+    ours = metrics.WeightedHistogram("ampd_x_seconds", "x", ["kind"], metrics.ITL_BUCKETS)
+    ref = Histogram("ampd_x_seconds", "x", ["kind"], buckets=metrics.ITL_BUCKETS, registry=None)
     for value, n in ((0.02, 5), (0.1, 3), (0.0, 1), (7.0, 2), (99.0, 4)):
         ours.observe(value, n, "initial")
         for _ in range(n):
@@ -81,17 +81,24 @@ def test_round_metrics_split_initial_and_incremental():
     rm.observe(common_pb2.RoundTiming(round=1, input_ready=20.0, first_token=20.1, last_token=20.1, tokens=1,
                                       local=True))
     got = render(rm)
-    count = {tuple(sorted(ls.items())): v for ls, v in got["ampd:time_to_first_token_seconds_count"]}
+    count = {tuple(sorted(ls.items())): v for ls, v in got["ampd_time_to_first_token_seconds_count"]}
+    # every series is there from the start, at 0 until observed
     assert count == {(("kind", "initial"), ("prefill", "remote")): 1.0,
-                     (("kind", "incremental"), ("prefill", "local")): 1.0}
-    ttft_sum = {ls["kind"]: v for ls, v in got["ampd:time_to_first_token_seconds_sum"]}
-    assert ttft_sum == pytest.approx({"initial": 0.5, "incremental": 0.1})
+                     (("kind", "incremental"), ("prefill", "local")): 1.0,
+                     (("kind", "initial"), ("prefill", "local")): 0.0,
+                     (("kind", "incremental"), ("prefill", "remote")): 0.0}
+    ttft_sum = {(ls["kind"], ls["prefill"]): v for ls, v in got["ampd_time_to_first_token_seconds_sum"]}
+    assert ttft_sum[("initial", "remote")] == pytest.approx(0.5)
+    assert ttft_sum[("incremental", "local")] == pytest.approx(0.1)
     # 10 gaps of 0.1 s in round 0; round 1 has one token, so no gap
-    assert got["ampd:inter_token_latency_seconds_count"] == [({"kind": "initial"}, 10.0)]
-    assert got["ampd:inter_token_latency_seconds_sum"][0][1] == pytest.approx(1.0)
-    assert ({"kind": "initial", "le": "0.1"}, 10.0) in got["ampd:inter_token_latency_seconds_bucket"]
-    assert ({"kind": "initial", "le": "0.075"}, 0.0) in got["ampd:inter_token_latency_seconds_bucket"]
-    assert got["ampd:request_time_per_output_token_seconds_count"] == [({"kind": "initial"}, 1.0)]
+    itl_count = {ls["kind"]: v for ls, v in got["ampd_inter_token_latency_seconds_count"]}
+    assert itl_count == {"initial": 10.0, "incremental": 0.0}
+    itl_sum = {ls["kind"]: v for ls, v in got["ampd_inter_token_latency_seconds_sum"]}
+    assert itl_sum == pytest.approx({"initial": 1.0, "incremental": 0.0})
+    assert ({"kind": "initial", "le": "0.1"}, 10.0) in got["ampd_inter_token_latency_seconds_bucket"]
+    assert ({"kind": "initial", "le": "0.075"}, 0.0) in got["ampd_inter_token_latency_seconds_bucket"]
+    tpot = {ls["kind"]: v for ls, v in got["ampd_request_time_per_output_token_seconds_count"]}
+    assert tpot == {"initial": 1.0, "incremental": 0.0}
 
 
 def test_on_loop_reads_on_the_loop_thread():
@@ -127,19 +134,19 @@ def exported() -> set[str]:
 
 def test_docs_list_exactly_the_exported_metrics():
     doc = (ROOT / "docs" / "metrics.md").read_text()
-    rows = set(re.findall(r"^\| `(ampd:[a-z_]+)` \|", doc, re.M))
+    rows = set(re.findall(r"^\| `(ampd_[a-z_]+)` \|", doc, re.M))
     assert rows == exported()
 
 
 def test_the_dashboard_queries_only_exported_metrics():
     dash = json.loads((ROOT / "deploy" / "grafana" / "ampd-dashboard.json").read_text())
     exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", ())]
-    used = {_SUFFIX.sub("", n) for e in exprs for n in re.findall(r"ampd:[a-z_]+", e)}
+    used = {_SUFFIX.sub("", n) for e in exprs for n in re.findall(r"ampd_[a-z_]+", e)}
     assert used and used <= exported(), used - exported()
     # the panels the issue asks for
-    for name in ("ampd:time_to_first_token_seconds", "ampd:inter_token_latency_seconds", "ampd:route_decisions_total",
-                 "ampd:num_requests_waiting", "ampd:queue_predicted_seconds", "ampd:kv_cache_blocks",
-                 "ampd:nixl_kv_bytes_total", "ampd:sessions_active"):
+    for name in ("ampd_time_to_first_token_seconds", "ampd_inter_token_latency_seconds", "ampd_route_decisions_total",
+                 "ampd_num_requests_waiting", "ampd_queue_predicted_seconds", "ampd_kv_cache_blocks",
+                 "ampd_nixl_kv_bytes_total", "ampd_sessions_active"):
         assert name in used, name
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
