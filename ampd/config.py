@@ -139,11 +139,13 @@ class ProcessConfig:
 
     host: str = setting("127.0.0.1", "address to bind")
     port: int = setting(0, "port to bind (0 = a free one); for `ampd up`, the coordinator's", minimum=0)
+    metrics_port: int = setting(0, "port of this process's Prometheus /metrics endpoint on HOST (0 = a free one; "
+                                   "the ready file names it; docs/metrics.md)", minimum=0)
     advertise: str = setting("", "address other services dial (default HOST:PORT)", metavar="HOST:PORT")
     worker_id: str = setting("", "this worker's id in the registry (required by a worker)", metavar="ID")
     name: str = setting("sidecar", "this sidecar's name (logs and metrics)")
     sidecar: str = setting("", "address of this decode worker's tool sidecar", metavar="HOST:PORT")
-    ready_file: str = setting("", "write the bound port here once serving (how `ampd up` waits)", metavar="F")
+    ready_file: str = setting("", "write the bound ports here once serving (how `ampd up` waits)", metavar="F")
     profiles_dir: str = setting("", "the planner service's stored profiles (*.json) beside the shipped ones",
                                 metavar="DIR")
 
@@ -232,19 +234,19 @@ def _group_of(name: str) -> str:
 
 # ---------------------------------------------------------------- which process reads which
 _POLICY_ALL = ("policy", "ttft_slo", "itl_slo")
-_WORKER = ("host", "port", "advertise", "worker_id", "ready_file", "redis_url", "namespace", "profile", "engine", "model",
-           *_POLICY_ALL, "reorder_window", "kv_overlap", "kv_admission",
+_WORKER = ("host", "port", "metrics_port", "advertise", "worker_id", "ready_file", "redis_url", "namespace",
+           "profile", "engine", "model", *_POLICY_ALL, "reorder_window", "kv_overlap", "kv_admission",
            "tp", "stats_window", "heartbeat", "block_tokens", "kv_bytes_per_token", "kv_pool_mb")
 SERVICE_SETTINGS: dict[str, tuple[str, ...]] = {
-    "coordinator": ("host", "port", "ready_file", "redis_url", "namespace", "profile", *_POLICY_ALL, "slack",
-                    "seed", "alpha", "beta", "threshold_tokens", "stats_mode", "stale_after"),
+    "coordinator": ("host", "port", "metrics_port", "ready_file", "redis_url", "namespace", "profile", *_POLICY_ALL,
+                    "slack", "seed", "alpha", "beta", "threshold_tokens", "stats_mode", "stale_after"),
     "prefill": _WORKER,
     "decode": (*_WORKER, "sidecar", "chunked_prefill"),
-    "sidecar": ("host", "port", "name", "tool", "ready_file"),
-    "planner": ("host", "port", "ready_file", "profiles_dir"),
+    "sidecar": ("host", "port", "metrics_port", "name", "tool", "ready_file"),
+    "planner": ("host", "port", "metrics_port", "ready_file", "profiles_dir"),
 }
 # Per-process settings: the launcher and compose give these on each process's command line.
-PLACEMENT = ("host", "port", "advertise", "worker_id", "name", "sidecar", "ready_file")
+PLACEMENT = ("host", "port", "metrics_port", "advertise", "worker_id", "name", "sidecar", "ready_file")
 
 # `ampd up`: the deployment, the policy, every worker and coordinator setting except the per-process
 # ones (the launcher places each process) and tp (it comes from the SPECs).

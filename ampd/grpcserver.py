@@ -3,6 +3,7 @@ streams (unary-like calls as messages on one long-lived stream)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 from collections.abc import Awaitable, Callable, Iterable
@@ -81,13 +82,22 @@ def channel(address: str) -> grpc.aio.Channel:
     )
 
 
-def write_ready_file(path: str, port: int) -> None:
-    """Tells whoever started this server (`ampd up`) the bound port: written atomically, once serving."""
+def write_ready_file(path: str, port: int, metrics_port: int = 0) -> None:
+    """Tells whoever started this server (`ampd up`) its bound ports, once serving: a JSON object
+    ``{"port": gRPC port, "metrics_port": /metrics port (0: none)}``, written atomically."""
     if path:
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
-            f.write(str(port))
+            json.dump({"port": port, "metrics_port": metrics_port}, f)
         os.replace(tmp, path)
+
+
+def read_ready_file(path: str | os.PathLike) -> dict[str, int]:
+    """What write_ready_file wrote: ``{"port": ..., "metrics_port": ...}``."""
+    with open(path) as f:
+        return json.load(f)
+
+
 # ----------------------------------------------------------------------------- call streams
 class RpcFailure(Exception):
     """A request refused with a gRPC status: a unary handler aborts with it, a call stream replies

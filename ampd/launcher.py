@@ -61,6 +61,7 @@ class Deployment:
         self.children: list[Child] = []
         self.redis_url = cfg.deployment.redis_url
         self.coordinator = ""
+        self.metrics: dict[str, str] = {}  # child name -> its /metrics URL
         self.run_dir = Path(cfg.deployment.run_dir or tempfile.mkdtemp(prefix="ampd-run-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.shape = self._shape()
@@ -95,6 +96,9 @@ class Deployment:
         return child
 
     def _wait_ready(self, children: list[Child], timeout_s: float = 90.0) -> dict[str, int]:
+        """The gRPC port of each of ``children`` once it serves (its /metrics URL goes to self.metrics)."""
+        from ampd.grpcserver import read_ready_file  # grpc loads only when a deployment starts
+
         deadline = time.monotonic() + timeout_s
         ports: dict[str, int] = {}
         while len(ports) < len(children):
@@ -105,7 +109,10 @@ class Deployment:
                     tail = c.log.read_text(errors="replace")[-2000:]
                     raise CliError(f"{c.name} exited with status {c.proc.returncode}; its log ({c.log}):\n{tail}")
                 if c.ready and c.ready.exists():
-                    ports[c.name] = int(c.ready.read_text())
+                    ready = read_ready_file(c.ready)
+                    ports[c.name] = ready["port"]
+                    if ready.get("metrics_port"):
+                        self.metrics[c.name] = f"http://{self.cfg.process.host}:{ready['metrics_port']}/metrics"
             if time.monotonic() > deadline:
                 missing = [c.name for c in children if c.name not in ports]
                 raise CliError(f"timed out waiting for {', '.join(missing)} (logs in {self.run_dir})")
@@ -171,6 +178,10 @@ class Deployment:
     def __exit__(self, *exc) -> None:
         self.stop()
 
+    def metrics_line(self) -> str:
+        """Every service's /metrics URL on one line (docs/metrics.md)."""
+        return "metrics " + " ".join(f"{name}={url}" for name, url in self.metrics.items())
+
     def describe(self) -> str:
         c = self.cfg
         colocated = " (co-located: the prefill GPUs serve as co-located workers)" if self.shape.colocated else ""
@@ -192,6 +203,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         dep.start()
         print(f"coordinator {dep.coordinator}", flush=True)
+        print(dep.metrics_line(), flush=True)
         print("serving; Ctrl-C stops everything", file=sys.stderr, flush=True)
         while not stop["now"]:
             for c in dep.children:
@@ -220,6 +232,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
           file=sys.stderr, flush=True)
     with dep:
         print(f"coordinator {dep.coordinator}", file=sys.stderr, flush=True)
+        print(dep.metrics_line(), file=sys.stderr, flush=True)
         return run_bench_cli(dep.coordinator, str(trace), args.ttft_slo, args.itl_slo,
                              json_out=args.json or None, verify_tokens=True)
 

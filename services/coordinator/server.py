@@ -10,7 +10,7 @@ from collections import Counter
 import grpc
 import structlog
 
-from ampd import grpcserver, logs
+from ampd import grpcserver, logs, metrics
 from ampd.config import SERVICE_SETTINGS, ConfigError, add_flags, env_name
 from ampd.deployment import check_names
 from ampd.perf import load_profile
@@ -79,6 +79,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.counters: Counter[str] = Counter()
         self.route_read_ms_total = 0.0
         self.labels: dict[str, str] = {"policy": policy}
+        self.rounds = metrics.RoundMetrics()  # TTFT/ITL histograms of /metrics
 
     async def Session(self, request_iterator, context: grpc.aio.ServicerContext):
         try:
@@ -134,6 +135,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 elif kind == "round_end":
                     out.round_end.CopyFrom(ev.round_end)
                     self._annotate(out.round_end.timing, routes)
+                    self.rounds.observe(out.round_end.timing)
                 elif kind == "done":
                     out.done.CopyFrom(ev.done)
                     for t in out.done.rounds:
@@ -277,8 +279,10 @@ async def amain(args: argparse.Namespace) -> None:
         lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, s),
         [coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name],
     )
-    write_ready_file(args.ready_file, port)
-    log.info("coordinator serving", address=f"{args.host}:{port}", policy=args.policy,
+    metrics_port = metrics.serve(args.host, args.metrics_port,
+                                 [service.rounds, metrics.rpc_collector(service, "coordinator")])
+    write_ready_file(args.ready_file, port, metrics_port)
+    log.info("coordinator serving", address=f"{args.host}:{port}", metrics_port=metrics_port, policy=args.policy,
              profile=profile.name, ttft_slo=slo.ttft_s, itl_slo=slo.itl_s)
     await grpcserver.serve_until_signal(server, health, service.cluster.stop)
 

@@ -7,7 +7,7 @@ import sys
 import grpc
 import structlog
 
-from ampd import grpcserver, logs
+from ampd import grpcserver, logs, metrics
 from ampd.config import ConfigError
 from ampd.grpcserver import RpcFailure, abort_on_failure, serve_calls
 from ampd.chat.template import ChatFormat
@@ -112,14 +112,10 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
         core = self.core
         values = dict(core.metrics)
         values.update(
-            kv_free_tokens=core.rt.pool.free_tokens,
-            kv_capacity_tokens=core.rt.pool.capacity_tokens,
-            kv_used_blocks=core.rt.pool.layout.num_blocks - core.rt.pool.free_blocks,
             active_sessions=len(core.sessions),
             queue_length=len(core.core.queue),
             kv_overcommits=core.core.kv_overcommits,
-            nixl_bytes_read=core.rt.transport.bytes_read,
-            nixl_bytes_written=core.rt.transport.bytes_written,
+            **metrics.worker_values(core.rt),
         )
         return common_pb2.MetricsReply(worker_id=core.rt.cfg.worker_id, values=values)
 
@@ -159,8 +155,10 @@ async def amain(args: argparse.Namespace) -> None:
     service.core = DecodeWorker(rt, engine, core, sidecar, chat_format(cfg))
     service.core.start()
     await rt.start(sidecar=cfg.sidecar)
-    write_ready_file(args.ready_file, port)
-    log.info("decode worker serving", address=cfg.advertise, tp=cfg.tp, profile=profile.name,
+    metrics_port = metrics.serve(args.host, args.metrics_port,
+                                 [metrics.rpc_collector(service, "decode", {"worker": cfg.worker_id})])
+    write_ready_file(args.ready_file, port, metrics_port)
+    log.info("decode worker serving", address=cfg.advertise, metrics_port=metrics_port, tp=cfg.tp, profile=profile.name,
              kv_capacity_tokens=rt.pool.capacity_tokens, policy=args.policy)
 
     async def on_stop() -> None:

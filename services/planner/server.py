@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 import structlog
 
-from ampd import grpcserver, logs
+from ampd import grpcserver, logs, metrics
 from ampd.config import SERVICE_SETTINGS, add_flags
 from ampd.grpcserver import write_ready_file
 from ampd.v1 import planner_pb2, planner_pb2_grpc
@@ -80,6 +80,7 @@ class PlannerService(planner_pb2_grpc.PlannerServicer):
         self.store = store
         self.cache = EstimateCache()
         self.lock = asyncio.Lock()
+        self.plan_seconds = metrics.plan_histogram()
 
     async def ListProfiles(self, request, context) -> planner_pb2.ListProfilesReply:
         infos = []
@@ -135,6 +136,7 @@ class PlannerService(planner_pb2_grpc.PlannerServicer):
                     else grpc.StatusCode.INVALID_ARGUMENT)
             await context.abort(code, str(exc))
         seconds = time.monotonic() - t0
+        self.plan_seconds.observe(seconds)
         doc = result.to_json(seconds)
         doc["profile"] = profile.name
         log.info("planned", profile=profile.name, gpus=request.gpus, seconds=round(seconds, 3),
@@ -156,8 +158,9 @@ async def amain(args: argparse.Namespace) -> None:
         lambda s: planner_pb2_grpc.add_PlannerServicer_to_server(service, s),
         [planner_pb2.DESCRIPTOR.services_by_name["Planner"].full_name],
     )
-    write_ready_file(args.ready_file, port)
-    log.info("planner serving", port=port, profiles=service.store.names())
+    metrics_port = metrics.serve(args.host, args.metrics_port, [service.plan_seconds])
+    write_ready_file(args.ready_file, port, metrics_port)
+    log.info("planner serving", port=port, metrics_port=metrics_port, profiles=service.store.names())
     await grpcserver.serve_until_signal(server, health)
 
 

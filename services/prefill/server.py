@@ -7,7 +7,7 @@ import sys
 import grpc
 import structlog
 
-from ampd import grpcserver, logs
+from ampd import grpcserver, logs, metrics
 from ampd.config import ConfigError
 from ampd.grpcserver import RpcFailure, abort_on_failure, serve_calls
 from ampd.engine import make_engine
@@ -54,13 +54,7 @@ class PrefillService(prefill_pb2_grpc.PrefillWorkerServicer):
     async def Metrics(self, request, context) -> common_pb2.MetricsReply:
         core = self.core
         values = dict(core.metrics)
-        values.update(
-            queue_length=len(core.core.queue),
-            kv_free_tokens=core.rt.pool.free_tokens,
-            kv_capacity_tokens=core.rt.pool.capacity_tokens,
-            nixl_bytes_read=core.rt.transport.bytes_read,
-            nixl_bytes_written=core.rt.transport.bytes_written,
-        )
+        values.update(queue_length=len(core.core.queue), **metrics.worker_values(core.rt))
         return common_pb2.MetricsReply(worker_id=core.rt.cfg.worker_id, values=values)
 
 
@@ -86,8 +80,10 @@ async def amain(args: argparse.Namespace) -> None:
     service.core.start()
     await rt.start()
     await rt.sync_peers()
-    write_ready_file(args.ready_file, port)
-    log.info("prefill worker serving", address=cfg.advertise, tp=cfg.tp, profile=profile.name)
+    metrics_port = metrics.serve(args.host, args.metrics_port,
+                                 [metrics.rpc_collector(service, "prefill", {"worker": cfg.worker_id})])
+    write_ready_file(args.ready_file, port, metrics_port)
+    log.info("prefill worker serving", address=cfg.advertise, metrics_port=metrics_port, tp=cfg.tp, profile=profile.name)
 
     async def on_stop() -> None:
         await service.core.stop()

@@ -9,7 +9,7 @@ import time
 import grpc
 import structlog
 
-from ampd import grpcserver, logs
+from ampd import grpcserver, logs, metrics
 from ampd.config import SERVICE_SETTINGS, ConfigError, add_flags
 from ampd.grpcserver import write_ready_file
 from ampd.tools import ToolInput, ToolRegistry
@@ -67,8 +67,9 @@ async def amain(args: argparse.Namespace) -> None:
         lambda s: sidecar_pb2_grpc.add_ToolSidecarServicer_to_server(service, s),
         [sidecar_pb2.DESCRIPTOR.services_by_name["ToolSidecar"].full_name],
     )
-    write_ready_file(args.ready_file, port)
-    log.info("sidecar serving", port=port, tools=registry.names())
+    metrics_port = metrics.serve(args.host, args.metrics_port, [metrics.rpc_collector(service, "sidecar")])
+    write_ready_file(args.ready_file, port, metrics_port)
+    log.info("sidecar serving", port=port, metrics_port=metrics_port, tools=registry.names())
     await grpcserver.serve_until_signal(server, health)
 
 

@@ -40,7 +40,7 @@ def planner(tmp_path_factory):
             proc.kill()
             pytest.fail(f"planner did not start: {proc.stderr.read().decode()[-2000:]}")
         time.sleep(0.05)
-    yield f"127.0.0.1:{ready.read_text()}"
+    yield f"127.0.0.1:{grpcserver.read_ready_file(ready)['port']}"
     proc.terminate()
     proc.wait(20)
 

@@ -30,9 +30,15 @@ COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 DEPLOY_DOC = ROOT / "docs" / "deploy.md"
+PROMETHEUS_CONFIG = ROOT / "deploy" / "prometheus.yml"
+DASHBOARD = ROOT / "deploy" / "grafana" / "ampd-dashboard.json"
 
-EXPECTED = {"redis", "coordinator", "decode-0", "decode-1", "sidecar-0", "sidecar-1", "prefill-0", "prefill-1"}
-GRPC_SERVICES = sorted(EXPECTED - {"redis"})
+OBSERVABILITY = {"prometheus", "grafana"}
+EXPECTED = {"redis", "coordinator", "decode-0", "decode-1", "sidecar-0", "sidecar-1", "prefill-0", "prefill-1",
+            *OBSERVABILITY}
+GRPC_SERVICES = sorted(EXPECTED - {"redis"} - OBSERVABILITY)
+# published on the host's loopback: the coordinator (clients), Prometheus and Grafana
+PUBLISHED = {"coordinator": 50051, "prometheus": 9090, "grafana": 3000}
 REDIS_URL = "redis://redis:6379/0"
 
 _VAR = re.compile(r"\$(?:\$|\{(?P<braced>[^}]*)\}|(?P<plain>[A-Za-z_][A-Za-z0-9_]*))")
@@ -276,16 +282,64 @@ def test_workers_advertise_their_own_name_and_port(services):
             assert args.redis_url == REDIS_URL
 
 
-def test_ports_unique_and_only_the_coordinator_published(services):
-    ports = [parse(services[n]).port for n in GRPC_SERVICES]
+def test_ports_unique_and_only_the_coordinator_and_observability_published(services):
+    ports = [parse(services[n]).port for n in GRPC_SERVICES] + [parse(services[n]).metrics_port for n in GRPC_SERVICES]
     assert len(set(ports)) == len(ports), ports
     assert parse(services["coordinator"]).port == 50051
     for name, svc in services.items():
-        if name != "coordinator":
+        if name not in PUBLISHED:
             assert "ports" not in svc, f"{name} is reachable only on the compose network"
-    (published,) = services["coordinator"]["ports"]
-    host_ip, host_port, container_port = interpolate(published, {}).split(":")
-    assert (host_ip, host_port, container_port) == ("127.0.0.1", "50051", "50051")
+    for name, port in PUBLISHED.items():
+        (published,) = services[name]["ports"]
+        host_ip, host_port, container_port = interpolate(published, {}).split(":")
+        assert (host_ip, host_port, container_port) == ("127.0.0.1", str(port), str(port)), name
+
+
+# ---------------------------------------------------------------------------------- observability
+@pytest.mark.parametrize("name", GRPC_SERVICES)
+def test_every_service_serves_metrics_on_a_fixed_port(services, name):
+    assert parse(services[name]).metrics_port > 0
+
+
+def test_prometheus_scrapes_every_ampd_service(services):
+    """deploy/prometheus.yml: one job per kind, a target <service>:<its --metrics-port> for every
+    AMPD service, nothing else."""
+    doc = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    scraped = {}
+    for job in doc["scrape_configs"]:
+        for sc in job["static_configs"]:
+            for target in sc["targets"]:
+                host, port = target.rsplit(":", 1)
+                assert host not in scraped, f"{host} scraped twice"
+                scraped[host] = (job["job_name"], int(port))
+    want = {n: (kind_of(n), parse(services[n]).metrics_port) for n in GRPC_SERVICES}
+    assert scraped == want
+    prom = services["prometheus"]
+    assert prom["image"].startswith("prom/prometheus:v") and "latest" not in prom["image"]
+    mounts = {v.split(":")[0]: v.split(":")[1] for v in prom["volumes"]}
+    assert mounts["./deploy/prometheus.yml"] == "/etc/prometheus/prometheus.yml"
+    assert "--config.file=/etc/prometheus/prometheus.yml" in prom["command"]
+
+
+def test_grafana_provisions_prometheus_and_the_dashboard(services):
+    import json
+
+    graf = services["grafana"]
+    assert graf["image"].startswith("grafana/grafana:") and "latest" not in graf["image"]
+    mounts = {v.split(":")[0]: v.split(":")[1] for v in graf["volumes"]}
+    for src in mounts:
+        assert (ROOT / src).exists(), src
+    assert mounts["./deploy/grafana/provisioning"] == "/etc/grafana/provisioning"
+    dash_path = mounts["./deploy/grafana/ampd-dashboard.json"]
+    providers = yaml.safe_load((ROOT / "deploy/grafana/provisioning/dashboards/ampd.yml").read_text())["providers"]
+    assert any(dash_path.startswith(p["options"]["path"] + "/") for p in providers)
+    (source,) = yaml.safe_load((ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text())[
+        "datasources"]
+    assert source["type"] == "prometheus" and source["url"] == "http://prometheus:9090"
+    dash = json.loads(DASHBOARD.read_text())
+    uids = {t["datasource"]["uid"] for p in dash["panels"] for t in p.get("targets", ())}
+    assert uids == {source["uid"]}, "every panel reads the provisioned data source"
+    assert graf["depends_on"]["prometheus"]["condition"] == "service_healthy"
 
 
 def test_depends_on_and_healthchecks(services):
@@ -297,6 +351,10 @@ def test_depends_on_and_healthchecks(services):
             if target == "redis" or target.startswith("sidecar"):
                 assert cond["condition"] == "service_healthy"
         assert "healthcheck" in svc, f"{name} has no healthcheck"
+    for name in OBSERVABILITY:
+        test = services[name]["healthcheck"]["test"]
+        port = services[name]["ports"][0].rsplit(":", 1)[1]
+        assert test[:2] == ["CMD", "wget"] and f"http://127.0.0.1:{port}/" in test[-1], name
     for name in GRPC_SERVICES:
         if not name.startswith("sidecar"):
             assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy"
