@@ -4,12 +4,11 @@ Redis (a private redis-server on a free port unless --redis-url is given), the c
 workers, decode workers each with its tool sidecar. Every child gets each of its settings as a flag
 (ampd.config.to_argv), so what the launcher starts does not depend on AMPD_* variables in the
 caller's environment. Ctrl-C or SIGTERM stops everything; children also get SIGTERM from the kernel
-if the launcher itself dies (PR_SET_PDEATHSIG), so none is orphaned.
+if the launcher itself dies (PR_SET_PDEATHSIG, through ampd.deathsig), so none is orphaned.
 """
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import signal
 import subprocess
@@ -20,20 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ampd.cli import CliError
+from ampd import deathsig
 from ampd.config import (SERVICE_SETTINGS, SETTINGS, UP_SETTINGS, Config, ConfigError, add_flags,
                          config_from_args, env_name, to_argv)
 from ampd.deployment import expand_spec, format_spec, worker_shape
 from ampd.state.local import RedisStartError, start_redis
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-
 
 def Options(**settings) -> Config:
     """A launch configuration from settings by name (``Options(policy="remote", decode="tp2*2")``);
@@ -89,8 +79,8 @@ class Deployment:
         for setting in SETTINGS:  # every setting is on the child's command line; none comes from here
             env.pop(env_name(setting), None)
         with open(log, "ab") as out:
-            proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=env, preexec_fn=_die_with_parent)
+            proc = subprocess.Popen(deathsig.wrap(args), stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, env=env)
         child = Child(name, proc, log, ready_file)
         self.children.append(child)
         return child
@@ -122,7 +112,7 @@ class Deployment:
     def _start_redis(self) -> None:
         log = self.run_dir / "redis.log"
         try:
-            proc, self.redis_url = start_redis(self.run_dir, log=log, preexec_fn=_die_with_parent)
+            proc, self.redis_url = start_redis(self.run_dir, log=log, wrap=deathsig.wrap)
         except RedisStartError as exc:
             raise CliError(str(exc)) from None
         self.children.append(Child("redis", proc, log, None))

@@ -33,7 +33,7 @@ def redis_command(port: int, workdir: Path) -> list[str]:
 
 
 def start_redis(workdir: Path, *, log: Path | None = None, timeout_s: float = 15.0,
-                preexec_fn: Callable[[], None] | None = None) -> tuple[subprocess.Popen, str]:
+                wrap: Callable[[list[str]], list[str]] | None = None) -> tuple[subprocess.Popen, str]:
     """Starts a private redis-server and waits until it answers PING. Returns (process, URL).
 
     Its output goes to ``log`` (discarded when None). On failure the process is stopped and
@@ -45,8 +45,9 @@ def start_redis(workdir: Path, *, log: Path | None = None, timeout_s: float = 15
     port = free_port()
     out = open(log, "ab") if log is not None else subprocess.DEVNULL
     try:
-        proc = subprocess.Popen(redis_command(port, workdir), stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, preexec_fn=preexec_fn)
+        command = redis_command(port, workdir)
+        proc = subprocess.Popen(wrap(command) if wrap else command, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
     finally:
         if log is not None:
             out.close()
