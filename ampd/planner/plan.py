@@ -166,17 +166,22 @@ def check(req: PlanRequest, dep: Deployment) -> tuple[str, float, float, float]:
 
 def family_candidates(est, gpus: int, degrees, k: int, *, disaggregated: bool, colocated: bool, mixed: bool,
                       all_gpus: bool) -> list:
-    """The ILP's ``k`` best over the whole space, plus the best of each family (co-located,
-    disaggregated) when the joint top ``k`` misses it: the surrogate may rank a family low that the
-    simulator, running the real policy, prefers (AMPD's local prefills make a disaggregated deployment
-    partly co-located), so each family's best is always simulated."""
+    """The ILP's ``k`` best over the whole space, then the ``k`` best of each family (co-located,
+    disaggregated) that those miss. The surrogate may rank a family low that the simulator, running the
+    real policy, prefers (AMPD's local prefills make a disaggregated deployment partly co-located), and
+    a plan restricted to one family (a baseline's: ``remote`` plans disaggregated, ``colocated``
+    co-located deployments) checks exactly that family's ``k`` best: so AMPD's candidates hold every
+    deployment a baseline's plan of the same ``k`` would check, and AMPD can become that baseline's
+    deployment where it wins."""
     cands = solve_top(est, gpus, degrees, k, disaggregated=disaggregated, colocated=colocated, mixed=mixed,
                       all_gpus=all_gpus)
     if disaggregated and colocated:
+        seen = {d for _, d in cands}
         for fam in ({"disaggregated": True, "colocated": False}, {"disaggregated": False, "colocated": True}):
-            if any(d.colocated == fam["colocated"] for _, d in cands):
-                continue
-            cands += solve_top(est, gpus, degrees, 1, mixed=mixed, all_gpus=all_gpus, **fam)
+            for obj, dep in solve_top(est, gpus, degrees, k, mixed=mixed, all_gpus=all_gpus, **fam):
+                if dep not in seen:
+                    seen.add(dep)
+                    cands.append((obj, dep))
     return cands
 
 
