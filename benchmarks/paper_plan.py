@@ -34,8 +34,9 @@ BASELINES = ("remote", "colocated", "continuum")
 TIGHT_MODEL = "llama3.1-70b@h20"
 TIGHT_GPUS = 16
 TIGHT_ITL_S = (0.02, 0.03, 0.04, 0.06, 0.08, 0.1)   # tight -> lenient (quick: every other one)
-AGENT_RATE = 0.05         # GAIA-like sessions/s (the agent trace); the mix has half of them ...
-CHAT_RATE = 0.6           # ... and short chats at this rate
+AGENT_RATE = 0.06         # GAIA-like sessions/s of the agent trace
+MIX_AGENT_RATE = 0.05     # the mix: GAIA-like sessions/s ...
+MIX_CHAT_RATE = 1.2       # ... and short chats/s
 TIGHT_DURATION_S = 2400.0  # arrivals (quick: 1200 s)
 
 
@@ -62,7 +63,7 @@ def chats(rate: float, duration: float, seed: int):
 
 
 def tight_trace(kind: str, seed: int, quick: bool, load: float = 1.0):
-    """``agent``: GAIA-like sessions; ``mix``: half of them and short chats; sorted by arrival. ``load``
+    """``agent``: GAIA-like sessions; ``mix``: fewer of them and short chats; sorted by arrival. ``load``
     scales every rate."""
     from ampd.workload import generate
 
@@ -70,7 +71,7 @@ def tight_trace(kind: str, seed: int, quick: bool, load: float = 1.0):
     if kind == "agent":
         ss = generate("gaia", AGENT_RATE * load, dur, seed)
     elif kind == "mix":
-        ss = generate("gaia", AGENT_RATE * load / 2, dur, seed) + chats(CHAT_RATE * load, dur, seed)
+        ss = generate("gaia", MIX_AGENT_RATE * load, dur, seed) + chats(MIX_CHAT_RATE * load, dur, seed)
     else:
         raise ValueError(f"unknown trace kind {kind!r}")
     return sorted(ss, key=lambda s: s.arrival)

@@ -164,6 +164,15 @@ def check(req: PlanRequest, dep: Deployment) -> tuple[str, float, float, float]:
     return policy, float(rep["slo_attainment"]), ttft, itl
 
 
+def headroom(e: "PlanEntry", slo) -> float:
+    """The tie-break between deployments of equal simulated attainment: the worse of P95 TTFT / TTFT
+    threshold and P95 mean ITL / ITL threshold (lower is better; the ILP's objective, measured). P95
+    TTFT alone would prefer co-location at large TP (its prefills are fastest) where its ITL is
+    nearly spent."""
+    worst = max(e.p95_s / slo.ttft_s, e.p95_itl_s / slo.itl_s)
+    return worst if math.isfinite(worst) else math.inf
+
+
 def family_candidates(est, gpus: int, degrees, k: int, *, disaggregated: bool, colocated: bool, mixed: bool,
                       all_gpus: bool) -> list:
     """The ILP's ``k`` best over the whole space, then the ``k`` best of each family (co-located,
@@ -187,7 +196,8 @@ def family_candidates(est, gpus: int, degrees, k: int, *, disaggregated: bool, c
 
 def plan(req: PlanRequest, *, cache: EstimateCache | None = None, progress: Progress | None = None) -> PlanResult:
     """The ``req.top`` best deployments: the ILP's best ``candidates`` by estimated worst P95, each
-    simulated whole on the trace and ranked by simulated SLO attainment (then P95 TTFT)."""
+    simulated whole on the trace and ranked by simulated SLO attainment, then by the worse of P95 TTFT
+    and P95 mean ITL over their thresholds (:func:`headroom`)."""
     degrees, disagg, coloc = search_space(req)
     kinds = (("prefill", "decode") if disagg else ()) + (("colocated",) if coloc else ())
 
@@ -211,7 +221,7 @@ def plan(req: PlanRequest, *, cache: EstimateCache | None = None, progress: Prog
         entries.append(PlanEntry(dep, policy, att, p95, p95_itl, obj, levels))
     if progress is not None:
         progress("checks", len(cands), len(cands))
-    entries.sort(key=lambda e: (-e.slo_attainment, e.p95_s, e.objective))
+    entries.sort(key=lambda e: (-e.slo_attainment, headroom(e, req.slo), e.objective))
     return PlanResult(gpus=req.gpus, top=entries[: req.top], degrees=degrees, slo=req.slo,
                       candidates=len(cands), estimates=est)
 
