@@ -929,8 +929,9 @@ class Ctx:
     pass
 
 
-PARTS = ["slo", "scan", "plan", "sweep", "breakdown", "ablation", "sensitivity", "itlrule", "kvratio", "chunked",
-         "tightness"]
+# In run order; "tightness" needs only "slo"'s rule and runs right after the sweep.
+PARTS = ["slo", "scan", "plan", "sweep", "tightness", "breakdown", "ablation", "sensitivity", "itlrule", "kvratio",
+         "chunked"]
 
 
 def main(argv=None):
