@@ -102,6 +102,40 @@ def main():
             print(f"| {SHORT[e['model']]} | {e['preset']} | {e['rate']} | " +
                   " | ".join((f"**{pct(e[c], 1)}**" if c == "ampd" else pct(e[c], 1)) for c in cols) + f" | {mark} |")
         print()
+        print("### Headline: each line's mean attainment, and `ampd` against it\n")
+        print("| line | mean attainment (%) | `ampd` vs it: mean relative gain (median; mean where it is >= 10 %) "
+              "| absolute gain (pts); points worse |")
+        print("|---|---|---|---|")
+        n = len(sw["table"])
+        for c in cols:
+            mean = sum(e[c] for e in sw["table"]) / n
+            if c == "ampd":
+                print(f"| **ampd** | **{mean * 100:.1f}** | — | — |")
+                continue
+            rel = [(e["ampd"] - e[c]) / e[c] * 100 for e in sw["table"] if e[c] > 0]
+            rel10 = [(e["ampd"] - e[c]) / e[c] * 100 for e in sw["table"] if e[c] >= 0.1]
+            med = sorted(rel)[len(rel) // 2] if rel else float("nan")
+            diffs = [(e["ampd"] - e[c]) * 100 for e in sw["table"]]
+            worse = [x for x in diffs if x < -1e-6]
+            wtxt = f"{len(worse)} / {n}" + (f" (by <= {-min(worse):.1f} pts)" if worse else "")
+            print(f"| {c} | {mean * 100:.1f} | {sum(rel) / max(len(rel), 1):+.1f} % ({med:+.1f} %; "
+                  f"{sum(rel10) / max(len(rel10), 1):+.1f} %, {len(rel10)} points) | "
+                  f"{sum(diffs) / n:+.1f}; {wtxt} |")
+        print()
+        print("### Attainment (%) at the rates of each panel, in order\n")
+        print("| model | preset | rates (sessions/s) | " + " | ".join(cols) + " |")
+        print("|---|---|---|" + "---|" * len(cols))
+        panels = {}
+        for e in sw["table"]:
+            panels.setdefault((e["model"], e["preset"]), []).append(e)
+        for (m, p_), es in panels.items():
+            es = sorted(es, key=lambda e: e["rate"])
+
+            def f1(x):
+                return "100" if x >= 0.9995 else f"{x * 100:.1f}"
+            print(f"| {SHORT[m]} | {p_} | {', '.join(str(e['rate']) for e in es)} | " +
+                  " | ".join(", ".join(f1(e[c]) for e in es) for c in cols) + " |")
+        print()
         print("### Average gains of AMPD\n")
         print("| baseline | mean relative gain | median | max | min | points (finite / baseline 0, AMPD > 0 / both 0) "
               "| mean absolute gain (pts) | points where AMPD is worse |")
