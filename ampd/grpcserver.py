@@ -75,11 +75,19 @@ def run(main: Awaitable[None]) -> None:
     uvloop.run(main)
 
 
+# A peer named by host name (compose: `decode-0:50061`) may come back at a new address when its
+# container is replaced. gRPC re-resolves the name when its connections fail, but by default at most
+# every 30 s, so a swapped worker stayed unreachable for that long (make test-compose: 16 of 16
+# sessions after a decode-worker swap failed on its old address); 1 s brings it back at once.
+CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.enable_http_proxy", 0),
+    ("grpc.dns_min_time_between_resolutions_ms", 1_000),
+]
+
+
 def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(
-        address,
-        options=[("grpc.keepalive_time_ms", 20_000), ("grpc.enable_http_proxy", 0)],
-    )
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
 
 
 def write_ready_file(path: str, port: int, metrics_port: int = 0) -> None:
