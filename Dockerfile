@@ -39,12 +39,13 @@ RUN python3 -m venv /opt/venv \
  && pip install --no-deps -r requirements-nixl.txt \
  && if [ "$WITH_TORCH" = "true" ]; then pip install -c constraints.txt -r requirements-torch.txt; fi
 
-# The code, then the package itself (again without dependencies: they are pinned above).
+# The code, then the package itself (again without dependencies: they are pinned above; the venv
+# already has the setuptools pyproject.toml asks for, so no isolated build env is fetched).
 COPY pyproject.toml ./
 COPY proto/ proto/
 COPY ampd/ ampd/
 COPY services/ services/
-RUN pip install --no-deps . \
+RUN pip install --no-deps --no-build-isolation . \
  && rm -rf build ./*.egg-info \
  && python -c "import ampd.cli, ampd.healthcheck, services.coordinator.server, services.decode.server, services.prefill.server, services.sidecar.server, services.planner.server" \
  && useradd --create-home --uid 10001 --user-group ampd

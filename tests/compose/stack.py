@@ -32,6 +32,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -193,25 +194,42 @@ def write_trace(path: Path, sessions: int, spread_s: float, prefix: str) -> None
                                 "rounds": rounds}) + "\n")
 
 
-def bench(port: int, trace: Path, out: Path, deadline_s: float) -> subprocess.Popen:
-    args = [sys.executable, "-m", "ampd", "bench", "--target", f"127.0.0.1:{port}", "--trace", str(trace),
-            "--ttft-slo", "5", "--itl-slo", "0.5", "--timeout", str(deadline_s), "--json", str(out)]
-    log("$ " + shlex.join(args))
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+class Bench:
+    """`ampd bench` in a subprocess. ``started`` is set once its progress bar appears, which it draws
+    right before the first arrival (the interpreter's start-up, seconds here, comes before that)."""
 
+    def __init__(self, port: int, trace: Path, out: Path, deadline_s: float):
+        args = [sys.executable, "-m", "ampd", "bench", "--target", f"127.0.0.1:{port}", "--trace", str(trace),
+                "--ttft-slo", "5", "--itl-slo", "0.5", "--timeout", str(deadline_s), "--json", str(out)]
+        log("$ " + shlex.join(args))
+        self.out, self.deadline_s = out, deadline_s
+        self.proc = subprocess.Popen(args, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.started = threading.Event()
+        self._text: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
-def finish(proc: subprocess.Popen, out: Path, deadline_s: float) -> list[dict]:
-    try:
-        text, _ = proc.communicate(timeout=deadline_s + 120)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise Failed(f"ampd bench did not return within {deadline_s + 120:.0f} s")
-    lines = [ln for ln in text.splitlines() if "replay:" not in ln]  # the progress bar
-    print("\n".join("    " + ln for ln in lines), flush=True)
-    if proc.returncode:
-        raise Failed(f"ampd bench exited {proc.returncode}")
-    return json.loads(out.read_text())["sessions"]
+    def _read(self) -> None:
+        while chunk := self.proc.stdout.read1(4096):
+            self._text.append(chunk.decode(errors="replace"))
+            if "replay:" in chunk.decode(errors="replace"):
+                self.started.set()
+        self.started.set()
+
+    def sessions(self) -> list[dict]:
+        """Waits for it to end; the per-session list of its --json report."""
+        try:
+            self.proc.wait(timeout=self.deadline_s + 120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise Failed(f"ampd bench did not return within {self.deadline_s + 120:.0f} s")
+        self._reader.join(timeout=10)
+        text = "".join(self._text).replace("\r", "\n")
+        print("\n".join("    " + ln for ln in text.splitlines() if ln.strip() and "replay:" not in ln), flush=True)
+        if self.proc.returncode:
+            raise Failed(f"ampd bench exited {self.proc.returncode}")
+        return json.loads(self.out.read_text())["sessions"]
 
 
 def all_complete(sessions: list[dict], what: str) -> None:
@@ -271,8 +289,7 @@ def main(argv: list[str] | None = None) -> int:
 
         t = time.monotonic()
         write_trace(work / "warm.jsonl", args.sessions, 6.0, "warm")
-        all_complete(finish(bench(port, work / "warm.jsonl", work / "warm.json", deadline), work / "warm.json",
-                            deadline), "replay")
+        all_complete(Bench(port, work / "warm.jsonl", work / "warm.json", deadline).sessions(), "replay")
         timings["replay"] = time.monotonic() - t
 
         t = time.monotonic()
@@ -285,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
 
         t = time.monotonic()
         write_trace(work / "swap.jsonl", args.sessions, 8.0, "swap")
-        proc = bench(port, work / "swap.jsonl", work / "swap.json", deadline)
+        replay = Bench(port, work / "swap.jsonl", work / "swap.json", deadline)
+        replay.started.wait(60)
         time.sleep(5.0)  # mid-replay: arrivals run 0-8 s, sessions last ~7 s
         log(f"swapping {SWAPPED} ({old['Id'][:12]}, image {old['Image'][:12]}) for image {fresh[:12]} "
             f"({revision})")
@@ -295,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
             raise Failed(f"{SWAPPED} runs {new['Id'][:12]} from {new['Image'][:12]}: not a new container "
                          f"from the fresh image {fresh[:12]}")
         log(f"{SWAPPED} is now {new['Id'][:12]} from image {new['Image'][:12]}; swap window {end - start:.1f} s")
-        sessions = finish(proc, work / "swap.json", deadline)
+        sessions = replay.sessions()
         timings["swap replay"] = time.monotonic() - t
         verdict = judge(sessions, SWAPPED, start, end, require_complete=args.require_complete)
         log(verdict.summary())
@@ -304,8 +322,7 @@ def main(argv: list[str] | None = None) -> int:
 
         t = time.monotonic()
         write_trace(work / "after.jsonl", args.sessions, 6.0, "after")
-        after = finish(bench(port, work / "after.jsonl", work / "after.json", deadline), work / "after.json",
-                       deadline)
+        after = Bench(port, work / "after.jsonl", work / "after.json", deadline).sessions()
         all_complete(after, "replay after the swap")
         if not any(s["decode_worker"] == SWAPPED for s in after):
             raise Failed(f"no session ran on the new {SWAPPED}")
