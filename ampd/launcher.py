@@ -52,7 +52,7 @@ class Child:
 class Deployment:
     """Starts and stops one local deployment. Use as a context manager."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, frontend: bool = False) -> None:
         try:
             cfg.validate()
         except ConfigError as exc:
@@ -61,6 +61,8 @@ class Deployment:
         self.children: list[Child] = []
         self.redis_url = cfg.deployment.redis_url
         self.coordinator = ""
+        self.start_frontend = frontend
+        self.frontend = ""  # the OpenAI-compatible front's URL (http://HOST:PORT), when started
         self.metrics: dict[str, str] = {}  # child name -> its /metrics URL
         self.run_dir = Path(cfg.deployment.run_dir or tempfile.mkdtemp(prefix="ampd-run-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -151,6 +153,10 @@ class Deployment:
         self._wait_ready(workers)
         coord = self._spawn("coordinator", self._argv("coordinator"))
         self.coordinator = f"{host}:{self._wait_ready([coord])['coordinator']}"
+        if self.start_frontend:
+            front = self._spawn("frontend", self._argv("frontend", coordinator_address=self.coordinator,
+                                                       port=self.cfg.frontend.api_port))
+            self.frontend = f"http://{host}:{self._wait_ready([front])['frontend']}"
         return self
 
     # ----------------------------------------------------------------------------------- stop
@@ -191,7 +197,7 @@ class Deployment:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    dep = Deployment(config_from_args(args))
+    dep = Deployment(config_from_args(args), frontend=True)
     stop = {"now": False}
 
     def on_signal(signum, frame):
@@ -203,6 +209,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         dep.start()
         print(f"coordinator {dep.coordinator}", flush=True)
+        print(f"frontend {dep.frontend}/v1 (OpenAI API)", flush=True)
         print(dep.metrics_line(), flush=True)
         print("serving; Ctrl-C stops everything", file=sys.stderr, flush=True)
         while not stop["now"]:
