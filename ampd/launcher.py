@@ -9,13 +9,12 @@ Supervision: a child that dies is started again (same id, same ports; a worker w
 taken gets a free one, which it registers), after a back-off that grows while it keeps dying; the
 others keep serving. Only Ctrl-C or SIGTERM stops everything. Each child runs in its own process
 group (a Ctrl-C at the terminal reaches the launcher only, which stops the children in order) and
-gets SIGTERM from the kernel if the launcher itself dies (PR_SET_PDEATHSIG); a service that does
+gets SIGTERM from the kernel if the launcher itself dies (PR_SET_PDEATHSIG, through ampd.deathsig); a service that does
 not finish stopping within seconds exits anyway (ampd.grpcserver), so none is orphaned.
 """
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import signal
 import subprocess
@@ -28,20 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ampd.cli import CliError
+from ampd import deathsig
 from ampd.config import (SERVICE_SETTINGS, SETTINGS, UP_SETTINGS, Config, ConfigError, add_flags,
                          config_from_args, env_name, to_argv)
 from ampd.deployment import expand_spec, format_spec, worker_shape
 from ampd.state.local import RedisStartError, start_redis
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-
 
 def Options(**settings) -> Config:
     """A launch configuration from settings by name (``Options(policy="remote", decode="tp2*2")``);
@@ -117,8 +107,8 @@ class Deployment:
         for setting in SETTINGS:  # every setting is on the child's command line; none comes from here
             env.pop(env_name(setting), None)
         with open(child.log, "ab") as out:
-            child.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          env=env, preexec_fn=_die_with_parent, start_new_session=True)
+            child.proc = subprocess.Popen(deathsig.wrap(args), stdout=out, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         child.started_at = time.monotonic()
 
     def _wait_ready(self, children: list[Child], timeout_s: float = 90.0) -> dict[str, int]:
@@ -148,7 +138,7 @@ class Deployment:
     def _start_redis(self, port: int = 0) -> subprocess.Popen:
         log = self.run_dir / "redis.log"
         try:
-            proc, url = start_redis(self.run_dir, log=log, preexec_fn=_die_with_parent, port=port, new_session=True)
+            proc, url = start_redis(self.run_dir, log=log, wrap=deathsig.wrap, port=port, new_session=True)
         except RedisStartError as exc:
             raise CliError(str(exc)) from None
         if not port:
