@@ -52,12 +52,13 @@ class Child:
 class Deployment:
     """Starts and stops one local deployment. Use as a context manager."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, ready_timeout_s: float = 90.0) -> None:
         try:
             cfg.validate()
         except ConfigError as exc:
             raise CliError(str(exc)) from None
         self.cfg = cfg
+        self.ready_timeout_s = ready_timeout_s  # per group of children (a real model loads for a while)
         self.children: list[Child] = []
         self.redis_url = cfg.deployment.redis_url
         self.coordinator = ""
@@ -95,11 +96,11 @@ class Deployment:
         self.children.append(child)
         return child
 
-    def _wait_ready(self, children: list[Child], timeout_s: float = 90.0) -> dict[str, int]:
+    def _wait_ready(self, children: list[Child]) -> dict[str, int]:
         """The gRPC port of each of ``children`` once it serves (its /metrics URL goes to self.metrics)."""
         from ampd.grpcserver import read_ready_file  # grpc loads only when a deployment starts
 
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + self.ready_timeout_s
         ports: dict[str, int] = {}
         while len(ports) < len(children):
             for c in children:
