@@ -114,6 +114,11 @@ class WorkerSettings:
                                   positive=True)
     heartbeat: float = setting(0.5, "longest gap between a worker's statistics publications, seconds",
                                metavar="S", positive=True)
+    # Each heartbeat renews the worker's liveness key; it expires this long after the last one. A
+    # loaded 2-core box can delay a heartbeat by a second or two; a worker that misses it only leaves
+    # routing for new decisions until its next heartbeat (its sessions go on), so this can be short.
+    liveness_ttl: float = setting(3.0, "a worker's liveness key in Redis expires this many seconds after its "
+                                       "last heartbeat; routing reads only live workers", metavar="S", positive=True)
     block_tokens: int = setting(32, "tokens per KV block", minimum=1)
     kv_bytes_per_token: int = setting(64, "KV bytes the mock engine keeps per token (the profile's bytes are "
                                           "for timing only)", minimum=1)
@@ -127,10 +132,8 @@ class CoordinatorSettings:
 
     stats_mode: str = setting("push", "push: follow the workers' statistics on a Redis channel; read: one "
                                       "HGETALL per decision", choices=("push", "read"))
-    # A loaded 2-core box can delay a worker's heartbeat by seconds: a false "gone" fails sessions, a
-    # late one only delays, so this is generous.
-    stale_after: float = setting(10.0, "a worker whose statistics are older than this is gone, seconds",
-                                 metavar="S", positive=True)
+    migration_limit: int = setting(3, "times one session may move to another decode worker after losing its "
+                                      "own (re-prefilling its history there) before it fails", minimum=0)
 
 
 @dataclass(frozen=True)
@@ -236,10 +239,10 @@ def _group_of(name: str) -> str:
 _POLICY_ALL = ("policy", "ttft_slo", "itl_slo")
 _WORKER = ("host", "port", "metrics_port", "advertise", "worker_id", "ready_file", "redis_url", "namespace",
            "profile", "engine", "model", *_POLICY_ALL, "reorder_window", "kv_overlap", "kv_admission",
-           "tp", "stats_window", "heartbeat", "block_tokens", "kv_bytes_per_token", "kv_pool_mb")
+           "tp", "stats_window", "heartbeat", "liveness_ttl", "block_tokens", "kv_bytes_per_token", "kv_pool_mb")
 SERVICE_SETTINGS: dict[str, tuple[str, ...]] = {
     "coordinator": ("host", "port", "metrics_port", "ready_file", "redis_url", "namespace", "profile", *_POLICY_ALL,
-                    "slack", "seed", "alpha", "beta", "threshold_tokens", "stats_mode", "stale_after"),
+                    "slack", "seed", "alpha", "beta", "threshold_tokens", "stats_mode", "migration_limit"),
     "prefill": _WORKER,
     "decode": (*_WORKER, "sidecar", "chunked_prefill"),
     "sidecar": ("host", "port", "metrics_port", "name", "tool", "ready_file"),

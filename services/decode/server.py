@@ -46,7 +46,7 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
             while True:
                 ev = await s.events.get()
                 if isinstance(ev, SessionFailed):
-                    await context.abort(grpc.StatusCode.ABORTED, ev.error)
+                    await context.abort(grpc.StatusCode[ev.code], ev.error)
                 # Coalesce queued token events of the same round into one message.
                 if ev.HasField("tokens"):
                     while not s.events.empty():
@@ -162,6 +162,7 @@ async def amain(args: argparse.Namespace) -> None:
              kv_capacity_tokens=rt.pool.capacity_tokens, policy=args.policy)
 
     async def on_stop() -> None:
+        await rt.leave()  # out of routing first: no new session binds here while it stops
         await service.core.stop()
         await rt.stop()
 

@@ -50,6 +50,7 @@ def seg_pb(segments: list[Segment]) -> list[common_pb2.Segment]:
 
 
 FINISH_STOP, FINISH_LENGTH, FINISH_TOOL = "stop", "length", "tool_calls"
+ABORTED, SHUTDOWN = "ABORTED", "UNAVAILABLE"  # the status a failed session's Attach stream ends with
 
 
 @dataclass(eq=False)
@@ -141,7 +142,7 @@ class DecodeWorker:
             "sessions_opened": 0, "sessions_completed": 0, "sessions_failed": 0,
             "prefills_local": 0, "prefills_remote": 0, "decode_steps": 0, "tokens": 0,
             "kv_bytes_verified": 0, "kv_bytes_mismatched": 0, "tool_calls": 0, "prefill_chunks": 0,
-            "kv_waits": 0,
+            "kv_waits": 0, "prefills_rerouted": 0,
         }
         self._tasks: list[asyncio.Task] = []
         # A real engine attends to the history in the pool; the mock needs none (and its KV is checkable).
@@ -155,13 +156,15 @@ class DecodeWorker:
                                                 pending=lambda: bool(self.awaiting_remote))
 
     async def stop(self) -> None:
+        """Ends every session with UNAVAILABLE "worker shutting down": the coordinator moves each to
+        another decode worker (as after a crash), within its migration limit."""
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._stepping = False
         await self._notifs.stop()
         for s in list(self.sessions.values()):
-            self.fail(s, "worker shutting down")
+            self.fail(s, f"decode worker {self.rt.cfg.worker_id} shutting down", SHUTDOWN)
 
     # ------------------------------------------------------------------------------------ KV / view
     def _sync_kv(self, room: int = 0) -> None:
@@ -330,12 +333,12 @@ class DecodeWorker:
         if not self._stepping:
             self._admit_waiting()
 
-    def fail(self, s: Session, error: str) -> None:
+    def fail(self, s: Session, error: str, code: str = ABORTED) -> None:
         if s.closed:
             return
         log.warning("session failed", session=s.session_id, error=error)
         self.metrics["sessions_failed"] += 1
-        self.emit(s, SessionFailed(error))
+        self.emit(s, SessionFailed(error, code))
         self.close(s)
 
     # --------------------------------------------------------------------------- round progress
@@ -534,7 +537,13 @@ class DecodeWorker:
             log.warning("prefill done for an unknown session", session=done.session_id, round=done.round)
             return
         if done.error:
-            self.fail(s, f"remote prefill on {done.prefill_worker} failed: {done.error}")
+            # The prefill worker could not do it (shutting down, a transfer failed): the reserved KV
+            # is still here, so the round runs locally instead of failing the session.
+            log.warning("remote prefill failed; running it locally", session=s.session_id, round=done.round,
+                        prefill_worker=done.prefill_worker, error=done.error)
+            self.metrics["prefills_rerouted"] += 1
+            self.awaiting_remote[(done.session_id, done.round)] = s
+            self.local_prefill(done.session_id, done.round)
             return
         if not self._history_kv:  # the mock's KV content is a function of (session, position): check it
             data = self.rt.pool.read(s.dest)
@@ -549,9 +558,11 @@ class DecodeWorker:
 
 
 class SessionFailed:
-    """Queue sentinel: the Attach stream ends with this error."""
+    """Queue sentinel: the Attach stream ends with this error and status code name (ABORTED: the
+    session cannot go on; UNAVAILABLE: this worker is going away, the session can move)."""
 
-    __slots__ = ("error",)
+    __slots__ = ("error", "code")
 
-    def __init__(self, error: str) -> None:
+    def __init__(self, error: str, code: str = "ABORTED") -> None:
         self.error = error
+        self.code = code

@@ -86,6 +86,7 @@ async def amain(args: argparse.Namespace) -> None:
     log.info("prefill worker serving", address=cfg.advertise, metrics_port=metrics_port, tp=cfg.tp, profile=profile.name)
 
     async def on_stop() -> None:
+        await rt.leave()  # out of routing first: no new task is sent here while it stops
         await service.core.stop()
         await rt.stop()
 

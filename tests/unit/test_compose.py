@@ -231,8 +231,8 @@ def test_ampd_up_starts_the_same_settings_as_compose(services):
 
     spawned: dict[str, list[str]] = {}
 
-    def spawn(self, name, args, ready=True):
-        spawned[name] = list(args)
+    def spawn(self, name, argv, keep_port=False):
+        spawned[name] = list(argv(0))
         return mock.Mock(name=name)
 
     def wait_ready(self, children, timeout_s=90.0):
@@ -241,7 +241,7 @@ def test_ampd_up_starts_the_same_settings_as_compose(services):
     opts = launcher.Options(prefill="tp1*2", decode="tp1*2", redis_url="redis://127.0.0.1:1/0")
     with mock.patch.object(launcher.Deployment, "_spawn", spawn), \
             mock.patch.object(launcher.Deployment, "_wait_ready", wait_ready):
-        dep = launcher.Deployment(opts)
+        dep = launcher.Deployment(opts, supervise=False)
         dep.start()
         dep.children.clear()
     for name in GRPC_SERVICES:
