@@ -282,8 +282,47 @@ def read_port(ready: Path) -> int:
         return 0
 
 
+def plan_deployment(cfg: Config, trace: str, gpus: int | None) -> tuple[Config, str]:
+    """``cfg`` with the deployment the planner chooses for ``trace`` on ``gpus`` GPUs (default: as many
+    as ``--prefill`` and ``--decode`` hold), under cfg's profile, policy and SLOs, and a line that says
+    what it chose. A co-located winner runs under the policy the planner simulated it with (a
+    co-located one): AMPD becomes co-location where that wins (docs/planner.md)."""
+    from ampd.deployment import SpecError, parse_spec
+    from ampd.planner import PlanError, PlanRequest, plan
+    from ampd.planner.cli import load_inputs
+    from ampd.slo import SLO
+
+    d, pol = cfg.deployment, cfg.policy
+    if gpus is None:
+        try:
+            gpus = sum(tp * n for spec in (d.prefill, d.decode) for tp, n in parse_spec(spec))
+        except SpecError as exc:
+            raise CliError(str(exc)) from None
+    profile, sessions = load_inputs(d.profile, trace)
+    try:
+        req = PlanRequest(profile, sessions, gpus, SLO(ttft_s=pol.ttft_slo, itl_s=pol.itl_slo), top=1,
+                          policy=pol.policy)
+        best = plan(req).top[0]
+    except PlanError as exc:
+        raise CliError(f"--{exc.field.replace('_', '-')}: {str(exc).partition(': ')[2]}") from None
+    dep = best.deployment
+    chosen = cfg.with_(prefill=dep.prefill_spec, decode=dep.decode_spec, policy=best.policy)
+    line = (f"plan: prefill {dep.prefill_spec} decode {dep.decode_spec} policy {best.policy} on {dep.gpus} of "
+            f"{gpus} GPUs (simulated SLO attainment {best.slo_attainment * 100:.1f}% on {len(sessions)} sessions "
+            f"of {trace}, TTFT SLO {pol.ttft_slo:g} s, ITL SLO {pol.itl_slo:g} s)")
+    return chosen, line
+
+
 def cmd_up(args: argparse.Namespace) -> int:
-    dep = Deployment(config_from_args(args))
+    cfg = config_from_args(args)
+    if args.plan:
+        if not args.trace:
+            raise CliError("--plan: give the workload to plan for with --trace F")
+        cfg, line = plan_deployment(cfg, args.trace, args.gpus)
+        print(line, flush=True)
+    elif args.trace or args.gpus is not None:
+        raise CliError(f"{'--trace' if args.trace else '--gpus'}: only with --plan")
+    dep = Deployment(cfg)
     stop = {"now": False}
 
     def on_signal(signum, frame):
@@ -330,6 +369,12 @@ def register(sub) -> None:
                                    "policy (colocated, continuum) runs no prefill workers: the --prefill GPUs "
                                    "become co-located workers, as in `ampd simulate`.")
     add_flags(p, UP_SETTINGS)
+    p.add_argument("--plan", action="store_true",
+                   help="deploy what the planner chooses for --trace (docs/planner.md) instead of --prefill/--decode; "
+                        "prints the chosen split")
+    p.add_argument("--trace", metavar="F", help="with --plan: the workload to plan for (a session trace, JSON Lines)")
+    p.add_argument("--gpus", type=int, metavar="N",
+                   help="with --plan: GPUs to plan for (default: as many as --prefill and --decode hold)")
     p.set_defaults(func=cmd_up)
     d = sub.add_parser("demo", help="launch a deployment, replay a short trace, print the SLO report")
     d.add_argument("--preset", default="toolbench", help="workload preset of the demo trace")
