@@ -59,12 +59,14 @@ STABLE_AFTER_S = 30.0  # a child up this long has its back-off reset
 class Deployment:
     """Starts and stops one local deployment. Use as a context manager."""
 
-    def __init__(self, cfg: Config, supervise: bool = True, frontend: bool = False) -> None:
+    def __init__(self, cfg: Config, supervise: bool = True, ready_timeout_s: float = 90.0,
+                 frontend: bool = False) -> None:
         try:
             cfg.validate()
         except ConfigError as exc:
             raise CliError(str(exc)) from None
         self.cfg = cfg
+        self.ready_timeout_s = ready_timeout_s  # per group of children (a real model loads for a while)
         self.supervise = supervise
         self.events: list[str] = []  # what supervision did, in order ("decode-0 exited with -9; restarted")
         self._stopping = threading.Event()
@@ -111,11 +113,11 @@ class Deployment:
                                           stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         child.started_at = time.monotonic()
 
-    def _wait_ready(self, children: list[Child], timeout_s: float = 90.0) -> dict[str, int]:
+    def _wait_ready(self, children: list[Child]) -> dict[str, int]:
         """The gRPC port of each of ``children`` once it serves (its /metrics URL goes to self.metrics)."""
         from ampd.grpcserver import read_ready_file  # grpc loads only when a deployment starts
 
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + self.ready_timeout_s
         ports: dict[str, int] = {}
         while len(ports) < len(children):
             for c in children:
