@@ -59,12 +59,14 @@ STABLE_AFTER_S = 30.0  # a child up this long has its back-off reset
 class Deployment:
     """Starts and stops one local deployment. Use as a context manager."""
 
-    def __init__(self, cfg: Config, supervise: bool = True) -> None:
+    def __init__(self, cfg: Config, supervise: bool = True, ready_timeout_s: float = 90.0,
+                 frontend: bool = False) -> None:
         try:
             cfg.validate()
         except ConfigError as exc:
             raise CliError(str(exc)) from None
         self.cfg = cfg
+        self.ready_timeout_s = ready_timeout_s  # per group of children (a real model loads for a while)
         self.supervise = supervise
         self.events: list[str] = []  # what supervision did, in order ("decode-0 exited with -9; restarted")
         self._stopping = threading.Event()
@@ -73,6 +75,8 @@ class Deployment:
         self.children: list[Child] = []
         self.redis_url = cfg.deployment.redis_url
         self.coordinator = ""
+        self.start_frontend = frontend
+        self.frontend = ""  # the OpenAI-compatible front's URL (http://HOST:PORT), when started
         self.metrics: dict[str, str] = {}  # child name -> its /metrics URL
         self.run_dir = Path(cfg.deployment.run_dir or tempfile.mkdtemp(prefix="ampd-run-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -109,11 +113,11 @@ class Deployment:
                                           stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         child.started_at = time.monotonic()
 
-    def _wait_ready(self, children: list[Child], timeout_s: float = 90.0) -> dict[str, int]:
+    def _wait_ready(self, children: list[Child]) -> dict[str, int]:
         """The gRPC port of each of ``children`` once it serves (its /metrics URL goes to self.metrics)."""
         from ampd.grpcserver import read_ready_file  # grpc loads only when a deployment starts
 
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + self.ready_timeout_s
         ports: dict[str, int] = {}
         while len(ports) < len(children):
             for c in children:
@@ -173,6 +177,11 @@ class Deployment:
         coord = self._spawn("coordinator", self._argv("coordinator"), keep_port=True)
         coord.port = self.cfg.process.port
         self.coordinator = f"{host}:{self._wait_ready([coord])['coordinator']}"
+        if self.start_frontend:
+            # --api-port binds the front's HTTP port; it keeps the port across restarts (clients hold its URL)
+            argv, api_port = self._argv("frontend", coordinator_address=self.coordinator), self.cfg.frontend.api_port
+            front = self._spawn("frontend", lambda port: argv(port or api_port), keep_port=True)
+            self.frontend = f"http://{host}:{self._wait_ready([front])['frontend']}"
         if self.supervise:
             self._supervisor = threading.Thread(target=self._supervise_loop, name="ampd-supervisor", daemon=True)
             self._supervisor.start()
@@ -281,8 +290,47 @@ def read_port(ready: Path) -> int:
         return 0
 
 
+def plan_deployment(cfg: Config, trace: str, gpus: int | None) -> tuple[Config, str]:
+    """``cfg`` with the deployment the planner chooses for ``trace`` on ``gpus`` GPUs (default: as many
+    as ``--prefill`` and ``--decode`` hold), under cfg's profile, policy and SLOs, and a line that says
+    what it chose. A co-located winner runs under the policy the planner simulated it with (a
+    co-located one): AMPD becomes co-location where that wins (docs/planner.md)."""
+    from ampd.deployment import SpecError, parse_spec
+    from ampd.planner import PlanError, PlanRequest, plan
+    from ampd.planner.cli import load_inputs
+    from ampd.slo import SLO
+
+    d, pol = cfg.deployment, cfg.policy
+    if gpus is None:
+        try:
+            gpus = sum(tp * n for spec in (d.prefill, d.decode) for tp, n in parse_spec(spec))
+        except SpecError as exc:
+            raise CliError(str(exc)) from None
+    profile, sessions = load_inputs(d.profile, trace)
+    try:
+        req = PlanRequest(profile, sessions, gpus, SLO(ttft_s=pol.ttft_slo, itl_s=pol.itl_slo), top=1,
+                          policy=pol.policy)
+        best = plan(req).top[0]
+    except PlanError as exc:
+        raise CliError(f"--{exc.field.replace('_', '-')}: {str(exc).partition(': ')[2]}") from None
+    dep = best.deployment
+    chosen = cfg.with_(prefill=dep.prefill_spec, decode=dep.decode_spec, policy=best.policy)
+    line = (f"plan: prefill {dep.prefill_spec} decode {dep.decode_spec} policy {best.policy} on {dep.gpus} of "
+            f"{gpus} GPUs (simulated SLO attainment {best.slo_attainment * 100:.1f}% on {len(sessions)} sessions "
+            f"of {trace}, TTFT SLO {pol.ttft_slo:g} s, ITL SLO {pol.itl_slo:g} s)")
+    return chosen, line
+
+
 def cmd_up(args: argparse.Namespace) -> int:
-    dep = Deployment(config_from_args(args))
+    cfg = config_from_args(args)
+    if args.plan:
+        if not args.trace:
+            raise CliError("--plan: give the workload to plan for with --trace F")
+        cfg, line = plan_deployment(cfg, args.trace, args.gpus)
+        print(line, flush=True)
+    elif args.trace or args.gpus is not None:
+        raise CliError(f"{'--trace' if args.trace else '--gpus'}: only with --plan")
+    dep = Deployment(cfg, frontend=True)
     stop = {"now": False}
 
     def on_signal(signum, frame):
@@ -294,6 +342,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         dep.start()
         print(f"coordinator {dep.coordinator}", flush=True)
+        print(f"frontend {dep.frontend}/v1 (OpenAI API)", flush=True)
         print(dep.metrics_line(), flush=True)
         print("serving; Ctrl-C stops everything (a child that dies is restarted)", file=sys.stderr, flush=True)
         while not stop["now"]:
@@ -329,6 +378,12 @@ def register(sub) -> None:
                                    "policy (colocated, continuum) runs no prefill workers: the --prefill GPUs "
                                    "become co-located workers, as in `ampd simulate`.")
     add_flags(p, UP_SETTINGS)
+    p.add_argument("--plan", action="store_true",
+                   help="deploy what the planner chooses for --trace (docs/planner.md) instead of --prefill/--decode; "
+                        "prints the chosen split")
+    p.add_argument("--trace", metavar="F", help="with --plan: the workload to plan for (a session trace, JSON Lines)")
+    p.add_argument("--gpus", type=int, metavar="N",
+                   help="with --plan: GPUs to plan for (default: as many as --prefill and --decode hold)")
     p.set_defaults(func=cmd_up)
     d = sub.add_parser("demo", help="launch a deployment, replay a short trace, print the SLO report")
     d.add_argument("--preset", default="toolbench", help="workload preset of the demo trace")
