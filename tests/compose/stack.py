@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import socket
 import subprocess
@@ -262,9 +263,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--sessions must be >= 4")
     os.environ.setdefault("CONTAINERS_CONF", str(ROOT / "tests/compose/containers.conf"))
     base = os.environ.get("AMPD_BASE_IMAGE", "localhost/debian-py:bookworm")
-    port = free_port()
-    doc = resolve(COMPOSE, dict(os.environ, AMPD_IMAGE=IMAGE, AMPD_REDIS_IMAGE=REDIS_IMAGE,
-                                AMPD_COORDINATOR_PORT=str(port)))
+    # Every port compose publishes on the host (AMPD_*_PORT) gets a free one: this may be a shared box.
+    ports = {name: str(free_port()) for name in sorted(set(re.findall(r"\$\{(AMPD_[A-Z_]*_PORT)\b",
+                                                                       COMPOSE.read_text())))}
+    port = int(ports["AMPD_COORDINATOR_PORT"])
+    doc = resolve(COMPOSE, dict(os.environ, AMPD_IMAGE=IMAGE, AMPD_REDIS_IMAGE=REDIS_IMAGE, **ports))
     services = doc["services"]
     names = selected(services)
     if SWAPPED not in names:
