@@ -59,7 +59,8 @@ STABLE_AFTER_S = 30.0  # a child up this long has its back-off reset
 class Deployment:
     """Starts and stops one local deployment. Use as a context manager."""
 
-    def __init__(self, cfg: Config, supervise: bool = True, ready_timeout_s: float = 90.0) -> None:
+    def __init__(self, cfg: Config, supervise: bool = True, ready_timeout_s: float = 90.0,
+                 frontend: bool = False) -> None:
         from ampd.engine import check_available
 
         try:
@@ -77,6 +78,8 @@ class Deployment:
         self.children: list[Child] = []
         self.redis_url = cfg.deployment.redis_url
         self.coordinator = ""
+        self.start_frontend = frontend
+        self.frontend = ""  # the OpenAI-compatible front's URL (http://HOST:PORT), when started
         self.metrics: dict[str, str] = {}  # child name -> its /metrics URL
         self.run_dir = Path(cfg.deployment.run_dir or tempfile.mkdtemp(prefix="ampd-run-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -177,6 +180,11 @@ class Deployment:
         coord = self._spawn("coordinator", self._argv("coordinator"), keep_port=True)
         coord.port = self.cfg.process.port
         self.coordinator = f"{host}:{self._wait_ready([coord])['coordinator']}"
+        if self.start_frontend:
+            # --api-port binds the front's HTTP port; it keeps the port across restarts (clients hold its URL)
+            argv, api_port = self._argv("frontend", coordinator_address=self.coordinator), self.cfg.frontend.api_port
+            front = self._spawn("frontend", lambda port: argv(port or api_port), keep_port=True)
+            self.frontend = f"http://{host}:{self._wait_ready([front])['frontend']}"
         if self.supervise:
             self._supervisor = threading.Thread(target=self._supervise_loop, name="ampd-supervisor", daemon=True)
             self._supervisor.start()
@@ -325,7 +333,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(line, flush=True)
     elif args.trace or args.gpus is not None:
         raise CliError(f"{'--trace' if args.trace else '--gpus'}: only with --plan")
-    dep = Deployment(cfg)
+    dep = Deployment(cfg, frontend=True)
     stop = {"now": False}
 
     def on_signal(signum, frame):
@@ -337,6 +345,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         dep.start()
         print(f"coordinator {dep.coordinator}", flush=True)
+        print(f"frontend {dep.frontend}/v1 (OpenAI API)", flush=True)
         print(dep.metrics_line(), flush=True)
         print("serving; Ctrl-C stops everything (a child that dies is restarted)", file=sys.stderr, flush=True)
         while not stop["now"]:

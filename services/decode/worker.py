@@ -142,7 +142,7 @@ class DecodeWorker:
             "sessions_opened": 0, "sessions_completed": 0, "sessions_failed": 0,
             "prefills_local": 0, "prefills_remote": 0, "decode_steps": 0, "tokens": 0,
             "kv_bytes_verified": 0, "kv_bytes_mismatched": 0, "tool_calls": 0, "prefill_chunks": 0,
-            "kv_waits": 0, "prefills_rerouted": 0,
+            "kv_waits": 0, "prefills_rerouted": 0, "local_prefill_tokens": 0,
         }
         self._tasks: list[asyncio.Task] = []
         # A real engine attends to the history in the pool; the mock needs none (and its KV is checkable).
@@ -460,6 +460,7 @@ class DecodeWorker:
             s.session_id, start, n, self.rt.pool, segs, token_ids=s.tokens[start:start + n],
             history_kv=s.kv.segments(0, start) if self._history_kv else (), sampling=s.sampling, **extra)
         s.prefilled += n
+        self.metrics["local_prefill_tokens"] += n
         if chunk:
             self.metrics["prefill_chunks"] += 1
         done = self.core.prefill_done(time.time())
