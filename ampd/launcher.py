@@ -61,9 +61,12 @@ class Deployment:
 
     def __init__(self, cfg: Config, supervise: bool = True, ready_timeout_s: float = 90.0,
                  frontend: bool = False) -> None:
+        from ampd.engine import check_available
+
         try:
             cfg.validate()
-        except ConfigError as exc:
+            check_available(cfg.deployment.engine)
+        except (ConfigError, ValueError) as exc:
             raise CliError(str(exc)) from None
         self.cfg = cfg
         self.ready_timeout_s = ready_timeout_s  # per group of children (a real model loads for a while)
