@@ -9,13 +9,12 @@ Supervision: a child that dies is started again (same id, same ports; a worker w
 taken gets a free one, which it registers), after a back-off that grows while it keeps dying; the
 others keep serving. Only Ctrl-C or SIGTERM stops everything. Each child runs in its own process
 group (a Ctrl-C at the terminal reaches the launcher only, which stops the children in order) and
-gets SIGTERM from the kernel if the launcher itself dies (PR_SET_PDEATHSIG); a service that does
+gets SIGTERM from the kernel if the launcher itself dies (PR_SET_PDEATHSIG, through ampd.deathsig); a service that does
 not finish stopping within seconds exits anyway (ampd.grpcserver), so none is orphaned.
 """
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import signal
 import subprocess
@@ -28,20 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ampd.cli import CliError
+from ampd import deathsig
 from ampd.config import (SERVICE_SETTINGS, SETTINGS, UP_SETTINGS, Config, ConfigError, add_flags,
                          config_from_args, env_name, to_argv)
 from ampd.deployment import expand_spec, format_spec, worker_shape
 from ampd.state.local import RedisStartError, start_redis
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-
 
 def Options(**settings) -> Config:
     """A launch configuration from settings by name (``Options(policy="remote", decode="tp2*2")``);
@@ -115,8 +105,8 @@ class Deployment:
         for setting in SETTINGS:  # every setting is on the child's command line; none comes from here
             env.pop(env_name(setting), None)
         with open(child.log, "ab") as out:
-            child.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          env=env, preexec_fn=_die_with_parent, start_new_session=True)
+            child.proc = subprocess.Popen(deathsig.wrap(args), stdout=out, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         child.started_at = time.monotonic()
 
     def _wait_ready(self, children: list[Child], timeout_s: float = 90.0) -> dict[str, int]:
@@ -146,7 +136,7 @@ class Deployment:
     def _start_redis(self, port: int = 0) -> subprocess.Popen:
         log = self.run_dir / "redis.log"
         try:
-            proc, url = start_redis(self.run_dir, log=log, preexec_fn=_die_with_parent, port=port, new_session=True)
+            proc, url = start_redis(self.run_dir, log=log, wrap=deathsig.wrap, port=port, new_session=True)
         except RedisStartError as exc:
             raise CliError(str(exc)) from None
         if not port:
@@ -291,8 +281,47 @@ def read_port(ready: Path) -> int:
         return 0
 
 
+def plan_deployment(cfg: Config, trace: str, gpus: int | None) -> tuple[Config, str]:
+    """``cfg`` with the deployment the planner chooses for ``trace`` on ``gpus`` GPUs (default: as many
+    as ``--prefill`` and ``--decode`` hold), under cfg's profile, policy and SLOs, and a line that says
+    what it chose. A co-located winner runs under the policy the planner simulated it with (a
+    co-located one): AMPD becomes co-location where that wins (docs/planner.md)."""
+    from ampd.deployment import SpecError, parse_spec
+    from ampd.planner import PlanError, PlanRequest, plan
+    from ampd.planner.cli import load_inputs
+    from ampd.slo import SLO
+
+    d, pol = cfg.deployment, cfg.policy
+    if gpus is None:
+        try:
+            gpus = sum(tp * n for spec in (d.prefill, d.decode) for tp, n in parse_spec(spec))
+        except SpecError as exc:
+            raise CliError(str(exc)) from None
+    profile, sessions = load_inputs(d.profile, trace)
+    try:
+        req = PlanRequest(profile, sessions, gpus, SLO(ttft_s=pol.ttft_slo, itl_s=pol.itl_slo), top=1,
+                          policy=pol.policy)
+        best = plan(req).top[0]
+    except PlanError as exc:
+        raise CliError(f"--{exc.field.replace('_', '-')}: {str(exc).partition(': ')[2]}") from None
+    dep = best.deployment
+    chosen = cfg.with_(prefill=dep.prefill_spec, decode=dep.decode_spec, policy=best.policy)
+    line = (f"plan: prefill {dep.prefill_spec} decode {dep.decode_spec} policy {best.policy} on {dep.gpus} of "
+            f"{gpus} GPUs (simulated SLO attainment {best.slo_attainment * 100:.1f}% on {len(sessions)} sessions "
+            f"of {trace}, TTFT SLO {pol.ttft_slo:g} s, ITL SLO {pol.itl_slo:g} s)")
+    return chosen, line
+
+
 def cmd_up(args: argparse.Namespace) -> int:
-    dep = Deployment(config_from_args(args))
+    cfg = config_from_args(args)
+    if args.plan:
+        if not args.trace:
+            raise CliError("--plan: give the workload to plan for with --trace F")
+        cfg, line = plan_deployment(cfg, args.trace, args.gpus)
+        print(line, flush=True)
+    elif args.trace or args.gpus is not None:
+        raise CliError(f"{'--trace' if args.trace else '--gpus'}: only with --plan")
+    dep = Deployment(cfg)
     stop = {"now": False}
 
     def on_signal(signum, frame):
@@ -339,6 +368,12 @@ def register(sub) -> None:
                                    "policy (colocated, continuum) runs no prefill workers: the --prefill GPUs "
                                    "become co-located workers, as in `ampd simulate`.")
     add_flags(p, UP_SETTINGS)
+    p.add_argument("--plan", action="store_true",
+                   help="deploy what the planner chooses for --trace (docs/planner.md) instead of --prefill/--decode; "
+                        "prints the chosen split")
+    p.add_argument("--trace", metavar="F", help="with --plan: the workload to plan for (a session trace, JSON Lines)")
+    p.add_argument("--gpus", type=int, metavar="N",
+                   help="with --plan: GPUs to plan for (default: as many as --prefill and --decode hold)")
     p.set_defaults(func=cmd_up)
     d = sub.add_parser("demo", help="launch a deployment, replay a short trace, print the SLO report")
     d.add_argument("--preset", default="toolbench", help="workload preset of the demo trace")
