@@ -65,13 +65,14 @@ def _kill(dep: Deployment, name: str) -> None:
     os.kill(dep.child(name).proc.pid, signal.SIGKILL)
 
 
-def _wait_registered(r: redis.Redis, workers: set[str], timeout_s: float = 60.0) -> None:
+def _wait_registered(r: redis.Redis, workers: set[str], timeout_s: float = 60.0, ns: str = NS) -> None:
     """Until every worker is registered and alive again (the restarted ones too)."""
+    have = alive = set()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            have = {k.decode() for k in r.hkeys(f"{NS}:workers")}
-            alive = {w for w in workers if r.exists(f"{NS}:alive:{w}")}
+            have = {k.decode() for k in r.hkeys(f"{ns}:workers")}
+            alive = {w for w in workers if r.exists(f"{ns}:alive:{w}")}
             if have == workers and alive == workers:
                 return
         except redis.ConnectionError:
@@ -120,6 +121,7 @@ def test_replay_survives_killed_workers_and_a_redis_restart(tmp_path):
 
         for name in ("decode-0", "prefill-0", "redis"):
             assert any(e.startswith(f"{name} restarted") for e in dep.events), dep.events
+        dep.wait_serving()
         _wait_registered(r, workers)
         coord = asyncio.run(_coordinator_metrics(dep.coordinator))
         print(f"coordinator: {({k: v for k, v in coord.items() if k.startswith(('sessions', 'prefills'))})}")
@@ -200,8 +202,14 @@ def test_torch_session_moved_mid_round_gives_the_undisturbed_greedy_tokens(tmp_p
                    run_dir=str(tmp_path / "run"))
     with Deployment(opts) as dep:
         plain, _ = asyncio.run(_killed_session(dep, "undisturbed", turns, None))
-        # killed at two points: mid-round 0 (the first worker's), mid-round 1 (a tool result's round)
-        moved = [asyncio.run(_killed_session(dep, f"moved-{k}", turns, k)) for k in (5, 45)]
+        # killed at two points: mid-round 0 (the first worker's), mid-round 1 (a tool result's round);
+        # each time with the other decode worker serving (the one killed before is back)
+        r = redis.Redis.from_url(dep.redis_url)
+        moved = []
+        for k in (5, 45):
+            dep.wait_serving()
+            _wait_registered(r, {"decode-0", "decode-1", "prefill-0"}, ns="faults-torch")
+            moved.append(asyncio.run(_killed_session(dep, f"moved-{k}", turns, k)))
     assert len(plain) == 40 + 30 + 20
     for tokens, rounds in moved:
         assert tokens == plain
