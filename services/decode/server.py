@@ -12,7 +12,7 @@ from ampd.config import ConfigError
 from ampd.grpcserver import RpcFailure, abort_on_failure, serve_calls
 from ampd.chat.template import ChatFormat
 from ampd.chat.tokenizer import tokenizer_for
-from ampd.engine import make_engine
+from ampd.engine import check_available, make_engine
 from ampd.perf import load_profile
 from ampd.policy import SLO, make_queue, policy_spec
 from ampd.state import StateStore, connect
@@ -179,7 +179,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         args = build_parser().parse_args(argv)
         config_from_args(args, "decode", args.port)  # bad settings fail before a port is bound
-    except ConfigError as exc:
+        check_available(args.engine)
+    except (ConfigError, ValueError) as exc:
         sys.exit(f"ampd-decode: error: {exc}")
     grpcserver.run(amain(args))
 

@@ -144,11 +144,13 @@ class DecodeWorker:
             "sessions_opened": 0, "sessions_completed": 0, "sessions_failed": 0,
             "prefills_local": 0, "prefills_remote": 0, "decode_steps": 0, "tokens": 0,
             "kv_bytes_verified": 0, "kv_bytes_mismatched": 0, "tool_calls": 0, "prefill_chunks": 0,
-            "kv_waits": 0, "prefills_rerouted": 0, "sessions_resumed": 0,
+            "kv_waits": 0, "prefills_rerouted": 0, "local_prefill_tokens": 0, "sessions_resumed": 0,
         }
         self._tasks: list[asyncio.Task] = []
         # A real engine attends to the history in the pool; the mock needs none (and its KV is checkable).
         self._history_kv = engine.name != "mock"
+        # An engine that keeps the KV itself (sglang) needs every session's token ids instead.
+        self._token_ids = bool(getattr(engine, "needs_token_ids", False))
         rt.published = self.published
 
     # ---------------------------------------------------------------------------------- lifecycle
@@ -299,6 +301,7 @@ class DecodeWorker:
             decode_worker=self.rt.cfg.worker_id, decode_tp=self.rt.cfg.tp,
             history=seg_pb(s.kv.segments(0, s.l_hist)), dest=seg_pb(s.dest),
             token_ids=s.tokens[s.l_hist:], sampling=s.params,
+            history_token_ids=s.tokens[:s.l_hist] if self._token_ids else (),
         )))
         self.awaiting_remote[(s.session_id, rnd)] = s
         self._notifs.arm()
@@ -358,6 +361,8 @@ class DecodeWorker:
         else:
             self.core.drop(s.core)
         s.kv.release(self.rt.pool)
+        if self._token_ids:
+            self.engine.forget(s.session_id)
         self.rt.active_sessions = len(self.sessions)
         self.rt.changed()
         if not self._stepping:
@@ -481,10 +486,12 @@ class DecodeWorker:
         n = s.l_incr - s.prefilled if work.last else work.tokens
         chunk = not (work.last and s.prefilled == 0)
         segs = s.kv.segments(start, n) if chunk else s.dest
+        extra = {"history_ids": s.tokens} if self._token_ids else {}
         token = await self.engine.prefill(
             s.session_id, start, n, self.rt.pool, segs, token_ids=s.tokens[start:start + n],
-            history_kv=s.kv.segments(0, start) if self._history_kv else (), sampling=s.sampling)
+            history_kv=s.kv.segments(0, start) if self._history_kv else (), sampling=s.sampling, **extra)
         s.prefilled += n
+        self.metrics["local_prefill_tokens"] += n
         if chunk:
             self.metrics["prefill_chunks"] += 1
         done = self.core.prefill_done(time.time())
@@ -508,7 +515,8 @@ class DecodeWorker:
                 continue
             pos = len(s.tokens) - 1
             seqs.append((s, DecodeSeq(s.session_id, pos, s.tokens[pos], segs, pos + 1,
-                                      s.kv.segments(0, pos) if self._history_kv else [], s.sampling)))
+                                      s.kv.segments(0, pos) if self._history_kv else [], s.sampling,
+                                      s.tokens if self._token_ids else ())))
         self._stepping = True
         try:
             tokens = await self.engine.decode_step(pool, [d for _, d in seqs]) if seqs else []

@@ -183,9 +183,13 @@ class PrefillWorker:
                 await self._read(job)
             self._read_ahead(self.core.compute_started(time.time()))
             local_new = job.kv.reserve(rt.pool, task.l_incr)
+            # an engine that keeps the KV itself (sglang) gets the history's ids instead of reading them
+            extra = {"history_ids": task.history_token_ids} if task.history_token_ids else {}
             done.first_token = await self.engine.prefill(
                 task.session_id, task.l_hist, task.l_incr, rt.pool, local_new, token_ids=task.token_ids,
-                history_kv=job.kv.segments(0, task.l_hist), sampling=sampling_of(task.sampling))
+                history_kv=job.kv.segments(0, task.l_hist), sampling=sampling_of(task.sampling), **extra)
+            if extra:
+                self.engine.forget(task.session_id)  # the session lives on its decode worker
             started = time.monotonic()
             await self.engine.pace_transfer(started, task.l_incr, rt.cfg.tp, task.decode_tp)
             done.finished = time.time()
