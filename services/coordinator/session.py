@@ -117,9 +117,9 @@ class SessionRun:
             await asyncio.sleep(0.25)
         self.decode_id = choose_decode_worker(view)
         self.info = svc.cluster.infos[self.decode_id]
-        self.control = svc.stubs.control(self.info.address)
+        self.control = svc.stubs.control(self.info.address, self.info.nixl_agent)
         self.gen += 1
-        self.call = svc.stubs.decode(self.info.address).Attach(req)
+        self.call = svc.stubs.decode(self.info.address, self.info.nixl_agent).Attach(req)
         self.pump = asyncio.create_task(self._pump(self.call, self.gen))
         self.bound, self.opened, self.announce = True, False, True
         svc.record(self.sid, {"decode_worker": self.decode_id, "round": req.resume.round, "moves": self.log.moves})
@@ -294,7 +294,7 @@ class SessionRun:
                 need.session_id, need.decode_worker, need.decode_tp = sid, decode_id, self.info.tp
                 self.remote[need.round] = decision.target
                 svc.remember_remote(self, decision.target, need.round)
-                await svc.stubs.submit(target.address).call(prefill_pb2.SubmitRequest(task=need))
+                await svc.stubs.submit(target.address, target.nixl_agent).call(prefill_pb2.SubmitRequest(task=need))
                 svc.counters["prefills_remote"] += 1
             except (grpc.aio.AioRpcError, AttributeError) as exc:
                 # A prefill worker that vanished must not lose the round: run it locally.
