@@ -37,34 +37,69 @@ class _Rejected(grpc.aio.AioRpcError):
 
 class Stubs:
     """One channel per worker address, reused by every session, and one call stream per worker for
-    the per-round requests (LocalPrefill, ToolResult, Cancel; Submit): see grpcserver.CallStream."""
+    the per-round requests (LocalPrefill, ToolResult, Cancel; Submit): see grpcserver.CallStream.
+
+    A channel is replaced, with its stubs and call streams, when the worker at its address is a new
+    process (its registration's NIXL agent name, unique per process, changed) or when it is found in
+    TRANSIENT_FAILURE: the worker went away and may be back under the same name at a new address (a
+    replaced container). A new channel resolves the name at once, where the old one keeps dialling
+    the old address until its next re-resolution (make test-compose: 3 to 16 of 16 sessions opened
+    just after a decode-worker swap failed that way)."""
 
     def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._incarnation: dict[str, str] = {}  # address -> the worker process its channel is for
         self._decode: dict[str, decode_pb2_grpc.DecodeWorkerStub] = {}
         self._prefill: dict[str, prefill_pb2_grpc.PrefillWorkerStub] = {}
         self._control: dict[str, grpcserver.CallStream] = {}
         self._submit: dict[str, grpcserver.CallStream] = {}
 
-    def control(self, address: str) -> grpcserver.CallStream:
+    def _channel(self, address: str, incarnation: str) -> grpc.aio.Channel:
+        ch = self._channels.get(address)
+        new_process = bool(incarnation) and self._incarnation.get(address, incarnation) != incarnation
+        if ch is not None and (new_process or ch.get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE):
+            self._forget(address)
+            ch = None
+        if incarnation:
+            self._incarnation[address] = incarnation
+        if ch is None:
+            ch = self._channels[address] = grpcserver.channel(address)
+        return ch
+
+    def _forget(self, address: str) -> None:
+        ch = self._channels.pop(address)
+        self._decode.pop(address, None)
+        self._prefill.pop(address, None)
+        for streams in (self._control, self._submit):
+            stream = streams.pop(address, None)
+            if stream is not None:
+                stream.close()
+        asyncio.get_running_loop().create_task(ch.close())
+
+    def control(self, address: str, incarnation: str = "") -> grpcserver.CallStream:
         """DecodeWorker.Control of the worker at `address`: send decode_pb2.ControlRequest."""
+        stub = self.decode(address, incarnation)
         if address not in self._control:
-            self._control[address] = grpcserver.CallStream(self.decode(address).Control)
+            self._control[address] = grpcserver.CallStream(stub.Control)
         return self._control[address]
 
-    def submit(self, address: str) -> grpcserver.CallStream:
+    def submit(self, address: str, incarnation: str = "") -> grpcserver.CallStream:
         """PrefillWorker.SubmitStream of the worker at `address`: send prefill_pb2.SubmitRequest."""
+        stub = self.prefill(address, incarnation)
         if address not in self._submit:
-            self._submit[address] = grpcserver.CallStream(self.prefill(address).SubmitStream)
+            self._submit[address] = grpcserver.CallStream(stub.SubmitStream)
         return self._submit[address]
 
-    def decode(self, address: str) -> decode_pb2_grpc.DecodeWorkerStub:
+    def decode(self, address: str, incarnation: str = "") -> decode_pb2_grpc.DecodeWorkerStub:
+        ch = self._channel(address, incarnation)
         if address not in self._decode:
-            self._decode[address] = decode_pb2_grpc.DecodeWorkerStub(grpcserver.channel(address))
+            self._decode[address] = decode_pb2_grpc.DecodeWorkerStub(ch)
         return self._decode[address]
 
-    def prefill(self, address: str) -> prefill_pb2_grpc.PrefillWorkerStub:
+    def prefill(self, address: str, incarnation: str = "") -> prefill_pb2_grpc.PrefillWorkerStub:
+        ch = self._channel(address, incarnation)
         if address not in self._prefill:
-            self._prefill[address] = prefill_pb2_grpc.PrefillWorkerStub(grpcserver.channel(address))
+            self._prefill[address] = prefill_pb2_grpc.PrefillWorkerStub(ch)
         return self._prefill[address]
 
 
@@ -105,14 +140,14 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         info = self.cluster.infos[decode_id]
         self.live.add(sid)
         self.counters["sessions_opened"] += 1
-        decode_stub = self.stubs.decode(info.address)
+        decode_stub = self.stubs.decode(info.address, info.nixl_agent)
         call = decode_stub.Attach(decode_pb2.AttachRequest(open=o, arrival=arrival))
         # The session record is written while the decode worker opens the session, not before.
         # (Round 0's route record, which may land first, writes the same round.)
         record = asyncio.create_task(
             self.store.put_session(sid, {"decode_worker": decode_id, "arrival": arrival, "round": 0}))
         routes: dict[int, tuple[str, str, bool]] = {}
-        control = self.stubs.control(info.address)
+        control = self.stubs.control(info.address, info.nixl_agent)
         rejected: list[grpc.aio.AioRpcError] = []
         reader = asyncio.create_task(self._client_messages(request_iterator, control, sid, call, rejected))
         first_event = True
@@ -232,7 +267,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     # The task goes on as the decode worker sent it, bound to the worker this
                     # coordinator bound the session to.
                     need.session_id, need.decode_worker, need.decode_tp = sid, decode_id, decode_tp
-                    await self.stubs.submit(target.address).call(prefill_pb2.SubmitRequest(task=need))
+                    submit = self.stubs.submit(target.address, target.nixl_agent)
+                    await submit.call(prefill_pb2.SubmitRequest(task=need))
                     self.counters["prefills_remote"] += 1
                 except (grpc.aio.AioRpcError, AttributeError) as exc:
                     # A prefill worker that vanished must not lose the round: run it locally.

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hmac
 import json
+import signal
 import sys
 import time
 import uuid
@@ -13,6 +15,7 @@ from typing import Any, Sequence
 
 import grpc
 import structlog
+import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -390,8 +393,6 @@ def build_app(front: Front) -> Starlette:
 
 
 async def amain(args: argparse.Namespace) -> None:
-    import uvicorn
-
     logs.configure("frontend")
     fmt = ChatFormat(tokenizer_for(args.engine, args.model))
     channel = grpcserver.channel(args.coordinator_address)
@@ -401,7 +402,10 @@ async def amain(args: argparse.Namespace) -> None:
     front = Front(args, fmt, stub, index, "")
     config = uvicorn.Config(build_app(front), host=args.host, port=args.port, loop="none", lifespan="off",
                             log_level="warning", access_log=False, timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    server = _Server(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, server.exit)
     serving = asyncio.create_task(server.serve())
     while not server.started:
         if serving.done():
@@ -419,6 +423,18 @@ async def amain(args: argparse.Namespace) -> None:
         await front.table.stop()
         await channel.close()
         await redis.aclose()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, stopped by this process's own signal handlers: uvicorn's own re-raise the
+    signal once it stops, which would end the process before it closes its sessions."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+    def exit(self) -> None:
+        self.should_exit = True
 
 
 def build_parser() -> argparse.ArgumentParser:
