@@ -29,7 +29,7 @@ __all__ = [
     "DEFAULT_PROFILE", "ALPHA", "BETA", "THRESHOLD_TOKENS", "SLACK_CHOICES", "KV_ADMISSION",
     "DeploymentConfig", "PolicyConfig", "WorkerSettings", "CoordinatorSettings", "ProcessConfig",
     "SimulatorSettings", "Config", "ConfigError", "SETTINGS", "SERVICE_SETTINGS", "UP_SETTINGS",
-    "SIMULATE_SETTINGS", "PLACEMENT", "flag_name", "env_name", "add_flags", "to_argv", "env_names", "pick",
+    "SIMULATE_SETTINGS", "PLACEMENT", "SECRET_SETTINGS", "flag_name", "env_name", "add_flags", "to_argv", "env_names", "pick",
     "config_from_args", "check",
 ]
 
@@ -77,6 +77,10 @@ class DeploymentConfig:
     tool: tuple[str, ...] = setting((), "sidecar tool NAME=module:function (repeatable; environment: "
                                         "comma-separated)", metavar="NAME=MOD:FN")
     run_dir: str = setting("", "where `ampd up` writes logs (default: a new temporary folder)", metavar="DIR")
+    # A flag shows in `ps`: give it through the environment (AMPD_AUTH_TOKEN) outside tests.
+    auth_token: str = setting("", "shared token every gRPC service requires of its callers (metadata "
+                                  "'authorization: Bearer TOKEN'; health checks are exempt); empty = no auth "
+                                  "(docs/security.md)", metavar="TOKEN")
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,11 @@ class CoordinatorSettings:
     # late one only delays, so this is generous.
     stale_after: float = setting(10.0, "a worker whose statistics are older than this is gone, seconds",
                                  metavar="S", positive=True)
+    admission_wait: float = setting(5.0, "a new session that no decode worker has the KV for waits up to this "
+                                         "long for KV to free, then gets RESOURCE_EXHAUSTED; 0 = refuse at once "
+                                         "(docs/security.md)", metavar="S", minimum=0)
+    admission_queue: int = setting(256, "new sessions that may wait for KV at once; beyond it a new session "
+                                        "gets RESOURCE_EXHAUSTED at once", minimum=0)
 
 
 @dataclass(frozen=True)
@@ -236,15 +245,18 @@ def _group_of(name: str) -> str:
 _POLICY_ALL = ("policy", "ttft_slo", "itl_slo")
 _WORKER = ("host", "port", "metrics_port", "advertise", "worker_id", "ready_file", "redis_url", "namespace",
            "profile", "engine", "model", *_POLICY_ALL, "reorder_window", "kv_overlap", "kv_admission",
-           "tp", "stats_window", "heartbeat", "block_tokens", "kv_bytes_per_token", "kv_pool_mb")
+           "tp", "stats_window", "heartbeat", "block_tokens", "kv_bytes_per_token", "kv_pool_mb", "auth_token")
 SERVICE_SETTINGS: dict[str, tuple[str, ...]] = {
     "coordinator": ("host", "port", "metrics_port", "ready_file", "redis_url", "namespace", "profile", *_POLICY_ALL,
-                    "slack", "seed", "alpha", "beta", "threshold_tokens", "stats_mode", "stale_after"),
+                    "slack", "seed", "alpha", "beta", "threshold_tokens", "stats_mode", "stale_after",
+                    "admission_wait", "admission_queue", "auth_token"),
     "prefill": _WORKER,
     "decode": (*_WORKER, "sidecar", "chunked_prefill"),
-    "sidecar": ("host", "port", "metrics_port", "name", "tool", "ready_file"),
-    "planner": ("host", "port", "metrics_port", "ready_file", "profiles_dir"),
+    "sidecar": ("host", "port", "metrics_port", "name", "tool", "ready_file", "auth_token"),
+    "planner": ("host", "port", "metrics_port", "ready_file", "profiles_dir", "auth_token"),
 }
+# Secrets: a launcher passes them in the environment, never on a command line (`ps` shows those).
+SECRET_SETTINGS = ("auth_token",)
 # Per-process settings: the launcher and compose give these on each process's command line.
 PLACEMENT = ("host", "port", "metrics_port", "advertise", "worker_id", "name", "sidecar", "ready_file")
 
@@ -252,6 +264,7 @@ PLACEMENT = ("host", "port", "metrics_port", "advertise", "worker_id", "name", "
 # ones (the launcher places each process) and tp (it comes from the SPECs).
 UP_SETTINGS: tuple[str, ...] = (
     "prefill", "decode", "profile", "engine", "model", "redis_url", "namespace", "tool", "run_dir", "host", "port",
+    "auth_token",
     *(f.name for f in fields(PolicyConfig)),
     *(f.name for f in fields(WorkerSettings) if f.name != "tp"),
     *(f.name for f in fields(CoordinatorSettings)),

@@ -8,7 +8,10 @@ from ampd.config import add_flags
 
 
 def _cmd(args: argparse.Namespace) -> int:
+    from ampd import grpcserver
     from ampd.bench.client import run_bench_cli
+
+    grpcserver.set_auth_token(args.auth_token)
 
     if ":" not in args.target:
         raise CliError(f"--target {args.target!r}: expected HOST:PORT")
@@ -51,4 +54,5 @@ def register(sub) -> None:
     p.add_argument("--client-tools", action="store_true",
                    help="run tool calls in the client instead of the sidecars")
     p.add_argument("--timeout", type=float, default=600.0, help="per-session deadline, seconds")
+    add_flags(p, ("auth_token",), env=True)
     p.set_defaults(func=_cmd)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import sys
 import time
 from collections import Counter
@@ -11,7 +12,7 @@ import grpc
 import structlog
 
 from ampd import grpcserver, logs, metrics
-from ampd.config import SERVICE_SETTINGS, ConfigError, add_flags, env_name
+from ampd.config import SERVICE_SETTINGS, ConfigError, CoordinatorSettings, add_flags, env_name
 from ampd.deployment import check_names
 from ampd.perf import load_profile
 from ampd.policy import SLO, PrefillTask, make_router, policy_spec
@@ -21,8 +22,11 @@ from ampd.v1 import (
     prefill_pb2_grpc,
 )
 from ampd.grpcserver import write_ready_file
+from ampd.trust import new_secret
+from ampd.validate import stream_message_error, validate_reason
+from services.coordinator.admission import Admission, Refused
 from services.coordinator.core import (
-    Cluster, InvalidArgument, choose_decode_worker, route, validate_open, validate_turn,
+    Cluster, InvalidArgument, route, turn_kv_tokens, validate_open, validate_turn,
 )
 
 log = structlog.get_logger()
@@ -79,6 +83,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.counters: Counter[str] = Counter()
         self.route_read_ms_total = 0.0
         self.labels: dict[str, str] = {"policy": policy}
+        self.admission = Admission(CoordinatorSettings().admission_wait, CoordinatorSettings().admission_queue)
         self.rounds = metrics.RoundMetrics()  # TTFT/ITL histograms of /metrics
 
     async def Session(self, request_iterator, context: grpc.aio.ServicerContext):
@@ -98,15 +103,25 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if sid in self.live:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"open.session_id: {sid!r} is already live")
         arrival = time.time()
-        view = await self.cluster.view()
-        if not view.decode:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no decode worker is serving")
-        decode_id = choose_decode_worker(view)
+        self.live.add(sid)  # (while it waits for admission too: the id is taken)
+        need = turn_kv_tokens(o.turn, o.limits.max_output_tokens) + self._block_tokens()
+        try:
+            decode_id = await self.admission.admit(need, self._rooms)
+        except (Refused, LookupError) as exc:
+            self.live.discard(sid)
+            refused = isinstance(exc, Refused)
+            self.counters["sessions_refused" if refused else "sessions_unavailable"] += 1
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED if refused else grpc.StatusCode.UNAVAILABLE,
+                                f"admission: {exc}")
+        except BaseException:
+            self.live.discard(sid)
+            raise
+        promised = [need]  # released when the session ends, whatever ends it
         info = self.cluster.infos[decode_id]
-        self.live.add(sid)
         self.counters["sessions_opened"] += 1
         decode_stub = self.stubs.decode(info.address)
-        call = decode_stub.Attach(decode_pb2.AttachRequest(open=o, arrival=arrival))
+        secret = new_secret()  # the session's credential on the decode worker
+        call = decode_stub.Attach(decode_pb2.AttachRequest(open=o, arrival=arrival, session_secret=secret))
         # The session record is written while the decode worker opens the session, not before.
         # (Round 0's route record, which may land first, writes the same round.)
         record = asyncio.create_task(
@@ -114,13 +129,14 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         routes: dict[int, tuple[str, str, bool]] = {}
         control = self.stubs.control(info.address)
         rejected: list[grpc.aio.AioRpcError] = []
-        reader = asyncio.create_task(self._client_messages(request_iterator, control, sid, call, rejected))
+        reader = asyncio.create_task(self._client_messages(request_iterator, control, sid, secret, call, rejected,
+                                                           decode_id, promised, o.limits.max_output_tokens))
         first_event = True
         try:
             async for ev in call:
                 kind = ev.WhichOneof("event")
                 if kind == "prefill_task":
-                    await self._route(sid, decode_id, info.tp, control, ev.prefill_task, routes)
+                    await self._route(sid, secret, decode_id, info.tp, control, ev.prefill_task, routes)
                     continue
                 out = coordinator_pb2.SessionEvent(session_id=sid)
                 if first_event:
@@ -156,13 +172,14 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             code = exc.code()
             if code == grpc.StatusCode.CANCELLED and context.cancelled():
                 return
-            if code == grpc.StatusCode.INVALID_ARGUMENT:
+            if rejected or code == grpc.StatusCode.INVALID_ARGUMENT:  # a client message refused: as it was
                 await context.abort(code, exc.details())
             await context.abort(code if code != grpc.StatusCode.UNKNOWN else grpc.StatusCode.INTERNAL,
                                 f"decode worker {decode_id}: {exc.details()}")
         finally:
             reader.cancel()
             call.cancel()
+            self.admission.release(decode_id, promised[0])
             self.live.discard(sid)
             await asyncio.gather(record, return_exceptions=True)  # a put must not outlive the delete
             await self.store.delete_session(sid)
@@ -173,31 +190,53 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             worker, reason, _ = routes[t.round]
             t.route_reason = reason
 
-    async def _client_messages(self, request_iterator, control: grpcserver.CallStream, sid: str, call,
-                               rejected: list) -> None:
-        """The client's next turns, Close and Cancel while its session runs. A rejected turn ends the
-        session with the turn's error (INVALID_ARGUMENT naming the field, or FAILED_PRECONDITION)."""
+    async def _rooms(self) -> list:
+        """The live decode workers for admission, each with its KV capacity as its room."""
+        view = await self.cluster.view()
+        infos = self.cluster.infos
+        return [dataclasses.replace(v, kv_free_tokens=infos[wid].kv_capacity_tokens)
+                for wid, v in view.decode.items() if wid in infos]
+
+    def _block_tokens(self) -> int:
+        """A session's last KV block may be partly empty: its promise counts one block more."""
+        return max((i.layout.get("block_tokens", 0) for i in self.cluster.infos.values()), default=0)
+
+    async def _client_messages(self, request_iterator, control: grpcserver.CallStream, sid: str, secret: str,
+                               call, rejected: list, decode_id: str, promised: list[int], max_output: int) -> None:
+        """The client's next turns, Close and Cancel while its session runs. A rejected message ends
+        the session with its error (INVALID_ARGUMENT naming the field, or FAILED_PRECONDITION)."""
+        closing = False
         try:
+            # Control requests may overtake the Attach on another stream: wait until the decode
+            # worker has opened the session (it sends its headers then, or ends the call).
+            await call.initial_metadata()
             async for msg in request_iterator:
                 kind = msg.WhichOneof("msg")
-                if kind == "turn":
-                    try:
+                error = stream_message_error(kind, closing)
+                try:
+                    if error:
+                        raise InvalidArgument(error)
+                    if kind == "turn":
                         validate_turn(msg.turn, "turn")
-                    except InvalidArgument as exc:
-                        rejected.append(_Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
-                        call.cancel()
-                        return
-                    req = decode_pb2.ControlRequest(turn=decode_pb2.TurnRequest(session_id=sid, turn=msg.turn))
-                elif kind == "close":
-                    req = decode_pb2.ControlRequest(close=decode_pb2.CloseRequest(session_id=sid))
-                elif kind == "cancel":
-                    req = decode_pb2.ControlRequest(cancel=decode_pb2.CancelRequest(
-                        session_id=sid, reason=msg.cancel.reason))
-                else:
-                    rejected.append(_Rejected(grpc.StatusCode.INVALID_ARGUMENT,
-                                              f"{kind or 'msg'}: the session is already open; send turn, close or cancel"))
+                    elif kind == "cancel":
+                        validate_reason(msg.cancel.reason, "cancel.reason")
+                except InvalidArgument as exc:
+                    code = grpc.StatusCode.FAILED_PRECONDITION if closing else grpc.StatusCode.INVALID_ARGUMENT
+                    rejected.append(_Rejected(code, str(exc)))
                     call.cancel()
                     return
+                if kind == "turn":
+                    more = turn_kv_tokens(msg.turn, max_output)
+                    self.admission.add(decode_id, more)
+                    promised[0] += more
+                    req = decode_pb2.ControlRequest(turn=decode_pb2.TurnRequest(
+                        session_id=sid, turn=msg.turn, session_secret=secret))
+                elif kind == "close":
+                    closing = True
+                    req = decode_pb2.ControlRequest(close=decode_pb2.CloseRequest(session_id=sid, session_secret=secret))
+                else:
+                    req = decode_pb2.ControlRequest(cancel=decode_pb2.CancelRequest(
+                        session_id=sid, reason=msg.cancel.reason, session_secret=secret))
                 try:
                     await control.call(req)
                 except grpc.aio.AioRpcError as exc:
@@ -210,11 +249,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             raise
         # The client half-closed its side: the session ends after its current turn.
         try:
-            await control.call(decode_pb2.ControlRequest(close=decode_pb2.CloseRequest(session_id=sid)))
+            await control.call(decode_pb2.ControlRequest(close=decode_pb2.CloseRequest(
+                session_id=sid, session_secret=secret)))
         except grpc.aio.AioRpcError:
             pass  # the session already ended
 
-    async def _route(self, sid, decode_id, decode_tp, control, need: common_pb2.PrefillTask, routes) -> None:
+    async def _route(self, sid, secret, decode_id, decode_tp, control, need: common_pb2.PrefillTask, routes) -> None:
         t0 = time.perf_counter()
         view = await self.cluster.view()
         req = PrefillTask(sid, need.round, need.l_hist, need.l_incr, need.input_ready, decode_id, decode_tp)
@@ -242,7 +282,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     decision = decision.__class__(decode_id, True, "fallback-local", decision.estimates)
             if decision.local:
                 await control.call(decode_pb2.ControlRequest(local_prefill=decode_pb2.RouteInfo(
-                    session_id=sid, round=need.round, reason=decision.reason)))
+                    session_id=sid, round=need.round, reason=decision.reason, session_secret=secret)))
                 self.counters["prefills_local"] += 1
             routes[need.round] = (decision.target, decision.reason, decision.local)
             log.info("route", session=sid, round=need.round, target=decision.target, local=decision.local,
@@ -254,6 +294,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     async def Metrics(self, request, context) -> common_pb2.MetricsReply:
         values = {k: float(v) for k, v in self.counters.items()}
         values["sessions_live"] = len(self.live)
+        values["sessions_waiting"] = self.admission.waiting
         values["route_redis_read_ms_total"] = self.route_read_ms_total
         lags = sorted(self.cluster.lag_s[-1000:])
         if lags:
@@ -264,6 +305,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
 async def amain(args: argparse.Namespace) -> None:
     logs.configure("coordinator")
+    grpcserver.set_auth_token(args.auth_token)
     profile = load_profile(args.profile)
     policy_spec(args.policy)  # an unknown name fails here, with the valid ones listed
     slo = SLO(args.ttft_slo, args.itl_slo)
@@ -272,12 +314,14 @@ async def amain(args: argparse.Namespace) -> None:
     store = StateStore(await connect(args.redis_url), args.namespace)
     service = CoordinatorService(store, router, args.policy, args.stats_mode)
     service.cluster.stale_after_s = args.stale_after
+    service.admission = Admission(args.admission_wait, args.admission_queue)
     service.labels.update(profile=profile.name, ttft_slo=str(slo.ttft_s), itl_slo=str(slo.itl_s))
     await service.cluster.start()
     server, port, health = await grpcserver.start_server(
         f"{args.host}:{args.port}",
         lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, s),
         [coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name],
+        max_message=grpcserver.CLIENT_MAX_MESSAGE,  # clients: gRPC's default; workers take more
     )
     metrics_port = metrics.serve(args.host, args.metrics_port,
                                  [service.rounds, metrics.rpc_collector(service, "coordinator")])
