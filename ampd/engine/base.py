@@ -49,6 +49,10 @@ class DecodeSeq:
     # (torch) reads it; the mock needs none, so workers that only drive the mock may leave it empty.
     history_kv: list[Segment] = field(default_factory=list)
     sampling: Sampling | None = None  # None: greedy
+    # The session's token ids, at least up to `position` (the worker's own list, not a copy). Only an
+    # engine that sets `needs_token_ids` (sglang: it resends the context, its prefix cache matches) reads
+    # them; workers leave it empty for the others.
+    token_ids: Sequence[int] = ()
 
 
 class Engine(Protocol):

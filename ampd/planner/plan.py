@@ -15,7 +15,7 @@ from .objective import bottleneck
 from .space import Deployment, PlanError, feasible_degrees
 
 __all__ = ["PlanRequest", "PlanEntry", "PlanResult", "plan", "default_slo", "resolve_slo", "search_space", "check",
-           "max_context", "SLO_TTFT_K", "SLO_ITL_M"]
+           "family_candidates", "max_context", "SLO_TTFT_K", "SLO_ITL_M"]
 
 # Default SLO when the request gives none: the rule of docs/paper-results.md ("SLO rule"), taken at the
 # largest degree a prefill and a decode replica can both use.
@@ -164,6 +164,22 @@ def check(req: PlanRequest, dep: Deployment) -> tuple[str, float, float, float]:
     return policy, float(rep["slo_attainment"]), ttft, itl
 
 
+def family_candidates(est, gpus: int, degrees, k: int, *, disaggregated: bool, colocated: bool, mixed: bool,
+                      all_gpus: bool) -> list:
+    """The ILP's ``k`` best over the whole space, plus the best of each family (co-located,
+    disaggregated) when the joint top ``k`` misses it: the surrogate may rank a family low that the
+    simulator, running the real policy, prefers (AMPD's local prefills make a disaggregated deployment
+    partly co-located), so each family's best is always simulated."""
+    cands = solve_top(est, gpus, degrees, k, disaggregated=disaggregated, colocated=colocated, mixed=mixed,
+                      all_gpus=all_gpus)
+    if disaggregated and colocated:
+        for fam in ({"disaggregated": True, "colocated": False}, {"disaggregated": False, "colocated": True}):
+            if any(d.colocated == fam["colocated"] for _, d in cands):
+                continue
+            cands += solve_top(est, gpus, degrees, 1, mixed=mixed, all_gpus=all_gpus, **fam)
+    return cands
+
+
 def plan(req: PlanRequest, *, cache: EstimateCache | None = None, progress: Progress | None = None) -> PlanResult:
     """The ``req.top`` best deployments: the ILP's best ``candidates`` by estimated worst P95, each
     simulated whole on the trace and ranked by simulated SLO attainment (then P95 TTFT)."""
@@ -176,8 +192,8 @@ def plan(req: PlanRequest, *, cache: EstimateCache | None = None, progress: Prog
     est = build_estimates(req.profile, req.sessions, degrees, req.slo, kinds=kinds, cache=cache,
                           sample_size=req.sample_sessions, progress=est_progress)
     n_cand = req.candidates or 2 * req.top
-    cands = solve_top(est, req.gpus, degrees, max(n_cand, req.top), disaggregated=disagg, colocated=coloc,
-                      mixed=req.mixed, all_gpus=req.all_gpus)
+    cands = family_candidates(est, req.gpus, degrees, max(n_cand, req.top), disaggregated=disagg,
+                              colocated=coloc, mixed=req.mixed, all_gpus=req.all_gpus)
     if not cands:
         raise PlanError("gpus", f"no deployment of degrees {list(degrees)} uses exactly {req.gpus} GPUs")
     entries = []

@@ -7,6 +7,8 @@ from .reorder import QUEUES, ContinuumQueue, FCFSQueue, PrefillQueue, TTFTAwareQ
 from .route import (
     COST_MODEL,
     DECODE_SLACK,
+    MARGIN_LOCAL,
+    MARGIN_REMOTE,
     NO_PREFILL_WORKERS,
     POLICY_LOCAL,
     POLICY_REMOTE,
@@ -16,6 +18,7 @@ from .route import (
     THRESHOLD_REMOTE,
     AdaptiveRouter,
     LocalRouter,
+    MarginRouter,
     RemoteRouter,
     Router,
     ThresholdRouter,
@@ -39,6 +42,7 @@ __all__ = [
     "RemoteRouter",
     "LocalRouter",
     "ThresholdRouter",
+    "MarginRouter",
     "ROUTERS",
     "make_router",
     "bind",
@@ -60,4 +64,6 @@ __all__ = [
     "POLICY_LOCAL",
     "THRESHOLD_LOCAL",
     "THRESHOLD_REMOTE",
+    "MARGIN_LOCAL",
+    "MARGIN_REMOTE",
 ]

@@ -21,6 +21,7 @@ __all__ = [
     "RemoteRouter",
     "LocalRouter",
     "ThresholdRouter",
+    "MarginRouter",
     "ROUTERS",
     "make_router",
     # reason strings
@@ -32,6 +33,8 @@ __all__ = [
     "POLICY_LOCAL",
     "THRESHOLD_LOCAL",
     "THRESHOLD_REMOTE",
+    "MARGIN_LOCAL",
+    "MARGIN_REMOTE",
 ]
 
 PREFILL_SLACK = "prefill-slack"
@@ -42,6 +45,8 @@ POLICY_REMOTE = "policy-remote"
 POLICY_LOCAL = "policy-local"
 THRESHOLD_LOCAL = "threshold-local"
 THRESHOLD_REMOTE = "threshold-remote"
+MARGIN_LOCAL = "margin-local"
+MARGIN_REMOTE = "margin-remote"
 
 # How Algorithm 1's first two rungs judge slack: "window" (the paper: windowed means only) or
 # "queue" (also the task's own predicted TTFT from the published queues; docs/policies.md).
@@ -52,6 +57,10 @@ SLACK_RULES = ("window", "queue")
 ALPHA = 0.9
 BETA = 0.85
 THRESHOLD_TOKENS = 1000  # the threshold baseline's limit (Dynamo's default)
+# The margin router spreads a local prefill's decode stall over this many seconds of decoding when it
+# predicts the decode worker's ITL: the span of the ITL window it compares against (the default
+# stats window, ampd.config `stats_window`).
+MARGIN_HORIZON_S = 10.0
 
 
 @runtime_checkable
@@ -282,6 +291,75 @@ class ThresholdRouter:
         return RouteDecision(_least_loaded(prefills, est), False, THRESHOLD_REMOTE, est)
 
 
+class MarginRouter:
+    """Margin routing (ours; docs/policies.md): weigh the SLO margin each placement leaves, on both
+    sides, instead of trying the prefill workers first.
+
+    - Local costs TTFT ``t_local`` (Eq. 1) and ITL on the decode worker: a prefill stalls every
+      session decoding there for its run time, so its windowed ITL becomes about
+      ``itl_window * (1 + (local queue + t_pre) / horizon_s)`` (``itl_after``).
+    - Remote on worker p costs TTFT ``t_remote:p`` (Eq. 2) and no decode time.
+    1. While ``itl_after <= beta * slo.itl_s`` (local costs no ITL the SLO counts), the prefill goes to
+       the placement with the smallest predicted TTFT, local or the best prefill worker; ties go local
+       (no KV moves): ``margin-local`` / ``margin-remote``.
+    2. Otherwise the best prefill worker, if its ``t_remote <= alpha * slo.ttft_s``
+       (``margin-remote``).
+    3. Otherwise both sides are short: the placement whose smaller normalised margin is largest, local
+       ``min(1 - t_local / ttft_slo, 1 - itl_after / itl_slo)`` against remote ``1 - t_remote / ttft_slo``
+       (``cost-model``); ties go local.
+    With no prefill workers the prefill runs locally (``no-prefill-workers``). Deterministic.
+    """
+
+    __slots__ = ("name", "cost", "slo", "alpha", "beta", "horizon_s")
+
+    def __init__(self, cost: CostModel, slo: SLO, *, alpha: float = ALPHA, beta: float = BETA,
+                 horizon_s: float = MARGIN_HORIZON_S):
+        if not alpha > 0:
+            raise ValueError(f"alpha must be > 0, got {alpha!r}")
+        if not beta > 0:
+            raise ValueError(f"beta must be > 0, got {beta!r}")
+        if not horizon_s > 0:
+            raise ValueError(f"horizon_s must be > 0, got {horizon_s!r}")
+        self.name = "margin"
+        self.cost, self.slo, self.alpha, self.beta, self.horizon_s = cost, slo, alpha, beta, horizon_s
+
+    def route(self, req, decode, prefills, now) -> RouteDecision:
+        if req.decode_worker != decode.worker_id:
+            _check_binding(req, decode)
+        est: dict[str, float] = {}
+        if not prefills:
+            return RouteDecision(decode.worker_id, True, NO_PREFILL_WORKERS, est)
+        cost, slo = self.cost, self.slo
+        l_hist, l_incr, dtp = req.l_hist, req.l_incr, decode.tp
+        t_pre = cost.t_pre(dtp, l_hist, l_incr)
+        t_loc = t_pre + decode.queue_predicted_s  # Eq. (1), the same sum as t_local
+        est["t_local"] = t_loc
+        w = decode.window_mean_s
+        itl_after = 0.0 if w is None else w * (1.0 + (decode.queue_predicted_s + t_pre) / self.horizon_s)
+        est["itl_after"] = itl_after
+        best_t, best_id, base = 0.0, "", {}
+        for p in prefills:
+            b = base.get(p.tp)
+            if b is None:
+                b = base[p.tp] = remote_prefill_s(cost, l_hist, l_incr, dtp, p.tp)
+            t = b + p.queue_predicted_s
+            est["t_remote:" + p.worker_id] = t
+            if not best_id or t < best_t or (t == best_t and p.worker_id < best_id):
+                best_t, best_id = t, p.worker_id
+        if itl_after <= self.beta * slo.itl_s:
+            if t_loc <= best_t:
+                return RouteDecision(decode.worker_id, True, MARGIN_LOCAL, est)
+            return RouteDecision(best_id, False, MARGIN_REMOTE, est)
+        if best_t <= self.alpha * slo.ttft_s:
+            return RouteDecision(best_id, False, MARGIN_REMOTE, est)
+        m_loc = min(1.0 - t_loc / slo.ttft_s, 1.0 - itl_after / slo.itl_s)
+        m_rem = 1.0 - best_t / slo.ttft_s
+        est["margin_local"], est["margin_remote"] = m_loc, m_rem
+        if m_loc >= m_rem:
+            return RouteDecision(decode.worker_id, True, COST_MODEL, est)
+        return RouteDecision(best_id, False, COST_MODEL, est)
+
+
 # The router registry: name -> builder(cost, slo, seed, alpha, beta, threshold_tokens, slack).
 _ROUTER_BUILDERS = {
     "adaptive": lambda cost, slo, seed, alpha, beta, threshold_tokens, slack: AdaptiveRouter(
@@ -289,6 +367,8 @@ _ROUTER_BUILDERS = {
     "remote": lambda *_: RemoteRouter(),
     "local": lambda *_: LocalRouter(),
     "threshold": lambda cost, slo, seed, alpha, beta, threshold_tokens, slack: ThresholdRouter(threshold_tokens),
+    "margin": lambda cost, slo, seed, alpha, beta, threshold_tokens, slack: MarginRouter(cost, slo, alpha=alpha,
+                                                                                        beta=beta),
 }
 ROUTERS: tuple[str, ...] = tuple(_ROUTER_BUILDERS)
 

@@ -71,6 +71,9 @@ for _spec in (
                description="AMPD as the paper writes it: Alg. 1 with the windowed-mean slack rule + Alg. 2"),
     PolicySpec("ampd-noreorder", "adaptive", "fcfs", "fcfs", True, slack="queue",
                description="AMPD routing (Alg. 1, queue-aware slack) with FCFS queues (ablation)"),
+    PolicySpec("ampd-margin", "margin", "ttft-aware", "ttft-aware", True,
+               description="AMPD with margin routing: local or remote by the SLO margin each leaves (TTFT on "
+                           "both sides, ITL on the decode worker) + TTFT-aware reordering (Alg. 2)"),
     PolicySpec("remote", "remote", "fcfs", "fcfs", True,
                description="Dynamo-style disaggregation: every prefill on the least-loaded prefill worker, FCFS"),
     PolicySpec("local", "local", "fcfs", "fcfs", True,

@@ -9,9 +9,8 @@ from dataclasses import dataclass
 
 import structlog
 
-from ampd.config import CoordinatorSettings
 from ampd.policy import PrefillTask, RouteDecision, Router, WorkerView, bind
-from ampd.state.store import StateStore, WorkerInfo, WorkerStats, age_view
+from ampd.state.store import REDIS_ERRORS, StateStore, WorkerInfo, WorkerStats, age_view
 
 __all__ = ["Cluster", "ClusterView", "choose_decode_worker", "route"]
 
@@ -32,38 +31,87 @@ class Cluster:
     PUBLISH every change, a background task keeps the latest of each in memory, and a decision
     reads no Redis at all; the delivery lag of each update (its age when it arrived) is recorded
     so the view's staleness stays measured (`lag_s`).
+
+    Liveness: a view holds only the workers whose liveness key exists (read every ``poll_s`` with the
+    registry, so a restarted worker's new address is seen too) and none that ``lost`` was called for
+    (a call to it failed on its connection) until it publishes again. While Redis is unreachable the
+    last known set stands: an outage of shared state is not an outage of the workers.
     """
 
-    def __init__(self, store: StateStore, mode: str = "push", stale_after_s: float | None = None) -> None:
+    def __init__(self, store: StateStore, mode: str = "push", poll_s: float = 0.5) -> None:
         if mode not in ("push", "read"):
             raise ValueError(f"stats mode must be 'push' or 'read', got {mode!r}")
         self.store = store
         self.mode = mode
-        # A worker whose statistics are older than this is gone (the coordinator's --stale-after).
-        self.stale_after_s = CoordinatorSettings().stale_after if stale_after_s is None else stale_after_s
+        self.poll_s = poll_s
+        self.live: set[str] | None = None  # workers with a liveness key (None: not read yet, all count)
+        self.lost: dict[str, float] = {}  # worker_id -> when a call to it failed on the connection
+        self.gone_since: dict[str, float] = {}  # registered without a liveness key since (monotonic)
         self.infos: dict[str, WorkerInfo] = {}
         self._infos_at = 0.0
         self._views: dict[str, tuple[float, str, WorkerView, float]] = {}  # wid -> (ts, kind, view, busy_until)
         self.lag_s: list[float] = []  # recent delivery lags (push mode), bounded
         self._follower: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None
+        self.on_poll = None  # optional coroutine function run after each liveness poll (the coordinator's)
 
     async def refresh_infos(self) -> None:
         self.infos = await self.store.workers()
         self._infos_at = time.monotonic()
 
-    async def start(self) -> None:
+    async def refresh_live(self) -> None:
+        """The registry and the liveness keys, re-read. Registrations whose key has been gone for
+        ten polls are deleted (a worker killed without deregistering leaves nothing behind)."""
         await self.refresh_infos()
+        self.live = await self.store.live_workers(self.infos)
+        now = time.monotonic()
+        for wid in self.infos:
+            if wid in self.live:
+                self.gone_since.pop(wid, None)
+            elif now - self.gone_since.setdefault(wid, now) > 10 * self.poll_s:
+                log.info("removing a dead worker's registration", worker=wid)
+                await self.store.deregister_worker(wid)
+                self.gone_since.pop(wid, None)
+        for wid in list(self._views):
+            if wid not in self.infos:
+                del self._views[wid]
+
+    def mark_lost(self, worker_id: str) -> None:
+        """A call to ``worker_id`` failed on its connection: it leaves routing now (not when its
+        liveness key expires), until it publishes statistics again."""
+        if worker_id not in self.lost:
+            log.warning("worker lost", worker=worker_id)
+        self.lost[worker_id] = time.time()
+
+    async def start(self) -> None:
+        await self.refresh_live()
         if self.mode == "push":
             ps = self.store.subscribe()
             await ps.subscribe(self.store.k_stats)  # subscribe first, then snapshot: no gap
             for st in (await self.store.stats()).values():
                 await self._ingest(st)
             self._follower = asyncio.create_task(self._follow(ps), name="stats-follower")
+        self._watcher = asyncio.create_task(self._watch(), name="liveness-watch")
 
     async def stop(self) -> None:
-        if self._follower:
-            self._follower.cancel()
-            await asyncio.gather(self._follower, return_exceptions=True)
+        for t in (self._follower, self._watcher):
+            if t:
+                t.cancel()
+                await asyncio.gather(t, return_exceptions=True)
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_s)
+            try:
+                await self.refresh_live()
+                if self.on_poll is not None:
+                    await self.on_poll()
+            except asyncio.CancelledError:
+                raise
+            except REDIS_ERRORS as exc:
+                log.warning("liveness read failed; keeping the last known workers", error=str(exc))
+            except Exception as exc:  # noqa: BLE001 - the watch must outlive any one bad read
+                log.warning("liveness poll failed", error=repr(exc))
 
     async def _follow(self, ps) -> None:
         while True:
@@ -100,6 +148,12 @@ class Cluster:
         prev = self._views.get(st.worker_id)
         if prev is None or st.ts >= prev[0]:
             self._views[st.worker_id] = (st.ts, info.kind, st.view(info.kind, info.tp), st.busy_until)
+        self._alive_again(st.worker_id, st.ts)
+
+    def _alive_again(self, worker_id: str, ts: float) -> None:
+        lost_at = self.lost.get(worker_id)
+        if lost_at is not None and ts > lost_at:  # it published after a call to it failed: it is back
+            del self.lost[worker_id]
 
     async def view(self) -> ClusterView:
         if self.mode == "push":
@@ -114,6 +168,7 @@ class Cluster:
             info = self.infos.get(wid)
             if info is not None:
                 entries.append((st.ts, info.kind, st.view(info.kind, info.tp), st.busy_until))
+                self._alive_again(wid, st.ts)
         return self._assemble(entries, read_s)
 
     def _assemble(self, entries, read_s: float) -> ClusterView:
@@ -121,8 +176,8 @@ class Cluster:
         decode: dict[str, WorkerView] = {}
         prefill: list[WorkerView] = []
         for ts, kind, v, busy_until in entries:
-            if now - ts > self.stale_after_s:  # no heartbeat: the worker is gone
-                continue
+            if (self.live is not None and v.worker_id not in self.live) or v.worker_id in self.lost:
+                continue  # its liveness key expired, or a call to it failed on the connection
             v = age_view(v, ts, busy_until, now)  # the prefill in service progressed since ts
             if kind == "decode":
                 decode[v.worker_id] = v

@@ -33,8 +33,10 @@ def redis_command(port: int, workdir: Path) -> list[str]:
 
 
 def start_redis(workdir: Path, *, log: Path | None = None, timeout_s: float = 15.0,
-                preexec_fn: Callable[[], None] | None = None) -> tuple[subprocess.Popen, str]:
-    """Starts a private redis-server and waits until it answers PING. Returns (process, URL).
+                wrap: Callable[[list[str]], list[str]] | None = None, port: int = 0,
+                new_session: bool = False) -> tuple[subprocess.Popen, str]:
+    """Starts a private redis-server (on ``port``, or a free one) and waits until it answers PING.
+    Returns (process, URL).
 
     Its output goes to ``log`` (discarded when None). On failure the process is stopped and
     RedisStartError raised."""
@@ -42,11 +44,12 @@ def start_redis(workdir: Path, *, log: Path | None = None, timeout_s: float = 15
 
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
+    port = port or free_port()
     out = open(log, "ab") if log is not None else subprocess.DEVNULL
     try:
-        proc = subprocess.Popen(redis_command(port, workdir), stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, preexec_fn=preexec_fn)
+        command = redis_command(port, workdir)
+        proc = subprocess.Popen(wrap(command) if wrap else command, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=new_session)
     finally:
         if log is not None:
             out.close()

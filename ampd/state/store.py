@@ -4,7 +4,11 @@ Keys (prefix `ns`, default "ampd"):
 - `{ns}:workers`        hash worker_id -> WorkerInfo JSON (static: address, kind, tp, KV layout, sidecar)
 - `{ns}:nixl`           hash worker_id -> NIXL agent metadata (bytes)
 - `{ns}:stats`          hash worker_id -> WorkerStats JSON (published on every queue change and at
-                        least every `heartbeat_s`; its `ts` doubles as the heartbeat)
+                        least every `heartbeat_s`)
+- `{ns}:alive:{wid}`    a worker's liveness key: set with a TTL (`liveness_ttl`) by every heartbeat,
+                        so it expires on its own when the worker dies; routing reads only workers
+                        whose key exists (and the coordinator drops one at once when a call to it
+                        fails on the connection)
 - `{ns}:session:{sid}`  hash of one live session (binding, round, state); deleted when it ends
 - channel `{ns}:stats`  every stats publish is also PUBLISHed here (same JSON), so a coordinator can
                         keep the cluster view in memory instead of reading it per decision
@@ -21,6 +25,9 @@ import redis.asyncio as aioredis
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from ampd.policy import PrefillTask, WorkerView
+
+# What a lost or restarting Redis raises (redis-py wraps most of them; a refused connect can be OSError).
+REDIS_ERRORS = (aioredis.ConnectionError, aioredis.TimeoutError, ConnectionError, OSError)
 
 
 @dataclass(frozen=True)
@@ -48,7 +55,7 @@ class WorkerInfo:
 @dataclass(frozen=True)
 class WorkerStats:
     worker_id: str
-    ts: float  # publish time (unix); stale entries mean a dead worker
+    ts: float  # publish time (unix)
     window_mean_s: float | None  # windowed TTFT (prefill) or ITL (decode)
     queue: tuple[tuple[str, int, int, int, float], ...]  # (session, round, l_hist, l_incr, enqueued_at)
     queue_predicted_s: float  # queued tasks + the remaining time of the one in service, as of ts
@@ -91,9 +98,11 @@ def age_view(v: WorkerView, ts: float, busy_until: float, now: float) -> WorkerV
 
 async def connect(url: str, timeout_s: float = 10.0) -> aioredis.Redis:
     """Connects to Redis, retrying while it starts (a fresh `ampd up` races its redis-server)."""
-    client = aioredis.from_url(url, decode_responses=False)
+    # Timeouts: a Redis that stops answering must fail a call (and let the caller's backoff run),
+    # never hang it.
+    client = aioredis.from_url(url, decode_responses=False, socket_timeout=5.0, socket_connect_timeout=2.0)
     async for attempt in AsyncRetrying(
-        retry=retry_if_exception_type((ConnectionError, OSError, aioredis.ConnectionError)),
+        retry=retry_if_exception_type(REDIS_ERRORS),
         wait=wait_exponential(multiplier=0.05, max=1.0),
         stop=stop_after_delay(timeout_s),
         reraise=True,
@@ -114,20 +123,46 @@ class StateStore:
     def session_key(self, session_id: str) -> str:
         return f"{self.ns}:session:{session_id}"
 
+    def alive_key(self, worker_id: str) -> str:
+        return f"{self.ns}:alive:{worker_id}"
+
     # --- workers -------------------------------------------------------------------------------
-    async def register_worker(self, info: WorkerInfo, nixl_metadata: bytes, stats: WorkerStats) -> None:
+    async def register_worker(self, info: WorkerInfo, nixl_metadata: bytes, stats: WorkerStats,
+                              ttl_s: float) -> None:
         async with self.r.pipeline(transaction=True) as p:
             p.hset(self.k_workers, info.worker_id, info.to_json())
             p.hset(self.k_nixl, info.worker_id, nixl_metadata)
             p.hset(self.k_stats, info.worker_id, stats.to_json())
+            p.set(self.alive_key(info.worker_id), info.nixl_agent, px=max(1, int(ttl_s * 1000)))
             await p.execute()
 
     async def deregister_worker(self, worker_id: str) -> None:
         async with self.r.pipeline(transaction=True) as p:
+            p.delete(self.alive_key(worker_id))
             p.hdel(self.k_workers, worker_id)
             p.hdel(self.k_nixl, worker_id)
             p.hdel(self.k_stats, worker_id)
             await p.execute()
+
+    async def heartbeat(self, stats: WorkerStats, ttl_s: float) -> bool:
+        """Publishes ``stats`` and renews the worker's liveness key, in one round trip. False when
+        the worker is not registered (Redis restarted empty, or someone removed it): register again."""
+        raw = stats.to_json()
+        async with self.r.pipeline(transaction=False) as p:
+            p.hexists(self.k_workers, stats.worker_id)
+            p.hset(self.k_stats, stats.worker_id, raw)
+            p.publish(self.k_stats, raw)
+            p.set(self.alive_key(stats.worker_id), b"1", px=max(1, int(ttl_s * 1000)))
+            registered, *_ = await p.execute()
+        return bool(registered)
+
+    async def live_workers(self, worker_ids) -> set[str]:
+        """Those of ``worker_ids`` whose liveness key has not expired (one round trip)."""
+        ids = list(worker_ids)
+        if not ids:
+            return set()
+        found = await self.r.mget([self.alive_key(w) for w in ids])
+        return {w for w, v in zip(ids, found) if v is not None}
 
     async def publish_stats(self, stats: WorkerStats) -> None:
         raw = stats.to_json()
@@ -162,6 +197,9 @@ class StateStore:
 
     async def delete_session(self, session_id: str) -> None:
         await self.r.delete(self.session_key(session_id))
+
+    async def delete_sessions(self, session_ids) -> None:
+        await self.r.delete(*(self.session_key(s) for s in session_ids))
 
     async def session_keys(self) -> list[str]:
         return [k.decode() async for k in self.r.scan_iter(match=f"{self.ns}:session:*")]

@@ -313,7 +313,6 @@ async def amain(args: argparse.Namespace) -> None:
                          threshold_tokens=args.threshold_tokens, slack=args.slack or None)
     store = StateStore(await connect(args.redis_url), args.namespace)
     service = CoordinatorService(store, router, args.policy, args.stats_mode)
-    service.cluster.stale_after_s = args.stale_after
     service.admission = Admission(args.admission_wait, args.admission_queue)
     service.labels.update(profile=profile.name, ttft_slo=str(slo.ttft_s), itl_slo=str(slo.itl_s))
     await service.cluster.start()

@@ -13,7 +13,7 @@ from ampd.config import ConfigError
 from ampd.grpcserver import RpcFailure, abort_on_failure, serve_calls
 from ampd.chat.template import ChatFormat
 from ampd.chat.tokenizer import tokenizer_for
-from ampd.engine import make_engine
+from ampd.engine import check_available, make_engine
 from ampd.perf import load_profile
 from ampd.policy import SLO, make_queue, policy_spec
 from ampd.state import StateStore, connect
@@ -48,7 +48,7 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
             while True:
                 ev = await s.events.get()
                 if isinstance(ev, SessionFailed):
-                    await context.abort(grpc.StatusCode.ABORTED, ev.error)
+                    await context.abort(grpc.StatusCode[ev.code], ev.error)
                 # Coalesce queued token events of the same round into one message.
                 if ev.HasField("tokens"):
                     while not s.events.empty():
@@ -172,6 +172,7 @@ async def amain(args: argparse.Namespace) -> None:
              kv_capacity_tokens=rt.pool.capacity_tokens, policy=args.policy)
 
     async def on_stop() -> None:
+        await rt.leave()  # out of routing first: no new session binds here while it stops
         await service.core.stop()
         await rt.stop()
 
@@ -188,7 +189,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         args = build_parser().parse_args(argv)
         config_from_args(args, "decode", args.port)  # bad settings fail before a port is bound
-    except ConfigError as exc:
+        check_available(args.engine)
+    except (ConfigError, ValueError) as exc:
         sys.exit(f"ampd-decode: error: {exc}")
     grpcserver.run(amain(args))
 

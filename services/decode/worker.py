@@ -57,6 +57,7 @@ def seg_pb(segments: list[Segment]) -> list[common_pb2.Segment]:
 
 
 FINISH_STOP, FINISH_LENGTH, FINISH_TOOL = "stop", "length", "tool_calls"
+ABORTED, SHUTDOWN = "ABORTED", "UNAVAILABLE"  # the status a failed session's Attach stream ends with
 
 
 @dataclass(eq=False)
@@ -152,11 +153,13 @@ class DecodeWorker:
             "sessions_opened": 0, "sessions_completed": 0, "sessions_failed": 0,
             "prefills_local": 0, "prefills_remote": 0, "decode_steps": 0, "tokens": 0,
             "kv_bytes_verified": 0, "kv_bytes_mismatched": 0, "tool_calls": 0, "prefill_chunks": 0,
-            "kv_waits": 0,
+            "kv_waits": 0, "prefills_rerouted": 0, "local_prefill_tokens": 0,
         }
         self._tasks: list[asyncio.Task] = []
         # A real engine attends to the history in the pool; the mock needs none (and its KV is checkable).
         self._history_kv = engine.name != "mock"
+        # An engine that keeps the KV itself (sglang) needs every session's token ids instead.
+        self._token_ids = bool(getattr(engine, "needs_token_ids", False))
         rt.published = self.published
 
     # ---------------------------------------------------------------------------------- lifecycle
@@ -166,13 +169,15 @@ class DecodeWorker:
                                                 pending=lambda: bool(self.awaiting_remote))
 
     async def stop(self) -> None:
+        """Ends every session with UNAVAILABLE "worker shutting down": the coordinator moves each to
+        another decode worker (as after a crash), within its migration limit."""
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._stepping = False
         await self._notifs.stop()
         for s in list(self.sessions.values()):
-            self.fail(s, "worker shutting down")
+            self.fail(s, f"decode worker {self.rt.cfg.worker_id} shutting down", SHUTDOWN)
 
     # ------------------------------------------------------------------------------------ KV / view
     def _sync_kv(self, room: int = 0) -> None:
@@ -282,6 +287,7 @@ class DecodeWorker:
             decode_worker=self.rt.cfg.worker_id, decode_tp=self.rt.cfg.tp,
             history=seg_pb(s.kv.segments(0, s.l_hist)), dest=seg_pb(s.dest),
             token_ids=s.tokens[s.l_hist:], sampling=s.params,
+            history_token_ids=s.tokens[:s.l_hist] if self._token_ids else (),
         )
         # the blocks just reserved may be written by a prefill worker with this token only
         task.task_token = s.task_token = task_token(self.rt.task_key, task)
@@ -361,17 +367,19 @@ class DecodeWorker:
                 running[1].cancel()
         else:
             s.kv.release(self.rt.pool)
+        if self._token_ids:
+            self.engine.forget(s.session_id)
         self.rt.active_sessions = len(self.sessions)
         self.rt.changed()
         if not self._stepping:
             self._admit_waiting()
 
-    def fail(self, s: Session, error: str) -> None:
+    def fail(self, s: Session, error: str, code: str = ABORTED) -> None:
         if s.closed:
             return
         log.warning("session failed", session=s.session_id, error=error)
         self.metrics["sessions_failed"] += 1
-        self.emit(s, SessionFailed(error))
+        self.emit(s, SessionFailed(error, code))
         self.close(s)
 
     # --------------------------------------------------------------------------- round progress
@@ -484,9 +492,10 @@ class DecodeWorker:
         n = s.l_incr - s.prefilled if work.last else work.tokens
         chunk = not (work.last and s.prefilled == 0)
         segs = s.kv.segments(start, n) if chunk else s.dest
+        extra = {"history_ids": s.tokens} if self._token_ids else {}
         run = asyncio.ensure_future(self.engine.prefill(
             s.session_id, start, n, self.rt.pool, segs, token_ids=s.tokens[start:start + n],
-            history_kv=s.kv.segments(0, start) if self._history_kv else (), sampling=s.sampling))
+            history_kv=s.kv.segments(0, start) if self._history_kv else (), sampling=s.sampling, **extra))
         self._prefilling = (s, run)
         try:
             token = await run
@@ -504,6 +513,7 @@ class DecodeWorker:
             self._admit_waiting()
             return
         s.prefilled += n
+        self.metrics["local_prefill_tokens"] += n
         if chunk:
             self.metrics["prefill_chunks"] += 1
         done = self.core.prefill_done(time.time())
@@ -527,7 +537,8 @@ class DecodeWorker:
                 continue
             pos = len(s.tokens) - 1
             seqs.append((s, DecodeSeq(s.session_id, pos, s.tokens[pos], segs, pos + 1,
-                                      s.kv.segments(0, pos) if self._history_kv else [], s.sampling)))
+                                      s.kv.segments(0, pos) if self._history_kv else [], s.sampling,
+                                      s.tokens if self._token_ids else ())))
         self._stepping = True
         try:
             tokens = await self.engine.decode_step(pool, [d for _, d in seqs]) if seqs else []
@@ -591,7 +602,13 @@ class DecodeWorker:
             log.warning("prefill done with a wrong task token", session=done.session_id, round=done.round)
             return
         if done.error:
-            self.fail(s, f"remote prefill on {done.prefill_worker} failed: {done.error}")
+            # The prefill worker could not do it (shutting down, a transfer failed): the reserved KV
+            # is still here, so the round runs locally instead of failing the session.
+            log.warning("remote prefill failed; running it locally", session=s.session_id, round=done.round,
+                        prefill_worker=done.prefill_worker, error=done.error)
+            self.metrics["prefills_rerouted"] += 1
+            self.awaiting_remote[(done.session_id, done.round)] = s
+            self.local_prefill(done.session_id, done.round)
             return
         if not self._history_kv:  # the mock's KV content is a function of (session, position): check it
             data = self.rt.pool.read(s.dest)
@@ -606,9 +623,11 @@ class DecodeWorker:
 
 
 class SessionFailed:
-    """Queue sentinel: the Attach stream ends with this error."""
+    """Queue sentinel: the Attach stream ends with this error and status code name (ABORTED: the
+    session cannot go on; UNAVAILABLE: this worker is going away, the session can move)."""
 
-    __slots__ = ("error",)
+    __slots__ = ("error", "code")
 
-    def __init__(self, error: str) -> None:
+    def __init__(self, error: str, code: str = "ABORTED") -> None:
         self.error = error
+        self.code = code

@@ -165,10 +165,14 @@ async def amain(args: argparse.Namespace) -> None:
     await grpcserver.serve_until_signal(server, health)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ampd-planner", description="AMPD planner service")
     add_flags(parser, SERVICE_SETTINGS["planner"], env=True)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     grpcserver.run(amain(args))
 
 

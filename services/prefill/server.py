@@ -10,7 +10,7 @@ import structlog
 from ampd import grpcserver, logs, metrics
 from ampd.config import ConfigError
 from ampd.grpcserver import RpcFailure, abort_on_failure, serve_calls
-from ampd.engine import make_engine
+from ampd.engine import check_available, make_engine
 from ampd.perf import load_profile
 from ampd.policy import SLO, make_queue, policy_spec
 from ampd.state import StateStore, connect
@@ -108,6 +108,7 @@ async def amain(args: argparse.Namespace) -> None:
     log.info("prefill worker serving", address=cfg.advertise, metrics_port=metrics_port, tp=cfg.tp, profile=profile.name)
 
     async def on_stop() -> None:
+        await rt.leave()  # out of routing first: no new task is sent here while it stops
         await service.core.stop()
         await rt.stop()
 
@@ -124,7 +125,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         args = build_parser().parse_args(argv)
         config_from_args(args, "prefill", args.port)  # bad settings fail before a port is bound
-    except ConfigError as exc:
+        check_available(args.engine)
+    except (ConfigError, ValueError) as exc:
         sys.exit(f"ampd-prefill: error: {exc}")
     grpcserver.run(amain(args))
 

@@ -50,6 +50,7 @@ class PrefillWorker:
         self.core = core
         self.tasks: dict[tuple[str, int], common_pb2.PrefillTask] = {}  # queued in the core
         self.ahead: _Job | None = None  # the task whose history is read while another computes
+        self.running: _Job | None = None  # the task in service
         self.wake = asyncio.Event()
         self.metrics: dict[str, float] = {
             "tasks_submitted": 0, "tasks_done": 0, "tasks_failed": 0,
@@ -66,14 +67,32 @@ class PrefillWorker:
         self._task = asyncio.create_task(self._loop(), name="prefill-loop")
 
     async def stop(self) -> None:
+        """Stops at once; every task queued or running here is handed back to its decode worker
+        (a PrefillDone with an error: the decode worker runs the round locally)."""
+        running = self.running  # the loop's cancel releases its KV
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        unfinished = list(self.tasks.values()) + ([running.task] if running is not None else [])
+        self.tasks.clear()
         job, self.ahead = self.ahead, None
         if job is not None:
+            unfinished.append(job.task)
             job.reading.cancel()
             await asyncio.gather(job.reading, return_exceptions=True)
             job.kv.release(self.rt.pool)
+        for task in unfinished:
+            await self._hand_back(task, f"prefill worker {self.rt.cfg.worker_id} shutting down")
+
+    async def _hand_back(self, task, error: str) -> None:
+        done = prefill_pb2.PrefillDone(session_id=task.session_id, round=task.round,
+                                       prefill_worker=self.rt.cfg.worker_id, error=error)
+        try:
+            peer = self.rt._peer_gen.get(task.decode_worker) or await asyncio.wait_for(
+                self.rt.ensure_peer(task.decode_worker), 2.0)
+            await self.rt.transport.send_notif(peer, done.SerializeToString())
+        except Exception as exc:  # noqa: BLE001 - the coordinator re-routes it when this worker is gone
+            log.warning("hand-back notification lost", session=task.session_id, error=str(exc))
 
     def published(self, now: float) -> tuple[WorkerView, float]:
         core = self.core
@@ -152,7 +171,7 @@ class PrefillWorker:
 
     async def _run(self, work: PrefillWork) -> None:
         rt = self.rt
-        job = self._take(work)
+        job = self.running = self._take(work)
         task = job.task
         # started: when the task left the queue (a task read ahead left it when its read began)
         done = prefill_pb2.PrefillDone(session_id=task.session_id, round=task.round, task_token=task.task_token,
@@ -164,9 +183,13 @@ class PrefillWorker:
                 await self._read(job)
             self._read_ahead(self.core.compute_started(time.time()))
             local_new = job.kv.reserve(rt.pool, task.l_incr)
+            # an engine that keeps the KV itself (sglang) gets the history's ids instead of reading them
+            extra = {"history_ids": task.history_token_ids} if task.history_token_ids else {}
             done.first_token = await self.engine.prefill(
                 task.session_id, task.l_hist, task.l_incr, rt.pool, local_new, token_ids=task.token_ids,
-                history_kv=job.kv.segments(0, task.l_hist), sampling=sampling_of(task.sampling))
+                history_kv=job.kv.segments(0, task.l_hist), sampling=sampling_of(task.sampling), **extra)
+            if extra:
+                self.engine.forget(task.session_id)  # the session lives on its decode worker
             started = time.monotonic()
             await self.engine.pace_transfer(started, task.l_incr, rt.cfg.tp, task.decode_tp)
             done.finished = time.time()
@@ -187,4 +210,5 @@ class PrefillWorker:
                     log.warning("failure notification lost", session=task.session_id, error=str(exc2))
         finally:
             job.kv.release(rt.pool)
+            self.running = None
             rt.changed()

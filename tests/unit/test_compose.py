@@ -35,10 +35,10 @@ DASHBOARD = ROOT / "deploy" / "grafana" / "ampd-dashboard.json"
 
 OBSERVABILITY = {"prometheus", "grafana"}
 EXPECTED = {"redis", "coordinator", "decode-0", "decode-1", "sidecar-0", "sidecar-1", "prefill-0", "prefill-1",
-            *OBSERVABILITY}
+            "planner", *OBSERVABILITY}
 GRPC_SERVICES = sorted(EXPECTED - {"redis"} - OBSERVABILITY)
-# published on the host's loopback: the coordinator (clients), Prometheus and Grafana
-PUBLISHED = {"coordinator": 50051, "prometheus": 9090, "grafana": 3000}
+# published on the host's loopback: the coordinator (clients), the planner, Prometheus and Grafana
+PUBLISHED = {"coordinator": 50051, "planner": 50060, "prometheus": 9090, "grafana": 3000}
 REDIS_URL = "redis://redis:6379/0"
 
 _VAR = re.compile(r"\$(?:\$|\{(?P<braced>[^}]*)\}|(?P<plain>[A-Za-z_][A-Za-z0-9_]*))")
@@ -139,6 +139,11 @@ def kind_of(name: str) -> str:
     return name.split("-")[0]
 
 
+def uses_redis(name: str) -> bool:
+    """The sidecars and the planner keep no shared state."""
+    return "redis_url" in config.SERVICE_SETTINGS[kind_of(name)]
+
+
 # Variables a process reads that are not settings: logging (ampd/logs.py).
 NOT_SETTINGS = {"AMPD_LOG_LEVEL", "AMPD_LOG_FORMAT"}
 
@@ -192,7 +197,7 @@ def test_unset_variables_give_the_config_defaults(services, name):
             continue
         got = getattr(args, setting)
         assert (tuple(got) if isinstance(got, list) else got) == defaults[setting], f"{name} {setting}"
-    if not name.startswith("sidecar"):
+    if uses_redis(name):
         assert args.redis_url == REDIS_URL
 
 
@@ -203,12 +208,13 @@ def test_every_variable_reaches_the_parsed_settings(services, name):
             "AMPD_REORDER_WINDOW": "5", "AMPD_KV_OVERLAP": "false", "AMPD_KV_ADMISSION": "fail",
             "AMPD_STATS_WINDOW": "4.5", "AMPD_SLACK": "window", "AMPD_SEED": "7", "AMPD_STATS_MODE": "read",
             "AMPD_CHUNKED_PREFILL": "true", "AMPD_TOOL": "echo=ampd.tools:replay", "AMPD_KV_POOL_MB": "64",
-            "AMPD_REDIS_URL": "redis://elsewhere:6380/1"}
+            "AMPD_REDIS_URL": "redis://elsewhere:6380/1", "AMPD_PROFILES_DIR": "/profiles"}
     args = parse(services[name], host)
     want = {"policy": "remote", "profile": "llama3.1-70b@h20", "ttft_slo": 5.0, "itl_slo": 0.05, "namespace": "x",
             "reorder_window": 5, "kv_overlap": False, "kv_admission": "fail", "stats_window": 4.5,
             "slack": "window", "seed": 7, "stats_mode": "read", "chunked_prefill": True,
             "tool": ["echo=ampd.tools:replay"], "kv_pool_mb": 64, "redis_url": "redis://elsewhere:6380/1",
+            "profiles_dir": "/profiles",
             "tp": {"decode": 4, "prefill": 2}.get(kind_of(name))}
     checked = 0
     for setting in config.SERVICE_SETTINGS[kind_of(name)]:
@@ -231,8 +237,8 @@ def test_ampd_up_starts_the_same_settings_as_compose(services):
 
     spawned: dict[str, list[str]] = {}
 
-    def spawn(self, name, args, ready=True):
-        spawned[name] = list(args)
+    def spawn(self, name, argv, keep_port=False):
+        spawned[name] = list(argv(0))
         return mock.Mock(name=name)
 
     def wait_ready(self, children, timeout_s=90.0):
@@ -241,10 +247,12 @@ def test_ampd_up_starts_the_same_settings_as_compose(services):
     opts = launcher.Options(prefill="tp1*2", decode="tp1*2", redis_url="redis://127.0.0.1:1/0")
     with mock.patch.object(launcher.Deployment, "_spawn", spawn), \
             mock.patch.object(launcher.Deployment, "_wait_ready", wait_ready):
-        dep = launcher.Deployment(opts)
+        dep = launcher.Deployment(opts, supervise=False)
         dep.start()
         dep.children.clear()
     for name in GRPC_SERVICES:
+        if name == "planner":  # `ampd up` runs no planner process (`ampd up --plan` plans before it starts)
+            continue
         package = module_of(command(services[name]))
         assert spawned[name][1:3] == ["-m", package], name
         ours = parse(services[name])
@@ -278,7 +286,7 @@ def test_workers_advertise_their_own_name_and_port(services):
             assert args.redis_url == REDIS_URL
         elif name.startswith("sidecar"):
             assert args.name == name
-        else:
+        elif uses_redis(name):
             assert args.redis_url == REDIS_URL
 
 
@@ -356,10 +364,10 @@ def test_depends_on_and_healthchecks(services):
         port = services[name]["ports"][0].rsplit(":", 1)[1]
         assert test[:2] == ["CMD", "wget"] and f"http://127.0.0.1:{port}/" in test[-1], name
     for name in GRPC_SERVICES:
-        if not name.startswith("sidecar"):
+        if uses_redis(name):
             assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy"
     # The coordinator reads the worker registry at start (as `ampd up` starts it last).
-    assert {n for n in GRPC_SERVICES if n != "coordinator" and not n.startswith("sidecar")} \
+    assert {n for n in GRPC_SERVICES if n != "coordinator" and uses_redis(n)} \
         <= set(services["coordinator"]["depends_on"])
     assert services["redis"]["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
 

@@ -25,8 +25,8 @@ class LinearCost:
 
 
 def test_policy_names():
-    assert POLICIES == ("ampd", "ampd-window", "ampd-noreorder", "remote", "local", "threshold", "colocated",
-                        "continuum")
+    assert POLICIES == ("ampd", "ampd-window", "ampd-noreorder", "ampd-margin", "remote", "local", "threshold",
+                        "colocated", "continuum")
 
 
 def test_specs():
@@ -88,7 +88,7 @@ def test_ttl_override_and_errors():
         policy_spec("ampd", kv_pin_ttl_s=1.0)
     with pytest.raises(ValueError, match=">= 0"):
         policy_spec("continuum", kv_pin_ttl_s=-1.0)
-    with pytest.raises(ValueError, match=r"unknown policy 'vllm'; valid policies: ampd, ampd-window, ampd-noreorder, remote, local, threshold, colocated, continuum"):
+    with pytest.raises(ValueError, match=r"unknown policy 'vllm'; valid policies: ampd, ampd-window, ampd-noreorder, ampd-margin, remote, local, threshold, colocated, continuum"):
         policy_spec("vllm")
 
 

@@ -14,6 +14,9 @@ from ampd.policy import (
     LocalRouter,
     PrefillTask,
     RemoteRouter,
+    MARGIN_LOCAL,
+    MARGIN_REMOTE,
+    MarginRouter,
     ThresholdRouter,
     WorkerView,
     make_router,
@@ -236,11 +239,56 @@ def test_threshold_router():
     assert r.route(long, dw(0.0), [], 0.0).reason == NO_PREFILL_WORKERS
 
 
+# ---------------------------------------------------------------- margin routing
+
+def margin(cost=None):
+    return MarginRouter(cost or LinearCost(), SLO_, alpha=0.5, beta=0.5, horizon_s=10.0)
+
+
+def test_margin_goes_local_when_local_costs_nothing_the_slo_counts():
+    # Algorithm 1 sends this prefill remote (an idle prefill worker has slack); locally it is faster
+    # (no KV moves) and the decode worker's ITL stays within beta * ITL SLO: margin routing keeps it local.
+    idle = [pw("p0", None, tp=2)]
+    assert adaptive().route(REQ, dw(0.01), idle, 0.0).reason == PREFILL_SLACK
+    d = margin().route(REQ, dw(0.01), idle, 0.0)
+    assert (d.local, d.reason) == (True, MARGIN_LOCAL)
+    # t_pre(tp 2) = 0.35 s; itl_after = 0.01 * (1 + 0.35 / 10)
+    assert d.estimates["itl_after"] == pytest.approx(0.01 * 1.035)
+
+
+def test_margin_picks_the_shorter_ttft_while_the_itl_holds():
+    # the decode worker has a backlog: the prefill worker predicts the shorter TTFT
+    d = margin().route(REQ, dw(0.01, q=2.0), [pw("p0", None, tp=2), pw("p1", None, tp=2, q=0.1)], 0.0)
+    assert (d.target, d.local, d.reason) == ("p0", False, MARGIN_REMOTE)
+
+
+def test_margin_protects_the_itl():
+    # the decode worker's ITL is near its limit (0.05): a local prefill would push it over -> remote,
+    # even though local is faster
+    d = margin().route(REQ, dw(0.049), [pw("p0", 5.0, tp=2, q=0.5)], 0.0)
+    assert d.estimates["t_local"] < d.estimates["t_remote:p0"]
+    assert (d.local, d.reason) == (False, MARGIN_REMOTE)
+
+
+def test_margin_weighs_both_margins_when_both_sides_are_short():
+    # ITL over its limit, remote over the TTFT limit: the larger of the smaller normalised margins
+    far = [pw("p0", 5.0, tp=2, q=1.9)]
+    d = margin().route(REQ, dw(0.06), far, 0.0)       # local: ITL margin ~0.38 > remote TTFT margin ~-0.1
+    assert (d.local, d.reason) == (True, COST_MODEL)
+    d = margin().route(REQ, dw(0.2), [pw("p0", 5.0, tp=2, q=1.2)], 0.0)  # ITL margin < 0: remote
+    assert (d.local, d.reason) == (False, COST_MODEL)
+    assert d.estimates["margin_local"] < d.estimates["margin_remote"]
+    assert margin().route(REQ, dw(0.2), [], 0.0).reason == NO_PREFILL_WORKERS
+    with pytest.raises(ValueError, match="horizon_s"):
+        MarginRouter(LinearCost(), SLO_, horizon_s=0)
+
+
 # ---------------------------------------------------------------- factory and errors
 
 def test_make_router_by_router_and_policy_name():
     cost = LinearCost()
-    kinds = {"ampd": "adaptive", "ampd-window": "adaptive", "ampd-noreorder": "adaptive", "remote": "remote", "local": "local",
+    kinds = {"ampd": "adaptive", "ampd-window": "adaptive", "ampd-noreorder": "adaptive", "ampd-margin": "margin",
+             "remote": "remote", "local": "local",
              "threshold": "threshold", "colocated": "local", "continuum": "local"}
     assert set(kinds) == set(POLICIES)
     for name, kind in kinds.items():

@@ -1,0 +1,127 @@
+"""The fronts' shared index of live sessions' token histories, in Redis.
+
+Keys (prefix `{ns}:front`):
+- `hist:{digest}`     the idle session whose history has this digest (`ids_digest`): JSON {sid, front}
+- `lengths`           hash: history length -> how many indexed histories have it (the lengths a
+                      request's prefix is tried at)
+- `session:{sid}`     hash of one session a front holds: front (its URL), history (packed uint32 ids),
+                      digest, updated (unix seconds)
+- `answer:{digest}`   the ids a session holds for one answer (`answer_digest`), packed uint32
+
+A session is indexed while it idles between turns; a front takes it out while a turn runs and when
+it closes the session. Every key expires after the session TTL (plus a margin), so a front that dies
+leaves nothing behind for long.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import redis.asyncio as aioredis
+
+__all__ = ["SessionIndex", "Match", "pack", "unpack"]
+
+
+def pack(ids: Sequence[int]) -> bytes:
+    return np.asarray(ids, dtype="<u4").tobytes()
+
+
+def unpack(raw: bytes | None) -> list[int]:
+    return np.frombuffer(raw, dtype="<u4").tolist() if raw else []
+
+
+@dataclass(frozen=True)
+class Match:
+    session_id: str
+    front: str  # the URL of the front that holds the session's stream
+    length: int  # history tokens: ids[:length] is the session's history
+
+
+class SessionIndex:
+    def __init__(self, client: aioredis.Redis, namespace: str, ttl_s: float) -> None:
+        self.r = client
+        self.p = f"{namespace}:front"
+        self.ttl_ms = int((ttl_s + 60.0) * 1000)
+
+    async def prefetch(self, answers: Sequence[str]) -> tuple[list[int], dict[str, list[int]]]:
+        """The history lengths indexed now (descending) and the known ids of the ``answers``
+        digests: what rendering a conversation and `find` need. One round trip."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hgetall(f"{self.p}:lengths")
+        if answers:
+            pipe.mget([f"{self.p}:answer:{d}" for d in answers])
+        got = await pipe.execute()
+        known = {d: unpack(raw) for d, raw in zip(answers, got[1] if answers else ()) if raw}
+        lengths = sorted((int(k) for k, v in got[0].items() if int(v) > 0), reverse=True)
+        return lengths, known
+
+    async def find(self, ids: Sequence[int], lengths: Sequence[int]) -> Match | None:
+        """The idle session with the longest history that is a proper prefix of ``ids``, among
+        histories of ``lengths``. One round trip (none when no length fits)."""
+        lengths = [n for n in lengths if 0 < n < len(ids)]
+        if not lengths:
+            return None
+        digests = _prefix_digests(ids, lengths)
+        raws = await self.r.mget([f"{self.p}:hist:{d}" for d in digests])
+        for n, raw in zip(lengths, raws):
+            if raw:
+                rec = json.loads(raw)
+                return Match(rec["sid"], rec["front"], n)
+        return None
+
+    async def publish(self, sid: str, front: str, history: Sequence[int], answer: tuple[str, Sequence[int]] | None,
+                      ) -> tuple[str, int]:
+        """Indexes the idle session (its history and last answer); returns its index entry (the
+        history's digest and length), what `withdraw` takes."""
+        digest = _digest(pack(history))
+        pipe = self.r.pipeline(transaction=False)
+        pipe.set(f"{self.p}:hist:{digest}", json.dumps({"sid": sid, "front": front}), px=self.ttl_ms)
+        pipe.hincrby(f"{self.p}:lengths", str(len(history)), 1)
+        pipe.hset(f"{self.p}:session:{sid}", mapping={"front": front, "history": pack(history), "digest": digest,
+                                                     "updated": time.time()})
+        pipe.pexpire(f"{self.p}:session:{sid}", self.ttl_ms)
+        if answer is not None:
+            pipe.set(f"{self.p}:answer:{answer[0]}", pack(answer[1]), px=self.ttl_ms)
+        await pipe.execute()
+        return digest, len(history)
+
+    async def withdraw(self, entry: tuple[str, int] | None, sid: str | None = None) -> None:
+        """Takes a session's index entry out (a turn runs on it), and with ``sid`` its record (it closed)."""
+        pipe = self.r.pipeline(transaction=False)
+        if entry:
+            pipe.delete(f"{self.p}:hist:{entry[0]}")
+            pipe.hincrby(f"{self.p}:lengths", str(entry[1]), -1)
+        if sid:
+            pipe.delete(f"{self.p}:session:{sid}")
+        await pipe.execute()
+
+    async def history(self, sid: str) -> list[int] | None:
+        raw = await self.r.hget(f"{self.p}:session:{sid}", "history")
+        return unpack(raw) if raw is not None else None
+
+    async def live_sessions(self) -> list[str]:
+        """Session ids any front has recorded (tests: nothing leaks)."""
+        keys = [k async for k in self.r.scan_iter(match=f"{self.p}:session:*")]
+        return [(k.decode() if isinstance(k, bytes) else k).rsplit(":", 1)[1] for k in keys]
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:32]
+
+
+def _prefix_digests(ids: Sequence[int], lengths: Sequence[int]) -> list[str]:
+    """The digest of ids[:n] for each n in ``lengths`` (descending), hashing the ids once."""
+    data = pack(ids)
+    h = hashlib.sha256()
+    out: dict[int, str] = {}
+    pos = 0
+    for n in sorted(lengths):
+        h.update(data[pos * 4:n * 4])
+        pos = n
+        out[n] = h.copy().hexdigest()[:32]
+    return [out[n] for n in lengths]

@@ -1,0 +1,3 @@
+from services.frontend.server import main
+
+main()

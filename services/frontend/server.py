@@ -1,0 +1,460 @@
+"""The OpenAI-compatible HTTP front (Starlette on uvicorn): chat and text completions as session turns
+on the coordinator, continuing a live session when a request resends its history (docs/frontend.md)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import json
+import signal
+import sys
+import time
+import uuid
+from typing import Any, Sequence
+
+import grpc
+import structlog
+import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ampd import grpcserver, logs
+from ampd.chat.conversation import answer_digest, render_conversation
+from ampd.chat.template import ChatFormat
+from ampd.chat.tokenizer import tokenizer_for
+from ampd.config import SERVICE_SETTINGS, ConfigError, add_flags, env_name
+from ampd.front.answer import FORCED_STOP, Answer, forced_prefix
+from ampd.front.api import ApiError, ChatRequest, CompletionRequest, Sampling, error_body, parse_chat, parse_completion
+from ampd.front.index import SessionIndex
+from ampd.metrics import TTFT_BUCKETS
+from ampd.sessionapi import MAX_SESSION_ID
+from ampd.state import connect
+from ampd.v1 import common_pb2, coordinator_pb2_grpc
+from services.frontend.sessions import LiveSession, SessionTable
+from services.frontend.turn import DONE, FAILED, TurnRun
+
+log = structlog.get_logger()
+
+# Session headers, in the order they are read: ours, then llm-d's session-affinity header.
+SESSION_HEADERS = ("x-session-id", "x-session-token")
+MAX_BODY = 32 << 20  # bytes of one request body
+
+
+class FrontMetrics:
+    def __init__(self, table: SessionTable) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("ampd_frontend_requests", "HTTP requests by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.sessions = Counter("ampd_frontend_session_turns", "turns by how their session was found: header, "
+                                "prefix (the request resent a live session's history) or new", ["how"], registry=r)
+        self.prompt_tokens = Counter("ampd_frontend_prompt_tokens", "prompt tokens of answered turns", registry=r)
+        self.cached_tokens = Counter("ampd_frontend_cached_prompt_tokens", "prompt tokens whose KV the session "
+                                     "already held (not prefilled again)", registry=r)
+        self.generation_tokens = Counter("ampd_frontend_generation_tokens", "output tokens sent", registry=r)
+        self.ttft = Histogram("ampd_frontend_time_to_first_token_seconds", "from a request's arrival at the front "
+                              "to its first output token", buckets=TTFT_BUCKETS, registry=r)
+        live = Gauge("ampd_frontend_sessions_active", "sessions this front holds", ["state"], registry=r)
+        live.labels("busy").set_function(lambda: sum(s.busy for s in table.live.values()))
+        live.labels("idle").set_function(lambda: sum(not s.busy for s in table.live.values()))
+        Gauge("ampd_frontend_sessions_expired", "sessions closed for idling past the TTL (a counter)",
+              registry=r).set_function(lambda: table.closed_by_ttl)
+
+
+def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Front:
+    def __init__(self, args: argparse.Namespace, fmt: ChatFormat, stub, index: SessionIndex, me: str) -> None:
+        self.model = args.model
+        self.engine = args.engine
+        self.default_max_tokens = args.default_max_tokens
+        self.auth = f"Bearer {args.auth_token}".encode() if args.auth_token else b""
+        self.metadata = (("authorization", f"Bearer {args.auth_token}"),) if args.auth_token else ()
+        self.fmt = fmt
+        self.tok = fmt.tokenizer
+        self.eos_ids = (self.tok.eos_token_id,) if self.tok.eos_token_id is not None else ()
+        self.stub = stub
+        self.index = index
+        self.table = SessionTable(index, me, args.session_ttl, args.max_sessions)
+        self.metrics = FrontMetrics(self.table)
+        self.created = int(time.time())
+
+    # ---------------------------------------------------------------------------------- helpers
+    def _detok(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=False)
+
+    def _check_auth(self, request: Request) -> None:
+        if self.auth and not hmac.compare_digest(request.headers.get("authorization", "").encode(), self.auth):
+            raise ApiError(401, "authorization: missing or wrong API key (Authorization: Bearer KEY)",
+                           code="invalid_api_key", type="authentication_error")
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model:
+            raise ApiError(404, f"model: {model!r} is not served here (served: {self.model!r})", param="model",
+                           code="model_not_found")
+
+    async def _body(self, request: Request) -> Any:
+        raw = await request.body()
+        if len(raw) > MAX_BODY:
+            raise ApiError(413, f"body: over {MAX_BODY} bytes", code="body_too_large")
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"body: malformed JSON ({exc})", code="malformed_json") from None
+
+    @staticmethod
+    def _header_session(request: Request) -> str:
+        for h in SESSION_HEADERS:
+            v = request.headers.get(h)
+            if v:
+                if len(v) > MAX_SESSION_ID or not v.isprintable():
+                    raise ApiError(400, f"{h}: at most {MAX_SESSION_ID} printable characters", param=h)
+                return v
+        return ""
+
+    def _sampling(self, s: Sampling, forced: bool) -> common_pb2.SamplingParams:
+        stop = list(s.stop)
+        if forced and self.engine != "mock":  # the mock's decode worker has no text to find it in
+            stop.append(FORCED_STOP)
+        p = common_pb2.SamplingParams(max_tokens=s.max_tokens or self.default_max_tokens, temperature=s.temperature,
+                                      top_p=s.top_p, stop=stop, stop_token_ids=s.stop_token_ids,
+                                      ignore_eos=s.ignore_eos)
+        if s.seed is not None:
+            p.seed = s.seed
+        return p
+
+    def _answer(self, p: common_pb2.SamplingParams, forced: str | None, hold: bool) -> Answer:
+        return Answer(p.max_tokens, self._detok, self.eos_ids, tuple(p.stop_token_ids), tuple(p.stop), p.ignore_eos,
+                      forced, hold)
+
+    # ------------------------------------------------------------------------------ placing a turn
+    async def _place(self, ids: list[int], lengths: list[int], header: str, how: list[str]
+                     ) -> tuple[LiveSession | None, int]:
+        """The live session this request continues and how many of its tokens it keeps; None: new."""
+        if header:
+            s = self.table.live.get(header)
+            if s is not None and not s.closed:
+                if s.busy:
+                    raise ApiError(409, f"x-session-id: session {header!r} is answering another request",
+                                   code="session_busy")
+                how.append("header")
+                return s, min(_lcp(s.history, ids), len(ids) - 1)
+            how.append("new")
+            return None, 0
+        m = await self.index.find(ids, lengths)
+        if m is not None and m.front == self.table.me:
+            s = self.table.live.get(m.session_id)
+            if s is not None and not s.busy and not s.closed and s.history == ids[:m.length]:
+                how.append("prefix")
+                return s, m.length
+        how.append("new")
+        return None, 0
+
+    async def _begin(self, ids: list[int], lengths: list[int], header: str, p: common_pb2.SamplingParams,
+                     answered: Sequence[str]) -> tuple[LiveSession, common_pb2.Turn | None]:
+        how: list[str] = []
+        s, keep = await self._place(ids, lengths, header, how)
+        self.metrics.sessions.labels(how[0]).inc()
+        if s is None:
+            if not self.table.room():
+                raise ApiError(429, "the front holds its most sessions, all busy; retry later",
+                               code="too_many_sessions", type="rate_limit_error")
+            sid = header or self.table.new_id()
+            s = LiveSession(sid, history=list(ids), busy=True)
+            self.table.live[sid] = s
+            s.start(self.stub, common_pb2.OpenSession(session_id=sid, turn=common_pb2.Turn(
+                token_ids=ids, sampling=p)), self.metadata)
+            return s, None
+        s.busy = True
+        entry, s.entry = s.entry, None
+        if entry is not None:
+            asyncio.create_task(self.index.withdraw(entry))
+        turn = common_pb2.Turn(token_ids=ids[keep:], sampling=p)
+        if keep < len(s.history):
+            turn.keep_tokens = keep
+        answers = [c for c in answered if c in s.pending_calls]
+        if answers:
+            turn.tool_call_id = answers[0]
+        s.pending_calls.clear()
+        s.history = s.history[:keep] + ids[keep:]
+        return s, turn
+
+    def _ended(self, run: TurnRun) -> None:
+        a = run.answer
+        if run.error is None:
+            self.metrics.prompt_tokens.inc(a.l_hist + a.l_incr)
+            self.metrics.cached_tokens.inc(a.l_hist)
+            self.metrics.generation_tokens.inc(len(a.tokens))
+
+    async def _run(self, s: LiveSession, turn, answer: Answer, prefix: list[int], t0: float) -> tuple[TurnRun, Any]:
+        run = TurnRun(self.table, s, answer, prefix, self._ended)
+        run.start(turn)
+        first = await run.out.get()
+        if first[0] == FAILED:
+            raise first[1]
+        if run.first_token_at is not None:
+            self.metrics.ttft.observe(run.first_token_at - t0)
+        return run, first
+
+    # ------------------------------------------------------------------------------- endpoints
+    async def chat(self, request: Request) -> Response:
+        t0 = time.monotonic()
+        self._check_auth(request)
+        req: ChatRequest = parse_chat(await self._body(request))
+        self._check_model(req.model)
+        header = self._header_session(request)
+        digests = [answer_digest(m.get("content"), m.get("tool_calls")) for m in req.messages
+                   if m.get("role") == "assistant"]
+        lengths, known = await self.index.prefetch(digests)
+        try:
+            rendered = render_conversation(self.fmt, req.messages, req.tools or None, known.get)
+        except ValueError as exc:
+            param = str(exc).split(":", 1)[0]
+            raise ApiError(400, str(exc), param=param if param.startswith("messages") else "messages") from None
+        prefix = self.fmt.encode(forced_prefix(req.forced_tool)) if req.forced_tool else []
+        ids = rendered.ids + prefix
+        p = self._sampling(req.sampling, req.forced_tool is not None)
+        answered = [m.get("tool_call_id") for m in req.messages[_last_answer(req.messages) + 1:]
+                    if m.get("role") == "tool"]
+        s, turn = await self._begin(ids, lengths, header, p, answered)
+        answer = self._answer(p, req.forced_tool, bool(req.tools) and req.forced_tool is None)
+        run, first = await self._run(s, turn, answer, prefix, t0)
+        cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        headers = {"x-session-id": s.session_id}
+        if req.stream:
+            return StreamingResponse(self._chat_stream(cid, req, run, first), media_type="text/event-stream",
+                                     headers=headers)
+        await _until_end(run)
+        a = run.answer
+        body = {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": self.model,
+                "choices": [{"index": 0, "message": a.message(run.calls), "finish_reason": a.openai_finish(),
+                             "logprobs": None}],
+                "usage": a.usage(), "ampd": _ext(s, a)}
+        return JSONResponse(body, headers=headers)
+
+    async def _chat_stream(self, cid: str, req: ChatRequest, run: TurnRun, first):
+        base = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": self.model}
+
+        def chunk(delta: dict, finish: str | None = None, **extra) -> str:
+            return _sse({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
+                                              "logprobs": None}], **extra})
+
+        yield chunk({"role": "assistant", "content": ""})
+        item = first
+        while True:
+            if item[0] == FAILED:
+                yield _sse(error_body(item[1]))
+                break
+            if item[0] == DONE:
+                a = run.answer
+                rest = a.rest()
+                if rest:
+                    yield chunk({"content": rest})
+                if run.calls:
+                    yield chunk({"tool_calls": [c.openai(i) for i, c in enumerate(run.calls)]})
+                yield chunk({}, a.openai_finish(), ampd=_ext(run.s, a))
+                if req.include_usage:
+                    yield _sse({**base, "choices": [], "usage": a.usage()})
+                break
+            if item[1]:
+                yield chunk({"content": item[1]})
+            item = await run.out.get()
+        yield "data: [DONE]\n\n"
+
+    async def completions(self, request: Request) -> Response:
+        t0 = time.monotonic()
+        self._check_auth(request)
+        req: CompletionRequest = parse_completion(await self._body(request))
+        self._check_model(req.model)
+        header = self._header_session(request)
+        ids = list(req.prompt) if isinstance(req.prompt, list) else self.fmt.encode(req.prompt)
+        lengths, _ = await self.index.prefetch(())
+        p = self._sampling(req.sampling, False)
+        s, turn = await self._begin(ids, lengths, header, p, ())
+        run, first = await self._run(s, turn, self._answer(p, None, False), [], t0)
+        cid = f"cmpl-{uuid.uuid4().hex[:24]}"
+        headers = {"x-session-id": s.session_id}
+        if req.stream:
+            return StreamingResponse(self._completion_stream(cid, req, run, first), media_type="text/event-stream",
+                                     headers=headers)
+        await _until_end(run)
+        a = run.answer
+        choice = {"index": 0, "text": a.stops.text, "finish_reason": a.openai_finish(), "logprobs": None}
+        if req.return_token_ids:
+            choice.update(prompt_token_ids=ids, token_ids=a.tokens)
+        body = {"id": cid, "object": "text_completion", "created": int(time.time()), "model": self.model,
+                "choices": [choice], "usage": a.usage(), "ampd": _ext(s, a)}
+        return JSONResponse(body, headers=headers)
+
+    async def _completion_stream(self, cid: str, req: CompletionRequest, run: TurnRun, first):
+        base = {"id": cid, "object": "text_completion", "created": int(time.time()), "model": self.model}
+
+        def chunk(text: str, ids: list[int] | None, finish: str | None = None, **extra) -> str:
+            c: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+            if req.return_token_ids and ids is not None:
+                c["token_ids"] = ids
+            return _sse({**base, "choices": [c], **extra})
+
+        item = first
+        while True:
+            if item[0] == FAILED:
+                yield _sse(error_body(item[1]))
+                break
+            if item[0] == DONE:
+                a = run.answer
+                yield chunk(a.rest(), [] if req.return_token_ids else None, a.openai_finish(), ampd=_ext(run.s, a))
+                if req.include_usage:
+                    yield _sse({**base, "choices": [], "usage": a.usage()})
+                break
+            yield chunk(item[1], item[2])
+            item = await run.out.get()
+        yield "data: [DONE]\n\n"
+
+    async def models(self, request: Request) -> Response:
+        self._check_auth(request)
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model, "object": "model", "created": self.created, "owned_by": "ampd"}]})
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok", "sessions": len(self.table.live)})
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _last_answer(messages: list[dict]) -> int:
+    return max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=-1)
+
+
+async def _until_end(run: TurnRun) -> None:
+    while True:
+        kind, err, _ = await run.out.get()
+        if kind == FAILED:
+            raise err
+        if kind == DONE:
+            return
+
+
+def _ext(s: LiveSession, a: Answer) -> dict:
+    """The `ampd` extension of an answer: its session and where its prefill ran."""
+    t = a.timing
+    out: dict[str, Any] = {"session_id": s.session_id, "l_hist": a.l_hist, "l_incr": a.l_incr}
+    if t is not None:
+        out.update(round=t.round, local=t.local, prefill_worker=t.prefill_worker, route_reason=t.route_reason)
+    return out
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def build_app(front: Front) -> Starlette:
+    endpoints = {"/v1/chat/completions": ("POST", front.chat), "/v1/completions": ("POST", front.completions),
+                 "/v1/models": ("GET", front.models), "/health": ("GET", front.health),
+                 "/metrics": ("GET", front.metrics_endpoint)}
+
+    def wrap(path: str, fn):
+        async def handler(request: Request) -> Response:
+            try:
+                resp = await fn(request)
+            except ApiError as e:
+                resp = JSONResponse(error_body(e), status_code=e.status)
+            except grpc.aio.AioRpcError as exc:  # pragma: no cover - turned into ApiError in TurnRun
+                from services.frontend.turn import grpc_error
+
+                e = grpc_error(exc)
+                resp = JSONResponse(error_body(e), status_code=e.status)
+            except Exception as exc:  # never a traceback to the client
+                log.exception("request failed", path=path)
+                e = ApiError(500, f"internal error: {type(exc).__name__}", code="internal_error", type="internal_error")
+                resp = JSONResponse(error_body(e), status_code=500)
+            front.metrics.requests.labels(path, str(resp.status_code)).inc()
+            return resp
+        return handler
+
+    routes = [Route(path, wrap(path, fn), methods=[method]) for path, (method, fn) in endpoints.items()]
+
+    async def not_found(request: Request, exc) -> Response:
+        status = getattr(exc, "status_code", 404)
+        msg = "method not allowed" if status == 405 else f"no endpoint {request.url.path}"
+        return JSONResponse(error_body(ApiError(status, msg, code="not_found" if status == 404 else
+                                                "method_not_allowed")), status_code=status)
+
+    return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
+
+
+async def amain(args: argparse.Namespace) -> None:
+    logs.configure("frontend")
+    fmt = ChatFormat(tokenizer_for(args.engine, args.model))
+    channel = grpcserver.channel(args.coordinator_address)
+    stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+    redis = await connect(args.redis_url)
+    index = SessionIndex(redis, args.namespace, args.session_ttl)
+    front = Front(args, fmt, stub, index, "")
+    config = uvicorn.Config(build_app(front), host=args.host, port=args.port, loop="none", lifespan="off",
+                            log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+    server = _Server(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, server.exit)
+    serving = asyncio.create_task(server.serve())
+    while not server.started:
+        if serving.done():
+            await serving  # raises the bind error
+            raise RuntimeError(f"cannot bind {args.host}:{args.port}")
+        await asyncio.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    front.table.me = f"http://{args.host}:{port}"
+    front.table.start()
+    grpcserver.write_ready_file(args.ready_file, port, port)
+    log.info("frontend serving", url=front.table.me, coordinator=args.coordinator_address, model=args.model)
+    try:
+        await serving
+    finally:
+        await front.table.stop()
+        await channel.close()
+        await redis.aclose()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, stopped by this process's own signal handlers: uvicorn's own re-raise the
+    signal once it stops, which would end the process before it closes its sessions."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+    def exit(self) -> None:
+        self.should_exit = True
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ampd-frontend", description="AMPD OpenAI-compatible front")
+    add_flags(parser, SERVICE_SETTINGS["frontend"], env=True)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        args = build_parser().parse_args(argv)
+        if not args.redis_url:
+            raise ConfigError(f"--redis-url ({env_name('redis_url')}): required")
+        if not args.coordinator_address:
+            raise ConfigError(f"--coordinator-address ({env_name('coordinator_address')}): required")
+        tokenizer_for(args.engine, args.model)
+    except (ConfigError, ValueError) as exc:
+        sys.exit(f"ampd-frontend: error: {exc}")
+    grpcserver.run(amain(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""One turn on a live session: sends it, feeds the session's events into an `Answer`, records the
+new history in the index when the turn ends. The HTTP handler reads `out`; the turn goes on to its
+end without it (a client that goes away does not leave the session half-recorded)."""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Callable
+
+import grpc
+import structlog
+
+from ampd.chat.conversation import answer_digest
+from ampd.front.answer import Answer, Call
+from ampd.front.api import ApiError
+from ampd.v1 import common_pb2
+from services.frontend.sessions import END, LiveSession, SessionTable
+
+log = structlog.get_logger()
+
+TEXT, DONE, FAILED = "text", "done", "failed"
+
+# gRPC status -> HTTP status and OpenAI error type
+_HTTP = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+    grpc.StatusCode.UNAUTHENTICATED: (502, "upstream_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (502, "upstream_error"),
+}
+# session-API field paths -> the OpenAI request field they come from
+_PARAMS = (("sampling.max_tokens", "max_tokens"), ("sampling.stop", "stop"), ("sampling.temperature", "temperature"),
+           ("sampling.top_p", "top_p"), ("token_ids", "messages"), ("keep_tokens", "messages"),
+           ("tool_call_id", "messages"))
+
+
+def grpc_error(exc: grpc.aio.AioRpcError | None, what: str = "the session") -> ApiError:
+    if exc is None:
+        return ApiError(502, f"{what} ended before its turn was answered", code="session_ended",
+                        type="upstream_error")
+    status, kind = _HTTP.get(exc.code(), (500, "internal_error"))
+    details = exc.details() or exc.code().name
+    param = next((p for path, p in _PARAMS if path in details), None) if status == 400 else None
+    return ApiError(status, details, param=param, code=exc.code().name.lower(), type=kind)
+
+
+class TurnRun:
+    def __init__(self, table: SessionTable, s: LiveSession, answer: Answer, segment_prefix: list[int],
+                 on_end: Callable[["TurnRun"], None] | None = None) -> None:
+        self.table = table
+        self.s = s
+        self.answer = answer
+        self.segment_prefix = segment_prefix  # forced-call ids the answer's segment starts with
+        self.out: asyncio.Queue = asyncio.Queue()
+        self.calls: list[Call] = []
+        self.error: ApiError | None = None
+        self.first_token_at: float | None = None
+        self.on_end = on_end
+        s.events = asyncio.Queue()
+        if s.closed:  # the stream ended while the session idled
+            s.events.put_nowait(s.error or END)
+
+    def start(self, turn: common_pb2.Turn | None) -> asyncio.Task:
+        if turn is not None:
+            self.s.send_turn(turn)
+        return asyncio.create_task(self._drive(), name=f"turn-{self.s.session_id}")
+
+    async def _drive(self) -> None:
+        s, a = self.s, self.answer
+        try:
+            while True:
+                ev = await s.events.get()
+                if ev is END or isinstance(ev, grpc.aio.AioRpcError):
+                    raise _Ended(ev if ev is not END else None)
+                kind = ev.WhichOneof("event")
+                if kind == "tokens":
+                    ids = list(ev.tokens.token_ids)
+                    s.history.extend(ids)
+                    if self.first_token_at is None:
+                        self.first_token_at = time.monotonic()
+                    self.out.put_nowait((TEXT, a.add(ids), ids))
+                elif kind == "tool_call" and ev.tool_call.client_side:
+                    a.tool_call(ev.tool_call.name, ev.tool_call.arguments, ev.tool_call.call_id)
+                    s.pending_calls.add(ev.tool_call.call_id)
+                elif kind == "round_end":
+                    a.round_end(ev.round_end.timing)
+                elif kind == "turn_end":
+                    a.turn_end(ev.turn_end.finish_reason)
+                    break
+        except _Ended as e:
+            self.error = grpc_error(e.exc)
+            s.events = None
+            await self.table.drop(s)
+            self.out.put_nowait((FAILED, self.error, None))
+            self._ended()
+            return
+        except asyncio.CancelledError:
+            await self.table.drop(s)
+            raise
+        s.events = None
+        self.calls = a.calls()
+        msg = a.message(self.calls)
+        segment = self.segment_prefix + a.tokens
+        s.busy = False
+        s.last_used = time.monotonic()
+        try:
+            s.entry = await self.table.index.publish(
+                s.session_id, self.table.me, s.history, (answer_digest(msg["content"], msg.get("tool_calls")), segment))
+        except Exception as exc:  # Redis away: the session still answers its header
+            log.warning("index publish failed", session=s.session_id, error=str(exc))
+        self.out.put_nowait((DONE, None, None))
+        self._ended()
+
+    def _ended(self) -> None:
+        if self.on_end is not None:
+            self.on_end(self)
+
+
+class _Ended(Exception):
+    def __init__(self, exc: grpc.aio.AioRpcError | None) -> None:
+        self.exc = exc
