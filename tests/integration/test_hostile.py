@@ -341,10 +341,10 @@ def test_stream_rules_and_limits(dep):
         code, details, events = await session_status(dep.coordinator, opening(big))
         assert code == grpc.StatusCode.OK, details
         assert events[-1].HasField("done") and any(e.HasField("tool_call") for e in events)
-        # no turn after close
+        # no turn after close (sent while the first turn still decodes)
         c = Client(stub)
-        c.send(opening(turn(5, script=[CLIENT_CALL])))
-        await c.until("turn_end")
+        c.send(opening(turn(5, 40)))
+        await c.until("tokens")
         c.send(coordinator_pb2.ClientMessage(close=coordinator_pb2.Close()))
         c.send(coordinator_pb2.ClientMessage(turn=turn(3)))
         code, details = await c.status()
