@@ -1,31 +1,61 @@
 # syntax=docker/dockerfile:1
-# One image for every AMPD service (coordinator, prefill, decode, sidecar). Each docker-compose
-# service picks its process with its own `command` (`python -m services.<name> ...`).
-FROM python:3.11-slim
+# One image for every AMPD service (coordinator, prefill, decode, sidecar, planner). Each
+# docker-compose service picks its process with its own `command` (`python -m services.<name> ...`).
+#
+# BASE_IMAGE: any Debian-family image with Python 3.11 and its venv module. Where no registry can be
+# reached, build one locally (tests/compose/base-image.sh: debootstrap + `podman import`) and pass
+# --build-arg BASE_IMAGE=localhost/debian-py:bookworm.
+# WITH_TORCH=true adds the CPU torch and transformers (requirements-torch.txt) for AMPD_ENGINE=torch;
+# the default image runs the mock engine and stays small.
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
 
+ARG WITH_TORCH=false
+# Where pip finds packages, when the host needs its own (a mirror, a wheel folder, a proxy's CA):
+# build arguments, so they reach the install steps but are not kept in the image.
+ARG PIP_INDEX_URL
+ARG PIP_EXTRA_INDEX_URL
+ARG PIP_FIND_LINKS
+ARG PIP_CERT
+ARG PIP_DEFAULT_TIMEOUT
+
+# Everything is installed into a venv: Debian's own Python refuses system-wide pip installs (PEP 668).
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    NIXL_LOG_LEVEL=WARN
+    NIXL_LOG_LEVEL=WARN \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH
 
 WORKDIR /app
 
-# Pinned dependencies first, in their own layer, installed exactly as the Makefile does:
-# nixl lists torch as a dependency, so it goes in with --no-deps (keeps the multi-GB CUDA torch out).
-COPY requirements.txt requirements-nixl.txt ./
-RUN pip install -r requirements.txt \
- && pip install --no-deps -r requirements-nixl.txt
+# Pinned dependencies first, in their own layer (a code change rebuilds only the layers below),
+# installed as the Makefile does: nixl lists torch as a dependency, so it goes in with --no-deps
+# (keeps the multi-GB CUDA torch out); torch only when asked for, and then the CPU build.
+COPY requirements.txt requirements-nixl.txt requirements-torch.txt constraints.txt ./
+RUN python3 -m venv /opt/venv \
+ && pip install -c constraints.txt -r requirements.txt \
+ && pip install --no-deps -r requirements-nixl.txt \
+ && if [ "$WITH_TORCH" = "true" ]; then pip install -c constraints.txt -r requirements-torch.txt; fi
 
-# The code, then the package itself (again without dependencies: they are pinned above).
+# The code, then the package itself (again without dependencies: they are pinned above; the venv
+# already has the setuptools pyproject.toml asks for, so no isolated build env is fetched).
 COPY pyproject.toml ./
 COPY proto/ proto/
 COPY ampd/ ampd/
 COPY services/ services/
-RUN pip install --no-deps . \
+RUN pip install --no-deps --no-build-isolation . \
  && rm -rf build ./*.egg-info \
- && python -c "import ampd.cli, services.coordinator.server, services.decode.server, services.prefill.server, services.sidecar.server, grpc_health.v1.health_pb2_grpc" \
+ && python -c "import ampd.cli, ampd.healthcheck, services.coordinator.server, services.decode.server, services.prefill.server, services.sidecar.server, services.planner.server" \
  && useradd --create-home --uid 10001 --user-group ampd
+
+# Which build this is, in /app/REVISION and a label. A new revision makes a new image on top of the
+# cached layers (a RUN: buildah's layer cache keys a LABEL on its unexpanded text), which is how
+# tests/compose/stack.py swaps in a freshly built decode worker.
+ARG AMPD_REVISION=dev
+RUN echo "$AMPD_REVISION" > /app/REVISION
+LABEL org.opencontainers.image.title="ampd" org.opencontainers.image.revision="${AMPD_REVISION}"
 
 USER ampd
 

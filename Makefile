@@ -7,7 +7,7 @@ AMPD := $(VENV)/bin/ampd
 PROTOS := $(wildcard proto/ampd/v1/*.proto)
 export NIXL_LOG_LEVEL ?= WARN
 
-.PHONY: venv proto test test-fidelity test-unit test-integration test-e2e demo bench paper lint clean
+.PHONY: venv proto test test-fidelity test-unit test-integration test-e2e test-compose demo bench paper lint clean
 
 venv: $(VENV)/.installed
 
@@ -42,6 +42,13 @@ test-integration: venv
 
 test-e2e: venv
 	$(PY) -m pytest -q tests/e2e
+
+# docker-compose.yml for real, under podman and podman-compose (no Docker engine needed): builds the
+# image, brings the stack up healthy, replays a trace, swaps one decode-worker container mid-replay,
+# brings it down (tests/compose/stack.py; docs/deploy.md). Runs as root; installs podman when missing.
+test-compose: venv
+	tests/compose/setup.sh
+	$(PY) tests/compose/stack.py $(COMPOSE_ARGS)
 
 demo: venv
 	$(AMPD) demo

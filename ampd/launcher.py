@@ -197,6 +197,15 @@ class Deployment:
     def child(self, name: str) -> Child:
         return next(c for c in self.children if c.name == name)
 
+    def wait_serving(self, timeout_s: float = 90.0) -> None:
+        """Until every child runs and serves (a restarted one has written its ready file again)."""
+        deadline = time.monotonic() + timeout_s
+        while not all(c.proc.poll() is None and not c.restart_at and (c.ready is None or c.ready.exists())
+                      for c in self.children):
+            if time.monotonic() > deadline:
+                raise CliError(f"not every child serves after {timeout_s:g} s: {self.events[-3:]}")
+            time.sleep(0.1)
+
     def _supervise_loop(self) -> None:
         while not self._stopping.wait(0.1):
             with self._lock:
