@@ -4,7 +4,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import os
 import sys
+import time
 from collections import Counter
 
 import grpc
@@ -100,6 +102,10 @@ class Stubs:
         return self._prefill[address]
 
 
+ORPHAN_SWEEP_POLLS = 20  # liveness polls (0.5 s each) between sweeps for orphaned session records
+ORPHAN_SWEEP_S = 3.0  # the coordinator's liveness key's TTL
+
+
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(self, store: StateStore, router, policy: str, stats_mode: str = "push",
                  migration_limit: int = CoordinatorSettings().migration_limit) -> None:
@@ -121,6 +127,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.remote: dict[str, dict[tuple[str, int], SessionRun]] = {}
         self._unrecorded: set[str] = set()  # session records whose delete failed (Redis was away)
         self._writes: set[asyncio.Task] = set()
+        # This coordinator's id on its session records; a record whose coordinator's liveness key
+        # is gone (it died serving the session) is deleted by the next coordinator's sweep.
+        self.instance = f"{os.getpid()}-{int(time.time() * 1000) % 10**9}"
+        self._polls = 0
 
     async def Session(self, request_iterator, context: grpc.aio.ServicerContext):
         try:
@@ -174,7 +184,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     # ------------------------------------------------------------------- session records (Redis)
     def record(self, sid: str, fields: dict) -> None:
         """Writes the session's record in the background: a Redis outage must not stall a session."""
-        task = asyncio.create_task(self._write(self.store.update_session(sid, fields)))
+        task = asyncio.create_task(self._write(self.store.update_session(sid, {**fields, "coordinator": self.instance})))
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
 
@@ -193,6 +203,13 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self._unrecorded.add(sid)  # deleted on a later liveness poll, once Redis answers
 
     async def _on_poll(self) -> None:
+        await self.store.coordinator_alive(self.instance, ORPHAN_SWEEP_S)
+        self._polls += 1
+        if self._polls % ORPHAN_SWEEP_POLLS == 1:
+            orphans = [sid for sid in await self.store.orphan_sessions() if sid not in self.live]
+            if orphans:
+                log.info("deleting the records of sessions whose coordinator is gone", sessions=len(orphans))
+                await self.store.delete_sessions(orphans)
         if self._unrecorded:
             gone = set(self._unrecorded)
             await self.store.delete_sessions(gone)

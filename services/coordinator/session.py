@@ -27,6 +27,7 @@ from services.coordinator.core import InvalidArgument, route, turn_kv_tokens, va
 log = structlog.get_logger()
 
 BIND_WAIT_S = 15.0  # a moving session waits this long for a live decode worker (one may be restarting)
+OPEN_WAIT_S = 3.0  # a new session waits this long for one (then UNAVAILABLE: none is serving)
 
 
 class SessionEnd(Exception):
@@ -71,7 +72,7 @@ class SessionRun:
     async def run(self):
         """The session's events for the client; raises SessionEnd."""
         self.log.on_turn(self.o.turn)
-        await self._bind(decode_pb2.AttachRequest(open=self.o, arrival=time.time()), wait_s=0.0)
+        await self._bind(decode_pb2.AttachRequest(open=self.o, arrival=time.time()), wait_s=OPEN_WAIT_S)
         reader = asyncio.create_task(self._read_client())
         try:
             while not self.finished:
