@@ -45,6 +45,7 @@ class WorkerInfo:
     sidecar: str = ""
     engine: str = "mock"
     profile: str = ""
+    task_key: str = ""  # hex; a decode worker's key of its prefill tasks' tokens (ampd.trust)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
