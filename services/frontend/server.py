@@ -299,8 +299,9 @@ class Front:
                 if req.include_usage:
                     yield _sse({**base, "choices": [], "usage": a.usage()})
                 break
-            if item[1]:
-                yield chunk({"content": item[1]})
+            text = run.answer.text_delta()
+            if text:
+                yield chunk({"content": text})
         yield "data: [DONE]\n\n"
 
     async def completions(self, request: Request) -> Response:
@@ -320,6 +321,7 @@ class Front:
                                      headers=headers)
         await _until_end(run)
         a = run.answer
+        a.text_delta()
         choice = {"index": 0, "text": a.stops.text, "finish_reason": a.openai_finish(), "logprobs": None}
         if req.return_token_ids:
             choice.update(prompt_token_ids=ids, token_ids=a.tokens)
@@ -346,7 +348,7 @@ class Front:
                 if req.include_usage:
                     yield _sse({**base, "choices": [], "usage": a.usage()})
                 break
-            yield chunk(item[1], item[2])
+            yield chunk(run.answer.text_delta(), item[2])
         yield "data: [DONE]\n\n"
 
     async def models(self, request: Request) -> Response:
