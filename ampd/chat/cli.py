@@ -121,7 +121,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     with dep:
         print(f"deployment ready in {time.monotonic() - t0:.1f} s (coordinator {dep.coordinator})", flush=True)
         try:
-            n = asyncio.run(converse(dep.coordinator, fmt, args.prompt or SCRIPT, max_tokens=args.max_tokens,
+            messages = args.prompt or (() if args.interactive else SCRIPT)
+            n = asyncio.run(converse(dep.coordinator, fmt, messages, max_tokens=args.max_tokens,
                                      interactive=args.interactive))
         except ChatError as exc:
             raise CliError(f"the session failed: {exc} (logs in {dep.run_dir})") from None
@@ -136,9 +137,9 @@ def register(sub) -> None:
     p.set_defaults(policy="threshold", threshold_tokens=36)
     p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
                    help="a user message (repeatable); default: a scripted two-turn conversation with a "
-                        "calculator call")
+                        "calculator call (none with --interactive)")
     p.add_argument("--interactive", action="store_true",
-                   help="after the messages, read more from standard input (an empty line ends)")
+                   help="after the --prompt messages, read more from standard input (an empty line ends)")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per round at most (default: 64)")
     p.add_argument("--ready-timeout", type=float, default=600.0, metavar="S",
                    help="seconds to wait for the workers to load the model (default: 600)")

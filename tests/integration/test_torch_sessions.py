@@ -9,16 +9,27 @@ round trip), the second turn is a client turn on top of the history, and the thi
 another server-side call. Under `remote` every prefill reads the history over NIXL and writes the
 new KV back; under `local` none leaves the decode worker; `threshold` mixes both in one session
 (short inputs local, long ones remote); `ampd` decides by Algorithm 1.
+
+Starting the services is most of the cost, so `remote`, `local` and `threshold`, whose workers are
+the same (FCFS queues on both kinds), share one set of workers: each policy gets a coordinator of
+its own over them (a coordinator holds no state a second one over the same workers would disturb).
+`ampd` (TTFT-aware queues) gets its own deployment.
 """
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
 
 import pytest
 import torch
 
 from ampd import grpcserver
 from ampd.engine.torch_models import load_model, save_tiny_llama
+from ampd.config import SERVICE_SETTINGS, to_argv
 from ampd.launcher import Deployment, Options
 from ampd.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from ampd.workload.ids import filler_ids
@@ -110,19 +121,74 @@ def _reference(model) -> list[int]:
     return out_all
 
 
-@pytest.mark.parametrize("policy", ["remote", "local", "threshold", "ampd"])
-def test_greedy_tokens_through_the_services_equal_one_model(policy, tiny_llama, redis_url, tmp_path):
-    opts = Options(prefill="tp1*1", decode="tp1*1", engine="torch", model=str(tiny_llama), policy=policy,
+@pytest.fixture(scope="module")
+def expected(tiny_llama) -> list[int]:
+    return _reference(load_model(tiny_llama))
+
+
+def _options(policy: str, model, redis_url: str, run_dir) -> Options:
+    return Options(prefill="tp1*1", decode="tp1*1", engine="torch", model=str(model), policy=policy,
                    profile="qwen3-32b@h20", threshold_tokens=32, redis_url=redis_url, namespace=f"exact-{policy}",
-                   ttft_slo=5.0, itl_slo=1.0, run_dir=str(tmp_path))
-    with Deployment(opts) as dep:
+                   ttft_slo=5.0, itl_slo=1.0, run_dir=str(run_dir))
+
+
+@pytest.fixture(scope="module")
+def fcfs_workers(tiny_llama, redis_url, tmp_path_factory):
+    """The workers of `remote`, `local` and `threshold`, with a coordinator under `remote`."""
+    with Deployment(_options("remote", tiny_llama, redis_url, tmp_path_factory.mktemp("fcfs"))) as dep:
+        yield dep
+
+
+@contextmanager
+def _coordinator(dep: Deployment, policy: str, run_dir):
+    """One more coordinator over ``dep``'s workers (its Redis namespace), under ``policy``; its address."""
+    ready = run_dir / f"coordinator-{policy}.port"
+    cfg = dep.cfg.with_(policy=policy, redis_url=dep.redis_url, port=0, metrics_port=0, ready_file=str(ready))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AMPD_")}  # flags only, as the launcher does
+    with open(run_dir / f"coordinator-{policy}.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "services.coordinator",
+                                 *to_argv(cfg, SERVICE_SETTINGS["coordinator"])],
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 90
+        while not ready.exists():
+            assert proc.poll() is None, (run_dir / f"coordinator-{policy}.log").read_text()
+            assert time.monotonic() < deadline, "the coordinator did not start"
+            time.sleep(0.05)
+        yield f"{cfg.process.host}:{grpcserver.read_ready_file(ready)['port']}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextmanager
+def _served(policy: str, request, tmp_path):
+    """The coordinator address of a deployment under ``policy``."""
+    if policy == "remote":
+        yield request.getfixturevalue("fcfs_workers").coordinator
+    elif policy in ("local", "threshold"):
+        with _coordinator(request.getfixturevalue("fcfs_workers"), policy, tmp_path) as address:
+            yield address
+    else:
+        opts = _options(policy, request.getfixturevalue("tiny_llama"), request.getfixturevalue("redis_url"),
+                        tmp_path)
+        with Deployment(opts) as dep:
+            yield dep.coordinator
+
+
+@pytest.mark.parametrize("policy", ["remote", "local", "threshold", "ampd"])
+def test_greedy_tokens_through_the_services_equal_one_model(policy, expected, request, tmp_path):
+    with _served(policy, request, tmp_path) as address:
         async def both():
-            return await asyncio.gather(_session(dep.coordinator, "a"), _session(dep.coordinator, "b"))
+            return await asyncio.gather(_session(address, f"{policy}-a"), _session(address, f"{policy}-b"))
 
         (tok_a, rounds_a), (tok_b, _) = asyncio.run(both())
-    expect = _reference(load_model(tiny_llama))
-    assert tok_a == expect
-    assert tok_b == expect  # two sessions batched together decode the same tokens
+    assert tok_a == expected
+    assert tok_b == expected  # two sessions batched together decode the same tokens
     assert [(r.round, r.tokens) for r in rounds_a] == [(0, 7), (1, 6), (2, 5), (3, 6), (4, 4)]
     where = [r.local for r in rounds_a]
     if policy == "remote":
