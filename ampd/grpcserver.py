@@ -159,8 +159,10 @@ class CallStream:
     the reply's status, as the unary call would. A broken stream fails the calls in flight with
     its status; the next call opens a new stream."""
 
-    def __init__(self, open_stream: Callable[[object], grpc.aio.StreamStreamCall]) -> None:
+    def __init__(self, open_stream: Callable[[object], grpc.aio.StreamStreamCall],
+                 on_broken: Callable[[grpc.aio.AioRpcError], None] | None = None) -> None:
         self._open = open_stream
+        self._on_broken = on_broken  # called when the stream fails (not when it is closed here)
         self._call: grpc.aio.StreamStreamCall | None = None
         self._outbox: asyncio.Queue | None = None
         self._pending: dict[int, asyncio.Future] = {}
@@ -207,6 +209,8 @@ class CallStream:
                     fut.set_result(reply)
         except grpc.aio.AioRpcError as exc:
             err = exc
+            if self._on_broken is not None and exc.code() == grpc.StatusCode.UNAVAILABLE:
+                self._on_broken(exc)
         except asyncio.CancelledError:
             err = _rpc_error(grpc.StatusCode.CANCELLED, "call stream closed")
         if self._call is call:

@@ -194,6 +194,15 @@ class Deployment:
     def child(self, name: str) -> Child:
         return next(c for c in self.children if c.name == name)
 
+    def wait_serving(self, timeout_s: float = 90.0) -> None:
+        """Until every child runs and serves (a restarted one has written its ready file again)."""
+        deadline = time.monotonic() + timeout_s
+        while not all(c.proc.poll() is None and not c.restart_at and (c.ready is None or c.ready.exists())
+                      for c in self.children):
+            if time.monotonic() > deadline:
+                raise CliError(f"not every child serves after {timeout_s:g} s: {self.events[-3:]}")
+            time.sleep(0.1)
+
     def _supervise_loop(self) -> None:
         while not self._stopping.wait(0.1):
             with self._lock:
@@ -361,7 +370,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from ampd.workload import dump_trace, generate
 
     dep = Deployment(Config.of(prefill="tp2*2", decode="tp2*2", profile=args.profile, policy=args.policy,
-                               ttft_slo=args.ttft_slo, itl_slo=args.itl_slo))
+                               ttft_slo=args.ttft_slo, itl_slo=args.itl_slo), frontend=True)
     trace = dep.run_dir / "demo-trace.jsonl"
     sessions = generate(args.preset, args.rate, args.duration, args.seed)
     dump_trace(sessions, trace)
@@ -369,15 +378,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
           file=sys.stderr, flush=True)
     with dep:
         print(f"coordinator {dep.coordinator}", file=sys.stderr, flush=True)
+        print(f"frontend {dep.frontend}/v1 (OpenAI API)", file=sys.stderr, flush=True)
         print(dep.metrics_line(), file=sys.stderr, flush=True)
         return run_bench_cli(dep.coordinator, str(trace), args.ttft_slo, args.itl_slo,
                              json_out=args.json or None, verify_tokens=True)
 
 
 def register(sub) -> None:
-    p = sub.add_parser("up", help="launch a local deployment (Redis, coordinator, workers, sidecars)",
+    p = sub.add_parser("up", help="launch a local deployment (Redis, coordinator, workers, sidecars, the "
+                                  "OpenAI-compatible front)",
                        description="Starts Redis (unless --redis-url), the coordinator, the prefill and decode "
-                                   "workers and one tool sidecar per decode worker on this machine. A co-located "
+                                   "workers, one tool sidecar per decode worker and the OpenAI-compatible front "
+                                   "(docs/frontend.md) on this machine. A co-located "
                                    "policy (colocated, continuum) runs no prefill workers: the --prefill GPUs "
                                    "become co-located workers, as in `ampd simulate`.")
     add_flags(p, UP_SETTINGS)

@@ -18,7 +18,7 @@ from ampd.perf import Profile
 from ampd.policy import WorkerView
 from ampd.state import StateStore, WorkerInfo, WorkerStats
 from ampd.state.store import REDIS_ERRORS
-from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 log = structlog.get_logger()
 
@@ -125,7 +125,12 @@ class WorkerRuntime:
 
     async def start(self, sidecar: str = "") -> None:
         self._sidecar = sidecar
-        await self.register()
+        # Redis may be restarting just now (a supervisor restarts both): wait for it, within bounds.
+        async for attempt in AsyncRetrying(retry=retry_if_exception_type(REDIS_ERRORS), reraise=True,
+                                           wait=wait_exponential(multiplier=0.1, max=2.0),
+                                           stop=stop_after_delay(30.0), before_sleep=_log_redis_retry):
+            with attempt:
+                await self.register()
         self._tasks.append(asyncio.create_task(self._publisher(), name="stats-publisher"))
         self._tasks.append(asyncio.create_task(self._peer_sync(), name="peer-sync"))
 

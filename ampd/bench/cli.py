@@ -10,11 +10,17 @@ from ampd.config import add_flags
 def _cmd(args: argparse.Namespace) -> int:
     from ampd.bench.client import run_bench_cli
 
-    if ":" not in args.target:
-        raise CliError(f"--target {args.target!r}: expected HOST:PORT")
+    if args.api == "openai":
+        if not args.target.startswith(("http://", "https://")):
+            raise CliError(f"--target {args.target!r}: expected the front's URL (http://HOST:PORT) with --api openai")
+        if args.verify_tokens or args.client_tools:
+            raise CliError("--verify-tokens and --client-tools are for --api grpc (the front's tools are the "
+                           "client's)")
+    elif ":" not in args.target or args.target.startswith(("http://", "https://")):
+        raise CliError(f"--target {args.target!r}: expected the coordinator's HOST:PORT")
     return run_bench_cli(args.target, args.trace, args.ttft_slo, args.itl_slo, json_out=args.json or None,
                          verify_tokens=args.verify_tokens, client_tools=args.client_tools,
-                         timeout_s=args.timeout)
+                         timeout_s=args.timeout, api=args.api, model=args.model, api_key=args.api_key)
 
 
 def _sched(args: argparse.Namespace) -> int:
@@ -41,8 +47,14 @@ def register(sub) -> None:
     s.add_argument("--decisions", type=int, default=3000)
     s.set_defaults(func=_sched)
 
-    p = sub.add_parser("bench", help="replay a trace over gRPC and report SLO attainment")
-    p.add_argument("--target", required=True, help="coordinator HOST:PORT")
+    p = sub.add_parser("bench", help="replay a trace (over gRPC or the OpenAI API) and report SLO attainment")
+    p.add_argument("--api", choices=("grpc", "openai"), default="grpc",
+                   help="grpc: one session stream per trace session at the coordinator; openai: streamed "
+                        "/v1/completions through the front, the whole history resent every round, the client "
+                        "waiting out each tool time (docs/frontend.md)")
+    p.add_argument("--target", required=True, help="coordinator HOST:PORT (grpc) or the front's URL (openai)")
+    p.add_argument("--model", default="", help="--api openai: the model to ask for (default: the front's first)")
+    p.add_argument("--api-key", default="", help="--api openai: the front's key (its --auth-token), if it has one")
     p.add_argument("--trace", required=True, help="trace file (JSON Lines)")
     add_flags(p, ("ttft_slo", "itl_slo"), required=("ttft_slo", "itl_slo"))
     p.add_argument("--json", default="", help="write the report (DESIGN section 8 keys) here")

@@ -185,7 +185,7 @@ async def replay(target: str, sessions: list[Session], *, verify_tokens: bool = 
 
 def run_bench_cli(target: str, trace: str, ttft_slo: float, itl_slo: float, *, json_out: str | None = None,
                   verify_tokens: bool = False, client_tools: bool = False,
-                  timeout_s: float = 600.0) -> int:
+                  timeout_s: float = 600.0, api: str = "grpc", model: str = "", api_key: str = "") -> int:
     from ampd.cli import CliError
     from ampd.workload import TraceError, load_trace
 
@@ -201,25 +201,39 @@ def run_bench_cli(target: str, trace: str, ttft_slo: float, itl_slo: float, *, j
         raise CliError(f"{trace}: no sessions")
     import uvloop
 
+    extra: dict = {}
     try:
-        records, stats, wall, labels = uvloop.run(replay(target, sessions, verify_tokens=verify_tokens,
-                                                         client_tools=client_tools, timeout_s=timeout_s))
+        if api == "openai":
+            from ampd.bench.openai_client import replay_openai
+
+            records, ostats, wall, labels = uvloop.run(replay_openai(target, sessions, model=model, api_key=api_key,
+                                                                     timeout_s=timeout_s))
+            errors = ostats.errors
+            extra = {"prompt_tokens": ostats.prompt_tokens, "cached_prompt_tokens": ostats.cached_tokens}
+        else:
+            records, stats, wall, labels = uvloop.run(replay(target, sessions, verify_tokens=verify_tokens,
+                                                             client_tools=client_tools, timeout_s=timeout_s))
+            errors = stats.errors
     except ConnectionError as exc:
         raise CliError(str(exc)) from exc
     report = build_report(labels.get("policy", "unknown"), records, slo, wall)
     report["trace"] = trace
     report["target"] = target
+    report["api"] = api
     report["labels"] = labels
     report["wall_s"] = wall
-    if verify_tokens:
+    report.update(extra)
+    if verify_tokens and api == "grpc":
         report["token_mismatches"] = stats.token_mismatches
     print(format_report(report))
-    # Per session (client clock): where it was bound and how it ended, for fault and swap checks.
-    report["sessions"] = [{"id": r.session_id, "decode_worker": stats.bound_to.get(r.session_id, ""),
-                           "completed": r.completed, "error": r.error, "rounds": len(r.rounds),
-                           "started": stats.started_at.get(r.session_id), "ended": stats.ended_at.get(r.session_id)}
-                          for r in records]
-    for e in stats.errors[:5]:
+    if api == "grpc":
+        # Per session (client clock): where it was bound and how it ended, for fault and swap checks.
+        report["sessions"] = [{"id": r.session_id, "decode_worker": stats.bound_to.get(r.session_id, ""),
+                               "completed": r.completed, "error": r.error, "rounds": len(r.rounds),
+                               "started": stats.started_at.get(r.session_id),
+                               "ended": stats.ended_at.get(r.session_id)}
+                              for r in records]
+    for e in errors[:5]:
         print(f"  failed: {e}", file=sys.stderr)
     if json_out:
         with open(json_out, "w") as f:

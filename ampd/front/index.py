@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 import redis.asyncio as aioredis
 
-__all__ = ["SessionIndex", "Match", "pack", "unpack"]
+__all__ = ["SessionIndex", "LocalIndex", "Match", "pack", "unpack", "prefix_digests", "history_entry"]
 
 
 def pack(ids: Sequence[int]) -> bytes:
@@ -66,7 +66,7 @@ class SessionIndex:
         lengths = [n for n in lengths if 0 < n < len(ids)]
         if not lengths:
             return None
-        digests = _prefix_digests(ids, lengths)
+        digests = prefix_digests(ids, lengths)
         raws = await self.r.mget([f"{self.p}:hist:{d}" for d in digests])
         for n, raw in zip(lengths, raws):
             if raw:
@@ -114,7 +114,7 @@ def _digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:32]
 
 
-def _prefix_digests(ids: Sequence[int], lengths: Sequence[int]) -> list[str]:
+def prefix_digests(ids: Sequence[int], lengths: Sequence[int]) -> list[str]:
     """The digest of ids[:n] for each n in ``lengths`` (descending), hashing the ids once."""
     data = pack(ids)
     h = hashlib.sha256()
@@ -125,3 +125,38 @@ def _prefix_digests(ids: Sequence[int], lengths: Sequence[int]) -> list[str]:
         pos = n
         out[n] = h.copy().hexdigest()[:32]
     return [out[n] for n in lengths]
+
+
+class LocalIndex:
+    """The same index over the sessions one front holds, in its memory: the front that holds a
+    session finds it without a Redis round trip (the shared index is for the others)."""
+
+    def __init__(self) -> None:
+        self.sessions: dict[str, str] = {}  # history digest -> session id
+        self.lengths: dict[int, int] = {}  # history length -> how many
+        self.answers: dict[str, list[int]] = {}  # answer digest -> its ids
+
+    def add(self, sid: str, entry: tuple[str, int]) -> None:
+        self.sessions[entry[0]] = sid
+        self.lengths[entry[1]] = self.lengths.get(entry[1], 0) + 1
+
+    def remove(self, entry: tuple[str, int]) -> None:
+        if self.sessions.pop(entry[0], None) is not None:
+            n = self.lengths.get(entry[1], 0) - 1
+            if n > 0:
+                self.lengths[entry[1]] = n
+            else:
+                self.lengths.pop(entry[1], None)
+
+    def find(self, ids: Sequence[int]) -> Match | None:
+        lengths = sorted((n for n in self.lengths if 0 < n < len(ids)), reverse=True)
+        if not lengths:
+            return None
+        for n, d in zip(lengths, prefix_digests(ids, lengths)):
+            if d in self.sessions:
+                return Match(self.sessions[d], "", n)
+        return None
+
+
+def history_entry(history: Sequence[int]) -> tuple[str, int]:
+    return _digest(pack(history)), len(history)

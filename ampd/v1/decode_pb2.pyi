@@ -1,7 +1,8 @@
 from ampd.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -21,12 +22,28 @@ class ControlRequest(_message.Message):
     def __init__(self, id: _Optional[int] = ..., local_prefill: _Optional[_Union[RouteInfo, _Mapping]] = ..., turn: _Optional[_Union[TurnRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelRequest, _Mapping]] = ..., close: _Optional[_Union[CloseRequest, _Mapping]] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("open", "arrival")
+    __slots__ = ("open", "arrival", "resume")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     open: _common_pb2.OpenSession
     arrival: float
-    def __init__(self, open: _Optional[_Union[_common_pb2.OpenSession, _Mapping]] = ..., arrival: _Optional[float] = ...) -> None: ...
+    resume: Resume
+    def __init__(self, open: _Optional[_Union[_common_pb2.OpenSession, _Mapping]] = ..., arrival: _Optional[float] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ...) -> None: ...
+
+class Resume(_message.Message):
+    __slots__ = ("round", "round_tokens", "rerun_tools", "calls", "attempt")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ROUND_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RERUN_TOOLS_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    round_tokens: int
+    rerun_tools: bool
+    calls: _containers.RepeatedCompositeFieldContainer[_common_pb2.ToolCall]
+    attempt: int
+    def __init__(self, round: _Optional[int] = ..., round_tokens: _Optional[int] = ..., rerun_tools: _Optional[bool] = ..., calls: _Optional[_Iterable[_Union[_common_pb2.ToolCall, _Mapping]]] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class RouteInfo(_message.Message):
     __slots__ = ("session_id", "round", "reason", "prefill_worker")

@@ -247,10 +247,10 @@ class DecodeCore(CachedWindowMean):
         if self.kv_admission == "fail":
             if self.kv_cap - self.kv_used < need and not self._make_room(need):
                 return self._fail(s)
-            if s.round == 0:
+            if s.session_id not in self.sessions:
                 self.live += 1
                 self.sessions[s.session_id] = s
-        elif s.round == 0:
+        elif s.session_id not in self.sessions:
             # a new session starts only when its first input fits; running sessions go first
             if self.kv_wait or self.new_wait or self.kv_cap - self.kv_used < need:
                 self.new_wait.append(s)
@@ -267,7 +267,7 @@ class DecodeCore(CachedWindowMean):
 
     def _fail(self, s: DecodeSession) -> int:
         s.error = f"{KV_EXHAUSTED} on {self.worker_id}: {s.l_incr} tokens needed, {self.kv_cap - self.kv_used} free"
-        if s.round > 0 or s.session_id in self.sessions:
+        if s.session_id in self.sessions:
             self.kv_used -= s.l_hist
             self.live -= 1
             self.sessions.pop(s.session_id, None)

@@ -4,35 +4,26 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-import time
 from collections import Counter
 
 import grpc
 import structlog
 
 from ampd import grpcserver, logs, metrics
-from ampd.config import SERVICE_SETTINGS, ConfigError, add_flags, env_name
+from ampd.config import SERVICE_SETTINGS, ConfigError, CoordinatorSettings, add_flags, env_name
 from ampd.deployment import check_names
 from ampd.perf import load_profile
-from ampd.policy import SLO, PrefillTask, make_router, policy_spec
+from ampd.policy import SLO, make_router, policy_spec
 from ampd.state import StateStore, connect
+from ampd.state.store import REDIS_ERRORS
 from ampd.v1 import (
-    common_pb2, coordinator_pb2, coordinator_pb2_grpc, decode_pb2, decode_pb2_grpc, prefill_pb2,
-    prefill_pb2_grpc,
+    common_pb2, coordinator_pb2, coordinator_pb2_grpc, decode_pb2_grpc, prefill_pb2_grpc,
 )
 from ampd.grpcserver import write_ready_file
-from services.coordinator.core import (
-    Cluster, InvalidArgument, choose_decode_worker, route, validate_open, validate_turn,
-)
+from services.coordinator.core import Cluster, InvalidArgument, validate_open
+from services.coordinator.session import SessionEnd, SessionRun
 
 log = structlog.get_logger()
-
-
-class _Rejected(grpc.aio.AioRpcError):
-    """A client message this coordinator refused itself (it ends the session like a worker's refusal)."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
 class Stubs:
@@ -46,7 +37,8 @@ class Stubs:
     the old address until its next re-resolution (make test-compose: 3 to 16 of 16 sessions opened
     just after a decode-worker swap failed that way)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_broken=None) -> None:
+        self.on_broken = on_broken  # (address) -> None: a call stream to that worker failed
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._incarnation: dict[str, str] = {}  # address -> the worker process its channel is for
         self._decode: dict[str, decode_pb2_grpc.DecodeWorkerStub] = {}
@@ -80,15 +72,18 @@ class Stubs:
         """DecodeWorker.Control of the worker at `address`: send decode_pb2.ControlRequest."""
         stub = self.decode(address, incarnation)
         if address not in self._control:
-            self._control[address] = grpcserver.CallStream(stub.Control)
+            self._control[address] = grpcserver.CallStream(stub.Control, self._broken(address))
         return self._control[address]
 
     def submit(self, address: str, incarnation: str = "") -> grpcserver.CallStream:
         """PrefillWorker.SubmitStream of the worker at `address`: send prefill_pb2.SubmitRequest."""
         stub = self.prefill(address, incarnation)
         if address not in self._submit:
-            self._submit[address] = grpcserver.CallStream(stub.SubmitStream)
+            self._submit[address] = grpcserver.CallStream(stub.SubmitStream, self._broken(address))
         return self._submit[address]
+
+    def _broken(self, address: str):
+        return (lambda exc: self.on_broken(address)) if self.on_broken else None
 
     def decode(self, address: str, incarnation: str = "") -> decode_pb2_grpc.DecodeWorkerStub:
         ch = self._channel(address, incarnation)
@@ -104,17 +99,24 @@ class Stubs:
 
 
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
-    def __init__(self, store: StateStore, router, policy: str, stats_mode: str = "push") -> None:
+    def __init__(self, store: StateStore, router, policy: str, stats_mode: str = "push",
+                 migration_limit: int = CoordinatorSettings().migration_limit) -> None:
         self.store = store
         self.cluster = Cluster(store, stats_mode)
+        self.cluster.on_poll = self._on_poll
         self.router = router
         self.policy = policy
-        self.stubs = Stubs()
+        self.migration_limit = migration_limit
+        self.stubs = Stubs(self._connection_failed)
         self.live: set[str] = set()
         self.counters: Counter[str] = Counter()
         self.route_read_ms_total = 0.0
         self.labels: dict[str, str] = {"policy": policy}
         self.rounds = metrics.RoundMetrics()  # TTFT/ITL histograms of /metrics
+        # prefill worker -> the sessions with a round submitted there and not yet answered
+        self.remote: dict[str, dict[tuple[str, int], SessionRun]] = {}
+        self._unrecorded: set[str] = set()  # session records whose delete failed (Redis was away)
+        self._writes: set[asyncio.Task] = set()
 
     async def Session(self, request_iterator, context: grpc.aio.ServicerContext):
         try:
@@ -132,160 +134,85 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         sid = o.session_id
         if sid in self.live:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"open.session_id: {sid!r} is already live")
-        arrival = time.time()
-        view = await self.cluster.view()
-        if not view.decode:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no decode worker is serving")
-        decode_id = choose_decode_worker(view)
-        info = self.cluster.infos[decode_id]
         self.live.add(sid)
         self.counters["sessions_opened"] += 1
-        decode_stub = self.stubs.decode(info.address, info.nixl_agent)
-        call = decode_stub.Attach(decode_pb2.AttachRequest(open=o, arrival=arrival))
-        # The session record is written while the decode worker opens the session, not before.
-        # (Round 0's route record, which may land first, writes the same round.)
-        record = asyncio.create_task(
-            self.store.put_session(sid, {"decode_worker": decode_id, "arrival": arrival, "round": 0}))
-        routes: dict[int, tuple[str, str, bool]] = {}
-        control = self.stubs.control(info.address, info.nixl_agent)
-        rejected: list[grpc.aio.AioRpcError] = []
-        reader = asyncio.create_task(self._client_messages(request_iterator, control, sid, call, rejected))
-        first_event = True
+        run = SessionRun(self, sid, o, request_iterator)
         try:
-            async for ev in call:
-                kind = ev.WhichOneof("event")
-                if kind == "prefill_task":
-                    await self._route(sid, decode_id, info.tp, control, ev.prefill_task, routes)
-                    continue
-                out = coordinator_pb2.SessionEvent(session_id=sid)
-                if first_event:
-                    out.decode_worker = decode_id
-                    first_event = False
-                if kind == "tokens":
-                    out.tokens.CopyFrom(ev.tokens)
-                elif kind == "tool_call":
-                    out.tool_call.CopyFrom(ev.tool_call)
-                elif kind == "turn_end":
-                    out.turn_end.CopyFrom(ev.turn_end)
-                elif kind == "round_end":
-                    out.round_end.CopyFrom(ev.round_end)
-                    self._annotate(out.round_end.timing, routes)
-                    self.rounds.observe(out.round_end.timing)
-                elif kind == "done":
-                    out.done.CopyFrom(ev.done)
-                    for t in out.done.rounds:
-                        self._annotate(t, routes)
-                    self.counters["sessions_completed"] += 1
+            async for out in run.run():
+                if out.HasField("done"):
                     # Forget the session before telling the client: a client that checks right after
                     # SessionDone (or cancels its stream) must find nothing left behind.
+                    self.counters["sessions_completed"] += 1
                     self.live.discard(sid)
-                    await record
-                    await self.store.delete_session(sid)
+                    await self.forget_record(sid)
                 yield out
-        except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
-            if not rejected and isinstance(exc, asyncio.CancelledError):
-                raise  # the client went away
+        except SessionEnd as end:
             self.counters["sessions_failed"] += 1
-            if rejected:  # a bad turn (the decode call was cancelled): the client gets the turn's error
-                exc = rejected[0]
-            code = exc.code()
-            if code == grpc.StatusCode.CANCELLED and context.cancelled():
-                return
-            if code == grpc.StatusCode.INVALID_ARGUMENT:
-                await context.abort(code, exc.details())
-            await context.abort(code if code != grpc.StatusCode.UNKNOWN else grpc.StatusCode.INTERNAL,
-                                f"decode worker {decode_id}: {exc.details()}")
+            await context.abort(end.code, end.details)
         finally:
-            reader.cancel()
-            call.cancel()
-            self.live.discard(sid)
-            await asyncio.gather(record, return_exceptions=True)  # a put must not outlive the delete
-            await self.store.delete_session(sid)
+            if sid in self.live:
+                self.live.discard(sid)
+                await self.forget_record(sid)
 
-    @staticmethod
-    def _annotate(t: common_pb2.RoundTiming, routes: dict[int, tuple[str, str, bool]]) -> None:
-        if t.round in routes:
-            worker, reason, _ = routes[t.round]
-            t.route_reason = reason
+    # ------------------------------------------------------------------- session records (Redis)
+    def record(self, sid: str, fields: dict) -> None:
+        """Writes the session's record in the background: a Redis outage must not stall a session."""
+        task = asyncio.create_task(self._write(self.store.update_session(sid, fields)))
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
 
-    async def _client_messages(self, request_iterator, control: grpcserver.CallStream, sid: str, call,
-                               rejected: list) -> None:
-        """The client's next turns, Close and Cancel while its session runs. A rejected turn ends the
-        session with the turn's error (INVALID_ARGUMENT naming the field, or FAILED_PRECONDITION)."""
+    async def _write(self, op) -> bool:
         try:
-            async for msg in request_iterator:
-                kind = msg.WhichOneof("msg")
-                if kind == "turn":
-                    try:
-                        validate_turn(msg.turn, "turn")
-                    except InvalidArgument as exc:
-                        rejected.append(_Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
-                        call.cancel()
-                        return
-                    req = decode_pb2.ControlRequest(turn=decode_pb2.TurnRequest(session_id=sid, turn=msg.turn))
-                elif kind == "close":
-                    req = decode_pb2.ControlRequest(close=decode_pb2.CloseRequest(session_id=sid))
-                elif kind == "cancel":
-                    req = decode_pb2.ControlRequest(cancel=decode_pb2.CancelRequest(
-                        session_id=sid, reason=msg.cancel.reason))
-                else:
-                    rejected.append(_Rejected(grpc.StatusCode.INVALID_ARGUMENT,
-                                              f"{kind or 'msg'}: the session is already open; send turn, close or cancel"))
-                    call.cancel()
-                    return
-                try:
-                    await control.call(req)
-                except grpc.aio.AioRpcError as exc:
-                    if kind == "close" and exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                        return  # the session already ended
-                    rejected.append(exc)
-                    call.cancel()
-                    return
-        except (grpc.aio.AioRpcError, asyncio.CancelledError):
-            raise
-        # The client half-closed its side: the session ends after its current turn.
-        try:
-            await control.call(decode_pb2.ControlRequest(close=decode_pb2.CloseRequest(session_id=sid)))
-        except grpc.aio.AioRpcError:
-            pass  # the session already ended
+            await asyncio.wait_for(op, 2.0)
+            return True
+        except (asyncio.TimeoutError, *REDIS_ERRORS) as exc:
+            log.warning("session record not written", error=str(exc) or type(exc).__name__)
+            return False
 
-    async def _route(self, sid, decode_id, decode_tp, control, need: common_pb2.PrefillTask, routes) -> None:
-        t0 = time.perf_counter()
-        view = await self.cluster.view()
-        req = PrefillTask(sid, need.round, need.l_hist, need.l_incr, need.input_ready, decode_id, decode_tp)
-        decision = route(self.router, view, req, time.time())
-        decide_ms = (time.perf_counter() - t0) * 1e3
-        self.route_read_ms_total += view.read_s * 1e3
-        self.counters[f"route_{decision.reason}"] += 1
-        # The session record is written while the prefill is handed over, not before it.
-        record = asyncio.create_task(self.store.update_session(
-            sid, {"round": need.round, "route": decision.reason, "prefill_worker": decision.target}))
-        try:
-            if not decision.local:
-                target = self.cluster.infos.get(decision.target)
-                try:
-                    # The task goes on as the decode worker sent it, bound to the worker this
-                    # coordinator bound the session to.
-                    need.session_id, need.decode_worker, need.decode_tp = sid, decode_id, decode_tp
-                    submit = self.stubs.submit(target.address, target.nixl_agent)
-                    await submit.call(prefill_pb2.SubmitRequest(task=need))
-                    self.counters["prefills_remote"] += 1
-                except (grpc.aio.AioRpcError, AttributeError) as exc:
-                    # A prefill worker that vanished must not lose the round: run it locally.
-                    log.warning("remote prefill submit failed; running locally", session=sid,
-                                target=decision.target, error=str(exc))
-                    self.counters["route_fallback-local"] += 1
-                    decision = decision.__class__(decode_id, True, "fallback-local", decision.estimates)
-            if decision.local:
-                await control.call(decode_pb2.ControlRequest(local_prefill=decode_pb2.RouteInfo(
-                    session_id=sid, round=need.round, reason=decision.reason)))
-                self.counters["prefills_local"] += 1
-            routes[need.round] = (decision.target, decision.reason, decision.local)
-            log.info("route", session=sid, round=need.round, target=decision.target, local=decision.local,
-                     reason=decision.reason, decide_ms=round(decide_ms, 3),
-                     **{k: round(v, 4) for k, v in decision.estimates.items()})
-        finally:
-            await record
+    async def forget_record(self, sid: str) -> None:
+        # the record's writes in flight land first, then the delete (it must not be rewritten after)
+        await asyncio.gather(*self._writes, return_exceptions=True)
+        if not await self._write(self.store.delete_session(sid)):
+            self._unrecorded.add(sid)  # deleted on a later liveness poll, once Redis answers
+
+    async def _on_poll(self) -> None:
+        if self._unrecorded:
+            gone = set(self._unrecorded)
+            await self.store.delete_sessions(gone)
+            self._unrecorded -= gone
+        for wid in list(self.remote):  # a prefill worker whose liveness key expired: re-route its work
+            if self.cluster.live is not None and wid not in self.cluster.live and wid in self.cluster.infos:
+                self._prefill_lost(wid)
+
+    # ---------------------------------------------------------------------------- lost workers
+    def _connection_failed(self, address: str) -> None:
+        """A call stream to the worker at ``address`` failed on its connection."""
+        for wid, info in list(self.cluster.infos.items()):
+            if info.address == address:
+                self.cluster.mark_lost(wid)
+                if info.kind == "prefill":
+                    self._prefill_lost(wid)
+
+    def remember_remote(self, run: SessionRun, worker: str, rnd: int) -> None:
+        self.remote.setdefault(worker, {})[(run.sid, rnd)] = run
+
+    def forget_remote(self, run: SessionRun, rnd: int | None = None) -> None:
+        for worker in list(run.remote.values()) if rnd is None else [run.remote.get(rnd)]:
+            if worker is None:
+                continue
+            tasks = self.remote.get(worker, {})
+            for key in [k for k in tasks if k[0] == run.sid and (rnd is None or k[1] == rnd)]:
+                del tasks[key]
+            if not tasks:
+                self.remote.pop(worker, None)
+        if rnd is not None:
+            run.remote.pop(rnd, None)
+
+    def _prefill_lost(self, worker: str) -> None:
+        """Every round submitted to ``worker`` and not answered runs on its decode worker instead."""
+        tasks = self.remote.pop(worker, {})
+        for (sid, rnd), run in tasks.items():
+            asyncio.get_running_loop().create_task(run.reroute(rnd, worker))
 
     async def Metrics(self, request, context) -> common_pb2.MetricsReply:
         values = {k: float(v) for k, v in self.counters.items()}
@@ -306,7 +233,7 @@ async def amain(args: argparse.Namespace) -> None:
     router = make_router(args.policy, profile, slo, seed=args.seed, alpha=args.alpha, beta=args.beta,
                          threshold_tokens=args.threshold_tokens, slack=args.slack or None)
     store = StateStore(await connect(args.redis_url), args.namespace)
-    service = CoordinatorService(store, router, args.policy, args.stats_mode)
+    service = CoordinatorService(store, router, args.policy, args.stats_mode, args.migration_limit)
     service.labels.update(profile=profile.name, ttft_slo=str(slo.ttft_s), itl_slo=str(slo.itl_s))
     await service.cluster.start()
     server, port, health = await grpcserver.start_server(

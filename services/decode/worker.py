@@ -82,6 +82,8 @@ class Session:
     rounds_done: list[common_pb2.RoundTiming] = field(default_factory=list)
     pending_calls: set[str] = field(default_factory=set)  # client-side calls the next turn may answer
     stops: StopChecker | None = None  # the round's text and stop strings (engines with a tokenizer)
+    recovering: bool = False  # moved here from a lost worker: its first round here is marked recovered
+    carried: int = 0  # output tokens of the first round here that the lost worker already made
     closing: bool = False  # Close received: end after the turn
     closed: bool = False
 
@@ -91,7 +93,7 @@ class Session:
 
     def max_tokens(self) -> int:
         n = self.params.max_tokens
-        return min(n, self.max_output) if self.max_output else n
+        return (min(n, self.max_output) if self.max_output else n) - self.carried
 
     def finish(self, tok: int, engine: Engine) -> str:
         """Why the round ends with ``tok`` (its latest output token), or "" to go on."""
@@ -142,7 +144,7 @@ class DecodeWorker:
             "sessions_opened": 0, "sessions_completed": 0, "sessions_failed": 0,
             "prefills_local": 0, "prefills_remote": 0, "decode_steps": 0, "tokens": 0,
             "kv_bytes_verified": 0, "kv_bytes_mismatched": 0, "tool_calls": 0, "prefill_chunks": 0,
-            "kv_waits": 0, "prefills_rerouted": 0, "local_prefill_tokens": 0,
+            "kv_waits": 0, "prefills_rerouted": 0, "local_prefill_tokens": 0, "sessions_resumed": 0,
         }
         self._tasks: list[asyncio.Task] = []
         # A real engine attends to the history in the pool; the mock needs none (and its KV is checkable).
@@ -199,8 +201,31 @@ class DecodeWorker:
         self.sessions[s.session_id] = s
         self.rt.active_sessions = len(self.sessions)
         self.metrics["sessions_opened"] += 1
-        self._start_turn(s, o.turn, req.arrival or time.time())
+        if req.HasField("resume"):
+            self._resume(s, o.turn, req.resume)
+        else:
+            self._start_turn(s, o.turn, req.arrival or time.time())
         return s
+
+    def _resume(self, s: Session, t: common_pb2.Turn, r: decode_pb2.Resume) -> None:
+        """A session moved here from a lost decode worker: ``t`` holds its whole history (prefilled
+        here again) and the rest of its turn; its rounds keep their numbers (docs/deploy.md)."""
+        log.info("session moved here", session=s.session_id, round=r.round, attempt=r.attempt,
+                 history=len(t.token_ids), rerun_tools=r.rerun_tools)
+        self.metrics["sessions_resumed"] += 1
+        s.next_round, s.recovering = r.round, True
+        if not r.rerun_tools:
+            s.carried = r.round_tokens
+            self._start_turn(s, t, time.time())
+            return
+        # the previous round ended with server-side calls whose results never came: run them again
+        s.turn, s.script = t, deque(t.script)
+        s.tokens.extend(t.token_ids)
+        scripted = s.script.popleft() if s.script else None
+        calls = [(scripted.tool.name or "replay", scripted.tool.arguments, False)] if scripted \
+            else [(c.name, c.arguments, False) for c in r.calls]
+        after_eos = s.tokens[-1] in self.engine.eos_token_ids
+        asyncio.create_task(self._run_tools(s, scripted, calls, after_eos))
 
     def turn(self, session_id: str, t: common_pb2.Turn) -> None:
         """The client's next turn (after the previous one ended)."""
@@ -238,7 +263,10 @@ class DecodeWorker:
                                   self.engine.eos_token_ids, params.stop_token_ids, params.stop, params.ignore_eos)
         c = s.core
         # The core counts the round's new tokens; the prefill also computes the previous round's
-        # last output token, which the core already counted in the history.
+        # last output token, which the core already counted in the history. A session that moved
+        # here has no history in the core yet: its whole history is new.
+        if s.recovering:
+            new = len(s.tokens) - s.kv.tokens
         c.round, c.l_incr, c.out = s.next_round, new, s.max_tokens()
         s.next_round += 1
         s.input_ready = input_ready
@@ -265,7 +293,9 @@ class DecodeWorker:
             self.fail(s, f"KV exhausted on {self.rt.cfg.worker_id}: {exc}")
             return
         self.rt.changed()
-        s.timing = common_pb2.RoundTiming(round=rnd, input_ready=s.input_ready, l_hist=s.l_hist, l_incr=s.l_incr)
+        s.timing = common_pb2.RoundTiming(round=rnd, input_ready=s.input_ready, l_hist=s.l_hist, l_incr=s.l_incr,
+                                          recovered=s.recovering)
+        s.recovering = False
         self.emit(s, decode_pb2.DecodeEvent(prefill_task=common_pb2.PrefillTask(
             session_id=s.session_id, round=rnd, l_hist=s.l_hist, l_incr=s.l_incr, input_ready=s.input_ready,
             decode_worker=self.rt.cfg.worker_id, decode_tp=self.rt.cfg.tp,
@@ -374,6 +404,7 @@ class DecodeWorker:
         calls are the turn's scripted ones, else those parsed from the output (engines with text)."""
         self.core.round_end(s.core, False)
         self.core.tool_call(s.core)  # pinned until its next round (a tool result, or the next turn)
+        s.carried = 0
         scripted = s.script.popleft() if s.script else None
         parsed = parse_tool_calls(s.stops.text)[1] if scripted is None and s.stops is not None else []
         if scripted is not None or parsed:

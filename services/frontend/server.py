@@ -14,10 +14,12 @@ import uuid
 from typing import Any, Sequence
 
 import grpc
+import httpx2
 import structlog
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -29,7 +31,7 @@ from ampd.chat.tokenizer import tokenizer_for
 from ampd.config import SERVICE_SETTINGS, ConfigError, add_flags, env_name
 from ampd.front.answer import FORCED_STOP, Answer, forced_prefix
 from ampd.front.api import ApiError, ChatRequest, CompletionRequest, Sampling, error_body, parse_chat, parse_completion
-from ampd.front.index import SessionIndex
+from ampd.front.index import Match, SessionIndex
 from ampd.metrics import TTFT_BUCKETS
 from ampd.sessionapi import MAX_SESSION_ID
 from ampd.state import connect
@@ -41,6 +43,7 @@ log = structlog.get_logger()
 
 # Session headers, in the order they are read: ours, then llm-d's session-affinity header.
 SESSION_HEADERS = ("x-session-id", "x-session-token")
+FORWARDED = "x-ampd-forwarded"  # set on a request one front passes to the front that holds its session
 MAX_BODY = 32 << 20  # bytes of one request body
 
 
@@ -50,7 +53,8 @@ class FrontMetrics:
         self.requests = Counter("ampd_frontend_requests", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)
         self.sessions = Counter("ampd_frontend_session_turns", "turns by how their session was found: header, "
-                                "prefix (the request resent a live session's history) or new", ["how"], registry=r)
+                                "prefix (the request resent a live session's history), new, or forwarded (to the "
+                                "front that holds the session)", ["how"], registry=r)
         self.prompt_tokens = Counter("ampd_frontend_prompt_tokens", "prompt tokens of answered turns", registry=r)
         self.cached_tokens = Counter("ampd_frontend_cached_prompt_tokens", "prompt tokens whose KV the session "
                                      "already held (not prefilled again)", registry=r)
@@ -87,6 +91,7 @@ class Front:
         self.table = SessionTable(index, me, args.session_ttl, args.max_sessions)
         self.metrics = FrontMetrics(self.table)
         self.created = int(time.time())
+        self.http = httpx2.AsyncClient(timeout=None)  # to the other fronts (forwarding)
 
     # ---------------------------------------------------------------------------------- helpers
     def _detok(self, ids: Sequence[int]) -> str:
@@ -106,6 +111,7 @@ class Front:
         raw = await request.body()
         if len(raw) > MAX_BODY:
             raise ApiError(413, f"body: over {MAX_BODY} bytes", code="body_too_large")
+        request.state.raw = raw
         try:
             return json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
@@ -137,7 +143,7 @@ class Front:
                       forced, hold)
 
     # ------------------------------------------------------------------------------ placing a turn
-    async def _place(self, ids: list[int], lengths: list[int], header: str, how: list[str]
+    async def _place(self, ids: list[int], header: str, how: list[str], forwarded: bool
                      ) -> tuple[LiveSession | None, int]:
         """The live session this request continues and how many of its tokens it keeps; None: new."""
         if header:
@@ -150,8 +156,12 @@ class Front:
                 return s, min(_lcp(s.history, ids), len(ids) - 1)
             how.append("new")
             return None, 0
-        m = await self.index.find(ids, lengths)
-        if m is not None and m.front == self.table.me:
+        m = self.table.local.find(ids)
+        if m is None and not forwarded:  # none of this front's sessions: perhaps another front's
+            m = await self.index.find(ids, (await self.index.prefetch(()))[0])
+            if m is not None and m.front != self.table.me:
+                raise _Forward(m)
+        if m is not None:
             s = self.table.live.get(m.session_id)
             if s is not None and not s.busy and not s.closed and s.history == ids[:m.length]:
                 how.append("prefix")
@@ -159,10 +169,11 @@ class Front:
         how.append("new")
         return None, 0
 
-    async def _begin(self, ids: list[int], lengths: list[int], header: str, p: common_pb2.SamplingParams,
+    async def _begin(self, request: Request, ids: list[int], header: str, p: common_pb2.SamplingParams,
                      answered: Sequence[str]) -> tuple[LiveSession, common_pb2.Turn | None]:
         how: list[str] = []
-        s, keep = await self._place(ids, lengths, header, how)
+        forwarded = bool(request.headers.get(FORWARDED)) or getattr(request.state, "no_forward", False)
+        s, keep = await self._place(ids, header, how, forwarded)
         self.metrics.sessions.labels(how[0]).inc()
         if s is None:
             if not self.table.room():
@@ -174,10 +185,7 @@ class Front:
             s.start(self.stub, common_pb2.OpenSession(session_id=sid, turn=common_pb2.Turn(
                 token_ids=ids, sampling=p)), self.metadata)
             return s, None
-        s.busy = True
-        entry, s.entry = s.entry, None
-        if entry is not None:
-            asyncio.create_task(self.index.withdraw(entry))
+        self.table.take(s)
         turn = common_pb2.Turn(token_ids=ids[keep:], sampling=p)
         if keep < len(s.history):
             turn.keep_tokens = keep
@@ -187,6 +195,26 @@ class Front:
         s.pending_calls.clear()
         s.history = s.history[:keep] + ids[keep:]
         return s, turn
+
+    async def forward(self, request: Request, m: Match) -> Response:
+        """Passes the request to the front that holds its session (named by the header there); a
+        front that does not answer leaves the conversation to a new session here."""
+        headers = {"content-type": "application/json", "x-session-id": m.session_id, FORWARDED: "1"}
+        if request.headers.get("authorization"):
+            headers["authorization"] = request.headers["authorization"]
+        req = self.http.build_request("POST", m.front + request.url.path, content=request.state.raw, headers=headers)
+        try:
+            resp = await self.http.send(req, stream=True)
+        except httpx2.TransportError as exc:
+            log.warning("the session's front does not answer; a new session here", front=m.front,
+                        session=m.session_id, error=str(exc))
+            request.state.no_forward = True
+            return await (self.chat if request.url.path.endswith("chat/completions") else self.completions)(request)
+        self.metrics.sessions.labels("forwarded").inc()
+        return StreamingResponse(resp.aiter_raw(), status_code=resp.status_code,
+                                 media_type=resp.headers.get("content-type"),
+                                 headers={"x-session-id": resp.headers.get("x-session-id", m.session_id)},
+                                 background=BackgroundTask(resp.aclose))
 
     def _ended(self, run: TurnRun) -> None:
         a = run.answer
@@ -214,7 +242,10 @@ class Front:
         header = self._header_session(request)
         digests = [answer_digest(m.get("content"), m.get("tool_calls")) for m in req.messages
                    if m.get("role") == "assistant"]
-        lengths, known = await self.index.prefetch(digests)
+        local = self.table.local.answers
+        known = {d: local[d] for d in digests if d in local}
+        if len(known) < len(digests):  # answers another front gave
+            known.update((await self.index.prefetch([d for d in digests if d not in known]))[1])
         try:
             rendered = render_conversation(self.fmt, req.messages, req.tools or None, known.get)
         except ValueError as exc:
@@ -225,7 +256,7 @@ class Front:
         p = self._sampling(req.sampling, req.forced_tool is not None)
         answered = [m.get("tool_call_id") for m in req.messages[_last_answer(req.messages) + 1:]
                     if m.get("role") == "tool"]
-        s, turn = await self._begin(ids, lengths, header, p, answered)
+        s, turn = await self._begin(request, ids, header, p, answered)
         answer = self._answer(p, req.forced_tool, bool(req.tools) and req.forced_tool is None)
         run, first = await self._run(s, turn, answer, prefix, t0)
         cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
@@ -277,9 +308,8 @@ class Front:
         self._check_model(req.model)
         header = self._header_session(request)
         ids = list(req.prompt) if isinstance(req.prompt, list) else self.fmt.encode(req.prompt)
-        lengths, _ = await self.index.prefetch(())
         p = self._sampling(req.sampling, False)
-        s, turn = await self._begin(ids, lengths, header, p, ())
+        s, turn = await self._begin(request, ids, header, p, ())
         run, first = await self._run(s, turn, self._answer(p, None, False), [], t0)
         cid = f"cmpl-{uuid.uuid4().hex[:24]}"
         headers = {"x-session-id": s.session_id}
@@ -331,6 +361,11 @@ class Front:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
+class _Forward(Exception):
+    def __init__(self, match: Match) -> None:
+        self.match = match
+
+
 def _last_answer(messages: list[dict]) -> int:
     return max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=-1)
 
@@ -365,7 +400,10 @@ def build_app(front: Front) -> Starlette:
     def wrap(path: str, fn):
         async def handler(request: Request) -> Response:
             try:
-                resp = await fn(request)
+                try:
+                    resp = await fn(request)
+                except _Forward as f:
+                    resp = await front.forward(request, f.match)
             except ApiError as e:
                 resp = JSONResponse(error_body(e), status_code=e.status)
             except grpc.aio.AioRpcError as exc:  # pragma: no cover - turned into ApiError in TurnRun
@@ -421,6 +459,7 @@ async def amain(args: argparse.Namespace) -> None:
         await serving
     finally:
         await front.table.stop()
+        await front.http.aclose()
         await channel.close()
         await redis.aclose()
 

@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 import structlog
 
-from ampd.front.index import SessionIndex
+from ampd.front.index import LocalIndex, SessionIndex
 from ampd.v1 import common_pb2, coordinator_pb2
 
 log = structlog.get_logger()
@@ -32,6 +32,7 @@ class LiveSession:
     entry: tuple[str, int] | None = None  # its index entry while it idles
     last_used: float = field(default_factory=time.monotonic)
     pending_calls: set[str] = field(default_factory=set)  # the decode worker's open client-side calls
+    answers: list[str] = field(default_factory=list)  # digests of its answers (in the local index)
     closed: bool = False
     error: grpc.aio.AioRpcError | None = None
     events: asyncio.Queue | None = None  # the running turn's events
@@ -85,6 +86,7 @@ class SessionTable:
         self.ttl_s = ttl_s
         self.max_sessions = max_sessions
         self.live: dict[str, LiveSession] = {}
+        self.local = LocalIndex()
         self.closed_by_ttl = 0
         self._reaper: asyncio.Task | None = None
 
@@ -115,6 +117,10 @@ class SessionTable:
         if self.live.get(s.session_id) is s:
             del self.live[s.session_id]
         entry, s.entry = s.entry, None
+        if entry is not None:
+            self.local.remove(entry)
+        for d in s.answers:
+            self.local.answers.pop(d, None)
         s.close()
         try:
             await self.index.withdraw(entry, s.session_id)
@@ -125,6 +131,20 @@ class SessionTable:
                 await asyncio.wait_for(asyncio.shield(s.reader), 5.0)
             except (asyncio.TimeoutError, asyncio.CancelledError):
                 s.abort()
+
+    def take(self, s: LiveSession) -> None:
+        """A turn starts on the idle session: out of both indexes until it ends."""
+        s.busy = True
+        entry, s.entry = s.entry, None
+        if entry is not None:
+            self.local.remove(entry)
+            asyncio.create_task(self._withdraw(entry))
+
+    async def _withdraw(self, entry: tuple[str, int]) -> None:
+        try:
+            await self.index.withdraw(entry)
+        except Exception as exc:  # Redis away: the entry expires on its own
+            log.warning("index withdraw failed", error=str(exc))
 
     async def reap(self, now: float) -> int:
         """Closes the idle sessions not used for longer than the TTL; returns how many."""

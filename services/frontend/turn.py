@@ -13,6 +13,7 @@ import structlog
 from ampd.chat.conversation import answer_digest
 from ampd.front.answer import Answer, Call
 from ampd.front.api import ApiError
+from ampd.front.index import history_entry
 from ampd.v1 import common_pb2
 from services.frontend.sessions import END, LiveSession, SessionTable
 
@@ -105,12 +106,16 @@ class TurnRun:
         self.calls = a.calls()
         msg = a.message(self.calls)
         segment = self.segment_prefix + a.tokens
+        digest = answer_digest(msg["content"], msg.get("tool_calls"))
+        s.entry = history_entry(s.history)
+        self.table.local.add(s.session_id, s.entry)
+        self.table.local.answers[digest] = segment
+        s.answers.append(digest)
         s.busy = False
         s.last_used = time.monotonic()
         try:
-            s.entry = await self.table.index.publish(
-                s.session_id, self.table.me, s.history, (answer_digest(msg["content"], msg.get("tool_calls")), segment))
-        except Exception as exc:  # Redis away: the session still answers its header
+            await self.table.index.publish(s.session_id, self.table.me, s.history, (digest, segment))
+        except Exception as exc:  # Redis away: this front still finds the session
             log.warning("index publish failed", session=s.session_id, error=str(exc))
         self.out.put_nowait((DONE, None, None))
         self._ended()

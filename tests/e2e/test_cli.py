@@ -74,8 +74,11 @@ def test_up_serves_then_sigterm_leaves_no_orphan(tmp_path, redis_url):
         line = proc.stdout.readline()
         assert line.startswith("coordinator "), proc.stderr.read() if proc.poll() is not None else line
         address = line.split()[1]
+        line = proc.stdout.readline()
+        assert line.startswith("frontend http://127.0.0.1:") and line.split()[1].endswith("/v1"), line
+        front = line.split()[1]
         kids = _descendants(proc.pid)
-        assert len(kids) >= 4  # coordinator, prefill, decode, sidecar
+        assert len(kids) >= 5  # coordinator, prefill, decode, sidecar, frontend
         trace = tmp_path / "t.jsonl"
         trace.write_text('{"id": "a", "arrival": 0, "rounds": [{"input": 100, "output": 5, "tool_s": 0.1},'
                          ' {"input": 20, "output": 4}]}\n')
@@ -86,6 +89,13 @@ def test_up_serves_then_sigterm_leaves_no_orphan(tmp_path, redis_url):
 
         report = json.loads((tmp_path / "r.json").read_text())
         assert report["completed"] == 1 and report["token_mismatches"] == 0
+        # the same trace through the OpenAI-compatible front, the history resent each round
+        r = run("bench", "--api", "openai", "--target", front, "--trace", str(trace), "--ttft-slo", "1",
+                "--itl-slo", "0.1", "--json", str(tmp_path / "o.json"))
+        assert r.returncode == 0, r.stderr
+        report = json.loads((tmp_path / "o.json").read_text())
+        assert report["completed"] == 1 and report["api"] == "openai"
+        assert report["cached_prompt_tokens"] == 100 + 5 - 1  # round 2 continues round 1's session
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
         deadline = time.monotonic() + 10

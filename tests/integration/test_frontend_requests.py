@@ -180,12 +180,14 @@ def test_fuzzed_requests_never_crash_the_front_nor_leak_a_session(dep):
     _wait_no_sessions(dep)
 
 
-def test_auth_token_guards_every_endpoint_but_health(dep, tmp_path):
-    """A second front on the same deployment, with a token (and the same Redis index)."""
+def test_a_second_front_agrees_and_guards_with_its_token(dep, tmp_path):
+    """A second front on the same deployment and Redis index, with a token: a conversation the first
+    front holds, resent to the second, continues on the first (forwarded), with its cached tokens."""
     ready = tmp_path / "front.port"
     proc = subprocess.Popen([sys.executable, "-m", "services.frontend", "--coordinator-address", dep.coordinator,
                              "--redis-url", dep.redis_url, "--namespace", NS, "--auth-token", "s3cret",
-                             "--ready-file", str(ready)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                             "--session-ttl", str(TTL_S), "--ready-file", str(ready)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
         while not ready.exists():
@@ -196,10 +198,34 @@ def test_auth_token_guards_every_endpoint_but_health(dep, tmp_path):
         assert s == 401 and b["error"]["code"] == "invalid_api_key"
         s, b = post(url, chat(), headers={"authorization": "Bearer wrong"})
         assert s == 401
-        s, b = post(url, chat(), headers={"authorization": "Bearer s3cret"})
-        assert s == 200
         assert json.loads(urllib.request.urlopen(url + "/health", timeout=10).read())["status"] == "ok"
+        key = {"authorization": "Bearer s3cret"}
+        s1, b1 = post(dep.frontend, chat("where does this go?"))
+        assert s1 == 200
+        convo = [{"role": "user", "content": "where does this go?"}, b1["choices"][0]["message"],
+                 {"role": "user", "content": "and now?"}]
+        s2, b2 = post(url, {"model": MODEL, "messages": convo, "max_tokens": 4}, headers=key)
+        assert s2 == 200, b2
+        assert b2["ampd"]["session_id"] == b1["ampd"]["session_id"]
+        assert b2["usage"]["prompt_tokens_details"]["cached_tokens"] == b1["usage"]["prompt_tokens"] + 4 - 1
     finally:
         proc.terminate()
         proc.wait(10)
+    _wait_no_sessions(dep)
+
+
+def test_the_openai_replay_continues_every_session_through_the_front(dep):
+    """`ampd bench --api openai`: each round resends the history; every later round is a continuation
+    (its l_hist is the previous rounds' prompt and output, less the last output token)."""
+    from ampd.bench.openai_client import replay_openai
+    from ampd.workload import Round, Session
+
+    trace = [Session(id=f"r{i}", arrival=0.1 * i, rounds=(Round(40, 5, tool_s=0.05), Round(12, 3, tool_s=0.0),
+                                                          Round(7, 4))) for i in range(3)]
+    records, stats, _, labels = asyncio.run(replay_openai(dep.frontend, trace, progress=False))
+    assert not stats.errors and labels["model"] == MODEL
+    for rec in records:
+        assert rec.completed
+        assert [(r.l_hist, r.l_incr) for r in rec.rounds] == [(0, 40), (44, 13), (59, 8)]
+    assert stats.cached_tokens == 3 * (44 + 59)
     _wait_no_sessions(dep)

@@ -34,11 +34,13 @@ PROMETHEUS_CONFIG = ROOT / "deploy" / "prometheus.yml"
 DASHBOARD = ROOT / "deploy" / "grafana" / "ampd-dashboard.json"
 
 OBSERVABILITY = {"prometheus", "grafana"}
+HTTP_SERVICES = ["frontend"]  # the OpenAI-compatible front: HTTP, its /metrics on its --port
 EXPECTED = {"redis", "coordinator", "decode-0", "decode-1", "sidecar-0", "sidecar-1", "prefill-0", "prefill-1",
-            "planner", *OBSERVABILITY}
-GRPC_SERVICES = sorted(EXPECTED - {"redis"} - OBSERVABILITY)
-# published on the host's loopback: the coordinator (clients), the planner, Prometheus and Grafana
-PUBLISHED = {"coordinator": 50051, "planner": 50060, "prometheus": 9090, "grafana": 3000}
+            "planner", *HTTP_SERVICES, *OBSERVABILITY}
+GRPC_SERVICES = sorted(EXPECTED - {"redis"} - OBSERVABILITY - set(HTTP_SERVICES))
+AMPD_SERVICES = GRPC_SERVICES + HTTP_SERVICES
+# published on the host's loopback: the coordinator and the front (clients), the planner, Prometheus and Grafana
+PUBLISHED = {"coordinator": 50051, "frontend": 8000, "planner": 50060, "prometheus": 9090, "grafana": 3000}
 REDIS_URL = "redis://redis:6379/0"
 
 _VAR = re.compile(r"\$(?:\$|\{(?P<braced>[^}]*)\}|(?P<plain>[A-Za-z_][A-Za-z0-9_]*))")
@@ -161,14 +163,14 @@ def test_all_but_redis_build_from_the_one_dockerfile(services):
     assert "build" not in redis
     assert command(redis) == ["redis-server", "--save", "", "--appendonly", "no"]
     images = set()
-    for name in GRPC_SERVICES:
+    for name in AMPD_SERVICES:
         build = services[name]["build"]
         assert build["context"] == "." and build.get("dockerfile", "Dockerfile") == "Dockerfile", name
         images.add(services[name].get("image"))
     assert len(images) == 1, "one image for every AMPD service"
 
 
-@pytest.mark.parametrize("name", GRPC_SERVICES)
+@pytest.mark.parametrize("name", AMPD_SERVICES)
 def test_command_module_exists_and_flags_parse(services, name):
     cmd = command(services[name])
     package = module_of(cmd)
@@ -179,7 +181,7 @@ def test_command_module_exists_and_flags_parse(services, name):
     assert args.port > 0, "fixed ports inside containers"
 
 
-@pytest.mark.parametrize("name", GRPC_SERVICES)
+@pytest.mark.parametrize("name", AMPD_SERVICES)
 def test_compose_passes_exactly_the_settings_the_service_reads(services, name):
     """The derivation: compose's AMPD_* keys == ampd.config.env_names(kind), and the command line
     carries only per-process settings."""
@@ -190,7 +192,7 @@ def test_compose_passes_exactly_the_settings_the_service_reads(services, name):
     assert given <= placement, f"{name}: settings on the command line: {sorted(given - placement)}"
 
 
-@pytest.mark.parametrize("name", GRPC_SERVICES)
+@pytest.mark.parametrize("name", AMPD_SERVICES)
 def test_unset_variables_give_the_config_defaults(services, name):
     args = parse(services[name])
     defaults = config.Config().flat()
@@ -198,12 +200,15 @@ def test_unset_variables_give_the_config_defaults(services, name):
         if setting in config.PLACEMENT or setting == "redis_url":
             continue
         got = getattr(args, setting)
+        if setting == "coordinator_address":  # the front dials the coordinator's service by name
+            assert got == "coordinator:50051"
+            continue
         assert (tuple(got) if isinstance(got, list) else got) == defaults[setting], f"{name} {setting}"
     if uses_redis(name):
         assert args.redis_url == REDIS_URL
 
 
-@pytest.mark.parametrize("name", GRPC_SERVICES)
+@pytest.mark.parametrize("name", AMPD_SERVICES)
 def test_every_variable_reaches_the_parsed_settings(services, name):
     host = {"AMPD_POLICY": "remote", "AMPD_PROFILE": "llama3.1-70b@h20", "AMPD_TTFT_SLO": "5",
             "AMPD_ITL_SLO": "0.05", "AMPD_PREFILL_TP": "2", "AMPD_DECODE_TP": "4", "AMPD_NAMESPACE": "x",
@@ -293,7 +298,7 @@ def test_workers_advertise_their_own_name_and_port(services):
 
 
 def test_ports_unique_and_only_the_coordinator_and_observability_published(services):
-    ports = [parse(services[n]).port for n in GRPC_SERVICES] + [parse(services[n]).metrics_port for n in GRPC_SERVICES]
+    ports = [parse(services[n]).port for n in AMPD_SERVICES] + [parse(services[n]).metrics_port for n in GRPC_SERVICES]
     assert len(set(ports)) == len(ports), ports
     assert parse(services["coordinator"]).port == 50051
     for name, svc in services.items():
@@ -323,6 +328,7 @@ def test_prometheus_scrapes_every_ampd_service(services):
                 assert host not in scraped, f"{host} scraped twice"
                 scraped[host] = (job["job_name"], int(port))
     want = {n: (kind_of(n), parse(services[n]).metrics_port) for n in GRPC_SERVICES}
+    want.update({n: (kind_of(n), parse(services[n]).port) for n in HTTP_SERVICES})
     assert scraped == want
     prom = services["prometheus"]
     assert prom["image"].startswith("prom/prometheus:v") and "latest" not in prom["image"]
@@ -365,9 +371,14 @@ def test_depends_on_and_healthchecks(services):
         test = services[name]["healthcheck"]["test"]
         port = services[name]["ports"][0].rsplit(":", 1)[1]
         assert test[0] == "CMD-SHELL" and test[1].startswith("wget ") and f"http://127.0.0.1:{port}/" in test[1], name
-    for name in GRPC_SERVICES:
+    for name in AMPD_SERVICES:
         if uses_redis(name):
             assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy"
+    for name in HTTP_SERVICES:
+        assert services[name]["depends_on"]["coordinator"]["condition"] == "service_healthy"
+        port = parse(services[name]).port
+        assert services[name]["healthcheck"]["test"] == [
+            "CMD-SHELL", f"python -m ampd.front.healthcheck http://127.0.0.1:{port}/health"]
     # The coordinator reads the worker registry at start (as `ampd up` starts it last).
     assert {n for n in GRPC_SERVICES if n != "coordinator" and uses_redis(n)} \
         <= set(services["coordinator"]["depends_on"])
@@ -390,7 +401,7 @@ def test_grpc_healthcheck_targets_own_port(services, name):
 
 
 def test_shared_environment(services):
-    for name in GRPC_SERVICES:
+    for name in AMPD_SERVICES:
         env = {k: interpolate(str(v), {}) for k, v in services[name]["environment"].items()}
         assert env["UCX_TLS"] == "tcp,self", "UCX must not rely on CMA/shm across containers"
         assert env["NIXL_LOG_LEVEL"] == "WARN"

@@ -1,0 +1,123 @@
+"""Trace replay through the OpenAI-compatible front, the way an agent drives a server: every round
+is a streamed `/v1/completions` request that resends the whole history (earlier prompts and the
+model's outputs) with the round's new input, after the previous round's tool time. No session
+header: the front finds the session by the history's token prefix.
+
+Token ids, not text, so that each round has exactly the trace's lengths: the prompt is a list of
+ids, `ignore_eos` makes the output the trace's length, and `return_token_ids` (vLLM's name) gives
+the output ids to resend. Times are this client's clock: a round's TTFT runs from sending its
+request to receiving its first token, so it includes the front. The report is the gRPC replay's
+(`ampd.bench.report`).
+"""
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from dataclasses import dataclass, field
+
+from ampd.bench.report import RoundRecord, SessionRecord
+from ampd.workload import Session, filler_ids
+
+__all__ = ["replay_openai", "OpenAIStats"]
+
+
+@dataclass
+class OpenAIStats:
+    tokens: int = 0
+    errors: list[str] = field(default_factory=list)
+    cached_tokens: int = 0
+    prompt_tokens: int = 0
+
+
+async def _round(client, model: str, prompt: list[int], output: int) -> tuple[list[int], list[float], dict]:
+    stream = await client.completions.create(
+        model=model, prompt=prompt, max_tokens=output, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "return_token_ids": True})
+    ids: list[int] = []
+    times: list[float] = []
+    info: dict = {}
+    async for chunk in stream:
+        now = time.time()
+        for c in chunk.choices:
+            new = (c.model_extra or {}).get("token_ids") or []
+            ids.extend(new)
+            times.extend([now] * len(new))
+        extra = chunk.model_extra or {}
+        if extra.get("ampd"):
+            info.update(extra["ampd"])
+        if chunk.usage is not None:
+            info["usage"] = chunk.usage
+    return ids, times, info
+
+
+async def run_session(client, model: str, s: Session, stats: OpenAIStats) -> SessionRecord:
+    history: list[int] = []
+    rounds: list[RoundRecord] = []
+    error = ""
+    arrival = time.time()
+    for i, r in enumerate(s.rounds):
+        if i:
+            await asyncio.sleep(s.rounds[i - 1].tool_s or 0.0)
+        prompt = history + filler_ids(r.input, len(history))
+        sent = time.time()
+        try:
+            ids, times, info = await _round(client, model, prompt, r.output)
+        except Exception as exc:  # openai.APIError and connection failures: the session fails
+            error = f"round {i}: {type(exc).__name__}: {exc}"
+            stats.errors.append(f"{s.id}: {error}")
+            break
+        history = prompt + ids
+        stats.tokens += len(ids)
+        usage = info.get("usage")
+        if usage is not None:
+            stats.prompt_tokens += usage.prompt_tokens
+            details = usage.prompt_tokens_details
+            stats.cached_tokens += (details.cached_tokens or 0) if details is not None else 0
+        rounds.append(RoundRecord(session_id=s.id, round=i, input_ready=sent, first_token=times[0] if times else None,
+                                  token_times=tuple(times), local=info.get("local"), l_hist=info.get("l_hist", 0),
+                                  l_incr=info.get("l_incr", 0)))
+    completed = not error and len(rounds) == len(s.rounds)
+    return SessionRecord(s.id, rounds[0].input_ready if rounds else arrival, tuple(rounds), completed, error)
+
+
+async def replay_openai(target: str, sessions: list[Session], *, model: str = "", api_key: str = "",
+                        progress: bool = True, timeout_s: float = 600.0
+                        ) -> tuple[list[SessionRecord], OpenAIStats, float, dict]:
+    """Replays `sessions` at their arrival times through the front at `target` (its URL, with or
+    without /v1); returns records, stats, wall seconds and labels."""
+    import openai
+
+    base = target.rstrip("/")
+    base = base if base.endswith("/v1") else base + "/v1"
+    client = openai.AsyncOpenAI(base_url=base, api_key=api_key or "none", max_retries=0, timeout=timeout_s)
+    try:
+        served = [m.id async for m in client.models.list()]
+    except openai.APIError as exc:
+        await client.close()
+        raise ConnectionError(f"cannot reach the front at {base}: {exc}") from None
+    model = model or served[0]
+    stats = OpenAIStats()
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(sessions), unit="session", file=sys.stderr, dynamic_ncols=True, desc="replay")
+    t0 = time.monotonic()
+
+    async def one(s: Session) -> SessionRecord:
+        delay = s.arrival - (time.monotonic() - t0)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        rec = await run_session(client, model, s, stats)
+        if bar is not None:
+            bar.update(1)
+        return rec
+
+    try:
+        records = await asyncio.gather(*(one(s) for s in sessions))
+    finally:
+        if bar is not None:
+            bar.close()
+        await client.close()
+    return list(records), stats, time.monotonic() - t0, {"api": "openai", "model": model}

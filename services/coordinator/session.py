@@ -1,0 +1,335 @@
+"""One client session on the coordinator: bound to a decode worker, its prefills routed, its events
+forwarded, and moved to another decode worker when its own is lost.
+
+Everything that happens to the session goes through one queue, in order: the client's messages,
+the decode worker's events, the end of the decode stream. One loop takes them one at a time, so the
+session's record (ampd.sessionlog.SessionLog) never races with itself. A decode stream that fails
+with UNAVAILABLE (the worker died, or is shutting down) moves the session: the worker leaves routing,
+the session is bound to another decode worker with a Resume (its history, prefilled there again),
+and its stream goes on; at most ``migration_limit`` times.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import structlog
+
+from ampd.policy import PrefillTask
+from ampd.sessionlog import CannotResume, SessionLog
+from ampd.v1 import common_pb2, coordinator_pb2, decode_pb2, prefill_pb2
+from services.coordinator.core import InvalidArgument, choose_decode_worker, route, validate_turn
+
+log = structlog.get_logger()
+
+BIND_WAIT_S = 15.0  # a moving session waits this long for a live decode worker (one may be restarting)
+
+
+class SessionEnd(Exception):
+    """The session ends with this gRPC status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+class SessionRun:
+    def __init__(self, svc, sid: str, o: common_pb2.OpenSession, request_iterator) -> None:
+        self.svc = svc
+        self.sid = sid
+        self.o = o
+        self.requests = request_iterator
+        self.log = SessionLog(sid, o.limits)
+        self.q: asyncio.Queue = asyncio.Queue()
+        self.gen = 0  # the binding's number: events of a replaced binding are dropped
+        self.bound = False
+        self.opened = False  # the bound worker opened the session (its first event came)
+        self.held: list = []  # client messages that came before it did
+        self.finished = False
+        self.decode_id = ""
+        self.info = None
+        self.control = None
+        self.call = None
+        self.pump: asyncio.Task | None = None
+        self.routes: dict[int, tuple[str, str, bool]] = {}
+        self.remote: dict[int, str] = {}  # round -> prefill worker its prefill was submitted to
+        self.announce = True  # the next event to the client names the binding
+
+    # -------------------------------------------------------------------------------- the loop
+    async def run(self):
+        """The session's events for the client; raises SessionEnd."""
+        self.log.on_turn(self.o.turn)
+        await self._bind(decode_pb2.AttachRequest(open=self.o, arrival=time.time()), wait_s=0.0)
+        reader = asyncio.create_task(self._read_client())
+        try:
+            while not self.finished:
+                kind, gen, item = await self.q.get()
+                if kind == "client":
+                    outs = await self._client(item)
+                elif gen != self.gen:
+                    continue  # from a decode stream already replaced
+                elif kind == "event":
+                    outs = await self._event(item)
+                elif kind == "error":
+                    outs = await self._decode_failed(item)
+                else:
+                    outs = await self._move("its stream ended without SessionDone")
+                for out in outs:
+                    yield out
+                while self.held and self.opened and not self.finished:
+                    for out in await self._client(self.held.pop(0)):
+                        yield out
+        finally:
+            reader.cancel()
+            self._unbind()
+            self.svc.forget_remote(self)
+
+    async def _read_client(self) -> None:
+        try:
+            async for msg in self.requests:
+                self.q.put_nowait(("client", 0, msg))
+            self.q.put_nowait(("client", 0, None))  # half-closed: end after the current turn
+        except (grpc.aio.AioRpcError, asyncio.CancelledError):
+            pass
+
+    async def _pump(self, call, gen: int) -> None:
+        try:
+            async for ev in call:
+                self.q.put_nowait(("event", gen, ev))
+            self.q.put_nowait(("end", gen, None))
+        except grpc.aio.AioRpcError as exc:
+            self.q.put_nowait(("error", gen, exc))
+        except asyncio.CancelledError:
+            pass
+
+    # ------------------------------------------------------------------------------- binding
+    async def _bind(self, req: decode_pb2.AttachRequest, wait_s: float = BIND_WAIT_S) -> None:
+        svc = self.svc
+        deadline = time.monotonic() + wait_s
+        while True:
+            view = await svc.cluster.view()
+            if view.decode:
+                break
+            if time.monotonic() >= deadline:
+                raise SessionEnd(grpc.StatusCode.UNAVAILABLE, "no decode worker is serving")
+            await asyncio.sleep(0.25)
+        self.decode_id = choose_decode_worker(view)
+        self.info = svc.cluster.infos[self.decode_id]
+        self.control = svc.stubs.control(self.info.address, self.info.nixl_agent)
+        self.gen += 1
+        self.call = svc.stubs.decode(self.info.address, self.info.nixl_agent).Attach(req)
+        self.pump = asyncio.create_task(self._pump(self.call, self.gen))
+        self.bound, self.opened, self.announce = True, False, True
+        svc.record(self.sid, {"decode_worker": self.decode_id, "round": req.resume.round, "moves": self.log.moves})
+
+    def _unbind(self) -> None:
+        self.gen += 1
+        if self.pump is not None:
+            self.pump.cancel()
+        if self.call is not None:
+            self.call.cancel()
+        self.pump = self.call = None
+        self.bound = False
+
+    async def _decode_failed(self, exc: grpc.aio.AioRpcError) -> list:
+        code = exc.code()
+        if code == grpc.StatusCode.UNAVAILABLE:
+            return await self._move(exc.details())
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            raise SessionEnd(code, exc.details())
+        raise SessionEnd(code if code != grpc.StatusCode.UNKNOWN else grpc.StatusCode.INTERNAL,
+                         f"decode worker {self.decode_id}: {exc.details()}")
+
+    async def _move(self, why: str) -> list:
+        """The bound decode worker is lost: bind the session to another one, or wait for the next
+        turn when it was idle."""
+        svc, lost = self.svc, self.decode_id
+        svc.cluster.mark_lost(lost)
+        self._unbind()
+        if self.log.moves >= svc.migration_limit:
+            raise SessionEnd(grpc.StatusCode.UNAVAILABLE,
+                             f"decode worker {lost} lost ({why}); the session already moved {self.log.moves} "
+                             f"times, its limit (--migration-limit)")
+        svc.counters["sessions_moved"] += 1
+        log.warning("decode worker lost; moving the session", session=self.sid, worker=lost, why=why,
+                    round=self.log.round, tokens=len(self.log.history))
+        outs = []
+        state = self.log.lost()
+        if state == "turn_end":
+            outs.append(self._out(turn_end=self.log.turn_end()))
+            state = "idle"
+        if state == "idle":
+            self.opened = True  # nothing to wait for: the next client message binds it again
+            return outs
+        try:
+            await self._bind(self.log.resume())
+        except CannotResume as exc:
+            raise SessionEnd(grpc.StatusCode.UNAVAILABLE, f"decode worker {lost} lost ({why}); {exc}") from None
+        return outs
+
+    # ------------------------------------------------------------------------ client messages
+    async def _client(self, msg) -> list:
+        if self.bound and not self.opened:
+            self.held.append(msg)
+            return []
+        kind = "close" if msg is None else msg.WhichOneof("msg")
+        if kind == "turn":
+            try:
+                validate_turn(msg.turn, "turn")
+            except InvalidArgument as exc:
+                raise SessionEnd(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+            if not self.bound:
+                return await self._resume_with(msg.turn)
+            ok = await self._control(decode_pb2.ControlRequest(turn=decode_pb2.TurnRequest(
+                session_id=self.sid, turn=msg.turn)))
+            self.log.on_turn(msg.turn)  # accepted, or the worker is gone with it (the move runs it)
+            return [] if ok else await self._move("its control stream failed")
+        if kind == "close":
+            if not self.bound:
+                return [self._done(common_pb2.SessionDone())]
+            ok = await self._control(decode_pb2.ControlRequest(close=decode_pb2.CloseRequest(session_id=self.sid)),
+                                     ignore=grpc.StatusCode.FAILED_PRECONDITION)
+            return [] if ok else await self._move("its control stream failed")
+        if kind == "cancel":
+            if not self.bound:
+                raise SessionEnd(grpc.StatusCode.CANCELLED, f"cancelled: {msg.cancel.reason}" if msg.cancel.reason
+                                 else "cancelled")
+            await self._control(decode_pb2.ControlRequest(cancel=decode_pb2.CancelRequest(
+                session_id=self.sid, reason=msg.cancel.reason)))
+            return []
+        raise SessionEnd(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"{kind or 'msg'}: the session is already open; send turn, close or cancel")
+
+    async def _resume_with(self, turn: common_pb2.Turn) -> list:
+        try:
+            req = self.log.resume(turn)
+        except CannotResume as exc:
+            raise SessionEnd(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        await self._bind(req)
+        return []
+
+    async def _control(self, req, ignore: grpc.StatusCode | None = None) -> bool:
+        """Sends ``req`` on the bound worker's control stream. False: the worker is unreachable."""
+        try:
+            await self.control.call(req)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                return False
+            if exc.code() != ignore:
+                raise SessionEnd(exc.code(), exc.details()) from None
+        return True
+
+    # ------------------------------------------------------------------------- decode events
+    def _out(self, **event) -> coordinator_pb2.SessionEvent:
+        out = coordinator_pb2.SessionEvent(session_id=self.sid, **event)
+        if self.announce:
+            out.decode_worker = self.decode_id
+            self.announce = False
+        return out
+
+    def _done(self, done: common_pb2.SessionDone) -> coordinator_pb2.SessionEvent:
+        del done.rounds[:]
+        for t in self.log.rounds():  # every round, the ones made on a lost worker too
+            self._annotate(t)
+            done.rounds.append(t)
+        self.finished = True
+        return self._out(done=done)
+
+    async def _event(self, ev: decode_pb2.DecodeEvent) -> list:
+        self.opened = True
+        kind = ev.WhichOneof("event")
+        lg = self.log
+        if kind == "prefill_task":
+            lg.on_prefill_task(ev.prefill_task)
+            await self._route(ev.prefill_task)
+            return []
+        if kind == "tokens":
+            lg.on_tokens(ev.tokens)
+            self.svc.forget_remote(self, ev.tokens.round)
+            return [self._out(tokens=ev.tokens)]
+        if kind == "tool_call":
+            lg.on_tool_call(ev.tool_call)
+            return [self._out(tool_call=ev.tool_call)]
+        if kind == "turn_end":
+            lg.on_turn_end()
+            return [self._out(turn_end=ev.turn_end)]
+        if kind == "round_end":
+            t = ev.round_end.timing
+            lg.on_round_end(t)
+            self._annotate(t)
+            self.svc.rounds.observe(t)
+            return [self._out(round_end=ev.round_end)]
+        if kind == "done":
+            return [self._done(ev.done)]
+        return []
+
+    def _annotate(self, t: common_pb2.RoundTiming) -> None:
+        if t.round in self.routes:
+            t.route_reason = self.routes[t.round][1]
+
+    # ------------------------------------------------------------------------------- routing
+    async def _route(self, need: common_pb2.PrefillTask) -> None:
+        svc, sid, decode_id = self.svc, self.sid, self.decode_id
+        t0 = time.perf_counter()
+        view = await svc.cluster.view()
+        req = PrefillTask(sid, need.round, need.l_hist, need.l_incr, need.input_ready, decode_id, self.info.tp)
+        try:
+            decision = route(svc.router, view, req, time.time())
+        except LookupError:  # the bound worker left routing meanwhile: its stream says what happened
+            decision = None
+        if decision is None:
+            await self._local(need.round, "fallback-local")
+            return
+        decide_ms = (time.perf_counter() - t0) * 1e3
+        svc.route_read_ms_total += view.read_s * 1e3
+        svc.counters[f"route_{decision.reason}"] += 1
+        svc.record(sid, {"round": need.round, "route": decision.reason, "prefill_worker": decision.target})
+        if not decision.local:
+            target = svc.cluster.infos.get(decision.target)
+            try:
+                # The task goes on as the decode worker sent it, bound to the worker this
+                # coordinator bound the session to.
+                need.session_id, need.decode_worker, need.decode_tp = sid, decode_id, self.info.tp
+                self.remote[need.round] = decision.target
+                svc.remember_remote(self, decision.target, need.round)
+                await svc.stubs.submit(target.address, target.nixl_agent).call(prefill_pb2.SubmitRequest(task=need))
+                svc.counters["prefills_remote"] += 1
+            except (grpc.aio.AioRpcError, AttributeError) as exc:
+                # A prefill worker that vanished must not lose the round: run it locally.
+                log.warning("remote prefill submit failed; running locally", session=sid,
+                            target=decision.target, error=str(exc))
+                svc.forget_remote(self, need.round)
+                if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    svc.cluster.mark_lost(decision.target)
+                svc.counters["route_fallback-local"] += 1
+                decision = decision.__class__(decode_id, True, "fallback-local", decision.estimates)
+        if decision.local:
+            await self._local(need.round, decision.reason)
+        self.routes[need.round] = (decision.target, decision.reason, decision.local)
+        log.info("route", session=sid, round=need.round, target=decision.target, local=decision.local,
+                 reason=decision.reason, decide_ms=round(decide_ms, 3),
+                 **{k: round(v, 4) for k, v in decision.estimates.items()})
+
+    async def _local(self, rnd: int, reason: str) -> None:
+        """The round's prefill runs on the bound decode worker."""
+        try:
+            await self.control.call(decode_pb2.ControlRequest(local_prefill=decode_pb2.RouteInfo(
+                session_id=self.sid, round=rnd, reason=reason)))
+            self.svc.counters["prefills_local"] += 1
+        except grpc.aio.AioRpcError as exc:  # the worker is gone (its stream says so) or the round is
+            log.warning("local prefill refused", session=self.sid, round=rnd, error=exc.details())
+
+    async def reroute(self, rnd: int, lost: str) -> None:
+        """The prefill worker running round ``rnd``'s prefill is lost: the decode worker, which still
+        holds the KV it reserved for it, runs it instead (refused if it got the result meanwhile)."""
+        if self.remote.get(rnd) != lost or self.control is None:
+            return
+        del self.remote[rnd]
+        self.svc.counters["prefills_rerouted"] += 1
+        log.warning("prefill worker lost; running the prefill on the decode worker", session=self.sid,
+                    round=rnd, prefill_worker=lost)
+        await self._local(rnd, "rerouted")
+        if rnd in self.routes:
+            self.routes[rnd] = (self.decode_id, "rerouted", True)

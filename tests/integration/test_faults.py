@@ -1,0 +1,217 @@
+"""Faults under `ampd up`: a replay of 50 sessions through real Redis, NIXL and gRPC while a decode
+worker and a prefill worker are killed with SIGKILL and Redis is killed and restarted. The supervisor
+restarts each; sessions on the lost decode worker move to the other one (their history prefilled
+again there), rounds on the lost prefill worker run on their decode worker, and every service
+reconnects to the new Redis. Every session must complete or end with a clear status (none hangs),
+every token must be the right one at the right position (none duplicated or missing), and no KV
+block, session or Redis key may be left behind.
+
+Then the torch engine: a session whose decode worker is killed mid-round continues on the other
+one with greedy tokens equal to one transformers model running the same conversation.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+import redis
+
+from ampd import grpcserver
+from ampd.bench.client import replay
+from ampd.launcher import Deployment, Options
+from ampd.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, decode_pb2_grpc, prefill_pb2_grpc
+from ampd.workload.trace import Round, Session
+
+pytestmark = pytest.mark.timeout(240)
+
+NS = "faults"
+
+
+def _trace(n: int = 50) -> list[Session]:
+    """Short sessions (three rounds, server-side tools) arriving over ~12 s."""
+    out = []
+    for i in range(n):
+        k = i % 5
+        out.append(Session(f"f{i}", 0.24 * i, (
+            Round(300 + 40 * k, 14 + k, 0.4),
+            Round(60 + 10 * k, 10 + k, 0.3),
+            Round(40, 8 + k),
+        )))
+    return out
+
+
+async def _metrics(address: str, kind: str) -> dict[str, float]:
+    ch = grpcserver.channel(address)
+    stub = (decode_pb2_grpc.DecodeWorkerStub if kind == "decode" else prefill_pb2_grpc.PrefillWorkerStub)(ch)
+    try:
+        return dict((await stub.Metrics(common_pb2.MetricsRequest(), timeout=10)).values)
+    finally:
+        await ch.close()
+
+
+async def _coordinator_metrics(address: str) -> dict[str, float]:
+    ch = grpcserver.channel(address)
+    try:
+        stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+        return dict((await stub.Metrics(common_pb2.MetricsRequest(), timeout=10)).values)
+    finally:
+        await ch.close()
+
+
+def _kill(dep: Deployment, name: str) -> None:
+    os.kill(dep.child(name).proc.pid, signal.SIGKILL)
+
+
+def _wait_registered(r: redis.Redis, workers: set[str], timeout_s: float = 60.0, ns: str = NS) -> None:
+    """Until every worker is registered and alive again (the restarted ones too)."""
+    have = alive = set()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            have = {k.decode() for k in r.hkeys(f"{ns}:workers")}
+            alive = {w for w in workers if r.exists(f"{ns}:alive:{w}")}
+            if have == workers and alive == workers:
+                return
+        except redis.ConnectionError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"workers not all back: registered {have}, alive {alive}")
+
+
+def test_replay_survives_killed_workers_and_a_redis_restart(tmp_path):
+    opts = Options(prefill="tp1*2", decode="tp1*2", profile="qwen3-32b@h20", policy="remote", namespace=NS,
+                   ttft_slo=2.0, itl_slo=0.1, run_dir=str(tmp_path))
+    sessions = _trace()
+    with Deployment(opts) as dep:
+        r = redis.Redis.from_url(dep.redis_url)
+        workers = {"decode-0", "decode-1", "prefill-0", "prefill-1"}
+
+        async def faults():
+            await asyncio.sleep(3.0)
+            _kill(dep, "decode-0")
+            await asyncio.sleep(3.0)
+            _kill(dep, "prefill-0")
+            await asyncio.sleep(3.0)
+            _kill(dep, "redis")
+
+        async def scenario():
+            injector = asyncio.create_task(faults())
+            out = await replay(dep.coordinator, sessions, verify_tokens=True, progress=False, timeout_s=75)
+            await injector
+            return out
+
+        records, stats, wall, _ = asyncio.run(scenario())
+        failed = [x for x in records if not x.completed]
+        # None hangs: a session that ran into its deadline would say DEADLINE_EXCEEDED.
+        assert not [x for x in failed if "DEADLINE_EXCEEDED" in x.error], [x.error for x in failed]
+        for x in failed:  # a clear status, naming what happened
+            assert x.error.split(":")[0] in ("UNAVAILABLE", "ABORTED"), x.error
+        completed = len(records) - len(failed)
+        print(f"\nfaults: {completed}/{len(records)} sessions completed, {len(failed)} ended with an error "
+              f"({[x.error for x in failed]}), wall {wall:.1f} s; supervisor: {dep.events}")
+        assert completed >= 45, [x.error for x in failed]
+        assert stats.token_mismatches == 0  # every token right, at its position: none duplicated or missing
+        expected = sum(r_.output for s in sessions for r_ in s.rounds)
+        done_ids = {x.session_id for x in records if x.completed}
+        assert stats.tokens >= sum(r_.output for s in sessions if s.id in done_ids for r_ in s.rounds)
+        assert stats.tokens <= expected
+
+        for name in ("decode-0", "prefill-0", "redis"):
+            assert any(e.startswith(f"{name} restarted") for e in dep.events), dep.events
+        dep.wait_serving()
+        _wait_registered(r, workers)
+        coord = asyncio.run(_coordinator_metrics(dep.coordinator))
+        print(f"coordinator: {({k: v for k, v in coord.items() if k.startswith(('sessions', 'prefills'))})}")
+        assert coord["sessions_moved"] >= 1
+        assert coord["sessions_live"] == 0
+
+        # Nothing left behind: no session record, no KV block held, only the live workers' keys.
+        keys = {k.decode() for k in r.keys(f"{NS}:*")}
+        assert keys == {f"{NS}:workers", f"{NS}:nixl", f"{NS}:stats"} | {f"{NS}:alive:{w}" for w in workers}, keys
+        infos = {k.decode(): v for k, v in r.hgetall(f"{NS}:workers").items()}
+        import json
+
+        for wid, raw in infos.items():
+            info = json.loads(raw)
+            m = asyncio.run(_metrics(info["address"], info["kind"]))
+            assert m["kv_free_tokens"] == m["kv_capacity_tokens"], f"{wid} still holds KV"
+            assert m["kv_bytes_mismatched"] == 0, wid
+            if info["kind"] == "decode":
+                assert m["active_sessions"] == 0, wid
+
+
+# ------------------------------------------------------------------------------- torch, greedy
+def _sampling(n: int) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+async def _killed_session(dep: Deployment, sid: str, turns, kill_after: int | None):
+    """Runs the conversation; with ``kill_after``, SIGKILLs the bound decode worker once that many
+    output tokens came. Returns every output token in order and the rounds' timings."""
+    ch = grpcserver.channel(dep.coordinator)
+    stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+    outbox: asyncio.Queue = asyncio.Queue()
+
+    def turn(i: int) -> common_pb2.Turn:
+        ids, out, calls = turns[i]
+        return common_pb2.Turn(token_ids=ids, sampling=_sampling(out), script=[common_pb2.ScriptedCall(
+            tool=common_pb2.ToolSpec(name="replay", latency_s=0.3), result_tokens=n_in, sampling=_sampling(n_out))
+            for n_in, n_out in calls])
+
+    await outbox.put(coordinator_pb2.ClientMessage(open=common_pb2.OpenSession(session_id=sid, turn=turn(0))))
+
+    async def requests():
+        while (m := await outbox.get()) is not None:
+            yield m
+
+    tokens, rounds, nxt, bound = [], [], 1, ""
+    async for ev in stub.Session(requests(), timeout=120):
+        bound = ev.decode_worker or bound
+        kind = ev.WhichOneof("event")
+        if kind == "tokens":
+            tokens.extend(ev.tokens.token_ids)
+            if kill_after is not None and len(tokens) >= kill_after:
+                _kill(dep, bound)
+                kill_after = None
+        elif kind == "turn_end":
+            await outbox.put(coordinator_pb2.ClientMessage(turn=turn(nxt)) if nxt < len(turns) else None)
+            nxt += 1
+        elif kind == "done":
+            rounds = list(ev.done.rounds)
+    await ch.close()
+    return tokens, rounds
+
+
+def test_torch_session_moved_mid_round_gives_the_undisturbed_greedy_tokens(tmp_path):
+    import torch
+
+    from ampd.engine.torch_models import save_tiny_llama
+
+    vocab = 512  # the tiny random Llama of tests/integration/test_torch_sessions.py
+
+    def _ids(seed: int, n: int) -> list[int]:
+        return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+    tiny = save_tiny_llama(tmp_path / "tiny", vocab_size=vocab, layers=3)
+    turns = [(_ids(1, 70), 40, [(12, 30)]), (_ids(2, 9), 20, [])]
+    opts = Options(prefill="tp1*1", decode="tp1*2", engine="torch", model=str(tiny), policy="remote",
+                   profile="qwen3-32b@h20", namespace="faults-torch", ttft_slo=5.0, itl_slo=1.0,
+                   run_dir=str(tmp_path / "run"))
+    with Deployment(opts) as dep:
+        plain, _ = asyncio.run(_killed_session(dep, "undisturbed", turns, None))
+        # killed at two points: mid-round 0 (the first worker's), mid-round 1 (a tool result's round);
+        # each time with the other decode worker serving (the one killed before is back)
+        r = redis.Redis.from_url(dep.redis_url)
+        moved = []
+        for k in (5, 45):
+            dep.wait_serving()
+            _wait_registered(r, {"decode-0", "decode-1", "prefill-0"}, ns="faults-torch")
+            moved.append(asyncio.run(_killed_session(dep, f"moved-{k}", turns, k)))
+    assert len(plain) == 40 + 30 + 20
+    for tokens, rounds in moved:
+        assert tokens == plain
+        assert [(t.round, t.tokens) for t in rounds] == [(0, 40), (1, 30), (2, 20)]
+        assert any(t.recovered for t in rounds)
