@@ -15,9 +15,10 @@ gRPC replay sees.
      input, streamed; the front finds the session by the history's prefix and sends only the new
      tokens on. What the front itself adds: the HTTP request, JSON of the whole history, the Redis
      index look-up, the answer's SSE chunks;
-   - ``front_openai``: the same rounds with the official `openai` client (`ampd bench --api
-     openai`), which adds its own request building and response parsing.
+   - ``front_bench``: the same rounds with `ampd bench --api openai`'s client (httpx2, a new
+     client per session as a replay has), which adds its own request building and parsing.
 
+   The three paths take turns session by session, so that they see the same load on the box.
    ``added`` is each front path's percentile minus the gRPC path's (P50, P99).
 
 2. **SLO attainment** (``slo``): the same toolbench trace replayed at the same deployment (mock
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import platform
 import sys
 import time
@@ -44,7 +46,7 @@ from ampd.launcher import Deployment, Options
 from ampd.workload import Round, Session, filler_ids, generate
 
 RESULTS = Path(__file__).parent / "results"
-SESSIONS, ROUNDS, INPUT, OUTPUT = 12, 8, 256, 4
+SESSIONS, ROUNDS, INPUT, OUTPUT = 21, 8, 256, 4  # the first session of each path is a warm-up
 SLO_PROFILE = "qwen3-32b@h20"
 SLO_TRACE = dict(preset="toolbench", rate=1.0, duration=30.0, seed=1)
 TTFT_SLO, ITL_SLO = 2.0, 0.1
@@ -65,13 +67,10 @@ def summary(xs: list[float]) -> dict:
 
 
 # ------------------------------------------------------------------------------ the three paths
-async def grpc_latency(address: str) -> list[float]:
-    out: list[float] = []
-    for s in latency_sessions():
-        _, stats, _, _ = await replay(address, [s], client_tools=True, progress=False)
-        assert not stats.errors, stats.errors
-        out.extend(stats.client_latency)
-    return out
+async def grpc_latency(address: str, s: Session) -> list[float]:
+    _, stats, _, _ = await replay(address, [s], client_tools=True, progress=False)
+    assert not stats.errors, stats.errors
+    return stats.client_latency
 
 
 class _Http:
@@ -114,33 +113,24 @@ class _Http:
             self.w.close()
 
 
-async def front_http_latency(url: str) -> list[float]:
+async def front_http_latency(http: "_Http", s: Session) -> list[float]:
     out: list[float] = []
-    http = _Http(url)
-    try:
-        for s in latency_sessions():
-            history: list[int] = []
-            for r in s.rounds:
-                prompt = history + filler_ids(r.input, len(history))
-                first, ids = await http.post_stream("/v1/completions", {
-                    "model": MODEL, "prompt": prompt, "max_tokens": r.output, "stream": True, "ignore_eos": True,
-                    "return_token_ids": True})
-                out.append(first)
-                history = prompt + ids
-    finally:
-        await http.close()
+    history: list[int] = []
+    for r in s.rounds:
+        prompt = history + filler_ids(r.input, len(history))
+        first, ids = await http.post_stream("/v1/completions", {
+            "model": MODEL, "prompt": prompt, "max_tokens": r.output, "stream": True, "ignore_eos": True,
+            "return_token_ids": True})
+        out.append(first)
+        history = prompt + ids
     return out
 
 
-async def front_openai_latency(url: str) -> tuple[list[float], int, int]:
-    out: list[float] = []
-    cached = prompt = 0
-    for s in latency_sessions():
-        records, stats, _, _ = await replay_openai(url, [s], progress=False)
-        assert not stats.errors, stats.errors
-        out.extend(r.first_token - r.input_ready for rec in records for r in rec.rounds)
-        cached, prompt = cached + stats.cached_tokens, prompt + stats.prompt_tokens
-    return out, cached, prompt
+async def front_bench_latency(url: str, s: Session) -> tuple[list[float], int, int]:
+    records, stats, _, _ = await replay_openai(url, [s], progress=False)
+    assert not stats.errors, stats.errors
+    return [r.first_token - r.input_ready for rec in records for r in rec.rounds], stats.cached_tokens, \
+        stats.prompt_tokens
 
 
 def measure_latency(run_dir: Path) -> dict:
@@ -148,19 +138,26 @@ def measure_latency(run_dir: Path) -> dict:
                    run_dir=str(run_dir / "latency"))
     with Deployment(opts, frontend=True) as dep:
         async def all_paths():
-            # warm-up: connections, caches, first-use costs on both paths
-            await grpc_latency(dep.coordinator)
-            await front_http_latency(dep.frontend)
-            g = await grpc_latency(dep.coordinator)
-            h = await front_http_latency(dep.frontend)
-            o, cached, prompt = await front_openai_latency(dep.frontend)
+            g, h, o, cached, prompt = [], [], [], 0, 0
+            http = _Http(dep.frontend)
+            try:
+                # the paths take turns, session by session, so that they see the same load on the box;
+                # the first session of each warms up connections and first-use costs
+                for i, s in enumerate(latency_sessions()):
+                    lat_g = await grpc_latency(dep.coordinator, s)
+                    lat_h = await front_http_latency(http, s)
+                    lat_o, c, p = await front_bench_latency(dep.frontend, s)
+                    if i:
+                        g, h, o, cached, prompt = g + lat_g, h + lat_h, o + lat_o, cached + c, prompt + p
+            finally:
+                await http.close()
             return g, h, o, cached, prompt
 
         g, h, o, cached, prompt = asyncio.run(all_paths())
-    out = {"grpc": summary(g), "front_http": summary(h), "front_openai": summary(o),
-           "front_openai_cached_prompt_fraction": round(cached / prompt, 4) if prompt else None}
+    out = {"grpc": summary(g), "front_http": summary(h), "front_bench": summary(o),
+           "front_bench_cached_prompt_fraction": round(cached / prompt, 4) if prompt else None}
     out["added"] = {k: {q: round(out[k][q] - out["grpc"][q], 3) for q in ("p50_ms", "p99_ms")}
-                    for k in ("front_http", "front_openai")}
+                    for k in ("front_http", "front_bench")}
     return out
 
 
@@ -193,14 +190,15 @@ def main() -> None:
     t0 = time.time()
     result = {
         "command": "python -m benchmarks.front_overhead" + (" " + " ".join(sys.argv[1:]) if sys.argv[1:] else ""),
-        "machine": {"python": platform.python_version(), "cpus": __import__("os").cpu_count(),
-                    "platform": platform.platform()},
+        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
+                    "platform": platform.platform(), "load_average_at_start": os.getloadavg()},
         "shape": {"sessions": SESSIONS, "rounds": ROUNDS, "input": INPUT, "output": OUTPUT},
         "latency": measure_latency(run_dir),
     }
     if "--latency-only" not in sys.argv:
         result["slo"] = measure_slo(run_dir)
     result["wall_s"] = round(time.time() - t0, 1)
+    result["machine"]["load_average_at_end"] = os.getloadavg()
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / "front_overhead.json"
     path.write_text(json.dumps(result, indent=2) + "\n")

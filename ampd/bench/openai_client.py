@@ -3,7 +3,9 @@ is a streamed `/v1/completions` request that resends the whole history (earlier 
 model's outputs) with the round's new input, after the previous round's tool time. No session
 header: the front finds the session by the history's token prefix.
 
-Token ids, not text, so that each round has exactly the trace's lengths: the prompt is a list of
+The client is plain HTTP (httpx2, streaming the server-sent events), light enough that a replay of
+many sessions measures the server rather than the client's parsing. Token ids, not text, so that
+each round has exactly the trace's lengths: the prompt is a list of
 ids, `ignore_eos` makes the output the trace's length, and `return_token_ids` (vLLM's name) gives
 the output ids to resend. Times are this client's clock: a round's TTFT runs from sending its
 request to receiving its first token, so it includes the front. The report is the gRPC replay's
@@ -12,6 +14,7 @@ request to receiving its first token, so it includes the front. The report is th
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -30,24 +33,31 @@ class OpenAIStats:
     prompt_tokens: int = 0
 
 
-async def _round(client, model: str, prompt: list[int], output: int) -> tuple[list[int], list[float], dict]:
-    stream = await client.completions.create(
-        model=model, prompt=prompt, max_tokens=output, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "return_token_ids": True})
+async def _round(http, model: str, prompt: list[int], output: int) -> tuple[list[int], list[float], dict]:
+    body = {"model": model, "prompt": prompt, "max_tokens": output, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True, "return_token_ids": True}
     ids: list[int] = []
     times: list[float] = []
     info: dict = {}
-    async for chunk in stream:
-        now = time.time()
-        for c in chunk.choices:
-            new = (c.model_extra or {}).get("token_ids") or []
-            ids.extend(new)
-            times.extend([now] * len(new))
-        extra = chunk.model_extra or {}
-        if extra.get("ampd"):
-            info.update(extra["ampd"])
-        if chunk.usage is not None:
-            info["usage"] = chunk.usage
+    async with http.stream("POST", "/completions", json=body) as resp:
+        if resp.status_code != 200:
+            await resp.aread()
+            raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:300]}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            now = time.time()
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"].get("message", "error"))
+            for c in chunk.get("choices", ()):
+                new = c.get("token_ids") or []
+                ids.extend(new)
+                times.extend([now] * len(new))
+            if chunk.get("ampd"):
+                info.update(chunk["ampd"])
+            if chunk.get("usage"):
+                info["usage"] = chunk["usage"]
     return ids, times, info
 
 
@@ -63,7 +73,7 @@ async def run_session(client, model: str, s: Session, stats: OpenAIStats) -> Ses
         sent = time.time()
         try:
             ids, times, info = await _round(client, model, prompt, r.output)
-        except Exception as exc:  # openai.APIError and connection failures: the session fails
+        except Exception as exc:  # an HTTP error, a failed session, a lost connection: the session fails
             error = f"round {i}: {type(exc).__name__}: {exc}"
             stats.errors.append(f"{s.id}: {error}")
             break
@@ -71,9 +81,8 @@ async def run_session(client, model: str, s: Session, stats: OpenAIStats) -> Ses
         stats.tokens += len(ids)
         usage = info.get("usage")
         if usage is not None:
-            stats.prompt_tokens += usage.prompt_tokens
-            details = usage.prompt_tokens_details
-            stats.cached_tokens += (details.cached_tokens or 0) if details is not None else 0
+            stats.prompt_tokens += usage["prompt_tokens"]
+            stats.cached_tokens += (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
         rounds.append(RoundRecord(session_id=s.id, round=i, input_ready=sent, first_token=times[0] if times else None,
                                   token_times=tuple(times), local=info.get("local"), l_hist=info.get("l_hist", 0),
                                   l_incr=info.get("l_incr", 0)))
@@ -86,15 +95,20 @@ async def replay_openai(target: str, sessions: list[Session], *, model: str = ""
                         ) -> tuple[list[SessionRecord], OpenAIStats, float, dict]:
     """Replays `sessions` at their arrival times through the front at `target` (its URL, with or
     without /v1); returns records, stats, wall seconds and labels."""
-    import openai
+    import httpx2
 
     base = target.rstrip("/")
     base = base if base.endswith("/v1") else base + "/v1"
-    client = openai.AsyncOpenAI(base_url=base, api_key=api_key or "none", max_retries=0, timeout=timeout_s)
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    # one connection per concurrent session at most, kept alive through the tool time as an agent's is
+    limits = httpx2.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=60.0)
+    client = httpx2.AsyncClient(base_url=base, headers=headers, timeout=timeout_s, limits=limits)
     try:
-        served = [m.id async for m in client.models.list()]
-    except openai.APIError as exc:
-        await client.close()
+        resp = await client.get("/models")
+        resp.raise_for_status()
+        served = [m["id"] for m in resp.json()["data"]]
+    except (httpx2.HTTPError, ValueError, KeyError) as exc:
+        await client.aclose()
         raise ConnectionError(f"cannot reach the front at {base}: {exc}") from None
     model = model or served[0]
     stats = OpenAIStats()
@@ -119,5 +133,5 @@ async def replay_openai(target: str, sessions: list[Session], *, model: str = ""
     finally:
         if bar is not None:
             bar.close()
-        await client.close()
+        await client.aclose()
     return list(records), stats, time.monotonic() - t0, {"api": "openai", "model": model}

@@ -11,6 +11,7 @@ import signal
 import sys
 import time
 import uuid
+from collections import deque
 from typing import Any, Sequence
 
 import grpc
@@ -37,7 +38,7 @@ from ampd.sessionapi import MAX_SESSION_ID
 from ampd.state import connect
 from ampd.v1 import common_pb2, coordinator_pb2_grpc
 from services.frontend.sessions import LiveSession, SessionTable
-from services.frontend.turn import DONE, FAILED, TurnRun
+from services.frontend.turn import DONE, FAILED, TEXT, TurnRun
 
 log = structlog.get_logger()
 
@@ -45,6 +46,9 @@ log = structlog.get_logger()
 SESSION_HEADERS = ("x-session-id", "x-session-token")
 FORWARDED = "x-ampd-forwarded"  # set on a request one front passes to the front that holds its session
 MAX_BODY = 32 << 20  # bytes of one request body
+# An agent's connection idles through its tool calls: keep it open longer than uvicorn's 5 s, so a
+# client does not send its next turn on a connection the server is closing.
+KEEP_ALIVE_S = 75
 
 
 class FrontMetrics:
@@ -280,8 +284,7 @@ class Front:
                                               "logprobs": None}], **extra})
 
         yield chunk({"role": "assistant", "content": ""})
-        item = first
-        while True:
+        async for item in _events(run, first):
             if item[0] == FAILED:
                 yield _sse(error_body(item[1]))
                 break
@@ -298,7 +301,6 @@ class Front:
                 break
             if item[1]:
                 yield chunk({"content": item[1]})
-            item = await run.out.get()
         yield "data: [DONE]\n\n"
 
     async def completions(self, request: Request) -> Response:
@@ -334,8 +336,7 @@ class Front:
                 c["token_ids"] = ids
             return _sse({**base, "choices": [c], **extra})
 
-        item = first
-        while True:
+        async for item in _events(run, first):
             if item[0] == FAILED:
                 yield _sse(error_body(item[1]))
                 break
@@ -346,7 +347,6 @@ class Front:
                     yield _sse({**base, "choices": [], "usage": a.usage()})
                 break
             yield chunk(item[1], item[2])
-            item = await run.out.get()
         yield "data: [DONE]\n\n"
 
     async def models(self, request: Request) -> Response:
@@ -368,6 +368,27 @@ class _Forward(Exception):
 
 def _last_answer(messages: list[dict]) -> int:
     return max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=-1)
+
+
+async def _events(run: TurnRun, first):
+    """The turn's events from ``first`` on, the text events that queued up behind one merged into it:
+    a client (or a front) that falls behind gets fewer, larger chunks instead of a growing backlog."""
+    pending = deque([first])
+    while True:
+        while not run.out.empty():
+            pending.append(run.out.get_nowait())
+        if not pending:
+            pending.append(await run.out.get())
+            continue
+        kind, text, ids = pending.popleft()
+        if kind == TEXT:
+            ids = list(ids)
+            while pending and pending[0][0] == TEXT:
+                _, more_text, more = pending.popleft()
+                text, ids = text + more_text, ids + list(more)
+        yield kind, text, ids
+        if kind != TEXT:
+            return
 
 
 async def _until_end(run: TurnRun) -> None:
@@ -439,7 +460,8 @@ async def amain(args: argparse.Namespace) -> None:
     index = SessionIndex(redis, args.namespace, args.session_ttl)
     front = Front(args, fmt, stub, index, "")
     config = uvicorn.Config(build_app(front), host=args.host, port=args.port, loop="none", lifespan="off",
-                            log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+                            log_level="warning", access_log=False, timeout_graceful_shutdown=5,
+                            timeout_keep_alive=KEEP_ALIVE_S)
     server = _Server(config)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
