@@ -29,7 +29,7 @@ __all__ = [
     "DEFAULT_PROFILE", "ALPHA", "BETA", "THRESHOLD_TOKENS", "SLACK_CHOICES", "KV_ADMISSION",
     "DeploymentConfig", "PolicyConfig", "WorkerSettings", "CoordinatorSettings", "FrontendSettings", "ProcessConfig",
     "SimulatorSettings", "Config", "ConfigError", "SETTINGS", "SERVICE_SETTINGS", "UP_SETTINGS",
-    "SIMULATE_SETTINGS", "PLACEMENT", "flag_name", "env_name", "add_flags", "to_argv", "env_names", "pick",
+    "SIMULATE_SETTINGS", "PLACEMENT", "SECRET_SETTINGS", "flag_name", "env_name", "add_flags", "to_argv", "env_names", "pick",
     "config_from_args", "check",
 ]
 
@@ -139,6 +139,11 @@ class CoordinatorSettings:
                                       "HGETALL per decision", choices=("push", "read"))
     migration_limit: int = setting(3, "times one session may move to another decode worker after losing its "
                                       "own (re-prefilling its history there) before it fails", minimum=0)
+    admission_wait: float = setting(5.0, "a new session that no decode worker has the KV for waits up to this "
+                                         "long for KV to free, then gets RESOURCE_EXHAUSTED; 0 = refuse at once "
+                                         "(docs/security.md)", metavar="S", minimum=0)
+    admission_queue: int = setting(256, "new sessions that may wait for KV at once; beyond it a new session "
+                                        "gets RESOURCE_EXHAUSTED at once", minimum=0)
 
 
 @dataclass(frozen=True)
@@ -261,18 +266,22 @@ def _group_of(name: str) -> str:
 _POLICY_ALL = ("policy", "ttft_slo", "itl_slo")
 _WORKER = ("host", "port", "metrics_port", "advertise", "worker_id", "ready_file", "redis_url", "namespace",
            "profile", "engine", "model", *_POLICY_ALL, "reorder_window", "kv_overlap", "kv_admission",
-           "tp", "stats_window", "heartbeat", "liveness_ttl", "block_tokens", "kv_bytes_per_token", "kv_pool_mb")
+           "tp", "stats_window", "heartbeat", "liveness_ttl", "block_tokens", "kv_bytes_per_token", "kv_pool_mb",
+           "auth_token")
 SERVICE_SETTINGS: dict[str, tuple[str, ...]] = {
     "coordinator": ("host", "port", "metrics_port", "ready_file", "redis_url", "namespace", "profile", *_POLICY_ALL,
-                    "slack", "seed", "alpha", "beta", "threshold_tokens", "stats_mode", "migration_limit"),
+                    "slack", "seed", "alpha", "beta", "threshold_tokens", "stats_mode", "migration_limit",
+                    "admission_wait", "admission_queue", "auth_token"),
     "prefill": _WORKER,
     "decode": (*_WORKER, "sidecar", "chunked_prefill"),
-    "sidecar": ("host", "port", "metrics_port", "name", "tool", "ready_file"),
-    "planner": ("host", "port", "metrics_port", "ready_file", "profiles_dir"),
+    "sidecar": ("host", "port", "metrics_port", "name", "tool", "ready_file", "auth_token"),
+    "planner": ("host", "port", "metrics_port", "ready_file", "profiles_dir", "auth_token"),
     # The front serves /metrics on its own HTTP port (`port`), beside the API.
     "frontend": ("host", "port", "ready_file", "redis_url", "namespace", "engine", "model", "coordinator_address",
                  "auth_token", "session_ttl", "default_max_tokens", "max_sessions"),
 }
+# Secrets: a launcher passes them in the environment, never on a command line (`ps` shows those).
+SECRET_SETTINGS = ("auth_token",)
 # Per-process settings: the launcher and compose give these on each process's command line.
 PLACEMENT = ("host", "port", "metrics_port", "advertise", "worker_id", "name", "sidecar", "ready_file")
 

@@ -3,6 +3,8 @@ streams (unary-like calls as messages on one long-lived stream)."""
 from __future__ import annotations
 
 import asyncio
+import hmac
+import inspect
 import json
 import os
 import signal
@@ -21,18 +23,79 @@ SERVER_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.so_reuseport", 0),
 ]
+# Message limits. A client reaches the coordinator with gRPC's default 4 MiB; between services the
+# limit is larger, so that whatever the coordinator accepted (a turn just under 4 MiB, plus the
+# fields a worker adds) never fails on a later hop.
+CLIENT_MAX_MESSAGE = 4 << 20
+INTERNAL_MAX_MESSAGE = 64 << 20
+# The deadline of a request/reply call between services (call streams, sidecar calls add the tool's
+# own latency to it).
+RPC_TIMEOUT_S = 30.0
+
+_auth_token = ""  # this process's shared token (set_auth_token): servers require it, channels send it
+
+
+def set_auth_token(token: str) -> None:
+    """The deployment's shared token (ampd.config ``auth_token``; "" = no auth): every server this
+    process starts then requires it and every channel it opens sends it."""
+    global _auth_token
+    _auth_token = token
+
+
+def _message_options(limit: int) -> list[tuple[str, int]]:
+    return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+
+
+class _TokenCheck(grpc.aio.ServerInterceptor):
+    """Refuses a call without ``authorization: Bearer <token>`` (UNAUTHENTICATED). Health checks stay
+    open: an orchestrator probes without credentials."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith("/grpc.health.v1.Health/"):
+            return handler
+        got = dict(details.invocation_metadata or ()).get("authorization", "")
+        if hmac.compare_digest(str(got).encode(), self._expected):
+            return handler
+        return _denied(handler)
+
+
+def _denied(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    code, details = grpc.StatusCode.UNAUTHENTICATED, "authorization: missing or wrong token"
+
+    async def unary(request, context):
+        await context.abort(code, details)
+
+    async def streaming(request, context):
+        await context.abort(code, details)
+        yield  # pragma: no cover - abort raises
+
+    kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(unary, **kw)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(streaming, **kw)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(unary, **kw)
+    return grpc.stream_stream_rpc_method_handler(streaming, **kw)
 
 
 async def start_server(
     bind: str,
     add_servicers: Callable[[grpc.aio.Server], None],
     service_names: Iterable[str],
+    max_message: int = INTERNAL_MAX_MESSAGE,
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
-    """Starts a grpc.aio server on `bind` (host:port, port 0 = free) with health and reflection.
+    """Starts a grpc.aio server on `bind` (host:port, port 0 = free) with health and reflection,
+    messages up to ``max_message`` bytes, and the shared token required when one is set.
 
     Returns the server, the bound port and the health servicer (set SERVING when ready).
     """
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    interceptors = [_TokenCheck(_auth_token)] if _auth_token else []
+    server = grpc.aio.server(options=SERVER_OPTIONS + _message_options(max_message), interceptors=interceptors)
     add_servicers(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -97,8 +160,58 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+def _with_token(d: grpc.aio.ClientCallDetails, md: tuple[str, str]) -> grpc.aio.ClientCallDetails:
+    return grpc.aio.ClientCallDetails(d.method, d.timeout, grpc.aio.Metadata(*(d.metadata or ()), md),
+                                      d.credentials, d.wait_for_ready)
+
+
+# Adds ``authorization: Bearer <token>`` to every call of a channel: one class per call shape, since
+# grpc.aio files an interceptor under the first shape it implements only.
+class _TokenUnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
+    def __init__(self, md: tuple[str, str]) -> None:
+        self.md = md
+
+    async def intercept_unary_unary(self, continuation, details, request):
+        return await continuation(_with_token(details, self.md), request)
+
+
+class _TokenUnaryStream(grpc.aio.UnaryStreamClientInterceptor):
+    def __init__(self, md: tuple[str, str]) -> None:
+        self.md = md
+
+    async def intercept_unary_stream(self, continuation, details, request):
+        return await continuation(_with_token(details, self.md), request)
+
+
+class _TokenStreamUnary(grpc.aio.StreamUnaryClientInterceptor):
+    def __init__(self, md: tuple[str, str]) -> None:
+        self.md = md
+
+    async def intercept_stream_unary(self, continuation, details, request_iterator):
+        return await continuation(_with_token(details, self.md), request_iterator)
+
+
+class _TokenStreamStream(grpc.aio.StreamStreamClientInterceptor):
+    def __init__(self, md: tuple[str, str]) -> None:
+        self.md = md
+
+    async def intercept_stream_stream(self, continuation, details, request_iterator):
+        return await continuation(_with_token(details, self.md), request_iterator)
+
+
+def _token_interceptors(token: str) -> list:
+    md = ("authorization", f"Bearer {token}")
+    return [_TokenUnaryUnary(md), _TokenUnaryStream(md), _TokenStreamUnary(md), _TokenStreamStream(md)]
+
+
+def channel(address: str, token: str | None = None, max_message: int = INTERNAL_MAX_MESSAGE) -> grpc.aio.Channel:
+    """A channel to an AMPD service; it sends ``token`` (default: this process's, set_auth_token)."""
+    token = _auth_token if token is None else token
+    return grpc.aio.insecure_channel(
+        address,
+        options=[*CHANNEL_OPTIONS, *_message_options(max_message)],
+        interceptors=_token_interceptors(token) if token else None,
+    )
 
 
 def write_ready_file(path: str, port: int, metrics_port: int = 0) -> None:
@@ -128,20 +241,26 @@ class RpcFailure(Exception):
         self.details = details
 
 
-async def abort_on_failure(context: grpc.aio.ServicerContext, handle: Callable[[], None]) -> None:
-    """Runs ``handle()`` for a unary handler: an RpcFailure ends the call with its status."""
+async def abort_on_failure(context: grpc.aio.ServicerContext, handle: Callable[[], object]) -> None:
+    """Runs ``handle()`` (awaited if it returns an awaitable) for a unary handler: an RpcFailure
+    ends the call with its status."""
     try:
-        handle()
+        res = handle()
+        if inspect.isawaitable(res):
+            await res
     except RpcFailure as f:
         await context.abort(f.code, f.details)
 
 
-async def serve_calls(request_iterator, handle: Callable[[object], None]):
-    """The server half of a call stream: ``handle(request)`` for every request, in order, each
-    answered by a CallReply with its id (code 0, or the RpcFailure's status)."""
+async def serve_calls(request_iterator, handle: Callable[[object], object]):
+    """The server half of a call stream: ``handle(request)`` (awaited if it returns an awaitable)
+    for every request, in order, each answered by a CallReply with its id (code 0, or the
+    RpcFailure's status)."""
     async for req in request_iterator:
         try:
-            handle(req)
+            res = handle(req)
+            if inspect.isawaitable(res):
+                await res
         except RpcFailure as f:
             yield common_pb2.CallReply(id=req.id, code=f.code.value[0], error=f.details)
         else:
@@ -168,7 +287,7 @@ class CallStream:
         self._pending: dict[int, asyncio.Future] = {}
         self._next_id = 0
 
-    async def call(self, request, timeout_s: float = 30.0) -> None:
+    async def call(self, request, timeout_s: float = RPC_TIMEOUT_S) -> None:
         if self._call is None:
             self._start()
         self._next_id += 1

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from ampd.cli import CliError
 from ampd import deathsig
-from ampd.config import (SERVICE_SETTINGS, SETTINGS, UP_SETTINGS, Config, ConfigError, add_flags,
+from ampd.config import (SECRET_SETTINGS, SERVICE_SETTINGS, SETTINGS, UP_SETTINGS, Config, ConfigError, add_flags,
                          config_from_args, env_name, to_argv)
 from ampd.deployment import expand_spec, format_spec, worker_shape
 from ampd.state.local import RedisStartError, start_redis
@@ -111,6 +111,9 @@ class Deployment:
         env = dict(os.environ, NIXL_LOG_LEVEL=os.environ.get("NIXL_LOG_LEVEL", "WARN"), PYTHONUNBUFFERED="1")
         for setting in SETTINGS:  # every setting is on the child's command line; none comes from here
             env.pop(env_name(setting), None)
+        for setting in SECRET_SETTINGS:  # but secrets: a command line shows in `ps`
+            if self.cfg.get(setting):
+                env[env_name(setting)] = str(self.cfg.get(setting))
         with open(child.log, "ab") as out:
             child.proc = subprocess.Popen(deathsig.wrap(args), stdout=out, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, env=env, start_new_session=True)
@@ -155,7 +158,7 @@ class Deployment:
     def _argv(self, service: str, **placement) -> Callable[[int], list[str]]:
         """`python -m services.<service>` with every setting it reads as a flag (but --ready-file),
         given the port to bind."""
-        names = [n for n in SERVICE_SETTINGS[service] if n != "ready_file"]
+        names = [n for n in SERVICE_SETTINGS[service] if n != "ready_file" and n not in SECRET_SETTINGS]
 
         def argv(port: int) -> list[str]:
             cfg = self.cfg.with_(redis_url=self.redis_url, **placement, port=port)

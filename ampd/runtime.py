@@ -18,6 +18,7 @@ from ampd.perf import Profile
 from ampd.policy import WorkerView
 from ampd.state import StateStore, WorkerInfo, WorkerStats
 from ampd.state.store import REDIS_ERRORS
+from ampd.trust import new_key
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 log = structlog.get_logger()
@@ -69,8 +70,9 @@ class WorkerRuntime:
     """Owns the pool, the NIXL agent, the Redis registration and the stats publisher."""
 
     def __init__(self, cfg: WorkerConfig, store: StateStore, pool: KVPool) -> None:
-        from ampd.kv import NixlTransport
+        from ampd.kv.transport import NixlTransport, bind_ucx_to
 
+        bind_ucx_to(cfg.host)  # UCX listens where the worker's gRPC does, not on every interface
         self.cfg = cfg
         self.store = store
         self.pool = pool
@@ -85,6 +87,8 @@ class WorkerRuntime:
         self._dirty = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._peer_gen: dict[str, str] = {}  # worker_id -> nixl agent name loaded
+        self.peers: dict[str, WorkerInfo] = {}  # the other kind's workers, as registered (sync_peers)
+        self.task_key = new_key()  # a decode worker's key of its prefill tasks' tokens (ampd.trust)
         self._peer_missing: dict[str, int] = {}  # worker_id -> peer syncs in a row it was not registered
         self._sidecar = ""
         self.registrations = 0  # how often this worker (re-)registered: 1 + Redis restarts survived
@@ -101,6 +105,7 @@ class WorkerRuntime:
             sidecar=sidecar,
             engine=self.cfg.engine,
             profile=self.cfg.profile,
+            task_key=self.task_key.hex() if self.cfg.kind == "decode" else "",
         )
 
     def snapshot(self) -> WorkerStats:
@@ -173,6 +178,7 @@ class WorkerRuntime:
             try:
                 self.transport.add_peer(info.nixl_agent, md, PoolLayout.from_dict(info.layout))
                 self._peer_gen[wid] = info.nixl_agent
+                self.peers[wid] = info
                 log.info("nixl peer added", peer=wid, agent=info.nixl_agent)
             except Exception as exc:
                 log.warning("nixl peer add failed", peer=wid, error=str(exc))
@@ -186,6 +192,7 @@ class WorkerRuntime:
             if self._peer_missing[wid] >= 5:
                 del self._peer_missing[wid]
                 self.transport.remove_peer(self._peer_gen.pop(wid))
+                self.peers.pop(wid, None)
 
     async def ensure_peer(self, worker_id: str) -> str:
         """The NIXL agent name of `worker_id`, loading its metadata now if needed."""

@@ -8,8 +8,10 @@ from ampd.config import add_flags
 
 
 def _cmd(args: argparse.Namespace) -> int:
+    from ampd import grpcserver
     from ampd.bench.client import run_bench_cli
 
+    grpcserver.set_auth_token(args.auth_token)
     if args.api == "openai":
         if not args.target.startswith(("http://", "https://")):
             raise CliError(f"--target {args.target!r}: expected the front's URL (http://HOST:PORT) with --api openai")
@@ -63,4 +65,5 @@ def register(sub) -> None:
     p.add_argument("--client-tools", action="store_true",
                    help="run tool calls in the client instead of the sidecars")
     p.add_argument("--timeout", type=float, default=600.0, help="per-session deadline, seconds")
+    add_flags(p, ("auth_token",), env=True)
     p.set_defaults(func=_cmd)

@@ -54,6 +54,10 @@ class MockEngine:
         self.tp = tp
         self.max_context = profile.kv_capacity_tokens(tp)  # one session may fill a replica's KV
 
+    # A prefill is a sleep after the KV write: cancelling it stops it at once (a cancelled session's
+    # local prefill frees its decode worker).
+    cancellable_prefill = True
+
     async def prefill(
         self, session_id: str, l_hist: int, l_incr: int, pool: KVPool, new_kv: Sequence[Segment],
         *, token_ids: Sequence[int] | None = None, history_kv: Sequence[Segment] = (),

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 __all__ = ["ApiError", "Sampling", "ChatRequest", "CompletionRequest", "parse_chat", "parse_completion",
            "error_body", "MAX_STOPS", "ROLES"]
 
-MAX_STOPS = 16  # the session API's limit (ampd.sessionapi)
+MAX_STOPS = 16  # the session API's limit (ampd.validate)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 

@@ -25,7 +25,7 @@ from .finetimer import fine_sleep  # noqa: E402
 from .pool import KVPool, PoolLayout, Segment  # noqa: E402
 from .ranges import pair_ranges  # noqa: E402
 
-__all__ = ["KVTransferError", "NixlTransport", "NotifListener"]
+__all__ = ["KVTransferError", "NixlTransport", "NotifListener", "bind_ucx_to", "interface_of"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,44 @@ def _make_agent(name: str, backends: list[str]) -> nixl_agent:
             return nixl_agent(name, nixl_agent_config(backends=backends))
         finally:
             api.nixlBind = real
+
+
+def interface_of(host: str) -> str:
+    """The network interface that holds IPv4 address ``host`` ("" when none does, or for a wildcard)."""
+    import fcntl
+    import ipaddress
+    import socket
+    import struct
+
+    try:
+        addr = ipaddress.ip_address(host)
+    except ValueError:
+        try:  # a name: the address it resolves to
+            addr = ipaddress.ip_address(socket.gethostbyname(host))
+        except (OSError, ValueError):
+            return ""
+    if addr.is_unspecified:
+        return ""
+    if addr.is_loopback:
+        return "lo"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:  # SIOCGIFADDR: the interface's IPv4 address
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+            if socket.inet_ntoa(raw[20:24]) == str(addr):
+                return name
+    return ""
+
+
+def bind_ucx_to(host: str) -> None:
+    """Makes the UCX listener of every NIXL agent this process creates bind only the interface of
+    ``host`` (the process's configured address; 127.0.0.1: loopback only). Left alone when the
+    operator set UCX_NET_DEVICES, or when ``host`` is a wildcard. Call before the first agent."""
+    dev = interface_of(host)
+    if dev:
+        os.environ.setdefault("UCX_NET_DEVICES", dev)
 
 
 class KVTransferError(Exception):

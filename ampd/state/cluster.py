@@ -38,12 +38,14 @@ class Cluster:
     last known set stands: an outage of shared state is not an outage of the workers.
     """
 
-    def __init__(self, store: StateStore, mode: str = "push", poll_s: float = 0.5) -> None:
+    def __init__(self, store: StateStore, mode: str = "push", poll_s: float = 0.5, grace_s: float = 3.0) -> None:
         if mode not in ("push", "read"):
             raise ValueError(f"stats mode must be 'push' or 'read', got {mode!r}")
         self.store = store
         self.mode = mode
         self.poll_s = poll_s
+        self.grace_s = grace_s
+        self.seen_live: dict[str, float] = {}  # worker_id -> when its liveness key was last seen (monotonic)
         self.live: set[str] | None = None  # workers with a liveness key (None: not read yet, all count)
         self.lost: dict[str, float] = {}  # worker_id -> when a call to it failed on the connection
         self.gone_since: dict[str, float] = {}  # registered without a liveness key since (monotonic)
@@ -56,17 +58,27 @@ class Cluster:
         self.on_poll = None  # optional coroutine function run after each liveness poll (the coordinator's)
 
     async def refresh_infos(self) -> None:
-        self.infos = await self.store.workers()
+        """New and re-registered workers (refresh_live is what drops the gone ones)."""
+        self.infos.update(await self.store.workers())
         self._infos_at = time.monotonic()
 
     async def refresh_live(self) -> None:
-        """The registry and the liveness keys, re-read. Registrations whose key has been gone for
-        ten polls are deleted (a worker killed without deregistering leaves nothing behind)."""
-        await self.refresh_infos()
-        self.live = await self.store.live_workers(self.infos)
+        """The registry and the liveness keys, re-read. A worker missing from them stays for
+        ``grace_s`` (a restarted Redis is empty until the workers register again, within a heartbeat
+        or a reconnect back-off); registrations whose key has been gone for ten polls are deleted (a
+        worker killed without deregistering leaves nothing behind)."""
         now = time.monotonic()
-        for wid in self.infos:
-            if wid in self.live:
+        infos = await self.store.workers()
+        live = await self.store.live_workers(infos)
+        for wid in live:
+            self.seen_live[wid] = now
+        for wid, info in self.infos.items():  # recently live, missing now: keep it a little
+            if wid not in live and now - self.seen_live.get(wid, -1e9) < self.grace_s:
+                infos.setdefault(wid, info)
+                live.add(wid)
+        self.infos, self._infos_at, self.live = infos, now, live
+        for wid in infos:
+            if wid in live:
                 self.gone_since.pop(wid, None)
             elif now - self.gone_since.setdefault(wid, now) > 10 * self.poll_s:
                 log.info("removing a dead worker's registration", worker=wid)

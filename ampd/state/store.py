@@ -9,7 +9,10 @@ Keys (prefix `ns`, default "ampd"):
                         so it expires on its own when the worker dies; routing reads only workers
                         whose key exists (and the coordinator drops one at once when a call to it
                         fails on the connection)
-- `{ns}:session:{sid}`  hash of one live session (binding, round, state); deleted when it ends
+- `{ns}:session:{sid}`  hash of one live session (binding, round, state, its coordinator); deleted
+                        when it ends, or by any coordinator once its own coordinator is gone
+- `{ns}:coordinator:{id}` a coordinator's liveness key (TTL, renewed every poll): the owner of the
+                        session records that name it
 - channel `{ns}:stats`  every stats publish is also PUBLISHed here (same JSON), so a coordinator can
                         keep the cluster view in memory instead of reading it per decision
 
@@ -42,6 +45,7 @@ class WorkerInfo:
     sidecar: str = ""
     engine: str = "mock"
     profile: str = ""
+    task_key: str = ""  # hex; a decode worker's key of its prefill tasks' tokens (ampd.trust)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -199,6 +203,29 @@ class StateStore:
 
     async def delete_sessions(self, session_ids) -> None:
         await self.r.delete(*(self.session_key(s) for s in session_ids))
+
+    def coordinator_key(self, instance: str) -> str:
+        return f"{self.ns}:coordinator:{instance}"
+
+    async def coordinator_alive(self, instance: str, ttl_s: float) -> None:
+        await self.r.set(self.coordinator_key(instance), b"1", px=max(1, int(ttl_s * 1000)))
+
+    async def orphan_sessions(self) -> list[str]:
+        """Ids of the session records whose coordinator is gone (it died serving them)."""
+        keys = [k async for k in self.r.scan_iter(match=f"{self.ns}:session:*", count=1000)]
+        if not keys:
+            return []
+        async with self.r.pipeline(transaction=False) as p:
+            for k in keys:
+                p.hget(k, "coordinator")
+            owners = await p.execute()
+        known = {o for o in owners if o}
+        async with self.r.pipeline(transaction=False) as p:
+            for o in known:
+                p.exists(self.coordinator_key(o.decode()))
+            alive = dict(zip(known, await p.execute()))
+        prefix = len(f"{self.ns}:session:")
+        return [k.decode()[prefix:] for k, o in zip(keys, owners) if not o or not alive.get(o)]
 
     async def session_keys(self) -> list[str]:
         return [k.decode() async for k in self.r.scan_iter(match=f"{self.ns}:session:*")]

@@ -167,7 +167,7 @@ class SessionDone(_message.Message):
     def __init__(self, rounds: _Optional[_Iterable[_Union[RoundTiming, _Mapping]]] = ...) -> None: ...
 
 class PrefillTask(_message.Message):
-    __slots__ = ("session_id", "round", "l_hist", "l_incr", "input_ready", "decode_worker", "decode_tp", "history", "dest", "token_ids", "sampling", "history_token_ids")
+    __slots__ = ("session_id", "round", "l_hist", "l_incr", "input_ready", "decode_worker", "decode_tp", "history", "dest", "token_ids", "sampling", "history_token_ids", "task_token")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     L_HIST_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +180,7 @@ class PrefillTask(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     HISTORY_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TASK_TOKEN_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     round: int
     l_hist: int
@@ -192,7 +193,8 @@ class PrefillTask(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     history_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., l_hist: _Optional[int] = ..., l_incr: _Optional[int] = ..., input_ready: _Optional[float] = ..., decode_worker: _Optional[str] = ..., decode_tp: _Optional[int] = ..., history: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., dest: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., history_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    task_token: str
+    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., l_hist: _Optional[int] = ..., l_incr: _Optional[int] = ..., input_ready: _Optional[float] = ..., decode_worker: _Optional[str] = ..., decode_tp: _Optional[int] = ..., history: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., dest: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., history_token_ids: _Optional[_Iterable[int]] = ..., task_token: _Optional[str] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ()

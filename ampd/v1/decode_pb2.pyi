@@ -22,14 +22,16 @@ class ControlRequest(_message.Message):
     def __init__(self, id: _Optional[int] = ..., local_prefill: _Optional[_Union[RouteInfo, _Mapping]] = ..., turn: _Optional[_Union[TurnRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelRequest, _Mapping]] = ..., close: _Optional[_Union[CloseRequest, _Mapping]] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("open", "arrival", "resume")
+    __slots__ = ("open", "arrival", "resume", "session_secret")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
+    SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
     open: _common_pb2.OpenSession
     arrival: float
     resume: Resume
-    def __init__(self, open: _Optional[_Union[_common_pb2.OpenSession, _Mapping]] = ..., arrival: _Optional[float] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ...) -> None: ...
+    session_secret: str
+    def __init__(self, open: _Optional[_Union[_common_pb2.OpenSession, _Mapping]] = ..., arrival: _Optional[float] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., session_secret: _Optional[str] = ...) -> None: ...
 
 class Resume(_message.Message):
     __slots__ = ("round", "round_tokens", "rerun_tools", "calls", "attempt")
@@ -46,16 +48,18 @@ class Resume(_message.Message):
     def __init__(self, round: _Optional[int] = ..., round_tokens: _Optional[int] = ..., rerun_tools: _Optional[bool] = ..., calls: _Optional[_Iterable[_Union[_common_pb2.ToolCall, _Mapping]]] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class RouteInfo(_message.Message):
-    __slots__ = ("session_id", "round", "reason", "prefill_worker")
+    __slots__ = ("session_id", "round", "reason", "prefill_worker", "session_secret")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
+    SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     round: int
     reason: str
     prefill_worker: str
-    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., reason: _Optional[str] = ..., prefill_worker: _Optional[str] = ...) -> None: ...
+    session_secret: str
+    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., reason: _Optional[str] = ..., prefill_worker: _Optional[str] = ..., session_secret: _Optional[str] = ...) -> None: ...
 
 class DecodeEvent(_message.Message):
     __slots__ = ("prefill_task", "tokens", "tool_call", "round_end", "done", "turn_end")
@@ -74,23 +78,29 @@ class DecodeEvent(_message.Message):
     def __init__(self, prefill_task: _Optional[_Union[_common_pb2.PrefillTask, _Mapping]] = ..., tokens: _Optional[_Union[_common_pb2.Tokens, _Mapping]] = ..., tool_call: _Optional[_Union[_common_pb2.ToolCall, _Mapping]] = ..., round_end: _Optional[_Union[_common_pb2.RoundEnd, _Mapping]] = ..., done: _Optional[_Union[_common_pb2.SessionDone, _Mapping]] = ..., turn_end: _Optional[_Union[_common_pb2.TurnEnd, _Mapping]] = ...) -> None: ...
 
 class TurnRequest(_message.Message):
-    __slots__ = ("session_id", "turn")
+    __slots__ = ("session_id", "turn", "session_secret")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TURN_FIELD_NUMBER: _ClassVar[int]
+    SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     turn: _common_pb2.Turn
-    def __init__(self, session_id: _Optional[str] = ..., turn: _Optional[_Union[_common_pb2.Turn, _Mapping]] = ...) -> None: ...
+    session_secret: str
+    def __init__(self, session_id: _Optional[str] = ..., turn: _Optional[_Union[_common_pb2.Turn, _Mapping]] = ..., session_secret: _Optional[str] = ...) -> None: ...
 
 class CloseRequest(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "session_secret")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    session_secret: str
+    def __init__(self, session_id: _Optional[str] = ..., session_secret: _Optional[str] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
-    __slots__ = ("session_id", "reason")
+    __slots__ = ("session_id", "reason", "session_secret")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     reason: str
-    def __init__(self, session_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    session_secret: str
+    def __init__(self, session_id: _Optional[str] = ..., reason: _Optional[str] = ..., session_secret: _Optional[str] = ...) -> None: ...

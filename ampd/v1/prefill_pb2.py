@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from ampd.v1 import common_pb2 as ampd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x61mpd/v1/prefill.proto\x12\x07\x61mpd.v1\x1a\x14\x61mpd/v1/common.proto\"\xa1\x01\n\x0bPrefillDone\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\r\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\r\x12\x16\n\x0eprefill_worker\x18\x04 \x01(\t\x12\x10\n\x08kv_bytes\x18\x05 \x01(\x04\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x0f\n\x07started\x18\x07 \x01(\x01\x12\x10\n\x08\x66inished\x18\x08 \x01(\x01\"?\n\rSubmitRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12\"\n\x04task\x18\x02 \x01(\x0b\x32\x14.ampd.v1.PrefillTask2\xb8\x01\n\rPrefillWorker\x12,\n\x06Submit\x12\x14.ampd.v1.PrefillTask\x1a\x0c.ampd.v1.Ack\x12>\n\x0cSubmitStream\x12\x16.ampd.v1.SubmitRequest\x1a\x12.ampd.v1.CallReply(\x01\x30\x01\x12\x39\n\x07Metrics\x12\x17.ampd.v1.MetricsRequest\x1a\x15.ampd.v1.MetricsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x61mpd/v1/prefill.proto\x12\x07\x61mpd.v1\x1a\x14\x61mpd/v1/common.proto\"\xb5\x01\n\x0bPrefillDone\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\r\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\r\x12\x16\n\x0eprefill_worker\x18\x04 \x01(\t\x12\x10\n\x08kv_bytes\x18\x05 \x01(\x04\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x0f\n\x07started\x18\x07 \x01(\x01\x12\x10\n\x08\x66inished\x18\x08 \x01(\x01\x12\x12\n\ntask_token\x18\t \x01(\t\"?\n\rSubmitRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12\"\n\x04task\x18\x02 \x01(\x0b\x32\x14.ampd.v1.PrefillTask2\xb8\x01\n\rPrefillWorker\x12,\n\x06Submit\x12\x14.ampd.v1.PrefillTask\x1a\x0c.ampd.v1.Ack\x12>\n\x0cSubmitStream\x12\x16.ampd.v1.SubmitRequest\x1a\x12.ampd.v1.CallReply(\x01\x30\x01\x12\x39\n\x07Metrics\x12\x17.ampd.v1.MetricsRequest\x1a\x15.ampd.v1.MetricsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,9 +33,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ampd.v1.prefill_pb2', _glob
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLDONE']._serialized_start=57
-  _globals['_PREFILLDONE']._serialized_end=218
-  _globals['_SUBMITREQUEST']._serialized_start=220
-  _globals['_SUBMITREQUEST']._serialized_end=283
-  _globals['_PREFILLWORKER']._serialized_start=286
-  _globals['_PREFILLWORKER']._serialized_end=470
+  _globals['_PREFILLDONE']._serialized_end=238
+  _globals['_SUBMITREQUEST']._serialized_start=240
+  _globals['_SUBMITREQUEST']._serialized_end=303
+  _globals['_PREFILLWORKER']._serialized_start=306
+  _globals['_PREFILLWORKER']._serialized_end=490
 # @@protoc_insertion_point(module_scope)

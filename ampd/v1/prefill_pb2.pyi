@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillDone(_message.Message):
-    __slots__ = ("session_id", "round", "first_token", "prefill_worker", "kv_bytes", "error", "started", "finished")
+    __slots__ = ("session_id", "round", "first_token", "prefill_worker", "kv_bytes", "error", "started", "finished", "task_token")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class PrefillDone(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     STARTED_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    TASK_TOKEN_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     round: int
     first_token: int
@@ -24,7 +25,8 @@ class PrefillDone(_message.Message):
     error: str
     started: float
     finished: float
-    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., first_token: _Optional[int] = ..., prefill_worker: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., error: _Optional[str] = ..., started: _Optional[float] = ..., finished: _Optional[float] = ...) -> None: ...
+    task_token: str
+    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., first_token: _Optional[int] = ..., prefill_worker: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., error: _Optional[str] = ..., started: _Optional[float] = ..., finished: _Optional[float] = ..., task_token: _Optional[str] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
     __slots__ = ("id", "task")

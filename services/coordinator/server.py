@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import os
 import sys
+import time
 from collections import Counter
 
 import grpc
@@ -21,6 +24,7 @@ from ampd.v1 import (
 )
 from ampd.grpcserver import write_ready_file
 from services.coordinator.core import Cluster, InvalidArgument, validate_open
+from services.coordinator.admission import Admission
 from services.coordinator.session import SessionEnd, SessionRun
 
 log = structlog.get_logger()
@@ -98,6 +102,10 @@ class Stubs:
         return self._prefill[address]
 
 
+ORPHAN_SWEEP_POLLS = 20  # liveness polls (0.5 s each) between sweeps for orphaned session records
+ORPHAN_SWEEP_S = 3.0  # the coordinator's liveness key's TTL
+
+
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(self, store: StateStore, router, policy: str, stats_mode: str = "push",
                  migration_limit: int = CoordinatorSettings().migration_limit) -> None:
@@ -113,10 +121,16 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.route_read_ms_total = 0.0
         self.labels: dict[str, str] = {"policy": policy}
         self.rounds = metrics.RoundMetrics()  # TTFT/ITL histograms of /metrics
+        settings = CoordinatorSettings()
+        self.admission = Admission(settings.admission_wait, settings.admission_queue)
         # prefill worker -> the sessions with a round submitted there and not yet answered
         self.remote: dict[str, dict[tuple[str, int], SessionRun]] = {}
         self._unrecorded: set[str] = set()  # session records whose delete failed (Redis was away)
         self._writes: set[asyncio.Task] = set()
+        # This coordinator's id on its session records; a record whose coordinator's liveness key
+        # is gone (it died serving the session) is deleted by the next coordinator's sweep.
+        self.instance = f"{os.getpid()}-{int(time.time() * 1000) % 10**9}"
+        self._polls = 0
 
     async def Session(self, request_iterator, context: grpc.aio.ServicerContext):
         try:
@@ -147,17 +161,30 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     await self.forget_record(sid)
                 yield out
         except SessionEnd as end:
-            self.counters["sessions_failed"] += 1
+            refused = end.code == grpc.StatusCode.RESOURCE_EXHAUSTED and not run.admitted
+            self.counters["sessions_refused" if refused else "sessions_failed"] += 1
             await context.abort(end.code, end.details)
         finally:
             if sid in self.live:
                 self.live.discard(sid)
                 await self.forget_record(sid)
 
+    # ---------------------------------------------------------------------------- admission
+    async def rooms(self) -> list:
+        """The live decode workers for admission, each with its KV capacity as its room."""
+        view = await self.cluster.view()
+        infos = self.cluster.infos
+        return [dataclasses.replace(v, kv_free_tokens=infos[wid].kv_capacity_tokens)
+                for wid, v in view.decode.items() if wid in infos]
+
+    def block_tokens(self) -> int:
+        """A session's last KV block may be partly empty: its promise counts one block more."""
+        return max((i.layout.get("block_tokens", 0) for i in self.cluster.infos.values()), default=0)
+
     # ------------------------------------------------------------------- session records (Redis)
     def record(self, sid: str, fields: dict) -> None:
         """Writes the session's record in the background: a Redis outage must not stall a session."""
-        task = asyncio.create_task(self._write(self.store.update_session(sid, fields)))
+        task = asyncio.create_task(self._write(self.store.update_session(sid, {**fields, "coordinator": self.instance})))
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
 
@@ -176,6 +203,13 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self._unrecorded.add(sid)  # deleted on a later liveness poll, once Redis answers
 
     async def _on_poll(self) -> None:
+        await self.store.coordinator_alive(self.instance, ORPHAN_SWEEP_S)
+        self._polls += 1
+        if self._polls % ORPHAN_SWEEP_POLLS == 1:
+            orphans = [sid for sid in await self.store.orphan_sessions() if sid not in self.live]
+            if orphans:
+                log.info("deleting the records of sessions whose coordinator is gone", sessions=len(orphans))
+                await self.store.delete_sessions(orphans)
         if self._unrecorded:
             gone = set(self._unrecorded)
             await self.store.delete_sessions(gone)
@@ -217,6 +251,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     async def Metrics(self, request, context) -> common_pb2.MetricsReply:
         values = {k: float(v) for k, v in self.counters.items()}
         values["sessions_live"] = len(self.live)
+        values["sessions_waiting"] = self.admission.waiting
         values["route_redis_read_ms_total"] = self.route_read_ms_total
         lags = sorted(self.cluster.lag_s[-1000:])
         if lags:
@@ -227,6 +262,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
 async def amain(args: argparse.Namespace) -> None:
     logs.configure("coordinator")
+    grpcserver.set_auth_token(args.auth_token)
     profile = load_profile(args.profile)
     policy_spec(args.policy)  # an unknown name fails here, with the valid ones listed
     slo = SLO(args.ttft_slo, args.itl_slo)
@@ -234,12 +270,14 @@ async def amain(args: argparse.Namespace) -> None:
                          threshold_tokens=args.threshold_tokens, slack=args.slack or None)
     store = StateStore(await connect(args.redis_url), args.namespace)
     service = CoordinatorService(store, router, args.policy, args.stats_mode, args.migration_limit)
+    service.admission = Admission(args.admission_wait, args.admission_queue)
     service.labels.update(profile=profile.name, ttft_slo=str(slo.ttft_s), itl_slo=str(slo.itl_s))
     await service.cluster.start()
     server, port, health = await grpcserver.start_server(
         f"{args.host}:{args.port}",
         lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, s),
         [coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name],
+        max_message=grpcserver.CLIENT_MAX_MESSAGE,  # clients: gRPC's default; workers take more
     )
     metrics_port = metrics.serve(args.host, args.metrics_port,
                                  [service.rounds, metrics.rpc_collector(service, "coordinator")])

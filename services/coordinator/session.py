@@ -18,12 +18,16 @@ import structlog
 
 from ampd.policy import PrefillTask
 from ampd.sessionlog import CannotResume, SessionLog
+from ampd.trust import new_secret
 from ampd.v1 import common_pb2, coordinator_pb2, decode_pb2, prefill_pb2
-from services.coordinator.core import InvalidArgument, choose_decode_worker, route, validate_turn
+from ampd.validate import stream_message_error, validate_reason
+from services.coordinator.admission import Refused
+from services.coordinator.core import InvalidArgument, route, turn_kv_tokens, validate_turn
 
 log = structlog.get_logger()
 
 BIND_WAIT_S = 15.0  # a moving session waits this long for a live decode worker (one may be restarting)
+OPEN_WAIT_S = 3.0  # a new session waits this long for one (then UNAVAILABLE: none is serving)
 
 
 class SessionEnd(Exception):
@@ -56,12 +60,19 @@ class SessionRun:
         self.routes: dict[int, tuple[str, str, bool]] = {}
         self.remote: dict[int, str] = {}  # round -> prefill worker its prefill was submitted to
         self.announce = True  # the next event to the client names the binding
+        self.secret = new_secret()  # the session's credential on its decode worker (every request)
+        self.closing = False  # the client sent Close: only cancel may follow
+        # The KV the session may hold (its turns' inputs, outputs and scripted results, one block
+        # more): promised to its decode worker by admission while it is bound there.
+        self.need = turn_kv_tokens(o.turn, o.limits.max_output_tokens) + svc.block_tokens()
+        self.promised_on = ""  # the decode worker holding that promise
+        self.admitted = False
 
     # -------------------------------------------------------------------------------- the loop
     async def run(self):
         """The session's events for the client; raises SessionEnd."""
         self.log.on_turn(self.o.turn)
-        await self._bind(decode_pb2.AttachRequest(open=self.o, arrival=time.time()), wait_s=0.0)
+        await self._bind(decode_pb2.AttachRequest(open=self.o, arrival=time.time()), wait_s=OPEN_WAIT_S)
         reader = asyncio.create_task(self._read_client())
         try:
             while not self.finished:
@@ -84,6 +95,7 @@ class SessionRun:
         finally:
             reader.cancel()
             self._unbind()
+            self._release()
             self.svc.forget_remote(self)
 
     async def _read_client(self) -> None:
@@ -106,16 +118,24 @@ class SessionRun:
 
     # ------------------------------------------------------------------------------- binding
     async def _bind(self, req: decode_pb2.AttachRequest, wait_s: float = BIND_WAIT_S) -> None:
+        """Binds the session to the decode worker admission gives it (waiting for KV up to
+        admission_wait, then RESOURCE_EXHAUSTED: a session is refused before it is accepted, never
+        aborted for lack of KV after)."""
         svc = self.svc
         deadline = time.monotonic() + wait_s
+        self._release()
         while True:
-            view = await svc.cluster.view()
-            if view.decode:
+            try:
+                self.decode_id = await svc.admission.admit(self.need, svc.rooms)
                 break
-            if time.monotonic() >= deadline:
-                raise SessionEnd(grpc.StatusCode.UNAVAILABLE, "no decode worker is serving")
-            await asyncio.sleep(0.25)
-        self.decode_id = choose_decode_worker(view)
+            except Refused as exc:
+                raise SessionEnd(grpc.StatusCode.RESOURCE_EXHAUSTED, f"admission: {exc}") from None
+            except LookupError:  # no decode worker serves (one may be restarting)
+                if time.monotonic() >= deadline:
+                    raise SessionEnd(grpc.StatusCode.UNAVAILABLE, "no decode worker is serving") from None
+                await asyncio.sleep(0.25)
+        self.promised_on, self.admitted = self.decode_id, True
+        req.session_secret = self.secret
         self.info = svc.cluster.infos[self.decode_id]
         self.control = svc.stubs.control(self.info.address, self.info.nixl_agent)
         self.gen += 1
@@ -123,6 +143,11 @@ class SessionRun:
         self.pump = asyncio.create_task(self._pump(self.call, self.gen))
         self.bound, self.opened, self.announce = True, False, True
         svc.record(self.sid, {"decode_worker": self.decode_id, "round": req.resume.round, "moves": self.log.moves})
+
+    def _release(self) -> None:
+        if self.promised_on:
+            self.svc.admission.release(self.promised_on, self.need)
+            self.promised_on = ""
 
     def _unbind(self) -> None:
         self.gen += 1
@@ -148,6 +173,7 @@ class SessionRun:
         svc, lost = self.svc, self.decode_id
         svc.cluster.mark_lost(lost)
         self._unbind()
+        self._release()  # the lost worker's KV is gone; the next binding promises it again
         if self.log.moves >= svc.migration_limit:
             raise SessionEnd(grpc.StatusCode.UNAVAILABLE,
                              f"decode worker {lost} lost ({why}); the session already moved {self.log.moves} "
@@ -175,32 +201,44 @@ class SessionRun:
             self.held.append(msg)
             return []
         kind = "close" if msg is None else msg.WhichOneof("msg")
-        if kind == "turn":
+        if msg is not None:
             try:
-                validate_turn(msg.turn, "turn")
+                error = stream_message_error(kind, self.closing)
+                if error:
+                    raise InvalidArgument(error)
+                if kind == "turn":
+                    validate_turn(msg.turn, "turn")
+                elif kind == "cancel":
+                    validate_reason(msg.cancel.reason, "cancel.reason")
             except InvalidArgument as exc:
-                raise SessionEnd(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+                code = grpc.StatusCode.FAILED_PRECONDITION if self.closing else grpc.StatusCode.INVALID_ARGUMENT
+                raise SessionEnd(code, str(exc)) from None
+        if kind == "turn":
+            more = turn_kv_tokens(msg.turn, self.o.limits.max_output_tokens)
+            self.need += more  # accepted sessions are not refused: their later turns are promised too
+            if self.promised_on:
+                self.svc.admission.add(self.promised_on, more)
             if not self.bound:
                 return await self._resume_with(msg.turn)
             ok = await self._control(decode_pb2.ControlRequest(turn=decode_pb2.TurnRequest(
-                session_id=self.sid, turn=msg.turn)))
+                session_id=self.sid, turn=msg.turn, session_secret=self.secret)))
             self.log.on_turn(msg.turn)  # accepted, or the worker is gone with it (the move runs it)
             return [] if ok else await self._move("its control stream failed")
         if kind == "close":
+            self.closing = True
             if not self.bound:
                 return [self._done(common_pb2.SessionDone())]
-            ok = await self._control(decode_pb2.ControlRequest(close=decode_pb2.CloseRequest(session_id=self.sid)),
-                                     ignore=grpc.StatusCode.FAILED_PRECONDITION)
+            ok = await self._control(decode_pb2.ControlRequest(close=decode_pb2.CloseRequest(
+                session_id=self.sid, session_secret=self.secret)), ignore=grpc.StatusCode.FAILED_PRECONDITION)
             return [] if ok else await self._move("its control stream failed")
         if kind == "cancel":
             if not self.bound:
                 raise SessionEnd(grpc.StatusCode.CANCELLED, f"cancelled: {msg.cancel.reason}" if msg.cancel.reason
                                  else "cancelled")
             await self._control(decode_pb2.ControlRequest(cancel=decode_pb2.CancelRequest(
-                session_id=self.sid, reason=msg.cancel.reason)))
+                session_id=self.sid, reason=msg.cancel.reason, session_secret=self.secret)))
             return []
-        raise SessionEnd(grpc.StatusCode.INVALID_ARGUMENT,
-                         f"{kind or 'msg'}: the session is already open; send turn, close or cancel")
+        raise AssertionError(kind)  # stream_message_error refused every other kind
 
     async def _resume_with(self, turn: common_pb2.Turn) -> list:
         try:
@@ -316,7 +354,7 @@ class SessionRun:
         """The round's prefill runs on the bound decode worker."""
         try:
             await self.control.call(decode_pb2.ControlRequest(local_prefill=decode_pb2.RouteInfo(
-                session_id=self.sid, round=rnd, reason=reason)))
+                session_id=self.sid, round=rnd, reason=reason, session_secret=self.secret)))
             self.svc.counters["prefills_local"] += 1
         except grpc.aio.AioRpcError as exc:  # the worker is gone (its stream says so) or the round is
             log.warning("local prefill refused", session=self.sid, round=rnd, error=exc.details())

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from contextlib import contextmanager
 
 import grpc
 import structlog
@@ -20,8 +21,8 @@ from ampd.v1 import common_pb2, decode_pb2, decode_pb2_grpc, sidecar_pb2_grpc
 from ampd.grpcserver import write_ready_file
 from ampd.runtime import WorkerRuntime, add_worker_args, config_from_args, pool_for
 from ampd.worker import DecodeCore
-from ampd.sessionapi import InvalidArgument, validate_open, validate_turn
-from services.decode.worker import DecodeWorker, InvalidTurn, SessionError, SessionFailed
+from ampd.validate import InvalidArgument, validate_attach, validate_reason, validate_turn
+from services.decode.worker import DecodeWorker, InvalidTurn, NotPermitted, SessionError, SessionFailed
 
 log = structlog.get_logger()
 
@@ -32,17 +33,18 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
 
     async def Attach(self, request: decode_pb2.AttachRequest, context: grpc.aio.ServicerContext):
         core = self.core
-        o = request.open
-        if not o.session_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "open.session_id: required")
         try:
-            validate_open(o)
+            validate_attach(request.arrival, request.open)
+            if not request.session_secret:
+                raise InvalidArgument("session_secret: required")
             s = core.open(request)
         except (InvalidArgument, InvalidTurn) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except SessionError as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         try:
+            # the session is open: the coordinator sends its Control requests only after this
+            await context.send_initial_metadata(())
             while True:
                 ev = await s.events.get()
                 if isinstance(ev, SessionFailed):
@@ -61,34 +63,28 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
                     return
         finally:
             if not s.closed:  # the coordinator went away mid-session
-                core.cancel(s.session_id, "attach stream closed")
+                core.cancel(s.session_id, "attach stream closed", s.secret)
 
     # LocalPrefill, Turn, Close and Cancel: one body each, served on Control (and some as unary calls).
     def _local_prefill(self, request: decode_pb2.RouteInfo) -> None:
-        try:
-            self.core.local_prefill(request.session_id, request.round)
-        except SessionError as exc:
-            raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+        with _statuses():
+            self.core.local_prefill(request.session_id, request.round, request.session_secret)
 
     def _turn(self, request: decode_pb2.TurnRequest) -> None:
-        try:
+        with _statuses():
             validate_turn(request.turn, "turn")
             if request.session_id not in self.core.sessions:
                 raise InvalidTurn(f"session_id: {request.session_id!r} is not open on this worker")
-            self.core.turn(request.session_id, request.turn)
-        except (InvalidArgument, InvalidTurn) as exc:
-            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-        except SessionError as exc:
-            raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+            self.core.turn(request.session_id, request.turn, request.session_secret)
 
     def _close(self, request: decode_pb2.CloseRequest) -> None:
-        try:
-            self.core.close_session(request.session_id)
-        except SessionError as exc:
-            raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+        with _statuses():
+            self.core.close_session(request.session_id, request.session_secret)
 
     def _cancel(self, request: decode_pb2.CancelRequest) -> None:
-        self.core.cancel(request.session_id, request.reason)
+        with _statuses():
+            validate_reason(request.reason, "reason")
+            self.core.cancel(request.session_id, request.reason, request.session_secret)
 
     def _control(self, request: decode_pb2.ControlRequest) -> None:
         kind = request.WhichOneof("call")
@@ -101,7 +97,7 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
         return common_pb2.Ack()
 
     async def Cancel(self, request: decode_pb2.CancelRequest, context) -> common_pb2.Ack:
-        self._cancel(request)
+        await abort_on_failure(context, lambda: self._cancel(request))
         return common_pb2.Ack()
 
     async def Control(self, request_iterator, context):
@@ -120,6 +116,19 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
         return common_pb2.MetricsReply(worker_id=core.rt.cfg.worker_id, values=values)
 
 
+@contextmanager
+def _statuses():
+    """A request's failure as the status it answers with."""
+    try:
+        yield
+    except (InvalidArgument, InvalidTurn) as exc:
+        raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+    except NotPermitted as exc:
+        raise RpcFailure(grpc.StatusCode.PERMISSION_DENIED, str(exc)) from None
+    except SessionError as exc:
+        raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+
+
 def chat_format(cfg) -> ChatFormat | None:
     """Text for a real engine whose model has a tokenizer: stop strings and tool calls in the output.
     The mock's ids are not text; a model folder without a tokenizer serves ids only."""
@@ -134,6 +143,7 @@ def chat_format(cfg) -> ChatFormat | None:
 
 async def amain(args: argparse.Namespace) -> None:
     logs.configure(f"decode:{args.worker_id}")
+    grpcserver.set_auth_token(args.auth_token)
     profile = load_profile(args.profile)
     spec = policy_spec(args.policy)
     service = DecodeService()

@@ -29,7 +29,10 @@ from ampd.chat.toolcalls import parse_tool_calls
 from ampd.engine.base import GREEDY, DecodeSeq, Engine, Sampling
 from ampd.kv import KVPoolExhausted, Segment, SessionKV, verify_pattern
 from ampd.policy import PrefillTask, WorkerView
+from ampd.grpcserver import RPC_TIMEOUT_S
 from ampd.runtime import WorkerRuntime, sampling_of
+from ampd.trust import new_call_id, task_token, token_matches
+from ampd.validate import MAX_ROUNDS
 from ampd.workload.ids import filler_ids
 from ampd.v1 import common_pb2, decode_pb2, prefill_pb2, sidecar_pb2
 from ampd.worker import ADMITTED, FAILED, PREFILLING, DecodeCore, DecodeSession, LocalPrefill
@@ -43,6 +46,10 @@ class SessionError(Exception):
 
 class InvalidTurn(ValueError):
     """A bad turn field (INVALID_ARGUMENT); the message starts with the field's path."""
+
+
+class NotPermitted(SessionError):
+    """A request on a session without its session secret (PERMISSION_DENIED)."""
 
 
 def seg_pb(segments: list[Segment]) -> list[common_pb2.Segment]:
@@ -63,6 +70,8 @@ class Session:
     max_output: int
     kv: SessionKV
     core: DecodeSession
+    secret: str = ""  # the session's credential (AttachRequest.session_secret)
+    task_token: str = ""  # the current round's prefill task's (ampd.trust)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     # Every token of the session, inputs and outputs. The KV covers tokens[:kv.tokens]; the rest (the
     # last output token, then a turn's new input) is the next prefill's input.
@@ -140,6 +149,8 @@ class DecodeWorker:
         self.wake = asyncio.Event()
         self._stepping = False  # a decode step is in flight: the core forgets sessions after it
         self._after_step: list[tuple[Session, str]] = []  # (session, error) to end after the step
+        # the local prefill (or chunk) the engine runs now: a cancel stops it (see close)
+        self._prefilling: tuple[Session, asyncio.Future] | None = None
         self.metrics: dict[str, float] = {
             "sessions_opened": 0, "sessions_completed": 0, "sessions_failed": 0,
             "prefills_local": 0, "prefills_remote": 0, "decode_steps": 0, "tokens": 0,
@@ -193,18 +204,23 @@ class DecodeWorker:
         check_turn(o.turn, self.engine, 0, "open.turn", self.chat is not None)
         s = Session(
             session_id=o.session_id,
-            max_rounds=o.limits.max_rounds,
+            max_rounds=o.limits.max_rounds or MAX_ROUNDS,  # a tool loop ends some time
             max_output=o.limits.max_output_tokens,
             kv=SessionKV(self.rt.pool.block_tokens),
             core=DecodeSession(o.session_id),
+            secret=req.session_secret,
         )
         self.sessions[s.session_id] = s
         self.rt.active_sessions = len(self.sessions)
         self.metrics["sessions_opened"] += 1
-        if req.HasField("resume"):
-            self._resume(s, o.turn, req.resume)
-        else:
-            self._start_turn(s, o.turn, req.arrival or time.time())
+        try:
+            if req.HasField("resume"):
+                self._resume(s, o.turn, req.resume)
+            else:
+                self._start_turn(s, o.turn, req.arrival or time.time())
+        except BaseException:
+            self.close(s)  # nothing of a session that did not open stays behind
+            raise
         return s
 
     def _resume(self, s: Session, t: common_pb2.Turn, r: decode_pb2.Resume) -> None:
@@ -227,15 +243,15 @@ class DecodeWorker:
         after_eos = s.tokens[-1] in self.engine.eos_token_ids
         asyncio.create_task(self._run_tools(s, scripted, calls, after_eos))
 
-    def turn(self, session_id: str, t: common_pb2.Turn) -> None:
+    def turn(self, session_id: str, t: common_pb2.Turn, secret: str) -> None:
         """The client's next turn (after the previous one ended)."""
-        s = self._session(session_id)
+        s = self._session(session_id, secret)
         check_turn(t, self.engine, len(s.tokens), "turn", self.chat is not None)
         if s.turn is not None or s.closing:
             raise SessionError(f"session {session_id!r} is still answering its previous turn")
         if t.tool_call_id and t.tool_call_id not in s.pending_calls:
             raise InvalidTurn(f"turn.tool_call_id: {t.tool_call_id!r} is not a pending call of the session "
-                              f"({', '.join(sorted(s.pending_calls)) or 'none'})")
+                              f"({len(s.pending_calls)} pending)")
         s.pending_calls.clear()
         self._start_turn(s, t, time.time())
 
@@ -296,13 +312,16 @@ class DecodeWorker:
         s.timing = common_pb2.RoundTiming(round=rnd, input_ready=s.input_ready, l_hist=s.l_hist, l_incr=s.l_incr,
                                           recovered=s.recovering)
         s.recovering = False
-        self.emit(s, decode_pb2.DecodeEvent(prefill_task=common_pb2.PrefillTask(
+        task = common_pb2.PrefillTask(
             session_id=s.session_id, round=rnd, l_hist=s.l_hist, l_incr=s.l_incr, input_ready=s.input_ready,
             decode_worker=self.rt.cfg.worker_id, decode_tp=self.rt.cfg.tp,
             history=seg_pb(s.kv.segments(0, s.l_hist)), dest=seg_pb(s.dest),
             token_ids=s.tokens[s.l_hist:], sampling=s.params,
             history_token_ids=s.tokens[:s.l_hist] if self._token_ids else (),
-        )))
+        )
+        # the blocks just reserved may be written by a prefill worker with this token only
+        task.task_token = s.task_token = task_token(self.rt.task_key, task)
+        self.emit(s, decode_pb2.DecodeEvent(prefill_task=task))
         self.awaiting_remote[(s.session_id, rnd)] = s
         self._notifs.arm()
 
@@ -315,8 +334,8 @@ class DecodeWorker:
                 return
             self._start_round(self.sessions[c.session_id])
 
-    def local_prefill(self, session_id: str, rnd: int) -> None:
-        s = self._session(session_id)
+    def local_prefill(self, session_id: str, rnd: int, secret: str) -> None:
+        s = self._session(session_id, secret)
         if s.round != rnd or (session_id, rnd) not in self.awaiting_remote:
             raise SessionError(f"session {session_id!r} round {rnd} is not waiting for a prefill")
         del self.awaiting_remote[(session_id, rnd)]
@@ -326,14 +345,17 @@ class DecodeWorker:
         self.rt.changed()
         self.wake.set()
 
-    def cancel(self, session_id: str, reason: str) -> None:
+    def cancel(self, session_id: str, reason: str, secret: str) -> None:
+        """Ends the session now: its queued and running prefill leave the core, its KV and queue slots
+        free at once (a session already gone is no error: cancels race with the end)."""
         s = self.sessions.get(session_id)
         if s is not None:
+            self._check_secret(s, secret)
             self.fail(s, f"cancelled: {reason}" if reason else "cancelled")
 
-    def close_session(self, session_id: str) -> None:
+    def close_session(self, session_id: str, secret: str) -> None:
         """Close: the session ends once its current turn (if any) is answered."""
-        s = self._session(session_id)
+        s = self._session(session_id, secret)
         s.closing = True
         if s.turn is None:
             self._done(s)
@@ -343,11 +365,17 @@ class DecodeWorker:
         self.metrics["sessions_completed"] += 1
         self.close(s)
 
-    def _session(self, session_id: str) -> Session:
+    def _session(self, session_id: str, secret: str) -> Session:
         s = self.sessions.get(session_id)
         if s is None:
             raise SessionError(f"session {session_id!r} is not open on this worker")
+        self._check_secret(s, secret)
         return s
+
+    @staticmethod
+    def _check_secret(s: Session, secret: str) -> None:
+        if not token_matches(s.secret, secret):
+            raise NotPermitted(f"session_secret: not the secret of session {s.session_id!r}")
 
     def close(self, s: Session) -> None:
         """Frees everything the session holds on this worker (in the core once no step holds it)."""
@@ -360,7 +388,15 @@ class DecodeWorker:
             self._after_step.append((s, ""))
         else:
             self.core.drop(s.core)
-        s.kv.release(self.rt.pool)
+        running = self._prefilling
+        if running is not None and running[0] is s:
+            # Its local prefill is running: stop it now (an engine whose prefill can be cancelled,
+            # like the mock, stops at once; another finishes its pass). The engine may still write
+            # the session's blocks until then, so _prefill frees them when it lets go.
+            if getattr(self.engine, "cancellable_prefill", False):
+                running[1].cancel()
+        else:
+            s.kv.release(self.rt.pool)
         if self._token_ids:
             self.engine.forget(s.session_id)
         self.rt.active_sessions = len(self.sessions)
@@ -416,7 +452,7 @@ class DecodeWorker:
             else [(c.name, c.arguments, c.name not in s.turn.server_tools) for c in parsed]
         client = any(side for _, _, side in calls)
         for i, (name, arguments, _) in enumerate(calls):
-            call_id = f"{s.session_id}/{s.round}" + (f"/{i}" if i else "")
+            call_id = new_call_id()  # unguessable: the next turn answers a client-side call by it
             self.emit(s, decode_pb2.DecodeEvent(tool_call=common_pb2.ToolCall(
                 round=s.round, call_id=call_id, name=name, arguments=arguments, client_side=client)))
             self.metrics["tool_calls"] += 1
@@ -438,11 +474,12 @@ class DecodeWorker:
         results are the next round's input (a scripted call's result is ``result_tokens`` long)."""
         results = []
         for name, arguments, _ in calls:
-            try:
+            latency = scripted.tool.latency_s if scripted else 0.0
+            try:  # the deadline: the tool's own latency and an RPC's
                 res = await self.sidecar.Call(sidecar_pb2.ToolCallRequest(
                     session_id=s.session_id, round=s.round, name=name, arguments=arguments,
-                    latency_s=scripted.tool.latency_s if scripted else 0.0,
-                    result_tokens=scripted.result_tokens if scripted else 0))
+                    latency_s=latency, result_tokens=scripted.result_tokens if scripted else 0),
+                    timeout=latency + RPC_TIMEOUT_S)
             except Exception as exc:  # grpc.aio.AioRpcError and connection failures
                 if not s.closed:
                     detail = exc.details() if hasattr(exc, "details") else exc
@@ -487,9 +524,25 @@ class DecodeWorker:
         chunk = not (work.last and s.prefilled == 0)
         segs = s.kv.segments(start, n) if chunk else s.dest
         extra = {"history_ids": s.tokens} if self._token_ids else {}
-        token = await self.engine.prefill(
+        run = asyncio.ensure_future(self.engine.prefill(
             s.session_id, start, n, self.rt.pool, segs, token_ids=s.tokens[start:start + n],
-            history_kv=s.kv.segments(0, start) if self._history_kv else (), sampling=s.sampling, **extra)
+            history_kv=s.kv.segments(0, start) if self._history_kv else (), sampling=s.sampling, **extra))
+        self._prefilling = (s, run)
+        try:
+            token = await run
+        except asyncio.CancelledError:
+            if not s.closed or asyncio.current_task().cancelling():
+                raise  # the worker stops
+            token = -1  # the session was cancelled: its prefill stopped (close)
+        finally:
+            self._prefilling = None
+            if s.closed:  # the blocks close() left to the prefill
+                s.kv.release(self.rt.pool)
+        if s.closed:
+            self.core.prefill_done(time.time())
+            self.rt.changed()
+            self._admit_waiting()
+            return
         s.prefilled += n
         self.metrics["local_prefill_tokens"] += n
         if chunk:
@@ -575,6 +628,10 @@ class DecodeWorker:
         if s is None:
             log.warning("prefill done for an unknown session", session=done.session_id, round=done.round)
             return
+        if not token_matches(s.task_token, done.task_token):
+            self.awaiting_remote[(done.session_id, done.round)] = s  # not its task's: keep waiting
+            log.warning("prefill done with a wrong task token", session=done.session_id, round=done.round)
+            return
         if done.error:
             # The prefill worker could not do it (shutting down, a transfer failed): the reserved KV
             # is still here, so the round runs locally instead of failing the session.
@@ -582,7 +639,7 @@ class DecodeWorker:
                         prefill_worker=done.prefill_worker, error=done.error)
             self.metrics["prefills_rerouted"] += 1
             self.awaiting_remote[(done.session_id, done.round)] = s
-            self.local_prefill(done.session_id, done.round)
+            self.local_prefill(done.session_id, done.round, s.secret)
             return
         if not self._history_kv:  # the mock's KV content is a function of (session, position): check it
             data = self.rt.pool.read(s.dest)

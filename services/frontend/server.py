@@ -34,7 +34,7 @@ from ampd.front.answer import FORCED_STOP, Answer, forced_prefix
 from ampd.front.api import ApiError, ChatRequest, CompletionRequest, Sampling, error_body, parse_chat, parse_completion
 from ampd.front.index import Match, SessionIndex
 from ampd.metrics import TTFT_BUCKETS
-from ampd.sessionapi import MAX_SESSION_ID
+from ampd.validate import MAX_ID as MAX_SESSION_ID
 from ampd.state import connect
 from ampd.v1 import common_pb2, coordinator_pb2_grpc
 from services.frontend.sessions import LiveSession, SessionTable

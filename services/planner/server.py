@@ -152,6 +152,7 @@ class PlannerService(planner_pb2_grpc.PlannerServicer):
 
 async def amain(args: argparse.Namespace) -> None:
     logs.configure("planner")
+    grpcserver.set_auth_token(args.auth_token)
     service = PlannerService(ProfileStore(args.profiles_dir))
     server, port, health = await grpcserver.start_server(
         f"{args.host}:{args.port}",

@@ -18,28 +18,48 @@ from ampd.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from ampd.grpcserver import write_ready_file
 from ampd.runtime import WorkerRuntime, add_worker_args, config_from_args, pool_for
 from ampd.worker import PrefillCore
+from ampd.trust import task_token, token_matches
+from ampd.validate import InvalidArgument, TaskTarget, validate_prefill_task
 from services.prefill.worker import PrefillWorker
 
 log = structlog.get_logger()
+
+# Tasks one prefill worker queues at most; beyond it Submit answers RESOURCE_EXHAUSTED (the
+# coordinator then runs the prefill on the session's decode worker).
+MAX_QUEUED_TASKS = 4096
 
 
 class PrefillService(prefill_pb2_grpc.PrefillWorkerServicer):
     def __init__(self) -> None:
         self.core: PrefillWorker | None = None
+        self.tps: tuple[int, ...] = ()  # degrees the profile times transfers for
 
-    def _submit(self, request: common_pb2.PrefillTask) -> None:
-        bad = grpc.StatusCode.INVALID_ARGUMENT
-        for field in ("session_id", "decode_worker"):
-            if not getattr(request, field):
-                raise RpcFailure(bad, f"{field}: required")
-        if request.l_incr <= 0:
-            raise RpcFailure(bad, "l_incr: must be >= 1")
-        if sum(s.tokens for s in request.history) != request.l_hist:
-            raise RpcFailure(bad, "history: segments must cover l_hist tokens")
-        if sum(s.tokens for s in request.dest) != request.l_incr:
-            raise RpcFailure(bad, "dest: segments must cover l_incr tokens")
+    async def _submit(self, request: common_pb2.PrefillTask) -> None:
+        """Everything about a task is checked before it is queued: a task the loop cannot run (an
+        unknown worker, a degree the profile cannot time, blocks outside the pool) is refused here,
+        and one whose token is not its decode worker's is refused (it could name another session's
+        blocks)."""
+        core, tps = self.core, self.tps
         try:
-            self.core.submit(request)
+            validate_prefill_task(request, tps)
+            try:
+                await core.rt.ensure_peer(request.decode_worker)
+            except LookupError:
+                raise InvalidArgument(f"task.decode_worker: {request.decode_worker!r} is not a registered "
+                                      "decode worker") from None
+            info = core.rt.peers[request.decode_worker]
+            layout = info.layout
+            validate_prefill_task(request, tps, TaskTarget(info.tp, layout["num_blocks"], layout["block_tokens"]))
+        except InvalidArgument as exc:
+            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        key = bytes.fromhex(info.task_key) if info.task_key else b""
+        if not key or not token_matches(task_token(key, request), request.task_token):
+            raise RpcFailure(grpc.StatusCode.PERMISSION_DENIED,
+                             f"task.task_token: not minted by {request.decode_worker!r} for this task")
+        if len(core.tasks) >= MAX_QUEUED_TASKS:
+            raise RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, f"task: {len(core.tasks)} tasks already queued here")
+        try:
+            core.submit(request)
         except ValueError as exc:
             raise RpcFailure(grpc.StatusCode.ALREADY_EXISTS, str(exc)) from None
 
@@ -60,9 +80,11 @@ class PrefillService(prefill_pb2_grpc.PrefillWorkerServicer):
 
 async def amain(args: argparse.Namespace) -> None:
     logs.configure(f"prefill:{args.worker_id}")
+    grpcserver.set_auth_token(args.auth_token)
     profile = load_profile(args.profile)
     spec = policy_spec(args.policy)
     service = PrefillService()
+    service.tps = profile.tps
     server, port, health = await grpcserver.start_server(
         f"{args.host}:{args.port}",
         lambda s: prefill_pb2_grpc.add_PrefillWorkerServicer_to_server(service, s),

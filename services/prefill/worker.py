@@ -174,7 +174,7 @@ class PrefillWorker:
         job = self.running = self._take(work)
         task = job.task
         # started: when the task left the queue (a task read ahead left it when its read began)
-        done = prefill_pb2.PrefillDone(session_id=task.session_id, round=task.round,
+        done = prefill_pb2.PrefillDone(session_id=task.session_id, round=task.round, task_token=task.task_token,
                                        prefill_worker=rt.cfg.worker_id, started=job.read_start or time.time())
         try:
             if job.reading is not None:

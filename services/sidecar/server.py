@@ -13,6 +13,7 @@ from ampd import grpcserver, logs, metrics
 from ampd.config import SERVICE_SETTINGS, ConfigError, add_flags
 from ampd.grpcserver import write_ready_file
 from ampd.tools import ToolInput, ToolRegistry
+from ampd.validate import InvalidArgument, validate_tool_call
 from ampd.v1 import common_pb2, sidecar_pb2, sidecar_pb2_grpc
 
 log = structlog.get_logger()
@@ -26,16 +27,16 @@ class SidecarService(sidecar_pb2_grpc.ToolSidecarServicer):
         self.failures = 0
 
     async def Call(self, request: sidecar_pb2.ToolCallRequest, context) -> sidecar_pb2.ToolCallResult:
-        if request.latency_s < 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "latency_s: must be >= 0")
+        try:
+            validate_tool_call(request.name, request.arguments, request.latency_s, request.result_tokens,
+                               request.session_id)
+        except InvalidArgument as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
             tool = self.registry.get(request.name or "replay")
         except KeyError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"name: {exc.args[0]}")
-        try:
-            args = json.loads(request.arguments) if request.arguments else {}
-        except json.JSONDecodeError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"arguments: not JSON ({exc})")
+        args = json.loads(request.arguments) if request.arguments else {}
         started = time.time()
         self.calls += 1
         try:
@@ -58,6 +59,7 @@ class SidecarService(sidecar_pb2_grpc.ToolSidecarServicer):
 
 async def amain(args: argparse.Namespace) -> None:
     logs.configure(f"sidecar:{args.name}")
+    grpcserver.set_auth_token(args.auth_token)
     registry = ToolRegistry()
     for spec in args.tool:
         registry.load(spec)

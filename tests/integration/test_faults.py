@@ -128,19 +128,51 @@ def test_replay_survives_killed_workers_and_a_redis_restart(tmp_path):
         assert coord["sessions_moved"] >= 1
         assert coord["sessions_live"] == 0
 
-        # Nothing left behind: no session record, no KV block held, only the live workers' keys.
-        keys = {k.decode() for k in r.keys(f"{NS}:*")}
-        assert keys == {f"{NS}:workers", f"{NS}:nixl", f"{NS}:stats"} | {f"{NS}:alive:{w}" for w in workers}, keys
-        infos = {k.decode(): v for k, v in r.hgetall(f"{NS}:workers").items()}
-        import json
+        _nothing_left(r, workers)
 
-        for wid, raw in infos.items():
-            info = json.loads(raw)
+        # The coordinator dies with sessions in flight: each ends with a clear status at once, the
+        # restarted coordinator serves new sessions, and the dead one's records are swept.
+        async def coordinator_killed():
+            slow = [Session(f"c{i}", 0.0, (Round(100, 5, 30.0), Round(20, 5))) for i in range(4)]
+            run = asyncio.create_task(replay(dep.coordinator, slow, progress=False, timeout_s=60))
+            while len(r.keys(f"{NS}:session:*")) < len(slow):
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(0.5)  # their first rounds are in their tool calls
+            t = time.monotonic()
+            _kill(dep, "coordinator")
+            records, _, _, _ = await run
+            return records, time.monotonic() - t
+
+        records, took = asyncio.run(coordinator_killed())
+        assert all(not x.completed and x.error.startswith("UNAVAILABLE") for x in records), [x.error for x in records]
+        assert took < 10, took
+        dep.wait_serving()
+        again, _, _, _ = asyncio.run(replay(dep.coordinator, _trace(3), progress=False, timeout_s=60))
+        assert all(x.completed for x in again), [x.error for x in again]
+        deadline = time.monotonic() + 30
+        while r.keys(f"{NS}:session:*") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        _nothing_left(r, workers)
+
+
+def _nothing_left(r: redis.Redis, workers: set[str]) -> None:
+    """No session record, no KV block held, only the live workers' and coordinators' keys."""
+    import json
+
+    keys = {k.decode() for k in r.keys(f"{NS}:*") if not k.decode().startswith(f"{NS}:coordinator:")}
+    assert keys == {f"{NS}:workers", f"{NS}:nixl", f"{NS}:stats"} | {f"{NS}:alive:{w}" for w in workers}, keys
+    deadline = time.monotonic() + 10
+    for wid, raw in r.hgetall(f"{NS}:workers").items():
+        info = json.loads(raw)
+        while True:  # a session ended by a lost coordinator is freed once its worker sees the stream go
             m = asyncio.run(_metrics(info["address"], info["kind"]))
-            assert m["kv_free_tokens"] == m["kv_capacity_tokens"], f"{wid} still holds KV"
-            assert m["kv_bytes_mismatched"] == 0, wid
-            if info["kind"] == "decode":
-                assert m["active_sessions"] == 0, wid
+            if m["kv_free_tokens"] == m["kv_capacity_tokens"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert m["kv_free_tokens"] == m["kv_capacity_tokens"], f"{wid} still holds KV"
+        assert m["kv_bytes_mismatched"] == 0, wid
+        if info["kind"] == "decode":
+            assert m["active_sessions"] == 0, wid
 
 
 # ------------------------------------------------------------------------------- torch, greedy

@@ -1,0 +1,54 @@
+"""Credentials between services (docs/security.md).
+
+- A *task token*: a decode worker reserves KV blocks for a prefill task and mints the token, an HMAC
+  of the task's identity and segments under the worker's task key. The key is published with the
+  worker's registration in Redis (readable only by who may read Redis). A prefill worker checks the
+  token before it reads or writes a byte, so a forged or altered task (another session's blocks)
+  cannot make it write KV it was not given.
+- A *session secret*: minted by the coordinator when it opens a session; the decode worker acts on
+  that session's Turn, Close, Cancel and LocalPrefill only with it.
+- Tool call ids are random, not derived from the session id and round.
+
+Pure: no I/O.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import struct
+
+from ampd.v1 import common_pb2
+
+__all__ = ["new_key", "new_secret", "new_call_id", "task_token", "token_matches"]
+
+
+def new_key() -> bytes:
+    return secrets.token_bytes(32)
+
+
+def new_secret() -> str:
+    return secrets.token_urlsafe(24)
+
+
+def new_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+def _task_message(task: common_pb2.PrefillTask) -> bytes:
+    parts = [task.session_id.encode(), b"\0", task.decode_worker.encode(), b"\0",
+             struct.pack("<IIII", task.round, task.l_hist, task.l_incr, task.decode_tp)]
+    for segs in (task.history, task.dest):
+        parts.append(struct.pack("<I", len(segs)))
+        parts.extend(struct.pack("<III", s.block, s.offset, s.tokens) for s in segs)
+    return b"".join(parts)
+
+
+def task_token(key: bytes, task: common_pb2.PrefillTask) -> str:
+    """The token of ``task`` under ``key`` (its ``task_token`` field is not covered)."""
+    return hmac.new(key, _task_message(task), hashlib.sha256).hexdigest()[:32]
+
+
+def token_matches(expected: str, given: str) -> bool:
+    """Constant-time comparison (an empty expected value matches nothing)."""
+    return bool(expected) and hmac.compare_digest(expected.encode(), given.encode())
