@@ -3,18 +3,27 @@
 Parts (each saves its JSON under --out as soon as it finishes, so a partial run leaves results):
 
 - ``slo``        the SLO thresholds per model x preset, from one stated rule (``slo_rule``);
-- ``scan``       a coarse rate scan per model x preset that picks the sweep's rates;
-- ``sweep``      SLO attainment vs rate for every policy (Figure 3), the AMPD-vs-baseline table
-                 and the average gains beside the paper's +67.29% (Dynamo) / +339.74% (vLLM);
+- ``scan``       a coarse rate scan per model x preset that picks the sweep's rates (on Table 2's #1);
+- ``plan``       the planner (ampd/planner) at each sweep's middle rate: AMPD's deployment (whole search
+                 space, co-location included), each baseline's best deployment by the same search, the
+                 planner's top 3 in Table 2's form beside Table 2's top 3 (benchmarks/paper_plan.py);
+- ``sweep``      SLO attainment vs rate for every policy on its planned deployment (Figure 3), the
+                 AMPD-vs-baseline table and the average gains beside the paper's +67.29% (Dynamo) /
+                 +339.74% (vLLM);
 - ``breakdown``  mean TTFT (initial / incremental) and mean ITL per policy at the middle rate (Fig. 4);
 - ``ablation``   remote -> + adaptive routing (ampd-noreorder) -> + reordering (ampd) (Fig. 5 left);
 - ``local``      the share of prefills AMPD runs locally, per preset (Fig. 5 right);
 - ``sensitivity`` w, alpha, beta on Llama3.1-70B DuReader at the middle rate (Fig. 6);
 - ``kvratio``    T_kv / T_pre of incremental prefills, by tasks and by tokens (computed from the traces
-                 and the deployment with the profile).
+                 and the deployment with the profile);
+- ``chunked``    beyond the paper: chunked local prefill for AMPD and co-location;
+- ``tightness``  the SLO-tightness sweep: the ITL threshold from tight to lenient on long agent sessions
+                 and a mix with short chats (16 GPUs), AMPD on its planned deployment against every
+                 baseline on its best deployment.
 
 Write-up: docs/paper-results.md.  Usage:
     python -m benchmarks.paper [--quick] [--jobs 2] [--out benchmarks/results/paper] [--parts ...]
+    make paper PAPER_ARGS="--quick --out /tmp/paper-quick"
 """
 from __future__ import annotations
 
@@ -51,7 +60,7 @@ TABLE2 = {
     ("mixtral-8x7b@h20", "gaia"): ("tp8*2", "tp8*2"),
 }
 
-# Table 2's #2 and #3: the candidates "remote-best" (Dynamo with its best of the planner's top-3) picks from.
+# Table 2's #2 and #3 (set beside our planner's top 3 in plan.json).
 TABLE2_ALT = {
     ("llama3.1-70b@h20", "dureader"): [("tp2*4", "tp8*1"), ("tp8*1", "tp8*1")],
     ("llama3.1-70b@h20", "hotpotqa"): [("tp2*2", "tp4*1"), ("tp2*1", "tp2*3")],
@@ -67,11 +76,16 @@ TABLE2_ALT = {
     ("mixtral-8x7b@h20", "gaia"): [("tp8*3", "tp8*1"), ("tp4*4", "tp8*2")],
 }
 
-# Policies of the sweep. "ampd-window" is AMPD with the paper's slack rule (windowed means only);
-# "ampd" uses our default queue-aware slack (docs/policies.md).
-DISAGG = ["ampd", "ampd-noreorder", "ampd-window", "remote"]
+# Lines of the sweep (labels; dep_for says which deployment and policy each runs):
+# - ampd, ampd-noreorder, ampd-window (the paper's slack rule), ampd-margin (margin routing): AMPD's
+#   planned deployment (a co-located plan runs under the co-located policy it was planned with);
+# - ampd-table2: AMPD on Table 2's #1 (what the planner changes);
+# - remote: Dynamo on AMPD's deployment, as in the paper (Table 2's #1 when AMPD's plan is co-located);
+# - remote-best, colocated, continuum: each baseline on the best deployment the same search finds for it.
+AMPD_LINES = ["ampd", "ampd-noreorder", "ampd-window", "ampd-margin"]
 COLOC = ["colocated", "continuum"]
-SWEEP_POLICIES = DISAGG + ["remote-best", "ampd-best"] + COLOC
+SWEEP_POLICIES = AMPD_LINES + ["ampd-table2", "remote", "remote-best"] + COLOC
+BASELINES = ["remote", "remote-best", "colocated", "continuum"]
 PAPER_POLICIES = ["ampd", "remote", "colocated", "continuum"]  # Figure 3's four lines
 
 # ---- SLO rule (one rule for every model x preset, fixed before any sweep was run) ---------------
@@ -164,9 +178,39 @@ def coloc_candidates(model: str, preset: str) -> list[str]:
 
 
 def deployment(model, preset, policy, coloc_spec=None):
+    """Table 2's #1 (a co-located policy: ``coloc_spec``); the rate scan's deployments."""
     if policy in COLOC:
         return "none", coloc_spec
     return TABLE2[(model, preset)]
+
+
+def dep_for(ctx, model, preset, label) -> tuple[str, str, str]:
+    """(prefill SPEC, decode SPEC, simulated policy) of a sweep line (see SWEEP_POLICIES)."""
+    from benchmarks.paper_plan import chosen
+
+    plan = ctx.plans[f"{model}|{preset}"]
+    if label == "ampd-table2":
+        return (*TABLE2[(model, preset)], "ampd")
+    if label in AMPD_LINES:
+        pre, dec, pol = chosen(plan, "ampd")
+        return pre, dec, (label if pol == "ampd" else pol)
+    if label == "remote":
+        pre, dec, _ = chosen(plan, "ampd")
+        if pre == "none":
+            pre, dec = TABLE2[(model, preset)]
+        return pre, dec, "remote"
+    if label == "remote-best":
+        return chosen(plan, "remote")
+    if label in COLOC:
+        return chosen(plan, label)
+    raise ValueError(f"unknown sweep line {label!r}")
+
+
+def disagg_dep(ctx, model, preset) -> tuple[str, str]:
+    """AMPD's planned deployment when it is disaggregated, else Table 2's #1 (the parts that study the
+    prefill workers: sensitivity, kvratio)."""
+    pre, dec, _ = dep_for(ctx, model, preset, "remote")
+    return pre, dec
 
 
 def _summ(x):
@@ -193,6 +237,7 @@ def run_point(job: dict) -> dict:
                    reorder_window=qw, **opts, **job.get("sim", {}))
     rep = sim_report(res, SLO(ttft_s=slo["ttft_s"], itl_s=slo["itl_s"]))
     out = {k: job[k] for k in ("model", "preset", "policy", "rate", "duration", "seed", "prefill", "decode")}
+    out["policy"], out["sim_policy"] = job.get("label") or job["policy"], job["policy"]
     out["opts"] = job.get("opts") or {}
     out["sim"] = job.get("sim") or {}
     out.update({
@@ -261,6 +306,25 @@ def _indexed(ij):
     return i, run_point(j)
 
 
+def _indexed_fn(fij):
+    f, i, j = fij
+    return i, f(j)
+
+
+def run_fn(fn, jobs, nproc):
+    """``[fn(job) for job in jobs]`` on up to 2 worker processes, in order."""
+    if nproc <= 1 or len(jobs) <= 1:
+        return [fn(j) for j in jobs]
+    out = [None] * len(jobs)
+    t0 = time.time()
+    with Pool(min(nproc, 2)) as pool:
+        for n, (i, r) in enumerate(pool.imap_unordered(_indexed_fn, [(fn, i, j) for i, j in enumerate(jobs)],
+                                                       chunksize=1), 1):
+            out[i] = r
+            print(f"    {n}/{len(jobs)} {fn.__name__}, {time.time() - t0:.0f} s", flush=True)
+    return out
+
+
 def save(out_dir, name, obj):
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, name)
@@ -290,9 +354,24 @@ def _save_fig(ctx, fig, name: str, dpi: int) -> None:
     print(f"  wrote {path}", flush=True)
 
 
-def _coloc_choice(ctx) -> dict:
-    """(model, preset, co-located policy) -> the decode SPEC the sweep picked for it."""
-    return {(r["model"], r["preset"], r["policy"]): r["decode"] for r in ctx.sweep if r["policy"] in COLOC}
+def part_plan(ctx):
+    """The planner at each sweep's middle rate (benchmarks/paper_plan.py): ctx.plans and plan.json."""
+    from benchmarks.paper_plan import plan_case
+
+    jobs = []
+    for m in ctx.models:
+        for p in ctx.presets:
+            key = f"{m}|{p}"
+            rate = plan_rate(ctx, key)
+            jobs.append(dict(model=m, preset=p, gpus=GPUS[p], rate=rate, duration=duration_for(p, rate, ctx.quick),
+                             slo={k: ctx.slos[key][k] for k in ("ttft_s", "itl_s")},
+                             table2=[TABLE2[(m, p)], *TABLE2_ALT[(m, p)]]))
+    res = run_fn(plan_case, jobs, ctx.jobs)
+    ctx.plans = {f"{r['model']}|{r['preset']}": r for r in res}
+    save(ctx.out, "plan.json", {"note": "planned on the trace of seed 0 at plan_rate (between the sweep's middle "
+                                        "and highest rates; the sweep judges on its own seeds); every candidate "
+                                        "simulated on the whole trace",
+                                "cases": ctx.plans})
 
 def part_slo(ctx):
     slos = {f"{m}|{p}": slo_rule(m, p) for m in ctx.models for p in ctx.presets}
@@ -377,24 +456,17 @@ def _sweep_points(ctx):
 def part_sweep(ctx):
     jobs = []
     for m, p, job in _sweep_points(ctx):
-        for pol in DISAGG:
-            jobs.append(job(pol, *deployment(m, p, pol)))
-        for pre, dec in TABLE2_ALT[(m, p)]:
-            for pol in ("remote", "ampd"):
-                jobs.append(job(pol, pre, dec))
-        for pol in COLOC:
-            for spec in coloc_candidates(m, p):
-                jobs.append(job(pol, "none", spec))
+        for label in SWEEP_POLICIES:
+            pre, dec, pol = dep_for(ctx, m, p, label)
+            jobs.append(job(pol, pre, dec, label=label))
     t = time.time()
     res = run_jobs(jobs, ctx.jobs)
     print(f"  sweep: {len(jobs)} simulations in {time.time() - t:.0f} s", flush=True)
-    # average over seeds, then pick the colocated/continuum deployment with the best mean attainment
     agg = {}
     for r in res:
-        k = (r["model"], r["preset"], r["policy"], r["prefill"], r["decode"], r["rate"])
-        agg.setdefault(k, []).append(r)
+        agg.setdefault((r["model"], r["preset"], r["policy"], r["rate"]), []).append(r)
     rows = []
-    for (m, p, pol, pre_, dec, rate), rs in agg.items():
+    for rs in agg.values():
         row = dict(rs[0])
         row["seeds"] = [x["seed"] for x in rs]
         for f in ("slo_attainment", "ttft_attainment", "itl_attainment", "local_fraction", "sessions"):
@@ -402,50 +474,14 @@ def part_sweep(ctx):
         for f in ("ttft_initial_s", "ttft_incremental_s", "itl_s", "e2e_s"):
             row[f] = {q: float(np.mean([x[f][q] for x in rs])) for q in ("mean", "p50", "p90", "p99")}
         rows.append(row)
-    chosen = {}
-    for m in ctx.models:
-        for p in ctx.presets:
-            for pol in COLOC:
-                cands = {}
-                for r in rows:
-                    if r["model"] == m and r["preset"] == p and r["policy"] == pol:
-                        cands.setdefault(r["decode"], []).append(r["slo_attainment"])
-                best = max(cands, key=lambda d: (np.mean(cands[d]), -tp_of(d)))
-                chosen[f"{m}|{p}|{pol}"] = {"decode": best, "mean_attainment_by_spec":
-                                            {d: float(np.mean(v)) for d, v in cands.items()}}
-            # remote-best / ampd-best: the best of Table 2's top-3 deployments under that policy
-            for base in ("remote", "ampd"):
-                cands = {}
-                for r in rows:
-                    if r["model"] == m and r["preset"] == p and r["policy"] == base:
-                        cands.setdefault(f"{r['prefill']}|{r['decode']}", []).append(r["slo_attainment"])
-                best = max(cands, key=lambda d: np.mean(cands[d]))
-                chosen[f"{m}|{p}|{base}-best"] = {"deployment": best, "mean_attainment_by_spec":
-                                                  {d: float(np.mean(v)) for d, v in cands.items()}}
-    final = []
-    t1 = {(m, p): TABLE2[(m, p)] for m in ctx.models for p in ctx.presets}
-    for r in rows:
-        key3 = f"{r['model']}|{r['preset']}|{r['policy']}"
-        if r["policy"] in COLOC:
-            if r["decode"] == chosen[key3]["decode"]:
-                final.append(r)
-        elif r["policy"] in ("remote", "ampd"):
-            dep = f"{r['prefill']}|{r['decode']}"
-            if (r["prefill"], r["decode"]) == t1[(r["model"], r["preset"])]:
-                final.append(r)
-            if dep == chosen[f"{r['model']}|{r['preset']}|{r['policy']}-best"]["deployment"]:
-                rb = dict(r)
-                rb["policy"] = f"{r['policy']}-best"
-                final.append(rb)
-        else:
-            final.append(r)
-    final.sort(key=lambda r: (r["model"], r["preset"], r["policy"], r["rate"]))
-    ctx.sweep = final
-    table, gains = gain_table(ctx, final)
-    save(ctx.out, "sweep.json", {"seeds": ctx.seeds, "rates": ctx.rates, "coloc_choice": chosen,
-                                 "points": final, "all_points": rows, "table": table, "gains": gains,
-                                 "paper": PAPER})
-    plot_fig3(ctx, final)
+    rows.sort(key=lambda r: (r["model"], r["preset"], r["policy"], r["rate"]))
+    deps = {f"{m}|{p}|{label}": dict(zip(("prefill", "decode", "policy"), dep_for(ctx, m, p, label)))
+            for m in ctx.models for p in ctx.presets for label in SWEEP_POLICIES}
+    ctx.sweep = rows
+    table, gains = gain_table(ctx, rows)
+    save(ctx.out, "sweep.json", {"seeds": ctx.seeds, "rates": ctx.rates, "deployments": deps,
+                                 "points": rows, "table": table, "gains": gains, "paper": PAPER})
+    plot_fig3(ctx, rows)
 
 
 def _att(rows, m, p, pol, rate):
@@ -472,10 +508,10 @@ def gain_table(ctx, rows):
                 e = {"model": m, "preset": p, "rate": rate}
                 for pol in SWEEP_POLICIES:
                     e[pol] = _att(rows, m, p, pol, rate)
-                e["ampd_best"] = all(e["ampd"] >= e[b] - 1e-9 for b in ("remote", "colocated", "continuum"))
+                e["ampd_best"] = all(e["ampd"] >= e[b] - 1e-9 for b in BASELINES)
                 table.append(e)
     gains = {}
-    for base in ("remote", "remote-best", "colocated", "continuum", "ampd-window", "ampd-best"):
+    for base in (*BASELINES, "ampd-window", "ampd-table2", "ampd-margin"):
         rel, inf_n, both0, diffs = [], 0, 0, []
         for e in table:
             g = rel_gain(e["ampd"], e[base])
@@ -512,24 +548,22 @@ def gain_table(ctx, rows):
 def plot_fig3(ctx, rows):
     plt = _pyplot()
     styles = {"ampd": ("C3", "o", "-"), "remote": ("C0", "s", "-"), "colocated": ("C2", "^", "-"),
-              "continuum": ("C1", "v", "-"), "remote-best": ("C0", "s", ":"), "ampd-best": ("C3", "o", ":"), "ampd-noreorder": ("C4", "x", ":"),
+              "continuum": ("C1", "v", "-"), "remote-best": ("C0", "s", ":"), "ampd-table2": ("C3", "o", ":"),
+              "ampd-noreorder": ("C4", "x", ":"), "ampd-margin": ("C5", "P", "--"),
               "ampd-window": ("C3", "d", "--")}
     fig, axes = plt.subplots(len(ctx.models), len(ctx.presets),
                              figsize=(4 * len(ctx.presets), 3.2 * len(ctx.models)), squeeze=False)
     for i, m in enumerate(ctx.models):
         for j, p in enumerate(ctx.presets):
             ax = axes[i][j]
-            for pol in ["ampd", "ampd-best", "ampd-window", "remote", "remote-best", "colocated", "continuum"]:
+            for pol in ["ampd", "ampd-table2", "ampd-window", "ampd-margin", "remote", "remote-best", "colocated",
+                        "continuum"]:
                 pts = sorted((r["rate"], r["slo_attainment"]) for r in rows
                              if r["model"] == m and r["preset"] == p and r["policy"] == pol)
                 if not pts:
                     continue
                 c, mk, ls = styles[pol]
-                lab = pol if pol not in COLOC else f"{pol} ({_coloc_label(rows, m, p, pol)})"
-                if pol in ("remote-best", "ampd-best"):
-                    if _dep_label(rows, m, p, pol) == _dep_label(rows, m, p, pol.split("-")[0]):
-                        continue  # same deployment as the top-1 line
-                    lab = f"{pol} ({_dep_label(rows, m, p, pol)})"
+                lab = f"{pol} ({_dep_label(rows, m, p, pol)})"
                 ax.plot([x for x, _ in pts], [y * 100 for _, y in pts], color=c, marker=mk, ls=ls, label=lab)
             ax.set_title(f"{SHORT[m]} / {p} ({GPUS[p]} GPUs)", fontsize=9)
             ax.set_ylim(-3, 103)
@@ -549,11 +583,12 @@ def _dep_label(rows, m, p, pol):
     return "?"
 
 
-def _coloc_label(rows, m, p, pol):
-    for r in rows:
-        if r["model"] == m and r["preset"] == p and r["policy"] == pol:
-            return r["decode"]
-    return "?"
+def plan_rate(ctx, key):
+    """The rate every deployment is planned at: between the sweep's middle and highest rates (the 4th of
+    5 geometric rates). At the middle rate most deployments attain 100 %, which says little about the
+    load where they differ; a deployment is sized for the upper part of the range it serves."""
+    rs = ctx.rates[key]
+    return round(math.sqrt(rs[len(rs) // 2] * rs[-1]), 4)
 
 
 def mid_rate(ctx, key):
@@ -667,7 +702,7 @@ def part_sensitivity(ctx):
     rates = ctx.rates[key][1:4] if not ctx.quick else [mid_rate(ctx, key)]
     seeds = ctx.sens_seeds
     jobs = []
-    pre, dec = TABLE2[(m, p)]
+    pre, dec = disagg_dep(ctx, m, p)
     for slack in ("queue", "window"):
         for rate in rates:
             dur = duration_for(p, rate, ctx.quick)
@@ -714,17 +749,16 @@ def part_sensitivity(ctx):
 def part_itlrule(ctx):
     """How the verdict depends on the ITL statistic the SLO judges: at each middle rate, attainment with
     the session's mean ITL (our rule), its P90 gap, its P99 gap, its max gap <= ITL_thres."""
-    chosen = _coloc_choice(ctx)
     jobs = []
     for m in ctx.models:
         for p in ctx.presets:
             key = f"{m}|{p}"
             rate = mid_rate(ctx, key)
             dur = duration_for(p, rate, ctx.quick)
-            for pol in ("ampd", "remote", "colocated", "continuum"):
-                pre, dec = deployment(m, p, pol, chosen.get((m, p, pol)))
-                jobs.append(dict(model=m, preset=p, policy=pol, rate=rate, duration=dur, seed=ctx.seeds[0],
-                                 prefill=pre, decode=dec, slo=ctx.slos[key], itl_stats=True))
+            for label in ("ampd", "remote", "colocated", "continuum"):
+                pre, dec, pol = dep_for(ctx, m, p, label)
+                jobs.append(dict(model=m, preset=p, policy=pol, label=label, rate=rate, duration=dur,
+                                 seed=ctx.seeds[0], prefill=pre, decode=dec, slo=ctx.slos[key], itl_stats=True))
     res = run_jobs(jobs, ctx.jobs)
     rows = [{"model": r["model"], "preset": r["preset"], "rate": r["rate"], "policy": r["policy"],
              "decode": r["decode"], **{f"att_itl_{k}": v for k, v in r["attainment_by_itl_stat"].items()}}
@@ -736,12 +770,11 @@ def part_itlrule(ctx):
 def part_chunked(ctx):
     """Beyond the paper: chunked local prefill (simulate(..., chunked_prefill=True)) for AMPD and for the
     co-located baseline (vLLM chunks prefills by default in its V1 engine), at every sweep point."""
-    chosen = _coloc_choice(ctx)
     jobs = []
     for m, p, job in _sweep_points(ctx):
-        for pol in ("ampd", "colocated"):
-            pre, dec = deployment(m, p, pol, chosen.get((m, p, pol)))
-            jobs.append(job(pol, pre, dec, opts={"chunked_prefill": True}))
+        for label in ("ampd", "colocated"):
+            pre, dec, pol = dep_for(ctx, m, p, label)
+            jobs.append(job(pol, pre, dec, label=label, opts={"chunked_prefill": True}))
     res = run_jobs(jobs, ctx.jobs)
     agg = {}
     for r in res:
@@ -793,8 +826,8 @@ def part_kvratio(ctx):
         prof = _profile(m)
         for p in ctx.presets:
             key = f"{m}|{p}"
-            pre, dec = TABLE2[(m, p)]
-            tpp, tpd = tp_of(pre), tp_of(dec)
+            pre, dec = disagg_dep(ctx, m, p)
+            tpp, tpd = tp_of(pre), tp_of(dec)  # the first (largest) group of each phase
             rate = mid_rate(ctx, key)
             dur = duration_for(p, rate, ctx.quick)
             sess = _trace(p, rate, dur, ctx.seeds[0])
@@ -850,6 +883,40 @@ def _bucket(xs):
     return res
 
 
+def part_tightness(ctx):
+    """The SLO-tightness sweep (benchmarks/paper_plan.py): tightness.json and fig_tightness.png."""
+    from benchmarks import paper_plan as pp
+
+    itls = pp.TIGHT_ITL_S[::2] if ctx.quick else pp.TIGHT_ITL_S
+    ttft = slo_rule(pp.TIGHT_MODEL, "gaia")["ttft_s"]
+    jobs = [{"kind": k, "itl_s": itl, "ttft_s": ttft, "seeds": ctx.seeds, "quick": ctx.quick}
+            for k in ("agent", "mix") for itl in itls]
+    res = run_fn(pp.tight_point, jobs, ctx.jobs)
+    short = [d for d in res if d["ampd_minus_best_pts"] < -1.0]
+    save(ctx.out, "tightness.json", {
+        "model": pp.TIGHT_MODEL, "gpus": pp.TIGHT_GPUS, "ttft_s": ttft, "itl_s": list(itls),
+        "traces": {"agent": f"gaia-like sessions at {pp.AGENT_RATE}/s",
+                   "mix": f"gaia-like sessions at {pp.MIX_AGENT_RATE}/s + short chats at {pp.MIX_CHAT_RATE}/s"},
+        "duration_s": pp.TIGHT_DURATION_S / 2 if ctx.quick else pp.TIGHT_DURATION_S, "plan_seed": pp.PLAN_SEED,
+        "goal": "ampd >= best baseline - 1 point at every point",
+        "points_short_of_goal": [(d["kind"], d["itl_s"]) for d in short], "points": res})
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
+    for ax, kind in zip(axes, ("agent", "mix")):
+        pts = [d for d in res if d["kind"] == kind]
+        for lab, c, ls in (("ampd", "C3", "-"), ("ampd-margin", "C5", "--"), ("remote", "C0", "-"),
+                           ("colocated", "C2", "-"), ("continuum", "C1", "-")):
+            ax.plot([d["itl_s"] * 1000 for d in pts], [d["attainment"][lab] * 100 for d in pts], color=c, ls=ls,
+                    marker="o", label=lab)
+        ax.set_xlabel("ITL threshold (ms), tight -> lenient")
+        ax.set_ylabel("SLO attainment (%)")
+        ax.set_title(f"{SHORT[pp.TIGHT_MODEL]}, {pp.TIGHT_GPUS} GPUs, {kind} trace", fontsize=9)
+        ax.set_ylim(-3, 103)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    _save_fig(ctx, fig, "fig_tightness.png", 110)
+
+
 def _git_head() -> str:
     import subprocess
     try:
@@ -862,7 +929,9 @@ class Ctx:
     pass
 
 
-PARTS = ["slo", "scan", "sweep", "breakdown", "ablation", "sensitivity", "itlrule", "kvratio", "chunked"]
+# In run order; "tightness" needs only "slo"'s rule and runs right after the sweep.
+PARTS = ["slo", "scan", "plan", "sweep", "tightness", "breakdown", "ablation", "sensitivity", "itlrule", "kvratio",
+         "chunked"]
 
 
 def main(argv=None):
@@ -905,6 +974,11 @@ def main(argv=None):
                 part_scan(ctx)
             else:
                 ctx.rates = load("scan.json")["rates"]
+        elif part == "plan":
+            if part in parts and not (a.reuse and os.path.exists(os.path.join(ctx.out, "plan.json"))):
+                part_plan(ctx)
+            else:
+                ctx.plans = load("plan.json")["cases"]
         elif part == "sweep":
             if part in parts and not (a.reuse and os.path.exists(os.path.join(ctx.out, "sweep.json"))):
                 part_sweep(ctx)
@@ -912,7 +986,8 @@ def main(argv=None):
                 ctx.sweep = load("sweep.json")["points"]
         elif part in parts:
             {"breakdown": part_breakdown, "ablation": part_ablation, "sensitivity": part_sensitivity,
-             "kvratio": part_kvratio, "itlrule": part_itlrule, "chunked": part_chunked}[part](ctx)
+             "kvratio": part_kvratio, "itlrule": part_itlrule, "chunked": part_chunked,
+             "tightness": part_tightness}[part](ctx)
         timings[part] = round(time.time() - t, 1)
         print(f"[{part}] {timings[part]} s", flush=True)
     meta = {"argv": sys.argv, "sim_options": SIM_OPTS, "timings_s": timings, "total_s": round(time.time() - t0, 1),

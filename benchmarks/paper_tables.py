@@ -53,37 +53,88 @@ def main():
                   f"{v['p90_standalone_prefill_s']:.2f} | {v['median_initial_prefill_s']:.2f} | {v['ttft_s']:.2f} | "
                   f"{v['itl_s'] * 1000:.1f} | {v['idle_feasible_sessions'] * 100:.1f}% |")
         print()
+    pl = load(d, "plan.json")
+    if pl:
+        print("### Our planner beside Table 2\n")
+        print("Planner on the seed-0 trace at `plan_rate` (between the sweep's middle and highest rates); attainment = AMPD simulated on that whole "
+              "trace (a co-located deployment under `colocated`). Table 2's own top 3 simulated the same way.\n")
+        print("| model | preset (GPUs) | rate | Table 2 top 3 (att. %) | ours, Table 2's form: top 3 (att. %) | "
+              "ours, whole space: top 3 (att. %) | best for remote | best co-located (colocated / continuum) |")
+        print("|---|---|---|---|---|---|---|---|")
+        for k, c in pl["cases"].items():
+            m, p_ = k.split("|")
+            t2 = ", ".join(f"P {e['prefill']} D {e['decode']} ({pct(e['slo_attainment'], 1)})" for e in c["table2"])
+
+            def top(name, c=c):
+                return ", ".join(f"P {e['prefill']} D {e['decode']} ({pct(e['slo_attainment'], 1)})"
+                                 for e in c["plans"][name]["top"])
+
+            def first(name, c=c):
+                e = c["plans"][name]["top"][0]
+                return f"P {e['prefill']} D {e['decode']} ({pct(e['slo_attainment'], 1)})"
+            print(f"| {SHORT[m]} | {p_} ({c['gpus']}) | {c['rate']} | {t2} | {top('table2-form')} | {top('ampd')} | "
+                  f"{first('remote')} | {first('colocated')} / {first('continuum')} |")
+        print()
     sw = load(d, "sweep.json")
     if sw:
-        print("### Deployments chosen for the baselines\n")
-        cc = sw["coloc_choice"]
-        hb = any(k.endswith("|ampd-best") for k in cc)
-        print("| model | preset | colocated | continuum | remote-best (of Table 2 top-3) |" +
-              (" ampd-best (of Table 2 top-3) |" if hb else ""))
-        print("|---|---|---|---|---|" + ("---|" if hb else ""))
-        cc = sw["coloc_choice"]
-        keys = sorted({k.rsplit("|", 1)[0] for k in cc}, key=lambda s: s)
+        print("### Deployments of the sweep's lines\n")
+        labels = ["ampd", "ampd-table2", "remote", "remote-best", "colocated", "continuum"]
+        print("| model | preset | " + " | ".join(labels) + " |")
+        print("|---|---|" + "---|" * len(labels))
+        keys = sorted({k.rsplit("|", 1)[0] for k in sw["deployments"]})
         for k in keys:
-            m, p = k.split("|")
-            def fmt(pol):
-                c = cc[f"{k}|{pol}"]
-                opts = ", ".join(f"{s} {v * 100:.0f}" for s, v in c["mean_attainment_by_spec"].items())
-                return f"**{c.get('decode') or c.get('deployment')}** ({opts})"
-            print(f"| {SHORT[m]} | {p} | {fmt('colocated')} | {fmt('continuum')} | {fmt('remote-best')} |" +
-                  (f" {fmt('ampd-best')} |" if hb else ""))
+            m, p_ = k.split("|")
+            cells = []
+            for lab in labels:
+                v = sw["deployments"][f"{k}|{lab}"]
+                pol = "" if v["policy"] == lab.split("-")[0] else f" ({v['policy']})"
+                cells.append(f"P {v['prefill']} D {v['decode']}{pol}")
+            print(f"| {SHORT[m]} | {p_} | " + " | ".join(cells) + " |")
         print()
         print("### SLO attainment (%) per rate (means over seeds)\n")
-        hb = "ampd-best" in sw["table"][0]
-        print("| model | preset | rate (sess/s) | ampd | ampd-noreorder | ampd-window (paper slack) | remote | "
-              "remote-best | colocated | continuum | AMPD best? |" + (" ampd-best (top-3) |" if hb else ""))
-        print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if hb else ""))
+        cols = ["ampd", "ampd-noreorder", "ampd-window", "ampd-margin", "ampd-table2", "remote", "remote-best",
+                "colocated", "continuum"]
+        print("| model | preset | rate (sess/s) | " + " | ".join(cols) + " | AMPD >= every baseline? |")
+        print("|---|---|---|" + "---|" * len(cols) + "---|")
         for e in sw["table"]:
             best = max(e[x] for x in ("remote", "remote-best", "colocated", "continuum"))
             mark = "yes" if e["ampd"] >= best - 1e-9 else f"**no** (-{(best - e['ampd']) * 100:.1f} pts)"
-            print(f"| {SHORT[e['model']]} | {e['preset']} | {e['rate']} | **{pct(e['ampd'], 1)}** | "
-                  f"{pct(e['ampd-noreorder'], 1)} | {pct(e['ampd-window'], 1)} | {pct(e['remote'], 1)} | "
-                  f"{pct(e['remote-best'], 1)} | {pct(e['colocated'], 1)} | {pct(e['continuum'], 1)} | {mark} |" +
-                  (f" {pct(e['ampd-best'], 1)} |" if hb else ""))
+            print(f"| {SHORT[e['model']]} | {e['preset']} | {e['rate']} | " +
+                  " | ".join((f"**{pct(e[c], 1)}**" if c == "ampd" else pct(e[c], 1)) for c in cols) + f" | {mark} |")
+        print()
+        print("### Headline: each line's mean attainment, and `ampd` against it\n")
+        print("| line | mean attainment (%) | `ampd` vs it: mean relative gain (median; mean where it is >= 10 %) "
+              "| absolute gain (pts); points worse |")
+        print("|---|---|---|---|")
+        n = len(sw["table"])
+        for c in cols:
+            mean = sum(e[c] for e in sw["table"]) / n
+            if c == "ampd":
+                print(f"| **ampd** | **{mean * 100:.1f}** | — | — |")
+                continue
+            rel = [(e["ampd"] - e[c]) / e[c] * 100 for e in sw["table"] if e[c] > 0]
+            rel10 = [(e["ampd"] - e[c]) / e[c] * 100 for e in sw["table"] if e[c] >= 0.1]
+            med = sorted(rel)[len(rel) // 2] if rel else float("nan")
+            diffs = [(e["ampd"] - e[c]) * 100 for e in sw["table"]]
+            worse = [x for x in diffs if x < -1e-6]
+            wtxt = f"{len(worse)} / {n}" + (f" (by <= {-min(worse):.1f} pts)" if worse else "")
+            print(f"| {c} | {mean * 100:.1f} | {sum(rel) / max(len(rel), 1):+.1f} % ({med:+.1f} %; "
+                  f"{sum(rel10) / max(len(rel10), 1):+.1f} %, {len(rel10)} points) | "
+                  f"{sum(diffs) / n:+.1f}; {wtxt} |")
+        print()
+        print("### Attainment (%) at the rates of each panel, in order\n")
+        print("| model | preset | rates (sessions/s) | " + " | ".join(cols) + " |")
+        print("|---|---|---|" + "---|" * len(cols))
+        panels = {}
+        for e in sw["table"]:
+            panels.setdefault((e["model"], e["preset"]), []).append(e)
+        for (m, p_), es in panels.items():
+            es = sorted(es, key=lambda e: e["rate"])
+
+            def f1(x):
+                return "100" if x >= 0.9995 else f"{x * 100:.1f}"
+            print(f"| {SHORT[m]} | {p_} | {', '.join(str(e['rate']) for e in es)} | " +
+                  " | ".join(", ".join(f1(e[c]) for e in es) for c in cols) + " |")
         print()
         print("### Average gains of AMPD\n")
         print("| baseline | mean relative gain | median | max | min | points (finite / baseline 0, AMPD > 0 / both 0) "
@@ -199,6 +250,23 @@ def main():
                 for how in ("tasks", "tokens"):
                     print(f"| {SHORT[m]} | {p} | {setname} | {s['n']} | {how} | " +
                           " | ".join(pct(s[f'by_{how}'][x], 1) for x in b) + f" | {s['median_ratio'] * 100:.2f}% |")
+        print()
+    ti = load(d, "tightness.json")
+    if ti:
+        print(f"### SLO tightness ({SHORT[ti['model']]}, {ti['gpus']} GPUs, TTFT {ti['ttft_s']} s)\n")
+        print(f"Traces: {ti['traces']}; arrivals over {ti['duration_s']:.0f} s; planned on seed {ti['plan_seed']}, "
+              f"judged on seeds {ti['points'][0]['seeds']}.\n")
+        print("| trace | ITL (ms) | ampd (deployment) | remote | colocated | continuum | ampd - best baseline (pts) "
+              "| ampd-margin | best baseline's deployment |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for o in ti["points"]:
+            a, dp = o["attainment"], o["deployments"]
+            ad, bd = dp["ampd"], dp[o["best_baseline"]]
+            flag = "" if o["ampd_minus_best_pts"] >= -1.0 else " **short**"
+            print(f"| {o['kind']} | {o['itl_s'] * 1000:.0f} | {pct(a['ampd'], 1)} (P {ad['prefill']} D {ad['decode']}"
+                  f"{'' if ad['policy'] == 'ampd' else ', ' + ad['policy']}) | {pct(a['remote'], 1)} | "
+                  f"{pct(a['colocated'], 1)} | {pct(a['continuum'], 1)} | {o['ampd_minus_best_pts']:+.1f}{flag} | "
+                  f"{pct(a['ampd-margin'], 1)} | {o['best_baseline']}: P {bd['prefill']} D {bd['decode']} |")
         print()
     meta = load(d, "run_meta.json")
     if meta:

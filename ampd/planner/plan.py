@@ -164,25 +164,40 @@ def check(req: PlanRequest, dep: Deployment) -> tuple[str, float, float, float]:
     return policy, float(rep["slo_attainment"]), ttft, itl
 
 
+def headroom(e: "PlanEntry", slo) -> float:
+    """The tie-break between deployments of equal simulated attainment: the worse of P95 TTFT / TTFT
+    threshold and P95 mean ITL / ITL threshold (lower is better; the ILP's objective, measured). P95
+    TTFT alone would prefer co-location at large TP (its prefills are fastest) where its ITL is
+    nearly spent."""
+    worst = max(e.p95_s / slo.ttft_s, e.p95_itl_s / slo.itl_s)
+    return worst if math.isfinite(worst) else math.inf
+
+
 def family_candidates(est, gpus: int, degrees, k: int, *, disaggregated: bool, colocated: bool, mixed: bool,
                       all_gpus: bool) -> list:
-    """The ILP's ``k`` best over the whole space, plus the best of each family (co-located,
-    disaggregated) when the joint top ``k`` misses it: the surrogate may rank a family low that the
-    simulator, running the real policy, prefers (AMPD's local prefills make a disaggregated deployment
-    partly co-located), so each family's best is always simulated."""
+    """The ILP's ``k`` best over the whole space, then the ``k`` best of each family (co-located,
+    disaggregated) that those miss. The surrogate may rank a family low that the simulator, running the
+    real policy, prefers (AMPD's local prefills make a disaggregated deployment partly co-located), and
+    a plan restricted to one family (a baseline's: ``remote`` plans disaggregated, ``colocated``
+    co-located deployments) checks exactly that family's ``k`` best: so AMPD's candidates hold every
+    deployment a baseline's plan of the same ``k`` would check, and AMPD can become that baseline's
+    deployment where it wins."""
     cands = solve_top(est, gpus, degrees, k, disaggregated=disaggregated, colocated=colocated, mixed=mixed,
                       all_gpus=all_gpus)
     if disaggregated and colocated:
+        seen = {d for _, d in cands}
         for fam in ({"disaggregated": True, "colocated": False}, {"disaggregated": False, "colocated": True}):
-            if any(d.colocated == fam["colocated"] for _, d in cands):
-                continue
-            cands += solve_top(est, gpus, degrees, 1, mixed=mixed, all_gpus=all_gpus, **fam)
+            for obj, dep in solve_top(est, gpus, degrees, k, mixed=mixed, all_gpus=all_gpus, **fam):
+                if dep not in seen:
+                    seen.add(dep)
+                    cands.append((obj, dep))
     return cands
 
 
 def plan(req: PlanRequest, *, cache: EstimateCache | None = None, progress: Progress | None = None) -> PlanResult:
     """The ``req.top`` best deployments: the ILP's best ``candidates`` by estimated worst P95, each
-    simulated whole on the trace and ranked by simulated SLO attainment (then P95 TTFT)."""
+    simulated whole on the trace and ranked by simulated SLO attainment, then by the worse of P95 TTFT
+    and P95 mean ITL over their thresholds (:func:`headroom`)."""
     degrees, disagg, coloc = search_space(req)
     kinds = (("prefill", "decode") if disagg else ()) + (("colocated",) if coloc else ())
 
@@ -206,7 +221,7 @@ def plan(req: PlanRequest, *, cache: EstimateCache | None = None, progress: Prog
         entries.append(PlanEntry(dep, policy, att, p95, p95_itl, obj, levels))
     if progress is not None:
         progress("checks", len(cands), len(cands))
-    entries.sort(key=lambda e: (-e.slo_attainment, e.p95_s, e.objective))
+    entries.sort(key=lambda e: (-e.slo_attainment, headroom(e, req.slo), e.objective))
     return PlanResult(gpus=req.gpus, top=entries[: req.top], degrees=degrees, slo=req.slo,
                       candidates=len(cands), estimates=est)
 
