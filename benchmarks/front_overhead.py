@@ -23,7 +23,10 @@ gRPC replay sees.
 
 2. **SLO attainment** (``slo``): the same toolbench trace replayed at the same deployment (mock
    engines timed by ``SLO_PROFILE``, the demo's shape) through gRPC with tools on the client and
-   through the front with `ampd bench --api openai`. Both wait out each tool time in the client.
+   through the front with `ampd bench --api openai`, at each rate of ``SLO_RATES``. Both wait out
+   each tool time in the client. The mock decodes at the profile's GPU speed, so every output token
+   crosses the coordinator (and, through the front, one more process) at that rate: on a small CPU
+   box the front's per-token work competes for the cores with every other process.
 
 Writes benchmarks/results/front_overhead.json (``make bench BENCH=front_overhead``).
 """
@@ -48,7 +51,8 @@ from ampd.workload import Round, Session, filler_ids, generate
 RESULTS = Path(__file__).parent / "results"
 SESSIONS, ROUNDS, INPUT, OUTPUT = 21, 8, 256, 4  # the first session of each path is a warm-up
 SLO_PROFILE = "qwen3-32b@h20"
-SLO_TRACE = dict(preset="toolbench", rate=1.0, duration=30.0, seed=1)
+SLO_TRACE = dict(preset="toolbench", duration=30.0, seed=1)
+SLO_RATES = (0.5, 1.0)  # sessions per second
 TTFT_SLO, ITL_SLO = 2.0, 0.1
 MODEL = "smollm2-135m-instruct"
 
@@ -161,14 +165,15 @@ def measure_latency(run_dir: Path) -> dict:
     return out
 
 
-def measure_slo(run_dir: Path) -> dict:
-    sessions = generate(SLO_TRACE["preset"], SLO_TRACE["rate"], SLO_TRACE["duration"], SLO_TRACE["seed"])
+def measure_slo(run_dir: Path, rate: float) -> dict:
+    sessions = generate(SLO_TRACE["preset"], rate, SLO_TRACE["duration"], SLO_TRACE["seed"])
     slo = SLO(TTFT_SLO, ITL_SLO)
-    out: dict = {"trace": SLO_TRACE, "sessions": len(sessions), "profile": SLO_PROFILE,
+    out: dict = {"trace": {**SLO_TRACE, "rate": rate}, "sessions": len(sessions), "profile": SLO_PROFILE,
                  "deployment": "prefill tp2*2, decode tp2*2, policy ampd", "ttft_slo": TTFT_SLO, "itl_slo": ITL_SLO}
     for api in ("grpc", "openai"):
-        opts = Options(prefill="tp2*2", decode="tp2*2", profile=SLO_PROFILE, policy="ampd", namespace=f"front-slo-{api}",
-                       ttft_slo=TTFT_SLO, itl_slo=ITL_SLO, run_dir=str(run_dir / f"slo-{api}"))
+        opts = Options(prefill="tp2*2", decode="tp2*2", profile=SLO_PROFILE, policy="ampd",
+                       namespace=f"front-slo-{api}-{rate:g}", ttft_slo=TTFT_SLO, itl_slo=ITL_SLO,
+                       run_dir=str(run_dir / f"slo-{api}-{rate:g}"))
         with Deployment(opts, frontend=api == "openai") as dep:
             if api == "grpc":
                 records, stats, wall, _ = asyncio.run(replay(dep.coordinator, sessions, client_tools=True,
@@ -196,7 +201,7 @@ def main() -> None:
         "latency": measure_latency(run_dir),
     }
     if "--latency-only" not in sys.argv:
-        result["slo"] = measure_slo(run_dir)
+        result["slo"] = [measure_slo(run_dir, rate) for rate in SLO_RATES]
     result["wall_s"] = round(time.time() - t0, 1)
     result["machine"]["load_average_at_end"] = os.getloadavg()
     RESULTS.mkdir(exist_ok=True)

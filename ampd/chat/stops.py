@@ -60,6 +60,27 @@ class StopChecker:
             return self.finish_reason
         return self._finish(FINISH_LENGTH, None) if last else None
 
+    def extend(self, token_ids) -> str | None:
+        """`add` for several tokens at once, decoding their text once (a consumer that falls behind
+        the output catches up at the cost of one decode); the same text and finish as adding them one
+        by one, up to where the output finished."""
+        if self.finish_reason is not None:
+            raise RuntimeError(f"the output already finished ({self.finish_reason})")
+        last = False
+        for token_id in token_ids:
+            self.tokens.append(token_id)
+            if token_id in self._ends:
+                self._decode_tail(len(self.tokens) - 1, final=True)
+                if self._find_stop():  # a stop string before the end token
+                    return self.finish_reason
+                return self._finish(FINISH_STOP, token_id)
+            if len(self.tokens) >= self.max_tokens:
+                last = True
+                break
+        if self._decode_tail(len(self.tokens), final=last) and self._find_stop():
+            return self.finish_reason
+        return self._finish(FINISH_LENGTH, None) if last else None
+
     def delta(self) -> str:
         """Text not handed out before that no later token can take back: while the output runs,
         a tail that could be the start of a stop string is held back."""

@@ -67,12 +67,16 @@ class Answer:
                                  self.stop, self.ignore_eos)
 
     # --- events ---------------------------------------------------------------------------------
-    def add(self, ids: Sequence[int]) -> str:
-        """The round's next output tokens; the text that may go out now."""
-        for t in ids:
-            self.tokens.append(t)
-            if self.stops.finish_reason is None:
-                self.stops.add(t)
+    def add(self, ids: Sequence[int]) -> None:
+        """The round's next output tokens (their text is decoded when `text_delta` asks for it)."""
+        self.tokens.extend(ids)
+
+    def text_delta(self) -> str:
+        """The text of the tokens added since the last call that may go out now: one decode for all
+        of them (a stream that falls behind catches up in one chunk)."""
+        new = self.tokens[len(self.stops.tokens):]
+        if new and self.stops.finish_reason is None:
+            self.stops.extend(new)
         if self.hold_text or self.forced:
             return ""
         return self.stops.delta()
@@ -90,6 +94,7 @@ class Answer:
 
     # --- the answer -----------------------------------------------------------------------------
     def calls(self) -> list[Call]:
+        self.text_delta()  # every token's text is in (a no-op once it is)
         if self.forced is not None:
             text = self.stops.text
             parsed = parse_tool_calls(forced_prefix(self.forced) + text)[1]
@@ -105,11 +110,12 @@ class Answer:
 
     def rest(self) -> str:
         """Text not handed out yet (at the end: all of it when it was held)."""
+        delta = self.text_delta()
         if self.forced is not None:
             return ""
         if self.hold_text:
             return self.content() or ""
-        return self.stops.delta()
+        return delta
 
     def openai_finish(self) -> str:
         if self.forced is not None or self.worker_calls:

@@ -86,7 +86,6 @@ class Front:
         self.engine = args.engine
         self.default_max_tokens = args.default_max_tokens
         self.auth = f"Bearer {args.auth_token}".encode() if args.auth_token else b""
-        self.metadata = (("authorization", f"Bearer {args.auth_token}"),) if args.auth_token else ()
         self.fmt = fmt
         self.tok = fmt.tokenizer
         self.eos_ids = (self.tok.eos_token_id,) if self.tok.eos_token_id is not None else ()
@@ -187,7 +186,7 @@ class Front:
             s = LiveSession(sid, history=list(ids), busy=True)
             self.table.live[sid] = s
             s.start(self.stub, common_pb2.OpenSession(session_id=sid, turn=common_pb2.Turn(
-                token_ids=ids, sampling=p)), self.metadata)
+                token_ids=ids, sampling=p)))
             return s, None
         self.table.take(s)
         turn = common_pb2.Turn(token_ids=ids[keep:], sampling=p)
@@ -299,8 +298,9 @@ class Front:
                 if req.include_usage:
                     yield _sse({**base, "choices": [], "usage": a.usage()})
                 break
-            if item[1]:
-                yield chunk({"content": item[1]})
+            text = run.answer.text_delta()
+            if text:
+                yield chunk({"content": text})
         yield "data: [DONE]\n\n"
 
     async def completions(self, request: Request) -> Response:
@@ -320,6 +320,7 @@ class Front:
                                      headers=headers)
         await _until_end(run)
         a = run.answer
+        a.text_delta()
         choice = {"index": 0, "text": a.stops.text, "finish_reason": a.openai_finish(), "logprobs": None}
         if req.return_token_ids:
             choice.update(prompt_token_ids=ids, token_ids=a.tokens)
@@ -346,7 +347,7 @@ class Front:
                 if req.include_usage:
                     yield _sse({**base, "choices": [], "usage": a.usage()})
                 break
-            yield chunk(item[1], item[2])
+            yield chunk(run.answer.text_delta(), item[2])
         yield "data: [DONE]\n\n"
 
     async def models(self, request: Request) -> Response:
@@ -454,7 +455,9 @@ def build_app(front: Front) -> Starlette:
 async def amain(args: argparse.Namespace) -> None:
     logs.configure("frontend")
     fmt = ChatFormat(tokenizer_for(args.engine, args.model))
-    channel = grpcserver.channel(args.coordinator_address)
+    # the deployment's shared token goes to the coordinator with every call (ampd.grpcserver)
+    channel = grpcserver.channel(args.coordinator_address, token=args.auth_token,
+                                 max_message=grpcserver.CLIENT_MAX_MESSAGE)
     stub = coordinator_pb2_grpc.CoordinatorStub(channel)
     redis = await connect(args.redis_url)
     index = SessionIndex(redis, args.namespace, args.session_ttl)

@@ -44,9 +44,9 @@ class LiveSession:
         while (m := await self.outbox.get()) is not None:
             yield m
 
-    def start(self, stub, open_msg: common_pb2.OpenSession, metadata) -> None:
+    def start(self, stub, open_msg: common_pb2.OpenSession) -> None:
         self.outbox.put_nowait(coordinator_pb2.ClientMessage(open=open_msg))
-        self.call = stub.Session(self._requests(), metadata=metadata)
+        self.call = stub.Session(self._requests())
         self.reader = asyncio.create_task(self._read(), name=f"session-{self.session_id}")
 
     async def _read(self) -> None:

@@ -83,7 +83,8 @@ class TurnRun:
                     s.history.extend(ids)
                     if self.first_token_at is None:
                         self.first_token_at = time.monotonic()
-                    self.out.put_nowait((TEXT, a.add(ids), ids))
+                    a.add(ids)
+                    self.out.put_nowait((TEXT, "", ids))
                 elif kind == "tool_call" and ev.tool_call.client_side:
                     a.tool_call(ev.tool_call.name, ev.tool_call.arguments, ev.tool_call.call_id)
                     s.pending_calls.add(ev.tool_call.call_id)
@@ -103,7 +104,7 @@ class TurnRun:
             await self.table.drop(s)
             raise
         s.events = None
-        self.calls = a.calls()
+        self.calls = a.calls()  # every token's text decoded, whether or not a client streamed it
         msg = a.message(self.calls)
         segment = self.segment_prefix + a.tokens
         digest = answer_digest(msg["content"], msg.get("tool_calls"))
