@@ -21,7 +21,7 @@ from typing import Any
 from ampd.engine.base import Sampling
 
 __all__ = ["EXTRA", "EngineUnavailable", "SGLangOptions", "server_args", "storage_env", "sampling_params",
-           "require_sglang", "SGLANG_VERSION"]
+           "require_sglang", "seed_at", "SGLANG_VERSION"]
 
 EXTRA = "sglang"  # pip install '.[sglang]'
 SGLANG_VERSION = "0.5.23"  # the release pyproject's extra pins; its API is what this module maps to
@@ -97,9 +97,17 @@ def storage_env(o: SGLangOptions) -> dict[str, str]:
     return {STORAGE_DIR_ENV: o.storage_dir} if o.storage_dir else {}
 
 
-def sampling_params(s: Sampling | None, max_new_tokens: int = 1) -> dict[str, Any]:
-    """SGLang sampling parameters for one engine call. AMPD's worker decides where a round ends
-    (stop tokens, strings, max_tokens), so SGLang never stops on its own (`ignore_eos`)."""
+def seed_at(seed: int, position: int) -> int:
+    """The seed of the one-token request for `position`: every token is its own request, so one
+    seed for all of them would draw the same number at every step. As the torch engine's, the draw
+    is then a function of (seed, position) only (ampd/engine/sampling.py)."""
+    return ((seed & ((1 << 64) - 1)) * 0x9E3779B97F4A7C15 + position) & ((1 << 63) - 1)
+
+
+def sampling_params(s: Sampling | None, max_new_tokens: int = 1, position: int = 0) -> dict[str, Any]:
+    """SGLang sampling parameters for one engine call that samples the token at `position`. AMPD's
+    worker decides where a round ends (stop tokens, strings, max_tokens), so SGLang never stops on
+    its own (`ignore_eos`)."""
     p: dict[str, Any] = {"max_new_tokens": max_new_tokens, "ignore_eos": True}
     if s is None or s.greedy:
         p["temperature"] = 0.0
@@ -107,5 +115,5 @@ def sampling_params(s: Sampling | None, max_new_tokens: int = 1) -> dict[str, An
     p["temperature"] = s.temperature
     p["top_p"] = s.top_p
     if s.seed is not None:
-        p["sampling_seed"] = s.seed
+        p["sampling_seed"] = seed_at(s.seed, position)
     return p

@@ -90,7 +90,7 @@ class SGLangEngine:
 
     async def _next_token(self, session_id: str, ids: list[int], sampling: Sampling | None) -> int:
         out = await self.runtime.async_generate(
-            input_ids=ids, sampling_params=sampling_params(sampling, 1), rid=f"{session_id}#{next(self._rid)}")
+            input_ids=ids, sampling_params=sampling_params(sampling, 1, len(ids)), rid=f"{session_id}#{next(self._rid)}")
         tok = int(out["output_ids"][-1])
         self._ids[session_id] = ids + [tok]
         return tok

@@ -16,7 +16,7 @@ import pytest
 from ampd.engine import check_available
 from ampd.engine.base import DecodeSeq, Sampling
 from ampd.engine.sglang_args import (SGLANG_VERSION, EngineUnavailable, SGLangOptions, require_sglang,
-                                     sampling_params, server_args, storage_env)
+                                     sampling_params, seed_at, server_args, storage_env)
 from ampd.engine.sglang_engine import SGLangEngine
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,8 +49,12 @@ def test_bad_options_name_the_field(field, kw):
 
 def test_sampling_params():
     assert sampling_params(None) == {"max_new_tokens": 1, "ignore_eos": True, "temperature": 0.0}
-    assert sampling_params(Sampling(0.7, 0.9, 5), 3) == {"max_new_tokens": 3, "ignore_eos": True,
-                                                         "temperature": 0.7, "top_p": 0.9, "sampling_seed": 5}
+    p = sampling_params(Sampling(0.7, 0.9, 5), 3, position=40)
+    assert p == {"max_new_tokens": 3, "ignore_eos": True, "temperature": 0.7, "top_p": 0.9,
+                 "sampling_seed": seed_at(5, 40)}
+    # one request per token: each position gets its own seed, a function of (seed, position) only
+    assert len({seed_at(5, k) for k in range(100)}) == 100 and seed_at(5, 7) != seed_at(6, 7)
+    assert 0 <= seed_at(-1, 3) < 1 << 63
     assert "sampling_seed" not in sampling_params(Sampling(0.7))
 
 
