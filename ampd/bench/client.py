@@ -57,6 +57,7 @@ class ReplayStats:
     bound_to: dict[str, str] = field(default_factory=dict)  # session id -> decode worker (first event)
     started_at: dict[str, float] = field(default_factory=dict)  # session id -> client clock at its open
     ended_at: dict[str, float] = field(default_factory=dict)  # session id -> client clock at its end
+    recovered_rounds: dict[str, int] = field(default_factory=dict)  # session id -> rounds marked recovered
 
 
 async def run_session(coordinator, s: Session, stats: ReplayStats, *, verify_tokens: bool = False,
@@ -124,6 +125,7 @@ async def run_session(coordinator, s: Session, stats: ReplayStats, *, verify_tok
         stats.errors.append(f"{s.id}: {error}")
     finally:
         stats.ended_at[s.id] = time.time()
+        stats.recovered_rounds[s.id] = sum(1 for t in timings.values() if t.recovered)
         await outbox.put(None)
         call.cancel()
     rounds = []
@@ -231,7 +233,8 @@ def run_bench_cli(target: str, trace: str, ttft_slo: float, itl_slo: float, *, j
         report["sessions"] = [{"id": r.session_id, "decode_worker": stats.bound_to.get(r.session_id, ""),
                                "completed": r.completed, "error": r.error, "rounds": len(r.rounds),
                                "started": stats.started_at.get(r.session_id),
-                               "ended": stats.ended_at.get(r.session_id)}
+                               "ended": stats.ended_at.get(r.session_id),
+                               "recovered_rounds": stats.recovered_rounds.get(r.session_id, 0)}
                               for r in records]
     for e in errors[:5]:
         print(f"  failed: {e}", file=sys.stderr)

@@ -35,7 +35,7 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 echo "$(podman --version), $(podman-compose version 2>/dev/null | grep -i '^podman-compose' | tr -s ' ')"
 case "$(podman-compose version 2>/dev/null)" in
-  *"version 1.0.3"*) ;;
+  *" 1.0.3"*) ;;
   *) echo "warning: stack.py was written against podman-compose 1.0.3 (apt: podman-compose=$PODMAN_COMPOSE_DEB)" >&2 ;;
 esac
 if ! podman info >/dev/null 2>&1; then

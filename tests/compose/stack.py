@@ -88,12 +88,14 @@ def build_args() -> list[str]:
     return out
 
 
-def build_images(base: str, revision: str, with_redis: bool = True) -> str:
-    """Builds the AMPD image as IMAGE (and Redis); returns the AMPD image's id."""
+def build_images(base: str, revision: str, args: dict, with_redis: bool = True) -> str:
+    """Builds the AMPD image as IMAGE, with compose's build `args` (and Redis); returns the AMPD
+    image's id."""
     if with_redis:
         run(["podman", "build", "-q", *build_args(), "-f", "deploy/redis.Dockerfile",
              "--build-arg", f"BASE_IMAGE={base}", "-t", REDIS_IMAGE, "deploy"])
-    run(["podman", "build", "-q", *build_args(), "--build-arg", f"BASE_IMAGE={base}",
+    compose_args = [a for k, v in args.items() for a in ("--build-arg", f"{k}={v}")]
+    run(["podman", "build", "-q", *build_args(), *compose_args, "--build-arg", f"BASE_IMAGE={base}",
          "--build-arg", f"AMPD_REVISION={revision}", "-t", IMAGE, "."])
     return image_id(IMAGE)
 
@@ -272,6 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     names = selected(services)
     if SWAPPED not in names:
         raise SystemExit(f"docker-compose.yml has no {SWAPPED} service to swap")
+    args_of = {str(services[n]["build"].get("args") or {}) for n in names if "build" in services[n]}
+    if len(args_of) != 1:
+        raise SystemExit("the services built from the Dockerfile disagree on their build args")
+    compose_args = next(services[n]["build"].get("args") or {} for n in names if "build" in services[n])
     work = Path(tempfile.mkdtemp(prefix="ampd-compose-"))
     (work / "compose.yml").write_text(yaml.safe_dump(doc, sort_keys=False))
     stack = Stack(services, work / "compose.yml")
@@ -280,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     try:
         t = time.monotonic()
-        build_images(base, "a")
+        build_images(base, "a", compose_args)
         timings["build"] = time.monotonic() - t
 
         stack.down()  # leftovers of an interrupted run
@@ -297,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
 
         t = time.monotonic()
         revision = f"swap-{int(time.time())}"
-        fresh = build_images(base, revision, with_redis=False)
+        fresh = build_images(base, revision, compose_args, with_redis=False)
         old = stack.state(SWAPPED)
         if fresh == old["Image"]:
             raise Failed("the rebuilt image is the running one: the swap would swap nothing")

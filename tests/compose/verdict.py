@@ -5,7 +5,8 @@ completed, error, started, ended; client clock). A session is *hit* when it was 
 worker and was open at some moment of the fault window [start, end] (from stopping the old container
 to the new one being healthy). Every session ends one of four ways:
 
-- completed: its SessionDone with every round (for a hit session: it recovered);
+- completed: its SessionDone with every round (for a hit session: it recovered; the rounds that ran
+  on another worker after the loss are marked `recovered` in their RoundTiming, counted too);
 - failed: it ended with a clear status (a gRPC error other than a deadline);
 - hung: it ran into the client's deadline (DEADLINE_EXCEEDED), or never ended;
 - lost: it ended with no error and no SessionDone, or a SessionDone missing rounds (silent loss).
@@ -47,6 +48,7 @@ class Verdict:
     hit: Counter = field(default_factory=Counter)      # outcome -> sessions the fault hit
     others: Counter = field(default_factory=Counter)   # outcome -> every other session
     on_worker: int = 0                                  # sessions bound to the faulted worker in all
+    recovered_rounds: int = 0                           # rounds the servers marked recovered
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -61,7 +63,8 @@ class Verdict:
         hit = ", ".join(f"{label.get(k, k)} {self.hit[k]}" for k in OUTCOMES)
         return (f"sessions hit by the swap: {sum(self.hit.values())} ({hit}); "
                 f"others: {sum(self.others.values())} ({fmt(self.others)}); "
-                f"bound to the swapped worker in all: {self.on_worker}")
+                f"bound to the swapped worker in all: {self.on_worker}; rounds marked recovered: "
+                f"{self.recovered_rounds}")
 
 
 def judge(sessions: list[dict], worker: str, start: float, end: float, *,
@@ -72,6 +75,7 @@ def judge(sessions: list[dict], worker: str, start: float, end: float, *,
     for s in sessions:
         o = outcome(s)
         v.on_worker += (s.get("decode_worker") == worker)
+        v.recovered_rounds += s.get("recovered_rounds") or 0
         hit = is_hit(s, worker, start, end)
         (v.hit if hit else v.others)[o] += 1
         why = f"{s.get('id')} ({s.get('decode_worker') or 'unbound'}): {o}" + (

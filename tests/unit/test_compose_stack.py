@@ -44,12 +44,12 @@ def test_hit_means_bound_there_and_open_in_the_window():
 
 def test_judge_lenient_accepts_clear_failures_on_the_swapped_worker_only():
     runs = [sess(0, started=1, ended=20, completed=False, error="UNAVAILABLE: worker lost"),
-            sess(1, started=2, ended=30),                      # recovered
+            {**sess(1, started=2, ended=30), "recovered_rounds": 2},  # recovered
             sess(2, worker="decode-1", started=1, ended=20)]
     v = verdict.judge(runs, W, 5, 9)
     assert v.ok, v.problems
     assert v.hit == {"failed": 1, "completed": 1} and v.others == {"completed": 1} and v.on_worker == 2
-    assert "recovered 1" in v.summary()
+    assert v.recovered_rounds == 2 and "recovered 1" in v.summary()
     strict = verdict.judge(runs, W, 5, 9, require_complete=True)
     assert not strict.ok and "s0" in strict.problems[0]
 

@@ -16,7 +16,9 @@ async def _serving(port: int = 0):
 
 
 async def _check(channel) -> None:
-    await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    # wait_for_ready: a server just started on a port may take a moment to accept (a loaded box)
+    await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10,
+                                                    wait_for_ready=True)
 
 
 async def test_a_failed_channel_is_replaced_with_its_streams():
