@@ -61,7 +61,7 @@ class Failed(Exception):
 
 
 def run(args: list[str], *, env: dict | None = None, check: bool = True, quiet: bool = False,
-        timeout: float = 900) -> subprocess.CompletedProcess:
+        timeout: float = 2400) -> subprocess.CompletedProcess:
     if not quiet:
         log("$ " + shlex.join(args))
     p = subprocess.run(args, env=env, cwd=ROOT, text=True, capture_output=True, timeout=timeout)
