@@ -281,7 +281,8 @@ SERVICE_SETTINGS: dict[str, tuple[str, ...]] = {
                  "auth_token", "session_ttl", "default_max_tokens", "max_sessions"),
 }
 # Secrets: a launcher passes them in the environment, never on a command line (`ps` shows those).
-SECRET_SETTINGS = ("auth_token",)
+# A Redis URL may carry a password (redis://:PASSWORD@HOST:PORT/DB).
+SECRET_SETTINGS = ("auth_token", "redis_url")
 # Per-process settings: the launcher and compose give these on each process's command line.
 PLACEMENT = ("host", "port", "metrics_port", "advertise", "worker_id", "name", "sidecar", "ready_file")
 

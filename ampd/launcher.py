@@ -32,6 +32,7 @@ from ampd.config import (SECRET_SETTINGS, SERVICE_SETTINGS, SETTINGS, UP_SETTING
                          config_from_args, env_name, to_argv)
 from ampd.deployment import expand_spec, format_spec, worker_shape
 from ampd.state.local import RedisStartError, start_redis
+from ampd.trust import redacted
 
 def Options(**settings) -> Config:
     """A launch configuration from settings by name (``Options(policy="remote", decode="tp2*2")``);
@@ -111,9 +112,10 @@ class Deployment:
         env = dict(os.environ, NIXL_LOG_LEVEL=os.environ.get("NIXL_LOG_LEVEL", "WARN"), PYTHONUNBUFFERED="1")
         for setting in SETTINGS:  # every setting is on the child's command line; none comes from here
             env.pop(env_name(setting), None)
+        secrets = self.cfg.with_(redis_url=self.redis_url)
         for setting in SECRET_SETTINGS:  # but secrets: a command line shows in `ps`
-            if self.cfg.get(setting):
-                env[env_name(setting)] = str(self.cfg.get(setting))
+            if secrets.get(setting):
+                env[env_name(setting)] = str(secrets.get(setting))
         with open(child.log, "ab") as out:
             child.proc = subprocess.Popen(deathsig.wrap(args), stdout=out, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, env=env, start_new_session=True)
@@ -293,7 +295,7 @@ class Deployment:
         colocated = " (co-located: the prefill GPUs serve as co-located workers)" if self.shape.colocated else ""
         return (f"policy {c.policy.policy}, profile {c.deployment.profile}, engine {c.deployment.engine}, "
                 f"prefill {format_spec(self.shape.prefill)}, decode {format_spec(self.shape.decode)}{colocated}, "
-                f"redis {self.redis_url or 'private (started here)'}, logs {self.run_dir}")
+                f"redis {redacted(self.redis_url) or 'private (started here)'}, logs {self.run_dir}")
 
 
 def read_port(ready: Path) -> int:

@@ -20,7 +20,7 @@ import struct
 
 from ampd.v1 import common_pb2
 
-__all__ = ["new_key", "new_secret", "new_call_id", "task_token", "token_matches"]
+__all__ = ["new_key", "new_secret", "new_call_id", "task_token", "token_matches", "redacted"]
 
 
 def new_key() -> bytes:
@@ -52,3 +52,13 @@ def task_token(key: bytes, task: common_pb2.PrefillTask) -> str:
 def token_matches(expected: str, given: str) -> bool:
     """Constant-time comparison (an empty expected value matches nothing)."""
     return bool(expected) and hmac.compare_digest(expected.encode(), given.encode())
+
+
+def redacted(url: str) -> str:
+    """``url`` with its password (``redis://user:PASSWORD@host``) replaced by ``***``, for logs."""
+    scheme, sep, rest = url.partition("://")
+    creds, at, host = rest.rpartition("@")
+    if not sep or not at or ":" not in creds:
+        return url
+    user = creds.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{host}"

@@ -61,8 +61,11 @@ class Admission:
                 if left <= 0:
                     raise Refused(f"no decode worker had KV for {need} tokens within {self.wait_s:g} s")
                 me.clear()
-                try:  # woken by a release; a new worker joining is seen at the next look
-                    await asyncio.wait_for(me.wait(), min(left, 0.5))
+                # Woken by a release (the head) or by the head leaving. Only the head also looks
+                # again twice a second (a new worker may have joined): many waiters must not poll.
+                head = self._waiters[0] is me
+                try:
+                    await asyncio.wait_for(me.wait(), min(left, 0.5) if head else left)
                 except asyncio.TimeoutError:
                     pass
         finally:

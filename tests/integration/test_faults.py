@@ -62,7 +62,11 @@ async def _coordinator_metrics(address: str) -> dict[str, float]:
 
 
 def _kill(dep: Deployment, name: str) -> None:
-    os.kill(dep.child(name).proc.pid, signal.SIGKILL)
+    """SIGKILL, and wait until it is gone (a large process takes a moment to die: until then the
+    supervisor, and wait_serving, still see it running)."""
+    proc = dep.child(name).proc
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(10)
 
 
 def _wait_registered(r: redis.Redis, workers: set[str], timeout_s: float = 60.0, ns: str = NS) -> None:
@@ -152,6 +156,31 @@ def test_replay_survives_killed_workers_and_a_redis_restart(tmp_path):
         deadline = time.monotonic() + 30
         while r.keys(f"{NS}:session:*") and time.monotonic() < deadline:
             time.sleep(0.2)
+        _nothing_left(r, workers)
+
+        # SIGTERM to a decode worker serving sessions (in their tool calls): it leaves routing and
+        # exits within seconds, and its sessions move and complete (their tool calls run again).
+        async def decode_stopped():
+            slow = [Session(f"t{i}", 0.0, (Round(100, 5, 2.0), Round(20, 5))) for i in range(6)]
+            run = asyncio.create_task(replay(dep.coordinator, slow, progress=False, timeout_s=60))
+            while len(r.keys(f"{NS}:session:*")) < len(slow):
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(0.5)
+            proc = dep.child("decode-1").proc
+            t = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            while proc.poll() is None and time.monotonic() - t < 15:
+                await asyncio.sleep(0.05)
+            stopped_s = time.monotonic() - t
+            records, _, _, _ = await run
+            return records, stopped_s
+
+        records, stopped_s = asyncio.run(decode_stopped())
+        assert stopped_s < 10, stopped_s  # the stop watchdog's bound (ampd.grpcserver)
+        print(f"decode-1 stopped {stopped_s:.1f} s after SIGTERM; its {len(records)} sessions moved and completed")
+        assert all(x.completed for x in records), [x.error for x in records]
+        dep.wait_serving()
+        _wait_registered(r, workers)
         _nothing_left(r, workers)
 
 

@@ -97,11 +97,12 @@ def _front_sessions(url: str) -> int:
     return json.loads(urllib.request.urlopen(url + "/health", timeout=10).read())["sessions"]
 
 
-def _gauge(url: str, name: str) -> float:
+def _gauge(url: str, name: str, **labels: str) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(url, timeout=10).read().decode()
-    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 def _wait_no_sessions(dep, timeout_s: float = 30.0) -> None:
@@ -109,6 +110,7 @@ def _wait_no_sessions(dep, timeout_s: float = 30.0) -> None:
     while time.monotonic() < deadline:
         if (_front_sessions(dep.frontend) == 0
                 and _gauge(dep.metrics["decode-0"], "ampd_sessions_bound") == 0
+                and _gauge(dep.metrics["decode-0"], "ampd_kv_cache_blocks", state="used") == 0
                 and _gauge(dep.metrics["coordinator"], "ampd_sessions_active") == 0):
             break
         time.sleep(0.2)
@@ -122,7 +124,7 @@ def _wait_no_sessions(dep, timeout_s: float = 30.0) -> None:
 
     assert _front_sessions(dep.frontend) == 0
     assert _gauge(dep.metrics["decode-0"], "ampd_sessions_bound") == 0
-    assert _gauge(dep.metrics["decode-0"], 'ampd_kv_cache_blocks') is not None
+    assert _gauge(dep.metrics["decode-0"], "ampd_kv_cache_blocks", state="used") == 0  # the KV is freed
     assert _gauge(dep.metrics["coordinator"], "ampd_sessions_active") == 0
     assert asyncio.run(records()) == []
 
@@ -131,7 +133,9 @@ def test_idle_sessions_close_after_the_ttl_and_free_their_kv(dep):
     s, _ = post(dep.frontend, chat("stay a while"))
     assert s == 200
     assert _front_sessions(dep.frontend) >= 1
+    assert _gauge(dep.metrics["decode-0"], "ampd_kv_cache_blocks", state="used") > 0  # its KV, held idle
     _wait_no_sessions(dep)
+    assert _gauge(dep.frontend + "/metrics", "ampd_frontend_sessions_expired") >= 1
 
 
 _json = st.recursive(st.none() | st.booleans() | st.integers(-5, 70) | st.floats(allow_nan=True) | st.text(max_size=8),
