@@ -53,6 +53,12 @@ RUN pip install --no-deps --no-build-isolation . \
  && python -c "import ampd.cli, ampd.healthcheck, services.coordinator.server, services.decode.server, services.prefill.server, services.sidecar.server, services.planner.server" \
  && useradd --create-home --uid 10001 --user-group ampd
 
+# With torch, SmolLM2's tokenizer converted once here, into the ampd user's model cache (the frontend
+# turns text into ids with it, also in front of the mock engine; transformers reads the GGUF only
+# with torch), not at every start. Before the revision below, so a rebuild reuses it.
+RUN if [ "$WITH_TORCH" = "true" ]; then su ampd -s /bin/sh -c \
+      '/opt/venv/bin/python -c "from ampd.engine.torch_models import smollm2_tokenizer_dir as d; print(d())"'; fi
+
 # Which build this is, in /app/REVISION and a label. A new revision makes a new image on top of the
 # cached layers (a RUN: buildah's layer cache keys a LABEL on its unexpanded text), which is how
 # tests/compose/stack.py swaps in a freshly built decode worker.
@@ -61,10 +67,6 @@ RUN echo "$AMPD_REVISION" > /app/REVISION
 LABEL org.opencontainers.image.title="ampd" org.opencontainers.image.revision="${AMPD_REVISION}"
 
 USER ampd
-
-# With torch, SmolLM2's tokenizer converted once here (the frontend turns text into ids with it, also
-# in front of the mock engine; transformers reads the GGUF only with torch), not at every start.
-RUN if [ "$WITH_TORCH" = "true" ]; then python -c "from ampd.engine.torch_models import smollm2_tokenizer_dir as d; print(d())"; fi
 
 # No service by default: docker-compose.yml gives every service its own command.
 CMD ["ampd", "--help"]

@@ -182,8 +182,9 @@ class Deployment:
         for i, tp in enumerate(self.prefill_tps):
             workers.append(self._spawn(f"prefill-{i}", self._argv("prefill", worker_id=f"prefill-{i}", tp=tp)))
         self._wait_ready(workers)
-        coord = self._spawn("coordinator", self._argv("coordinator"), keep_port=True)
-        coord.port = self.cfg.process.port
+        # --port binds the coordinator's port; it keeps it across restarts (clients hold its address)
+        coord_argv, coord_port = self._argv("coordinator"), self.cfg.process.port
+        coord = self._spawn("coordinator", lambda port: coord_argv(port or coord_port), keep_port=True)
         self.coordinator = f"{host}:{self._wait_ready([coord])['coordinator']}"
         if self.start_frontend:
             # --api-port binds the front's HTTP port; it keeps the port across restarts (clients hold its URL)

@@ -57,6 +57,9 @@ def seg_pb(segments: list[Segment]) -> list[common_pb2.Segment]:
 
 
 FINISH_STOP, FINISH_LENGTH, FINISH_TOOL = "stop", "length", "tool_calls"
+# How long a session ended during its remote prefill keeps the round's blocks at most, waiting for
+# the prefill worker to report it wrote them (it normally does within the round's TTFT).
+REMOTE_HOLD_S = 60.0
 ABORTED, SHUTDOWN = "ABORTED", "UNAVAILABLE"  # the status a failed session's Attach stream ends with
 
 
@@ -151,11 +154,16 @@ class DecodeWorker:
         self._after_step: list[tuple[Session, str]] = []  # (session, error) to end after the step
         # the local prefill (or chunk) the engine runs now: a cancel stops it (see close)
         self._prefilling: tuple[Session, asyncio.Future] | None = None
+        # sessions ended while a prefill worker may still write their round's blocks: the blocks
+        # stay reserved until its PrefillDone comes (or REMOTE_HOLD_S passes), so no other session
+        # gets them meanwhile
+        self._held: dict[tuple[str, int], Session] = {}
         self.metrics: dict[str, float] = {
             "sessions_opened": 0, "sessions_completed": 0, "sessions_failed": 0,
             "prefills_local": 0, "prefills_remote": 0, "decode_steps": 0, "tokens": 0,
             "kv_bytes_verified": 0, "kv_bytes_mismatched": 0, "tool_calls": 0, "prefill_chunks": 0,
             "kv_waits": 0, "prefills_rerouted": 0, "local_prefill_tokens": 0, "sessions_resumed": 0,
+            "kv_held_for_remote": 0,
         }
         self._tasks: list[asyncio.Task] = []
         # A real engine attends to the history in the pool; the mock needs none (and its KV is checkable).
@@ -168,7 +176,7 @@ class DecodeWorker:
     def start(self) -> None:
         self._tasks.append(asyncio.create_task(self._loop(), name="decode-loop"))
         self._notifs = self.rt.transport.listen(lambda _peer, msg: self._on_prefill_done(msg),
-                                                pending=lambda: bool(self.awaiting_remote))
+                                                pending=lambda: bool(self.awaiting_remote or self._held))
 
     async def stop(self) -> None:
         """Ends every session with UNAVAILABLE "worker shutting down": the coordinator moves each to
@@ -383,7 +391,7 @@ class DecodeWorker:
             return
         s.closed = True
         self.sessions.pop(s.session_id, None)
-        self.awaiting_remote.pop((s.session_id, s.round), None)
+        remote = self.awaiting_remote.pop((s.session_id, s.round), None) is not None
         if self._stepping:
             self._after_step.append((s, ""))
         else:
@@ -395,6 +403,11 @@ class DecodeWorker:
             # the session's blocks until then, so _prefill frees them when it lets go.
             if getattr(self.engine, "cancellable_prefill", False):
                 running[1].cancel()
+        elif remote and s.task_token:
+            key = (s.session_id, s.round)
+            self._held[key] = s
+            self.metrics["kv_held_for_remote"] += 1
+            asyncio.get_running_loop().call_later(REMOTE_HOLD_S, self._release_held, key)
         else:
             s.kv.release(self.rt.pool)
         if self._token_ids:
@@ -402,6 +415,13 @@ class DecodeWorker:
         self.rt.active_sessions = len(self.sessions)
         self.rt.changed()
         if not self._stepping:
+            self._admit_waiting()
+
+    def _release_held(self, key: tuple[str, int]) -> None:
+        s = self._held.pop(key, None)
+        if s is not None:
+            s.kv.release(self.rt.pool)
+            self.rt.changed()
             self._admit_waiting()
 
     def fail(self, s: Session, error: str, code: str = ABORTED) -> None:
@@ -624,9 +644,14 @@ class DecodeWorker:
         except Exception:
             log.warning("unparseable NIXL notification", size=len(msg))
             return
-        s = self.awaiting_remote.pop((done.session_id, done.round), None)
+        key = (done.session_id, done.round)
+        s = self.awaiting_remote.pop(key, None)
         if s is None:
-            log.warning("prefill done for an unknown session", session=done.session_id, round=done.round)
+            held = self._held.get(key)
+            if held is not None and token_matches(held.task_token, done.task_token):
+                self._release_held(key)  # the prefill worker is done with the ended session's blocks
+            else:
+                log.warning("prefill done for an unknown session", session=done.session_id, round=done.round)
             return
         if not token_matches(s.task_token, done.task_token):
             self.awaiting_remote[(done.session_id, done.round)] = s  # not its task's: keep waiting

@@ -462,7 +462,7 @@ async def amain(args: argparse.Namespace) -> None:
     redis = await connect(args.redis_url)
     index = SessionIndex(redis, args.namespace, args.session_ttl)
     front = Front(args, fmt, stub, index, "")
-    config = uvicorn.Config(build_app(front), host=args.host, port=args.port, loop="none", lifespan="off",
+    config = uvicorn.Config(build_app(front), host=args.host, port=args.port, loop="none", lifespan="off", http="h11",
                             log_level="warning", access_log=False, timeout_graceful_shutdown=5,
                             timeout_keep_alive=KEEP_ALIVE_S)
     server = _Server(config)

@@ -20,6 +20,7 @@ from ampd.front.index import SessionIndex
 from ampd.grpcserver import read_ready_file
 from ampd.launcher import Deployment, Options
 from ampd.state import connect
+from ampd.state.local import free_port
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -28,12 +29,20 @@ MODEL = "smollm2-135m-instruct"
 NS = "front-requests"
 
 
+COORDINATOR_PORT = free_port()
+
+
 @pytest.fixture(scope="module")
 def dep(redis_url, tmp_path_factory):
     opts = Options(prefill="tp1*1", decode="tp1*1", profile="zero@none", policy="ampd", redis_url=redis_url,
-                   namespace=NS, session_ttl=TTL_S, run_dir=str(tmp_path_factory.mktemp("run")))
+                   namespace=NS, session_ttl=TTL_S, run_dir=str(tmp_path_factory.mktemp("run")),
+                   port=COORDINATOR_PORT)
     with Deployment(opts, frontend=True) as d:
         yield d
+
+
+def test_the_coordinator_binds_the_port_asked_for(dep):
+    assert dep.coordinator == f"127.0.0.1:{COORDINATOR_PORT}"
 
 
 def post(url: str, body, path: str = "/v1/chat/completions", headers: dict | None = None) -> tuple[int, dict]:

@@ -194,7 +194,7 @@ def test_every_service_requires_the_token_but_health(dep, redis_url):
             for token, ok in ((TOKEN, True), ("", False), ("wrong", False)):
                 ch = chan(address, token)
                 try:
-                    await stub_cls(ch).Metrics(common_pb2.MetricsRequest(), timeout=10)
+                    await stub_cls(ch).Metrics(common_pb2.MetricsRequest(), timeout=10, wait_for_ready=True)
                     code = grpc.StatusCode.OK
                 except grpc.aio.AioRpcError as exc:
                     code = exc.code()
@@ -453,6 +453,38 @@ def test_cancel_stops_a_running_local_prefill_and_frees_the_worker(dep, redis_ur
 
     asyncio.run(scenario())
     assert_nothing_left(dep, redis_url)
+
+
+def test_a_cancel_during_a_remote_prefill_holds_its_blocks_until_the_write_lands(dep, redis_url):
+    """A cancelled session's blocks that a prefill worker is still writing are not given to another
+    session before its PrefillDone comes; then they are freed."""
+    decodes = [i for i in workers(redis_url).values() if i.kind == "decode"]
+
+    async def metric(name: str) -> float:
+        total = 0.0
+        for info in decodes:
+            ch = chan(info.address)
+            total += dict((await decode_pb2_grpc.DecodeWorkerStub(ch).Metrics(
+                common_pb2.MetricsRequest(), timeout=10)).values)[name]
+            await ch.close()
+        return total
+
+    async def scenario():
+        held = await metric("kv_held_for_remote")
+        coord = chan(dep.coordinator)
+        c = Client(coordinator_pb2_grpc.CoordinatorStub(coord))
+        c.send(opening(turn(THRESHOLD + 3000)))  # remote: ~0.7 s on the prefill worker
+        await asyncio.sleep(0.3)
+        c.send(coordinator_pb2.ClientMessage(cancel=coordinator_pb2.Cancel(reason="user")))
+        code, _ = await c.status()
+        assert code == grpc.StatusCode.ABORTED
+        # the write has not landed yet (~0.7 s of prefill): its blocks are still reserved
+        assert await metric("kv_free_tokens") <= 2 * CAPACITY - THRESHOLD
+        assert await metric("kv_held_for_remote") == held + 1
+        await coord.close()
+
+    asyncio.run(scenario())
+    assert_nothing_left(dep, redis_url)  # freed once the write landed (well before REMOTE_HOLD_S)
 
 
 # -------------------------------------------------------------------------------------- fuzz
