@@ -72,7 +72,9 @@ def _run(opts: Options, sessions: list[Session]):
 
 @pytest.mark.parametrize("rule", ["wait", "fail"])
 def test_kv_admission_second_session_waits_for_kv(rule, redis_url, tmp_path):
-    # each session needs 1,200 tokens of input KV (38 blocks of 32) in a 2,048-token pool (64 blocks)
+    # each session needs 1,200 tokens of input KV (38 blocks of 32) in a 2,048-token pool (64 blocks):
+    # the coordinator admits the second only once the first has ended, so the decode worker's own
+    # rule (wait or fail) never has to act and no accepted session is aborted for lack of KV
     sessions = [Session("first", 0.0, (Round(input=1200, output=40),)),
                 Session("second", 0.1, (Round(input=1200, output=5),))]
     opts = Options(prefill="none", decode="tp1*1", profile=_profile(tmp_path, KV_TOKENS), policy="local",
@@ -82,15 +84,26 @@ def test_kv_admission_second_session_waits_for_kv(rule, redis_url, tmp_path):
     m = metrics["decode-0"]
     assert first.completed, first.error
     assert m["kv_free_tokens"] == m["kv_capacity_tokens"] == KV_TOKENS and m["active_sessions"] == 0
-    if rule == "fail":
-        assert not second.completed and "KV exhausted" in second.error
-        assert m["sessions_failed"] == 1 and m["kv_waits"] == 0
-        return
     assert second.completed, second.error
     assert stats.token_mismatches == 0 and stats.tokens == 45
-    assert m["kv_waits"] == 1 and m["sessions_failed"] == 0 and m["kv_overcommits"] == 0
+    assert m["kv_waits"] == 0 and m["sessions_failed"] == 0 and m["kv_overcommits"] == 0
     # the second round started only once the first session had ended and freed its KV
     assert second.rounds[0].first_token > first.rounds[0].token_times[-1]
+
+
+def test_kv_admission_without_waiting_refuses_before_accepting(redis_url, tmp_path):
+    sessions = [Session("first", 0.0, (Round(input=1200, output=40),)),
+                Session("second", 0.1, (Round(input=1200, output=5),))]
+    opts = Options(prefill="none", decode="tp1*1", profile=_profile(tmp_path, KV_TOKENS), policy="local",
+                   redis_url=redis_url, namespace="kvwait-refuse", kv_admission="fail", admission_wait=0.0,
+                   run_dir=str(tmp_path))
+    records, stats, metrics = _run(opts, sessions)
+    first, second = records
+    m = metrics["decode-0"]
+    assert first.completed, first.error
+    assert not second.completed and "RESOURCE_EXHAUSTED" in second.error, second.error
+    assert not second.rounds or second.rounds[0].first_token is None  # refused, never started
+    assert m["sessions_failed"] == 0 and m["kv_free_tokens"] == m["kv_capacity_tokens"]
 
 
 @pytest.mark.parametrize("overlap", [True, False])
