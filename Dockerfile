@@ -66,6 +66,11 @@ ARG AMPD_REVISION=dev
 RUN echo "$AMPD_REVISION" > /app/REVISION
 LABEL org.opencontainers.image.title="ampd" org.opencontainers.image.revision="${AMPD_REVISION}"
 
+# gRPC resolves peers' names (sidecar-0, decode-0, ...) with getaddrinfo, as everything else in the
+# container does: its own c-ares resolver failed on podman's network ('DNS query cancelled' for
+# sidecar-0 from the decode workers, every tool call of a replay).
+ENV GRPC_DNS_RESOLVER=native
+
 USER ampd
 
 # No service by default: docker-compose.yml gives every service its own command.

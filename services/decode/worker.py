@@ -499,7 +499,7 @@ class DecodeWorker:
                 res = await self.sidecar.Call(sidecar_pb2.ToolCallRequest(
                     session_id=s.session_id, round=s.round, name=name, arguments=arguments,
                     latency_s=latency, result_tokens=scripted.result_tokens if scripted else 0),
-                    timeout=latency + RPC_TIMEOUT_S)
+                    timeout=latency + RPC_TIMEOUT_S, wait_for_ready=True)  # a restarting sidecar: wait
             except Exception as exc:  # grpc.aio.AioRpcError and connection failures
                 if not s.closed:
                     detail = exc.details() if hasattr(exc, "details") else exc
