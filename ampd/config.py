@@ -311,6 +311,13 @@ def env_name(name: str) -> str:
     return "AMPD_" + name.upper()
 
 
+def require(args: argparse.Namespace, *names: str) -> None:
+    """ConfigError naming the flag and variable of the first of ``names`` left empty."""
+    for name in names:
+        if not getattr(args, name):
+            raise ConfigError(f"--{name.replace('_', '-')} ({env_name(name)}): required")
+
+
 def env_names(service: str) -> tuple[str, ...]:
     """The environment variables `service` reads: every setting it takes except the per-process ones."""
     return tuple(env_name(n) for n in SERVICE_SETTINGS[service] if n not in PLACEMENT)

@@ -10,7 +10,7 @@ from typing import Callable
 
 import structlog
 
-from ampd.config import SERVICE_SETTINGS, ConfigError, add_flags, env_name
+from ampd.config import SERVICE_SETTINGS, ConfigError, add_flags, require
 from ampd.deployment import check_names
 from ampd.engine.base import Sampling
 from ampd.kv import KVPool, PoolLayout
@@ -241,8 +241,7 @@ def add_worker_args(parser, kind: str) -> None:
 def config_from_args(args, kind: str, port: int) -> WorkerConfig:
     if not args.worker_id:
         raise ConfigError("--worker-id: required")
-    if not args.redis_url:
-        raise ConfigError(f"--redis-url ({env_name('redis_url')}): required")
+    require(args, "redis_url")
     check_names(args)
     return WorkerConfig(
         worker_id=args.worker_id,

@@ -13,7 +13,7 @@ import grpc
 import structlog
 
 from ampd import grpcserver, logs, metrics
-from ampd.config import SERVICE_SETTINGS, ConfigError, CoordinatorSettings, add_flags, env_name
+from ampd.config import SERVICE_SETTINGS, ConfigError, CoordinatorSettings, add_flags, require
 from ampd.deployment import check_names
 from ampd.perf import load_profile
 from ampd.policy import SLO, make_router, policy_spec
@@ -296,8 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     try:
         args = build_parser().parse_args(argv)
-        if not args.redis_url:
-            raise ConfigError(f"--redis-url ({env_name('redis_url')}): required")
+        require(args, "redis_url")
         check_names(args)
     except ConfigError as exc:
         sys.exit(f"ampd-coordinator: error: {exc}")

@@ -29,7 +29,7 @@ from ampd import grpcserver, logs
 from ampd.chat.conversation import answer_digest, render_conversation
 from ampd.chat.template import ChatFormat
 from ampd.chat.tokenizer import tokenizer_for
-from ampd.config import SERVICE_SETTINGS, ConfigError, add_flags, env_name
+from ampd.config import SERVICE_SETTINGS, ConfigError, add_flags, require
 from ampd.front.answer import FORCED_STOP, Answer, forced_prefix
 from ampd.front.api import ApiError, ChatRequest, CompletionRequest, Sampling, error_body, parse_chat, parse_completion
 from ampd.front.index import Match, SessionIndex
@@ -510,10 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     try:
         args = build_parser().parse_args(argv)
-        if not args.redis_url:
-            raise ConfigError(f"--redis-url ({env_name('redis_url')}): required")
-        if not args.coordinator_address:
-            raise ConfigError(f"--coordinator-address ({env_name('coordinator_address')}): required")
+        require(args, "redis_url", "coordinator_address")
         tokenizer_for(args.engine, args.model)
     except (ConfigError, ValueError) as exc:
         sys.exit(f"ampd-frontend: error: {exc}")
