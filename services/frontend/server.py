@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import contextlib
 import hmac
-import json
 import signal
 import sys
 import time
@@ -16,13 +15,14 @@ from typing import Any, Sequence
 
 import grpc
 import httpx2
+import orjson
 import structlog
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from ampd import grpcserver, logs
@@ -49,6 +49,30 @@ MAX_BODY = 32 << 20  # bytes of one request body
 # An agent's connection idles through its tool calls: keep it open longer than uvicorn's 5 s, so a
 # client does not send its next turn on a connection the server is closing.
 KEEP_ALIVE_S = 75
+
+
+class JSONResponse(Response):
+    """Starlette's JSONResponse (compact, UTF-8) encoded with orjson."""
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content)
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events, streamed without Starlette's second task that waits for the client to
+    disconnect (what it does for servers of ASGI spec < 2.4; uvicorn says 2.3): a turn runs to its
+    end whether or not its client stays (`TurnRun`), and a gone client's chunks are dropped by the
+    server, so the task would only cost a task group per response."""
+
+    def __init__(self, content, headers: dict[str, str]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await self.stream_response(send)
+        except OSError:
+            raise ClientDisconnect() from None
 
 
 class FrontMetrics:
@@ -116,7 +140,7 @@ class Front:
             raise ApiError(413, f"body: over {MAX_BODY} bytes", code="body_too_large")
         request.state.raw = raw
         try:
-            return json.loads(raw)
+            return orjson.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"body: malformed JSON ({exc})", code="malformed_json") from None
 
@@ -188,7 +212,7 @@ class Front:
             s.start(self.stub, common_pb2.OpenSession(session_id=sid, turn=common_pb2.Turn(
                 token_ids=ids, sampling=p)))
             return s, None
-        self.table.take(s)
+        s.stale_entry = self.table.take(s)
         turn = common_pb2.Turn(token_ids=ids[keep:], sampling=p)
         if keep < len(s.history):
             turn.keep_tokens = keep
@@ -265,8 +289,7 @@ class Front:
         cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         headers = {"x-session-id": s.session_id}
         if req.stream:
-            return StreamingResponse(self._chat_stream(cid, req, run, first), media_type="text/event-stream",
-                                     headers=headers)
+            return EventStream(self._chat_stream(cid, req, run, first), headers)
         await _until_end(run)
         a = run.answer
         body = {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": self.model,
@@ -301,7 +324,7 @@ class Front:
             text = run.answer.text_delta()
             if text:
                 yield chunk({"content": text})
-        yield "data: [DONE]\n\n"
+        yield b"data: [DONE]\n\n"
 
     async def completions(self, request: Request) -> Response:
         t0 = time.monotonic()
@@ -316,8 +339,7 @@ class Front:
         cid = f"cmpl-{uuid.uuid4().hex[:24]}"
         headers = {"x-session-id": s.session_id}
         if req.stream:
-            return StreamingResponse(self._completion_stream(cid, req, run, first), media_type="text/event-stream",
-                                     headers=headers)
+            return EventStream(self._completion_stream(cid, req, run, first), headers)
         await _until_end(run)
         a = run.answer
         a.text_delta()
@@ -348,7 +370,7 @@ class Front:
                     yield _sse({**base, "choices": [], "usage": a.usage()})
                 break
             yield chunk(run.answer.text_delta(), item[2])
-        yield "data: [DONE]\n\n"
+        yield b"data: [DONE]\n\n"
 
     async def models(self, request: Request) -> Response:
         self._check_auth(request)
@@ -410,8 +432,8 @@ def _ext(s: LiveSession, a: Answer) -> dict:
     return out
 
 
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+def _sse(obj: dict) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
 def build_app(front: Front) -> Starlette:
@@ -462,7 +484,7 @@ async def amain(args: argparse.Namespace) -> None:
     redis = await connect(args.redis_url)
     index = SessionIndex(redis, args.namespace, args.session_ttl)
     front = Front(args, fmt, stub, index, "")
-    config = uvicorn.Config(build_app(front), host=args.host, port=args.port, loop="none", lifespan="off", http="h11",
+    config = uvicorn.Config(build_app(front), host=args.host, port=args.port, loop="none", lifespan="off", http="httptools",
                             log_level="warning", access_log=False, timeout_graceful_shutdown=5,
                             timeout_keep_alive=KEEP_ALIVE_S)
     server = _Server(config)

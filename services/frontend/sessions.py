@@ -30,6 +30,7 @@ class LiveSession:
     history: list[int] = field(default_factory=list)  # every token the decode worker holds for it
     busy: bool = False
     entry: tuple[str, int] | None = None  # its index entry while it idles
+    stale_entry: tuple[str, int] | None = None  # taken out locally, still to take out of Redis
     last_used: float = field(default_factory=time.monotonic)
     pending_calls: set[str] = field(default_factory=set)  # the decode worker's open client-side calls
     answers: list[str] = field(default_factory=list)  # digests of its answers (in the local index)
@@ -119,6 +120,7 @@ class SessionTable:
         entry, s.entry = s.entry, None
         if entry is not None:
             self.local.remove(entry)
+        entry, s.stale_entry = entry or s.stale_entry, None
         for d in s.answers:
             self.local.answers.pop(d, None)
         s.close()
@@ -132,12 +134,19 @@ class SessionTable:
             except (asyncio.TimeoutError, asyncio.CancelledError):
                 s.abort()
 
-    def take(self, s: LiveSession) -> None:
-        """A turn starts on the idle session: out of both indexes until it ends."""
+    def take(self, s: LiveSession) -> tuple[str, int] | None:
+        """A turn starts on the idle session: out of the local index now; returns the entry to
+        take out of the shared one (`withdraw_soon`, once the turn has gone out)."""
         s.busy = True
         entry, s.entry = s.entry, None
         if entry is not None:
             self.local.remove(entry)
+        return entry
+
+    def withdraw_soon(self, entry: tuple[str, int] | None) -> None:
+        """Takes a busy session's entry out of the shared index, in the background: called after
+        the turn is sent, so that the Redis call does not go before the turn on the event loop."""
+        if entry is not None:
             asyncio.create_task(self._withdraw(entry))
 
     async def _withdraw(self, entry: tuple[str, int]) -> None:
