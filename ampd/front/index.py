@@ -8,8 +8,10 @@ Keys (prefix `{ns}:front`):
                       digest, updated (unix seconds)
 - `answer:{digest}`   the ids a session holds for one answer (`answer_digest`), packed uint32
 
-A session is indexed while it idles between turns; a front takes it out while a turn runs and when
-it closes the session. Every key expires after the session TTL (plus a margin), so a front that dies
+A session is indexed by the history it holds while it idles between turns. While a turn runs its
+entry stays in Redis (the front that holds it knows it is busy; a request forwarded to a busy
+session opens a new one there), and the turn's end replaces it with the new history: one round
+trip per turn. Closing a session takes its keys out. Every key expires after the session TTL (plus a margin), so a front that dies
 leaves nothing behind for long.
 """
 
@@ -90,9 +92,13 @@ class SessionIndex:
         return None
 
     async def publish(self, sid: str, front: str, entry: "HistoryEntry", answer: tuple[str, Sequence[int]] | None,
-                      ) -> None:
-        """Indexes the idle session: its history (``entry``, from `history_entry`) and last answer."""
+                      stale: tuple[str, int] | None = None) -> None:
+        """Indexes the idle session: its history (``entry``, from `history_entry`) and last answer,
+        in place of its ``stale`` entry (the history its turn started from). One round trip."""
         pipe = self.r.pipeline(transaction=False)
+        if stale:
+            pipe.delete(f"{self.p}:hist:{stale[0]}")
+            pipe.hincrby(f"{self.p}:lengths", str(stale[1]), -1)
         pipe.set(f"{self.p}:hist:{entry.digest}", json.dumps({"sid": sid, "front": front}), px=self.ttl_ms)
         pipe.hincrby(f"{self.p}:lengths", str(entry.length), 1)
         pipe.hset(f"{self.p}:session:{sid}", mapping={"front": front, "history": entry.packed, "digest": entry.digest,

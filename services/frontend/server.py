@@ -176,6 +176,9 @@ class Front:
         if header:
             s = self.table.live.get(header)
             if s is not None and not s.closed:
+                if s.busy and forwarded:  # another front matched its entry while its turn runs
+                    how.append("new")
+                    return None, 0
                 if s.busy:
                     raise ApiError(409, f"x-session-id: session {header!r} is answering another request",
                                    code="session_busy")
@@ -206,13 +209,14 @@ class Front:
             if not self.table.room():
                 raise ApiError(429, "the front holds its most sessions, all busy; retry later",
                                code="too_many_sessions", type="rate_limit_error")
-            sid = header or self.table.new_id()
+            held = self.table.live.get(header)
+            sid = header if header and (held is None or held.closed) else self.table.new_id()
             s = LiveSession(sid, history=list(ids), busy=True)
             self.table.live[sid] = s
             s.start(self.stub, common_pb2.OpenSession(session_id=sid, turn=common_pb2.Turn(
                 token_ids=ids, sampling=p)))
             return s, None
-        s.stale_entry = self.table.take(s)
+        self.table.take(s)
         turn = common_pb2.Turn(token_ids=ids[keep:], sampling=p)
         if keep < len(s.history):
             turn.keep_tokens = keep
@@ -299,32 +303,39 @@ class Front:
         return JSONResponse(body, headers=headers)
 
     async def _chat_stream(self, cid: str, req: ChatRequest, run: TurnRun, first):
+        """The turn's events as SSE. The events ready at one moment go out in one write (the role
+        with the first text; the end's chunks with [DONE]): what a client reads per event is the
+        same, the front and the client wake once instead of several times."""
         base = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": self.model}
 
-        def chunk(delta: dict, finish: str | None = None, **extra) -> str:
+        def chunk(delta: dict, finish: str | None = None, **extra) -> bytes:
             return _sse({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
                                               "logprobs": None}], **extra})
 
-        yield chunk({"role": "assistant", "content": ""})
+        out = [chunk({"role": "assistant", "content": ""})]
         async for item in _events(run, first):
             if item[0] == FAILED:
-                yield _sse(error_body(item[1]))
+                out.append(_sse(error_body(item[1])))
                 break
             if item[0] == DONE:
                 a = run.answer
                 rest = a.rest()
                 if rest:
-                    yield chunk({"content": rest})
+                    out.append(chunk({"content": rest}))
                 if run.calls:
-                    yield chunk({"tool_calls": [c.openai(i) for i, c in enumerate(run.calls)]})
-                yield chunk({}, a.openai_finish(), ampd=_ext(run.s, a))
+                    out.append(chunk({"tool_calls": [c.openai(i) for i, c in enumerate(run.calls)]}))
+                out.append(chunk({}, a.openai_finish(), ampd=_ext(run.s, a)))
                 if req.include_usage:
-                    yield _sse({**base, "choices": [], "usage": a.usage()})
+                    out.append(_sse({**base, "choices": [], "usage": a.usage()}))
                 break
             text = run.answer.text_delta()
             if text:
-                yield chunk({"content": text})
-        yield b"data: [DONE]\n\n"
+                out.append(chunk({"content": text}))
+            if out:
+                yield b"".join(out)
+                out = []
+        out.append(DONE_EVENT)
+        yield b"".join(out)
 
     async def completions(self, request: Request) -> Response:
         t0 = time.monotonic()
@@ -351,26 +362,30 @@ class Front:
         return JSONResponse(body, headers=headers)
 
     async def _completion_stream(self, cid: str, req: CompletionRequest, run: TurnRun, first):
+        """As `_chat_stream`: the end's chunks go out with [DONE] in one write."""
         base = {"id": cid, "object": "text_completion", "created": int(time.time()), "model": self.model}
 
-        def chunk(text: str, ids: list[int] | None, finish: str | None = None, **extra) -> str:
+        def chunk(text: str, ids: list[int] | None, finish: str | None = None, **extra) -> bytes:
             c: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
             if req.return_token_ids and ids is not None:
                 c["token_ids"] = ids
             return _sse({**base, "choices": [c], **extra})
 
+        out = []
         async for item in _events(run, first):
             if item[0] == FAILED:
-                yield _sse(error_body(item[1]))
+                out.append(_sse(error_body(item[1])))
                 break
             if item[0] == DONE:
                 a = run.answer
-                yield chunk(a.rest(), [] if req.return_token_ids else None, a.openai_finish(), ampd=_ext(run.s, a))
+                out.append(chunk(a.rest(), [] if req.return_token_ids else None, a.openai_finish(),
+                                 ampd=_ext(run.s, a)))
                 if req.include_usage:
-                    yield _sse({**base, "choices": [], "usage": a.usage()})
+                    out.append(_sse({**base, "choices": [], "usage": a.usage()}))
                 break
             yield chunk(run.answer.text_delta(), item[2])
-        yield b"data: [DONE]\n\n"
+        out.append(DONE_EVENT)
+        yield b"".join(out)
 
     async def models(self, request: Request) -> Response:
         self._check_auth(request)
@@ -430,6 +445,9 @@ def _ext(s: LiveSession, a: Answer) -> dict:
     if t is not None:
         out.update(round=t.round, local=t.local, prefill_worker=t.prefill_worker, route_reason=t.route_reason)
     return out
+
+
+DONE_EVENT = b"data: [DONE]\n\n"
 
 
 def _sse(obj: dict) -> bytes:

@@ -30,7 +30,7 @@ class LiveSession:
     history: list[int] = field(default_factory=list)  # every token the decode worker holds for it
     busy: bool = False
     entry: tuple[str, int] | None = None  # its index entry while it idles
-    stale_entry: tuple[str, int] | None = None  # taken out locally, still to take out of Redis
+    stale_entry: tuple[str, int] | None = None  # while a turn runs: its entry, still in Redis
     last_used: float = field(default_factory=time.monotonic)
     pending_calls: set[str] = field(default_factory=set)  # the decode worker's open client-side calls
     answers: list[str] = field(default_factory=list)  # digests of its answers (in the local index)
@@ -134,26 +134,15 @@ class SessionTable:
             except (asyncio.TimeoutError, asyncio.CancelledError):
                 s.abort()
 
-    def take(self, s: LiveSession) -> tuple[str, int] | None:
-        """A turn starts on the idle session: out of the local index now; returns the entry to
-        take out of the shared one (`withdraw_soon`, once the turn has gone out)."""
+    def take(self, s: LiveSession) -> None:
+        """A turn starts on the idle session: out of the local index. Its shared entry is replaced
+        when the turn ends (`SessionIndex.publish`): a Redis call here would compete with the turn
+        for the event loop."""
         s.busy = True
         entry, s.entry = s.entry, None
         if entry is not None:
             self.local.remove(entry)
-        return entry
-
-    def withdraw_soon(self, entry: tuple[str, int] | None) -> None:
-        """Takes a busy session's entry out of the shared index, in the background: called after
-        the turn is sent, so that the Redis call does not go before the turn on the event loop."""
-        if entry is not None:
-            asyncio.create_task(self._withdraw(entry))
-
-    async def _withdraw(self, entry: tuple[str, int]) -> None:
-        try:
-            await self.index.withdraw(entry)
-        except Exception as exc:  # Redis away: the entry expires on its own
-            log.warning("index withdraw failed", error=str(exc))
+            s.stale_entry = entry
 
     async def reap(self, now: float) -> int:
         """Closes the idle sessions not used for longer than the TTL; returns how many."""

@@ -68,8 +68,6 @@ class TurnRun:
     def start(self, turn: common_pb2.Turn | None) -> asyncio.Task:
         if turn is not None:
             self.s.send_turn(turn)
-        self.table.withdraw_soon(self.s.stale_entry)
-        self.s.stale_entry = None
         return asyncio.create_task(self._drive(), name=f"turn-{self.s.session_id}")
 
     async def _drive(self) -> None:
@@ -110,7 +108,7 @@ class TurnRun:
         msg = a.message(self.calls)
         segment = self.segment_prefix + a.tokens
         digest = answer_digest(msg["content"], msg.get("tool_calls"))
-        entry = history_entry(s.history)
+        entry, stale, s.stale_entry = history_entry(s.history), s.stale_entry, None
         s.entry = entry.key
         self.table.local.add(s.session_id, s.entry)
         self.table.local.answers[digest] = segment
@@ -118,7 +116,7 @@ class TurnRun:
         s.busy = False
         s.last_used = time.monotonic()
         try:
-            await self.table.index.publish(s.session_id, self.table.me, entry, (digest, segment))
+            await self.table.index.publish(s.session_id, self.table.me, entry, (digest, segment), stale)
         except Exception as exc:  # Redis away: this front still finds the session
             log.warning("index publish failed", session=s.session_id, error=str(exc))
         self.out.put_nowait((DONE, None, None))
