@@ -252,7 +252,8 @@ def parse_completion(body: Any) -> CompletionRequest:
         if not prompt:
             raise bad("prompt", "must not be empty")
     elif isinstance(prompt, list) and prompt:
-        if not (all(type(t) is int for t in prompt) and min(prompt) >= 0 and max(prompt) < 1 << 32):
+        # one C pass for the types (bools are not ids), then the range; a bad one is named below
+        if not ({*map(type, prompt)} == {int} and min(prompt) >= 0 and max(prompt) < 1 << 32):
             prompt = [_int(t, f"prompt[{i}]", 0, (1 << 32) - 1) for i, t in enumerate(prompt)]  # names the bad one
     else:
         raise bad("prompt", "required: a string or a list of token ids (one prompt per request)")
