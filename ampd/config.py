@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from typing import Any
 
+from ampd.policy.admit import ADMISSION_RULES
 from ampd.policy.route import ALPHA, BETA, THRESHOLD_TOKENS
 from ampd.policy.spec import POLICIES
 
@@ -144,6 +145,9 @@ class CoordinatorSettings:
                                          "(docs/security.md)", metavar="S", minimum=0)
     admission_queue: int = setting(256, "new sessions that may wait for KV at once; beyond it a new session "
                                         "gets RESOURCE_EXHAUSTED at once", minimum=0)
+    admission: str = setting("kv", "which new sessions are accepted: kv: those a decode worker has the KV for; "
+                                   "slo: those too whose predicted TTFT (queues included) and ITL fit the SLO, "
+                                   "the others refused at once (docs/security.md)", choices=ADMISSION_RULES)
 
 
 @dataclass(frozen=True)
@@ -271,7 +275,7 @@ _WORKER = ("host", "port", "metrics_port", "advertise", "worker_id", "ready_file
 SERVICE_SETTINGS: dict[str, tuple[str, ...]] = {
     "coordinator": ("host", "port", "metrics_port", "ready_file", "redis_url", "namespace", "profile", *_POLICY_ALL,
                     "slack", "seed", "alpha", "beta", "threshold_tokens", "stats_mode", "migration_limit",
-                    "admission_wait", "admission_queue", "auth_token"),
+                    "admission_wait", "admission_queue", "admission", "auth_token"),
     "prefill": _WORKER,
     "decode": (*_WORKER, "sidecar", "chunked_prefill"),
     "sidecar": ("host", "port", "metrics_port", "name", "tool", "ready_file", "auth_token"),

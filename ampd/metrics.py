@@ -32,6 +32,8 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from ampd.policy.admit import REFUSAL_REASONS
+
 log = structlog.get_logger()
 
 PREFIX = "ampd_"
@@ -109,8 +111,11 @@ PREFILL = (
 COORDINATOR = (
     Family("sessions", "counter", "sessions by outcome at the coordinator",
            (("sessions_opened", "opened"), ("sessions_completed", "completed"), ("sessions_failed", "failed"),
-            ("sessions_rejected", "rejected")), label="status"),
+            ("sessions_rejected", "rejected"), ("sessions_refused", "refused")), label="status"),
     _one("sessions_active", "gauge", "sessions_live", "sessions open now"),
+    _one("sessions_waiting", "gauge", "sessions_waiting", "new sessions waiting in admission"),
+    Family("sessions_refused", "counter", "new sessions refused by admission (RESOURCE_EXHAUSTED), by reason "
+           "(ampd/policy/admit.py)", tuple(("refused_" + r, r) for r in REFUSAL_REASONS), label="reason"),
     Family("prefills_routed", "counter", "prefills handed over, by where they run (after fallbacks)",
            (("prefills_local", "local"), ("prefills_remote", "remote")), label="where"),
     _one("route_state_read_seconds", "counter", "route_redis_read_ms_total",

@@ -1,71 +1,101 @@
-"""Admission of new sessions by decode KV: a session is accepted only when some decode worker has
-the KV it may need, net of what is promised to the sessions in flight there (ampd.policy.bind);
-otherwise it waits, first come first served, up to ``admission_wait`` seconds in a queue of at most
-``admission_queue`` sessions, and is then refused (RESOURCE_EXHAUSTED). A session accepted is never
-aborted for lack of KV: its promise is released only when it ends."""
+"""Admission of new sessions (the rule is ampd.policy.admit's, ``--admission``): a session is accepted
+only when some decode worker has the KV it may need, net of what is promised to the sessions in
+flight there, and, under the ``slo`` rule, when it can still meet its TTFT and ITL SLO there;
+otherwise it waits, first come first served, up to ``admission_wait`` seconds (``slo``: no longer than
+its TTFT budget lasts) in a queue of at most ``admission_queue`` sessions, or is refused
+(RESOURCE_EXHAUSTED, with the reason). A session accepted is never aborted for lack of KV: its
+promise is released only when it ends."""
 from __future__ import annotations
 
 import asyncio
 import time
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
-from ampd.policy import WorkerView, bind
+from ampd.policy import SLO, WorkerView
+from ampd.policy.admit import KV_FULL, QUEUE_FULL, AdmissionCost, decide
 
 __all__ = ["Admission", "Refused"]
 
+# () -> (the live decode workers, each with its KV capacity as kv_free_tokens; the live prefill workers)
+Rooms = Callable[[], Awaitable[tuple[Sequence[WorkerView], Sequence[WorkerView]]]]
+
 
 class Refused(Exception):
-    """No KV for the session (RESOURCE_EXHAUSTED); the message says why."""
+    """The session is refused (RESOURCE_EXHAUSTED): ``reason`` is one of ampd.policy.admit's
+    REFUSAL_REASONS, the message says why."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
 
 
 class Admission:
-    def __init__(self, wait_s: float, queue_max: int) -> None:
+    def __init__(self, wait_s: float, queue_max: int, rule: str = "kv", cost: AdmissionCost | None = None,
+                 slo: SLO | None = None) -> None:
+        if rule == "slo" and (cost is None or slo is None):
+            raise ValueError("admission rule 'slo' needs the cost model and the SLO")
         self.wait_s = wait_s
         self.queue_max = queue_max
+        self.rule, self.cost, self.slo = rule, cost, slo
         self.promised: Counter[str] = Counter()  # decode worker -> KV tokens promised to its live sessions
+        self.sessions: Counter[str] = Counter()  # decode worker -> sessions admitted there, live
         self._waiters: deque[asyncio.Event] = deque()
 
     @property
     def waiting(self) -> int:
         return len(self._waiters)
 
-    async def admit(self, need: int, rooms: Callable[[], Awaitable[list[WorkerView]]]) -> str:
+    async def admit(self, need: int, rooms: Rooms, l_incr: int = 0, since: float | None = None,
+                    new: bool = True) -> str:
         """A decode worker for a session that may need ``need`` KV tokens, with ``need`` promised to
-        it. ``rooms()``: the live decode workers, ``kv_free_tokens`` being each one's capacity.
-        Raises Refused, or LookupError when no decode worker serves."""
-        deadline = time.monotonic() + self.wait_s
+        it. ``l_incr``: its first prefill's tokens; ``since``: when it arrived (time.monotonic());
+        ``new``: False for a session already accepted (moved, or bound again for a later turn),
+        which only the KV rule applies to. Raises Refused, or LookupError when no decode worker serves."""
+        start = time.monotonic() if since is None else since
+        deadline = start + self.wait_s
+        rule = self.rule if new else "kv"
         me: asyncio.Event | None = None
         try:
             while True:
-                workers = await rooms()
-                if not workers:
+                decode, prefill = await rooms()
+                if not decode:
                     raise LookupError("no decode worker is serving")
-                biggest = max(w.kv_free_tokens for w in workers)
-                if need > biggest:
-                    raise Refused(f"the session may need {need} KV tokens, more than any decode worker holds "
-                                  f"({biggest})")
-                if not self._waiters or self._waiters[0] is me:  # first come, first served
-                    chosen = bind(workers, self.promised, need)
-                    if chosen is not None:
-                        self.promised[chosen] += need
-                        return chosen
+                now = time.monotonic()
+                # kv: first come, first served. slo: newest first; a new session goes ahead of the
+                # waiting ones (it has the most TTFT budget left; under overload the oldest would
+                # miss its TTFT anyway, and is refused when its budget is spent).
+                ahead = bool(self._waiters) and self._waiters[0] is not me and not (self.rule == "slo"
+                                                                                  and me is None)
+                v = decide(rule, decode, prefill, self.promised, self.sessions, need, l_incr, now - start,
+                           self.cost, self.slo)
+                if v.reason:
+                    raise Refused(v.reason, v.detail)
+                if v.worker is not None and not ahead:
+                    self.promised[v.worker] += need
+                    self.sessions[v.worker] += 1
+                    return v.worker
                 if me is None:
                     if self.wait_s <= 0 or len(self._waiters) >= self.queue_max:
-                        raise Refused(f"no decode worker has KV for {need} tokens now, and "
+                        raise Refused(KV_FULL if self.wait_s <= 0 else QUEUE_FULL,
+                                      f"no decode worker has KV for {need} tokens now, and "
                                       + ("admission does not wait" if self.wait_s <= 0 else
                                          f"{self.queue_max} sessions already wait"))
                     me = asyncio.Event()
-                    self._waiters.append(me)
-                left = deadline - time.monotonic()
+                    if self.rule == "slo":
+                        self._waiters.appendleft(me)
+                    else:
+                        self._waiters.append(me)
+                left = deadline - now
                 if left <= 0:
-                    raise Refused(f"no decode worker had KV for {need} tokens within {self.wait_s:g} s")
+                    raise Refused(KV_FULL, f"no decode worker had KV for {need} tokens within {self.wait_s:g} s")
                 me.clear()
                 # Woken by a release (the head) or by the head leaving. Only the head also looks
                 # again twice a second (a new worker may have joined): many waiters must not poll.
+                # None waits past its TTFT budget (slo): it is judged again, and refused, then.
                 head = self._waiters[0] is me
                 try:
-                    await asyncio.wait_for(me.wait(), min(left, 0.5) if head else left)
+                    await asyncio.wait_for(me.wait(), min(left, v.wait_s, 0.5 if head else left))
                 except asyncio.TimeoutError:
                     pass
         finally:
@@ -84,6 +114,9 @@ class Admission:
         self.promised[worker] -= tokens
         if self.promised[worker] <= 0:
             del self.promised[worker]
+        self.sessions[worker] -= 1
+        if self.sessions[worker] <= 0:
+            del self.sessions[worker]
         self._wake()
 
     def _wake(self) -> None:

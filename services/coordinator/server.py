@@ -170,12 +170,13 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 await self.forget_record(sid)
 
     # ---------------------------------------------------------------------------- admission
-    async def rooms(self) -> list:
-        """The live decode workers for admission, each with its KV capacity as its room."""
+    async def rooms(self) -> tuple[list, tuple]:
+        """For admission: the live decode workers, each with its KV capacity as its room, and the
+        live prefill workers."""
         view = await self.cluster.view()
         infos = self.cluster.infos
-        return [dataclasses.replace(v, kv_free_tokens=infos[wid].kv_capacity_tokens)
-                for wid, v in view.decode.items() if wid in infos]
+        return ([dataclasses.replace(v, kv_free_tokens=infos[wid].kv_capacity_tokens)
+                 for wid, v in view.decode.items() if wid in infos], view.prefill)
 
     def block_tokens(self) -> int:
         """A session's last KV block may be partly empty: its promise counts one block more."""
@@ -270,7 +271,7 @@ async def amain(args: argparse.Namespace) -> None:
                          threshold_tokens=args.threshold_tokens, slack=args.slack or None)
     store = StateStore(await connect(args.redis_url), args.namespace)
     service = CoordinatorService(store, router, args.policy, args.stats_mode, args.migration_limit)
-    service.admission = Admission(args.admission_wait, args.admission_queue)
+    service.admission = Admission(args.admission_wait, args.admission_queue, args.admission, profile, slo)
     service.labels.update(profile=profile.name, ttft_slo=str(slo.ttft_s), itl_slo=str(slo.itl_s))
     await service.cluster.start()
     server, port, health = await grpcserver.start_server(

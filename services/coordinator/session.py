@@ -67,6 +67,7 @@ class SessionRun:
         self.need = turn_kv_tokens(o.turn, o.limits.max_output_tokens) + svc.block_tokens()
         self.promised_on = ""  # the decode worker holding that promise
         self.admitted = False
+        self.arrived = time.monotonic()  # what admission's TTFT budget counts from
 
     # -------------------------------------------------------------------------------- the loop
     async def run(self):
@@ -120,16 +121,19 @@ class SessionRun:
     async def _bind(self, req: decode_pb2.AttachRequest, wait_s: float = BIND_WAIT_S) -> None:
         """Binds the session to the decode worker admission gives it (waiting for KV up to
         admission_wait, then RESOURCE_EXHAUSTED: a session is refused before it is accepted, never
-        aborted for lack of KV after)."""
+        aborted for lack of KV after; --admission slo also refuses a new session that would miss its
+        SLO)."""
         svc = self.svc
         deadline = time.monotonic() + wait_s
         self._release()
         while True:
             try:
-                self.decode_id = await svc.admission.admit(self.need, svc.rooms)
+                self.decode_id = await svc.admission.admit(self.need, svc.rooms, len(self.o.turn.token_ids),
+                                                           self.arrived, new=not self.admitted)
                 break
             except Refused as exc:
-                raise SessionEnd(grpc.StatusCode.RESOURCE_EXHAUSTED, f"admission: {exc}") from None
+                svc.counters["refused_" + exc.reason] += 1
+                raise SessionEnd(grpc.StatusCode.RESOURCE_EXHAUSTED, f"admission: {exc.reason}: {exc}") from None
             except LookupError:  # no decode worker serves (one may be restarting)
                 if time.monotonic() >= deadline:
                     raise SessionEnd(grpc.StatusCode.UNAVAILABLE, "no decode worker is serving") from None

@@ -16,6 +16,7 @@ import os
 import signal
 import time
 
+import grpc
 import pytest
 import redis
 
@@ -184,14 +185,14 @@ def test_replay_survives_killed_workers_and_a_redis_restart(tmp_path):
         _nothing_left(r, workers)
 
 
-def _nothing_left(r: redis.Redis, workers: set[str]) -> None:
+def _nothing_left(r: redis.Redis, workers: set[str], ns: str = NS) -> None:
     """No session record, no KV block held, only the live workers' and coordinators' keys."""
     import json
 
-    keys = {k.decode() for k in r.keys(f"{NS}:*") if not k.decode().startswith(f"{NS}:coordinator:")}
-    assert keys == {f"{NS}:workers", f"{NS}:nixl", f"{NS}:stats"} | {f"{NS}:alive:{w}" for w in workers}, keys
+    keys = {k.decode() for k in r.keys(f"{ns}:*") if not k.decode().startswith(f"{ns}:coordinator:")}
+    assert keys == {f"{ns}:workers", f"{ns}:nixl", f"{ns}:stats"} | {f"{ns}:alive:{w}" for w in workers}, keys
     deadline = time.monotonic() + 10
-    for wid, raw in r.hgetall(f"{NS}:workers").items():
+    for wid, raw in r.hgetall(f"{ns}:workers").items():
         info = json.loads(raw)
         while True:  # a session ended by a lost coordinator is freed once its worker sees the stream go
             m = asyncio.run(_metrics(info["address"], info["kind"]))
@@ -209,9 +210,10 @@ def _sampling(n: int) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(max_tokens=n, ignore_eos=True)
 
 
-async def _killed_session(dep: Deployment, sid: str, turns, kill_after: int | None):
-    """Runs the conversation; with ``kill_after``, SIGKILLs the bound decode worker once that many
-    output tokens came. Returns every output token in order and the rounds' timings."""
+async def _killed_session(dep: Deployment, sid: str, turns, kill_at=()):
+    """Runs the conversation; SIGKILLs the bound decode worker (whichever it is then) each time the
+    output tokens reach the next count of ``kill_at``. Returns every output token in order, the
+    rounds' timings and the status the session ended with ("" when it completed)."""
     ch = grpcserver.channel(dep.coordinator)
     stub = coordinator_pb2_grpc.CoordinatorStub(ch)
     outbox: asyncio.Queue = asyncio.Queue()
@@ -228,22 +230,45 @@ async def _killed_session(dep: Deployment, sid: str, turns, kill_after: int | No
         while (m := await outbox.get()) is not None:
             yield m
 
-    tokens, rounds, nxt, bound = [], [], 1, ""
-    async for ev in stub.Session(requests(), timeout=120):
-        bound = ev.decode_worker or bound
-        kind = ev.WhichOneof("event")
-        if kind == "tokens":
-            tokens.extend(ev.tokens.token_ids)
-            if kill_after is not None and len(tokens) >= kill_after:
-                _kill(dep, bound)
-                kill_after = None
-        elif kind == "turn_end":
-            await outbox.put(coordinator_pb2.ClientMessage(turn=turn(nxt)) if nxt < len(turns) else None)
-            nxt += 1
-        elif kind == "done":
-            rounds = list(ev.done.rounds)
+    tokens, rounds, nxt, bound, kills, error = [], [], 1, "", list(kill_at), ""
+    try:
+        async for ev in stub.Session(requests(), timeout=120):
+            bound = ev.decode_worker or bound
+            kind = ev.WhichOneof("event")
+            if kind == "tokens":
+                tokens.extend(ev.tokens.token_ids)
+                if kills and len(tokens) >= kills[0]:
+                    _kill(dep, bound)
+                    kills.pop(0)
+            elif kind == "turn_end":
+                await outbox.put(coordinator_pb2.ClientMessage(turn=turn(nxt)) if nxt < len(turns) else None)
+                nxt += 1
+            elif kind == "done":
+                rounds = list(ev.done.rounds)
+    except grpc.aio.AioRpcError as exc:
+        error = f"{exc.code().name}: {exc.details()}"
     await ch.close()
-    return tokens, rounds
+    return tokens, rounds, error
+
+
+def test_a_session_past_its_migration_limit_ends_unavailable(tmp_path):
+    """--migration-limit 1: the session moves once when its decode worker is killed, and ends with
+    UNAVAILABLE naming the limit when its second one is; nothing is left behind."""
+    ns = "faults-limit"
+    opts = Options(prefill="tp1*1", decode="tp1*2", profile="qwen3-32b@h20", policy="remote", namespace=ns,
+                   migration_limit=1, run_dir=str(tmp_path))
+    turns = [(list(range(3, 203)), 400, [])]  # one long round: both kills land in it
+    with Deployment(opts) as dep:
+        tokens, rounds, error = asyncio.run(_killed_session(dep, "limited", turns, (5, 15)))
+        assert error.startswith("UNAVAILABLE: ") and "already moved 1 times" in error, error
+        assert "--migration-limit" in error and 15 <= len(tokens) < 400 and not rounds
+        coord = asyncio.run(_coordinator_metrics(dep.coordinator))
+        assert coord["sessions_moved"] == 1 and coord["sessions_failed"] == 1 and coord["sessions_live"] == 0
+        dep.wait_serving()
+        r = redis.Redis.from_url(dep.redis_url)
+        workers = {"decode-0", "decode-1", "prefill-0"}
+        _wait_registered(r, workers, ns=ns)
+        _nothing_left(r, workers, ns)
 
 
 def test_torch_session_moved_mid_round_gives_the_undisturbed_greedy_tokens(tmp_path):
@@ -262,7 +287,7 @@ def test_torch_session_moved_mid_round_gives_the_undisturbed_greedy_tokens(tmp_p
                    profile="qwen3-32b@h20", namespace="faults-torch", ttft_slo=5.0, itl_slo=1.0,
                    run_dir=str(tmp_path / "run"))
     with Deployment(opts) as dep:
-        plain, _ = asyncio.run(_killed_session(dep, "undisturbed", turns, None))
+        plain, _, _ = asyncio.run(_killed_session(dep, "undisturbed", turns))
         # killed at two points: mid-round 0 (the first worker's), mid-round 1 (a tool result's round);
         # each time with the other decode worker serving (the one killed before is back)
         r = redis.Redis.from_url(dep.redis_url)
@@ -270,7 +295,7 @@ def test_torch_session_moved_mid_round_gives_the_undisturbed_greedy_tokens(tmp_p
         for k in (5, 45):
             dep.wait_serving()
             _wait_registered(r, {"decode-0", "decode-1", "prefill-0"}, ns="faults-torch")
-            moved.append(asyncio.run(_killed_session(dep, f"moved-{k}", turns, k)))
+            moved.append(asyncio.run(_killed_session(dep, f"moved-{k}", turns, (k,)))[:2])
     assert len(plain) == 40 + 30 + 20
     for tokens, rounds in moved:
         assert tokens == plain

@@ -1,0 +1,142 @@
+"""Admission of a new session: the decode worker that takes it, or why it waits, or why it is refused.
+
+Two rules (``ampd.config`` ``admission``; docs/security.md):
+
+- ``kv``: a session is admitted when some decode worker can hold all the KV it may need, net of what
+  is promised to the sessions in flight there (``bind``); otherwise it waits for KV to free.
+- ``slo``: the ``kv`` rule, and the session must be able to meet its SLO on the worker it would get:
+  its predicted TTFT (what it has waited already, plus Eq. (1) on that decode worker or Eq. (2) on the
+  best prefill worker, queues included) within ``TTFT_FRACTION`` of the TTFT SLO, and that decode
+  worker's predicted ITL with one more session within the ITL SLO. A session that cannot is refused
+  at once (waiting only adds to its TTFT: the queue ahead of it drains no faster than it waits), and a
+  session waiting for KV waits no longer than what is left of its TTFT budget.
+
+Pure: no I/O, no clock. The caller passes what the session has waited (``waited_s``) and the workers'
+published views; the coordinator's ``Admission`` is the shell that waits.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from .bind import bind
+from .cost import t_local, t_remote
+from .types import SLO, WorkerView
+
+__all__ = ["ADMISSION_RULES", "REFUSAL_REASONS", "KV_SIZE", "KV_FULL", "QUEUE_FULL", "TTFT", "ITL",
+           "TTFT_FRACTION", "Verdict", "decide", "predicted_itl", "predicted_ttft"]
+
+ADMISSION_RULES = ("kv", "slo")
+
+# Why a session was refused (RESOURCE_EXHAUSTED), the label of the coordinator's refusal counter.
+KV_SIZE = "kv-size"  # it may need more KV than any decode worker holds
+KV_FULL = "kv-full"  # no decode worker had its KV within the admission wait (or the wait is 0)
+QUEUE_FULL = "queue-full"  # admission_queue sessions already wait
+TTFT = "ttft"  # (slo) its predicted TTFT is over the SLO, or would be by the time KV frees
+ITL = "itl"  # (slo) the decode worker's predicted ITL with it is over the SLO
+REFUSAL_REASONS = (KV_SIZE, KV_FULL, QUEUE_FULL, TTFT, ITL)
+
+# The share of the TTFT SLO a new session's predicted TTFT may take: the router's slack factor
+# (Algorithm 1's alpha), leaving room for what the prediction does not see (sessions admitted an
+# instant ago whose prefill is not yet queued, the hops between services).
+TTFT_FRACTION = 0.9
+
+
+class AdmissionCost(Protocol):
+    """What admission needs from the performance model (``ampd.perf.Profile`` satisfies it)."""
+
+    def t_pre(self, tp: int, l_hist: int, l_incr: int) -> float: ...
+
+    def t_kv(self, tokens: int, src_tp: int, dst_tp: int) -> float: ...
+
+    def t_dec(self, tp: int, batch: int, context_tokens: int) -> float: ...
+
+
+@dataclass(slots=True)
+class Verdict:
+    """``worker``: admitted there. Else ``reason`` (one of REFUSAL_REASONS): refused, ``detail`` says
+    why in words. Else it waits, at most ``wait_s`` more seconds before it is judged again (inf: the
+    caller's own admission wait bounds it). ``ttft_s``/``itl_s``: the predictions compared (slo)."""
+
+    worker: str | None = None
+    reason: str = ""
+    detail: str = ""
+    wait_s: float = math.inf
+    ttft_s: float | None = None
+    itl_s: float | None = None
+
+
+def predicted_ttft(cost: AdmissionCost, decode: WorkerView, prefills: Sequence[WorkerView], l_incr: int,
+                   waited_s: float) -> float:
+    """A new session's TTFT if bound to ``decode``: what it waited, plus its first prefill (``l_incr``
+    tokens, no history) on the better of Eq. (1) there and Eq. (2) on each prefill worker, each with
+    its published queue (what the adaptive router compares on its cost rung)."""
+    best = t_local(cost, 0, l_incr, decode.tp, decode.queue_predicted_s)
+    for p in prefills:
+        best = min(best, t_remote(cost, 0, l_incr, decode.tp, p.tp, p.queue_predicted_s))
+    return waited_s + best
+
+
+def predicted_itl(cost: AdmissionCost, decode: WorkerView, sessions: int, context_tokens: int, need: int) -> float:
+    """``decode``'s ITL with one more session: its windowed ITL (the model's step for the batch with
+    it when the window is empty) plus what one more sequence of ``need`` context tokens adds to a
+    step (``t_dec``). ``sessions`` and ``context_tokens``: the sessions admitted there and the KV
+    promised to them, an upper bound of its batch (sessions in tool calls are not decoding)."""
+    after = cost.t_dec(decode.tp, sessions + 1, context_tokens + need)
+    if decode.window_mean_s is None:
+        return after
+    return decode.window_mean_s + after - cost.t_dec(decode.tp, sessions, context_tokens)
+
+
+def decide(rule: str, decode: Sequence[WorkerView], prefills: Sequence[WorkerView], promised: Mapping[str, int],
+           sessions: Mapping[str, int], need: int, l_incr: int, waited_s: float, cost: AdmissionCost | None,
+           slo: SLO | None) -> Verdict:
+    """Admit, refuse or wait, for a session that may need ``need`` KV tokens and whose first prefill
+    has ``l_incr`` tokens, having waited ``waited_s`` seconds. ``decode``: the live decode workers,
+    ``kv_free_tokens`` being each one's capacity; ``promised``/``sessions``: per decode worker, the
+    KV promised to and the number of the sessions admitted there. ``cost`` and ``slo`` are needed by
+    the ``slo`` rule only. Raises ValueError on an unknown rule or an empty ``decode``."""
+    if rule not in ADMISSION_RULES:
+        raise ValueError(f"admission rule must be one of {', '.join(ADMISSION_RULES)}, got {rule!r}")
+    if not decode:
+        raise ValueError("admission: no decode worker")
+    biggest = max(w.kv_free_tokens for w in decode)
+    if need > biggest:
+        return Verdict(reason=KV_SIZE, detail=f"the session may need {need} KV tokens, more than any decode "
+                                              f"worker holds ({biggest})")
+    if rule == "kv":
+        chosen = bind(decode, promised, need)
+        return Verdict(worker=chosen) if chosen is not None else Verdict()
+    if cost is None or slo is None:
+        raise ValueError("admission rule 'slo' needs the cost model and the SLO")
+    limit = TTFT_FRACTION * slo.ttft_s
+    # the workers with room, in bind's order (most KV left first, ties to the lowest id)
+    room = sorted((w for w in decode if w.kv_free_tokens - promised.get(w.worker_id, 0) >= need),
+                  key=lambda w: (-(w.kv_free_tokens - promised.get(w.worker_id, 0)), w.worker_id))
+    if not room:  # wait for KV, as long as the TTFT budget lasts on the best worker
+        ttft = min(predicted_ttft(cost, w, prefills, l_incr, waited_s) for w in decode)
+        if ttft > limit:
+            return Verdict(reason=TTFT, ttft_s=ttft,
+                           detail=f"no decode worker has KV for {need} tokens, and after {waited_s:.2f} s of "
+                                  f"waiting the predicted TTFT {ttft:.2f} s is over {limit:.2f} s "
+                                  f"({TTFT_FRACTION:g} of the TTFT SLO)")
+        return Verdict(wait_s=limit - ttft, ttft_s=ttft)
+    first: Verdict | None = None
+    for w in room:
+        ttft = predicted_ttft(cost, w, prefills, l_incr, waited_s)
+        itl = predicted_itl(cost, w, sessions.get(w.worker_id, 0), promised.get(w.worker_id, 0), need)
+        if ttft <= limit and itl <= slo.itl_s:
+            return Verdict(worker=w.worker_id, ttft_s=ttft, itl_s=itl)
+        if first is None:
+            if ttft > limit:
+                first = Verdict(reason=TTFT, ttft_s=ttft, itl_s=itl,
+                                detail=f"predicted TTFT {ttft:.2f} s on {w.worker_id} (after {waited_s:.2f} s "
+                                       f"of waiting, prefill queues included) is over {limit:.2f} s "
+                                       f"({TTFT_FRACTION:g} of the TTFT SLO)")
+            else:
+                first = Verdict(reason=ITL, ttft_s=ttft, itl_s=itl,
+                                detail=f"predicted ITL {itl * 1e3:.1f} ms on {w.worker_id} with one more "
+                                       f"session is over the ITL SLO {slo.itl_s * 1e3:.1f} ms")
+    return first

@@ -1,0 +1,106 @@
+"""Admission rules (ampd.policy.admit): kv is bind's rule; slo also refuses a session that would miss
+its TTFT or ITL SLO, at once, and bounds a wait for KV by what is left of its TTFT budget."""
+
+import math
+
+import pytest
+
+from ampd.perf import load_profile
+from ampd.policy import SLO, WorkerView, bind
+from ampd.policy.admit import (ITL, KV_SIZE, TTFT, TTFT_FRACTION, decide, predicted_itl, predicted_ttft)
+
+COST = load_profile("qwen3-32b@h20")
+SLO_ = SLO(2.0, 0.1)
+PROMPT = 3000  # a 3,000-token first prefill: ~0.30 s at tp8
+
+
+def dw(wid, cap, queue_s=0.0, itl=None):
+    return WorkerView(wid, "decode", 8, itl, (), cap, queue_s)
+
+
+def pw(wid, queue_s):
+    return WorkerView(wid, "prefill", 8, None, (), 0, queue_s)
+
+
+def slo(decode, prefills=(), promised=None, sessions=None, need=1000, waited=0.0):
+    return decide("slo", decode, prefills, promised or {}, sessions or {}, need, PROMPT, waited, COST, SLO_)
+
+
+def test_kv_rule_is_bind():
+    ws = [dw("d0", 4000), dw("d1", 4000)]
+    promised = {"d0": 1000}
+    v = decide("kv", ws, (), promised, {}, 2000, PROMPT, 99.0, None, None)  # no SLO: waiting does not matter
+    assert v.worker == bind(ws, promised, 2000) == "d1" and not v.reason
+    v = decide("kv", ws, (), {"d0": 3000, "d1": 3000}, {}, 2000, PROMPT, 0.0, None, None)
+    assert v.worker is None and not v.reason and v.wait_s == math.inf  # it waits for KV
+
+
+def test_too_large_is_refused_by_either_rule():
+    for rule in ("kv", "slo"):
+        v = decide(rule, [dw("d0", 4000)], (), {}, {}, 5000, PROMPT, 0.0, COST, SLO_)
+        assert v.reason == KV_SIZE and "more than any decode worker holds (4000)" in v.detail
+
+
+def test_slo_admits_where_the_kv_rule_would_when_queues_are_short():
+    ws = [dw("d0", 4000), dw("d1", 4000)]
+    v = slo(ws, [pw("p0", 0.0)], promised={"d0": 500})
+    assert v.worker == "d1" and v.ttft_s == pytest.approx(COST.t_pre(8, 0, PROMPT))  # local: no KV moves
+
+
+def test_ttft_counts_the_best_route_and_what_was_waited():
+    d = dw("d0", 4000, queue_s=1.0)
+    local = COST.t_pre(8, 0, PROMPT) + 1.0
+    remote = COST.t_pre(8, 0, PROMPT) + COST.t_kv(PROMPT, 8, 8) + 0.5
+    assert predicted_ttft(COST, d, [pw("p0", 0.5), pw("p1", 3.0)], PROMPT, 0.25) == pytest.approx(0.25 + remote)
+    assert predicted_ttft(COST, d, [pw("p0", 5.0)], PROMPT, 0.25) == pytest.approx(0.25 + local)
+    assert predicted_ttft(COST, d, [], PROMPT, 0.0) == pytest.approx(local)
+
+
+def test_long_prefill_queues_refuse_at_once():
+    ws = [dw("d0", 4000, queue_s=2.0), dw("d1", 4000, queue_s=2.0)]
+    v = slo(ws, [pw("p0", 1.7)])
+    assert v.worker is None and v.reason == TTFT and v.ttft_s > TTFT_FRACTION * SLO_.ttft_s
+    assert "predicted TTFT" in v.detail
+    # the same queues with a short prefill queue on one route: admitted
+    assert slo(ws, [pw("p0", 0.5)]).worker == "d0"
+
+
+def test_time_already_waited_counts():
+    ws = [dw("d0", 4000)]
+    assert slo(ws, [pw("p0", 0.0)], waited=1.0).worker == "d0"
+    assert slo(ws, [pw("p0", 0.0)], waited=1.6).reason == TTFT  # 1.6 + 0.31 > 0.9 * 2
+
+
+def test_a_wait_for_kv_lasts_no_longer_than_the_ttft_budget():
+    ws = [dw("d0", 4000, queue_s=1.0)]  # its local queue is longer: the best route is remote
+    full = {"d0": 3500}
+    v = slo(ws, [pw("p0", 0.5)], promised=full, waited=0.2)
+    route = COST.t_pre(8, 0, PROMPT) + COST.t_kv(PROMPT, 8, 8) + 0.5
+    assert v.worker is None and not v.reason
+    assert v.wait_s == pytest.approx(TTFT_FRACTION * SLO_.ttft_s - 0.2 - route)
+    # once that budget is spent, it is refused rather than admitted late
+    v = slo(ws, [pw("p0", 0.5)], promised=full, waited=0.2 + v.wait_s + 0.01)
+    assert v.reason == TTFT and "no decode worker has KV" in v.detail
+
+
+def test_itl_over_the_slo_moves_to_the_next_worker_or_refuses():
+    busy, calm = dw("d0", 8000, itl=0.2), dw("d1", 4000, itl=0.01)
+    assert slo([busy, calm], [pw("p0", 0.0)]).worker == "d1"  # d0 has more KV but would miss ITL
+    v = slo([busy], [pw("p0", 0.0)])
+    assert v.reason == ITL and "ITL" in v.detail
+
+
+def test_predicted_itl_adds_one_sequence_to_the_step():
+    d = dw("d0", 4000, itl=0.05)
+    step = COST.t_dec(8, 4, 9000) - COST.t_dec(8, 3, 8000)
+    assert predicted_itl(COST, d, 3, 8000, 1000) == pytest.approx(0.05 + step)
+    assert predicted_itl(COST, dw("d0", 4000), 0, 0, 1000) == pytest.approx(COST.t_dec(8, 1, 1000))
+
+
+def test_bad_calls_raise():
+    with pytest.raises(ValueError, match="admission rule must be one of kv, slo"):
+        decide("fast", [dw("d0", 1)], (), {}, {}, 0, 0, 0.0, None, None)
+    with pytest.raises(ValueError, match="no decode worker"):
+        decide("kv", [], (), {}, {}, 0, 0, 0.0, None, None)
+    with pytest.raises(ValueError, match="needs the cost model"):
+        decide("slo", [dw("d0", 1)], (), {}, {}, 0, 0, 0.0, None, None)
