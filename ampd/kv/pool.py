@@ -213,7 +213,10 @@ class KVPool:
                 raise ValueError(f"free: block {b} is not allocated (double free)")
             seen.add(b)
         self._used[blocks] = False
-        self._free.extend(blocks)
+        # Reversed onto the stack, so that the next alloc hands them out in the order they had:
+        # a session's blocks stay in ascending runs, which pair_ranges merges into few NIXL
+        # descriptors (each costs ~10 us of a transfer; in descending order none merge).
+        self._free.extend(reversed(blocks))
 
     def is_allocated(self, block: int) -> bool:
         return bool(self._used[block])

@@ -327,7 +327,6 @@ class SessionRun:
         decide_ms = (time.perf_counter() - t0) * 1e3
         svc.route_read_ms_total += view.read_s * 1e3
         svc.counters[f"route_{decision.reason}"] += 1
-        svc.record(sid, {"round": need.round, "route": decision.reason, "prefill_worker": decision.target})
         if not decision.local:
             target = svc.cluster.infos.get(decision.target)
             try:
@@ -350,6 +349,8 @@ class SessionRun:
         if decision.local:
             await self._local(need.round, decision.reason)
         self.routes[need.round] = (decision.target, decision.reason, decision.local)
+        # the record after the prefill's request: its Redis write would run first and delay it
+        svc.record(sid, {"round": need.round, "route": decision.reason, "prefill_worker": decision.target})
         log.info("route", session=sid, round=need.round, target=decision.target, local=decision.local,
                  reason=decision.reason, decide_ms=round(decide_ms, 3),
                  **{k: round(v, 4) for k, v in decision.estimates.items()})

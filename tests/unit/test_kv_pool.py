@@ -224,3 +224,12 @@ def test_pair_ranges_errors_and_empty():
         pair_ranges(la, [Segment(0, 3, 2)], la, [Segment(0, 0, 2)])
     with pytest.raises(ValueError, match="bytes_per_token"):
         pair_ranges(la, [Segment(0, 0, 1)], PoolLayout(0, 4, 4, 3), [Segment(0, 0, 1)])
+
+
+def test_freed_blocks_come_back_in_ascending_runs():
+    # a session's blocks in ascending order make few NIXL descriptors (pair_ranges merges runs)
+    pool = KVPool(8, 2, 8)
+    a = pool.alloc(5)
+    assert a == [0, 1, 2, 3, 4]
+    pool.free(a)
+    assert pool.alloc(5) == [0, 1, 2, 3, 4]
