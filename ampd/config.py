@@ -104,6 +104,12 @@ class PolicyConfig:
                                      "task computes (the paper's section 6 overlap)")
     kv_admission: str = setting("wait", "when a decode worker's KV pool is full: 'wait' queues the round until "
                                         "KV frees, 'fail' fails the session", choices=KV_ADMISSION)
+    # Off by default: a victim's next round prefills its whole history again, and the shipped
+    # results (the paper's model: a session's KV stays on its decode worker for its whole life) assume
+    # no eviction; docs/architecture.md "KV eviction".
+    kv_evict: bool = setting(False, "a decode worker whose KV pool is full evicts the KV of sessions idle in tool "
+                                    "calls (least recently used first) before a round waits or fails; their next "
+                                    "round prefills the whole history again")
     seed: int = setting(0, "seed of the router's random visiting order", metavar="K")
     alpha: float = setting(ALPHA, "Algorithm 1 TTFT slack factor (alpha * TTFT SLO)", positive=True)
     beta: float = setting(BETA, "Algorithm 1 ITL slack factor (beta * ITL SLO)", positive=True)
@@ -277,7 +283,7 @@ SERVICE_SETTINGS: dict[str, tuple[str, ...]] = {
                     "slack", "seed", "alpha", "beta", "threshold_tokens", "stats_mode", "migration_limit",
                     "admission_wait", "admission_queue", "admission", "auth_token"),
     "prefill": _WORKER,
-    "decode": (*_WORKER, "sidecar", "chunked_prefill"),
+    "decode": (*_WORKER, "sidecar", "chunked_prefill", "kv_evict"),
     "sidecar": ("host", "port", "metrics_port", "name", "tool", "ready_file", "auth_token"),
     "planner": ("host", "port", "metrics_port", "ready_file", "profiles_dir", "auth_token"),
     # The front serves /metrics on its own HTTP port (`port`), beside the API.

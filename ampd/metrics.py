@@ -97,6 +97,10 @@ DECODE = (
     _one("tool_calls", "counter", "tool_calls", "tool calls issued at round ends"),
     _one("kv_waits", "counter", "kv_waits", "rounds that waited for KV to free (--kv-admission wait)"),
     _one("kv_overcommits", "counter", "kv_overcommits", "rounds admitted over KV capacity (no-deadlock rule)"),
+    _one("kv_evictions", "counter", "kv_evictions", "idle sessions whose KV was evicted for a round that needed "
+         "the room (--kv-evict)"),
+    _one("kv_recomputed_tokens", "counter", "kv_recomputed_tokens", "history tokens prefilled again after an "
+         "eviction"),
 )
 PREFILL = (
     *WORKER,

@@ -60,6 +60,7 @@ class WorkerConfig:
     kv_admission: str  # "wait" | "fail"
     model: str = ""  # a real engine's model (ampd.config)
     chunked_prefill: bool = False  # decode workers only
+    kv_evict: bool = False  # decode workers only
     sidecar: str = ""  # decode workers only
 
 
@@ -284,6 +285,7 @@ def config_from_args(args, kind: str, port: int) -> WorkerConfig:
         kv_overlap=args.kv_overlap,
         kv_admission=args.kv_admission,
         chunked_prefill=getattr(args, "chunked_prefill", False),
+        kv_evict=getattr(args, "kv_evict", False),
         sidecar=getattr(args, "sidecar", ""),
     )
 

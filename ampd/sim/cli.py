@@ -60,6 +60,7 @@ def run(args) -> int:
                       window_s=args.stats_window, kv_contention=args.kv_contention,
                       reorder_window=args.reorder_window, chunked_prefill=args.chunked_prefill,
                       kv_overlap=args.kv_overlap, kv_admission=args.kv_admission,
+                      kv_evict=args.kv_evict,
                       router_options=router, path=path)
     try:
         sim = Simulator(cfg)

@@ -73,7 +73,8 @@ class SimConfig:
     ``chunked_prefill``: local prefills in chunks interleaved with decode steps (beyond the paper).
     ``kv_contention``: KV transfers share each worker's NIC (one at a time per NIC).
     ``kv_admission``: what a round whose new KV does not fit does, ``"wait"`` or ``"fail"``
-    (``ampd.worker.DecodeCore``). ``kv_overlap``: a prefill worker reads the next task's history KV
+    (``ampd.worker.DecodeCore``). ``kv_evict``: a round whose KV does not fit first evicts the KV of
+    sessions idle in tool calls, least recently used first. ``kv_overlap``: a prefill worker reads the next task's history KV
     while the current one computes (the paper's section 6; ``ampd.worker.PrefillCore``).
     ``router_options``: keywords for ``ampd.policy.make_router`` (alpha, beta, slack, ...)."""
 
@@ -89,6 +90,7 @@ class SimConfig:
     reorder_window: int = 3
     chunked_prefill: bool = False
     kv_admission: str = "wait"
+    kv_evict: bool = False
     kv_overlap: bool = True
     router_options: dict = field(default_factory=dict)
     path: PathLatency = field(default_factory=PathLatency)  # live control-path latencies (default none)

@@ -152,7 +152,7 @@ class Simulator:
             _Decode(i, f"decode-{i}", tp, prof, make_queue(spec.decode_queue, prof, slo, tp, window=rw),
                     kv_capacity_tokens=int(prof.kv_capacity_tokens(tp)), window_s=w,
                     chunk_tokens=int(prof.prefill_chunk_tokens(tp)) if cfg.chunked_prefill else 0,
-                    kv_admission=cfg.kv_admission)
+                    kv_admission=cfg.kv_admission, kv_evict=cfg.kv_evict)
             for i, tp in enumerate(expand_spec(dec_groups))
         ]
         self.prefills = [
@@ -173,7 +173,7 @@ class _Run:
     """One simulation run: the event heap, the sessions in flight and the handlers."""
 
     __slots__ = ("sim", "heap", "seq", "live", "outcomes", "reasons", "n_local", "n_remote", "n_failed",
-                 "decodes", "prefills", "by_id", "router", "pviews_static", "pin_ttl", "open_s", "dispatch_s",
+                 "decodes", "prefills", "by_id", "router", "pviews_static", "pin_ttl", "kv_evict", "open_s", "dispatch_s",
                  "handoff_s", "tool_rpc_s", "busy_extra", "contention", "dispatch")
 
     def __init__(self, sim: Simulator):
@@ -191,6 +191,7 @@ class _Run:
         self.router = sim.router
         self.pviews_static = not sim.prefills
         self.pin_ttl = sim.kv_pin_ttl_s
+        self.kv_evict = cfg.kv_evict
         path = cfg.path or PathLatency()
         self.open_s, self.dispatch_s, self.handoff_s = path.open_s, path.dispatch_s, path.handoff_s
         self.tool_rpc_s, self.busy_extra = path.tool_s, path.prefill_busy_s
@@ -307,9 +308,12 @@ class _Run:
             st.round += 1
             self.seq += 1
             heappush(self.heap, (now + tool, self.seq, _ROUND_READY, st))
-            if self.pin_ttl is not None and tool > self.pin_ttl:
-                d.tool_call(st)
-                self.push(now + self.pin_ttl, _PIN_EXPIRED, st)
+            if self.pin_ttl is not None:
+                if tool > self.pin_ttl:  # the policy pins the KV for its TTL (kv_evict or not)
+                    d.tool_call(st, pin=True)
+                    self.push(now + self.pin_ttl, _PIN_EXPIRED, st)
+            elif self.kv_evict and d.tool_call(st):
+                self.drain(d, now)
         else:
             st.rec.completed = True
             st.rec.end = now
@@ -526,6 +530,8 @@ class _Run:
         }
         if sim.cfg.kv_admission == "fail":
             stats["kv_failed_sessions"] = self.n_failed
+        if sim.cfg.kv_evict:
+            stats["kv_recomputed_tokens"] = sum(d.kv_recomputed_tokens for d in decodes)
         return SimResult(sim.cfg.policy, self.outcomes, [d.log for d in decodes], now, stats,
                          [d.worker_id for d in decodes])
 
@@ -533,12 +539,13 @@ class _Run:
 def simulate(sessions, profile, *, policy: str, prefill="none", decode="tp1*1",
              ttft_slo_s: float = 1.0, itl_slo_s: float = 0.1, seed: int = 0, window_s: float = 10.0,
              kv_contention: bool = False, reorder_window: int = 3, chunked_prefill: bool = False,
-             kv_admission: str = "wait", kv_overlap: bool = True,
+             kv_admission: str = "wait", kv_evict: bool = False, kv_overlap: bool = True,
              path: PathLatency | None = None, **router_options) -> SimResult:
     """Run ``sessions`` (``ampd.workload.Session``s) on a deployment; see ``SimConfig``."""
     cfg = SimConfig(profile=profile, policy=policy, prefill=prefill, decode=decode,
                     ttft_slo_s=ttft_slo_s, itl_slo_s=itl_slo_s, seed=seed, window_s=window_s,
                     kv_contention=kv_contention, reorder_window=reorder_window,
-                    chunked_prefill=chunked_prefill, kv_admission=kv_admission, kv_overlap=kv_overlap,
+                    chunked_prefill=chunked_prefill, kv_admission=kv_admission, kv_evict=kv_evict,
+                    kv_overlap=kv_overlap,
                     router_options=router_options, path=path or PathLatency())
     return Simulator(cfg).run(list(sessions))

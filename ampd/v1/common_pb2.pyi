@@ -91,7 +91,7 @@ class OpenSession(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., limits: _Optional[_Union[SessionLimits, _Mapping]] = ..., turn: _Optional[_Union[Turn, _Mapping]] = ...) -> None: ...
 
 class RoundTiming(_message.Message):
-    __slots__ = ("round", "input_ready", "first_token", "last_token", "tokens", "local", "prefill_worker", "route_reason", "l_hist", "l_incr", "finish_reason", "recovered")
+    __slots__ = ("round", "input_ready", "first_token", "last_token", "tokens", "local", "prefill_worker", "route_reason", "l_hist", "l_incr", "finish_reason", "recovered", "kv_recomputed_tokens")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     INPUT_READY_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,7 @@ class RoundTiming(_message.Message):
     L_INCR_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     RECOVERED_FIELD_NUMBER: _ClassVar[int]
+    KV_RECOMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     round: int
     input_ready: float
     first_token: float
@@ -116,7 +117,8 @@ class RoundTiming(_message.Message):
     l_incr: int
     finish_reason: str
     recovered: bool
-    def __init__(self, round: _Optional[int] = ..., input_ready: _Optional[float] = ..., first_token: _Optional[float] = ..., last_token: _Optional[float] = ..., tokens: _Optional[int] = ..., local: _Optional[bool] = ..., prefill_worker: _Optional[str] = ..., route_reason: _Optional[str] = ..., l_hist: _Optional[int] = ..., l_incr: _Optional[int] = ..., finish_reason: _Optional[str] = ..., recovered: _Optional[bool] = ...) -> None: ...
+    kv_recomputed_tokens: int
+    def __init__(self, round: _Optional[int] = ..., input_ready: _Optional[float] = ..., first_token: _Optional[float] = ..., last_token: _Optional[float] = ..., tokens: _Optional[int] = ..., local: _Optional[bool] = ..., prefill_worker: _Optional[str] = ..., route_reason: _Optional[str] = ..., l_hist: _Optional[int] = ..., l_incr: _Optional[int] = ..., finish_reason: _Optional[str] = ..., recovered: _Optional[bool] = ..., kv_recomputed_tokens: _Optional[int] = ...) -> None: ...
 
 class Tokens(_message.Message):
     __slots__ = ("round", "position", "token_ids", "times")

@@ -6,7 +6,11 @@ feeds it events and runs what it says::
 
     core.round_ready(s, now)   -> ADMITTED | WAITING | FAILED   a round's input is ready: KV admission
     core.admit_next(now)       -> DecodeSession | None   a waiting round whose KV now fits (loop on it
-                                                      after WAITING, round_end(last) and pin_expired)
+                                                      after WAITING, round_end(last), a True
+                                                      tool_call and pin_expired)
+    core.victims               list[DecodeSession]   whose KV the last admission evicted (kv_evict):
+                                                      a live driver frees their blocks
+    core.make_room(tokens)     -> bool               live: evict idle KV until ``tokens`` fit
     core.submit_local(task)                           a prefill routed to this worker (its local queue)
     core.schedule(now)         -> LocalPrefill | DecodeRun | None   when idle: what runs next
     core.prefill_done(now)     -> DecodeSession | None   the prefill (or chunk) ended; a session whose
@@ -18,6 +22,9 @@ feeds it events and runs what it says::
                                                       boundary (the new end time, or None)
     core.stop_early(s, tokens)                        live: a round ended before its planned length
     core.round_end(s, last)                           account the round's KV (release on the last)
+    core.tool_call(s, pin)     -> bool               between rounds: the session waits for a tool
+                                                      result (or its next turn); True: it is evictable
+                                                      and rounds wait (loop on admit_next)
     core.rewind(s, tokens)                            between rounds: the history shrinks (an edit)
     core.pin_expired(s)        -> bool               a pinned session's KV may be evicted
     core.view(now)             -> WorkerView
@@ -40,15 +47,20 @@ not fit waits until KV frees; the next rounds of running sessions go before new 
 every running session on the worker waits (nobody will free any), the first goes ahead over capacity
 rather than deadlock (counted in ``kv_overcommits``). ``"fail"``: the round's session fails ("KV
 exhausted") and releases its KV. Decode tokens are charged as they are made (one per step per
-session; one for the round's first token) and never refused. A session in a tool call whose KV pin
-expired (Continuum) is evicted when a waiting round needs the room; its next round re-prefills its
-whole context.
+session; one for the round's first token) and never refused.
+
+Eviction: a session idle between rounds (in a tool call, or waiting for its client's next turn) is
+*evictable* at once with ``kv_evict``, or once its KV pin expires (Continuum's TTL, ``pin_expired``).
+A round whose KV does not fit first evicts evictable sessions, least recently used first (the one
+whose tool call began longest ago), until it fits; only then does it wait or fail. An evicted
+session's next round prefills its whole context again (``l_hist`` 0; ``kv_recomputed_tokens`` counts those
+history tokens). docs/architecture.md "KV eviction" says why this victim order.
 """
 from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from ampd.policy.reorder import PrefillQueue
@@ -172,12 +184,13 @@ class DecodeCore(CachedWindowMean):
                  "last_end", "step_new", "step_ft", "run_t0", "run_A", "run_g", "run_m", "run_ver",
                  "run_flushed", "run_cut", "kv_cap", "kv_used", "live", "kv_wait", "new_wait", "wait_need",
                  "evictable", "window", "busy_s", "in_prefill", "chunk", "chunk_step_due", "busy_until",
-                 "kv_overcommits", "kv_evictions", "qver", "qlen",
+                 "kv_overcommits", "kv_evictions", "kv_evict", "kv_recomputed_tokens", "victims", "evictable_kv",
+                 "qver", "qlen",
                  "wadds", "m_adds", "m_t0", "m_mean", "vq_ver", "vq", "vpred", "view_", "v_mean", "v_free")
 
     def __init__(self, worker_id: str, tp: int, cost: CostModel, queue: PrefillQueue, *,
                  kv_capacity_tokens: int, window_s: float = 10.0, chunk_tokens: int = 0,
-                 kv_admission: str = "wait"):
+                 kv_admission: str = "wait", kv_evict: bool = False):
         if kv_admission not in KV_ADMISSION:
             raise ValueError(f"kv_admission must be one of {', '.join(KV_ADMISSION)}, got {kv_admission!r}")
         self.worker_id = worker_id
@@ -211,7 +224,12 @@ class DecodeCore(CachedWindowMean):
         self.kv_wait: deque[DecodeSession] = deque()  # next rounds of running sessions waiting for KV
         self.new_wait: deque[DecodeSession] = deque()  # new sessions whose first round waits for KV
         self.wait_need = 0  # KV tokens the waiting rounds need
-        self.evictable: deque[DecodeSession] = deque()  # sessions in a tool call whose KV pin expired
+        # sessions idle between rounds whose KV may be evicted, least recently used first (the order
+        # they became evictable in); a session leaves it when its next round is ready or it ends
+        self.evictable: OrderedDict[DecodeSession, None] = OrderedDict()
+        self.evictable_kv = 0  # KV tokens they hold
+        self.kv_evict = kv_evict  # idle sessions are evictable from the start of their tool call
+        self.victims: list[DecodeSession] = []  # evicted by the last admission (the driver frees them)
         self.window = WindowedMean(window_s)
         self.busy_s = 0.0
         self.in_prefill: DecodeSession | None = None  # the (unchunked) local prefill in service
@@ -220,6 +238,7 @@ class DecodeCore(CachedWindowMean):
         self.busy_until = 0.0  # predicted end of the local prefill in service (counts as queued work)
         self.kv_overcommits = 0
         self.kv_evictions = 0
+        self.kv_recomputed_tokens = 0  # history tokens prefilled again after an eviction
         self.qver = 0  # pushes + pops of the queue (the view's queue copy is rebuilt when it moves)
         self.qlen = 0
         self.wadds = 0  # window.add calls (the cached mean holds while none was added or expired)
@@ -238,9 +257,12 @@ class DecodeCore(CachedWindowMean):
         """A round's input is ready (``s.round``, ``s.l_incr``, ``s.out`` set): reserve its KV.
         ADMITTED: route it now. WAITING: it waits (then loop on ``admit_next``). FAILED: the session
         failed (``s.error``) and released its KV."""
-        s.in_tool = False
+        if s.in_tool:
+            s.in_tool = False
+            self._not_evictable(s)
         if s.evicted:
             s.evicted = False
+            self.kv_recomputed_tokens += s.l_hist
             s.l_incr += s.l_hist
             s.l_hist = 0
         need = s.l_incr
@@ -251,14 +273,15 @@ class DecodeCore(CachedWindowMean):
                 self.live += 1
                 self.sessions[s.session_id] = s
         elif s.session_id not in self.sessions:
-            # a new session starts only when its first input fits; running sessions go first
-            if self.kv_wait or self.new_wait or self.kv_cap - self.kv_used < need:
+            # a new session starts only when its first input fits (after evictions); running sessions
+            # go first
+            if self.kv_wait or self.new_wait or (self.kv_cap - self.kv_used < need and not self._make_room(need)):
                 self.new_wait.append(s)
                 self.wait_need += need
                 return WAITING
             self.live += 1
             self.sessions[s.session_id] = s
-        elif self.kv_wait or self.kv_cap - self.kv_used < need:
+        elif self.kv_wait or (self.kv_cap - self.kv_used < need and not self._make_room(need)):
             self.kv_wait.append(s)
             self.wait_need += need
             return WAITING
@@ -305,16 +328,40 @@ class DecodeCore(CachedWindowMean):
         return None
 
     def _make_room(self, need: int) -> bool:
+        if self.victims:
+            self.victims.clear()
+        if self.kv_cap - self.kv_used + self.evictable_kv < need and self.kv_evict:
+            # evicting every idle session would not make the room: none loses its KV (vLLM's block
+            # allocator checks the same before it evicts cached blocks). Without kv_evict (the
+            # simulator's Continuum pins alone) expired pins go anyway, as they always have there:
+            # its shipped results stay comparable.
+            return False
         ev = self.evictable
         while ev and self.kv_cap - self.kv_used < need:
-            # Continuum: a session whose KV pin expired during its tool call loses its KV
-            # (its next round re-prefills the whole context)
-            v = ev.popleft()
-            if v.in_tool and not v.evicted:
-                v.evicted = True
-                self.kv_used -= v.l_hist
-                self.kv_evictions += 1
+            # the least recently used idle session loses its KV (its next round re-prefills the
+            # whole context)
+            v = ev.popitem(last=False)[0]
+            v.evicted = True
+            self.kv_used -= v.l_hist
+            self.evictable_kv -= v.l_hist
+            self.kv_evictions += 1
+            self.victims.append(v)
         return self.kv_cap - self.kv_used >= need
+
+    def _evictable(self, s: DecodeSession) -> None:
+        if s not in self.evictable:
+            self.evictable[s] = None
+            self.evictable_kv += s.l_hist
+
+    def _not_evictable(self, s: DecodeSession) -> None:
+        if self.evictable.pop(s, 0) is None:
+            self.evictable_kv -= s.l_hist
+
+    def make_room(self, tokens: int) -> bool:
+        """Live: evict idle sessions (``victims``) until ``tokens`` more fit; False when they do not.
+        A driver whose pool frees a victim's blocks, not the tokens the core charged it, calls it
+        right before reserving, with its capacity set to the pool's real free space."""
+        return self._make_room(tokens)
 
     def round_end(self, s: DecodeSession, last: bool) -> None:
         """The round's last token is made: its input and output join the session's history; the
@@ -325,9 +372,15 @@ class DecodeCore(CachedWindowMean):
             self.live -= 1
             del self.sessions[s.session_id]
 
-    def tool_call(self, s: DecodeSession) -> None:
-        """The session waits for a tool result with its KV pinned (Continuum's TTL starts)."""
+    def tool_call(self, s: DecodeSession, pin: bool = False) -> bool:
+        """The session waits for a tool result (or its client's next turn). ``pin``: its KV stays
+        pinned until ``pin_expired`` (Continuum's TTL starts); else with ``kv_evict`` it is evictable
+        now. True when it is and a round waits for KV (loop on ``admit_next``)."""
         s.in_tool = True
+        if self.kv_evict and not pin and not s.evicted:
+            self._evictable(s)
+            return bool(self.kv_wait or self.new_wait)
+        return False
 
     def rewind(self, s: DecodeSession, tokens: int) -> None:
         """Between rounds: the session keeps only ``tokens`` of its history (an edited conversation);
@@ -338,13 +391,15 @@ class DecodeCore(CachedWindowMean):
         if drop > 0:
             if not s.evicted:
                 self.kv_used -= drop
+                if s in self.evictable:
+                    self.evictable_kv -= drop
             s.l_hist = tokens
 
     def pin_expired(self, s: DecodeSession) -> bool:
         """The session's KV pin expired during its tool call: its KV may be evicted. True when a
         waiting round may now fit (loop on ``admit_next``)."""
         if s.in_tool and not s.evicted:
-            self.evictable.append(s)
+            self._evictable(s)
             return bool(self.kv_wait or self.new_wait)
         return False
 
@@ -577,7 +632,9 @@ class DecodeCore(CachedWindowMean):
         between runs, never while a decode run that holds ``s`` is in progress. True when KV was
         freed (then loop on ``admit_next``)."""
         in_round = not s.in_tool  # between rounds (a tool call), round_end has charged its round
-        s.in_tool = False  # an expired pin must not be evicted any more
+        if s.in_tool:
+            s.in_tool = False
+            self._not_evictable(s)  # it must not be evicted any more
         for w in (self.new_wait, self.kv_wait):
             if s in w:
                 w.remove(s)

@@ -161,7 +161,8 @@ async def amain(args: argparse.Namespace) -> None:
     sidecar = sidecar_pb2_grpc.ToolSidecarStub(grpcserver.channel(cfg.sidecar)) if cfg.sidecar else None
     chunk = profile.prefill_chunk_tokens(cfg.tp) if cfg.chunked_prefill else 0
     core = DecodeCore(cfg.worker_id, cfg.tp, profile, queue, kv_capacity_tokens=rt.pool.capacity_tokens,
-                      window_s=cfg.window_s, chunk_tokens=chunk, kv_admission=cfg.kv_admission)
+                      window_s=cfg.window_s, chunk_tokens=chunk, kv_admission=cfg.kv_admission,
+                      kv_evict=cfg.kv_evict)
     service.core = DecodeWorker(rt, engine, core, sidecar, chat_format(cfg))
     service.core.start()
     await rt.start(sidecar=cfg.sidecar)

@@ -96,6 +96,7 @@ class Session:
     stops: StopChecker | None = None  # the round's text and stop strings (engines with a tokenizer)
     recovering: bool = False  # moved here from a lost worker: its first round here is marked recovered
     carried: int = 0  # output tokens of the first round here that the lost worker already made
+    recompute: int = 0  # KV tokens an eviction took (--kv-evict): the next round prefills them again
     closing: bool = False  # Close received: end after the turn
     closed: bool = False
 
@@ -163,7 +164,7 @@ class DecodeWorker:
             "prefills_local": 0, "prefills_remote": 0, "decode_steps": 0, "tokens": 0,
             "kv_bytes_verified": 0, "kv_bytes_mismatched": 0, "tool_calls": 0, "prefill_chunks": 0,
             "kv_waits": 0, "prefills_rerouted": 0, "local_prefill_tokens": 0, "sessions_resumed": 0,
-            "kv_held_for_remote": 0,
+            "kv_held_for_remote": 0, "kv_evictions": 0, "kv_recomputed_tokens": 0,
         }
         self._tasks: list[asyncio.Task] = []
         # A real engine attends to the history in the pool; the mock needs none (and its KV is checkable).
@@ -297,6 +298,7 @@ class DecodeWorker:
         bt = self.rt.pool.block_tokens
         self._sync_kv(room=len(s.kv.blocks) * bt - s.kv.tokens)
         r = self.core.round_ready(c, time.time())
+        self._free_evicted()
         if r == FAILED:
             self.fail(s, c.error)
         elif r == ADMITTED:
@@ -311,6 +313,8 @@ class DecodeWorker:
         s.l_hist = s.kv.tokens
         s.l_incr = len(s.tokens) - s.l_hist
         s.prefilled = 0
+        if self.core.kv_evict:
+            self._room_for(s)
         try:
             s.dest = s.kv.reserve(self.rt.pool, s.l_incr)
         except KVPoolExhausted as exc:
@@ -318,8 +322,9 @@ class DecodeWorker:
             return
         self.rt.changed()
         s.timing = common_pb2.RoundTiming(round=rnd, input_ready=s.input_ready, l_hist=s.l_hist, l_incr=s.l_incr,
-                                          recovered=s.recovering)
-        s.recovering = False
+                                          recovered=s.recovering, kv_recomputed_tokens=s.recompute)
+        self.metrics["kv_recomputed_tokens"] += s.recompute
+        s.recovering, s.recompute = False, 0
         task = common_pb2.PrefillTask(
             session_id=s.session_id, round=rnd, l_hist=s.l_hist, l_incr=s.l_incr, input_ready=s.input_ready,
             decode_worker=self.rt.cfg.worker_id, decode_tp=self.rt.cfg.tp,
@@ -338,9 +343,40 @@ class DecodeWorker:
         while True:
             self._sync_kv()
             c = self.core.admit_next(time.time())
+            self._free_evicted()
             if c is None:
                 return
             self._start_round(self.sessions[c.session_id])
+
+    # ------------------------------------------------------------------------ KV eviction
+    def _free_evicted(self) -> None:
+        """The core evicted these idle sessions' KV (--kv-evict): their blocks go back to the pool.
+        Each keeps its tokens (``s.tokens``), so its next round prefills the whole history again, as
+        a session moved here from a lost worker does (l_hist 0), routed like any prefill."""
+        victims = self.core.victims
+        for c in victims:
+            s = self.sessions.get(c.session_id)
+            if s is None or s.core is not c:
+                continue
+            s.recompute = s.kv.tokens
+            s.kv.release(self.rt.pool)
+            self.metrics["kv_evictions"] += 1
+            log.info("KV evicted", session=s.session_id, tokens=s.recompute)
+        victims.clear()
+
+    def _room_for(self, s: Session) -> None:
+        """Right before a round reserves its KV: evict more idle sessions while the pool itself lacks
+        the room. The core admitted the round by its own count, and the pool differs from it by a
+        token or so per session (a victim's blocks hold its history less the last output token, and
+        the round's prefill writes that token too)."""
+        pool = self.rt.pool
+        room = len(s.kv.blocks) * pool.block_tokens - s.kv.tokens
+        while pool.free_tokens + room < s.l_incr:
+            self._sync_kv(room)
+            self.core.make_room(s.l_incr)
+            if not self.core.victims:
+                return  # nothing left to evict: the reservation fails the session
+            self._free_evicted()
 
     def local_prefill(self, session_id: str, rnd: int, secret: str) -> None:
         s = self._session(session_id, secret)
@@ -459,7 +495,9 @@ class DecodeWorker:
         of the turn), or the end of the turn (a client-side call, or the answer is complete). The
         calls are the turn's scripted ones, else those parsed from the output (engines with text)."""
         self.core.round_end(s.core, False)
-        self.core.tool_call(s.core)  # pinned until its next round (a tool result, or the next turn)
+        # idle until its next round (a tool result, or the next turn); with --kv-evict its KV may go
+        if self.core.tool_call(s.core):
+            self._admit_waiting()
         s.carried = 0
         scripted = s.script.popleft() if s.script else None
         parsed = parse_tool_calls(s.stops.text)[1] if scripted is None and s.stops is not None else []

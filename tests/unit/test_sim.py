@@ -408,3 +408,20 @@ def test_kv_admission_fail_fails_the_session_that_does_not_fit():
     assert rep["completed"] == 1 and rep["failed"] == 1
     with pytest.raises(ValueError, match="kv_admission"):
         simulate([a], prof, policy="colocated", decode="tp1*1", kv_admission="drop")
+
+
+def test_kv_evict_lets_a_new_session_in_and_the_idle_one_re_prefills_its_history():
+    prof = _profile(cap=1500)
+    a = Session("a", 0.0, (Round(1000, 1, 5.0), Round(100, 2)))  # idle in a 5 s tool call, history 1001
+    b = Session("b", 0.5, (Round(1000, 2),))
+    kw = dict(policy="colocated", decode="tp1*1", ttft_slo_s=5, itl_slo_s=1)
+    keep = simulate([a, b], prof, **kw)
+    assert keep.stats["kv_evictions"] == 0 and "kv_recomputed_tokens" not in keep.stats
+    assert keep.sessions[1].rounds[0].first_token > keep.sessions[0].end  # b waits for a to end
+    ev = simulate([a, b], prof, kv_evict=True, **kw)
+    sa, sb = ev.sessions
+    assert sa.completed and sb.completed and ev.stats["kv_used_end"] == [0]
+    assert sb.rounds[0].first_token == pytest.approx(0.5 + P.t_pre(1, 0, 1000), abs=1e-12)  # at once
+    a1 = sa.rounds[1]  # b has ended by then: a's round prefills its whole context, 1001 + 100 tokens
+    assert a1.first_token - a1.input_ready == pytest.approx(P.t_pre(1, 0, 1101), abs=1e-12)
+    assert ev.stats["kv_evictions"] == 1 and ev.stats["kv_recomputed_tokens"] == 1001

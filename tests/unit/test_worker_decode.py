@@ -1,6 +1,6 @@
 """Unit tests of the decode worker core (ampd/worker/decode.py): hand-computed times on a linear
 profile, runs of decode steps and cutting them, chunked local prefill, KV admission (both rules),
-eviction of expired pins, and the published view."""
+eviction of idle sessions' KV (expired pins, --kv-evict), and the published view."""
 from __future__ import annotations
 
 import pytest
@@ -13,9 +13,9 @@ from tests.unit.test_worker_prefill import P  # t_pre = 0.01 + 1e-4 l_incr + 1e-
 SLO_ = SLO(ttft_s=1.0, itl_s=0.1)
 
 
-def _core(cap=10_000, chunk=0, rule="wait") -> DecodeCore:
+def _core(cap=10_000, chunk=0, rule="wait", evict=False) -> DecodeCore:
     return DecodeCore("decode-0", 1, P, make_queue("fcfs", P, SLO_, 1), kv_capacity_tokens=cap,
-                      chunk_tokens=chunk, kv_admission=rule)
+                      chunk_tokens=chunk, kv_admission=rule, kv_evict=evict)
 
 
 def _sess(sid, l_incr, out, rnd=0) -> DecodeSession:
@@ -157,19 +157,124 @@ def test_bad_kv_admission_rule_is_named():
         _core(rule="drop")
 
 
-def test_expired_pin_is_evicted_for_a_waiting_round_and_re_prefills():
+def test_expired_pin_is_evicted_for_a_round_that_needs_the_room_and_re_prefills():
     core = _core(cap=1000)
     s1 = _sess("s1", 599, 1)
     core.round_ready(s1, 0.0)
     _one_token_round(core, s1, 0.5, last=False)  # history 600
-    core.tool_call(s1)
-    assert core.pin_expired(s1) is False  # nobody waits yet
+    assert core.tool_call(s1, pin=True) is False
     s2 = _sess("s2", 600, 1)
-    assert core.round_ready(s2, 1.0) == WAITING
-    assert core.admit_next(1.0) is s2 and s1.evicted and core.kv_evictions == 1
+    assert core.round_ready(s2, 0.8) == WAITING  # the pin holds: nothing to evict
+    assert not s1.evicted and core.kv_evictions == 0
+    assert core.pin_expired(s1) is True  # a round waits: loop on admit_next
+    assert core.admit_next(1.0) is s2 and s1.evicted and core.kv_evictions == 1 and core.victims == [s1]
     s1.round, s1.l_incr = 1, 100
     assert core.round_ready(s1, 2.0) == WAITING  # re-prefills its whole context: 700 tokens
-    assert s1.l_incr == 700 and s1.l_hist == 0
+    assert s1.l_incr == 700 and s1.l_hist == 0 and core.kv_recomputed_tokens == 600
+
+
+def _idle(core, sid, l_incr, now):
+    """A session whose first round (one output token) ended; it is in a tool call now."""
+    s = _sess(sid, l_incr - 1, 1)
+    assert core.round_ready(s, now) == ADMITTED
+    _one_token_round(core, s, now, last=False)  # history l_incr
+    core.tool_call(s)
+    return s
+
+
+def test_kv_evict_evicts_idle_sessions_least_recently_used_first():
+    core = _core(cap=1000, evict=True)
+    a, b, c = (_idle(core, sid, 300, t) for sid, t in (("a", 1.0), ("b", 2.0), ("c", 3.0)))
+    assert core.kv_used == 900
+    n = _sess("n", 600, 1)
+    assert core.round_ready(n, 4.0) == ADMITTED  # at once: a and b go, c (idle the shortest) stays
+    assert core.victims == [a, b] and a.evicted and b.evicted and not c.evicted
+    assert core.kv_used == 300 + 600 and core.kv_evictions == 2
+    # a returns: its history is prefilled again, on top of its new input; c makes the room
+    a.round, a.l_incr = 1, 50
+    assert core.round_ready(a, 5.0) == ADMITTED and core.victims == [c]
+    assert a.l_incr == 350 and a.l_hist == 0 and core.kv_recomputed_tokens == 300
+    assert core.kv_used == 600 + 350 and not core.evictable
+
+
+def test_no_idle_session_loses_its_kv_for_a_round_that_would_not_fit_anyway():
+    core = _core(cap=1000, evict=True)
+    a = _idle(core, "a", 300, 1.0)
+    b = _idle(core, "b", 300, 2.0)
+    assert core.round_ready(_sess("n", 500, 1), 3.0) == ADMITTED and core.victims == [a]
+    assert core.round_ready(_sess("m", 900, 1), 4.0) == WAITING  # 200 free + b's 300 < 900
+    assert not b.evicted and core.victims == [] and core.kv_evictions == 1
+
+
+def test_a_returning_session_is_not_evictable_and_goes_last_after_its_next_round():
+    core = _core(cap=1000, evict=True)
+    a = _idle(core, "a", 300, 1.0)
+    b = _idle(core, "b", 300, 2.0)
+    a.round, a.l_incr, a.out = 1, 99, 1
+    assert core.round_ready(a, 3.0) == ADMITTED and list(core.evictable) == [b]
+    n = _sess("n", 500, 1)
+    assert core.round_ready(n, 3.5) == ADMITTED and core.victims == [b]  # not a: it is in a round
+    _one_token_round(core, a, 4.0, last=False)
+    assert core.tool_call(a) is False and list(core.evictable) == [a]
+
+
+def test_a_session_entering_a_tool_call_lets_a_waiting_round_in():
+    core = _core(cap=1000, evict=True)
+    a = _sess("a", 599, 1)
+    core.round_ready(a, 0.0)
+    n = _sess("n", 600, 1)
+    assert core.round_ready(n, 0.1) == WAITING  # a is in its round: not evictable
+    _one_token_round(core, a, 0.5, last=False)
+    assert core.tool_call(a) is True  # evictable, and a round waits
+    assert core.admit_next(0.5) is n and core.victims == [a]
+
+
+def test_without_kv_evict_idle_sessions_keep_their_kv():
+    core = _core(cap=1000)
+    _idle(core, "a", 600, 1.0)
+    n = _sess("n", 600, 1)
+    assert core.round_ready(n, 2.0) == WAITING and core.admit_next(2.0) is None
+    assert core.kv_evictions == 0 and not core.evictable
+
+
+def test_kv_evict_with_the_fail_rule_evicts_before_failing():
+    core = _core(cap=1000, rule="fail", evict=True)
+    a = _idle(core, "a", 600, 1.0)
+    n = _sess("n", 600, 1)
+    assert core.round_ready(n, 2.0) == ADMITTED and a.evicted
+    big = _sess("big", 900, 1)
+    assert core.round_ready(big, 3.0) == FAILED  # nothing left to evict
+
+
+def test_dropped_idle_session_leaves_the_evictable_set_and_an_evicted_one_frees_nothing_more():
+    core = _core(cap=1000, evict=True)
+    a = _idle(core, "a", 300, 1.0)
+    b = _idle(core, "b", 300, 2.0)
+    assert core.drop(a) is True and list(core.evictable) == [b] and core.kv_used == 300
+    assert core.round_ready(_sess("n", 900, 1), 3.0) == ADMITTED and b.evicted
+    assert core.drop(b) is False and core.kv_used == 900
+
+
+def test_make_room_evicts_until_the_tokens_fit():
+    core = _core(cap=1000, evict=True)
+    a = _idle(core, "a", 300, 1.0)
+    b = _idle(core, "b", 300, 2.0)
+    assert core.make_room(400) is True and core.victims == []  # 400 free already
+    assert core.make_room(500) is True and core.victims == [a]
+    assert core.make_room(1001) is False and core.victims == [] and core.kv_used == 300  # b keeps its KV
+    assert core.make_room(1000) is True and core.victims == [b] and core.kv_used == 0
+
+
+def test_an_evicted_session_rewound_between_rounds_re_prefills_what_it_keeps():
+    core = _core(cap=1000, evict=True)
+    a = _idle(core, "a", 600, 1.0)
+    core.round_ready(_sess("n", 600, 1), 2.0)
+    assert a.evicted
+    core.rewind(a, 200)  # an edited conversation keeps 200 tokens: nothing charged to release
+    assert core.kv_used == 600
+    a.round, a.l_incr = 1, 50
+    assert core.round_ready(a, 3.0) == ADMITTED and a.l_incr == 250 and core.kv_recomputed_tokens == 200
+    assert core.kv_used == 850
 
 
 def test_stop_early_takes_a_session_out_of_the_batch():
