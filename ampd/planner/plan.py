@@ -9,7 +9,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from .estimates import SAMPLE_SESSIONS, EstimateCache, Estimates, build_estimates, latency_p95
+from .estimates import SAMPLE_SESSIONS, EstimateCache, Estimates, build_estimates, outcome
 from .ilp import solve_top
 from .objective import bottleneck
 from .space import Deployment, PlanError, feasible_degrees
@@ -151,7 +151,7 @@ def search_space(req: PlanRequest) -> tuple[tuple[int, ...], bool, bool]:
 
 def check(req: PlanRequest, dep: Deployment) -> tuple[str, float, float, float]:
     """(policy, SLO attainment, P95 TTFT, P95 mean ITL) of ``dep`` simulated on the request's trace."""
-    from ampd.sim import sim_report, simulate
+    from ampd.sim import simulate
 
     policy = req.policy if not dep.colocated or req.policy in ("colocated", "continuum") else "colocated"
     sessions = sorted(req.sessions, key=lambda s: s.arrival)
@@ -159,9 +159,8 @@ def check(req: PlanRequest, dep: Deployment) -> tuple[str, float, float, float]:
         sessions = sessions[: req.check_sessions]
     res = simulate(sessions, req.profile, policy=policy, prefill=dep.prefill_spec, decode=dep.decode_spec,
                    ttft_slo_s=req.slo.ttft_s, itl_slo_s=req.slo.itl_s, seed=req.seed)
-    rep = sim_report(res, req.slo, extras=False)
-    ttft, itl, _ = latency_p95(res)
-    return policy, float(rep["slo_attainment"]), ttft, itl
+    att, ttft, itl, _ = outcome(res, req.slo)
+    return policy, att, ttft, itl
 
 
 def headroom(e: "PlanEntry", slo) -> float:
@@ -182,15 +181,13 @@ def family_candidates(est, gpus: int, degrees, k: int, *, disaggregated: bool, c
     co-located deployments) checks exactly that family's ``k`` best: so AMPD's candidates hold every
     deployment a baseline's plan of the same ``k`` would check, and AMPD can become that baseline's
     deployment where it wins."""
-    cands = solve_top(est, gpus, degrees, k, disaggregated=disaggregated, colocated=colocated, mixed=mixed,
-                      all_gpus=all_gpus)
-    if disaggregated and colocated:
-        seen = {d for _, d in cands}
-        for fam in ({"disaggregated": True, "colocated": False}, {"disaggregated": False, "colocated": True}):
-            for obj, dep in solve_top(est, gpus, degrees, k, mixed=mixed, all_gpus=all_gpus, **fam):
-                if dep not in seen:
-                    seen.add(dep)
-                    cands.append((obj, dep))
+    if not (disaggregated and colocated):
+        return solve_top(est, gpus, degrees, k, disaggregated=disaggregated, colocated=colocated, mixed=mixed,
+                         all_gpus=all_gpus)
+    # The joint k best lie within the union of the two families' k best: two solves, not three.
+    cands = [c for fam in ({"disaggregated": True, "colocated": False}, {"disaggregated": False, "colocated": True})
+             for c in solve_top(est, gpus, degrees, k, mixed=mixed, all_gpus=all_gpus, **fam)]
+    cands.sort(key=lambda t: t[0])  # stable: the joint k best first, each family in its own order
     return cands
 
 
