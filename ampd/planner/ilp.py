@@ -30,10 +30,15 @@ __all__ = ["solve_top"]
 def solve_top(est: Estimates, gpus: int, degrees: Sequence[int], k: int, *, disaggregated: bool = True,
               colocated: bool = True, mixed: bool = True, all_gpus: bool = False) -> list[tuple[float, Deployment]]:
     """The ``k`` best deployments by the ILP's objective, best first (fewer if the space is smaller)."""
-    from pyscipopt import SCIP_PARAMSETTING, Model, quicksum
-
     if not (disaggregated or colocated):
         raise ValueError("search space: allow disaggregated and/or co-located deployments")
+    m, cnt, _ = _model(est, gpus, degrees, disaggregated, colocated, mixed, all_gpus)
+    return _top(m, cnt, k, [])
+
+
+def _model(est, gpus, degrees, disaggregated, colocated, mixed, all_gpus):
+    from pyscipopt import SCIP_PARAMSETTING, Model, quicksum
+
     m = Model("ampd-plan")
     m.hideOutput()
     # The model is small (tens of integers): SCIP's presolve, cutting planes, primal heuristics and
@@ -74,11 +79,15 @@ def solve_top(est: Estimates, gpus: int, degrees: Sequence[int], k: int, *, disa
     used = quicksum(n * v for (kd, n), v in cnt.items())
     m.addCons(used == gpus) if all_gpus else m.addCons(used <= gpus)
     m.setObjective(z + EPS_BALANCE * quicksum(w.values()) + EPS_UNUSED * (gpus - used) / gpus, "minimize")
+    return m, cnt, co
 
-    found: list[tuple[float, Deployment]] = []
+
+def _top(m, cnt, k: int, found: list) -> list[tuple[float, Deployment]]:
+    """Solve, cut off the solution, solve again, until ``found`` holds ``k`` deployments."""
     while len(found) < k:
         m.optimize()
         if m.getStatus() != "optimal":
+            m.freeTransform()  # the family is exhausted; the model stays editable for the next one
             break
         obj = m.getObjVal()
         sol = {key: int(round(m.getVal(v))) for key, v in cnt.items()}

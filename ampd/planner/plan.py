@@ -11,11 +11,11 @@ from typing import Callable, Sequence
 
 from .estimates import SAMPLE_SESSIONS, EstimateCache, Estimates, build_estimates, outcome
 from .ilp import solve_top
-from .objective import bottleneck
+from .objective import bottleneck, surrogate
 from .space import Deployment, PlanError, feasible_degrees
 
 __all__ = ["PlanRequest", "PlanEntry", "PlanResult", "plan", "default_slo", "resolve_slo", "search_space", "check",
-           "family_candidates", "max_context", "SLO_TTFT_K", "SLO_ITL_M"]
+           "family_candidates", "balanced_splits", "max_context", "SLO_TTFT_K", "SLO_ITL_M"]
 
 # Default SLO when the request gives none: the rule of docs/paper-results.md ("SLO rule"), taken at the
 # largest degree a prefill and a decode replica can both use.
@@ -172,22 +172,40 @@ def headroom(e: "PlanEntry", slo) -> float:
     return worst if math.isfinite(worst) else math.inf
 
 
+def balanced_splits(gpus: int, degrees) -> list[Deployment]:
+    """Half the GPUs to each phase at one degree: P<n, N/2n> D<n, N/2n> for every degree ``n`` that
+    divides N/2 (every Table 2 entry but one has this form)."""
+    half = gpus // 2
+    if half < 1 or 2 * half != gpus:
+        return []
+    return [Deployment.of({n: half // n}, {n: half // n}) for n in sorted(degrees) if half % n == 0]
+
+
 def family_candidates(est, gpus: int, degrees, k: int, *, disaggregated: bool, colocated: bool, mixed: bool,
                       all_gpus: bool) -> list:
-    """The ILP's ``k`` best over the whole space, then the ``k`` best of each family (co-located,
-    disaggregated) that those miss. The surrogate may rank a family low that the simulator, running the
-    real policy, prefers (AMPD's local prefills make a disaggregated deployment partly co-located), and
-    a plan restricted to one family (a baseline's: ``remote`` plans disaggregated, ``colocated``
+    """The ILP's ``k`` best of each family (co-located, disaggregated), which hold its ``k`` best over
+    the whole space, plus the balanced splits (:func:`balanced_splits`) when disaggregated
+    deployments are searched. The surrogate may rank a family low that the simulator, running the real
+    policy, prefers (AMPD's local prefills make a disaggregated deployment partly co-located), and a
+    plan restricted to one family (a baseline's: ``remote`` plans disaggregated, ``colocated``
     co-located deployments) checks exactly that family's ``k`` best: so AMPD's candidates hold every
     deployment a baseline's plan of the same ``k`` would check, and AMPD can become that baseline's
-    deployment where it wins."""
-    if not (disaggregated and colocated):
-        return solve_top(est, gpus, degrees, k, disaggregated=disaggregated, colocated=colocated, mixed=mixed,
-                         all_gpus=all_gpus)
-    # The joint k best lie within the union of the two families' k best: two solves, not three.
-    cands = [c for fam in ({"disaggregated": True, "colocated": False}, {"disaggregated": False, "colocated": True})
-             for c in solve_top(est, gpus, degrees, k, mixed=mixed, all_gpus=all_gpus, **fam)]
-    cands.sort(key=lambda t: t[0])  # stable: the joint k best first, each family in its own order
+    deployment where it wins. The balanced splits cost a few simulations and guard against the
+    surrogate's blind spot: its per-replica estimates run the `remote` policy, so under AMPD (local
+    prefills) it undervalues decode capacity and prefers lopsided mixed-degree splits."""
+    if disaggregated and colocated:
+        # the joint k best lie within the union of the two families' k best: two solves, not three.
+        # Each family's solve is the one a baseline's plan of that family runs (same model, same ties).
+        cands = [c for fam in ({"disaggregated": True, "colocated": False},
+                               {"disaggregated": False, "colocated": True})
+                 for c in solve_top(est, gpus, degrees, k, mixed=mixed, all_gpus=all_gpus, **fam)]
+        cands.sort(key=lambda t: t[0])  # stable: the joint k best first, each family in its own order
+    else:
+        cands = solve_top(est, gpus, degrees, k, disaggregated=disaggregated, colocated=colocated, mixed=mixed,
+                          all_gpus=all_gpus)
+    if disaggregated:
+        seen = {d for _, d in cands}
+        cands += [(surrogate(d, est, gpus), d) for d in balanced_splits(gpus, degrees) if d not in seen]
     return cands
 
 

@@ -12,7 +12,7 @@ from ampd.planner import (Deployment, EstimateCache, Estimates, PlanError, PlanR
                           build_estimates, capacities, feasible_degrees, plan, solve_top, surrogate)
 from ampd.planner.estimates import LEVELS, OVERLOAD, sample_sessions, saturated
 from ampd.planner.objective import enumerate_deployments
-from ampd.planner.plan import family_candidates
+from ampd.planner.plan import balanced_splits, family_candidates
 from ampd.workload import generate
 
 PROFILES = ["llama3.1-70b@h20", "qwen3-32b@h20", "mixtral-8x7b@h20"]
@@ -137,6 +137,23 @@ def test_outcome_is_the_reports_attainment():
     assert 0.0 < att < 1.0 and ttft > 0 and itl > 0 and done > 0
 
 
+def test_balanced_splits_are_candidates():
+    assert [str(d) for d in balanced_splits(16, (2, 4, 8))] == [
+        "prefill tp2*4 decode tp2*4", "prefill tp4*2 decode tp4*2", "prefill tp8*1 decode tp8*1"]
+    assert balanced_splits(12, (2, 4, 8)) == [Deployment.of({2: 3}, {2: 3})]  # 6 GPUs: tp4, tp8 do not divide
+    assert balanced_splits(7, (1,)) == [] and balanced_splits(1, (1,)) == []
+    profile = load_profile("llama3.1-70b@h20")
+    degrees = feasible_degrees(profile, 16, 1000)
+    est = _random_estimates(profile, degrees, 0.8, 3)
+    for space in ({}, {"mixed": False, "all_gpus": True}):
+        cands = family_candidates(est, 16, degrees, 2, disaggregated=True, colocated=not space, mixed=not space,
+                                  all_gpus=bool(space))
+        assert set(balanced_splits(16, degrees)) <= {d for _, d in cands}
+        assert len({d for _, d in cands}) == len(cands)
+    cands = family_candidates(est, 16, degrees, 2, disaggregated=False, colocated=True, mixed=True, all_gpus=False)
+    assert all(d.colocated for _, d in cands)
+
+
 def test_enumeration_respects_phases_and_budget():
     deps = list(enumerate_deployments(4, (1, 2, 4)))
     assert all(d.gpus <= 4 for d in deps)
@@ -188,7 +205,8 @@ def test_plan_checks_and_ranks_candidates_by_simulation():
     cache = EstimateCache()
     req = PlanRequest(prof, sessions, 4, SLO(1.5, 0.05), top=2, candidates=3, sample_sessions=16)
     res = plan(req, cache=cache)
-    assert 3 <= res.candidates <= 9 and len(res.top) == 2  # + the 3 best of each family the top 3 misses
+    # the 3 best of each family, plus the balanced splits P<1,2> D<1,2> and P<2,1> D<2,1>
+    assert 3 <= res.candidates <= 11 and len(res.top) == 2
     atts = [e.slo_attainment for e in res.top]
     assert atts == sorted(atts, reverse=True)
     for e in res.top:
