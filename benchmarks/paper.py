@@ -325,6 +325,26 @@ def run_fn(fn, jobs, nproc):
     return out
 
 
+def merged(ctx, name, key, new: dict) -> dict:
+    """With --merge: ``new`` over the ``key`` dict of ``name`` already in --out (other cases kept)."""
+    path = os.path.join(ctx.out, name)
+    if not getattr(ctx, "merge", False) or not os.path.exists(path):
+        return new
+    with open(path) as f:
+        old = json.load(f).get(key, {})
+    return {**old, **new}
+
+
+def whole(ctx):
+    """ctx over every model x preset the merged results hold (tables and figures of a --merge run)."""
+    keys = set(ctx.slos) & set(ctx.rates)
+    w = Ctx()
+    w.__dict__.update(ctx.__dict__)
+    w.models = [m for m in MODELS if any(k.startswith(m + "|") for k in keys)]
+    w.presets = [p for p in PRESETS if any(k.endswith("|" + p) for k in keys)]
+    return w
+
+
 def save(out_dir, name, obj):
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, name)
@@ -367,14 +387,14 @@ def part_plan(ctx):
                              slo={k: ctx.slos[key][k] for k in ("ttft_s", "itl_s")},
                              table2=[TABLE2[(m, p)], *TABLE2_ALT[(m, p)]]))
     res = run_fn(plan_case, jobs, ctx.jobs)
-    ctx.plans = {f"{r['model']}|{r['preset']}": r for r in res}
+    ctx.plans = merged(ctx, "plan.json", "cases", {f"{r['model']}|{r['preset']}": r for r in res})
     save(ctx.out, "plan.json", {"note": "planned on the trace of seed 0 at plan_rate (between the sweep's middle "
                                         "and highest rates; the sweep judges on its own seeds); every candidate "
                                         "simulated on the whole trace",
                                 "cases": ctx.plans})
 
 def part_slo(ctx):
-    slos = {f"{m}|{p}": slo_rule(m, p) for m in ctx.models for p in ctx.presets}
+    slos = merged(ctx, "slo.json", "slos", {f"{m}|{p}": slo_rule(m, p) for m in ctx.models for p in ctx.presets})
     ctx.slos = slos
     save(ctx.out, "slo.json", {"rule": f"TTFT = {TTFT_K} x P90 over every prefill (initial and incremental) "
                                f"of its standalone time on AMPD's deployment (T_pre at the prefill TP + "
@@ -474,9 +494,16 @@ def part_sweep(ctx):
         for f in ("ttft_initial_s", "ttft_incremental_s", "itl_s", "e2e_s"):
             row[f] = {q: float(np.mean([x[f][q] for x in rs])) for q in ("mean", "p50", "p90", "p99")}
         rows.append(row)
+    deps = merged(ctx, "sweep.json", "deployments", {
+        f"{m}|{p}|{label}": dict(zip(("prefill", "decode", "policy"), dep_for(ctx, m, p, label)))
+        for m in ctx.models for p in ctx.presets for label in SWEEP_POLICIES})
+    if ctx.merge and os.path.exists(os.path.join(ctx.out, "sweep.json")):
+        with open(os.path.join(ctx.out, "sweep.json")) as f:
+            ours = {(m, p) for m in ctx.models for p in ctx.presets}
+            rows += [r for r in json.load(f)["points"] if (r["model"], r["preset"]) not in ours]
+        ctx.sweep = rows
+        ctx = whole(ctx)
     rows.sort(key=lambda r: (r["model"], r["preset"], r["policy"], r["rate"]))
-    deps = {f"{m}|{p}|{label}": dict(zip(("prefill", "decode", "policy"), dep_for(ctx, m, p, label)))
-            for m in ctx.models for p in ctx.presets for label in SWEEP_POLICIES}
     ctx.sweep = rows
     table, gains = gain_table(ctx, rows)
     save(ctx.out, "sweep.json", {"seeds": ctx.seeds, "rates": ctx.rates, "deployments": deps,
@@ -945,13 +972,15 @@ def main(argv=None):
     ap.add_argument("--seeds", default="1,2", help="trace/router seeds of the sweep, comma list")
     ap.add_argument("--sens-seeds", default="1,2,3")
     ap.add_argument("--reuse", action="store_true", help="reuse slo/scan/sweep JSON in --out when present")
+    ap.add_argument("--merge", action="store_true",
+                    help="slo/plan/sweep: rerun --models x --presets only and keep the other cases already in --out")
     ap.add_argument("--no-kv-overlap", action="store_true",
                     help="prefill workers read the next task's history KV only when it starts (no overlap)")
     a = ap.parse_args(argv)
     if a.no_kv_overlap:
         SIM_OPTS["kv_overlap"] = False
     ctx = Ctx()
-    ctx.quick, ctx.jobs, ctx.out = a.quick, max(1, min(a.jobs, 2)), a.out
+    ctx.quick, ctx.jobs, ctx.out, ctx.merge = a.quick, max(1, min(a.jobs, 2)), a.out, a.merge
     ctx.models = a.models.split(",") if not a.quick else ["llama3.1-70b@h20"]
     ctx.presets = a.presets.split(",")
     ctx.seeds = [int(s) for s in a.seeds.split(",")][:1] if a.quick else [int(s) for s in a.seeds.split(",")]

@@ -5,15 +5,17 @@
 Workload: Llama3.1-70B on H20, the DuReader preset at a rate that grows with the cluster (the rate
 `make paper` found AMPD's knee at on 16 GPUs, results/paper/scan.json, times N / 16), 300 s of
 arrivals, seed 3; the paper's SLO for the case (results/paper/slo.json). Full search space (mixed TP
-degrees, co-location), top 3 from 6 candidates.
+degrees, co-location), top 3 from 6 candidates per family (what `ampd plan --top 3` runs).
 
-Phases, timed apart:
-- estimates: the tau simulations (kinds x degrees x levels); they depend on the session mix only,
-  not on N or the rate, so a cache serves every later plan of the workload. "cold" = empty cache.
-- ilp: SCIP finding the 6 best deployments (the paper's "planning" is this solve on its estimates);
-  wall and CPU seconds (the machine is shared: CPU seconds are what the solve itself costs), and the
-  solve for the single best deployment alone.
+Phases, timed apart (wall and CPU seconds: the machine is shared, CPU seconds are what the work
+itself costs):
+- estimates: the tau simulations (kinds x degrees x simulated levels); they depend on the session mix
+  only, not on N or the rate, so a cache serves every later plan of the workload. "cold" = empty cache.
+- ilp: SCIP finding the 6 best deployments of each family (co-located, disaggregated: the joint 6
+  best are among them), as plan() does; and the solve for the single best deployment alone.
 - checks: one whole-deployment simulation per candidate, on the first --check-sessions sessions.
+- plan: the whole plan() call on cached estimates (ILP + checks + ranking), as `ampd plan` runs it
+  with a warm estimate cache; plan_cold_s adds the cold estimates.
 """
 from __future__ import annotations
 
@@ -33,8 +35,8 @@ MODEL, PRESET, BASE_GPUS = "llama3.1-70b@h20", "dureader", 16
 def one_size(n: int, a) -> dict:
     from ampd.bench.report import SLO
     from ampd.perf import load_profile
-    from ampd.planner import EstimateCache, PlanRequest, build_estimates, solve_top
-    from ampd.planner.plan import check, search_space
+    from ampd.planner import EstimateCache, PlanRequest, build_estimates, plan, solve_top
+    from ampd.planner.plan import check, family_candidates, search_space
     from ampd.workload import generate
 
     slo_d = json.load(open(os.path.join(RESULTS, "paper", "slo.json")))["slos"][f"{MODEL}|{PRESET}"]
@@ -47,41 +49,52 @@ def one_size(n: int, a) -> dict:
     degrees, disagg, coloc = search_space(req)
     kinds = ("prefill", "decode", "colocated")
     cache = EstimateCache()
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     est = build_estimates(prof, sessions, degrees, slo, kinds=kinds, cache=cache)
-    est_cold = time.perf_counter() - t
+    est_cold, est_cold_cpu = time.perf_counter() - t, time.process_time() - c
     t = time.perf_counter()
     est = build_estimates(prof, sessions, degrees, slo, kinds=kinds, cache=cache)
     est_warm = time.perf_counter() - t
     ilp, ilp_cpu = [], []
     for _ in range(a.repeats):
         t, c = time.perf_counter(), time.process_time()
-        cands = solve_top(est, n, degrees, 6, disaggregated=disagg, colocated=coloc)
+        cands = family_candidates(est, n, degrees, 6, disaggregated=disagg, colocated=coloc, mixed=True,
+                                  all_gpus=False)
         ilp.append(time.perf_counter() - t)
         ilp_cpu.append(time.process_time() - c)
     t, c = time.perf_counter(), time.process_time()
     top1 = solve_top(est, n, degrees, 1, disaggregated=disagg, colocated=coloc)
     top1_s, top1_cpu = time.perf_counter() - t, time.process_time() - c
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     checked = [(d, check(req, d)) for _, d in cands]
-    checks = time.perf_counter() - t
-    best = max(checked, key=lambda x: (x[1][1], -x[1][2]))
-    ilp_s = statistics.median(ilp)
+    checks, checks_cpu = time.perf_counter() - t, time.process_time() - c
+    whole, whole_cpu = [], []
+    for _ in range(a.repeats):
+        t, c = time.perf_counter(), time.process_time()
+        res = plan(req, cache=cache)
+        whole.append(time.perf_counter() - t)
+        whole_cpu.append(time.process_time() - c)
+    ilp_s, ilp_c = statistics.median(ilp), statistics.median(ilp_cpu)
+    plan_s, plan_c = statistics.median(whole), statistics.median(whole_cpu)
+    best = res.top[0]
     out = {"gpus": n, "rate": round(rate, 4), "sessions": len(sessions), "degrees": list(degrees),
            "estimate_simulations": len(cache), "estimates_cold_s": round(est_cold, 3),
-           "estimates_cached_s": round(est_warm, 4), "ilp_s": round(ilp_s, 4), "ilp_runs_s": [round(x, 4) for x in ilp],
-           "ilp_cpu_s": round(statistics.median(ilp_cpu), 4), "ilp_top1_s": round(top1_s, 4),
+           "estimates_cold_cpu_s": round(est_cold_cpu, 3), "estimates_cached_s": round(est_warm, 4),
+           "ilp_candidates": len(cands), "ilp_s": round(ilp_s, 4), "ilp_runs_s": [round(x, 4) for x in ilp],
+           "ilp_cpu_s": round(ilp_c, 4), "ilp_top1_s": round(top1_s, 4),
            "ilp_top1_cpu_s": round(top1_cpu, 4), "ilp_top1": f"{top1[0][1].prefill_spec}|{top1[0][1].decode_spec}",
-           "checks_s": round(checks, 3), "check_sessions": a.check_sessions,
-           "total_cached_s": round(est_warm + ilp_s + checks, 3), "total_cold_s": round(est_cold + ilp_s + checks, 3),
-           "paper_s": PAPER_S[n], "goal_s": round(PAPER_S[n] / 10, 3),
-           "ilp_over_paper": round(ilp_s / PAPER_S[n], 4),
-           "ilp_cpu_over_paper": round(statistics.median(ilp_cpu) / PAPER_S[n], 4),
-           "total_cached_over_paper": round((est_warm + ilp_s + checks) / PAPER_S[n], 4),
-           "total_cold_over_paper": round((est_cold + ilp_s + checks) / PAPER_S[n], 4),
-           "best": {"prefill": best[0].prefill_spec, "decode": best[0].decode_spec,
-                    "slo_attainment": round(best[1][1], 4)},
-           "top6_ilp": [f"{d.prefill_spec}|{d.decode_spec}" for _, d in cands]}
+           "checks_s": round(checks, 3), "checks_cpu_s": round(checks_cpu, 3), "check_sessions": a.check_sessions,
+           "plan_s": round(plan_s, 3), "plan_runs_s": [round(x, 3) for x in whole], "plan_cpu_s": round(plan_c, 3),
+           "plan_cold_s": round(est_cold + plan_s, 3),
+           "paper_s": PAPER_S[n], "goal_s": round(PAPER_S[n] / 10, 4),
+           "ilp_over_paper": round(ilp_s / PAPER_S[n], 4), "ilp_cpu_over_paper": round(ilp_c / PAPER_S[n], 4),
+           "plan_over_paper": round(plan_s / PAPER_S[n], 4), "plan_cpu_over_paper": round(plan_c / PAPER_S[n], 4),
+           "plan_cold_over_paper": round((est_cold + plan_s) / PAPER_S[n], 4),
+           "best": {"prefill": best.deployment.prefill_spec, "decode": best.deployment.decode_spec,
+                    "slo_attainment": round(best.slo_attainment, 4)},
+           "candidates_checked": res.candidates,
+           "ilp_candidates_order": [f"{d.prefill_spec}|{d.decode_spec}" for _, d in cands],
+           "check_attainment": {f"{d.prefill_spec}|{d.decode_spec}": round(r[1], 4) for d, r in checked}}
     return out
 
 
@@ -94,15 +107,17 @@ def main(argv=None) -> int:
     ap.add_argument("--check-sessions", type=int, default=200)
     a = ap.parse_args(argv)
     rows = []
+    load0 = os.getloadavg()[0]
     for n in (int(x) for x in a.sizes.split(",")):
         r = one_size(n, a)
         rows.append(r)
-        print(f"{n:>4} GPUs: ilp {r['ilp_s']:.3f} s (cpu {r['ilp_cpu_s']:.3f} s), checks {r['checks_s']:.2f} s, estimates cold "
-              f"{r['estimates_cold_s']:.2f} s / cached {r['estimates_cached_s']:.3f} s; paper {r['paper_s']} s "
-              f"(goal {r['goal_s']} s); best {r['best']}", flush=True)
+        print(f"{n:>4} GPUs: ilp {r['ilp_s']:.3f} s (cpu {r['ilp_cpu_s']:.3f} s), checks {r['checks_s']:.2f} s, "
+              f"plan {r['plan_s']:.2f} s (cpu {r['plan_cpu_s']:.2f} s), estimates cold {r['estimates_cold_s']:.2f} s "
+              f"/ cached {r['estimates_cached_s']:.3f} s; paper {r['paper_s']} s (goal {r['goal_s']} s); "
+              f"best {r['best']}; load {os.getloadavg()[0]:.1f}", flush=True)
     doc = {"command": "python -m benchmarks.planner_time " + " ".join(argv if argv is not None else sys.argv[1:]),
            "machine": f"{platform.machine()}, Python {platform.python_version()}, {os.cpu_count()} cores (shared: "
-                      f"load average {os.getloadavg()[0]:.1f} at the end)",
+                      f"load average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end)",
            "workload": f"{MODEL}, {PRESET} preset at (knee rate on {BASE_GPUS} GPUs) x N/{BASE_GPUS}, "
                        f"{a.duration:g} s of arrivals, seed 3",
            "paper_s": PAPER_S, "sizes": rows}

@@ -20,13 +20,24 @@ from typing import Callable, Mapping, Sequence
 
 from .space import KINDS
 
-__all__ = ["LEVELS", "OVERLOAD", "Estimates", "EstimateCache", "capacities", "build_estimates",
-           "sample_sessions", "workload_rate", "latency_p95"]
+__all__ = ["LEVELS", "OVERLOAD", "SIM_MAX_RHO", "saturated", "Estimates", "EstimateCache", "capacities",
+           "build_estimates", "sample_sessions", "workload_rate", "latency_p95", "outcome"]
 
-# Utilisation levels rho_l. The last (inf) is "overloaded": any capacity satisfies it, at tau = OVERLOAD.
-LEVELS = (0.1, 0.25, 0.4, 0.55, 0.7, 0.8, 0.9, 1.0, 1.2, math.inf)
-OVERLOAD = 100.0      # normalised P95 of a replica that does not keep up (unfinished sessions, rho = inf)
-STOP_AT = 20.0        # once a level reaches this, the higher levels copy it (tau is monotone in load)
+# Utilisation levels rho_l. Those up to SIM_MAX_RHO are simulated; the ones above are past saturation
+# in closed form (saturated()); the last (inf) is "overloaded": any capacity satisfies it, at OVERLOAD.
+LEVELS = (0.1, 0.25, 0.4, 0.55, 0.7, 0.8, 0.9, 1.0, 1.2, 1.5, 2.0, 3.0, math.inf)
+SIM_MAX_RHO = 1.2
+STOP_AT = 20.0        # a normalised P95 at or above this counts as saturated (no level above is simulated)
+OVERLOAD = 100.0      # tau of the inf level: above every saturated() value of a finite level
+
+
+def saturated(rho: float) -> float:
+    """tau of a replica that does not keep up at utilisation ``rho``: STOP_AT x (1 + rho). Above
+    every unsaturated tau and growing with the load, so past saturation the ILP still ranks
+    deployments: it minimises the worst phase's excess load (a balanced split beats a lopsided one)
+    instead of seeing one flat "overload" everywhere."""
+    return STOP_AT * (1.0 + rho)
+
 SAMPLE_SESSIONS = 96  # sessions drawn from the workload (its mix, evenly drawn)
 STEADY_FACTOR = 2.5   # an estimate simulation runs this many session lifetimes' worth of arrivals ...
 MAX_SIM_SESSIONS = 400  # ... up to this many sessions (the sample repeated), so a big replica fills up
@@ -192,34 +203,43 @@ def capacities(profile, sample, degrees, itl_slo_s: float) -> dict[str, dict[int
 
 # ---- one estimate simulation --------------------------------------------------------------------
 
-def latency_p95(res) -> tuple[float, float, float]:
-    """(P95 TTFT over rounds, P95 over sessions of the session's mean ITL, finished fraction) of a
-    simulation; a session that did not finish counts as infinitely late."""
+def _p95(xs) -> float:
     import numpy as np
 
-    from ampd.sim import to_session_records
+    if not xs:
+        return 0.0
+    return float(np.percentile(np.asarray(xs, dtype=float), 95, method="higher"))
 
-    ttfts, itls, done = [], [], 0
-    for s in to_session_records(res):
-        gaps, n = 0.0, 0
+
+def outcome(res, slo) -> tuple[float, float, float, float]:
+    """(SLO attainment, P95 TTFT over rounds, P95 over sessions of the session's mean ITL, finished
+    fraction) of a simulation, in one pass over its compact records (no token times: a session's
+    mean ITL is its rounds' gap sums over their gap counts, what the live report judges). The
+    attainment is ``ampd.bench.report.judge_session``'s, the rule of every report. A session that
+    did not finish counts as infinitely late."""
+    from ampd.bench.report import judge_session
+    from ampd.sim.records import to_compact_session_records
+
+    ttfts, itls, done, attained = [], [], 0, 0
+    for s in to_compact_session_records(res):
+        v = judge_session(s, slo)
+        attained += v.attained
         for r in s.rounds:
-            ttfts.append(math.inf if r.ttft is None else r.ttft)
-            if len(r.token_times) > 1:
-                gaps += r.token_times[-1] - r.token_times[0]
-                n += len(r.token_times) - 1
+            ttfts.append(math.inf if r.first_token is None else r.first_token - r.input_ready)
         if s.completed:
             done += 1
-            itls.append(gaps / n if n else 0.0)
+            itls.append(v.mean_itl or 0.0)
         else:
             ttfts.append(math.inf)
             itls.append(math.inf)
     total = max(len(itls), 1)
+    return attained / total, _p95(ttfts), _p95(itls), done / total
 
-    def p95(xs):
-        if not xs:
-            return 0.0
-        return float(np.percentile(np.asarray(xs, dtype=float), 95, method="higher"))
-    return p95(ttfts), p95(itls), done / total
+
+def latency_p95(res, slo) -> tuple[float, float, float]:
+    """(P95 TTFT, P95 mean ITL, finished fraction) of a simulation (see :func:`outcome`)."""
+    _, ttft, itl, done = outcome(res, slo)
+    return ttft, itl, done
 
 
 def _ample(cap: Mapping[int, float], rate: float) -> str:
@@ -241,7 +261,7 @@ def _simulate_one(profile, sample, cap, kind: str, n: int, rho: float, slo) -> t
     else:
         kw = dict(policy="colocated", prefill="none", decode=f"tp{n}*1")
     res = simulate(sessions, profile, ttft_slo_s=slo.ttft_s, itl_slo_s=slo.itl_s, seed=0, **kw)
-    ttft, itl, done = latency_p95(res)
+    ttft, itl, done = latency_p95(res, slo)
     if kind == "prefill":
         norm = ttft / slo.ttft_s
     elif kind == "decode":
@@ -265,21 +285,26 @@ def build_estimates(profile, sessions: Sequence, degrees: Sequence[int], slo, *,
     key0 = (profile.name, profile.source, _fingerprint(sample), slo.ttft_s, slo.itl_s, MAX_SIM_SESSIONS)
     tau: dict[str, dict[int, tuple[float, ...]]] = {}
     raw: dict[str, dict[int, tuple[tuple[float, float], ...]]] = {}
-    total = len(kinds) * len(degrees) * (len(levels) - 1)
+    sim_levels = [rho for rho in levels if rho <= SIM_MAX_RHO]
+    total = len(kinds) * len(degrees) * len(sim_levels)
     done = 0
     for kind in kinds:
         tau[kind], raw[kind] = {}, {}
         for n in degrees:
-            vals, secs, prev = [], [], 0.0
+            vals, secs, prev, sat = [], [], 0.0, False
             for rho in levels:
                 if math.isinf(rho):
                     vals.append(OVERLOAD)
                     secs.append((math.inf, math.inf))
                     continue
-                if prev >= STOP_AT:  # monotone: a heavier load is no better
-                    vals.append(prev)
-                    secs.append(secs[-1])
-                    done += 1
+                if sat or rho > SIM_MAX_RHO:  # past saturation: closed form, monotone in load
+                    vals.append(max(prev, saturated(rho)))
+                    secs.append(secs[-1] if sat and secs else (math.inf, math.inf))
+                    prev = vals[-1]
+                    if rho <= SIM_MAX_RHO:
+                        done += 1
+                        if progress is not None:
+                            progress(done, total)
                     continue
                 key = key0 + (kind, n, rho, len(sample))
                 hit = cache.get(key) if cache is not None else None
@@ -288,6 +313,8 @@ def build_estimates(profile, sessions: Sequence, degrees: Sequence[int], slo, *,
                     if cache is not None:
                         cache.put(key, hit)
                 norm, ttft, itl = hit
+                if norm >= STOP_AT:  # saturated (or unfinished sessions): no heavier level is simulated
+                    sat, norm = True, saturated(rho)
                 prev = max(prev, norm)  # cumulative max: simulation noise must not make load help
                 vals.append(prev)
                 secs.append((ttft, itl))

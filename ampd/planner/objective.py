@@ -6,11 +6,15 @@ from typing import Iterator, Sequence
 from .estimates import Estimates
 from .space import KINDS, Deployment
 
-__all__ = ["EPS_UNUSED", "surrogate", "bottleneck", "enumerate_deployments", "brute_force_top"]
+__all__ = ["EPS_BALANCE", "EPS_UNUSED", "surrogate", "bottleneck", "phase_taus", "enumerate_deployments",
+           "brute_force_top"]
 
-# Tie-break: among deployments with the same worst P95, prefer the one that leaves fewer GPUs idle.
-# Small against any difference of the normalised P95 that matters (0.001 of an SLO threshold).
-EPS_UNUSED = 1e-3
+# Tie-breaks, both small against a difference of the worst normalised P95 that matters. Among
+# deployments with the same worst P95 (the bottleneck phase fixes it, so many splits tie), prefer
+# the one whose phases are all faster (sum of each phase's worst tau: a balanced split beats one
+# that starves the other phase), then the one that leaves fewer GPUs idle.
+EPS_BALANCE = 1e-3
+EPS_UNUSED = 1e-4
 
 
 def bottleneck(dep: Deployment, est: Estimates) -> tuple[float, dict[str, int]]:
@@ -26,9 +30,21 @@ def bottleneck(dep: Deployment, est: Estimates) -> tuple[float, dict[str, int]]:
     return z, lv
 
 
+def phase_taus(dep: Deployment, est: Estimates) -> dict[str, float]:
+    """The worst tau of each kind the deployment instantiates (at its level)."""
+    out = {}
+    for kind in KINDS:
+        groups = dep.groups(kind)
+        if groups:
+            i = est.level_index(kind, groups)
+            out[kind] = max(est.tau[kind][n][i] for n, _ in groups)
+    return out
+
+
 def surrogate(dep: Deployment, est: Estimates, gpus: int) -> float:
     """The ILP's objective value of ``dep`` on ``gpus`` GPUs."""
-    return bottleneck(dep, est)[0] + EPS_UNUSED * (gpus - dep.gpus) / gpus
+    taus = phase_taus(dep, est)
+    return max(taus.values()) + EPS_BALANCE * sum(taus.values()) + EPS_UNUSED * (gpus - dep.gpus) / gpus
 
 
 def _vectors(degrees: Sequence[int], budget: int, mixed: bool) -> Iterator[tuple[dict[int, int], int]]:

@@ -9,13 +9,13 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from .estimates import SAMPLE_SESSIONS, EstimateCache, Estimates, build_estimates, latency_p95
+from .estimates import SAMPLE_SESSIONS, EstimateCache, Estimates, build_estimates, outcome
 from .ilp import solve_top
-from .objective import bottleneck
+from .objective import bottleneck, surrogate
 from .space import Deployment, PlanError, feasible_degrees
 
 __all__ = ["PlanRequest", "PlanEntry", "PlanResult", "plan", "default_slo", "resolve_slo", "search_space", "check",
-           "family_candidates", "max_context", "SLO_TTFT_K", "SLO_ITL_M"]
+           "family_candidates", "balanced_splits", "max_context", "SLO_TTFT_K", "SLO_ITL_M"]
 
 # Default SLO when the request gives none: the rule of docs/paper-results.md ("SLO rule"), taken at the
 # largest degree a prefill and a decode replica can both use.
@@ -151,7 +151,7 @@ def search_space(req: PlanRequest) -> tuple[tuple[int, ...], bool, bool]:
 
 def check(req: PlanRequest, dep: Deployment) -> tuple[str, float, float, float]:
     """(policy, SLO attainment, P95 TTFT, P95 mean ITL) of ``dep`` simulated on the request's trace."""
-    from ampd.sim import sim_report, simulate
+    from ampd.sim import simulate
 
     policy = req.policy if not dep.colocated or req.policy in ("colocated", "continuum") else "colocated"
     sessions = sorted(req.sessions, key=lambda s: s.arrival)
@@ -159,9 +159,8 @@ def check(req: PlanRequest, dep: Deployment) -> tuple[str, float, float, float]:
         sessions = sessions[: req.check_sessions]
     res = simulate(sessions, req.profile, policy=policy, prefill=dep.prefill_spec, decode=dep.decode_spec,
                    ttft_slo_s=req.slo.ttft_s, itl_slo_s=req.slo.itl_s, seed=req.seed)
-    rep = sim_report(res, req.slo, extras=False)
-    ttft, itl, _ = latency_p95(res)
-    return policy, float(rep["slo_attainment"]), ttft, itl
+    att, ttft, itl, _ = outcome(res, req.slo)
+    return policy, att, ttft, itl
 
 
 def headroom(e: "PlanEntry", slo) -> float:
@@ -173,24 +172,40 @@ def headroom(e: "PlanEntry", slo) -> float:
     return worst if math.isfinite(worst) else math.inf
 
 
+def balanced_splits(gpus: int, degrees) -> list[Deployment]:
+    """Half the GPUs to each phase at one degree: P<n, N/2n> D<n, N/2n> for every degree ``n`` that
+    divides N/2 (every Table 2 entry but one has this form)."""
+    half = gpus // 2
+    if half < 1 or 2 * half != gpus:
+        return []
+    return [Deployment.of({n: half // n}, {n: half // n}) for n in sorted(degrees) if half % n == 0]
+
+
 def family_candidates(est, gpus: int, degrees, k: int, *, disaggregated: bool, colocated: bool, mixed: bool,
                       all_gpus: bool) -> list:
-    """The ILP's ``k`` best over the whole space, then the ``k`` best of each family (co-located,
-    disaggregated) that those miss. The surrogate may rank a family low that the simulator, running the
-    real policy, prefers (AMPD's local prefills make a disaggregated deployment partly co-located), and
-    a plan restricted to one family (a baseline's: ``remote`` plans disaggregated, ``colocated``
+    """The ILP's ``k`` best of each family (co-located, disaggregated), which hold its ``k`` best over
+    the whole space, plus the balanced splits (:func:`balanced_splits`) when disaggregated
+    deployments are searched. The surrogate may rank a family low that the simulator, running the real
+    policy, prefers (AMPD's local prefills make a disaggregated deployment partly co-located), and a
+    plan restricted to one family (a baseline's: ``remote`` plans disaggregated, ``colocated``
     co-located deployments) checks exactly that family's ``k`` best: so AMPD's candidates hold every
     deployment a baseline's plan of the same ``k`` would check, and AMPD can become that baseline's
-    deployment where it wins."""
-    cands = solve_top(est, gpus, degrees, k, disaggregated=disaggregated, colocated=colocated, mixed=mixed,
-                      all_gpus=all_gpus)
+    deployment where it wins. The balanced splits cost a few simulations and guard against the
+    surrogate's blind spot: its per-replica estimates run the `remote` policy, so under AMPD (local
+    prefills) it undervalues decode capacity and prefers lopsided mixed-degree splits."""
     if disaggregated and colocated:
+        # the joint k best lie within the union of the two families' k best: two solves, not three.
+        # Each family's solve is the one a baseline's plan of that family runs (same model, same ties).
+        cands = [c for fam in ({"disaggregated": True, "colocated": False},
+                               {"disaggregated": False, "colocated": True})
+                 for c in solve_top(est, gpus, degrees, k, mixed=mixed, all_gpus=all_gpus, **fam)]
+        cands.sort(key=lambda t: t[0])  # stable: the joint k best first, each family in its own order
+    else:
+        cands = solve_top(est, gpus, degrees, k, disaggregated=disaggregated, colocated=colocated, mixed=mixed,
+                          all_gpus=all_gpus)
+    if disaggregated:
         seen = {d for _, d in cands}
-        for fam in ({"disaggregated": True, "colocated": False}, {"disaggregated": False, "colocated": True}):
-            for obj, dep in solve_top(est, gpus, degrees, k, mixed=mixed, all_gpus=all_gpus, **fam):
-                if dep not in seen:
-                    seen.add(dep)
-                    cands.append((obj, dep))
+        cands += [(surrogate(d, est, gpus), d) for d in balanced_splits(gpus, degrees) if d not in seen]
     return cands
 
 

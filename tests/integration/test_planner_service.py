@@ -84,7 +84,7 @@ def test_plan_over_grpc(planner, tmp_path):
                                   ttft_slo_s=1.5, itl_slo_s=0.05, candidates=3)
     reply = asyncio.run(_call(planner, "Plan", req))
     # the 3 best over the whole space, then the 3 best of each family (co-located, disaggregated) they miss
-    assert reply.gpus == 4 and len(reply.top) == 2 and 3 <= reply.candidates_checked <= 9
+    assert reply.gpus == 4 and len(reply.top) == 2 and 3 <= reply.candidates_checked <= 11  # + the balanced splits
     assert reply.top[0].slo_attainment >= reply.top[1].slo_attainment
     doc = json.loads(reply.json)
     assert set(doc) >= {"gpus", "seconds", "top"}
