@@ -333,7 +333,7 @@ def plan_deployment(cfg: Config, trace: str, gpus: int | None) -> tuple[Config, 
         raise CliError(f"--{exc.field.replace('_', '-')}: {str(exc).partition(': ')[2]}") from None
     dep = best.deployment
     chosen = cfg.with_(prefill=dep.prefill_spec, decode=dep.decode_spec, policy=best.policy)
-    line = (f"plan: prefill {dep.prefill_spec} decode {dep.decode_spec} policy {best.policy} on {dep.gpus} of "
+    line = (f"plan: prefill {dep.prefill_spec} decode {dep.decode_spec} policy {best.policy}, {dep.gpus} of "
             f"{gpus} GPUs (simulated SLO attainment {best.slo_attainment * 100:.1f}% on {len(sessions)} sessions "
             f"of {trace}, TTFT SLO {pol.ttft_slo:g} s, ITL SLO {pol.itl_slo:g} s)")
     return chosen, line
