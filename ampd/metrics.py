@@ -122,6 +122,8 @@ COORDINATOR = (
            "(ampd/policy/admit.py)", tuple(("refused_" + r, r) for r in REFUSAL_REASONS), label="reason"),
     Family("prefills_routed", "counter", "prefills handed over, by where they run (after fallbacks)",
            (("prefills_local", "local"), ("prefills_remote", "remote")), label="where"),
+    _one("prefills_routed_with_turn", "counter", "prefills_routed_with_turn", "prefills whose route went with "
+         "their turn to the decode worker and held there (no prefill_task round trip; decode.proto Route)"),
     _one("route_state_read_seconds", "counter", "route_redis_read_ms_total",
          "seconds routing decisions spent reading worker state", scale=1e-3),
     Family("worker_stats_lag_seconds", "gauge", "age of worker statistics when the coordinator received them "

@@ -14,6 +14,7 @@ from ampd.config import SERVICE_SETTINGS, ConfigError, add_flags, require
 from ampd.deployment import check_names
 from ampd.engine.base import Sampling
 from ampd.kv import KVPool, PoolLayout
+from ampd.kv.finetimer import fine_sleep
 from ampd.perf import Profile
 from ampd.policy import WorkerView
 from ampd.state import StateStore, WorkerInfo, WorkerStats
@@ -30,6 +31,10 @@ log = structlog.get_logger()
 # zero-cost path made ~5 publications at no gap and ~3 at this one; a busy decode worker's steps
 # (10 ms or more) still publish one each.
 PUBLISH_MIN_GAP_S = 2e-3
+# How long a change waits before it is published: the work that made it (the round's next hops, on
+# this worker's loop and on the box's cores) goes first; a router reading the view meanwhile sees
+# it this much later.
+PUBLISH_DELAY_S = 1e-3
 
 @dataclass(frozen=True)
 class WorkerConfig:
@@ -164,7 +169,7 @@ class WorkerRuntime:
             # the publish is a Redis round trip the request path need not wait behind. Changes that
             # come within PUBLISH_MIN_GAP_S of the last publish wait for its end and go out together.
             gap = self._published_at + PUBLISH_MIN_GAP_S - time.monotonic()
-            await asyncio.sleep(gap if gap > 0 else 0)
+            await fine_sleep(max(gap, PUBLISH_DELAY_S))
             self._dirty.clear()
             self._published_at = time.monotonic()
             try:

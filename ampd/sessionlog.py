@@ -55,14 +55,29 @@ class SessionLog:
     def on_prefill_task(self, task: common_pb2.PrefillTask) -> None:
         del self.history[task.l_hist:]
         self.history.extend(task.token_ids)
-        if self.carry is not None and self.carry[0] == task.round:
+        self.on_round_start(task.round, task.input_ready)
+
+    def on_round_start(self, rnd: int, input_ready: float) -> None:
+        """Round ``rnd`` began (its input is in the history): from its PrefillTask, or when the
+        coordinator routed it with the turn (decode.proto Route)."""
+        if self.carry is not None and self.carry[0] == rnd:
             self.round_tokens = self.carry[1]
         else:
             self.round_tokens = 0
             self.first_token_at = 0.0
-            self.input_ready = task.input_ready
-        self.round, self.round_ended, self.server_calls = task.round, False, []
-        self.next_round = task.round + 1
+            self.input_ready = input_ready
+        self.round, self.round_ended, self.server_calls = rnd, False, []
+        self.next_round = rnd + 1
+
+    def expected_sizes(self, t: common_pb2.Turn) -> tuple[int, int]:
+        """(l_hist, l_incr) of the first round of turn ``t`` (before ``on_turn(t)``) on a decode worker
+        that holds the session's KV: every token but the last output one, which the next prefill
+        computes with the turn's input (services/decode/worker.py). A worker that holds less (it
+        evicted the KV, or the session just moved there) computes other sizes: it then ignores a
+        route decided for these."""
+        kept = min(t.keep_tokens, len(self.history)) if t.HasField("keep_tokens") else len(self.history)
+        l_hist = min(max(0, len(self.history) - 1), kept)
+        return l_hist, kept + len(t.token_ids) - l_hist
 
     def on_tokens(self, t: common_pb2.Tokens) -> None:
         del self.history[t.position:]

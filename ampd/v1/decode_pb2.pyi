@@ -22,16 +22,18 @@ class ControlRequest(_message.Message):
     def __init__(self, id: _Optional[int] = ..., local_prefill: _Optional[_Union[RouteInfo, _Mapping]] = ..., turn: _Optional[_Union[TurnRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelRequest, _Mapping]] = ..., close: _Optional[_Union[CloseRequest, _Mapping]] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("open", "arrival", "resume", "session_secret")
+    __slots__ = ("open", "arrival", "resume", "session_secret", "route")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
     SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
     open: _common_pb2.OpenSession
     arrival: float
     resume: Resume
     session_secret: str
-    def __init__(self, open: _Optional[_Union[_common_pb2.OpenSession, _Mapping]] = ..., arrival: _Optional[float] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., session_secret: _Optional[str] = ...) -> None: ...
+    route: Route
+    def __init__(self, open: _Optional[_Union[_common_pb2.OpenSession, _Mapping]] = ..., arrival: _Optional[float] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., session_secret: _Optional[str] = ..., route: _Optional[_Union[Route, _Mapping]] = ...) -> None: ...
 
 class Resume(_message.Message):
     __slots__ = ("round", "round_tokens", "rerun_tools", "calls", "attempt")
@@ -78,14 +80,26 @@ class DecodeEvent(_message.Message):
     def __init__(self, prefill_task: _Optional[_Union[_common_pb2.PrefillTask, _Mapping]] = ..., tokens: _Optional[_Union[_common_pb2.Tokens, _Mapping]] = ..., tool_call: _Optional[_Union[_common_pb2.ToolCall, _Mapping]] = ..., round_end: _Optional[_Union[_common_pb2.RoundEnd, _Mapping]] = ..., done: _Optional[_Union[_common_pb2.SessionDone, _Mapping]] = ..., turn_end: _Optional[_Union[_common_pb2.TurnEnd, _Mapping]] = ...) -> None: ...
 
 class TurnRequest(_message.Message):
-    __slots__ = ("session_id", "turn", "session_secret")
+    __slots__ = ("session_id", "turn", "session_secret", "route")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TURN_FIELD_NUMBER: _ClassVar[int]
     SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     turn: _common_pb2.Turn
     session_secret: str
-    def __init__(self, session_id: _Optional[str] = ..., turn: _Optional[_Union[_common_pb2.Turn, _Mapping]] = ..., session_secret: _Optional[str] = ...) -> None: ...
+    route: Route
+    def __init__(self, session_id: _Optional[str] = ..., turn: _Optional[_Union[_common_pb2.Turn, _Mapping]] = ..., session_secret: _Optional[str] = ..., route: _Optional[_Union[Route, _Mapping]] = ...) -> None: ...
+
+class Route(_message.Message):
+    __slots__ = ("l_hist", "l_incr", "prefill_worker")
+    L_HIST_FIELD_NUMBER: _ClassVar[int]
+    L_INCR_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
+    l_hist: int
+    l_incr: int
+    prefill_worker: str
+    def __init__(self, l_hist: _Optional[int] = ..., l_incr: _Optional[int] = ..., prefill_worker: _Optional[str] = ...) -> None: ...
 
 class CloseRequest(_message.Message):
     __slots__ = ("session_id", "session_secret")

@@ -16,6 +16,7 @@ import time
 import grpc
 import structlog
 
+from ampd.grpcserver import SESSION_OPEN
 from ampd.policy import PrefillTask
 from ampd.sessionlog import CannotResume, SessionLog
 from ampd.trust import new_secret
@@ -49,7 +50,7 @@ class SessionRun:
         self.q: asyncio.Queue = asyncio.Queue()
         self.gen = 0  # the binding's number: events of a replaced binding are dropped
         self.bound = False
-        self.opened = False  # the bound worker opened the session (its first event came)
+        self.opened = False  # the bound worker opened the session (Attach's metadata or first event came)
         self.held: list = []  # client messages that came before it did
         self.finished = False
         self.decode_id = ""
@@ -59,6 +60,9 @@ class SessionRun:
         self.pump: asyncio.Task | None = None
         self.routes: dict[int, tuple[str, str, bool]] = {}
         self.remote: dict[int, str] = {}  # round -> prefill worker its prefill was submitted to
+        # The route sent with the client's last turn (decode.proto Route): (round, decision,
+        # decide_ms, input ready); the round's first Tokens show it held
+        self.ahead: tuple | None = None
         self.announce = True  # the next event to the client names the binding
         self.secret = new_secret()  # the session's credential on its decode worker (every request)
         self.closing = False  # the client sent Close: only cancel may follow
@@ -82,6 +86,8 @@ class SessionRun:
                     outs = await self._client(item)
                 elif gen != self.gen:
                     continue  # from a decode stream already replaced
+                elif kind == "opened":
+                    self.opened, outs = True, []
                 elif kind == "event":
                     outs = await self._event(item)
                 elif kind == "error":
@@ -109,6 +115,10 @@ class SessionRun:
 
     async def _pump(self, call, gen: int) -> None:
         try:
+            # The worker opened the session: held client messages may go. Its first event may come
+            # much later (a long prefill routed with the open).
+            if SESSION_OPEN in tuple(await call.initial_metadata() or ()):
+                self.q.put_nowait(("opened", gen, None))
             async for ev in call:
                 self.q.put_nowait(("event", gen, ev))
             self.q.put_nowait(("end", gen, None))
@@ -142,6 +152,10 @@ class SessionRun:
         req.session_secret = self.secret
         self.info = svc.cluster.infos[self.decode_id]
         self.control = svc.stubs.control(self.info.address, self.info.nixl_agent)
+        if not req.HasField("resume"):
+            r = await self._route_ahead(0, 0, len(req.open.turn.token_ids))
+            if r is not None:
+                req.route.CopyFrom(r)
         self.gen += 1
         self.call = svc.stubs.decode(self.info.address, self.info.nixl_agent).Attach(req)
         self.pump = asyncio.create_task(self._pump(self.call, self.gen))
@@ -224,8 +238,9 @@ class SessionRun:
                 self.svc.admission.add(self.promised_on, more)
             if not self.bound:
                 return await self._resume_with(msg.turn)
+            r = await self._route_ahead(self.log.next_round, *self.log.expected_sizes(msg.turn))
             ok = await self._control(decode_pb2.ControlRequest(turn=decode_pb2.TurnRequest(
-                session_id=self.sid, turn=msg.turn, session_secret=self.secret)))
+                session_id=self.sid, turn=msg.turn, session_secret=self.secret, route=r)))
             self.log.on_turn(msg.turn)  # accepted, or the worker is gone with it (the move runs it)
             return [] if ok else await self._move("its control stream failed")
         if kind == "close":
@@ -288,6 +303,13 @@ class SessionRun:
             await self._route(ev.prefill_task)
             return []
         if kind == "tokens":
+            ahead = self.ahead
+            if ahead is not None and ahead[0] == ev.tokens.round:  # its route held: no prefill_task came
+                self.ahead = None
+                lg.on_round_start(ev.tokens.round, ahead[3])
+                self._routed(ev.tokens.round, ahead[1], ahead[2])
+                self.svc.counters["prefills_local" if ahead[1].local else "prefills_remote"] += 1
+                self.svc.counters["prefills_routed_with_turn"] += 1
             lg.on_tokens(ev.tokens)
             self.svc.forget_remote(self, ev.tokens.round)
             return [self._out(tokens=ev.tokens)]
@@ -312,21 +334,50 @@ class SessionRun:
             t.route_reason = self.routes[t.round][1]
 
     # ------------------------------------------------------------------------------- routing
-    async def _route(self, need: common_pb2.PrefillTask) -> None:
-        svc, sid, decode_id = self.svc, self.sid, self.decode_id
+    async def _decide(self, rnd: int, l_hist: int, l_incr: int, input_ready: float):
+        """(Algorithm 1's decision or None, ms it took) for the round on the cluster's view now."""
+        svc = self.svc
         t0 = time.perf_counter()
         view = await svc.cluster.view()
-        req = PrefillTask(sid, need.round, need.l_hist, need.l_incr, need.input_ready, decode_id, self.info.tp)
+        svc.route_read_ms_total += view.read_s * 1e3
+        req = PrefillTask(self.sid, rnd, l_hist, l_incr, input_ready, self.decode_id, self.info.tp)
         try:
             decision = route(svc.router, view, req, time.time())
         except LookupError:  # the bound worker left routing meanwhile: its stream says what happened
             decision = None
+        return decision, (time.perf_counter() - t0) * 1e3
+
+    async def _route_ahead(self, rnd: int, l_hist: int, l_incr: int) -> decode_pb2.Route | None:
+        """Routes the first round of a client's turn as the turn goes to the decode worker, for the
+        sizes it will have there if it holds the session's KV (decode.proto Route): the worker then
+        starts a local prefill, or submits a remote one to its prefill worker, without a round trip
+        through here. The decision is Algorithm 1's on the view it would read a moment later, when
+        the worker's prefill_task came."""
+        self._drop_ahead()
+        now = time.time()
+        decision, decide_ms = await self._decide(rnd, l_hist, l_incr, now)
+        if decision is None:
+            return None
+        self.ahead = (rnd, decision, decide_ms, now)
+        if not decision.local:  # the decode worker submits it: a lost prefill worker's rounds re-route
+            self.remote[rnd] = decision.target
+            self.svc.remember_remote(self, decision.target, rnd)
+        return decode_pb2.Route(l_hist=l_hist, l_incr=l_incr,
+                                prefill_worker="" if decision.local else decision.target)
+
+    def _drop_ahead(self) -> None:
+        """The route sent with the turn did not hold (the worker asked with a prefill_task)."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and not ahead[1].local:
+            self.svc.forget_remote(self, ahead[0])
+
+    async def _route(self, need: common_pb2.PrefillTask) -> None:
+        svc, sid, decode_id = self.svc, self.sid, self.decode_id
+        self._drop_ahead()
+        decision, decide_ms = await self._decide(need.round, need.l_hist, need.l_incr, need.input_ready)
         if decision is None:
             await self._local(need.round, "fallback-local")
             return
-        decide_ms = (time.perf_counter() - t0) * 1e3
-        svc.route_read_ms_total += view.read_s * 1e3
-        svc.counters[f"route_{decision.reason}"] += 1
         if not decision.local:
             target = svc.cluster.infos.get(decision.target)
             try:
@@ -348,10 +399,16 @@ class SessionRun:
                 decision = decision.__class__(decode_id, True, "fallback-local", decision.estimates)
         if decision.local:
             await self._local(need.round, decision.reason)
-        self.routes[need.round] = (decision.target, decision.reason, decision.local)
+        self._routed(need.round, decision, decide_ms)
+
+    def _routed(self, rnd: int, decision, decide_ms: float) -> None:
+        """Round ``rnd``'s prefill went where ``decision`` says (after fallbacks)."""
+        svc = self.svc
+        svc.counters[f"route_{decision.reason}"] += 1
+        self.routes[rnd] = (decision.target, decision.reason, decision.local)
         # the record after the prefill's request: its Redis write would run first and delay it
-        svc.record(sid, {"round": need.round, "route": decision.reason, "prefill_worker": decision.target})
-        log.info("route", session=sid, round=need.round, target=decision.target, local=decision.local,
+        svc.record(self.sid, {"round": rnd, "route": decision.reason, "prefill_worker": decision.target})
+        log.info("route", session=self.sid, round=rnd, target=decision.target, local=decision.local,
                  reason=decision.reason, decide_ms=round(decide_ms, 3),
                  **{k: round(v, 4) for k, v in decision.estimates.items()})
 

@@ -10,7 +10,7 @@ import structlog
 
 from ampd import grpcserver, logs, metrics
 from ampd.config import ConfigError
-from ampd.grpcserver import RpcFailure, abort_on_failure, serve_calls
+from ampd.grpcserver import SESSION_OPEN, RpcFailure, abort_on_failure, serve_calls
 from ampd.chat.template import ChatFormat
 from ampd.chat.tokenizer import tokenizer_for
 from ampd.engine import check_available, make_engine
@@ -44,7 +44,7 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         try:
             # the session is open: the coordinator sends its Control requests only after this
-            await context.send_initial_metadata(())
+            await context.send_initial_metadata((SESSION_OPEN,))
             while True:
                 ev = await s.events.get()
                 if isinstance(ev, SessionFailed):
@@ -75,7 +75,8 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
             validate_turn(request.turn, "turn")
             if request.session_id not in self.core.sessions:
                 raise InvalidTurn(f"session_id: {request.session_id!r} is not open on this worker")
-            self.core.turn(request.session_id, request.turn, request.session_secret)
+            self.core.turn(request.session_id, request.turn, request.session_secret,
+                           request.route if request.HasField("route") else None)
 
     def _close(self, request: decode_pb2.CloseRequest) -> None:
         with _statuses():

@@ -21,6 +21,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import grpc
 import structlog
 
 from ampd.chat.stops import StopChecker
@@ -31,6 +32,7 @@ from ampd.kv import KVPoolExhausted, Segment, SessionKV, verify_pattern
 from ampd.policy import PrefillTask, WorkerView
 from ampd.grpcserver import RPC_TIMEOUT_S
 from ampd.runtime import WorkerRuntime, sampling_of
+from ampd.stubs import Stubs
 from ampd.trust import new_call_id, task_token, token_matches
 from ampd.validate import MAX_ROUNDS
 from ampd.workload.ids import filler_ids
@@ -52,8 +54,11 @@ class NotPermitted(SessionError):
     """A request on a session without its session secret (PERMISSION_DENIED)."""
 
 
-def seg_pb(segments: list[Segment]) -> list[common_pb2.Segment]:
-    return [common_pb2.Segment(block=s.block, offset=s.offset, tokens=s.tokens) for s in segments]
+def add_segments(field, segments: list[Segment]) -> None:
+    """Appends ``segments`` to a repeated Segment field (``add`` costs half of building each message)."""
+    add = field.add
+    for s in segments:
+        add(block=s.block, offset=s.offset, tokens=s.tokens)
 
 
 FINISH_STOP, FINISH_LENGTH, FINISH_TOOL = "stop", "length", "tool_calls"
@@ -97,6 +102,7 @@ class Session:
     recovering: bool = False  # moved here from a lost worker: its first round here is marked recovered
     carried: int = 0  # output tokens of the first round here that the lost worker already made
     recompute: int = 0  # KV tokens an eviction took (--kv-evict): the next round prefills them again
+    route: decode_pb2.Route | None = None  # the coordinator's route for the round starting now
     closing: bool = False  # Close received: end after the turn
     closed: bool = False
 
@@ -167,6 +173,8 @@ class DecodeWorker:
             "kv_held_for_remote": 0, "kv_evictions": 0, "kv_recomputed_tokens": 0,
         }
         self._tasks: list[asyncio.Task] = []
+        self._background: set[asyncio.Task] = set()  # submits of routed prefills in flight
+        self.stubs = Stubs()  # to the prefill workers routed prefills go to
         # A real engine attends to the history in the pool; the mock needs none (and its KV is checkable).
         self._history_kv = engine.name != "mock"
         # An engine that keeps the KV itself (sglang) needs every session's token ids instead.
@@ -189,6 +197,11 @@ class DecodeWorker:
         await self._notifs.stop()
         for s in list(self.sessions.values()):
             self.fail(s, f"decode worker {self.rt.cfg.worker_id} shutting down", SHUTDOWN)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     # ------------------------------------------------------------------------------------ KV / view
     def _sync_kv(self, room: int = 0) -> None:
@@ -226,7 +239,7 @@ class DecodeWorker:
             if req.HasField("resume"):
                 self._resume(s, o.turn, req.resume)
             else:
-                self._start_turn(s, o.turn, req.arrival or time.time())
+                self._start_turn(s, o.turn, req.arrival or time.time(), req.route if req.HasField("route") else None)
         except BaseException:
             self.close(s)  # nothing of a session that did not open stays behind
             raise
@@ -252,8 +265,9 @@ class DecodeWorker:
         after_eos = s.tokens[-1] in self.engine.eos_token_ids
         asyncio.create_task(self._run_tools(s, scripted, calls, after_eos))
 
-    def turn(self, session_id: str, t: common_pb2.Turn, secret: str) -> None:
-        """The client's next turn (after the previous one ended)."""
+    def turn(self, session_id: str, t: common_pb2.Turn, secret: str, route: decode_pb2.Route | None = None) -> None:
+        """The client's next turn (after the previous one ended), with the coordinator's route for
+        its first round if it decided one (decode.proto Route)."""
         s = self._session(session_id, secret)
         check_turn(t, self.engine, len(s.tokens), "turn", self.chat is not None)
         if s.turn is not None or s.closing:
@@ -262,9 +276,9 @@ class DecodeWorker:
             raise InvalidTurn(f"turn.tool_call_id: {t.tool_call_id!r} is not a pending call of the session "
                               f"({len(s.pending_calls)} pending)")
         s.pending_calls.clear()
-        self._start_turn(s, t, time.time())
+        self._start_turn(s, t, time.time(), route)
 
-    def _start_turn(self, s: Session, t: common_pb2.Turn, now: float) -> None:
+    def _start_turn(self, s: Session, t: common_pb2.Turn, now: float, route: decode_pb2.Route | None = None) -> None:
         if t.HasField("keep_tokens") and t.keep_tokens < len(s.tokens):
             del s.tokens[t.keep_tokens:]
             if s.kv.tokens > t.keep_tokens:
@@ -273,7 +287,12 @@ class DecodeWorker:
         s.turn = t
         s.script = deque(t.script)
         s.tokens.extend(t.token_ids)
-        self.begin_round(s, t.sampling, len(t.token_ids), now)
+        # the route holds only while the round starts now (its KV admitted at once, in begin_round)
+        s.route = route
+        try:
+            self.begin_round(s, t.sampling, len(t.token_ids), now)
+        finally:
+            s.route = None
 
     def begin_round(self, s: Session, params: common_pb2.SamplingParams, new: int, input_ready: float) -> None:
         """The round's input is ready (``new`` tokens appended to ``s.tokens``): the core admits its KV
@@ -325,18 +344,45 @@ class DecodeWorker:
                                           recovered=s.recovering, kv_recomputed_tokens=s.recompute)
         self.metrics["kv_recomputed_tokens"] += s.recompute
         s.recovering, s.recompute = False, 0
+        routed = s.route is not None and (s.route.l_hist, s.route.l_incr) == (s.l_hist, s.l_incr)
+        if routed and not s.route.prefill_worker:  # the coordinator's local route holds
+            self._queue_local(s)
+            return
         task = common_pb2.PrefillTask(
             session_id=s.session_id, round=rnd, l_hist=s.l_hist, l_incr=s.l_incr, input_ready=s.input_ready,
             decode_worker=self.rt.cfg.worker_id, decode_tp=self.rt.cfg.tp,
-            history=seg_pb(s.kv.segments(0, s.l_hist)), dest=seg_pb(s.dest),
             token_ids=s.tokens[s.l_hist:], sampling=s.params,
             history_token_ids=s.tokens[:s.l_hist] if self._token_ids else (),
         )
+        add_segments(task.history, s.kv.segments(0, s.l_hist))
+        add_segments(task.dest, s.dest)
         # the blocks just reserved may be written by a prefill worker with this token only
         task.task_token = s.task_token = task_token(self.rt.task_key, task)
-        self.emit(s, decode_pb2.DecodeEvent(prefill_task=task))
         self.awaiting_remote[(s.session_id, rnd)] = s
         self._notifs.arm()
+        if routed:  # its remote route holds: the task goes to that prefill worker from here, now
+            target = s.route.prefill_worker
+            info = self.rt.peers.get(target)
+            reply = self.stubs.submit(info.address, info.nixl_agent).send(prefill_pb2.SubmitRequest(task=task)) \
+                if info is not None else None
+            self._spawn(self._submitted(s, task, target, reply))
+        else:
+            self.emit(s, decode_pb2.DecodeEvent(prefill_task=task))
+
+    async def _submitted(self, s: Session, task: common_pb2.PrefillTask, target: str, reply) -> None:
+        """The answer to a routed remote prefill's submit; one that could not be submitted goes to
+        the coordinator as a plain prefill_task, which routes it again (and runs it here if its
+        prefill worker is gone)."""
+        try:
+            if reply is None:
+                raise LookupError(f"prefill worker {target!r} is not known here")
+            await reply
+        except (grpc.aio.AioRpcError, LookupError) as exc:
+            log.warning("routed prefill submit failed; asking the coordinator", session=s.session_id,
+                        round=task.round, target=target, error=exc.details() if isinstance(exc, grpc.aio.AioRpcError)
+                        else str(exc))
+            if not s.closed and self.awaiting_remote.get((s.session_id, task.round)) is s:
+                self.emit(s, decode_pb2.DecodeEvent(prefill_task=task))
 
     def _admit_waiting(self) -> None:
         """KV freed: start the waiting rounds that fit now, in the core's order."""
@@ -383,8 +429,11 @@ class DecodeWorker:
         if s.round != rnd or (session_id, rnd) not in self.awaiting_remote:
             raise SessionError(f"session {session_id!r} round {rnd} is not waiting for a prefill")
         del self.awaiting_remote[(session_id, rnd)]
+        self._queue_local(s)
+
+    def _queue_local(self, s: Session) -> None:
         c = s.core
-        self.core.submit_local(PrefillTask(session_id, rnd, c.l_hist, c.l_incr, s.input_ready,
+        self.core.submit_local(PrefillTask(s.session_id, c.round, c.l_hist, c.l_incr, s.input_ready,
                                            self.rt.cfg.worker_id, self.rt.cfg.tp))
         self.rt.changed()
         self.wake.set()

@@ -158,6 +158,9 @@ def test_coordinator_histograms_and_counters_match_the_replay(deployment, replay
     assert m.total("ampd_route_decisions_total", reason="threshold-remote") == len(remote)
     assert m.total("ampd_route_decisions_total", reason="threshold-local") == len(local)
     assert m.total("ampd_prefills_routed_total", where="remote") == len(remote)
+    # every round 0 was routed with its open and that route held; the rounds after server-side tool
+    # calls asked with a PrefillTask (decode.proto Route)
+    assert m.total("ampd_prefills_routed_with_turn_total") == len(sessions)
 
     assert m.total("ampd_sessions_total", status="opened") == len(sessions)
     assert m.total("ampd_sessions_total", status="completed") == len(sessions)
@@ -282,3 +285,25 @@ def test_a_taken_metrics_port_is_a_clear_error():
         port = s.getsockname()[1]
         with pytest.raises(RuntimeError, match=rf"--metrics-port: cannot bind 127.0.0.1:{port}"):
             metrics.serve("127.0.0.1", port, [])
+
+
+def test_client_turns_are_routed_with_the_turn(deployment, replayed):
+    """Last in this module (it adds rounds to the counters the tests above compare): with the tools on
+    the client, every round begins with a client's turn, so every route goes with it and holds, both
+    local and remote ones (the threshold policy makes both), and every token is still right."""
+    sessions = generate("toolbench", rate=5.0, duration=10.0, seed=5)[:4]
+    before = scrape(deployment.metrics["coordinator"])
+    records, stats, _, _ = asyncio.run(replay(deployment.coordinator, sessions, client_tools=True,
+                                              verify_tokens=True, progress=False, timeout_s=180))
+    assert all(r.completed for r in records), [r.error for r in records if not r.completed][:3]
+    assert stats.token_mismatches == 0
+    after = scrape(deployment.metrics["coordinator"])
+    rounds = [rr for r in records for rr in r.rounds]
+    assert {rr.local for rr in rounds} == {True, False}
+
+    def delta(name: str, **labels: str) -> float:
+        return after.total(name, **labels) - before.total(name, **labels)
+
+    assert delta("ampd_prefills_routed_with_turn_total") == len(rounds)
+    assert delta("ampd_prefills_routed_total", where="remote") == sum(1 for rr in rounds if not rr.local)
+    assert delta("ampd_prefills_routed_total", where="local") == sum(1 for rr in rounds if rr.local)

@@ -8,7 +8,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ampd import grpcserver
-from services.coordinator.server import Stubs
+from ampd.stubs import Stubs
 
 
 async def _serving(port: int = 0):

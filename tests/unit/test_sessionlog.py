@@ -90,3 +90,30 @@ def test_an_idle_session_moves_with_the_next_turn_and_a_lost_turn_end_is_sent():
     req = lg.resume(common_pb2.Turn(token_ids=[9], sampling=_sampling(3), keep_tokens=3))
     assert list(req.open.turn.token_ids) == [1, 2, 5, 9] and not req.open.turn.HasField("keep_tokens")
     assert req.resume.round == 1 and req.resume.round_tokens == 0
+
+
+def test_expected_sizes_are_the_decode_workers_for_a_client_turn():
+    """The first round of a turn prefills the last output token and the turn's input on top of
+    every other token (services/decode/worker.py begin_round): the coordinator's route for it is
+    decided for those sizes (decode.proto Route)."""
+    lg = SessionLog("s", common_pb2.SessionLimits())
+    opening = common_pb2.Turn(token_ids=[1, 2, 3], sampling=_sampling(2))
+    assert lg.expected_sizes(opening) == (0, 3)
+    lg.on_turn(opening)
+    lg.on_round_start(0, 10.0)
+    lg.on_tokens(_tokens(0, 3, [50, 51]))
+    nxt = common_pb2.Turn(token_ids=[7, 8], sampling=_sampling(2))
+    assert lg.expected_sizes(nxt) == (4, 3)  # 5 tokens, the last output one not in the KV yet
+    edited = common_pb2.Turn(token_ids=[9], sampling=_sampling(2), keep_tokens=2)
+    assert lg.expected_sizes(edited) == (2, 1)  # the history is cut back to 2 tokens, all in the KV
+
+
+def test_a_round_started_with_its_turn_resumes_like_one_started_by_its_prefill_task():
+    by_task, by_turn = _log(), _log()
+    by_task.on_prefill_task(_task(0, 0, [1, 2, 3], ready=10.0))
+    by_turn.on_round_start(0, 10.0)
+    for lg in (by_task, by_turn):
+        lg.on_tokens(_tokens(0, 3, [50]))
+    assert by_task.history == by_turn.history == [1, 2, 3, 50]
+    assert by_task.resume() == by_turn.resume()
+    assert by_task.carry == by_turn.carry == (0, 1, 11.0, 10.0)

@@ -1,0 +1,84 @@
+"""Channels, stubs and call streams to AMPD's workers, kept per worker address."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from ampd import grpcserver
+from ampd.v1 import decode_pb2_grpc, prefill_pb2_grpc
+
+__all__ = ["Stubs"]
+
+
+class Stubs:
+    """One channel per worker address, reused by every session, and one call stream per worker for
+    the per-round requests (Control; Submit): see grpcserver.CallStream. The coordinator keeps one
+    for every worker, a decode worker one for the prefill workers it submits routed prefills to.
+
+    A channel is replaced, with its stubs and call streams, when the worker at its address is a new
+    process (its registration's NIXL agent name, unique per process, changed) or when it is found in
+    TRANSIENT_FAILURE: the worker went away and may be back under the same name at a new address (a
+    replaced container). A new channel resolves the name at once, where the old one keeps dialling
+    the old address until its next re-resolution (make test-compose: 3 to 16 of 16 sessions opened
+    just after a decode-worker swap failed that way)."""
+
+    def __init__(self, on_broken=None) -> None:
+        self.on_broken = on_broken  # (address) -> None: a call stream to that worker failed
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._incarnation: dict[str, str] = {}  # address -> the worker process its channel is for
+        self._decode: dict[str, decode_pb2_grpc.DecodeWorkerStub] = {}
+        self._prefill: dict[str, prefill_pb2_grpc.PrefillWorkerStub] = {}
+        self._control: dict[str, grpcserver.CallStream] = {}
+        self._submit: dict[str, grpcserver.CallStream] = {}
+
+    def _channel(self, address: str, incarnation: str) -> grpc.aio.Channel:
+        ch = self._channels.get(address)
+        new_process = bool(incarnation) and self._incarnation.get(address, incarnation) != incarnation
+        if ch is not None and (new_process or ch.get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE):
+            self._forget(address)
+            ch = None
+        if incarnation:
+            self._incarnation[address] = incarnation
+        if ch is None:
+            ch = self._channels[address] = grpcserver.channel(address)
+        return ch
+
+    def _forget(self, address: str) -> None:
+        ch = self._channels.pop(address)
+        self._decode.pop(address, None)
+        self._prefill.pop(address, None)
+        for streams in (self._control, self._submit):
+            stream = streams.pop(address, None)
+            if stream is not None:
+                stream.close()
+        asyncio.get_running_loop().create_task(ch.close())
+
+    def control(self, address: str, incarnation: str = "") -> grpcserver.CallStream:
+        """DecodeWorker.Control of the worker at `address`: send decode_pb2.ControlRequest."""
+        stub = self.decode(address, incarnation)
+        if address not in self._control:
+            self._control[address] = grpcserver.CallStream(stub.Control, self._broken(address))
+        return self._control[address]
+
+    def submit(self, address: str, incarnation: str = "") -> grpcserver.CallStream:
+        """PrefillWorker.SubmitStream of the worker at `address`: send prefill_pb2.SubmitRequest."""
+        stub = self.prefill(address, incarnation)
+        if address not in self._submit:
+            self._submit[address] = grpcserver.CallStream(stub.SubmitStream, self._broken(address))
+        return self._submit[address]
+
+    def _broken(self, address: str):
+        return (lambda exc: self.on_broken(address)) if self.on_broken else None
+
+    def decode(self, address: str, incarnation: str = "") -> decode_pb2_grpc.DecodeWorkerStub:
+        ch = self._channel(address, incarnation)
+        if address not in self._decode:
+            self._decode[address] = decode_pb2_grpc.DecodeWorkerStub(ch)
+        return self._decode[address]
+
+    def prefill(self, address: str, incarnation: str = "") -> prefill_pb2_grpc.PrefillWorkerStub:
+        ch = self._channel(address, incarnation)
+        if address not in self._prefill:
+            self._prefill[address] = prefill_pb2_grpc.PrefillWorkerStub(ch)
+        return self._prefill[address]
