@@ -6,8 +6,8 @@ from typing import Iterator, Sequence
 from .estimates import Estimates
 from .space import KINDS, Deployment
 
-__all__ = ["EPS_BALANCE", "EPS_UNUSED", "surrogate", "bottleneck", "phase_taus", "enumerate_deployments",
-           "brute_force_top"]
+__all__ = ["EPS_BALANCE", "EPS_UNUSED", "surrogate", "bottleneck", "phase_taus", "worst_utilisation",
+           "enumerate_deployments", "brute_force_top"]
 
 # Tie-breaks, both small against a difference of the worst normalised P95 that matters. Among
 # deployments with the same worst P95 (the bottleneck phase fixes it, so many splits tie), prefer
@@ -45,6 +45,18 @@ def surrogate(dep: Deployment, est: Estimates, gpus: int) -> float:
     """The ILP's objective value of ``dep`` on ``gpus`` GPUs."""
     taus = phase_taus(dep, est)
     return max(taus.values()) + EPS_BALANCE * sum(taus.values()) + EPS_UNUSED * (gpus - dep.gpus) / gpus
+
+
+def worst_utilisation(dep: Deployment, est: Estimates) -> float:
+    """The highest utilisation rate / capacity over the kinds the deployment instantiates (the
+    continuous value the ILP's levels round up)."""
+    worst = 0.0
+    for kind in KINDS:
+        groups = dep.groups(kind)
+        if groups:
+            cap = sum(c * est.capacity[kind][n] for n, c in groups)
+            worst = max(worst, est.rate / cap if cap > 0 else float("inf"))
+    return worst
 
 
 def _vectors(degrees: Sequence[int], budget: int, mixed: bool) -> Iterator[tuple[dict[int, int], int]]:
@@ -85,7 +97,11 @@ def enumerate_deployments(gpus: int, degrees: Sequence[int], *, disaggregated: b
 
 
 def brute_force_top(est: Estimates, gpus: int, degrees: Sequence[int], k: int, **space) -> list[tuple[float, Deployment]]:
-    """The ``k`` best deployments by :func:`surrogate`, by full enumeration (tests, small N only)."""
+    """The ``k`` best deployments by :func:`surrogate`, by full enumeration (small spaces:
+    ``ilp.best_deployments``; the tests' reference for the ILP). Equal objectives go to the lower
+    :func:`worst_utilisation`: past saturation every deployment whose phases round up to the same
+    level ties (one tau per level), and the one whose bottleneck carries the least excess load is the
+    better guess (SCIP breaks such ties arbitrarily)."""
     scored = [(surrogate(d, est, gpus), d) for d in enumerate_deployments(gpus, degrees, **space)]
-    scored.sort(key=lambda t: (t[0], t[1]))
+    scored.sort(key=lambda t: (t[0], worst_utilisation(t[1], est), t[1]))
     return scored[:k]

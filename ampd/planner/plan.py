@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from .estimates import SAMPLE_SESSIONS, EstimateCache, Estimates, build_estimates, outcome
-from .ilp import solve_top
+from .ilp import best_deployments
 from .objective import bottleneck, surrogate
 from .space import Deployment, PlanError, feasible_degrees
 
@@ -41,6 +41,7 @@ class PlanRequest:
     check_sessions: int = 0    # simulate the first this many sessions in the checks (0: all)
     sample_sessions: int = SAMPLE_SESSIONS  # sessions per estimate simulation
     seed: int = 0
+    skip_dominated: bool = True  # skip a candidate that a checked one holds and that cannot rank (skippable)
 
 
 @dataclass(frozen=True)
@@ -69,11 +70,12 @@ class PlanResult:
     slo: object
     candidates: int            # deployments the ILP proposed and the simulator checked
     estimates: Estimates
+    skipped: int = 0           # deployments the ILP proposed that were not simulated (skippable)
 
     def to_json(self, seconds: float) -> dict:
         return {"gpus": self.gpus, "seconds": round(seconds, 4), "top": [e.to_json() for e in self.top],
                 "degrees": list(self.degrees), "slo": {"ttft_s": self.slo.ttft_s, "itl_s": self.slo.itl_s},
-                "candidates_checked": self.candidates}
+                "candidates_checked": self.candidates, "candidates_skipped": self.skipped}
 
 
 def _num(x: float):
@@ -198,15 +200,49 @@ def family_candidates(est, gpus: int, degrees, k: int, *, disaggregated: bool, c
         # Each family's solve is the one a baseline's plan of that family runs (same model, same ties).
         cands = [c for fam in ({"disaggregated": True, "colocated": False},
                                {"disaggregated": False, "colocated": True})
-                 for c in solve_top(est, gpus, degrees, k, mixed=mixed, all_gpus=all_gpus, **fam)]
+                 for c in best_deployments(est, gpus, degrees, k, mixed=mixed, all_gpus=all_gpus, **fam)]
         cands.sort(key=lambda t: t[0])  # stable: the joint k best first, each family in its own order
     else:
-        cands = solve_top(est, gpus, degrees, k, disaggregated=disaggregated, colocated=colocated, mixed=mixed,
-                          all_gpus=all_gpus)
+        cands = best_deployments(est, gpus, degrees, k, disaggregated=disaggregated, colocated=colocated,
+                                 mixed=mixed, all_gpus=all_gpus)
     if disaggregated:
         seen = {d for _, d in cands}
         cands += [(surrogate(d, est, gpus), d) for d in balanced_splits(gpus, degrees) if d not in seen]
     return cands
+
+
+def holds(big: Deployment, small: Deployment) -> bool:
+    """``big`` runs every replica ``small`` runs, and more: same family (co-located or not), at least
+    as many replicas of each (phase, degree)."""
+    if big == small or big.colocated != small.colocated:
+        return False
+    bp, bd = dict(big.prefill), dict(big.decode)
+    return all(bp.get(n, 0) >= c for n, c in small.prefill) and all(bd.get(n, 0) >= c for n, c in small.decode)
+
+
+def check_order(cands) -> list[int]:
+    """Indices of ``cands`` in the order they are checked: every deployment that no other candidate
+    holds first (the ILP's order), then the others, most GPUs first, so a deployment is checked after
+    every candidate that holds it (:func:`skippable`)."""
+    deps = [d for _, d in cands]
+    held = [any(holds(b, d) for b in deps) for d in deps]
+    rest = sorted((i for i in range(len(deps)) if held[i]), key=lambda i: -deps[i].gpus)
+    return [i for i in range(len(deps)) if not held[i]] + rest
+
+
+def skippable(dep: Deployment, entries, top: int) -> bool:
+    """Whether checking ``dep`` cannot change the top ``top``: a checked deployment that holds it
+    already attains less than the ``top``-th best checked one. Adding replicas to a deployment does
+    not lower its simulated attainment (more capacity for the same trace), so ``dep`` attains less
+    than that too and ranks below the top ``top`` (ties go by attainment first, so strictly less is
+    enough)."""
+    if len(entries) < top:
+        return False
+    bound = [e.slo_attainment for e in entries if holds(e.deployment, dep)]
+    if not bound:
+        return False
+    kth = sorted((e.slo_attainment for e in entries), reverse=True)[top - 1]
+    return min(bound) < kth
 
 
 def plan(req: PlanRequest, *, cache: EstimateCache | None = None, progress: Progress | None = None) -> PlanResult:
@@ -226,17 +262,22 @@ def plan(req: PlanRequest, *, cache: EstimateCache | None = None, progress: Prog
                               colocated=coloc, mixed=req.mixed, all_gpus=req.all_gpus)
     if not cands:
         raise PlanError("gpus", f"no deployment of degrees {list(degrees)} uses exactly {req.gpus} GPUs")
-    entries = []
-    for i, (obj, dep) in enumerate(cands):
+    entries, rank = [], {}
+    for done, i in enumerate(check_order(cands)):
         if progress is not None:
-            progress("checks", i, len(cands))
+            progress("checks", done, len(cands))
+        obj, dep = cands[i]
+        if req.skip_dominated and skippable(dep, entries, req.top):
+            continue
         policy, att, p95, p95_itl = check(req, dep)
         _, lv = bottleneck(dep, est)
         levels = {k: est.levels[l] if math.isfinite(est.levels[l]) else "overload" for k, l in lv.items()}
         entries.append(PlanEntry(dep, policy, att, p95, p95_itl, obj, levels))
+        rank[dep] = i
     if progress is not None:
         progress("checks", len(cands), len(cands))
-    entries.sort(key=lambda e: (-e.slo_attainment, headroom(e, req.slo), e.objective))
+    # full ties keep the candidates' order, whatever order they were checked in
+    entries.sort(key=lambda e: (-e.slo_attainment, headroom(e, req.slo), e.objective, rank[e.deployment]))
     return PlanResult(gpus=req.gpus, top=entries[: req.top], degrees=degrees, slo=req.slo,
-                      candidates=len(cands), estimates=est)
+                      candidates=len(entries), estimates=est, skipped=len(cands) - len(entries))
 
