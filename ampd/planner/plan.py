@@ -41,7 +41,7 @@ class PlanRequest:
     check_sessions: int = 0    # simulate the first this many sessions in the checks (0: all)
     sample_sessions: int = SAMPLE_SESSIONS  # sessions per estimate simulation
     seed: int = 0
-    skip_dominated: bool = True  # skip a candidate that a checked one holds and that cannot rank (skippable)
+    skip_dominated: bool = True  # do not simulate a candidate skippable() shows cannot rank (False: all)
 
 
 @dataclass(frozen=True)
@@ -247,8 +247,9 @@ def skippable(dep: Deployment, entries, top: int) -> bool:
 
 def plan(req: PlanRequest, *, cache: EstimateCache | None = None, progress: Progress | None = None) -> PlanResult:
     """The ``req.top`` best deployments: the ILP's best ``candidates`` by estimated worst P95, each
-    simulated whole on the trace and ranked by simulated SLO attainment, then by the worse of P95 TTFT
-    and P95 mean ITL over their thresholds (:func:`headroom`)."""
+    simulated whole on the trace (but those :func:`skippable` proves cannot rank, with
+    ``req.skip_dominated``) and ranked by simulated SLO attainment, then by the worse of P95 TTFT and
+    P95 mean ITL over their thresholds (:func:`headroom`)."""
     degrees, disagg, coloc = search_space(req)
     kinds = (("prefill", "decode") if disagg else ()) + (("colocated",) if coloc else ())
 
@@ -262,7 +263,19 @@ def plan(req: PlanRequest, *, cache: EstimateCache | None = None, progress: Prog
                               colocated=coloc, mixed=req.mixed, all_gpus=req.all_gpus)
     if not cands:
         raise PlanError("gpus", f"no deployment of degrees {list(degrees)} uses exactly {req.gpus} GPUs")
+    from ampd.sim.gcpause import gc_paused
+
     entries, rank = [], {}
+    with gc_paused():  # the checks' records die by reference counting; a collection would walk every live object
+        _check_all(req, est, cands, entries, rank, progress)
+    # full ties keep the candidates' order, whatever order they were checked in
+    entries.sort(key=lambda e: (-e.slo_attainment, headroom(e, req.slo), e.objective, rank[e.deployment]))
+    return PlanResult(gpus=req.gpus, top=entries[: req.top], degrees=degrees, slo=req.slo,
+                      candidates=len(entries), estimates=est, skipped=len(cands) - len(entries))
+
+
+def _check_all(req: PlanRequest, est, cands, entries: list, rank: dict, progress: Progress | None) -> None:
+    """Simulate the candidates in :func:`check_order`, skipping the :func:`skippable` ones."""
     for done, i in enumerate(check_order(cands)):
         if progress is not None:
             progress("checks", done, len(cands))
@@ -276,8 +289,4 @@ def plan(req: PlanRequest, *, cache: EstimateCache | None = None, progress: Prog
         rank[dep] = i
     if progress is not None:
         progress("checks", len(cands), len(cands))
-    # full ties keep the candidates' order, whatever order they were checked in
-    entries.sort(key=lambda e: (-e.slo_attainment, headroom(e, req.slo), e.objective, rank[e.deployment]))
-    return PlanResult(gpus=req.gpus, top=entries[: req.top], degrees=degrees, slo=req.slo,
-                      candidates=len(entries), estimates=est, skipped=len(cands) - len(entries))
 
