@@ -68,7 +68,7 @@ def one_size(n: int, a) -> dict:
     for _ in range(a.repeats):
         t, c = time.perf_counter(), time.process_time()
         cands = family_candidates(est, n, degrees, 6, disaggregated=disagg, colocated=coloc, mixed=True,
-                                  all_gpus=False)
+                                  all_gpus=False, form_k=3)
         srch.append(time.perf_counter() - t)
         srch_cpu.append(time.process_time() - c)
     ilp, ilp_cpu = [], []

@@ -184,7 +184,7 @@ def balanced_splits(gpus: int, degrees) -> list[Deployment]:
 
 
 def family_candidates(est, gpus: int, degrees, k: int, *, disaggregated: bool, colocated: bool, mixed: bool,
-                      all_gpus: bool) -> list:
+                      all_gpus: bool, form_k: int = 0) -> list:
     """The ILP's ``k`` best of each family (co-located, disaggregated), which hold its ``k`` best over
     the whole space, plus the balanced splits (:func:`balanced_splits`) when disaggregated
     deployments are searched. The surrogate may rank a family low that the simulator, running the real
@@ -194,7 +194,11 @@ def family_candidates(est, gpus: int, degrees, k: int, *, disaggregated: bool, c
     deployment a baseline's plan of the same ``k`` would check, and AMPD can become that baseline's
     deployment where it wins. The balanced splits cost a few simulations and guard against the
     surrogate's blind spot: its per-replica estimates run the `remote` policy, so under AMPD (local
-    prefills) it undervalues decode capacity and prefers lopsided mixed-degree splits."""
+    prefills) it undervalues decode capacity and prefers lopsided mixed-degree splits. For the same
+    reason, when the space is larger than Table 2's form (one degree per phase, all GPUs), the
+    ``form_k`` best of that form are added too: a mixed-degree search otherwise fills its ``k``
+    slots with lopsided splits the surrogate ties, and misses the single-degree split a Table-2-form
+    plan checks (Qwen3-32B DuReader on 16 GPUs: P tp4*3 D tp4*1, the form's 2nd best)."""
     if disaggregated and colocated:
         # the joint k best lie within the union of the two families' k best: two solves, not three.
         # Each family's solve is the one a baseline's plan of that family runs (same model, same ties).
@@ -206,8 +210,15 @@ def family_candidates(est, gpus: int, degrees, k: int, *, disaggregated: bool, c
         cands = best_deployments(est, gpus, degrees, k, disaggregated=disaggregated, colocated=colocated,
                                  mixed=mixed, all_gpus=all_gpus)
     if disaggregated:
+        extra = balanced_splits(gpus, degrees)
+        if form_k and (mixed or not all_gpus):
+            extra = [d for _, d in best_deployments(est, gpus, degrees, form_k, disaggregated=True, colocated=False,
+                                                    mixed=False, all_gpus=True)] + extra
         seen = {d for _, d in cands}
-        cands += [(surrogate(d, est, gpus), d) for d in balanced_splits(gpus, degrees) if d not in seen]
+        for d in extra:
+            if d not in seen:
+                seen.add(d)
+                cands.append((surrogate(d, est, gpus), d))
     return cands
 
 
@@ -260,7 +271,7 @@ def plan(req: PlanRequest, *, cache: EstimateCache | None = None, progress: Prog
                           sample_size=req.sample_sessions, progress=est_progress)
     n_cand = req.candidates or 2 * req.top
     cands = family_candidates(est, req.gpus, degrees, max(n_cand, req.top), disaggregated=disagg,
-                              colocated=coloc, mixed=req.mixed, all_gpus=req.all_gpus)
+                              colocated=coloc, mixed=req.mixed, all_gpus=req.all_gpus, form_k=req.top)
     if not cands:
         raise PlanError("gpus", f"no deployment of degrees {list(degrees)} uses exactly {req.gpus} GPUs")
     from ampd.sim.gcpause import gc_paused

@@ -296,3 +296,22 @@ def test_skipping_keeps_the_plan():
     b = plan(replace(req, skip_dominated=False), cache=cache)
     assert a.skipped > 0 and b.skipped == 0 and a.candidates + a.skipped == b.candidates
     assert [(e.deployment, e.slo_attainment) for e in a.top] == [(e.deployment, e.slo_attainment) for e in b.top]
+
+
+def test_a_larger_space_also_checks_the_best_of_table2s_form():
+    """A mixed-degree search holds the ``form_k`` best single-degree all-GPU splits (what a
+    Table-2-form plan ranks first), so the surrogate's ties among lopsided mixed splits cannot
+    crowd them out."""
+    profile = load_profile("qwen3-32b@h20")
+    degrees = feasible_degrees(profile, 16, 1000)
+    est = _random_estimates(profile, degrees, 1.2, 5)
+    form = best_deployments(est, 16, degrees, 3, colocated=False, mixed=False, all_gpus=True)
+    cands = family_candidates(est, 16, degrees, 2, disaggregated=True, colocated=True, mixed=True, all_gpus=False,
+                              form_k=3)
+    assert {d for _, d in form} <= {d for _, d in cands}
+    assert len({d for _, d in cands}) == len(cands)
+    # the form's own search adds nothing to itself
+    same = family_candidates(est, 16, degrees, 2, disaggregated=True, colocated=False, mixed=False, all_gpus=True,
+                             form_k=3)
+    assert same == family_candidates(est, 16, degrees, 2, disaggregated=True, colocated=False, mixed=False,
+                                     all_gpus=True)
