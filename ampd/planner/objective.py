@@ -59,20 +59,26 @@ def worst_utilisation(dep: Deployment, est: Estimates) -> float:
     return worst
 
 
-def _vectors(degrees: Sequence[int], budget: int, mixed: bool) -> Iterator[tuple[dict[int, int], int]]:
-    """Every non-empty replica-count vector over ``degrees`` using at most ``budget`` GPUs."""
+def _vectors(degrees: Sequence[int], budget: int, mixed: bool,
+             exact: bool = False) -> Iterator[tuple[dict[int, int], int]]:
+    """Every non-empty replica-count vector over ``degrees`` using at most ``budget`` GPUs (exactly
+    ``budget`` with ``exact``: the last degree a vector may take fills what is left, or nothing)."""
     degs = list(degrees)
 
     def rec(i: int, left: int, acc: dict[int, int]):
         if i == len(degs):
-            if acc:
+            if acc and (not exact or left == 0):
                 yield dict(acc), budget - left
             return
         n = degs[i]
         yield from rec(i + 1, left, acc)
         if not mixed and acc:
             return
-        for c in range(1, left // n + 1):
+        if exact and (not mixed or i == len(degs) - 1):
+            counts = range(left // n, left // n + 1) if left >= n and left % n == 0 else range(0)
+        else:
+            counts = range(1, left // n + 1)
+        for c in counts:
             acc[n] = c
             yield from rec(i + 1, left - n * c, acc)
         acc.pop(n, None)
@@ -83,17 +89,13 @@ def enumerate_deployments(gpus: int, degrees: Sequence[int], *, disaggregated: b
                           colocated: bool = True, mixed: bool = True, all_gpus: bool = False) -> Iterator[Deployment]:
     """Every deployment of the search space (at least one replica per phase it runs; exactly ``gpus``
     GPUs with ``all_gpus``)."""
-    def space():
-        if disaggregated:
-            for pre, used in _vectors(degrees, gpus, mixed):
-                for dec, _ in _vectors(degrees, gpus - used, mixed):
-                    yield Deployment.of(pre, dec)
-        if colocated:
-            for dec, _ in _vectors(degrees, gpus, mixed):
-                yield Deployment.of({}, dec)
-    for d in space():
-        if not all_gpus or d.gpus == gpus:
-            yield d
+    if disaggregated:
+        for pre, used in _vectors(degrees, gpus, mixed):
+            for dec, _ in _vectors(degrees, gpus - used, mixed, exact=all_gpus):
+                yield Deployment.of(pre, dec)
+    if colocated:
+        for dec, _ in _vectors(degrees, gpus, mixed, exact=all_gpus):
+            yield Deployment.of({}, dec)
 
 
 def brute_force_top(est: Estimates, gpus: int, degrees: Sequence[int], k: int, **space) -> list[tuple[float, Deployment]]:
