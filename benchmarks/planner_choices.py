@@ -1,7 +1,10 @@
 """Does the planner still choose what `make paper` recorded? Reruns every planner call of the paper
 benchmark with the current code and compares its choices with the stored results.
 
-    python -m benchmarks.planner_choices [--jobs 2] [--out benchmarks/results/planner_choices.json]
+    python -m benchmarks.planner_choices [--jobs 2] [--stored-commit C] [--out benchmarks/results/planner_choices.json]
+
+--stored-commit reads the stored results as commit C has them (git show), e.g. the commit before a
+planner change, after `make paper` was rerun on the new one.
 
 - plan.json: for each of the 12 model x preset cases, the five planner runs of
   ``benchmarks.paper_plan.plan_case`` (ampd, remote, colocated, continuum, table2-form; top 3 each),
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from multiprocessing import Pool
@@ -75,10 +79,19 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(RESULTS, "planner_choices.json"))
     ap.add_argument("--paper", default=os.path.join(RESULTS, "paper"), help="the stored make-paper results")
+    ap.add_argument("--stored-commit", default="", help="read --paper's files as this git commit has them")
     ap.add_argument("--jobs", type=int, default=2)
     a = ap.parse_args(argv)
-    plans = json.load(open(os.path.join(a.paper, "plan.json")))["cases"]
-    tight = json.load(open(os.path.join(a.paper, "tightness.json")))
+
+    def stored(name):
+        path = os.path.join(a.paper, name)
+        if not a.stored_commit:
+            return json.load(open(path))
+        rel = os.path.relpath(path, os.path.dirname(os.path.dirname(RESULTS)))
+        out = subprocess.run(["git", "show", f"{a.stored_commit}:{rel}"], capture_output=True, text=True, check=True)
+        return json.loads(out.stdout)
+    plans = stored("plan.json")["cases"]
+    tight = stored("tightness.json")
     quick = tight["duration_s"] < 2400.0
     jobs = [("plan", c) for c in plans.values()] + [("tight", dict(p, quick=quick)) for p in tight["points"]]
     load0 = os.getloadavg()[0]
@@ -104,7 +117,8 @@ def main(argv=None) -> int:
     doc = {"command": "python -m benchmarks.planner_choices " + " ".join(argv if argv is not None else sys.argv[1:]),
            "machine": f"{os.cpu_count()} cores (shared: load average {load0:.1f} at the start, "
                       f"{os.getloadavg()[0]:.1f} at the end), {round(time.time() - t0)} s",
-           "stored": os.path.relpath(a.paper, os.path.dirname(RESULTS)), "summary": summary, "rows": rows}
+           "stored": os.path.relpath(a.paper, os.path.dirname(RESULTS)) + (f" at {a.stored_commit}" if a.stored_commit else ""),
+           "summary": summary, "rows": rows}
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1)
