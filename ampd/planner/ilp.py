@@ -31,9 +31,9 @@ from .space import KINDS, Deployment
 __all__ = ["solve_top", "best_deployments", "space_size", "ENUMERATE_MAX"]
 
 # Spaces up to this many deployments are enumerated, not solved. Scoring one deployment costs ~8 us
-# (2,000: ~16 ms), one SCIP solve of a family's 6 best 20-40 ms (8 and 16 GPUs, Llama3.1-70B, degrees
-# 2/4/8: 13 and 169 disaggregated deployments). Above it SCIP's time barely grows with N while the
-# space does (2,982 disaggregated deployments at 32 GPUs, 77,692 at 64).
+# (2,000: ~16 ms), SCIP's 6 best of a family 14-20 ms (benchmarks/results/planner_time.json, 8 and 16
+# GPUs, Llama3.1-70B, degrees 2/4/8: 13 and 169 disaggregated deployments). Above it SCIP's time
+# barely grows with N while the space does (2,982 disaggregated deployments at 32 GPUs, 77,692 at 64).
 ENUMERATE_MAX = 2000
 
 
