@@ -70,7 +70,8 @@ def space_size(gpus: int, degrees: Sequence[int], *, disaggregated: bool = True,
 def best_deployments(est: Estimates, gpus: int, degrees: Sequence[int], k: int, *, disaggregated: bool = True,
                      colocated: bool = True, mixed: bool = True, all_gpus: bool = False) -> list[tuple[float, Deployment]]:
     """The ``k`` best deployments by the ILP's objective, best first: by enumeration when the space
-    holds at most ENUMERATE_MAX deployments (exact: ties ordered by the deployment), else by SCIP."""
+    holds at most ENUMERATE_MAX deployments (exact; ties to the lower worst utilisation, see
+    ``objective.brute_force_top``), else by SCIP (ties arbitrary)."""
     space = dict(disaggregated=disaggregated, colocated=colocated, mixed=mixed, all_gpus=all_gpus)
     if not (disaggregated or colocated):
         raise ValueError("search space: allow disaggregated and/or co-located deployments")

@@ -243,10 +243,10 @@ def check_order(cands) -> list[int]:
 
 def skippable(dep: Deployment, entries, top: int) -> bool:
     """Whether checking ``dep`` cannot change the top ``top``: a checked deployment that holds it
-    already attains less than the ``top``-th best checked one. Adding replicas to a deployment does
-    not lower its simulated attainment (more capacity for the same trace), so ``dep`` attains less
-    than that too and ranks below the top ``top`` (ties go by attainment first, so strictly less is
-    enough)."""
+    already attains less than the ``top``-th best checked one. The premise: adding replicas to a
+    deployment does not lower its simulated attainment (more capacity for the same trace), so ``dep``
+    attains less than that too and ranks below the top ``top`` (ties go by attainment first, so
+    strictly less is enough). In deep overload it can fail by a few sessions (docs/planner.md §2)."""
     if len(entries) < top:
         return False
     bound = [e.slo_attainment for e in entries if holds(e.deployment, dep)]
@@ -258,7 +258,7 @@ def skippable(dep: Deployment, entries, top: int) -> bool:
 
 def plan(req: PlanRequest, *, cache: EstimateCache | None = None, progress: Progress | None = None) -> PlanResult:
     """The ``req.top`` best deployments: the ILP's best ``candidates`` by estimated worst P95, each
-    simulated whole on the trace (but those :func:`skippable` proves cannot rank, with
+    simulated whole on the trace (but those :func:`skippable` shows cannot rank, with
     ``req.skip_dominated``) and ranked by simulated SLO attainment, then by the worse of P95 TTFT and
     P95 mean ITL over their thresholds (:func:`headroom`)."""
     degrees, disagg, coloc = search_space(req)
