@@ -85,7 +85,8 @@ def _request(profile, sessions, gpus, slo, policy, space, top, check_sessions):
 
 
 def run_plans(profile, sessions, gpus, slo, cache, plans=PLANS, top=3, check_sessions=0) -> dict:
-    """name -> {"top": [PlanEntry JSON ...], "seconds", "candidates"} for every planner run of ``plans``."""
+    """name -> {"top": [PlanEntry JSON ...], "seconds", "candidates" (simulated), "skipped"} for every
+    planner run of ``plans``."""
     from ampd.planner import plan
 
     out = {}
@@ -93,7 +94,7 @@ def run_plans(profile, sessions, gpus, slo, cache, plans=PLANS, top=3, check_ses
         t0 = time.time()
         res = plan(_request(profile, sessions, gpus, slo, policy, space, top, check_sessions), cache=cache)
         out[name] = {"top": [e.to_json() for e in res.top], "seconds": round(time.time() - t0, 2),
-                     "candidates": res.candidates}
+                     "candidates": res.candidates, "skipped": res.skipped}
     return out
 
 

@@ -270,8 +270,10 @@ def main():
         print()
     meta = load(d, "run_meta.json")
     if meta:
+        # the last run only; earlier runs (parts kept from them) are in run_meta.json "runs". There is
+        # no "chunked_prefill_in_simulator" key since 4589c60: the simulator always has the option.
         print(f"Run: `{' '.join(meta['argv'])}`; timings {meta['timings_s']}, total {meta['total_s']} s; "
-              f"chunked prefill in simulator: {meta['chunked_prefill_in_simulator']}")
+              f"git {meta.get('git_head') or 'unknown'}")
 
 
 if __name__ == "__main__":

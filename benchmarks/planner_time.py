@@ -11,11 +11,15 @@ Phases, timed apart (wall and CPU seconds: the machine is shared, CPU seconds ar
 itself costs):
 - estimates: the tau simulations (kinds x degrees x simulated levels); they depend on the session mix
   only, not on N or the rate, so a cache serves every later plan of the workload. "cold" = empty cache.
-- ilp: SCIP finding the 6 best deployments of each family (co-located, disaggregated: the joint 6
-  best are among them), as plan() does; and the solve for the single best deployment alone.
-- checks: one whole-deployment simulation per candidate, on the first --check-sessions sessions.
-- plan: the whole plan() call on cached estimates (ILP + checks + ranking), as `ampd plan` runs it
-  with a warm estimate cache; plan_cold_s adds the cold estimates.
+- search: the 6 best deployments of each family (co-located, disaggregated: the joint 6 best are
+  among them) as plan() finds them (``family_candidates``): by enumeration where the family's space
+  holds at most ENUMERATE_MAX deployments, else by SCIP ("search" names which, per family).
+- ilp: SCIP finding the same 6 best of each family, at every size (``solve_top``); and SCIP's solve
+  for the single best deployment alone.
+- checks: one whole-deployment simulation per candidate, every candidate (checks_all_s; plan()
+  skips some, see candidates_skipped), on the first --check-sessions sessions.
+- plan: the whole plan() call on cached estimates (search + checks + ranking), as `ampd plan` runs
+  it with a warm estimate cache; plan_cold_s adds the cold estimates.
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ def one_size(n: int, a) -> dict:
     from ampd.bench.report import SLO
     from ampd.perf import load_profile
     from ampd.planner import EstimateCache, PlanRequest, build_estimates, plan, solve_top
+    from ampd.planner.ilp import ENUMERATE_MAX, space_size
     from ampd.planner.plan import check, family_candidates, search_space
     from ampd.workload import generate
 
@@ -55,11 +60,22 @@ def one_size(n: int, a) -> dict:
     t = time.perf_counter()
     est = build_estimates(prof, sessions, degrees, slo, kinds=kinds, cache=cache)
     est_warm = time.perf_counter() - t
-    ilp, ilp_cpu = [], []
+    fams = ({"disaggregated": True, "colocated": False}, {"disaggregated": False, "colocated": True})
+    search = {("disaggregated" if f["disaggregated"] else "colocated"):
+              ("enumeration" if space_size(n, degrees, mixed=True, **f) <= ENUMERATE_MAX else "scip")
+              + f" ({space_size(n, degrees, mixed=True, **f)} deployments)" for f in fams}
+    srch, srch_cpu = [], []
     for _ in range(a.repeats):
         t, c = time.perf_counter(), time.process_time()
         cands = family_candidates(est, n, degrees, 6, disaggregated=disagg, colocated=coloc, mixed=True,
-                                  all_gpus=False)
+                                  all_gpus=False, form_k=3)
+        srch.append(time.perf_counter() - t)
+        srch_cpu.append(time.process_time() - c)
+    ilp, ilp_cpu = [], []
+    for _ in range(a.repeats):
+        t, c = time.perf_counter(), time.process_time()
+        for f in fams:
+            solve_top(est, n, degrees, 6, mixed=True, all_gpus=False, **f)
         ilp.append(time.perf_counter() - t)
         ilp_cpu.append(time.process_time() - c)
     t, c = time.perf_counter(), time.process_time()
@@ -75,15 +91,19 @@ def one_size(n: int, a) -> dict:
         whole.append(time.perf_counter() - t)
         whole_cpu.append(time.process_time() - c)
     ilp_s, ilp_c = statistics.median(ilp), statistics.median(ilp_cpu)
+    srch_s, srch_c = statistics.median(srch), statistics.median(srch_cpu)
     plan_s, plan_c = statistics.median(whole), statistics.median(whole_cpu)
     best = res.top[0]
     out = {"gpus": n, "rate": round(rate, 4), "sessions": len(sessions), "degrees": list(degrees),
            "estimate_simulations": len(cache), "estimates_cold_s": round(est_cold, 3),
            "estimates_cold_cpu_s": round(est_cold_cpu, 3), "estimates_cached_s": round(est_warm, 4),
+           "search": search, "search_s": round(srch_s, 4), "search_runs_s": [round(x, 4) for x in srch],
+           "search_cpu_s": round(srch_c, 4),
            "ilp_candidates": len(cands), "ilp_s": round(ilp_s, 4), "ilp_runs_s": [round(x, 4) for x in ilp],
            "ilp_cpu_s": round(ilp_c, 4), "ilp_top1_s": round(top1_s, 4),
            "ilp_top1_cpu_s": round(top1_cpu, 4), "ilp_top1": f"{top1[0][1].prefill_spec}|{top1[0][1].decode_spec}",
-           "checks_s": round(checks, 3), "checks_cpu_s": round(checks_cpu, 3), "check_sessions": a.check_sessions,
+           "checks_all_s": round(checks, 3), "checks_all_cpu_s": round(checks_cpu, 3),
+           "check_sessions": a.check_sessions,
            "plan_s": round(plan_s, 3), "plan_runs_s": [round(x, 3) for x in whole], "plan_cpu_s": round(plan_c, 3),
            "plan_cold_s": round(est_cold + plan_s, 3),
            "paper_s": PAPER_S[n], "goal_s": round(PAPER_S[n] / 10, 4),
@@ -92,7 +112,7 @@ def one_size(n: int, a) -> dict:
            "plan_cold_over_paper": round((est_cold + plan_s) / PAPER_S[n], 4),
            "best": {"prefill": best.deployment.prefill_spec, "decode": best.deployment.decode_spec,
                     "slo_attainment": round(best.slo_attainment, 4)},
-           "candidates_checked": res.candidates,
+           "candidates_checked": res.candidates, "candidates_skipped": res.skipped,
            "ilp_candidates_order": [f"{d.prefill_spec}|{d.decode_spec}" for _, d in cands],
            "check_attainment": {f"{d.prefill_spec}|{d.decode_spec}": round(r[1], 4) for d, r in checked}}
     return out
@@ -111,8 +131,10 @@ def main(argv=None) -> int:
     for n in (int(x) for x in a.sizes.split(",")):
         r = one_size(n, a)
         rows.append(r)
-        print(f"{n:>4} GPUs: ilp {r['ilp_s']:.3f} s (cpu {r['ilp_cpu_s']:.3f} s), checks {r['checks_s']:.2f} s, "
-              f"plan {r['plan_s']:.2f} s (cpu {r['plan_cpu_s']:.2f} s), estimates cold {r['estimates_cold_s']:.2f} s "
+        print(f"{n:>4} GPUs: search {r['search_s']:.4f} s, ilp {r['ilp_s']:.3f} s (cpu {r['ilp_cpu_s']:.3f} s), "
+              f"checks (all {r['ilp_candidates']}) {r['checks_all_s']:.3f} s, plan {r['plan_s']:.3f} s "
+              f"(cpu {r['plan_cpu_s']:.3f} s, {r['candidates_checked']} checked, {r['candidates_skipped']} skipped), "
+              f"estimates cold {r['estimates_cold_s']:.2f} s "
               f"/ cached {r['estimates_cached_s']:.3f} s; paper {r['paper_s']} s (goal {r['goal_s']} s); "
               f"best {r['best']}; load {os.getloadavg()[0]:.1f}", flush=True)
     doc = {"command": "python -m benchmarks.planner_time " + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -14,6 +14,10 @@ s.t.  W[k] >= tau[k,n,l] - M (2 - act[k,n] - u[k,l]), Z >= W[k]   (the paper's C
       cnt[prefill|decode,n] <= ub (1 - co), cnt[colocated,n] <= ub co
       sum_l u[prefill|decode,l] = 1 - co, sum_l u[colocated,l] = co
 The k best deployments come from re-solving with a no-good cut on each one found.
+
+A space of at most ENUMERATE_MAX deployments is solved by enumerating it instead
+(:func:`best_deployments`): the same objective (``objective.surrogate``), hence the same optimum and
+k best, for a fraction of a SCIP solve's cost.
 """
 from __future__ import annotations
 
@@ -21,10 +25,59 @@ import math
 from typing import Sequence
 
 from .estimates import Estimates
-from .objective import EPS_BALANCE, EPS_UNUSED
+from .objective import EPS_BALANCE, EPS_UNUSED, brute_force_top
 from .space import KINDS, Deployment
 
-__all__ = ["solve_top"]
+__all__ = ["solve_top", "best_deployments", "space_size", "ENUMERATE_MAX"]
+
+# Spaces up to this many deployments are enumerated, not solved. Scoring one deployment costs ~8 us
+# (2,000: ~16 ms), SCIP's 6 best of a family 14-20 ms (benchmarks/results/planner_time.json, 8 and 16
+# GPUs, Llama3.1-70B, degrees 2/4/8: 13 and 169 disaggregated deployments). Above it SCIP's time
+# barely grows with N while the space does (2,982 disaggregated deployments at 32 GPUs, 77,692 at 64).
+ENUMERATE_MAX = 2000
+
+
+def space_size(gpus: int, degrees: Sequence[int], *, disaggregated: bool = True, colocated: bool = True,
+               mixed: bool = True, all_gpus: bool = False) -> int:
+    """How many deployments ``objective.enumerate_deployments`` yields for this space, counted
+    without listing them."""
+    # h[c]: non-empty replica-count vectors over the degrees (one degree only unless mixed) using c GPUs
+    h = [0] * (gpus + 1)
+    if mixed:
+        h[0] = 1
+        for n in degrees:  # coin-change count: vectors over the degrees so far
+            for c in range(n, gpus + 1):
+                h[c] += h[c - n]
+        h[0] = 0
+    else:
+        for n in degrees:
+            for c in range(n, gpus + 1, n):
+                h[c] += 1
+    total = 0
+    if disaggregated:
+        if all_gpus:
+            total += sum(h[a] * h[gpus - a] for a in range(1, gpus))
+        else:
+            upto = [0] * (gpus + 1)  # upto[b]: non-empty vectors using at most b GPUs
+            for b in range(1, gpus + 1):
+                upto[b] = upto[b - 1] + h[b]
+            total += sum(h[a] * upto[gpus - a] for a in range(1, gpus))
+    if colocated:
+        total += h[gpus] if all_gpus else sum(h)
+    return total
+
+
+def best_deployments(est: Estimates, gpus: int, degrees: Sequence[int], k: int, *, disaggregated: bool = True,
+                     colocated: bool = True, mixed: bool = True, all_gpus: bool = False) -> list[tuple[float, Deployment]]:
+    """The ``k`` best deployments by the ILP's objective, best first: by enumeration when the space
+    holds at most ENUMERATE_MAX deployments (exact; ties to the lower worst utilisation, see
+    ``objective.brute_force_top``), else by SCIP (ties arbitrary)."""
+    space = dict(disaggregated=disaggregated, colocated=colocated, mixed=mixed, all_gpus=all_gpus)
+    if not (disaggregated or colocated):
+        raise ValueError("search space: allow disaggregated and/or co-located deployments")
+    if space_size(gpus, degrees, **space) <= ENUMERATE_MAX:
+        return brute_force_top(est, gpus, degrees, k, **space)
+    return solve_top(est, gpus, degrees, k, **space)
 
 
 def solve_top(est: Estimates, gpus: int, degrees: Sequence[int], k: int, *, disaggregated: bool = True,

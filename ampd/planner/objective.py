@@ -6,8 +6,8 @@ from typing import Iterator, Sequence
 from .estimates import Estimates
 from .space import KINDS, Deployment
 
-__all__ = ["EPS_BALANCE", "EPS_UNUSED", "surrogate", "bottleneck", "phase_taus", "enumerate_deployments",
-           "brute_force_top"]
+__all__ = ["EPS_BALANCE", "EPS_UNUSED", "surrogate", "bottleneck", "phase_taus", "worst_utilisation",
+           "enumerate_deployments", "brute_force_top"]
 
 # Tie-breaks, both small against a difference of the worst normalised P95 that matters. Among
 # deployments with the same worst P95 (the bottleneck phase fixes it, so many splits tie), prefer
@@ -47,20 +47,38 @@ def surrogate(dep: Deployment, est: Estimates, gpus: int) -> float:
     return max(taus.values()) + EPS_BALANCE * sum(taus.values()) + EPS_UNUSED * (gpus - dep.gpus) / gpus
 
 
-def _vectors(degrees: Sequence[int], budget: int, mixed: bool) -> Iterator[tuple[dict[int, int], int]]:
-    """Every non-empty replica-count vector over ``degrees`` using at most ``budget`` GPUs."""
+def worst_utilisation(dep: Deployment, est: Estimates) -> float:
+    """The highest utilisation rate / capacity over the kinds the deployment instantiates (the
+    continuous value the ILP's levels round up)."""
+    worst = 0.0
+    for kind in KINDS:
+        groups = dep.groups(kind)
+        if groups:
+            cap = sum(c * est.capacity[kind][n] for n, c in groups)
+            worst = max(worst, est.rate / cap if cap > 0 else float("inf"))
+    return worst
+
+
+def _vectors(degrees: Sequence[int], budget: int, mixed: bool,
+             exact: bool = False) -> Iterator[tuple[dict[int, int], int]]:
+    """Every non-empty replica-count vector over ``degrees`` using at most ``budget`` GPUs (exactly
+    ``budget`` with ``exact``: the last degree a vector may take fills what is left, or nothing)."""
     degs = list(degrees)
 
     def rec(i: int, left: int, acc: dict[int, int]):
         if i == len(degs):
-            if acc:
+            if acc and (not exact or left == 0):
                 yield dict(acc), budget - left
             return
         n = degs[i]
         yield from rec(i + 1, left, acc)
         if not mixed and acc:
             return
-        for c in range(1, left // n + 1):
+        if exact and (not mixed or i == len(degs) - 1):
+            counts = range(left // n, left // n + 1) if left >= n and left % n == 0 else range(0)
+        else:
+            counts = range(1, left // n + 1)
+        for c in counts:
             acc[n] = c
             yield from rec(i + 1, left - n * c, acc)
         acc.pop(n, None)
@@ -71,21 +89,21 @@ def enumerate_deployments(gpus: int, degrees: Sequence[int], *, disaggregated: b
                           colocated: bool = True, mixed: bool = True, all_gpus: bool = False) -> Iterator[Deployment]:
     """Every deployment of the search space (at least one replica per phase it runs; exactly ``gpus``
     GPUs with ``all_gpus``)."""
-    def space():
-        if disaggregated:
-            for pre, used in _vectors(degrees, gpus, mixed):
-                for dec, _ in _vectors(degrees, gpus - used, mixed):
-                    yield Deployment.of(pre, dec)
-        if colocated:
-            for dec, _ in _vectors(degrees, gpus, mixed):
-                yield Deployment.of({}, dec)
-    for d in space():
-        if not all_gpus or d.gpus == gpus:
-            yield d
+    if disaggregated:
+        for pre, used in _vectors(degrees, gpus, mixed):
+            for dec, _ in _vectors(degrees, gpus - used, mixed, exact=all_gpus):
+                yield Deployment.of(pre, dec)
+    if colocated:
+        for dec, _ in _vectors(degrees, gpus, mixed, exact=all_gpus):
+            yield Deployment.of({}, dec)
 
 
 def brute_force_top(est: Estimates, gpus: int, degrees: Sequence[int], k: int, **space) -> list[tuple[float, Deployment]]:
-    """The ``k`` best deployments by :func:`surrogate`, by full enumeration (tests, small N only)."""
+    """The ``k`` best deployments by :func:`surrogate`, by full enumeration (small spaces:
+    ``ilp.best_deployments``; the tests' reference for the ILP). Equal objectives go to the lower
+    :func:`worst_utilisation`: past saturation every deployment whose phases round up to the same
+    level ties (one tau per level), and the one whose bottleneck carries the least excess load is the
+    better guess (SCIP breaks such ties arbitrarily)."""
     scored = [(surrogate(d, est, gpus), d) for d in enumerate_deployments(gpus, degrees, **space)]
-    scored.sort(key=lambda t: (t[0], t[1]))
+    scored.sort(key=lambda t: (t[0], worst_utilisation(t[1], est), t[1]))
     return scored[:k]

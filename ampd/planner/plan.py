@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from .estimates import SAMPLE_SESSIONS, EstimateCache, Estimates, build_estimates, outcome
-from .ilp import solve_top
+from .ilp import best_deployments
 from .objective import bottleneck, surrogate
 from .space import Deployment, PlanError, feasible_degrees
 
@@ -41,6 +41,7 @@ class PlanRequest:
     check_sessions: int = 0    # simulate the first this many sessions in the checks (0: all)
     sample_sessions: int = SAMPLE_SESSIONS  # sessions per estimate simulation
     seed: int = 0
+    skip_dominated: bool = True  # do not simulate a candidate skippable() shows cannot rank (False: all)
 
 
 @dataclass(frozen=True)
@@ -69,11 +70,12 @@ class PlanResult:
     slo: object
     candidates: int            # deployments the ILP proposed and the simulator checked
     estimates: Estimates
+    skipped: int = 0           # deployments the ILP proposed that were not simulated (skippable)
 
     def to_json(self, seconds: float) -> dict:
         return {"gpus": self.gpus, "seconds": round(seconds, 4), "top": [e.to_json() for e in self.top],
                 "degrees": list(self.degrees), "slo": {"ttft_s": self.slo.ttft_s, "itl_s": self.slo.itl_s},
-                "candidates_checked": self.candidates}
+                "candidates_checked": self.candidates, "candidates_skipped": self.skipped}
 
 
 def _num(x: float):
@@ -182,7 +184,7 @@ def balanced_splits(gpus: int, degrees) -> list[Deployment]:
 
 
 def family_candidates(est, gpus: int, degrees, k: int, *, disaggregated: bool, colocated: bool, mixed: bool,
-                      all_gpus: bool) -> list:
+                      all_gpus: bool, form_k: int = 0) -> list:
     """The ILP's ``k`` best of each family (co-located, disaggregated), which hold its ``k`` best over
     the whole space, plus the balanced splits (:func:`balanced_splits`) when disaggregated
     deployments are searched. The surrogate may rank a family low that the simulator, running the real
@@ -192,27 +194,73 @@ def family_candidates(est, gpus: int, degrees, k: int, *, disaggregated: bool, c
     deployment a baseline's plan of the same ``k`` would check, and AMPD can become that baseline's
     deployment where it wins. The balanced splits cost a few simulations and guard against the
     surrogate's blind spot: its per-replica estimates run the `remote` policy, so under AMPD (local
-    prefills) it undervalues decode capacity and prefers lopsided mixed-degree splits."""
+    prefills) it undervalues decode capacity and prefers lopsided mixed-degree splits. For the same
+    reason, when the space is larger than Table 2's form (one degree per phase, all GPUs), the
+    ``form_k`` best of that form are added too: a mixed-degree search otherwise fills its ``k``
+    slots with lopsided splits the surrogate ties, and misses the single-degree split a Table-2-form
+    plan checks (Qwen3-32B DuReader on 16 GPUs: P tp4*3 D tp4*1, the form's 2nd best)."""
     if disaggregated and colocated:
         # the joint k best lie within the union of the two families' k best: two solves, not three.
         # Each family's solve is the one a baseline's plan of that family runs (same model, same ties).
         cands = [c for fam in ({"disaggregated": True, "colocated": False},
                                {"disaggregated": False, "colocated": True})
-                 for c in solve_top(est, gpus, degrees, k, mixed=mixed, all_gpus=all_gpus, **fam)]
+                 for c in best_deployments(est, gpus, degrees, k, mixed=mixed, all_gpus=all_gpus, **fam)]
         cands.sort(key=lambda t: t[0])  # stable: the joint k best first, each family in its own order
     else:
-        cands = solve_top(est, gpus, degrees, k, disaggregated=disaggregated, colocated=colocated, mixed=mixed,
-                          all_gpus=all_gpus)
+        cands = best_deployments(est, gpus, degrees, k, disaggregated=disaggregated, colocated=colocated,
+                                 mixed=mixed, all_gpus=all_gpus)
     if disaggregated:
+        extra = balanced_splits(gpus, degrees)
+        if form_k and (mixed or not all_gpus):
+            extra = [d for _, d in best_deployments(est, gpus, degrees, form_k, disaggregated=True, colocated=False,
+                                                    mixed=False, all_gpus=True)] + extra
         seen = {d for _, d in cands}
-        cands += [(surrogate(d, est, gpus), d) for d in balanced_splits(gpus, degrees) if d not in seen]
+        for d in extra:
+            if d not in seen:
+                seen.add(d)
+                cands.append((surrogate(d, est, gpus), d))
     return cands
+
+
+def holds(big: Deployment, small: Deployment) -> bool:
+    """``big`` runs every replica ``small`` runs, and more: same family (co-located or not), at least
+    as many replicas of each (phase, degree)."""
+    if big == small or big.colocated != small.colocated:
+        return False
+    bp, bd = dict(big.prefill), dict(big.decode)
+    return all(bp.get(n, 0) >= c for n, c in small.prefill) and all(bd.get(n, 0) >= c for n, c in small.decode)
+
+
+def check_order(cands) -> list[int]:
+    """Indices of ``cands`` in the order they are checked: every deployment that no other candidate
+    holds first (the ILP's order), then the others, most GPUs first, so a deployment is checked after
+    every candidate that holds it (:func:`skippable`)."""
+    deps = [d for _, d in cands]
+    held = [any(holds(b, d) for b in deps) for d in deps]
+    rest = sorted((i for i in range(len(deps)) if held[i]), key=lambda i: -deps[i].gpus)
+    return [i for i in range(len(deps)) if not held[i]] + rest
+
+
+def skippable(dep: Deployment, entries, top: int) -> bool:
+    """Whether checking ``dep`` cannot change the top ``top``: a checked deployment that holds it
+    already attains less than the ``top``-th best checked one. The premise: adding replicas to a
+    deployment does not lower its simulated attainment (more capacity for the same trace), so ``dep``
+    attains less than that too and ranks below the top ``top`` (ties go by attainment first, so
+    strictly less is enough). In deep overload it can fail by a few sessions (docs/planner.md §2)."""
+    if len(entries) < top:
+        return False
+    bound = [e.slo_attainment for e in entries if holds(e.deployment, dep)]
+    if not bound:
+        return False
+    kth = sorted((e.slo_attainment for e in entries), reverse=True)[top - 1]
+    return min(bound) < kth
 
 
 def plan(req: PlanRequest, *, cache: EstimateCache | None = None, progress: Progress | None = None) -> PlanResult:
     """The ``req.top`` best deployments: the ILP's best ``candidates`` by estimated worst P95, each
-    simulated whole on the trace and ranked by simulated SLO attainment, then by the worse of P95 TTFT
-    and P95 mean ITL over their thresholds (:func:`headroom`)."""
+    simulated whole on the trace (but those :func:`skippable` shows cannot rank, with
+    ``req.skip_dominated``) and ranked by simulated SLO attainment, then by the worse of P95 TTFT and
+    P95 mean ITL over their thresholds (:func:`headroom`)."""
     degrees, disagg, coloc = search_space(req)
     kinds = (("prefill", "decode") if disagg else ()) + (("colocated",) if coloc else ())
 
@@ -223,20 +271,33 @@ def plan(req: PlanRequest, *, cache: EstimateCache | None = None, progress: Prog
                           sample_size=req.sample_sessions, progress=est_progress)
     n_cand = req.candidates or 2 * req.top
     cands = family_candidates(est, req.gpus, degrees, max(n_cand, req.top), disaggregated=disagg,
-                              colocated=coloc, mixed=req.mixed, all_gpus=req.all_gpus)
+                              colocated=coloc, mixed=req.mixed, all_gpus=req.all_gpus, form_k=req.top)
     if not cands:
         raise PlanError("gpus", f"no deployment of degrees {list(degrees)} uses exactly {req.gpus} GPUs")
-    entries = []
-    for i, (obj, dep) in enumerate(cands):
+    from ampd.sim.gcpause import gc_paused
+
+    entries, rank = [], {}
+    with gc_paused():  # the checks' records die by reference counting; a collection would walk every live object
+        _check_all(req, est, cands, entries, rank, progress)
+    # full ties keep the candidates' order, whatever order they were checked in
+    entries.sort(key=lambda e: (-e.slo_attainment, headroom(e, req.slo), e.objective, rank[e.deployment]))
+    return PlanResult(gpus=req.gpus, top=entries[: req.top], degrees=degrees, slo=req.slo,
+                      candidates=len(entries), estimates=est, skipped=len(cands) - len(entries))
+
+
+def _check_all(req: PlanRequest, est, cands, entries: list, rank: dict, progress: Progress | None) -> None:
+    """Simulate the candidates in :func:`check_order`, skipping the :func:`skippable` ones."""
+    for done, i in enumerate(check_order(cands)):
         if progress is not None:
-            progress("checks", i, len(cands))
+            progress("checks", done, len(cands))
+        obj, dep = cands[i]
+        if req.skip_dominated and skippable(dep, entries, req.top):
+            continue
         policy, att, p95, p95_itl = check(req, dep)
         _, lv = bottleneck(dep, est)
         levels = {k: est.levels[l] if math.isfinite(est.levels[l]) else "overload" for k, l in lv.items()}
         entries.append(PlanEntry(dep, policy, att, p95, p95_itl, obj, levels))
+        rank[dep] = i
     if progress is not None:
         progress("checks", len(cands), len(cands))
-    entries.sort(key=lambda e: (-e.slo_attainment, headroom(e, req.slo), e.objective))
-    return PlanResult(gpus=req.gpus, top=entries[: req.top], degrees=degrees, slo=req.slo,
-                      candidates=len(cands), estimates=est)
 

@@ -11,6 +11,7 @@ from ampd.perf import load_profile
 from ampd.planner import (Deployment, EstimateCache, Estimates, PlanError, PlanRequest, brute_force_top,
                           build_estimates, capacities, feasible_degrees, plan, solve_top, surrogate)
 from ampd.planner.estimates import LEVELS, OVERLOAD, sample_sessions, saturated
+from ampd.planner.ilp import ENUMERATE_MAX, best_deployments, space_size
 from ampd.planner.objective import enumerate_deployments
 from ampd.planner.plan import balanced_splits, family_candidates
 from ampd.workload import generate
@@ -79,7 +80,7 @@ def test_candidates_hold_the_best_of_each_family(prof, gpus, seed):
         got = sorted(v for v, d in cands if d.colocated == fam["colocated"])[:len(want)]
         assert got == pytest.approx(want, abs=1e-6), (fam, cands)
         # and the family's own plan checks nothing AMPD's does not
-        assert {d for _, d in solve_top(est, gpus, degrees, 2, **fam)} <= {d for _, d in cands}
+        assert {d for _, d in best_deployments(est, gpus, degrees, 2, **fam)} <= {d for _, d in cands}
 
 
 def test_ilp_on_simulated_estimates_equals_brute_force():
@@ -218,3 +219,99 @@ def test_plan_checks_and_ranks_candidates_by_simulation():
     assert n > 0 and cache.misses == n
     plan(req, cache=cache)  # same workload again: every estimate comes from the cache
     assert len(cache) == n and cache.hits >= n
+
+
+def test_space_size_counts_the_enumeration():
+    for gpus in range(1, 21):
+        for degrees in ((1, 2, 4, 8), (2, 4, 8), (4,)):
+            degs = tuple(n for n in degrees if n <= gpus)
+            for space in ({}, {"mixed": False}, {"colocated": False}, {"disaggregated": False},
+                          {"all_gpus": True}, {"all_gpus": True, "mixed": False, "colocated": False}):
+                want = sum(1 for _ in enumerate_deployments(gpus, degs, **space)) if degs else 0
+                assert space_size(gpus, degs, **space) == want, (gpus, degs, space)
+
+
+@pytest.mark.parametrize("gpus", [8, 16])
+def test_best_deployments_enumerates_small_spaces_and_solves_large_ones(gpus):
+    """Below ENUMERATE_MAX the enumeration, above it SCIP: the same k best objective values either way."""
+    profile = load_profile("qwen3-32b@h20")
+    degrees = feasible_degrees(profile, gpus, 1000)   # 1, 2, 4, 8: 169 and 3,389 disaggregated deployments
+    est = _random_estimates(profile, degrees, gpus * 0.1, gpus)
+    fam = {"disaggregated": True, "colocated": False}
+    assert (space_size(gpus, degrees, **fam) <= ENUMERATE_MAX) == (gpus == 8)
+    got = best_deployments(est, gpus, degrees, 4, **fam)
+    want = solve_top(est, gpus, degrees, 4, **fam)
+    assert [v for v, _ in got] == pytest.approx([v for v, _ in want], abs=1e-6)
+
+
+def test_enumeration_breaks_ties_by_the_worst_utilisation():
+    """Past saturation a whole level shares one tau, so many deployments tie; the enumeration puts the
+    one whose bottleneck carries the least excess load first."""
+    from ampd.planner.objective import worst_utilisation
+
+    profile = load_profile("llama3.1-70b@h20")
+    degrees = (2, 4, 8)
+    sample = sample_sessions(generate("toolbench", 1.0, 60.0, 1), 16)
+    cap = capacities(profile, sample, degrees, 0.05)
+    tau = {kind: {n: tuple(saturated(r) if math.isfinite(r) else OVERLOAD for r in LEVELS) for n in degrees}
+           for kind in cap}
+    rate = 1.3 * 16 * max(cap["colocated"][n] / n for n in degrees)  # every 16-GPU deployment at level 1.5
+    est = Estimates(rate=rate, levels=LEVELS, capacity=cap, tau=tau)
+    top = best_deployments(est, 16, degrees, 6, disaggregated=False, all_gpus=True)
+    assert len({round(v, 9) for v, _ in top}) == 1  # all tied on the objective
+    utils = [worst_utilisation(d, est) for _, d in top]
+    assert utils == sorted(utils)
+    everything = enumerate_deployments(16, degrees, disaggregated=False, all_gpus=True)
+    assert utils[0] == pytest.approx(min(worst_utilisation(d, est) for d in everything))
+
+
+def test_a_candidate_a_weaker_one_holds_is_skipped():
+    from ampd.planner.plan import PlanEntry, check_order, holds, skippable
+
+    big, small = Deployment.of({4: 1}, {2: 2}), Deployment.of({4: 1}, {2: 1})
+    assert holds(big, small) and not holds(small, big) and not holds(big, big)
+    assert not holds(Deployment.of({}, {4: 1, 2: 2}), Deployment.of({4: 1}, {2: 1}))  # another family
+    assert not holds(Deployment.of({4: 1}, {4: 1}), small)  # a tp4 replica does not hold a tp2 one
+    other = Deployment.of({2: 2}, {4: 1})
+    cands = [(1.0, small), (1.1, other), (1.2, big)]
+    assert check_order(cands) == [1, 2, 0]  # small after big, which holds it
+
+    def entry(dep, att):
+        return PlanEntry(dep, "ampd", att, 1.0, 0.01, 1.0)
+    assert skippable(small, [entry(other, 0.9), entry(big, 0.8)], top=1)      # big < the best: so is small
+    assert not skippable(small, [entry(other, 0.9), entry(big, 0.8)], top=2)  # big is 2nd: small may be too
+    assert not skippable(small, [entry(other, 0.8), entry(big, 0.8)], top=1)  # a tie could go either way
+    assert not skippable(small, [entry(other, 0.9)], top=1)                   # nothing holds it
+
+
+def test_skipping_keeps_the_plan():
+    """The plan with the skipped candidates simulated after all is the same plan."""
+    from dataclasses import replace
+
+    prof = load_profile("llama3.1-70b@h20")
+    sessions = generate("dureader", 0.25, 120.0, 3)
+    req = PlanRequest(prof, sessions, 8, SLO(5.0, 0.05), top=3, candidates=6, sample_sessions=16)
+    cache = EstimateCache()
+    a = plan(req, cache=cache)
+    b = plan(replace(req, skip_dominated=False), cache=cache)
+    assert a.skipped > 0 and b.skipped == 0 and a.candidates + a.skipped == b.candidates
+    assert [(e.deployment, e.slo_attainment) for e in a.top] == [(e.deployment, e.slo_attainment) for e in b.top]
+
+
+def test_a_larger_space_also_checks_the_best_of_table2s_form():
+    """A mixed-degree search holds the ``form_k`` best single-degree all-GPU splits (what a
+    Table-2-form plan ranks first), so the surrogate's ties among lopsided mixed splits cannot
+    crowd them out."""
+    profile = load_profile("qwen3-32b@h20")
+    degrees = feasible_degrees(profile, 16, 1000)
+    est = _random_estimates(profile, degrees, 1.2, 5)
+    form = best_deployments(est, 16, degrees, 3, colocated=False, mixed=False, all_gpus=True)
+    cands = family_candidates(est, 16, degrees, 2, disaggregated=True, colocated=True, mixed=True, all_gpus=False,
+                              form_k=3)
+    assert {d for _, d in form} <= {d for _, d in cands}
+    assert len({d for _, d in cands}) == len(cands)
+    # the form's own search adds nothing to itself
+    same = family_candidates(est, 16, degrees, 2, disaggregated=True, colocated=False, mixed=False, all_gpus=True,
+                             form_k=3)
+    assert same == family_candidates(est, 16, degrees, 2, disaggregated=True, colocated=False, mixed=False,
+                                     all_gpus=True)
