@@ -6,20 +6,12 @@ import asyncio
 
 import pytest
 
-from ampd import grpcserver
 from ampd.bench.client import replay
 from ampd.launcher import Deployment, Options
-from ampd.v1 import common_pb2, decode_pb2_grpc
 from ampd.workload import Round, Session
+from tests.integration.rpc_metrics import service_metrics
 
 pytestmark = pytest.mark.timeout(180)
-
-
-async def _decode_metrics(address: str) -> dict[str, float]:
-    ch = grpcserver.channel(address)
-    reply = await decode_pb2_grpc.DecodeWorkerStub(ch).Metrics(common_pb2.MetricsRequest(), timeout=10)
-    await ch.close()
-    return dict(reply.values)
 
 
 def test_chunked_local_prefill_interleaves_and_keeps_tokens_exact(redis_url, tmp_path):
@@ -40,7 +32,7 @@ def test_chunked_local_prefill_interleaves_and_keeps_tokens_exact(redis_url, tmp
             await store.r.aclose()
             return info.address
 
-        m = asyncio.run(_decode_metrics(asyncio.run(address())))
+        m = asyncio.run(service_metrics(asyncio.run(address()), "decode"))
     assert all(r.completed for r in records), [r.error for r in records]
     assert stats.token_mismatches == 0 and stats.tokens == 120 + 8 + 4
     assert m["prefill_chunks"] >= 3  # 6000 and 3000 tokens split by the profile's chunk size

@@ -23,8 +23,9 @@ import redis
 from ampd import grpcserver
 from ampd.bench.client import replay
 from ampd.launcher import Deployment, Options
-from ampd.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, decode_pb2_grpc, prefill_pb2_grpc
+from ampd.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from ampd.workload.trace import Round, Session
+from tests.integration.rpc_metrics import service_metrics
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -42,24 +43,6 @@ def _trace(n: int = 50) -> list[Session]:
             Round(40, 8 + k),
         )))
     return out
-
-
-async def _metrics(address: str, kind: str) -> dict[str, float]:
-    ch = grpcserver.channel(address)
-    stub = (decode_pb2_grpc.DecodeWorkerStub if kind == "decode" else prefill_pb2_grpc.PrefillWorkerStub)(ch)
-    try:
-        return dict((await stub.Metrics(common_pb2.MetricsRequest(), timeout=10)).values)
-    finally:
-        await ch.close()
-
-
-async def _coordinator_metrics(address: str) -> dict[str, float]:
-    ch = grpcserver.channel(address)
-    try:
-        stub = coordinator_pb2_grpc.CoordinatorStub(ch)
-        return dict((await stub.Metrics(common_pb2.MetricsRequest(), timeout=10)).values)
-    finally:
-        await ch.close()
 
 
 def _kill(dep: Deployment, name: str) -> None:
@@ -128,7 +111,7 @@ def test_replay_survives_killed_workers_and_a_redis_restart(tmp_path):
             assert any(e.startswith(f"{name} restarted") for e in dep.events), dep.events
         dep.wait_serving()
         _wait_registered(r, workers)
-        coord = asyncio.run(_coordinator_metrics(dep.coordinator))
+        coord = asyncio.run(service_metrics(dep.coordinator, "coordinator"))
         print(f"coordinator: {({k: v for k, v in coord.items() if k.startswith(('sessions', 'prefills'))})}")
         assert coord["sessions_moved"] >= 1
         assert coord["sessions_live"] == 0
@@ -195,7 +178,7 @@ def _nothing_left(r: redis.Redis, workers: set[str], ns: str = NS) -> None:
     for wid, raw in r.hgetall(f"{ns}:workers").items():
         info = json.loads(raw)
         while True:  # a session ended by a lost coordinator is freed once its worker sees the stream go
-            m = asyncio.run(_metrics(info["address"], info["kind"]))
+            m = asyncio.run(service_metrics(info["address"], info["kind"]))
             if m["kv_free_tokens"] == m["kv_capacity_tokens"] or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
@@ -262,7 +245,7 @@ def test_a_session_past_its_migration_limit_ends_unavailable(tmp_path):
         tokens, rounds, error = asyncio.run(_killed_session(dep, "limited", turns, (5, 15)))
         assert error.startswith("UNAVAILABLE: ") and "already moved 1 times" in error, error
         assert "--migration-limit" in error and 15 <= len(tokens) < 400 and not rounds
-        coord = asyncio.run(_coordinator_metrics(dep.coordinator))
+        coord = asyncio.run(service_metrics(dep.coordinator, "coordinator"))
         assert coord["sessions_moved"] == 1 and coord["sessions_failed"] == 1 and coord["sessions_live"] == 0
         dep.wait_serving()
         r = redis.Redis.from_url(dep.redis_url)

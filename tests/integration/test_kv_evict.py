@@ -25,9 +25,9 @@ import pytest
 from ampd import grpcserver, perf
 from ampd.engine.mock import token_at
 from ampd.launcher import Deployment, Options
-from ampd.state import StateStore, connect
-from ampd.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, decode_pb2_grpc, prefill_pb2_grpc
+from ampd.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from ampd.workload.ids import filler_ids
+from tests.integration.rpc_metrics import worker_metrics
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -138,18 +138,6 @@ async def _alone(address: str, a_id: str, b_id: str) -> tuple[_Conversation, _Co
     return a, b
 
 
-async def _metrics(redis_url: str, namespace: str) -> dict[str, dict[str, float]]:
-    store = StateStore(await connect(redis_url), namespace)
-    out = {}
-    for wid, info in (await store.workers()).items():
-        ch = grpcserver.channel(info.address)
-        stub = (decode_pb2_grpc.DecodeWorkerStub if info.kind == "decode" else prefill_pb2_grpc.PrefillWorkerStub)(ch)
-        out[wid] = dict((await stub.Metrics(common_pb2.MetricsRequest(), timeout=10)).values)
-        await ch.close()
-    await store.r.aclose()
-    return out
-
-
 # positions of each session's output tokens: after every earlier input and output, and this input
 A_OUT = [*range(300, 320), *range(360, 370)]
 B_OUT = [*range(100, 110), *range(610, 620), *range(650, 655)]
@@ -177,8 +165,8 @@ def test_a_waiting_round_gets_kv_by_evicting_an_idle_session_which_then_complete
                    redis_url=redis_url, namespace="kvevict", run_dir=str(tmp_path))
     with Deployment(opts) as dep:
         a, b = asyncio.run(_pressure(dep.coordinator, "a", "b"))
-        metrics = asyncio.run(_metrics(redis_url, "kvevict"))
-    d, p = metrics["decode-0"], metrics["prefill-0"]
+        metrics = asyncio.run(worker_metrics(redis_url, "kvevict"))
+    d, p = metrics["decode-0"][1], metrics["prefill-0"][1]
     _check_evictions(a, b, d)
     for c in (a, b):
         assert all(tok == token_at(c.sid, pos) for pos, tok in c.tokens.items()), c.sid
@@ -201,7 +189,7 @@ def test_torch_sessions_whose_kv_was_evicted_give_the_undisturbed_greedy_tokens(
         ref_a, ref_b = asyncio.run(_alone(dep.coordinator, "a-alone", "b-alone"))
         assert not any(t.kv_recomputed_tokens for t in (*ref_a.rounds, *ref_b.rounds))
         a, b = asyncio.run(_pressure(dep.coordinator, "a", "b"))
-        metrics = asyncio.run(_metrics(redis_url, "kvevict-torch"))
-    _check_evictions(a, b, metrics["decode-0"], completed=4)
+        metrics = asyncio.run(worker_metrics(redis_url, "kvevict-torch"))
+    _check_evictions(a, b, metrics["decode-0"][1], completed=4)
     assert len(a.tokens) == 30 and len(b.tokens) == 25
     assert a.tokens == ref_a.tokens and b.tokens == ref_b.tokens

@@ -13,27 +13,9 @@ from ampd.bench.client import replay
 from ampd.launcher import Deployment, Options
 from ampd.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, decode_pb2_grpc, prefill_pb2_grpc
 from ampd.workload import generate
+from tests.integration.rpc_metrics import worker_metrics
 
 pytestmark = pytest.mark.timeout(240)
-
-
-async def _metrics(address: str, kind: str) -> dict[str, float]:
-    ch = grpcserver.channel(address)
-    stub = (decode_pb2_grpc.DecodeWorkerStub if kind == "decode" else prefill_pb2_grpc.PrefillWorkerStub)(ch)
-    reply = await stub.Metrics(common_pb2.MetricsRequest(), timeout=10)
-    await ch.close()
-    return dict(reply.values)
-
-
-async def _worker_metrics(store_url: str, namespace: str) -> dict[str, tuple[str, dict[str, float]]]:
-    from ampd.state import StateStore, connect
-
-    store = StateStore(await connect(store_url), namespace)
-    out = {}
-    for wid, info in (await store.workers()).items():
-        out[wid] = (info.kind, await _metrics(info.address, info.kind))
-    await store.r.aclose()
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +44,7 @@ def test_fifty_toolbench_sessions_all_tokens_and_kv_bytes_right(deployment, redi
 
     # No Redis session state and no KV blocks remain; every KV byte that crossed NIXL was right.
     assert redis.Redis.from_url(redis_url).keys("live:session:*") == []
-    metrics = asyncio.run(_worker_metrics(redis_url, "live"))
+    metrics = asyncio.run(worker_metrics(redis_url, "live"))
     assert {k for k, _ in metrics.values()} == {"prefill", "decode"}
     verified = {"prefill": 0.0, "decode": 0.0}
     for wid, (kind, m) in metrics.items():

@@ -18,12 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from ampd import grpcserver
 from ampd.bench.client import replay
 from ampd.launcher import Deployment, Options
 from ampd import perf
-from ampd.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from ampd.workload import Round, Session
+from tests.integration.rpc_metrics import worker_metrics
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -48,25 +47,12 @@ def _profile(tmp_path: Path, kv_tokens: int = 65_536) -> str:
     return str(path)
 
 
-async def _metrics(redis_url: str, namespace: str) -> dict[str, dict[str, float]]:
-    from ampd.state import StateStore, connect
-
-    store = StateStore(await connect(redis_url), namespace)
-    out = {}
-    for wid, info in (await store.workers()).items():
-        ch = grpcserver.channel(info.address)
-        stub = (decode_pb2_grpc.DecodeWorkerStub if info.kind == "decode" else prefill_pb2_grpc.PrefillWorkerStub)(ch)
-        out[wid] = dict((await stub.Metrics(common_pb2.MetricsRequest(), timeout=10)).values)
-        await ch.close()
-    await store.r.aclose()
-    return out
-
-
 def _run(opts: Options, sessions: list[Session]):
     with Deployment(opts) as dep:
         records, stats, _, _ = asyncio.run(replay(dep.coordinator, sessions, verify_tokens=True, progress=False,
                                                   timeout_s=120))
-        metrics = asyncio.run(_metrics(opts.deployment.redis_url, opts.deployment.namespace))
+        metrics = {w: m for w, (_, m) in asyncio.run(worker_metrics(opts.deployment.redis_url,
+                                                                      opts.deployment.namespace)).items()}
     return records, stats, metrics
 
 
