@@ -269,6 +269,9 @@ async def serve_calls(request_iterator, handle: Callable[[object], object]):
         except RpcFailure as f:
             yield common_pb2.CallReply(id=req.id, code=f.code.value[0], error=f.details)
         else:
+            # The work the request woke (a prefill to start, a task to submit) runs before the reply
+            # is written: the caller is not waiting on the reply to go on with that work.
+            await asyncio.sleep(0)
             yield common_pb2.CallReply(id=req.id)
 
 
