@@ -41,13 +41,16 @@ class PrefillService(prefill_pb2_grpc.PrefillWorkerServicer):
         blocks)."""
         core, tps = self.core, self.tps
         try:
-            validate_prefill_task(request, tps)
-            try:
-                await core.rt.ensure_peer(request.decode_worker)
-            except LookupError:
-                raise InvalidArgument(f"task.decode_worker: {request.decode_worker!r} is not a registered "
-                                      "decode worker") from None
-            info = core.rt.peers[request.decode_worker]
+            info = core.rt.peers.get(request.decode_worker)
+            if info is None:  # not loaded yet: the fields first, then the lookup (it may go to Redis)
+                validate_prefill_task(request, tps)
+                try:
+                    await core.rt.ensure_peer(request.decode_worker)
+                except LookupError:
+                    raise InvalidArgument(f"task.decode_worker: {request.decode_worker!r} is not a registered "
+                                          "decode worker") from None
+                info = core.rt.peers[request.decode_worker]
+            # once, with the target: it checks every field the check without one does
             layout = info.layout
             validate_prefill_task(request, tps, TaskTarget(info.tp, layout["num_blocks"], layout["block_tokens"]))
         except InvalidArgument as exc:
