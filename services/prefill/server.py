@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 
 import grpc
@@ -65,6 +66,9 @@ class PrefillService(prefill_pb2_grpc.PrefillWorkerServicer):
             core.submit(request)
         except ValueError as exc:
             raise RpcFailure(grpc.StatusCode.ALREADY_EXISTS, str(exc)) from None
+        # The worker's loop, just woken, starts the task before this call's answer is sent: the
+        # answer only confirms the queueing, the task's read is on the round's path.
+        await asyncio.sleep(0)
 
     async def Submit(self, request: prefill_pb2.PrefillTask, context) -> common_pb2.Ack:
         await abort_on_failure(context, lambda: self._submit(request))

@@ -152,24 +152,33 @@ class PrefillWorker:
         """Lazy read: the history KV moves only now that the task left the queue."""
         rt, task = self.rt, job.task
         job.read_start = time.time()
-        job.peer = await rt.ensure_peer(task.decode_worker)
-        local_hist = job.kv.reserve(rt.pool, task.l_hist)
+        # the read and its check are the task's path: a stats publication waits for them
+        with rt.urgent():
+            job.peer = await rt.ensure_peer(task.decode_worker)
+            local_hist = job.kv.reserve(rt.pool, task.l_hist)
+            if task.l_hist:
+                started = time.monotonic()
+                await rt.transport.read(job.peer, segs(task.history), local_hist)
+                if self.engine.name == "mock":  # the mock's KV is a function of (session, position): check it
+                    data = rt.pool.read(local_hist)
+                    bad = verify_pattern(task.session_id, 0, data, rt.pool.layout.bytes_per_token)
+                    self.metrics["kv_bytes_verified"] += data.size
+                    self.metrics["kv_bytes_mismatched"] += bad
+                    if bad:
+                        raise RuntimeError(f"history KV read from {task.decode_worker} has {bad} wrong bytes")
         if task.l_hist:
-            started = time.monotonic()
-            await rt.transport.read(job.peer, segs(task.history), local_hist)
             await self.engine.pace_transfer(started, task.l_hist, task.decode_tp, rt.cfg.tp)
-            if self.engine.name == "mock":  # the mock's KV is a function of (session, position): check it
-                data = rt.pool.read(local_hist)
-                bad = verify_pattern(task.session_id, 0, data, rt.pool.layout.bytes_per_token)
-                self.metrics["kv_bytes_verified"] += data.size
-                self.metrics["kv_bytes_mismatched"] += bad
-                if bad:
-                    raise RuntimeError(f"history KV read from {task.decode_worker} has {bad} wrong bytes")
             self.metrics["history_tokens_read"] += task.l_hist
         job.kv.commit(task.l_hist)
         job.read_end = time.time()
 
     async def _run(self, work: PrefillWork) -> None:
+        # The task's path, from taking it to its notification: a stats publication waits for its
+        # end, at most PUBLISH_HOLD_S (a long prefill publishes during its compute).
+        with self.rt.urgent():
+            await self._serve(work)
+
+    async def _serve(self, work: PrefillWork) -> None:
         rt = self.rt
         job = self.running = self._take(work)
         task = job.task
