@@ -54,6 +54,12 @@ def pair_ranges(
         empty = np.empty((0, 3), dtype=np.uint64)
         return empty, empty.copy()
     bpt = local_layout.bytes_per_token
+    if len(lend) == len(rend) and np.array_equal(lend, rend):
+        # Both sides cut at the same tokens (equal block sizes and alignment: the usual case), so
+        # the pieces are the segments: no merge of the cuts (a dozen numpy calls, ~20 us).
+        laddr, raddr = la, ra
+        nbytes = (np.diff(lend, prepend=0) * bpt).astype(np.uint64)
+        return _coalesced(laddr, raddr, nbytes)
     # piece boundaries (token index in the stream) = union of both sides' segment ends
     # (np.union1d would do, but its first call in a process costs ~25 ms of lazy imports)
     cuts = np.sort(np.concatenate((lend, rend)), kind="stable")
@@ -68,6 +74,10 @@ def pair_ranges(
     laddr = la[li] + ((pstart - lseg_start) * bpt).astype(np.uint64)
     raddr = ra[ri] + ((pstart - rseg_start) * bpt).astype(np.uint64)
     nbytes = (plen * bpt).astype(np.uint64)
+    return _coalesced(laddr, raddr, nbytes)
+
+
+def _coalesced(laddr: np.ndarray, raddr: np.ndarray, nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     # coalesce: a piece continues the previous run when contiguous on both sides
     if len(nbytes) > 1:
         cont = np.empty(len(nbytes), dtype=bool)

@@ -41,6 +41,7 @@ class _Job:
     read_start: float = 0.0
     read_end: float = 0.0
     reading: asyncio.Task | None = None  # its history read, when it runs ahead
+    history: list[Segment] = dataclasses.field(default_factory=list)  # its history KV here
 
 
 class PrefillWorker:
@@ -155,12 +156,12 @@ class PrefillWorker:
         # the read and its check are the task's path: a stats publication waits for them
         with rt.urgent():
             job.peer = await rt.ensure_peer(task.decode_worker)
-            local_hist = job.kv.reserve(rt.pool, task.l_hist)
+            local_hist = job.history = job.kv.reserve(rt.pool, task.l_hist)
             if task.l_hist:
                 started = time.monotonic()
                 await rt.transport.read(job.peer, segs(task.history), local_hist)
                 if self.engine.name == "mock":  # the mock's KV is a function of (session, position): check it
-                    data = rt.pool.read(local_hist)
+                    data = rt.pool.read(local_hist, copy=False)
                     bad = verify_pattern(task.session_id, 0, data, rt.pool.layout.bytes_per_token)
                     self.metrics["kv_bytes_verified"] += data.size
                     self.metrics["kv_bytes_mismatched"] += bad
@@ -196,7 +197,7 @@ class PrefillWorker:
             extra = {"history_ids": task.history_token_ids} if task.history_token_ids else {}
             done.first_token = await self.engine.prefill(
                 task.session_id, task.l_hist, task.l_incr, rt.pool, local_new, token_ids=task.token_ids,
-                history_kv=job.kv.segments(0, task.l_hist), sampling=sampling_of(task.sampling), **extra)
+                history_kv=job.history, sampling=sampling_of(task.sampling), **extra)
             if extra:
                 self.engine.forget(task.session_id)  # the session lives on its decode worker
             started = time.monotonic()

@@ -77,6 +77,28 @@ def test_write_read_round_trip_and_errors():
         pool.read([Segment(4, 0, 1)])
 
 
+
+def test_contiguous_write_and_read_view():
+    pool = KVPool(4, 4, 3)
+    run = [Segment(1, 2, 2), Segment(2, 0, 4), Segment(3, 0, 0), Segment(3, 0, 1)]  # one byte run
+    data = np.arange(7 * 3, dtype=np.uint8) + 1
+    pool.write(run, data)  # one slice assignment
+    assert np.array_equal(pool.buffer[(1 * 4 + 2) * 3 : (3 * 4 + 1) * 3], data)
+    view = pool.read(run, copy=False)
+    assert np.array_equal(view, data) and np.shares_memory(view, pool.buffer)
+    assert not view.flags.writeable
+    assert np.array_equal(pool.read(run), data) and not np.shares_memory(pool.read(run), pool.buffer)
+    scattered = [Segment(2, 0, 4), Segment(1, 2, 2)]  # not one run: a copy either way
+    out = pool.read(scattered, copy=False)
+    assert np.array_equal(out, np.concatenate([data[6:18], data[:6]]))
+    assert not np.shares_memory(out, pool.buffer)
+    assert pool.read([], copy=False).size == 0
+    with pytest.raises(ValueError, match="segment 1 .* outside"):
+        pool.read([Segment(0, 0, 1), Segment(0, 3, 2)], copy=False)
+    with pytest.raises(ValueError, match="outside"):
+        pool.write([Segment(4, 0, 1)], data[:3])
+
+
 # --- sessions -------------------------------------------------------------------------------------
 def test_session_reserve_commit_segments_across_partial_blocks():
     pool = KVPool(16, 4, 2)
