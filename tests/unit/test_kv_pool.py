@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from ampd.kv import (
+    PatternCache,
     KVPool,
     KVPoolExhausted,
     PoolLayout,
@@ -255,3 +256,21 @@ def test_freed_blocks_come_back_in_ascending_runs():
     assert a == [0, 1, 2, 3, 4]
     pool.free(a)
     assert pool.alloc(5) == [0, 1, 2, 3, 4]
+
+
+def test_pattern_cache_matches_kv_pattern_and_stays_bounded():
+    cache = PatternCache(max_bytes=3 * 100 * 24)
+    for n in (5, 40, 40, 17, 100):  # grows, repeats, shrinks
+        assert np.array_equal(cache.prefix("s", n, 24), kv_pattern("s", 0, n, 24))
+    data = kv_pattern("s", 0, 60, 24).copy()
+    assert cache.verify("s", data, 24) == 0
+    data[100] ^= 1
+    data[-1] ^= 0xFF
+    assert cache.verify("s", data, 24) == verify_pattern("s", 0, data, 24) == 2
+    for i in range(10):  # least recently used out: never over the bound
+        cache.prefix(f"t{i}", 100, 24)
+        assert cache._bytes <= cache.max_bytes
+    assert np.array_equal(cache.prefix("s", 100, 24), kv_pattern("s", 0, 100, 24))  # computed again
+    assert np.array_equal(cache.prefix("big", 1000, 24), kv_pattern("big", 0, 1000, 24))  # over it: not kept
+    with pytest.raises(ValueError, match="multiple"):
+        cache.verify("s", data[:-1], 24)
