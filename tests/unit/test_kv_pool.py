@@ -274,3 +274,44 @@ def test_pattern_cache_matches_kv_pattern_and_stays_bounded():
     assert np.array_equal(cache.prefix("big", 1000, 24), kv_pattern("big", 0, 1000, 24))  # over it: not kept
     with pytest.raises(ValueError, match="multiple"):
         cache.verify("s", data[:-1], 24)
+
+
+def test_pair_ranges_python_walk_matches_numpy_path(monkeypatch):
+    import random
+
+    import ampd.kv.ranges as ranges
+
+    rng = random.Random(3)
+    la = PoolLayout(base_addr=1 << 40, num_blocks=64, block_tokens=8, bytes_per_token=5)
+    ra = PoolLayout(base_addr=1 << 41, num_blocks=64, block_tokens=12, bytes_per_token=5)
+
+    def segs(layout, total):
+        blocks = list(range(layout.num_blocks))
+        rng.shuffle(blocks)
+        if rng.random() < 0.5:
+            blocks.sort()  # ascending runs: coalescing
+        out, left = [], total
+        for b in blocks:
+            if not left:
+                break
+            off = rng.randrange(layout.block_tokens) if rng.random() < 0.3 else 0
+            n = 0 if rng.random() < 0.05 else min(left, rng.randint(1, layout.block_tokens - off))
+            out.append(Segment(b, off, n))
+            left -= n
+        assert not left
+        return out
+
+    for total in [0, 1, 7, 8, 30, 100, 150]:
+        for _ in range(20):
+            local, remote = segs(la, total), segs(ra, total)
+            fast = pair_ranges(la, local, ra, remote)
+            monkeypatch.setattr(ranges, "PY_BELOW", -1)
+            slow = pair_ranges(la, local, ra, remote)
+            monkeypatch.undo()
+            assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(fast, slow))
+    for py_below in (512, -1):  # both paths raise the same errors
+        monkeypatch.setattr(ranges, "PY_BELOW", py_below)
+        with pytest.raises(ValueError, match=r"^local segments cover 3 tokens, remote 2$"):
+            pair_ranges(la, [Segment(0, 0, 3)], ra, [Segment(0, 0, 2)])
+        with pytest.raises(ValueError, match=r"^remote segment 1 .* outside layout"):
+            pair_ranges(la, [Segment(0, 0, 3)], ra, [Segment(0, 0, 2), Segment(64, 0, 1)])
