@@ -73,8 +73,8 @@ def verify_pattern(session_id: str, start: int, data: np.ndarray, bytes_per_toke
 class PatternCache:
     """kv_pattern of sessions' first positions, kept (least recently used out beyond ``max_bytes``).
 
-    A prefill worker verifies a session's whole history each round, all of which but the last
-    round's input it computed the round before: with this it computes only what is new (the
+    The mock engine writes a prefill's new positions from it, and a prefill worker checks the
+    whole history it reads against it each round: the check then finds every position kept (the
     pattern of 1536 positions of 64 bytes took ~0.1 ms of the remote round's path). The pattern is
     a pure function of (session, position), so a kept one never goes stale.
     """
@@ -103,10 +103,18 @@ class PatternCache:
                 self._bytes -= self._kept.popitem(last=False)[1].nbytes
         return have[: tokens * bpt]
 
+    def pattern(self, session_id: str, start: int, tokens: int, bytes_per_token: int) -> np.ndarray:
+        """kv_pattern(session_id, start, tokens, bytes_per_token), read-only; kept (with all the
+        positions before it) when they fit in ``max_bytes``."""
+        start, tokens, bpt = int(start), int(tokens), int(bytes_per_token)
+        if start < 0 or (start + tokens) * bpt > self.max_bytes:
+            return kv_pattern(session_id, start, tokens, bpt)
+        return self.prefix(session_id, start + tokens, bpt)[start * bpt:]
+
     def verify(self, session_id: str, data: np.ndarray, bytes_per_token: int) -> int:
         """verify_pattern(session_id, 0, data, bytes_per_token): positions from 0."""
         flat = np.asarray(data).reshape(-1).view(np.uint8)
         bpt = int(bytes_per_token)
         if bpt <= 0 or flat.nbytes % bpt:
             raise ValueError(f"verify_pattern: {flat.nbytes} bytes is not a multiple of {bpt}")
-        return int(np.count_nonzero(self.prefix(session_id, flat.nbytes // bpt, bpt) != flat))
+        return int(np.count_nonzero(self.pattern(session_id, 0, flat.nbytes // bpt, bpt) != flat))

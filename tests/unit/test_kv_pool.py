@@ -315,3 +315,11 @@ def test_pair_ranges_python_walk_matches_numpy_path(monkeypatch):
             pair_ranges(la, [Segment(0, 0, 3)], ra, [Segment(0, 0, 2)])
         with pytest.raises(ValueError, match=r"^remote segment 1 .* outside layout"):
             pair_ranges(la, [Segment(0, 0, 3)], ra, [Segment(0, 0, 2), Segment(64, 0, 1)])
+
+
+def test_pattern_cache_pattern_slices_and_big_ranges():
+    cache = PatternCache(max_bytes=50 * 16)
+    assert np.array_equal(cache.pattern("s", 10, 20, 16), kv_pattern("s", 10, 20, 16))
+    assert cache._bytes == 30 * 16  # kept with the positions before it
+    assert np.array_equal(cache.pattern("s", 40, 20, 16), kv_pattern("s", 40, 20, 16))  # over the bound
+    assert cache._bytes == 30 * 16
