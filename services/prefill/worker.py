@@ -159,8 +159,7 @@ class PrefillWorker:
             local_hist = job.history = job.kv.reserve(rt.pool, task.l_hist)
             if task.l_hist:
                 started = time.monotonic()
-                hs = segs(task.history)
-                await rt.transport.read(job.peer, hs, local_hist)
+                await rt.transport.read(job.peer, segs(task.history), local_hist)
                 if self.engine.name == "mock":  # the mock's KV is a function of (session, position): check it
                     data = rt.pool.read(local_hist, copy=False)
                     bad = self.engine.patterns.verify(task.session_id, data, rt.pool.layout.bytes_per_token)
