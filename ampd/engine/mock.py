@@ -15,7 +15,7 @@ from functools import lru_cache
 from typing import Sequence
 
 from ampd.engine.base import DecodeSeq, Sampling
-from ampd.kv import KVPool, PatternCache, Segment, kv_pattern
+from ampd.kv import KVPool, Segment, kv_pattern
 from ampd.perf import Profile
 
 VOCAB_SIZE = 32_000  # the ids it produces (token_at)
@@ -53,10 +53,6 @@ class MockEngine:
         self.profile = profile
         self.tp = tp
         self.max_context = profile.kv_capacity_tokens(tp)  # one session may fill a replica's KV
-        # The KV pattern of sessions' first positions, kept: a prefill writes a session's next
-        # positions from it, and a prefill worker checks the history it reads against it (a
-        # round's check then computes nothing).
-        self.patterns = PatternCache()
 
     # A prefill is a sleep after the KV write: cancelling it stops it at once (a cancelled session's
     # local prefill frees its decode worker).
@@ -68,7 +64,7 @@ class MockEngine:
         sampling: Sampling | None = None,
     ) -> int:
         deadline = time.monotonic() + self.profile.t_pre(self.tp, l_hist, l_incr)
-        pool.write(new_kv, self.patterns.pattern(session_id, l_hist, l_incr, pool.layout.bytes_per_token))
+        pool.write(new_kv, kv_pattern(session_id, l_hist, l_incr, pool.layout.bytes_per_token))
         await sleep_until(deadline)
         return token_at(session_id, l_hist + l_incr)
 

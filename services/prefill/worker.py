@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import structlog
 
 from ampd.engine.base import Engine
-from ampd.kv import Segment, SessionKV
+from ampd.kv import PatternCache, Segment, SessionKV
 from ampd.policy import PrefillTask, WorkerView
 from ampd.runtime import WorkerRuntime, sampling_of
 from ampd.v1 import common_pb2, prefill_pb2
@@ -62,6 +62,7 @@ class PrefillWorker:
             "kv_reads_ahead": 0, "kv_read_hidden_s": 0.0,
         }
         self._task: asyncio.Task | None = None
+        self.patterns = PatternCache()  # the mock's KV of sessions' first positions, for the check
         rt.published = self.published
 
     def start(self) -> None:
@@ -162,7 +163,7 @@ class PrefillWorker:
                 await rt.transport.read(job.peer, segs(task.history), local_hist)
                 if self.engine.name == "mock":  # the mock's KV is a function of (session, position): check it
                     data = rt.pool.read(local_hist, copy=False)
-                    bad = self.engine.patterns.verify(task.session_id, data, rt.pool.layout.bytes_per_token)
+                    bad = self.patterns.verify(task.session_id, data, rt.pool.layout.bytes_per_token)
                     self.metrics["kv_bytes_verified"] += data.size
                     self.metrics["kv_bytes_mismatched"] += bad
                     if bad:
