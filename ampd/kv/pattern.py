@@ -82,27 +82,33 @@ class PatternCache:
 
     def __init__(self, max_bytes: int = 16 << 20) -> None:
         self.max_bytes = int(max_bytes)
-        self._kept: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
-        self._bytes = 0
+        # (session, bytes_per_token) -> (buffer, bytes of it computed); a buffer grows by doubling,
+        # so that a session's rounds copy (and fault in) O(its pattern) in all, not each round
+        self._kept: OrderedDict[tuple[str, int], tuple[np.ndarray, int]] = OrderedDict()
+        self._bytes = 0  # of the buffers
 
     def prefix(self, session_id: str, tokens: int, bytes_per_token: int) -> np.ndarray:
         """kv_pattern(session_id, 0, tokens, bytes_per_token), read-only."""
-        key, bpt, tokens = (session_id, int(bytes_per_token)), int(bytes_per_token), int(tokens)
-        have = self._kept.pop(key, None)
-        if have is not None:
-            self._bytes -= have.nbytes
-            if have.nbytes < tokens * bpt:
-                have = np.concatenate((have, kv_pattern(session_id, have.nbytes // bpt,
-                                                        tokens - have.nbytes // bpt, bpt)))
-        else:
-            have = kv_pattern(session_id, 0, tokens, bpt)
-        if have.nbytes <= self.max_bytes:
-            have.flags.writeable = False
-            self._kept[key] = have
-            self._bytes += have.nbytes
+        key, bpt = (session_id, int(bytes_per_token)), int(bytes_per_token)
+        need = int(tokens) * bpt
+        kept = self._kept.pop(key, None)
+        buf, have = kept if kept is not None else (np.empty(0, dtype=np.uint8), 0)
+        self._bytes -= buf.nbytes
+        if have < need:
+            if need > buf.nbytes:
+                grown = np.empty(max(need, min(2 * buf.nbytes, self.max_bytes)), dtype=np.uint8)
+                grown[:have] = buf[:have]
+                buf = grown
+            buf[have:need] = kv_pattern(session_id, have // bpt, (need - have) // bpt, bpt)
+            have = need
+        if buf.nbytes <= self.max_bytes:
+            self._kept[key] = (buf, have)
+            self._bytes += buf.nbytes
             while self._bytes > self.max_bytes:
-                self._bytes -= self._kept.popitem(last=False)[1].nbytes
-        return have[: tokens * bpt]
+                self._bytes -= self._kept.popitem(last=False)[1][0].nbytes
+        out = buf[:need]  # what is computed is never written again: a view stays valid
+        out.flags.writeable = False
+        return out
 
     def pattern(self, session_id: str, start: int, tokens: int, bytes_per_token: int) -> np.ndarray:
         """kv_pattern(session_id, start, tokens, bytes_per_token), read-only; kept (with all the

@@ -321,5 +321,8 @@ def test_pattern_cache_pattern_slices_and_big_ranges():
     cache = PatternCache(max_bytes=50 * 16)
     assert np.array_equal(cache.pattern("s", 10, 20, 16), kv_pattern("s", 10, 20, 16))
     assert cache._bytes == 30 * 16  # kept with the positions before it
+    assert np.array_equal(cache.pattern("s", 25, 10, 16), kv_pattern("s", 25, 10, 16))
+    assert cache._bytes == 50 * 16  # grown by doubling, within the bound
+    first = cache.prefix("s", 30, 16).copy()
     assert np.array_equal(cache.pattern("s", 40, 20, 16), kv_pattern("s", 40, 20, 16))  # over the bound
-    assert cache._bytes == 30 * 16
+    assert np.array_equal(cache.prefix("s", 30, 16), first) and cache._bytes <= cache.max_bytes
