@@ -13,7 +13,6 @@ Pure: no I/O.
 """
 from __future__ import annotations
 
-import hashlib
 import hmac
 import secrets
 import struct
@@ -39,14 +38,19 @@ def _task_message(task: common_pb2.PrefillTask) -> bytes:
     parts = [task.session_id.encode(), b"\0", task.decode_worker.encode(), b"\0",
              struct.pack("<IIII", task.round, task.l_hist, task.l_incr, task.decode_tp)]
     for segs in (task.history, task.dest):
-        parts.append(struct.pack("<I", len(segs)))
-        parts.extend(struct.pack("<III", s.block, s.offset, s.tokens) for s in segs)
+        # one pack per list, not one a segment: the same bytes, in half the time (every remote
+        # prefill is checked against its token on its path)
+        flat: list[int] = []
+        add = flat.extend
+        for s in segs:
+            add((s.block, s.offset, s.tokens))
+        parts.append(struct.pack(f"<I{len(flat)}I", len(segs), *flat))
     return b"".join(parts)
 
 
 def task_token(key: bytes, task: common_pb2.PrefillTask) -> str:
     """The token of ``task`` under ``key`` (its ``task_token`` field is not covered)."""
-    return hmac.new(key, _task_message(task), hashlib.sha256).hexdigest()[:32]
+    return hmac.digest(key, _task_message(task), "sha256").hex()[:32]
 
 
 def token_matches(expected: str, given: str) -> bool:

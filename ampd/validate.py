@@ -176,24 +176,34 @@ def _segments(segs, path: str, tokens: int, target: TaskTarget | None,
               used: dict[int, list[tuple[int, int]]]) -> None:
     if len(segs) > MAX_SEGMENTS:
         raise InvalidArgument(f"{path}: over {MAX_SEGMENTS} segments")
+    # A task names ~one segment a block: each field is read once into a local (a protobuf
+    # attribute read costs more than the checks), and only a block seen before is searched for
+    # overlaps. This runs on every remote prefill's path.
+    num_blocks = target.num_blocks if target is not None else -1
+    block_tokens = target.block_tokens if target is not None else -1
     total = 0
     for i, s in enumerate(segs):
-        if s.tokens < 1:
+        block, offset, n = s.block, s.offset, s.tokens
+        if n < 1:
             raise InvalidArgument(f"{path}[{i}].tokens: must be >= 1")
-        if target is not None:
-            if s.block >= target.num_blocks:
-                raise InvalidArgument(f"{path}[{i}].block: {s.block} is outside the decode worker's "
-                                      f"{target.num_blocks} blocks")
-            if s.offset + s.tokens > target.block_tokens:
-                raise InvalidArgument(f"{path}[{i}]: offset {s.offset} + {s.tokens} tokens overflow a block of "
-                                      f"{target.block_tokens}")
+        end = offset + n
+        if num_blocks >= 0:
+            if block >= num_blocks:
+                raise InvalidArgument(f"{path}[{i}].block: {block} is outside the decode worker's "
+                                      f"{num_blocks} blocks")
+            if end > block_tokens:
+                raise InvalidArgument(f"{path}[{i}]: offset {offset} + {n} tokens overflow a block of "
+                                      f"{block_tokens}")
         # no token slot twice: two segments over one slot would read or write it twice
-        end = s.offset + s.tokens
-        spans = used.setdefault(s.block, [])
-        if any(a < end and s.offset < b for a, b in spans):
-            raise InvalidArgument(f"{path}[{i}]: block {s.block} slots {s.offset}..{end - 1} are named twice")
-        spans.append((s.offset, end))
-        total += s.tokens
+        spans = used.get(block)
+        if spans is None:
+            used[block] = [(offset, end)]
+        else:
+            for a, b in spans:
+                if a < end and offset < b:
+                    raise InvalidArgument(f"{path}[{i}]: block {block} slots {offset}..{end - 1} are named twice")
+            spans.append((offset, end))
+        total += n
     if total != tokens:
         raise InvalidArgument(f"{path}: segments cover {total} tokens, not {tokens}")
 

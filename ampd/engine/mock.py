@@ -80,5 +80,10 @@ class MockEngine:
         return out
 
     async def pace_transfer(self, started: float, tokens: int, src_tp: int, dst_tp: int) -> None:
+        # No yield when the transfer already took its modelled time (the zero-cost profile): the
+        # transfer yielded while it ran, and a yield here let the worker's other work (a stats
+        # publication, an RPC answer) into the prefill's path.
         if tokens > 0:
-            await sleep_until(started + self.profile.t_kv(tokens, src_tp, dst_tp))
+            deadline = started + self.profile.t_kv(tokens, src_tp, dst_tp)
+            if deadline > time.monotonic():
+                await sleep_until(deadline)

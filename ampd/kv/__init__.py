@@ -4,7 +4,7 @@
 alone does not load NIXL.
 """
 
-from .pattern import kv_pattern, session_seed, verify_pattern
+from .pattern import PatternCache, kv_pattern, session_seed, verify_pattern
 from .pool import (
     KVPool,
     KVPoolExhausted,
@@ -26,6 +26,7 @@ __all__ = [
     "segments_to_arrays",
     "pair_ranges",
     "kv_pattern",
+    "PatternCache",
     "verify_pattern",
     "session_seed",
     "KVTransferError",

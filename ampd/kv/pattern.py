@@ -10,11 +10,12 @@ can be produced or checked on its own, on any worker, with any block layout.
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from functools import lru_cache
 
 import numpy as np
 
-__all__ = ["kv_pattern", "verify_pattern", "session_seed"]
+__all__ = ["kv_pattern", "verify_pattern", "session_seed", "PatternCache"]
 
 _G = np.uint64(0x9E3779B97F4A7C15)  # golden-ratio increment, per position
 _H = np.uint64(0xD1B54A32D192ED03)  # per 8-byte word inside a position
@@ -67,3 +68,60 @@ def verify_pattern(session_id: str, start: int, data: np.ndarray, bytes_per_toke
         raise ValueError(f"verify_pattern: {flat.nbytes} bytes is not a multiple of {bpt}")
     expected = kv_pattern(session_id, start, flat.nbytes // bpt, bpt)
     return int(np.count_nonzero(expected != flat))
+
+
+class PatternCache:
+    """kv_pattern of sessions' first positions, kept (least recently used out beyond ``max_bytes``).
+
+    A prefill worker checks the whole history it reads against it each round, all of which but
+    the positions since the last round it computed then (the pattern of 1536 positions of 64 bytes
+    took ~0.1 ms of the remote round's path). The pattern is a pure function of (session,
+    position), so a kept one never goes stale. (The mock engine's own writes do not go through
+    it: growing a kept pattern copies it, which cost a local round more than it saved.)
+    """
+
+    def __init__(self, max_bytes: int = 16 << 20) -> None:
+        self.max_bytes = int(max_bytes)
+        # (session, bytes_per_token) -> (buffer, bytes of it computed); a buffer grows by doubling,
+        # so that a session's rounds copy (and fault in) O(its pattern) in all, not each round
+        self._kept: OrderedDict[tuple[str, int], tuple[np.ndarray, int]] = OrderedDict()
+        self._bytes = 0  # of the buffers
+
+    def prefix(self, session_id: str, tokens: int, bytes_per_token: int) -> np.ndarray:
+        """kv_pattern(session_id, 0, tokens, bytes_per_token), read-only."""
+        key, bpt = (session_id, int(bytes_per_token)), int(bytes_per_token)
+        need = int(tokens) * bpt
+        kept = self._kept.pop(key, None)
+        buf, have = kept if kept is not None else (np.empty(0, dtype=np.uint8), 0)
+        self._bytes -= buf.nbytes
+        if have < need:
+            if need > buf.nbytes:
+                grown = np.empty(max(need, min(2 * buf.nbytes, self.max_bytes)), dtype=np.uint8)
+                grown[:have] = buf[:have]
+                buf = grown
+            buf[have:need] = kv_pattern(session_id, have // bpt, (need - have) // bpt, bpt)
+            have = need
+        if buf.nbytes <= self.max_bytes:
+            self._kept[key] = (buf, have)
+            self._bytes += buf.nbytes
+            while self._bytes > self.max_bytes:
+                self._bytes -= self._kept.popitem(last=False)[1][0].nbytes
+        out = buf[:need]  # what is computed is never written again: a view stays valid
+        out.flags.writeable = False
+        return out
+
+    def pattern(self, session_id: str, start: int, tokens: int, bytes_per_token: int) -> np.ndarray:
+        """kv_pattern(session_id, start, tokens, bytes_per_token), read-only; kept (with all the
+        positions before it) when they fit in ``max_bytes``."""
+        start, tokens, bpt = int(start), int(tokens), int(bytes_per_token)
+        if start < 0 or (start + tokens) * bpt > self.max_bytes:
+            return kv_pattern(session_id, start, tokens, bpt)
+        return self.prefix(session_id, start + tokens, bpt)[start * bpt:]
+
+    def verify(self, session_id: str, data: np.ndarray, bytes_per_token: int) -> int:
+        """verify_pattern(session_id, 0, data, bytes_per_token): positions from 0."""
+        flat = np.asarray(data).reshape(-1).view(np.uint8)
+        bpt = int(bytes_per_token)
+        if bpt <= 0 or flat.nbytes % bpt:
+            raise ValueError(f"verify_pattern: {flat.nbytes} bytes is not a multiple of {bpt}")
+        return int(np.count_nonzero(self.pattern(session_id, 0, flat.nbytes // bpt, bpt) != flat))

@@ -29,10 +29,16 @@ __all__ = ["KVTransferError", "NixlTransport", "NotifListener", "bind_ucx_to", "
 
 log = logging.getLogger(__name__)
 
-# Completion polls of a transfer: a yield, then 50 us doubling to 1 ms (fine_sleep: under uvloop an
-# asyncio.sleep below 0.5 ms does not sleep, and one above waits ~1.1 ms).
-_BACKOFF_FIRST_S = 50e-6
-_BACKOFF_MAX_S = 1e-3
+# Completion polls of a transfer: a yield, then every XFER_POLL_MIN_S; once the transfer has taken
+# longer, every 1/XFER_POLL_RATIO of its time so far, at most every XFER_POLL_MAX_S (fine_sleep:
+# under uvloop an asyncio.sleep below 0.5 ms does not sleep, and one above waits ~1.1 ms). A KV
+# transfer of a round here is done ~50-100 us after transfer() returns (when it is not done in it):
+# the old 50 us doubling saw one of 300 us at 350 or 750 us. A poll costs ~30 us of CPU (a loop
+# wake-up, measured), so a 100 ms transfer polls ~115 times (~3.5 % of a core) and is seen at most
+# 1/XFER_POLL_RATIO late.
+XFER_POLL_MIN_S = 50e-6
+XFER_POLL_RATIO = 20
+XFER_POLL_MAX_S = 2e-3
 _WARM_BYTES = 64
 
 
@@ -112,6 +118,11 @@ def bind_ucx_to(host: str) -> None:
 
 class KVTransferError(Exception):
     """A KV transfer could not be made: unknown peer, NIXL refusal, error state or timeout."""
+
+
+def _xfer_poll_delay(waited_s: float) -> float:
+    """The sleep before the next completion poll of a transfer that has run ``waited_s``."""
+    return min(XFER_POLL_MAX_S, max(XFER_POLL_MIN_S, waited_s / XFER_POLL_RATIO))
 
 
 @dataclass
@@ -256,11 +267,12 @@ class NixlTransport:
         try:
             handle, state = self._warm_start(peer)
             deadline = time.monotonic() + warm_s
+            started = time.monotonic()
             delay = 0.0
             while state == "PROC" and time.monotonic() < deadline and not self._closed:
                 await fine_sleep(delay)
                 state = self._agent.check_xfer_state(handle)
-                delay = _BACKOFF_FIRST_S if delay == 0.0 else min(delay * 2, _BACKOFF_MAX_S)
+                delay = _xfer_poll_delay(time.monotonic() - started)
         except asyncio.CancelledError:
             state = "CANCELLED"
             raise
@@ -357,7 +369,8 @@ class NixlTransport:
         try:
             state = agent.transfer(handle)
             delay = 0.0
-            deadline = time.monotonic() + timeout
+            started = time.monotonic()
+            deadline = started + timeout
             while state == "PROC":
                 await fine_sleep(delay)
                 state = agent.check_xfer_state(handle)
@@ -367,7 +380,7 @@ class NixlTransport:
                     raise KVTransferError(
                         f"{op} with peer {peer!r}: timed out after {timeout:.3g} s ({nbytes} bytes)"
                     )
-                delay = _BACKOFF_FIRST_S if delay == 0.0 else min(delay * 2, _BACKOFF_MAX_S)
+                delay = _xfer_poll_delay(time.monotonic() - started)
             if state != "DONE":
                 raise KVTransferError(f"{op} with peer {peer!r}: transfer state {state} ({nbytes} bytes)")
         except KVTransferError:
@@ -457,16 +470,20 @@ class NixlTransport:
 
 # NotifListener polling: the first poll POLL_FIRST_S after a wait begins, then every POLL_MIN_S;
 # once a wait has lasted longer, every 1/POLL_RATIO of the time waited so far, at most every
-# POLL_MAX_S, so polling adds under ~1 % to a long wait. NIXL's progress thread takes
-# notifications in every PROGRESS_DELAY_US, so faster polls would gain little. Each poll is a
-# wake-up of the event loop (~50 us of CPU here, measured): no notification can come sooner than
-# POLL_FIRST_S after a decode worker asks for a prefill (the coordinator routes it, the prefill
-# worker reads and writes KV: three hops of ~0.3 ms or more), and a prefill routed to the decode
-# worker itself comes back as LocalPrefill within about that time, with no poll at all.
+# POLL_MAX_S. Each poll is a wake-up of the event loop (~30 us of CPU here, measured), so a 100 ms
+# wait polls ~115 times (~3.5 % of a core; 1/100 capped at 1 ms polled ~260 times) and a
+# notification is seen at most 1/POLL_RATIO of the wait late. No notification can come sooner
+# than POLL_FIRST_S after a decode worker asks for a prefill (the coordinator routes it, the
+# prefill worker reads and writes KV: three hops of ~0.3 ms or more), and a prefill routed to the
+# decode worker itself comes back as LocalPrefill within about that time, with no poll at all. A
+# remote round's notification comes ~1.5-3 ms after the wait begins, where polls are POLL_MIN_S
+# apart: between two processes a notification was seen ~190 us after its WRITE was posted with
+# polls every 200 us and ~110 us with polls every 50 us (NIXL's progress thread, which takes it
+# in, passes every PROGRESS_DELAY_US: the rest).
 POLL_FIRST_S = 1e-3
-POLL_MIN_S = PROGRESS_DELAY_US * 1e-6
-POLL_MAX_S = 1e-3
-POLL_RATIO = 100
+POLL_MIN_S = 100e-6
+POLL_MAX_S = 2e-3
+POLL_RATIO = 25
 
 
 class NotifListener:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 
 import grpc
@@ -41,13 +42,16 @@ class PrefillService(prefill_pb2_grpc.PrefillWorkerServicer):
         blocks)."""
         core, tps = self.core, self.tps
         try:
-            validate_prefill_task(request, tps)
-            try:
-                await core.rt.ensure_peer(request.decode_worker)
-            except LookupError:
-                raise InvalidArgument(f"task.decode_worker: {request.decode_worker!r} is not a registered "
-                                      "decode worker") from None
-            info = core.rt.peers[request.decode_worker]
+            info = core.rt.peers.get(request.decode_worker)
+            if info is None:  # not loaded yet: the fields first, then the lookup (it may go to Redis)
+                validate_prefill_task(request, tps)
+                try:
+                    await core.rt.ensure_peer(request.decode_worker)
+                except LookupError:
+                    raise InvalidArgument(f"task.decode_worker: {request.decode_worker!r} is not a registered "
+                                          "decode worker") from None
+                info = core.rt.peers[request.decode_worker]
+            # once, with the target: it checks every field the check without one does
             layout = info.layout
             validate_prefill_task(request, tps, TaskTarget(info.tp, layout["num_blocks"], layout["block_tokens"]))
         except InvalidArgument as exc:
@@ -65,6 +69,9 @@ class PrefillService(prefill_pb2_grpc.PrefillWorkerServicer):
 
     async def Submit(self, request: prefill_pb2.PrefillTask, context) -> common_pb2.Ack:
         await abort_on_failure(context, lambda: self._submit(request))
+        # The worker's loop, just woken, starts the task before the answer is sent (SubmitStream's
+        # serve_calls does the same): the answer only confirms the queueing.
+        await asyncio.sleep(0)
         return common_pb2.Ack()
 
     async def SubmitStream(self, request_iterator, context):

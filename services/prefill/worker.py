@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import structlog
 
 from ampd.engine.base import Engine
-from ampd.kv import Segment, SessionKV, verify_pattern
+from ampd.kv import PatternCache, Segment, SessionKV
 from ampd.policy import PrefillTask, WorkerView
 from ampd.runtime import WorkerRuntime, sampling_of
 from ampd.v1 import common_pb2, prefill_pb2
@@ -41,6 +41,7 @@ class _Job:
     read_start: float = 0.0
     read_end: float = 0.0
     reading: asyncio.Task | None = None  # its history read, when it runs ahead
+    history: list[Segment] = dataclasses.field(default_factory=list)  # its history KV here
 
 
 class PrefillWorker:
@@ -61,6 +62,7 @@ class PrefillWorker:
             "kv_reads_ahead": 0, "kv_read_hidden_s": 0.0,
         }
         self._task: asyncio.Task | None = None
+        self.patterns = PatternCache()  # the mock's KV of sessions' first positions, for the check
         rt.published = self.published
 
     def start(self) -> None:
@@ -152,24 +154,33 @@ class PrefillWorker:
         """Lazy read: the history KV moves only now that the task left the queue."""
         rt, task = self.rt, job.task
         job.read_start = time.time()
-        job.peer = await rt.ensure_peer(task.decode_worker)
-        local_hist = job.kv.reserve(rt.pool, task.l_hist)
+        # the read and its check are the task's path: a stats publication waits for them
+        with rt.urgent():
+            job.peer = await rt.ensure_peer(task.decode_worker)
+            local_hist = job.history = job.kv.reserve(rt.pool, task.l_hist)
+            if task.l_hist:
+                started = time.monotonic()
+                await rt.transport.read(job.peer, segs(task.history), local_hist)
+                if self.engine.name == "mock":  # the mock's KV is a function of (session, position): check it
+                    data = rt.pool.read(local_hist, copy=False)
+                    bad = self.patterns.verify(task.session_id, data, rt.pool.layout.bytes_per_token)
+                    self.metrics["kv_bytes_verified"] += data.size
+                    self.metrics["kv_bytes_mismatched"] += bad
+                    if bad:
+                        raise RuntimeError(f"history KV read from {task.decode_worker} has {bad} wrong bytes")
         if task.l_hist:
-            started = time.monotonic()
-            await rt.transport.read(job.peer, segs(task.history), local_hist)
             await self.engine.pace_transfer(started, task.l_hist, task.decode_tp, rt.cfg.tp)
-            if self.engine.name == "mock":  # the mock's KV is a function of (session, position): check it
-                data = rt.pool.read(local_hist)
-                bad = verify_pattern(task.session_id, 0, data, rt.pool.layout.bytes_per_token)
-                self.metrics["kv_bytes_verified"] += data.size
-                self.metrics["kv_bytes_mismatched"] += bad
-                if bad:
-                    raise RuntimeError(f"history KV read from {task.decode_worker} has {bad} wrong bytes")
             self.metrics["history_tokens_read"] += task.l_hist
         job.kv.commit(task.l_hist)
         job.read_end = time.time()
 
     async def _run(self, work: PrefillWork) -> None:
+        # The task's path, from taking it to its notification: a stats publication waits for its
+        # end, at most PUBLISH_HOLD_S (a long prefill publishes during its compute).
+        with self.rt.urgent():
+            await self._serve(work)
+
+    async def _serve(self, work: PrefillWork) -> None:
         rt = self.rt
         job = self.running = self._take(work)
         task = job.task
@@ -187,7 +198,7 @@ class PrefillWorker:
             extra = {"history_ids": task.history_token_ids} if task.history_token_ids else {}
             done.first_token = await self.engine.prefill(
                 task.session_id, task.l_hist, task.l_incr, rt.pool, local_new, token_ids=task.token_ids,
-                history_kv=job.kv.segments(0, task.l_hist), sampling=sampling_of(task.sampling), **extra)
+                history_kv=job.history, sampling=sampling_of(task.sampling), **extra)
             if extra:
                 self.engine.forget(task.session_id)  # the session lives on its decode worker
             started = time.monotonic()

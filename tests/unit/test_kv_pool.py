@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from ampd.kv import (
+    PatternCache,
     KVPool,
     KVPoolExhausted,
     PoolLayout,
@@ -75,6 +76,28 @@ def test_write_read_round_trip_and_errors():
         pool.read([Segment(1, 3, 2)])
     with pytest.raises(ValueError, match="outside"):
         pool.read([Segment(4, 0, 1)])
+
+
+
+def test_contiguous_write_and_read_view():
+    pool = KVPool(4, 4, 3)
+    run = [Segment(1, 2, 2), Segment(2, 0, 4), Segment(3, 0, 0), Segment(3, 0, 1)]  # one byte run
+    data = np.arange(7 * 3, dtype=np.uint8) + 1
+    pool.write(run, data)  # one slice assignment
+    assert np.array_equal(pool.buffer[(1 * 4 + 2) * 3 : (3 * 4 + 1) * 3], data)
+    view = pool.read(run, copy=False)
+    assert np.array_equal(view, data) and np.shares_memory(view, pool.buffer)
+    assert not view.flags.writeable
+    assert np.array_equal(pool.read(run), data) and not np.shares_memory(pool.read(run), pool.buffer)
+    scattered = [Segment(2, 0, 4), Segment(1, 2, 2)]  # not one run: a copy either way
+    out = pool.read(scattered, copy=False)
+    assert np.array_equal(out, np.concatenate([data[6:18], data[:6]]))
+    assert not np.shares_memory(out, pool.buffer)
+    assert pool.read([], copy=False).size == 0
+    with pytest.raises(ValueError, match="segment 1 .* outside"):
+        pool.read([Segment(0, 0, 1), Segment(0, 3, 2)], copy=False)
+    with pytest.raises(ValueError, match="outside"):
+        pool.write([Segment(4, 0, 1)], data[:3])
 
 
 # --- sessions -------------------------------------------------------------------------------------
@@ -233,3 +256,73 @@ def test_freed_blocks_come_back_in_ascending_runs():
     assert a == [0, 1, 2, 3, 4]
     pool.free(a)
     assert pool.alloc(5) == [0, 1, 2, 3, 4]
+
+
+def test_pattern_cache_matches_kv_pattern_and_stays_bounded():
+    cache = PatternCache(max_bytes=3 * 100 * 24)
+    for n in (5, 40, 40, 17, 100):  # grows, repeats, shrinks
+        assert np.array_equal(cache.prefix("s", n, 24), kv_pattern("s", 0, n, 24))
+    data = kv_pattern("s", 0, 60, 24).copy()
+    assert cache.verify("s", data, 24) == 0
+    data[100] ^= 1
+    data[-1] ^= 0xFF
+    assert cache.verify("s", data, 24) == verify_pattern("s", 0, data, 24) == 2
+    for i in range(10):  # least recently used out: never over the bound
+        cache.prefix(f"t{i}", 100, 24)
+        assert cache._bytes <= cache.max_bytes
+    assert np.array_equal(cache.prefix("s", 100, 24), kv_pattern("s", 0, 100, 24))  # computed again
+    assert np.array_equal(cache.prefix("big", 1000, 24), kv_pattern("big", 0, 1000, 24))  # over it: not kept
+    with pytest.raises(ValueError, match="multiple"):
+        cache.verify("s", data[:-1], 24)
+
+
+def test_pair_ranges_python_walk_matches_numpy_path(monkeypatch):
+    import random
+
+    import ampd.kv.ranges as ranges
+
+    rng = random.Random(3)
+    la = PoolLayout(base_addr=1 << 40, num_blocks=64, block_tokens=8, bytes_per_token=5)
+    ra = PoolLayout(base_addr=1 << 41, num_blocks=64, block_tokens=12, bytes_per_token=5)
+
+    def segs(layout, total):
+        blocks = list(range(layout.num_blocks))
+        rng.shuffle(blocks)
+        if rng.random() < 0.5:
+            blocks.sort()  # ascending runs: coalescing
+        out, left = [], total
+        for b in blocks:
+            if not left:
+                break
+            off = rng.randrange(layout.block_tokens) if rng.random() < 0.3 else 0
+            n = 0 if rng.random() < 0.05 else min(left, rng.randint(1, layout.block_tokens - off))
+            out.append(Segment(b, off, n))
+            left -= n
+        assert not left
+        return out
+
+    for total in [0, 1, 7, 8, 30, 100, 150]:
+        for _ in range(20):
+            local, remote = segs(la, total), segs(ra, total)
+            fast = pair_ranges(la, local, ra, remote)
+            monkeypatch.setattr(ranges, "PY_BELOW", -1)
+            slow = pair_ranges(la, local, ra, remote)
+            monkeypatch.undo()
+            assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(fast, slow))
+    for py_below in (512, -1):  # both paths raise the same errors
+        monkeypatch.setattr(ranges, "PY_BELOW", py_below)
+        with pytest.raises(ValueError, match=r"^local segments cover 3 tokens, remote 2$"):
+            pair_ranges(la, [Segment(0, 0, 3)], ra, [Segment(0, 0, 2)])
+        with pytest.raises(ValueError, match=r"^remote segment 1 .* outside layout"):
+            pair_ranges(la, [Segment(0, 0, 3)], ra, [Segment(0, 0, 2), Segment(64, 0, 1)])
+
+
+def test_pattern_cache_pattern_slices_and_big_ranges():
+    cache = PatternCache(max_bytes=50 * 16)
+    assert np.array_equal(cache.pattern("s", 10, 20, 16), kv_pattern("s", 10, 20, 16))
+    assert cache._bytes == 30 * 16  # kept with the positions before it
+    assert np.array_equal(cache.pattern("s", 25, 10, 16), kv_pattern("s", 25, 10, 16))
+    assert cache._bytes == 50 * 16  # grown by doubling, within the bound
+    first = cache.prefix("s", 30, 16).copy()
+    assert np.array_equal(cache.pattern("s", 40, 20, 16), kv_pattern("s", 40, 20, 16))  # over the bound
+    assert np.array_equal(cache.prefix("s", 30, 16), first) and cache._bytes <= cache.max_bytes
