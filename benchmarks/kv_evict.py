@@ -13,7 +13,6 @@ deployment's.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -22,6 +21,7 @@ from ampd.policy import SLO
 from ampd.sim import sim_report, simulate
 from ampd.workload import generate
 from benchmarks.sim_fingerprint import COLOC_DECODE, DISAGG, PRESETS, PROFILE, _tight_profile
+from benchmarks import write_json
 
 RUNS = {"gaia": (600.0, (200_000, 400_000)), "toolbench": (120.0, (20_000, 40_000))}  # duration s, KV caps
 POLICIES = ("ampd", "remote", "colocated")
@@ -61,9 +61,7 @@ def main(argv=None) -> int:
     out = {"command": "python -m benchmarks.kv_evict " + " ".join(argv if argv is not None else sys.argv[1:]),
            "profile": PROFILE, "load_avg": os.getloadavg(), "runs": rows}
     if a.json:
-        with open(a.json, "w", encoding="utf-8") as f:
-            json.dump(out, f, indent=1)
-            f.write("\n")
+        write_json(a.json, out)
     return 0
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from benchmarks import write_json
 
 
 def _points(d: str) -> dict:
@@ -54,9 +55,7 @@ def main(argv=None) -> int:
               f"on {r['slo_attainment_on']:.3f} off {r['slo_attainment_off']:.3f} delta {r['delta']:+.3f}")
     print(f"{len(changed)}/{len(rows)} points changed; by policy: {json.dumps(by_policy)}")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
-            f.write("\n")
+        write_json(a.json, out)
     return 0
 
 

@@ -23,6 +23,7 @@ import time
 from multiprocessing import Pool
 
 from benchmarks.paper import GPUS, MODELS, PRESETS, TABLE2, TABLE2_ALT, duration_for
+from benchmarks import write_json
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 SEED = 7
@@ -133,9 +134,7 @@ def main(argv=None) -> int:
            "space": "disaggregated, one TP degree per phase, degrees whose replica holds the model; brute force over "
                     + ("every size" if a.all_sizes else "deployments using all N GPUs"),
            "summary": summary, "cases": cases}
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(doc, f, indent=1)
+    write_json(a.out, doc)
     print(json.dumps(summary))
     return 0
 

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 from multiprocessing import Pool
+from benchmarks import write_json
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
@@ -119,9 +120,7 @@ def main(argv=None) -> int:
                       f"{os.getloadavg()[0]:.1f} at the end), {round(time.time() - t0)} s",
            "stored": os.path.relpath(a.paper, os.path.dirname(RESULTS)) + (f" at {a.stored_commit}" if a.stored_commit else ""),
            "summary": summary, "rows": rows}
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(doc, f, indent=1)
+    write_json(a.out, doc)
     print(json.dumps(summary))
     return 0
 

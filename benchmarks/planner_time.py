@@ -30,6 +30,7 @@ import platform
 import statistics
 import sys
 import time
+from benchmarks import write_json
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 PAPER_S = {8: 0.54, 16: 1.93, 32: 5.06, 64: 14.50, 128: 28.88, 256: 61.67}
@@ -143,9 +144,7 @@ def main(argv=None) -> int:
            "workload": f"{MODEL}, {PRESET} preset at (knee rate on {BASE_GPUS} GPUs) x N/{BASE_GPUS}, "
                        f"{a.duration:g} s of arrivals, seed 3",
            "paper_s": PAPER_S, "sizes": rows}
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(doc, f, indent=1)
+    write_json(a.out, doc)
     return 0
 
 

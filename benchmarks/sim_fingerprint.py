@@ -28,6 +28,7 @@ from ampd.perf import load_profile, profile_from_dict
 from ampd.policy import SLO
 from ampd.sim import PathLatency, sim_report, simulate
 from ampd.workload import generate
+from benchmarks import write_json
 
 PROFILE = "llama3.1-70b@h20"
 PRESETS = {  # preset -> (rate sessions/s, duration s, TTFT SLO s, ITL SLO s)
@@ -139,9 +140,7 @@ def main(argv=None) -> int:
         out["runs"][run["name"]] = fp
         print(f"{run['name']:28s} {fp['rounds']} {fp['report']} {fp['stats']}  {fp['summary']}", flush=True)
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
-            f.write("\n")
+        write_json(a.json, out)
     if a.compare:
         with open(a.compare) as f:
             base = json.load(f)["runs"]

@@ -21,6 +21,7 @@ from ampd.bench.report import SLO
 from ampd.perf import load_profile
 from ampd.sim import Simulator, SimConfig, sim_report
 from ampd.workload import generate
+from benchmarks import write_json
 
 
 def one_run(a, prof, rate: float) -> dict:
@@ -80,10 +81,7 @@ def main() -> int:
         "note": a.note,
         "runs": runs,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w", encoding="utf-8") as f:
-        json.dump(out, f, indent=2)
-        f.write("\n")
+    write_json(a.out, out, indent=2)
     return 0
 
 
