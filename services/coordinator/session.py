@@ -89,6 +89,8 @@ class SessionRun:
                 elif kind == "opened":
                     self.opened, outs = True, []
                 elif kind == "event":
+                    if item.HasField("tokens"):
+                        self._coalesce(item.tokens, gen)
                     outs = await self._event(item)
                 elif kind == "error":
                     outs = await self._decode_failed(item)
@@ -104,6 +106,18 @@ class SessionRun:
             self._unbind()
             self._release()
             self.svc.forget_remote(self)
+
+    def _coalesce(self, tokens: common_pb2.Tokens, gen: int) -> None:
+        """Takes the token events of the same round queued right behind ``tokens`` into it: one
+        message to the client instead of several (the decode worker's Attach does the same)."""
+        queue = self.q._queue  # asyncio.Queue keeps a deque: peek without taking
+        while queue:
+            kind, g, nxt = queue[0]
+            if kind != "event" or g != gen or not nxt.HasField("tokens") or nxt.tokens.round != tokens.round:
+                return
+            self.q.get_nowait()
+            tokens.token_ids.extend(nxt.tokens.token_ids)
+            tokens.times.extend(nxt.tokens.times)
 
     async def _read_client(self) -> None:
         try:

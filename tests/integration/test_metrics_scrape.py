@@ -158,9 +158,10 @@ def test_coordinator_histograms_and_counters_match_the_replay(deployment, replay
     assert m.total("ampd_route_decisions_total", reason="threshold-remote") == len(remote)
     assert m.total("ampd_route_decisions_total", reason="threshold-local") == len(local)
     assert m.total("ampd_prefills_routed_total", where="remote") == len(remote)
-    # every round 0 was routed with its open and that route held; the rounds after server-side tool
-    # calls asked with a PrefillTask (decode.proto Route)
-    assert m.total("ampd_prefills_routed_with_turn_total") == len(sessions)
+    # round 0s are routed with their open (decode.proto Route); the rounds after server-side tool
+    # calls ask with a PrefillTask. A session opened before the coordinator has its decode worker's
+    # first statistics (the deployment just started) asks too: its route cannot be decided yet.
+    assert 0 < m.total("ampd_prefills_routed_with_turn_total") <= len(sessions)
 
     assert m.total("ampd_sessions_total", status="opened") == len(sessions)
     assert m.total("ampd_sessions_total", status="completed") == len(sessions)
