@@ -63,6 +63,7 @@ class SessionRun:
         # The route sent with the client's last turn (decode.proto Route): (round, decision,
         # decide_ms, input ready); the round's first Tokens show it held
         self.ahead: tuple | None = None
+        self.deferred: list = []  # bookkeeping that waits until the events in hand went to the client
         self.announce = True  # the next event to the client names the binding
         self.secret = new_secret()  # the session's credential on its decode worker (every request)
         self.closing = False  # the client sent Close: only cancel may follow
@@ -98,6 +99,8 @@ class SessionRun:
                     outs = await self._move("its stream ended without SessionDone")
                 for out in outs:
                     yield out
+                while self.deferred:
+                    self.deferred.pop(0)()
                 while self.held and self.opened and not self.finished:
                     for out in await self._client(self.held.pop(0)):
                         yield out
@@ -321,7 +324,8 @@ class SessionRun:
             if ahead is not None and ahead[0] == ev.tokens.round:  # its route held: no prefill_task came
                 self.ahead = None
                 lg.on_round_start(ev.tokens.round, ahead[3])
-                self._routed(ev.tokens.round, ahead[1], ahead[2])
+                # its record and log line once the first tokens are on their way to the client
+                self.deferred.append(lambda: self._routed(ev.tokens.round, ahead[1], ahead[2]))
                 self.svc.counters["prefills_local" if ahead[1].local else "prefills_remote"] += 1
                 self.svc.counters["prefills_routed_with_turn"] += 1
             lg.on_tokens(ev.tokens)
