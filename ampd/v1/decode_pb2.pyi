@@ -63,6 +63,12 @@ class RouteInfo(_message.Message):
     session_secret: str
     def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., reason: _Optional[str] = ..., prefill_worker: _Optional[str] = ..., session_secret: _Optional[str] = ...) -> None: ...
 
+class DecodeEvents(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[DecodeEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[DecodeEvent, _Mapping]]] = ...) -> None: ...
+
 class DecodeEvent(_message.Message):
     __slots__ = ("prefill_task", "tokens", "tool_call", "round_end", "done", "turn_end")
     PREFILL_TASK_FIELD_NUMBER: _ClassVar[int]

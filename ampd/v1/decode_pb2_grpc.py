@@ -40,7 +40,7 @@ class DecodeWorkerStub:
         self.Attach = channel.unary_stream(
                 '/ampd.v1.DecodeWorker/Attach',
                 request_serializer=ampd_dot_v1_dot_decode__pb2.AttachRequest.SerializeToString,
-                response_deserializer=ampd_dot_v1_dot_decode__pb2.DecodeEvent.FromString,
+                response_deserializer=ampd_dot_v1_dot_decode__pb2.DecodeEvents.FromString,
                 _registered_method=True)
         self.LocalPrefill = channel.unary_unary(
                 '/ampd.v1.DecodeWorker/LocalPrefill',
@@ -70,7 +70,8 @@ class DecodeWorkerServicer:
     """
 
     def Attach(self, request, context):
-        """Opens a session on this worker; its events stream back until it ends.
+        """Opens a session on this worker; its events stream back until it ends, those ready together in
+        one message.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -110,7 +111,7 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
             'Attach': grpc.unary_stream_rpc_method_handler(
                     servicer.Attach,
                     request_deserializer=ampd_dot_v1_dot_decode__pb2.AttachRequest.FromString,
-                    response_serializer=ampd_dot_v1_dot_decode__pb2.DecodeEvent.SerializeToString,
+                    response_serializer=ampd_dot_v1_dot_decode__pb2.DecodeEvents.SerializeToString,
             ),
             'LocalPrefill': grpc.unary_unary_rpc_method_handler(
                     servicer.LocalPrefill,
@@ -161,7 +162,7 @@ class DecodeWorker:
             target,
             '/ampd.v1.DecodeWorker/Attach',
             ampd_dot_v1_dot_decode__pb2.AttachRequest.SerializeToString,
-            ampd_dot_v1_dot_decode__pb2.DecodeEvent.FromString,
+            ampd_dot_v1_dot_decode__pb2.DecodeEvents.FromString,
             options,
             channel_credentials,
             insecure,

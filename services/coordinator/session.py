@@ -16,6 +16,7 @@ import time
 import grpc
 import structlog
 
+from ampd.events import merge_tokens
 from ampd.grpcserver import SESSION_OPEN
 from ampd.policy import PrefillTask
 from ampd.sessionlog import CannotResume, SessionLog
@@ -91,7 +92,7 @@ class SessionRun:
                     self.opened, outs = True, []
                 elif kind == "event":
                     if item.HasField("tokens"):
-                        self._coalesce(item.tokens, gen)
+                        self._coalesce(item, gen)
                     outs = await self._event(item)
                 elif kind == "error":
                     outs = await self._decode_failed(item)
@@ -110,17 +111,12 @@ class SessionRun:
             self._release()
             self.svc.forget_remote(self)
 
-    def _coalesce(self, tokens: common_pb2.Tokens, gen: int) -> None:
-        """Takes the token events of the same round queued right behind ``tokens`` into it: one
+    def _coalesce(self, ev: decode_pb2.DecodeEvent, gen: int) -> None:
+        """Takes the token events of the same round queued right behind ``ev`` into it: one
         message to the client instead of several (the decode worker's Attach does the same)."""
         queue = self.q._queue  # asyncio.Queue keeps a deque: peek without taking
-        while queue:
-            kind, g, nxt = queue[0]
-            if kind != "event" or g != gen or not nxt.HasField("tokens") or nxt.tokens.round != tokens.round:
-                return
+        while queue and queue[0][0] == "event" and queue[0][1] == gen and merge_tokens(ev, queue[0][2]):
             self.q.get_nowait()
-            tokens.token_ids.extend(nxt.tokens.token_ids)
-            tokens.times.extend(nxt.tokens.times)
 
     async def _read_client(self) -> None:
         try:
@@ -136,8 +132,9 @@ class SessionRun:
             # much later (a long prefill routed with the open).
             if SESSION_OPEN in tuple(await call.initial_metadata() or ()):
                 self.q.put_nowait(("opened", gen, None))
-            async for ev in call:
-                self.q.put_nowait(("event", gen, ev))
+            async for batch in call:
+                for ev in batch.events:
+                    self.q.put_nowait(("event", gen, ev))
             self.q.put_nowait(("end", gen, None))
         except grpc.aio.AioRpcError as exc:
             self.q.put_nowait(("error", gen, exc))

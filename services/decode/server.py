@@ -14,6 +14,7 @@ from ampd.grpcserver import SESSION_OPEN, RpcFailure, abort_on_failure, serve_ca
 from ampd.chat.template import ChatFormat
 from ampd.chat.tokenizer import tokenizer_for
 from ampd.engine import check_available, make_engine
+from ampd.events import merge_tokens
 from ampd.perf import load_profile
 from ampd.policy import SLO, make_queue, policy_spec
 from ampd.state import StateStore, connect
@@ -49,17 +50,16 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
                 ev = await s.events.get()
                 if isinstance(ev, SessionFailed):
                     await context.abort(grpc.StatusCode[ev.code], ev.error)
-                # Coalesce queued token events of the same round into one message.
-                if ev.HasField("tokens"):
-                    while not s.events.empty():
-                        nxt = s.events._queue[0]  # peek: asyncio.Queue keeps a deque
-                        if isinstance(nxt, SessionFailed) or not nxt.HasField("tokens") or nxt.tokens.round != ev.tokens.round:
-                            break
-                        s.events.get_nowait()
-                        ev.tokens.token_ids.extend(nxt.tokens.token_ids)
-                        ev.tokens.times.extend(nxt.tokens.times)
-                yield ev
-                if ev.HasField("done"):
+                # The events queued behind it go in the same message (none is waited for): a
+                # failure after them ends the stream once they are out.
+                batch = [ev]
+                queued = s.events._queue  # peek: asyncio.Queue keeps a deque
+                while queued and not isinstance(queued[0], SessionFailed) and not batch[-1].HasField("done"):
+                    nxt = s.events.get_nowait()
+                    if not merge_tokens(batch[-1], nxt):
+                        batch.append(nxt)
+                yield decode_pb2.DecodeEvents(events=batch)
+                if batch[-1].HasField("done"):
                     return
         finally:
             if not s.closed:  # the coordinator went away mid-session
