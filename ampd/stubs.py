@@ -56,16 +56,16 @@ class Stubs:
 
     def control(self, address: str, incarnation: str = "") -> grpcserver.CallStream:
         """DecodeWorker.Control of the worker at `address`: send decode_pb2.ControlRequest."""
-        stub = self.decode(address, incarnation)
+        worker = self.decode(address, incarnation)
         if address not in self._control:
-            self._control[address] = grpcserver.CallStream(stub.Control, self._broken(address))
+            self._control[address] = grpcserver.CallStream(worker.Control, self._broken(address))
         return self._control[address]
 
     def submit(self, address: str, incarnation: str = "") -> grpcserver.CallStream:
         """PrefillWorker.SubmitStream of the worker at `address`: send prefill_pb2.SubmitRequest."""
-        stub = self.prefill(address, incarnation)
+        worker = self.prefill(address, incarnation)
         if address not in self._submit:
-            self._submit[address] = grpcserver.CallStream(stub.SubmitStream, self._broken(address))
+            self._submit[address] = grpcserver.CallStream(worker.SubmitStream, self._broken(address))
         return self._submit[address]
 
     def _broken(self, address: str):

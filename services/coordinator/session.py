@@ -323,8 +323,10 @@ class SessionRun:
                 lg.on_round_start(ev.tokens.round, ahead[3])
                 # its record and log line once the first tokens are on their way to the client
                 self.deferred.append(lambda: self._routed(ev.tokens.round, ahead[1], ahead[2]))
-                self.svc.counters["prefills_local" if ahead[1].local else "prefills_remote"] += 1
-                self.svc.counters["prefills_routed_with_turn"] += 1
+                counters = self.svc.counters
+                counters[f"route_{ahead[1].reason}"] += 1
+                counters["prefills_local" if ahead[1].local else "prefills_remote"] += 1
+                counters["prefills_routed_with_turn"] += 1
             lg.on_tokens(ev.tokens)
             self.svc.forget_remote(self, ev.tokens.round)
             return [self._out(tokens=ev.tokens)]
@@ -393,6 +395,7 @@ class SessionRun:
         if decision is None:
             await self._local(need.round, "fallback-local")
             return
+        svc.counters[f"route_{decision.reason}"] += 1  # the decision's own reason, a fallback's too
         if not decision.local:
             target = svc.cluster.infos.get(decision.target)
             try:
@@ -419,7 +422,6 @@ class SessionRun:
     def _routed(self, rnd: int, decision, decide_ms: float) -> None:
         """Round ``rnd``'s prefill went where ``decision`` says (after fallbacks)."""
         svc = self.svc
-        svc.counters[f"route_{decision.reason}"] += 1
         self.routes[rnd] = (decision.target, decision.reason, decision.local)
         # the record after the prefill's request: its Redis write would run first and delay it
         svc.record(self.sid, {"round": rnd, "route": decision.reason, "prefill_worker": decision.target})
