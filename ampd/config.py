@@ -196,7 +196,8 @@ class SimulatorSettings:
         "none", "what the live control path adds per round, seconds: open (new session), dispatch (input "
                 "ready -> routed and queued), handoff (remote prefill end -> first token), tool (per tool "
                 "call), prefill_busy (each remote prefill holds its worker this much longer than "
-                "modelled); e.g. 'dispatch=0.01,handoff=0.002' (docs/simulator.md)", metavar="NAME=S[,...]")
+                "modelled), step (each decode step takes this much longer than modelled); "
+                "e.g. 'dispatch=0.01,handoff=0.002' (docs/simulator.md)", metavar="NAME=S[,...]")
 
 
 GROUPS = (DeploymentConfig, PolicyConfig, WorkerSettings, CoordinatorSettings, FrontendSettings, ProcessConfig,

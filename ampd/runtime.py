@@ -3,6 +3,7 @@ statistics publishing, peer discovery. The decisions stay in ampd.policy; this o
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 import time
@@ -41,6 +42,10 @@ PUBLISH_DELAY_S = 1e-3
 # to its notification (~1.5 ms on the zero-cost path): a publication in the middle of it put
 # ~0.2 ms of CPU (snapshot, JSON, the Redis call and its reply) between its transfer polls.
 PUBLISH_HOLD_S = PUBLISH_MIN_GAP_S
+# How many of the tasks a worker took last its statistics name (WorkerStats.accepted): more than
+# are ever taken between two publications, which are at most a heartbeat apart and come on every
+# queue change.
+ACCEPTED_KEPT = 8
 
 @dataclass(frozen=True)
 class WorkerConfig:
@@ -104,6 +109,7 @@ class WorkerRuntime:
         self.published: Callable[[float], tuple[WorkerView, float]] | None = None
         self.active_sessions = 0
         self.extra: dict = {}
+        self.accepted: collections.deque[tuple[str, int]] = collections.deque(maxlen=ACCEPTED_KEPT)
         self._dirty = asyncio.Event()
         self._urgent = 0  # urgent sections open (urgent())
         self._calm = asyncio.Event()  # set while none is open
@@ -145,6 +151,7 @@ class WorkerRuntime:
             active_sessions=self.active_sessions,
             extra=self.extra,
             busy_until=busy_until if busy_until > now else 0.0,
+            accepted=tuple(self.accepted),
         )
 
     async def register(self) -> None:
@@ -165,6 +172,11 @@ class WorkerRuntime:
 
     def changed(self) -> None:
         """Marks the queue/KV/window as changed: the publisher pushes it to Redis promptly."""
+        self._dirty.set()
+
+    def took(self, session_id: str, rnd: int) -> None:
+        """A prefill task joined this worker's queue: published in ``accepted`` (and as a change)."""
+        self.accepted.append((session_id, rnd))
         self._dirty.set()
 
     @contextlib.contextmanager

@@ -124,7 +124,7 @@ def measured_path() -> PathLatency:
     busy = out["prefill_busy_extra"]
     extra_s = (busy["no_history"]["extra_per_task_ms"] + busy["with_history"]["extra_per_task_ms"]) / 2e3
     return PathLatency(open_s=d["open_s"], dispatch_s=d["dispatch_s"], handoff_s=d["handoff_s"],
-                       tool_s=d["tool_s"], prefill_busy_s=round(extra_s, 5))
+                       tool_s=d["tool_s"], prefill_busy_s=round(extra_s, 5), step_s=d.get("step_s", 0.0))
 
 
 def run_sim(sessions: list[Session], policy: str, *, slo_: SLO | None = None, path: PathLatency | None = None):
@@ -253,5 +253,68 @@ def main() -> dict:
     return out
 
 
+def repeat_live(case_name: str, policy: str, repeats: int) -> dict:
+    """The same case replayed ``repeats`` times on one live deployment, against one simulation: how
+    far live runs of one trace differ from each other, next to how far each is from the simulator.
+    Writes benchmarks/results/fidelity_repeat.json."""
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    by_name = {c.name: c for c in CASES}
+    if case_name not in by_name:
+        raise SystemExit(f"--case: one of {', '.join(by_name)}, got {case_name!r}")
+    if policy not in POLICIES:
+        raise SystemExit(f"--policy: one of {', '.join(POLICIES)}, got {policy!r}")
+    if repeats < 2:
+        raise SystemExit(f"--repeat: at least 2 live runs, got {repeats}")
+    case = by_name[case_name]
+    sessions = trace(case)
+    t0 = time.monotonic()
+    load_start = os.getloadavg()[0]
+    sim, _ = run_sim(sessions, policy)
+    runs = []
+    with Deployment(options(policy, namespace=f"fidelity-repeat-{policy}")) as dep:
+        warm_up(dep.coordinator)
+        for i in range(repeats):
+            live = run_live(dep.coordinator, sessions, policy)
+            cmp = compare(live, sim)
+            runs.append({"attainment": live["slo_attainment"], "local_fraction": live["local_fraction"],
+                         **{f"{m}_{q}_s": live[f"{m}_s"][q] for m in ("ttft", "itl") for q in ("p50", "p90")},
+                         "vs_sim_out_of_tolerance": within(cmp)})
+            log(f"live run {i + 1}/{repeats}: attainment {live['slo_attainment']:.3f}, ttft p50/p90 "
+                f"{live['ttft_s']['p50'] * 1e3:.0f}/{live['ttft_s']['p90'] * 1e3:.0f} ms, local "
+                f"{live['local_fraction']:.3f}; out of tolerance against the simulator: {len(within(cmp))}")
+    keys = [k for k in runs[0] if k != "vs_sim_out_of_tolerance"]
+    spread = {k: {"min": min(r[k] for r in runs), "max": max(r[k] for r in runs)} for k in keys}
+    spread["attainment"]["range_points"] = 100.0 * (spread["attainment"]["max"] - spread["attainment"]["min"])
+    for k in keys:
+        if k.endswith("_s") and spread[k]["min"]:
+            spread[k]["range_rel"] = (spread[k]["max"] - spread[k]["min"]) / spread[k]["min"]
+    out = {"command": f"python -m benchmarks.fidelity --repeat {repeats} --case {case_name} --policy {policy}",
+           "machine": f"{platform.machine()} {platform.python_version()}", "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+           "case": {"name": case.name, "rate": case.rate, "duration_s": case.duration, "trace_seed": case.seed},
+           "policy": policy, "sim_path_latency": {f + "_s": getattr(measured_path(), f + "_s") for f in PathLatency.FIELDS},
+           "sim": {"attainment": sim["slo_attainment"], "local_fraction": sim["local_fraction"],
+                   **{f"{m}_{q}_s": sim[f"{m}_s"][q] for m in ("ttft", "itl") for q in ("p50", "p90")}},
+           "live_runs": runs, "live_spread": spread,
+           "loadavg_1m": {"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2)},
+           "wall_s": round(time.monotonic() - t0, 1)}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "fidelity_repeat.json").write_text(json.dumps(out, indent=2) + "\n")
+    return out
+
+
 if __name__ == "__main__":
-    main()
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Simulator fidelity: live vs simulated (docs/fidelity.md).")
+    ap.add_argument("--repeat", type=int, default=0, metavar="N",
+                    help="instead of the full benchmark: replay one case N times live against one simulation "
+                         "(writes fidelity_repeat.json)")
+    ap.add_argument("--case", default="medium", help="with --repeat: light, medium or heavy")
+    ap.add_argument("--policy", default="ampd", help="with --repeat: ampd or remote")
+    a = ap.parse_args()
+    if a.repeat:
+        repeat_live(a.case, a.policy, a.repeat)
+    else:
+        main()

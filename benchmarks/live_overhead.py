@@ -42,7 +42,10 @@ Two measurements, each on a small live deployment (mock engines, 1 prefill + 1 d
      cost is read from ``remote``: ``busy_extra`` = median later-round residual (busy) minus
      (idle), added to ``dispatch``; the local mean is recorded as a cross-check. ``tool`` = median
      of ``next input_ready - last token - tool_s`` here (the tool-call event, the sidecar RPC, the
-     result back on the busy decode worker's loop).
+     result back on the busy decode worker's loop). ``step`` = median over the background sessions
+     under ``remote`` (no local prefill stops their batch) of their mean token gap, live minus
+     simulated: how much longer than modelled a busy decode worker's step takes (the local run's
+     value is recorded as a cross-check).
 
 Writes benchmarks/results/live_overhead.json. ``make bench`` (or ``make bench BENCH=live_overhead``).
 """
@@ -124,8 +127,15 @@ def residuals(trace: list[Session], live_records, sim) -> dict[str, list[float]]
     live tool gap (next input ready - last token - tool_s)."""
     sim_rounds = {(s.session_id, r.round): r for s in sim.sessions for r in s.rounds}
     by_id = {s.id: s for s in trace}
-    out: dict[str, list[float]] = {"round0": [], "later": [], "tool": []}
+    out: dict[str, list[float]] = {"round0": [], "later": [], "tool": [], "step": []}
     for rec in live_records:
+        if rec.session_id.startswith("bg-"):  # one long round decoding throughout: its mean step, live - sim
+            (r,) = rec.rounds
+            s = sim_rounds[(rec.session_id, 0)]
+            if s.n_tokens > 1:
+                out["step"].append((r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1)
+                                   - (s.last_token - s.first_token) / (s.n_tokens - 1))
+            continue
         if not rec.session_id.startswith("path-"):
             continue
         assert rec.completed, rec.error
@@ -158,11 +168,12 @@ def live_and_sim(profile: str, policy: str, trace: list[Session], namespace: str
 def run_path_scenario(profile: str, policy: str, trace: list[Session], log) -> dict:
     records, sim, load = live_and_sim(profile, policy, trace, f"overhead-{policy}")
     res = residuals(trace, records, sim)
-    out = {k: summary(v) for k, v in res.items()}
+    out = {k: summary(v) for k, v in res.items() if v}
     out["loadavg_1m"] = load
     out["_raw"] = res
     log(f"  {profile} {policy}: " + "; ".join(f"{k} p50 {out[k]['p50_ms']:.1f} mean {out[k]['mean_ms']:.1f} "
-                                              f"p90 {out[k]['p90_ms']:.1f} ms" for k in ("round0", "later", "tool"))
+                                              f"p90 {out[k]['p90_ms']:.1f} ms"
+                                              for k in ("round0", "later", "tool", "step") if k in out)
         + f"; load {out['loadavg_1m']}")
     return out
 
@@ -190,10 +201,13 @@ def derive(sc: dict) -> dict:
     busy_extra = _med(busy["remote"]["later"]) - _med(idle["remote"]["later"])
     dispatch = dispatch_idle + max(0.0, busy_extra)
     tool = _med(busy["local"]["tool"] + busy["remote"]["tool"])
+    step = _med(busy["remote"]["step"])
     r4 = lambda x: round(x, 4)  # noqa: E731
     return {"open_s": r4(max(0.0, open_)), "dispatch_s": r4(max(0.0, dispatch)),
             "handoff_s": r4(max(0.0, handoff)), "tool_s": r4(max(0.0, tool)),
-            "parts_s": {"dispatch_idle": r4(dispatch_idle), "busy_extra": r4(busy_extra),
+            "step_s": round(max(0.0, step), 5),
+            "parts_s": {"step_local (cross-check of step)": round(_med(busy["local"]["step"]), 5),
+                        "dispatch_idle": r4(dispatch_idle), "busy_extra": r4(busy_extra),
                         "busy_local_later_mean (cross-check of dispatch)": r4(float(np.mean(busy["local"]["later"]))),
                         "tool_idle": r4(_med(idle["local"]["tool"] + idle["remote"]["tool"])),
                         "zero_idle_dispatch": r4(_med(sc["zero_idle"]["local"]["later"])),
@@ -313,7 +327,8 @@ def main(n: int = 60, rounds: int = 5, paths_only: bool = False) -> dict:
                   "median round-0 minus median later-round residual (mean of local, remote). "
                   "fidelity_busy (4 sessions decoding throughout): busy_extra = median later-round "
                   "residual under remote, busy minus idle, added to dispatch; tool = median(next "
-                  "input_ready - last token - tool_s). See the module docstring.",
+                  "input_ready - last token - tool_s); step = median over the background sessions "
+                  "under remote of (live - simulated) mean token gap. See the module docstring.",
     }
     out["path_scenarios"] = scenarios
     out["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)

@@ -19,15 +19,19 @@ class PathLatency:
     call (the sidecar RPC); ``prefill_busy_s``: how much longer than modelled (read + compute +
     write-back) each remote prefill holds its prefill worker (timer slack, the KV write and its
     completion poll); unlike the others it adds up along a queue. The workers' predicted queues
-    (``busy_until``) do not include it, as live. TTFT still runs from the input being ready."""
+    (``busy_until``) do not include it, as live. ``step_s``: how much longer than modelled each
+    decode step of a decode worker takes (the step's Python work, one event per token, the
+    timer); it adds up along a round's tokens, and the routers' estimates do not include it, as
+    live. TTFT still runs from the input being ready."""
 
     open_s: float = 0.0
     dispatch_s: float = 0.0
     handoff_s: float = 0.0
     tool_s: float = 0.0
     prefill_busy_s: float = 0.0
+    step_s: float = 0.0
 
-    FIELDS = ("open", "dispatch", "handoff", "tool", "prefill_busy")
+    FIELDS = ("open", "dispatch", "handoff", "tool", "prefill_busy", "step")
 
     def __post_init__(self):
         for f in self.FIELDS:
@@ -37,7 +41,8 @@ class PathLatency:
 
     @property
     def zero(self) -> bool:
-        return not (self.open_s or self.dispatch_s or self.handoff_s or self.tool_s or self.prefill_busy_s)
+        return not (self.open_s or self.dispatch_s or self.handoff_s or self.tool_s or self.prefill_busy_s
+                    or self.step_s)
 
     @classmethod
     def parse(cls, text: str) -> "PathLatency":

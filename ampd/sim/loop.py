@@ -119,6 +119,24 @@ class _Sess(DecodeSession):
         self.target = ""
 
 
+class _SlowerSteps:
+    """The profile as the simulated decode workers run it: every decode step ``step_s`` longer
+    (PathLatency.step_s). The router and the queues keep the profile itself, as live."""
+
+    __slots__ = ("_profile", "_step_s")
+
+    def __init__(self, profile, step_s: float) -> None:
+        self._profile = profile
+        self._step_s = step_s
+
+    def t_dec(self, tp: int, batch: int, context_tokens: int) -> float:
+        t = self._profile.t_dec(tp, batch, context_tokens)
+        return t + self._step_s if batch > 0 else t
+
+    def __getattr__(self, name: str):
+        return getattr(self._profile, name)
+
+
 class Simulator:
     """A deployment (workers, router, queues) built from a ``SimConfig``; ``run`` simulates a trace."""
 
@@ -148,8 +166,10 @@ class Simulator:
         self.slo = slo
         self.router = make_router(cfg.policy, prof, slo, seed=cfg.seed, **cfg.router_options)
         w, rw = cfg.window_s, cfg.reorder_window
+        step_s = cfg.path.step_s if cfg.path else 0.0
+        dprof = _SlowerSteps(prof, step_s) if step_s else prof
         self.decodes = [
-            _Decode(i, f"decode-{i}", tp, prof, make_queue(spec.decode_queue, prof, slo, tp, window=rw),
+            _Decode(i, f"decode-{i}", tp, dprof, make_queue(spec.decode_queue, prof, slo, tp, window=rw),
                     kv_capacity_tokens=int(prof.kv_capacity_tokens(tp)), window_s=w,
                     chunk_tokens=int(prof.prefill_chunk_tokens(tp)) if cfg.chunked_prefill else 0,
                     kv_admission=cfg.kv_admission, kv_evict=cfg.kv_evict)

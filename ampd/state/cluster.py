@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import structlog
 
-from ampd.policy import PrefillTask, RouteDecision, Router, WorkerView, bind
+from ampd.policy import CostModel, PrefillTask, RouteDecision, Router, WorkerView, bind
 from ampd.state.store import REDIS_ERRORS, StateStore, WorkerInfo, WorkerStats, age_view
 
 __all__ = ["Cluster", "ClusterView", "choose_decode_worker", "route"]
 
 log = structlog.get_logger()
+
+# How long a routed task counts in the view of its worker without the worker naming it (a route that
+# did not hold, a task lost with its worker). Workers publish within a few ms of taking a task.
+ROUTED_TTL_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -36,9 +40,17 @@ class Cluster:
     registry, so a restarted worker's new address is seen too) and none that ``lost`` was called for
     (a call to it failed on its connection) until it publishes again. While Redis is unreachable the
     last known set stands: an outage of shared state is not an outage of the workers.
+
+    Routed tasks: a worker's statistics show a task only once it reached the worker and the worker
+    published (a few ms after the decision), so two rounds routed that close together would each
+    see the queue without the other. With ``cost`` given, ``routed`` notes each decision and the
+    view adds the task's compute at its target's TP to that worker's ``queue_predicted_s`` until
+    the worker's statistics name it (``WorkerStats.accepted``: they count it themselves then) or
+    ``ROUTED_TTL_S`` passed. (The simulator's workers take a task the moment it is routed.)
     """
 
-    def __init__(self, store: StateStore, mode: str = "push", poll_s: float = 0.5, grace_s: float = 3.0) -> None:
+    def __init__(self, store: StateStore, mode: str = "push", poll_s: float = 0.5, grace_s: float = 3.0,
+                 cost: CostModel | None = None) -> None:
         if mode not in ("push", "read"):
             raise ValueError(f"stats mode must be 'push' or 'read', got {mode!r}")
         self.store = store
@@ -51,7 +63,10 @@ class Cluster:
         self.gone_since: dict[str, float] = {}  # registered without a liveness key since (monotonic)
         self.infos: dict[str, WorkerInfo] = {}
         self._infos_at = 0.0
-        self._views: dict[str, tuple[float, str, WorkerView, float]] = {}  # wid -> (ts, kind, view, busy_until)
+        # wid -> (ts, kind, view, busy_until, accepted)
+        self._views: dict[str, tuple[float, str, WorkerView, float, tuple]] = {}
+        self.cost = cost
+        self._routed: dict[tuple[str, int], tuple[str, float, float]] = {}  # (session, round) -> (wid, at, s)
         self.lag_s: list[float] = []  # recent delivery lags (push mode), bounded
         self._follower: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
@@ -159,7 +174,7 @@ class Cluster:
                 return
         prev = self._views.get(st.worker_id)
         if prev is None or st.ts >= prev[0]:
-            self._views[st.worker_id] = (st.ts, info.kind, st.view(info.kind, info.tp), st.busy_until)
+            self._views[st.worker_id] = (st.ts, info.kind, st.view(info.kind, info.tp), st.busy_until, st.accepted)
         self._alive_again(st.worker_id, st.ts)
 
     def _alive_again(self, worker_id: str, ts: float) -> None:
@@ -179,18 +194,48 @@ class Cluster:
         for wid, st in stats.items():
             info = self.infos.get(wid)
             if info is not None:
-                entries.append((st.ts, info.kind, st.view(info.kind, info.tp), st.busy_until))
+                entries.append((st.ts, info.kind, st.view(info.kind, info.tp), st.busy_until, st.accepted))
                 self._alive_again(wid, st.ts)
         return self._assemble(entries, read_s)
+
+    def routed(self, view: ClusterView, req: PrefillTask, decision: RouteDecision, now: float) -> None:
+        """Notes a decision taken on ``view`` (see the class docstring)."""
+        if self.cost is None:
+            return
+        if decision.local:
+            target = view.decode.get(req.decode_worker)
+        else:
+            target = next((p for p in view.prefill if p.worker_id == decision.target), None)
+        if target is not None:
+            self._routed[(req.session_id, req.round)] = (
+                target.worker_id, now, self.cost.t_pre(target.tp, req.l_hist, req.l_incr))
+
+    def _not_yet_taken(self, entries, now: float) -> dict[str, float]:
+        """worker id -> the compute of the tasks routed there that its statistics do not show yet."""
+        accepted = {e[2].worker_id: e[4] for e in entries}
+        out: dict[str, float] = {}
+        for key, (wid, at, s) in list(self._routed.items()):
+            if now - at > ROUTED_TTL_S or key in accepted.get(wid, ()):
+                del self._routed[key]
+            else:
+                out[wid] = out.get(wid, 0.0) + s
+        return out
 
     def _assemble(self, entries, read_s: float) -> ClusterView:
         now = time.time()
         decode: dict[str, WorkerView] = {}
         prefill: list[WorkerView] = []
-        for ts, kind, v, busy_until in entries:
+        if self._routed:
+            entries = list(entries)
+            pending = self._not_yet_taken(entries, now)
+        else:
+            pending = None
+        for ts, kind, v, busy_until, _ in entries:
             if (self.live is not None and v.worker_id not in self.live) or v.worker_id in self.lost:
                 continue  # its liveness key expired, or a call to it failed on the connection
             v = age_view(v, ts, busy_until, now)  # the prefill in service progressed since ts
+            if pending and v.worker_id in pending:
+                v = replace(v, queue_predicted_s=v.queue_predicted_s + pending[v.worker_id])
             if kind == "decode":
                 decode[v.worker_id] = v
             else:

@@ -80,6 +80,9 @@ class WorkerStats:
     active_sessions: int = 0
     extra: dict = field(default_factory=dict)
     busy_until: float = 0.0  # predicted end (unix) of the prefill in service; 0: none
+    # The last prefill tasks the worker took, (session, round), oldest first: a task the coordinator
+    # routed counts in its view of the worker until this shows it (Cluster.routed).
+    accepted: tuple[tuple[str, int], ...] = ()
 
     def to_json(self) -> str:
         # its fields as they are (json writes tuples as lists): asdict's deep copy is a third of the
@@ -90,6 +93,8 @@ class WorkerStats:
     def from_json(cls, raw: str | bytes) -> "WorkerStats":
         d = json.loads(raw)
         d["queue"] = tuple(tuple(q) for q in d["queue"])
+        if "accepted" in d:
+            d["accepted"] = tuple(tuple(a) for a in d["accepted"])
         return cls(**d)
 
     def view(self, kind: str, tp: int) -> WorkerView:

@@ -35,9 +35,9 @@ ORPHAN_SWEEP_S = 3.0  # the coordinator's liveness key's TTL
 
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(self, store: StateStore, router, policy: str, stats_mode: str = "push",
-                 migration_limit: int = CoordinatorSettings().migration_limit) -> None:
+                 migration_limit: int = CoordinatorSettings().migration_limit, cost=None) -> None:
         self.store = store
-        self.cluster = Cluster(store, stats_mode)
+        self.cluster = Cluster(store, stats_mode, cost=cost)
         self.cluster.on_poll = self._on_poll
         self.router = router
         self.policy = policy
@@ -197,7 +197,7 @@ async def amain(args: argparse.Namespace) -> None:
     router = make_router(args.policy, profile, slo, seed=args.seed, alpha=args.alpha, beta=args.beta,
                          threshold_tokens=args.threshold_tokens, slack=args.slack or None)
     store = StateStore(await connect(args.redis_url), args.namespace)
-    service = CoordinatorService(store, router, args.policy, args.stats_mode, args.migration_limit)
+    service = CoordinatorService(store, router, args.policy, args.stats_mode, args.migration_limit, cost=profile)
     service.admission = Admission(args.admission_wait, args.admission_queue, args.admission, profile, slo)
     service.labels.update(profile=profile.name, ttft_slo=str(slo.ttft_s), itl_slo=str(slo.itl_s))
     await service.cluster.start()

@@ -359,7 +359,9 @@ class SessionRun:
         svc.route_read_ms_total += view.read_s * 1e3
         req = PrefillTask(self.sid, rnd, l_hist, l_incr, input_ready, self.decode_id, self.info.tp)
         try:
-            decision = route(svc.router, view, req, time.time())
+            now = time.time()
+            decision = route(svc.router, view, req, now)
+            svc.cluster.routed(view, req, decision, now)
         except LookupError:  # the bound worker left routing meanwhile: its stream says what happened
             decision = None
         return decision, (time.perf_counter() - t0) * 1e3

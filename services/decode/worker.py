@@ -435,7 +435,7 @@ class DecodeWorker:
         c = s.core
         self.core.submit_local(PrefillTask(s.session_id, c.round, c.l_hist, c.l_incr, s.input_ready,
                                            self.rt.cfg.worker_id, self.rt.cfg.tp))
-        self.rt.changed()
+        self.rt.took(s.session_id, c.round)
         self.wake.set()
 
     def cancel(self, session_id: str, reason: str, secret: str) -> None:

@@ -111,7 +111,7 @@ class PrefillWorker:
                                             task.input_ready, task.decode_worker, task.decode_tp), time.time())
         self._read_ahead(read)
         self.metrics["tasks_submitted"] += 1
-        self.rt.changed()
+        self.rt.took(task.session_id, task.round)
         self.wake.set()
 
     @staticmethod

@@ -344,8 +344,23 @@ def test_path_latency_prefill_busy_adds_up_along_the_queue():
     assert rb.first_token == pytest.approx(da + 0.003 + db + 0.003, abs=1e-12)
 
 
+def test_path_latency_step_lengthens_every_decode_step_only():
+    """step: each decode step takes step_s longer than modelled; prefills and TTFT do not move."""
+    from ampd.sim import PathLatency
+
+    s = Session("a", 0.0, (Round(1000, 6),))
+    base = _run([s], policy="remote", prefill="tp2*1", decode="tp1*1")
+    slow = _run([s], policy="remote", prefill="tp2*1", decode="tp1*1", path=PathLatency(step_s=0.004))
+    (r0,), (r1,) = base.sessions[0].rounds, slow.sessions[0].rounds
+    assert r1.first_token == pytest.approx(r0.first_token, abs=1e-12)
+    g0, g1 = base.itl_gaps(r0), slow.itl_gaps(r1)
+    assert len(g0) == len(g1) == 5
+    assert [b - a for a, b in zip(g0, g1)] == pytest.approx([0.004] * 5, abs=1e-12)
+
+
 @pytest.mark.parametrize("text, want", [
     ("none", PathLatency()),
+    ("step=0.0003", PathLatency(step_s=0.0003)),
     ("", PathLatency()),
     ("dispatch=0.012, handoff=0.002", PathLatency(dispatch_s=0.012, handoff_s=0.002)),
     ("open=0.05,tool=1e-3", PathLatency(open_s=0.05, tool_s=0.001)),
