@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
@@ -66,7 +66,9 @@ class WorkerInfo:
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> "WorkerInfo":
-        return cls(**json.loads(raw))
+        d = json.loads(raw)
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})  # a newer worker's fields are skipped
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,8 @@ class WorkerStats:
         d["queue"] = tuple(tuple(q) for q in d["queue"])
         if "accepted" in d:
             d["accepted"] = tuple(tuple(a) for a in d["accepted"])
+        if not d.keys() <= _STATS_FIELDS:  # a newer worker's fields: a coordinator swapped later skips them
+            d = {k: v for k, v in d.items() if k in _STATS_FIELDS}
         return cls(**d)
 
     def view(self, kind: str, tp: int) -> WorkerView:
@@ -107,6 +111,9 @@ class WorkerStats:
             kv_free_tokens=self.kv_free_tokens,
             queue_predicted_s=self.queue_predicted_s,
         )
+
+
+_STATS_FIELDS = frozenset(f.name for f in fields(WorkerStats))
 
 
 def age_view(v: WorkerView, ts: float, busy_until: float, now: float) -> WorkerView:

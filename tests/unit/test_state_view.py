@@ -59,6 +59,12 @@ class FlatCost:
         return l_incr * 1e-3 / tp
 
 
+def test_stats_from_a_newer_worker_skip_fields_this_version_does_not_know():
+    st = stats(100.0, 2.5, 101.5)
+    raw = st.to_json()[:-1] + ',"some_later_field":[1,2]}'
+    assert WorkerStats.from_json(raw) == st
+
+
 def test_stats_json_round_trip_keeps_accepted():
     st = WorkerStats("prefill-0", 1.0, None, (), 0.0, 0, accepted=(("s", 1), ("t", 0)))
     assert WorkerStats.from_json(st.to_json()) == st
