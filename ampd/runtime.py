@@ -177,7 +177,7 @@ class WorkerRuntime:
     def took(self, session_id: str, rnd: int) -> None:
         """A prefill task joined this worker's queue: published in ``accepted`` (and as a change)."""
         self.accepted.append((session_id, rnd))
-        self._dirty.set()
+        self.changed()
 
     @contextlib.contextmanager
     def urgent(self):

@@ -66,9 +66,7 @@ class WorkerInfo:
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> "WorkerInfo":
-        d = json.loads(raw)
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})  # a newer worker's fields are skipped
+        return cls(**_known(json.loads(raw), _INFO_FIELDS))
 
 
 @dataclass(frozen=True)
@@ -97,9 +95,7 @@ class WorkerStats:
         d["queue"] = tuple(tuple(q) for q in d["queue"])
         if "accepted" in d:
             d["accepted"] = tuple(tuple(a) for a in d["accepted"])
-        if not d.keys() <= _STATS_FIELDS:  # a newer worker's fields: a coordinator swapped later skips them
-            d = {k: v for k, v in d.items() if k in _STATS_FIELDS}
-        return cls(**d)
+        return cls(**_known(d, _STATS_FIELDS))
 
     def view(self, kind: str, tp: int) -> WorkerView:
         return WorkerView(
@@ -113,7 +109,14 @@ class WorkerStats:
         )
 
 
+_INFO_FIELDS = frozenset(f.name for f in fields(WorkerInfo))
 _STATS_FIELDS = frozenset(f.name for f in fields(WorkerStats))
+
+
+def _known(d: dict, names: frozenset[str]) -> dict:
+    """``d`` without the fields a newer worker added that this version does not know: a service
+    swapped in before or after the others reads what it can."""
+    return d if d.keys() <= names else {k: v for k, v in d.items() if k in names}
 
 
 def age_view(v: WorkerView, ts: float, busy_until: float, now: float) -> WorkerView:
