@@ -16,6 +16,7 @@ from __future__ import annotations
 import hmac
 import secrets
 import struct
+from collections.abc import Sequence
 
 from ampd.v1 import common_pb2
 
@@ -34,10 +35,10 @@ def new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
 
 
-def _task_message(task: common_pb2.PrefillTask) -> bytes:
+def _task_message(task: common_pb2.PrefillTask, history: Sequence | None, dest: Sequence | None) -> bytes:
     parts = [task.session_id.encode(), b"\0", task.decode_worker.encode(), b"\0",
              struct.pack("<IIII", task.round, task.l_hist, task.l_incr, task.decode_tp)]
-    for segs in (task.history, task.dest):
+    for segs in (task.history if history is None else history, task.dest if dest is None else dest):
         # one pack per list, not one a segment: the same bytes, in half the time (every remote
         # prefill is checked against its token on its path)
         flat: list[int] = []
@@ -48,9 +49,12 @@ def _task_message(task: common_pb2.PrefillTask) -> bytes:
     return b"".join(parts)
 
 
-def task_token(key: bytes, task: common_pb2.PrefillTask) -> str:
-    """The token of ``task`` under ``key`` (its ``task_token`` field is not covered)."""
-    return hmac.digest(key, _task_message(task), "sha256").hex()[:32]
+def task_token(key: bytes, task: common_pb2.PrefillTask, history: Sequence | None = None,
+               dest: Sequence | None = None) -> str:
+    """The token of ``task`` under ``key`` (its ``task_token`` field is not covered). ``history`` and
+    ``dest``: the task's segments as the caller already holds them (``ampd.kv.Segment``), the same
+    as the message's: reading a message's repeated field costs several times more."""
+    return hmac.digest(key, _task_message(task, history, dest), "sha256").hex()[:32]
 
 
 def token_matches(expected: str, given: str) -> bool:

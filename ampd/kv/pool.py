@@ -98,7 +98,7 @@ class PoolLayout:
         """Raise ValueError naming the first segment that does not lie inside this layout."""
         if not segments:
             return
-        self.check_arrays(*segments_to_arrays(segments), segments=segments, what=what)
+        self.check_arrays(*segments_to_arrays(segments), what=what)
 
     def check_arrays(
         self,
@@ -106,14 +106,13 @@ class PoolLayout:
         o: np.ndarray,
         t: np.ndarray,
         *,
-        segments: Sequence[Segment] = (),
         what: str = "segment",
     ) -> None:
         """check_segments on (block, offset, tokens) arrays from segments_to_arrays."""
         bad = (b < 0) | (b >= self.num_blocks) | (o < 0) | (t < 0) | (o + t > self.block_tokens)
         if bad.any():
             i = int(np.argmax(bad))
-            seg = segments[i] if segments else Segment(int(b[i]), int(o[i]), int(t[i]))
+            seg = Segment(int(b[i]), int(o[i]), int(t[i]))  # whatever the caller's segments are
             raise ValueError(
                 f"{what} {i} {seg} outside layout "
                 f"(num_blocks={self.num_blocks}, block_tokens={self.block_tokens})"

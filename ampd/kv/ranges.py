@@ -81,7 +81,7 @@ def _starts(
 ) -> tuple[np.ndarray, np.ndarray]:
     """(absolute start address of each non-empty segment, cumulative token end of each)."""
     b, o, t = segments_to_arrays(segments)
-    layout.check_arrays(b, o, t, segments=segments, what=what)
+    layout.check_arrays(b, o, t, what=what)
     keep = t > 0
     b, o, t = b[keep], o[keep], t[keep]
     addr = layout.base_addr + (b * layout.block_tokens + o) * layout.bytes_per_token

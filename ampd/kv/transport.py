@@ -320,7 +320,9 @@ class NixlTransport:
     async def read(
         self, peer: str, remote: Sequence[Segment], local: Sequence[Segment], *, timeout_s: float | None = None
     ) -> int:
-        """READ the peer's `remote` segments into our `local` segments; bytes moved."""
+        """READ the peer's `remote` segments into our `local` segments; bytes moved. Segments here
+        are anything with ``block``, ``offset`` and ``tokens`` (a task's repeated Segment field as
+        it came: building Segments of it costs more than the transfer's own walk over it)."""
         n = await self._xfer("READ", peer, local, remote, b"", timeout_s)
         self.bytes_read += n
         return n

@@ -30,7 +30,8 @@ class CoordinatorStub:
     """The client-facing API. One bidirectional stream per session: the first message opens it with its
     first turn; later messages send the next turns (one at a time, after TurnEnd), cancel, or close.
     Events stream back until SessionDone (after Close, or the client half-closing its side), or the
-    stream ends with a gRPC status (INVALID_ARGUMENT names the bad field).
+    stream ends with a gRPC status (INVALID_ARGUMENT names the bad field). Once the session is bound
+    to a decode worker, its initial metadata (`ampd-session: open`) comes before any event.
     """
 
     def __init__(self, channel):
@@ -55,7 +56,8 @@ class CoordinatorServicer:
     """The client-facing API. One bidirectional stream per session: the first message opens it with its
     first turn; later messages send the next turns (one at a time, after TurnEnd), cancel, or close.
     Events stream back until SessionDone (after Close, or the client half-closing its side), or the
-    stream ends with a gRPC status (INVALID_ARGUMENT names the bad field).
+    stream ends with a gRPC status (INVALID_ARGUMENT names the bad field). Once the session is bound
+    to a decode worker, its initial metadata (`ampd-session: open`) comes before any event.
     """
 
     def Session(self, request_iterator, context):
@@ -95,7 +97,8 @@ class Coordinator:
     """The client-facing API. One bidirectional stream per session: the first message opens it with its
     first turn; later messages send the next turns (one at a time, after TurnEnd), cancel, or close.
     Events stream back until SessionDone (after Close, or the client half-closing its side), or the
-    stream ends with a gRPC status (INVALID_ARGUMENT names the bad field).
+    stream ends with a gRPC status (INVALID_ARGUMENT names the bad field). Once the session is bound
+    to a decode worker, its initial metadata (`ampd-session: open`) comes before any event.
     """
 
     @staticmethod

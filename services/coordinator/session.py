@@ -42,8 +42,9 @@ class SessionEnd(Exception):
 
 
 class SessionRun:
-    def __init__(self, svc, sid: str, o: common_pb2.OpenSession, request_iterator) -> None:
+    def __init__(self, svc, sid: str, o: common_pb2.OpenSession, request_iterator, on_open=None) -> None:
         self.svc = svc
+        self.on_open = on_open  # awaited once the session is bound (the server sends its headers then)
         self.sid = sid
         self.o = o
         self.requests = request_iterator
@@ -80,6 +81,8 @@ class SessionRun:
         """The session's events for the client; raises SessionEnd."""
         self.log.on_turn(self.o.turn)
         await self._bind(decode_pb2.AttachRequest(open=self.o, arrival=time.time()), wait_s=OPEN_WAIT_S)
+        if self.on_open is not None:
+            await self.on_open()
         reader = asyncio.create_task(self._read_client())
         try:
             while not self.finished:

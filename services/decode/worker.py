@@ -354,10 +354,11 @@ class DecodeWorker:
             token_ids=s.tokens[s.l_hist:], sampling=s.params,
             history_token_ids=s.tokens[:s.l_hist] if self._token_ids else (),
         )
-        add_segments(task.history, s.kv.segments(0, s.l_hist))
+        history = s.kv.segments(0, s.l_hist)
+        add_segments(task.history, history)
         add_segments(task.dest, s.dest)
         # the blocks just reserved may be written by a prefill worker with this token only
-        task.task_token = s.task_token = task_token(self.rt.task_key, task)
+        task.task_token = s.task_token = task_token(self.rt.task_key, task, history, s.dest)
         self.awaiting_remote[(s.session_id, rnd)] = s
         self._notifs.arm()
         if routed:  # its remote route holds: the task goes to that prefill worker from here, now
@@ -754,7 +755,7 @@ class DecodeWorker:
             self.local_prefill(done.session_id, done.round, s.secret)
             return
         if not self._history_kv:  # the mock's KV content is a function of (session, position): check it
-            data = self.rt.pool.read(s.dest)
+            data = self.rt.pool.read(s.dest, copy=False)  # only compared: a view when it is one run
             bad = verify_pattern(s.session_id, s.l_hist, data, self.rt.pool.layout.bytes_per_token)
             self.metrics["kv_bytes_verified"] += data.size
             self.metrics["kv_bytes_mismatched"] += bad

@@ -27,10 +27,6 @@ from ampd.worker import KvRead, PrefillCore, PrefillWork
 log = structlog.get_logger()
 
 
-def segs(pb) -> list[Segment]:
-    return [Segment(s.block, s.offset, s.tokens) for s in pb]
-
-
 @dataclass(eq=False)
 class _Job:
     """One task's I/O: its KV here, the decode worker's NIXL agent, when its history read ran."""
@@ -160,7 +156,7 @@ class PrefillWorker:
             local_hist = job.history = job.kv.reserve(rt.pool, task.l_hist)
             if task.l_hist:
                 started = time.monotonic()
-                await rt.transport.read(job.peer, segs(task.history), local_hist)
+                await rt.transport.read(job.peer, task.history, local_hist)
                 if self.engine.name == "mock":  # the mock's KV is a function of (session, position): check it
                     data = rt.pool.read(local_hist, copy=False)
                     bad = self.patterns.verify(task.session_id, data, rt.pool.layout.bytes_per_token)
@@ -205,7 +201,7 @@ class PrefillWorker:
             await self.engine.pace_transfer(started, task.l_incr, rt.cfg.tp, task.decode_tp)
             done.finished = time.time()
             done.kv_bytes = await rt.transport.write(
-                job.peer, local_new, segs(task.dest), done.SerializeToString())
+                job.peer, local_new, task.dest, done.SerializeToString())
             self.metrics["new_tokens_written"] += task.l_incr
             self.metrics["tasks_done"] += 1
             self.core.finish(time.time())

@@ -123,7 +123,10 @@ def test_turns_one_at_a_time_on_one_session(deployment):
 
         follow = [_turn(7, 3), _turn(5, 2, keep_tokens=20)]
         ends, rounds, positions = [], [], []
-        async for ev in stub.Session(requests(), timeout=60):
+        call = stub.Session(requests(), timeout=60)
+        # the session is bound: its headers come before any event (proto/ampd/v1/coordinator.proto)
+        metadata = tuple(await call.initial_metadata())
+        async for ev in call:
             kind = ev.WhichOneof("event")
             if kind == "tokens":
                 positions.extend(range(ev.tokens.position, ev.tokens.position + len(ev.tokens.token_ids)))
@@ -133,9 +136,10 @@ def test_turns_one_at_a_time_on_one_session(deployment):
             elif kind == "done":
                 rounds = [(t.round, t.l_hist, t.l_incr, t.tokens, t.finish_reason) for t in ev.done.rounds]
         await ch.close()
-        return ends, rounds, positions
+        return metadata, ends, rounds, positions
 
-    ends, rounds, positions = asyncio.run(scenario())
+    metadata, ends, rounds, positions = asyncio.run(scenario())
+    assert grpcserver.SESSION_OPEN in metadata
     assert ends == [(0, "length", 34), (1, "length", 44), (2, "length", 27)]
     # round 1 prefills round 0's last output token and its 7 new tokens on top of 33 KV tokens;
     # round 2 keeps 20 tokens (all in KV) and prefills its 5 new ones

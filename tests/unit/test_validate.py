@@ -149,6 +149,18 @@ def test_task_tokens_cover_the_segments():
     assert trust.new_call_id() != trust.new_call_id()
 
 
+def test_task_token_from_the_callers_segments_is_the_messages():
+    """A decode worker mints the token from the Segments it holds; a prefill worker checks it
+    against the message's own segments: both must give the same token."""
+    from ampd.kv import Segment
+    key = trust.new_key()
+    t = task()
+    history = [Segment(s.block, s.offset, s.tokens) for s in t.history]
+    dest = [Segment(s.block, s.offset, s.tokens) for s in t.dest]
+    assert trust.task_token(key, t, history, dest) == trust.task_token(key, t)
+    assert trust.task_token(key, t, history, dest[:-1]) != trust.task_token(key, t)
+
+
 # ------------------------------------------------------------------------------------- fuzz
 FIELD = re.compile(r"^[a-z_]+(\.[a-z_]+|\[\d+\])*: ")
 texts = st.text(max_size=12)
