@@ -304,10 +304,9 @@ def main(n: int = 60, rounds: int = 5, paths_only: bool = False) -> dict:
         out["paths"][policy] = summary(lat)
         # A session's first round (its open: admission, binding, two new streams) apart from the
         # rest: the opens are a fifth of the samples and hold most of the tail.
-        first = np.zeros(len(lat), dtype=bool)
-        first[::rounds] = True  # sessions one at a time, every round measured, in order
-        out["paths"][policy]["by_round"] = {"open": summary(np.asarray(lat)[first]),
-                                            "later": summary(np.asarray(lat)[~first])}
+        a = np.asarray(lat)  # sessions one at a time, every round measured, in order
+        out["paths"][policy]["by_round"] = {"open": summary(a[::rounds]),
+                                            "later": summary(np.delete(a, np.s_[::rounds]))}
         out["paths"][policy]["cpu_ms_per_round"] = {k: round((after[k] - before[k]) * 1e3 / len(lat), 2)
                                                     for k in before}
         out["paths"][policy]["loadavg_1m"] = {"before": round(load, 2), "after": round(os.getloadavg()[0], 2)}

@@ -134,7 +134,9 @@ class _Peer:
 
 
 class NixlTransport:
-    """READ/WRITE of KV segments between this process's pool and peers' pools over NIXL."""
+    """READ/WRITE of KV segments between this process's pool and peers' pools over NIXL. A segment
+    here is anything with ``block``, ``offset`` and ``tokens``: a task's repeated Segment field goes
+    in as it came (building ``ampd.kv.Segment``s of it costs more than the transfer's walk over it)."""
 
     def __init__(
         self,
@@ -320,9 +322,7 @@ class NixlTransport:
     async def read(
         self, peer: str, remote: Sequence[Segment], local: Sequence[Segment], *, timeout_s: float | None = None
     ) -> int:
-        """READ the peer's `remote` segments into our `local` segments; bytes moved. Segments here
-        are anything with ``block``, ``offset`` and ``tokens`` (a task's repeated Segment field as
-        it came: building Segments of it costs more than the transfer's own walk over it)."""
+        """READ the peer's `remote` segments into our `local` segments; bytes moved."""
         n = await self._xfer("READ", peer, local, remote, b"", timeout_s)
         self.bytes_read += n
         return n
