@@ -168,6 +168,14 @@ class FrontendSettings:
     default_max_tokens: int = setting(256, "max_tokens of a request that gives none", minimum=1)
     max_sessions: int = setting(1024, "live sessions one front holds; a new conversation beyond it gets HTTP 429 "
                                       "unless an idle session can be closed", minimum=1)
+    max_inflight_requests: int = setting(512, "completion requests one front answers at once (a stream counts until "
+                                              "its end); one more gets HTTP 429 with Retry-After at once",
+                                         minimum=1)
+    max_messages: int = setting(4096, "messages of one chat request; more get HTTP 400 before anything is "
+                                      "tokenized", minimum=1)
+    max_prompt_chars: int = setting(2_000_000, "characters of text in one request (messages, tools, a prompt) the "
+                                               "front templates and tokenizes; more get HTTP 400 "
+                                               "context_length_exceeded at once", minimum=1)
 
 
 @dataclass(frozen=True)
@@ -289,7 +297,8 @@ SERVICE_SETTINGS: dict[str, tuple[str, ...]] = {
     "planner": ("host", "port", "metrics_port", "ready_file", "profiles_dir", "auth_token"),
     # The front serves /metrics on its own HTTP port (`port`), beside the API.
     "frontend": ("host", "port", "ready_file", "redis_url", "namespace", "engine", "model", "coordinator_address",
-                 "auth_token", "session_ttl", "default_max_tokens", "max_sessions"),
+                 "auth_token", "session_ttl", "default_max_tokens", "max_sessions", "max_inflight_requests",
+                 "max_messages", "max_prompt_chars"),
 }
 # Secrets: a launcher passes them in the environment, never on a command line (`ps` shows those).
 # A Redis URL may carry a password (redis://:PASSWORD@HOST:PORT/DB).

@@ -19,9 +19,16 @@ from grpc_reflection.v1alpha import reflection
 from ampd.v1 import common_pb2
 
 # Token streams are small messages; keep keepalives modest so a dead peer is noticed.
+KEEPALIVE_MS = 20_000  # how often a server and a channel (CHANNEL_OPTIONS) ping a quiet connection
+# A server accepts its clients' keepalive pings: by gRPC's defaults it takes a ping closer than 5 min
+# to the last one while it sends no data as a strike, and closes the connection after two (GOAWAY
+# too_many_pings), dropping every session on it (issue 24: a front's idle sessions, while its loop
+# stalled). Half our clients' interval, and pings on a connection without calls are allowed.
 SERVER_OPTIONS = [
-    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
     ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
+    ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.so_reuseport", 0),
 ]
 # Message limits. A client reaches the coordinator with gRPC's default 4 MiB; between services the
@@ -157,7 +164,7 @@ def run(main: Awaitable[None]) -> None:
 # re-resolve within 1 s, retry a connection at least every 2 s (measured: back within ~1 s of the new
 # container serving).
 CHANNEL_OPTIONS = [
-    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
     ("grpc.enable_http_proxy", 0),
     ("grpc.dns_min_time_between_resolutions_ms", 1_000),
     ("grpc.min_reconnect_backoff_ms", 1_000),

@@ -129,11 +129,22 @@ def age_view(v: WorkerView, ts: float, busy_until: float, now: float) -> WorkerV
     return replace(v, queue_predicted_s=max(0.0, v.queue_predicted_s - (min(now, busy_until) - ts)))
 
 
+# A process's Redis connections: at most POOL_CONNECTIONS; a call that finds none free waits up to
+# POOL_WAIT_S for one, then fails with ConnectionError (retryable: the front answers 503). redis-py's
+# default pool raises MaxConnectionsError at once past 100 connections, which a burst of 150 new
+# chats turned into HTTP 500s (issue 24).
+POOL_CONNECTIONS = 64
+POOL_WAIT_S = 5.0
+
+
 async def connect(url: str, timeout_s: float = 10.0) -> aioredis.Redis:
     """Connects to Redis, retrying while it starts (a fresh `ampd up` races its redis-server)."""
     # Timeouts: a Redis that stops answering must fail a call (and let the caller's backoff run),
     # never hang it.
-    client = aioredis.from_url(url, decode_responses=False, socket_timeout=5.0, socket_connect_timeout=2.0)
+    pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=POOL_CONNECTIONS, timeout=POOL_WAIT_S,
+                                                    decode_responses=False, socket_timeout=5.0,
+                                                    socket_connect_timeout=2.0)
+    client = aioredis.Redis.from_pool(pool)
     async for attempt in AsyncRetrying(
         retry=retry_if_exception_type(REDIS_ERRORS),
         wait=wait_exponential(multiplier=0.05, max=1.0),

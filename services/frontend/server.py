@@ -11,11 +11,13 @@ import sys
 import time
 import uuid
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 import grpc
 import httpx2
 import orjson
+import redis.exceptions
 import structlog
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -31,14 +33,15 @@ from ampd.chat.template import ChatFormat
 from ampd.chat.tokenizer import tokenizer_for
 from ampd.config import SERVICE_SETTINGS, ConfigError, add_flags, require
 from ampd.front.answer import FORCED_STOP, Answer, forced_prefix
-from ampd.front.api import ApiError, ChatRequest, CompletionRequest, Sampling, error_body, parse_chat, parse_completion
+from ampd.front.api import (ApiError, ChatRequest, CompletionRequest, RequestLimits, Sampling, check_depth, error_body,
+                            parse_chat, parse_completion)
 from ampd.front.index import Match, SessionIndex
 from ampd.metrics import TTFT_BUCKETS
 from ampd.validate import MAX_ID as MAX_SESSION_ID
 from ampd.state import connect
 from ampd.v1 import common_pb2, coordinator_pb2_grpc
 from services.frontend.sessions import LiveSession, SessionTable
-from services.frontend.turn import DONE, FAILED, TEXT, TurnRun
+from services.frontend.turn import DONE, FAILED, RETRY_AFTER_S, TEXT, TurnRun
 
 log = structlog.get_logger()
 
@@ -46,6 +49,10 @@ log = structlog.get_logger()
 SESSION_HEADERS = ("x-session-id", "x-session-token")
 FORWARDED = "x-ampd-forwarded"  # set on a request one front passes to the front that holds its session
 MAX_BODY = 32 << 20  # bytes of one request body
+# Threads that parse, template and tokenize request bodies, off the event loop (a 10 MB message
+# tokenized on the loop held /health for 8 s, issue 24). Bounded: a burst queues here instead of
+# growing threads; the tokenizer is shared, read only (same padding and truncation on every call).
+WORK_THREADS = 4
 # An agent's connection idles through its tool calls: keep it open longer than uvicorn's 5 s, so a
 # client does not send its next turn on a connection the server is closing.
 KEEP_ALIVE_S = 75
@@ -94,6 +101,8 @@ class FrontMetrics:
         live.labels("idle").set_function(lambda: sum(not s.busy for s in table.live.values()))
         Gauge("ampd_frontend_sessions_expired", "sessions closed for idling past the TTL (a counter)",
               registry=r).set_function(lambda: table.closed_by_ttl)
+        self.inflight = Gauge("ampd_frontend_requests_inflight", "API requests being answered (limited by "
+                              "--max-inflight-requests)", registry=r)
 
 
 def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
@@ -119,6 +128,9 @@ class Front:
         self.metrics = FrontMetrics(self.table)
         self.created = int(time.time())
         self.http = httpx2.AsyncClient(timeout=None)  # to the other fronts (forwarding)
+        self.limits = RequestLimits(args.max_messages, args.max_prompt_chars)
+        self.max_inflight = args.max_inflight_requests
+        self.work = ThreadPoolExecutor(WORK_THREADS, thread_name_prefix="front-work")
 
     # ---------------------------------------------------------------------------------- helpers
     def _detok(self, ids: Sequence[int]) -> str:
@@ -134,15 +146,49 @@ class Front:
             raise ApiError(404, f"model: {model!r} is not served here (served: {self.model!r})", param="model",
                            code="model_not_found")
 
-    async def _body(self, request: Request) -> Any:
-        raw = await request.body()
-        if len(raw) > MAX_BODY:
-            raise ApiError(413, f"body: over {MAX_BODY} bytes", code="body_too_large")
+    async def _raw_body(self, request: Request) -> bytes:
+        """The body, refused (413) as soon as it is known to pass MAX_BODY: by its Content-Length before
+        any of it is read, or while a chunked one streams in, without buffering more."""
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > MAX_BODY):
+            raise _too_large()
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY:
+                raise _too_large()
+            chunks.append(chunk)
+        raw = b"".join(chunks)
         request.state.raw = raw
+        return raw
+
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.work, fn, *args)
+
+    def _parse(self, raw: bytes, parse) -> Any:
+        """Runs in the work pool: decoding, the nesting check (before anything walks the body
+        recursively) and the field checks of a body that may be 32 MiB."""
         try:
-            return orjson.loads(raw)
+            body = orjson.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"body: malformed JSON ({exc})", code="malformed_json") from None
+        check_depth(body)
+        return parse(body, self.limits)
+
+    def _parse_chat(self, raw: bytes) -> tuple[ChatRequest, list[str]]:
+        req = self._parse(raw, parse_chat)
+        return req, [answer_digest(m.get("content"), m.get("tool_calls")) for m in req.messages
+                     if m.get("role") == "assistant"]
+
+    def _render(self, req: ChatRequest, known: dict) -> tuple[list[int], list[int]]:
+        """Runs in the work pool: the conversation's ids and the forced call's prefix."""
+        try:
+            rendered = render_conversation(self.fmt, req.messages, req.tools or None, known.get)
+        except ValueError as exc:
+            param = str(exc).split(":", 1)[0]
+            raise ApiError(400, str(exc), param=param if param.startswith("messages") else "messages") from None
+        prefix = self.fmt.encode(forced_prefix(req.forced_tool)) if req.forced_tool else []
+        return rendered.ids + prefix, prefix
 
     @staticmethod
     def _header_session(request: Request) -> str:
@@ -268,22 +314,14 @@ class Front:
     async def chat(self, request: Request) -> Response:
         t0 = time.monotonic()
         self._check_auth(request)
-        req: ChatRequest = parse_chat(await self._body(request))
+        req, digests = await self._off_loop(self._parse_chat, await self._raw_body(request))
         self._check_model(req.model)
         header = self._header_session(request)
-        digests = [answer_digest(m.get("content"), m.get("tool_calls")) for m in req.messages
-                   if m.get("role") == "assistant"]
         local = self.table.local.answers
         known = {d: local[d] for d in digests if d in local}
         if len(known) < len(digests):  # answers another front gave
             known.update((await self.index.prefetch([d for d in digests if d not in known]))[1])
-        try:
-            rendered = render_conversation(self.fmt, req.messages, req.tools or None, known.get)
-        except ValueError as exc:
-            param = str(exc).split(":", 1)[0]
-            raise ApiError(400, str(exc), param=param if param.startswith("messages") else "messages") from None
-        prefix = self.fmt.encode(forced_prefix(req.forced_tool)) if req.forced_tool else []
-        ids = rendered.ids + prefix
+        ids, prefix = await self._off_loop(self._render, req, known)
         p = self._sampling(req.sampling, req.forced_tool is not None)
         answered = [m.get("tool_call_id") for m in req.messages[_last_answer(req.messages) + 1:]
                     if m.get("role") == "tool"]
@@ -340,13 +378,18 @@ class Front:
     async def completions(self, request: Request) -> Response:
         t0 = time.monotonic()
         self._check_auth(request)
-        req: CompletionRequest = parse_completion(await self._body(request))
+        req: CompletionRequest = await self._off_loop(self._parse, await self._raw_body(request), parse_completion)
         self._check_model(req.model)
         header = self._header_session(request)
-        ids = list(req.prompt) if isinstance(req.prompt, list) else self.fmt.encode(req.prompt)
+        ids = list(req.prompt) if isinstance(req.prompt, list) else await self._off_loop(self.fmt.encode, req.prompt)
         p = self._sampling(req.sampling, False)
         s, turn = await self._begin(request, ids, header, p, ())
-        run, first = await self._run(s, turn, self._answer(p, None, False), [], t0)
+        try:
+            run, first = await self._run(s, turn, self._answer(p, None, False), [], t0)
+        except ApiError as e:
+            if e.param == "messages":  # the session API's input is this endpoint's prompt
+                e.param = "prompt"
+            raise
         cid = f"cmpl-{uuid.uuid4().hex[:24]}"
         headers = {"x-session-id": s.session_id}
         if req.stream:
@@ -402,6 +445,59 @@ class Front:
 class _Forward(Exception):
     def __init__(self, match: Match) -> None:
         self.match = match
+
+
+def _too_large() -> ApiError:
+    return ApiError(413, f"body: over {MAX_BODY} bytes", code="body_too_large")
+
+
+def error_response(e: ApiError) -> Response:
+    """An error in OpenAI's shape; a retryable one (429/503) says when to retry, a 413 closes the
+    connection (the rest of an oversized body is not read)."""
+    headers = {}
+    if e.retry_after is not None:
+        headers["retry-after"] = f"{max(1, round(e.retry_after))}"
+    if e.status == 413:
+        headers["connection"] = "close"
+    return JSONResponse(error_body(e), status_code=e.status, headers=headers)
+
+
+def _where(exc: BaseException) -> str:
+    """Where an exception was raised (file:line of its last frame): what a log names instead of its
+    message, which may quote the request."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb is not None else "?"
+
+
+class InflightLimit:
+    """ASGI middleware: at most ``limit`` API requests (/v1/chat/completions, /v1/completions) in
+    flight, a streamed answer counted until its last chunk; one more is refused at once with 429 and
+    Retry-After, before its body is read (issue 24: a burst of 300 new chats got 500s and stalled
+    the front). /health, /metrics and /v1/models are never limited."""
+
+    PATHS = ("/v1/chat/completions", "/v1/completions")
+
+    def __init__(self, app, limit: int, metrics: "FrontMetrics") -> None:
+        self.app, self.limit, self.metrics = app, limit, metrics
+        self.inflight = 0
+        metrics.inflight.set_function(lambda: self.inflight)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] not in self.PATHS:
+            return await self.app(scope, receive, send)
+        if self.inflight >= self.limit:
+            e = ApiError(429, f"the front answers {self.limit} requests at once (--max-inflight-requests); "
+                              "retry later", code="too_many_requests", type="rate_limit_error",
+                         retry_after=RETRY_AFTER_S)
+            self.metrics.requests.labels(scope["path"], "429").inc()
+            return await error_response(e)(scope, receive, send)
+        self.inflight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.inflight -= 1
 
 
 def _last_answer(messages: list[dict]) -> int:
@@ -467,16 +563,24 @@ def build_app(front: Front) -> Starlette:
                 except _Forward as f:
                     resp = await front.forward(request, f.match)
             except ApiError as e:
-                resp = JSONResponse(error_body(e), status_code=e.status)
+                resp = error_response(e)
             except grpc.aio.AioRpcError as exc:  # pragma: no cover - turned into ApiError in TurnRun
                 from services.frontend.turn import grpc_error
 
-                e = grpc_error(exc)
-                resp = JSONResponse(error_body(e), status_code=e.status)
-            except Exception as exc:  # never a traceback to the client
-                log.exception("request failed", path=path)
+                resp = error_response(grpc_error(exc))
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+                # Redis away or its pool busy past its wait (ampd.state.connect): retryable
+                log.warning("state store unavailable", path=path, error=type(exc).__name__)
+                resp = error_response(ApiError(503, "the front's state store is unavailable; retry later",
+                                               code="store_unavailable", type="service_unavailable",
+                                               retry_after=RETRY_AFTER_S))
+            except ClientDisconnect:
+                resp = error_response(ApiError(400, "body: the client closed the connection while sending it",
+                                               code="client_disconnected"))
+            except Exception as exc:  # never a traceback to the client, nor the request in the log
+                log.error("request failed", path=path, error=type(exc).__name__, at=_where(exc))
                 e = ApiError(500, f"internal error: {type(exc).__name__}", code="internal_error", type="internal_error")
-                resp = JSONResponse(error_body(e), status_code=500)
+                resp = error_response(e)
             front.metrics.requests.labels(path, str(resp.status_code)).inc()
             return resp
         return handler
@@ -489,7 +593,8 @@ def build_app(front: Front) -> Starlette:
         return JSONResponse(error_body(ApiError(status, msg, code="not_found" if status == 404 else
                                                 "method_not_allowed")), status_code=status)
 
-    return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
+    app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
+    return InflightLimit(app, front.max_inflight, front.metrics)
 
 
 async def amain(args: argparse.Namespace) -> None:
@@ -525,6 +630,7 @@ async def amain(args: argparse.Namespace) -> None:
     finally:
         await front.table.stop()
         await front.http.aclose()
+        front.work.shutdown(wait=False, cancel_futures=True)
         await channel.close()
         await redis.aclose()
 

@@ -21,7 +21,8 @@ log = structlog.get_logger()
 
 TEXT, DONE, FAILED = "text", "done", "failed"
 
-# gRPC status -> HTTP status and OpenAI error type
+# gRPC status -> HTTP status and OpenAI error type. Permanent errors are 4xx other than 429 (OpenAI's
+# SDKs retry 408, 409, 429 and 5xx); 429 and 503 are retryable and carry Retry-After (RETRY_AFTER_S).
 _HTTP = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
@@ -30,23 +31,46 @@ _HTTP = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+    grpc.StatusCode.ABORTED: (502, "upstream_error"),
+    grpc.StatusCode.CANCELLED: (502, "upstream_error"),
     grpc.StatusCode.UNAUTHENTICATED: (502, "upstream_error"),
     grpc.StatusCode.PERMISSION_DENIED: (502, "upstream_error"),
 }
-# session-API field paths -> the OpenAI request field they come from
-_PARAMS = (("sampling.max_tokens", "max_tokens"), ("sampling.stop", "stop"), ("sampling.temperature", "temperature"),
-           ("sampling.top_p", "top_p"), ("token_ids", "messages"), ("keep_tokens", "messages"),
-           ("tool_call_id", "messages"))
+RETRY_AFTER_S = 1.0
+# Admission refusals (ampd.policy.admit, "admission: REASON: ..."): kv-size can never be admitted
+# (the session needs more KV than any decode worker has), the others may be once KV frees.
+_PERMANENT_REFUSALS = ("kv-size",)
+# session-API field paths (after "open.turn." / "turn.") -> the OpenAI request field they come from
+_PARAMS = {"sampling.max_tokens": "max_tokens", "sampling.stop": "stop", "sampling.stop_token_ids": "stop_token_ids",
+           "sampling.temperature": "temperature", "sampling.top_p": "top_p", "sampling.seed": "seed",
+           "token_ids": "messages", "keep_tokens": "messages", "tool_call_id": "messages"}
+
+
+def _param(details: str) -> str | None:
+    """The OpenAI field a session-API error names by its path (``open.turn.sampling.stop[2]: ...``)."""
+    path = details.split(":", 1)[0].strip()
+    for head in ("open.", "turn."):
+        path = path.removeprefix(head)
+    return _PARAMS.get(path.split("[", 1)[0])
 
 
 def grpc_error(exc: grpc.aio.AioRpcError | None, what: str = "the session") -> ApiError:
     if exc is None:
         return ApiError(502, f"{what} ended before its turn was answered", code="session_ended",
                         type="upstream_error")
-    status, kind = _HTTP.get(exc.code(), (500, "internal_error"))
-    details = exc.details() or exc.code().name
-    param = next((p for path, p in _PARAMS if path in details), None) if status == 400 else None
-    return ApiError(status, details, param=param, code=exc.code().name.lower(), type=kind)
+    code = exc.code()
+    details = exc.details() or code.name
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        if "message larger than max" in details:  # the turn does not fit a gRPC message: too long a prompt
+            return ApiError(413, f"messages: the request's tokens do not fit the session API's message limit "
+                                 f"({details})", param="messages", code="context_length_exceeded")
+        reason = details.removeprefix("admission: ").split(":", 1)[0]
+        if details.startswith("admission: ") and reason in _PERMANENT_REFUSALS:
+            return ApiError(400, details, param="messages", code="context_length_exceeded")
+    status, kind = _HTTP.get(code, (500, "internal_error"))
+    param = _param(details) if status == 400 else None
+    retry = RETRY_AFTER_S if status in (429, 503) else None
+    return ApiError(status, details, param=param, code=code.name.lower(), type=kind, retry_after=retry)
 
 
 class TurnRun:

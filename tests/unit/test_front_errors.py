@@ -31,3 +31,32 @@ def test_statuses_map_to_openai_errors(code, details, status, param):
 def test_a_session_that_ended_without_a_status_is_a_502():
     e = grpc_error(None)
     assert e.status == 502 and e.code == "session_ended"
+
+
+# ------------------------------------------------ issue 24: permanent errors are never retryable
+@pytest.mark.parametrize("code,details,status,param,err_code,retry", [
+    # the session needs more KV than any decode worker holds: no retry can help
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, "admission: kv-size: the session may need 300000 KV tokens, more than any "
+                                         "decode worker holds (4096)", 400, "messages", "context_length_exceeded",
+     None),
+    # the turn does not fit a gRPC message (the front's own channel refuses to send it)
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, "Sent message larger than max (5000000 vs. 4194304)", 413, "messages",
+     "context_length_exceeded", None),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, "admission: kv-full: no decode worker had KV for 40 tokens within 0 s", 429,
+     None, "resource_exhausted", 1.0),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, "admission: queue-full: 256 sessions wait", 429, None, "resource_exhausted",
+     1.0),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, "admission: ttft: predicted 3.1 s over the SLO", 429, None,
+     "resource_exhausted", 1.0),
+    (grpc.StatusCode.UNAVAILABLE, "no decode worker is serving", 503, None, "unavailable", 1.0),
+    (grpc.StatusCode.ABORTED, "decode worker failed", 502, None, "aborted", None),
+    (grpc.StatusCode.INVALID_ARGUMENT, "open.turn.sampling.stop_token_ids: at most 64", 400, "stop_token_ids",
+     "invalid_argument", None),
+    (grpc.StatusCode.INVALID_ARGUMENT, "turn.sampling.stop[3]: must be 1 to 256 characters", 400, "stop",
+     "invalid_argument", None),
+    (grpc.StatusCode.INVALID_ARGUMENT, "open.turn.sampling.seed: bad", 400, "seed", "invalid_argument", None),
+])
+def test_errors_are_classified_permanent_or_retryable(code, details, status, param, err_code, retry):
+    e = grpc_error(_rpc(code, details))
+    assert (e.status, e.param, e.code, e.retry_after) == (status, param, err_code, retry)
+    assert (e.status in (429, 503)) == (retry is not None)
