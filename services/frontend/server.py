@@ -455,8 +455,9 @@ def error_response(e: ApiError) -> Response:
     """An error in OpenAI's shape; a retryable one (429/503) says when to retry, a 413 closes the
     connection (the rest of an oversized body is not read)."""
     headers = {}
-    if e.retry_after is not None:
-        headers["retry-after"] = f"{max(1, round(e.retry_after))}"
+    retry = e.retry_after if e.retry_after is not None else RETRY_AFTER_S if e.status in (429, 503) else None
+    if retry is not None:
+        headers["retry-after"] = f"{max(1, round(retry))}"
     if e.status == 413:
         headers["connection"] = "close"
     return JSONResponse(error_body(e), status_code=e.status, headers=headers)
