@@ -212,7 +212,7 @@ def test_a_chunked_body_is_cut_at_the_limit_without_reading_on(dep):
         except (BrokenPipeError, ConnectionResetError):
             answered = True  # the front closed the connection after its answer
         assert answered, f"the front read {sent} bytes of a body limited to {MAX_BODY}"
-        assert sent < MAX_BODY + (8 << 20)  # socket buffers hold a few MiB beyond the cut
+        assert sent < 2 * MAX_BODY  # socket buffers (several MiB on loopback) hold some beyond the cut
         try:
             status, body = _read_response(sock, 5)
         except (ConnectionResetError, StopIteration, IndexError):
@@ -279,7 +279,7 @@ async def _burst(url: str, n: int, timeout_s: float) -> list[tuple[int, dict, st
 def test_a_burst_of_new_chats_is_served_or_refused_never_failed(dep):
     url = dep.frontend
     timeout_s = 60.0
-    with HealthProbe(url):
+    with HealthProbe(url) as probe:
         t0 = time.monotonic()
         out = asyncio.run(_burst(url, BURST, timeout_s))
         took = time.monotonic() - t0
@@ -295,7 +295,7 @@ def test_a_burst_of_new_chats_is_served_or_refused_never_failed(dep):
         assert set(body["error"]) == {"message", "type", "param", "code"}
     assert statuses.count(200) >= 1
     print(f"burst of {BURST}: {statuses.count(200)} served, {len(refused)} refused, {took:.1f} s; "
-          f"a normal chat {after:.2f} s after")
+          f"a normal chat {after:.2f} s after; /health at worst {probe.worst * 1e3:.0f} ms")
 
 
 # ---------------------------------------------------------------------------- logs
