@@ -22,18 +22,20 @@ class ControlRequest(_message.Message):
     def __init__(self, id: _Optional[int] = ..., local_prefill: _Optional[_Union[RouteInfo, _Mapping]] = ..., turn: _Optional[_Union[TurnRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelRequest, _Mapping]] = ..., close: _Optional[_Union[CloseRequest, _Mapping]] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("open", "arrival", "resume", "session_secret", "route")
+    __slots__ = ("open", "arrival", "resume", "session_secret", "route", "attach_token")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
     SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
+    ATTACH_TOKEN_FIELD_NUMBER: _ClassVar[int]
     open: _common_pb2.OpenSession
     arrival: float
     resume: Resume
     session_secret: str
     route: Route
-    def __init__(self, open: _Optional[_Union[_common_pb2.OpenSession, _Mapping]] = ..., arrival: _Optional[float] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., session_secret: _Optional[str] = ..., route: _Optional[_Union[Route, _Mapping]] = ...) -> None: ...
+    attach_token: str
+    def __init__(self, open: _Optional[_Union[_common_pb2.OpenSession, _Mapping]] = ..., arrival: _Optional[float] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., session_secret: _Optional[str] = ..., route: _Optional[_Union[Route, _Mapping]] = ..., attach_token: _Optional[str] = ...) -> None: ...
 
 class Resume(_message.Message):
     __slots__ = ("round", "round_tokens", "rerun_tools", "calls", "attempt")

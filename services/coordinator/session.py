@@ -20,7 +20,7 @@ from ampd.events import merge_tokens
 from ampd.grpcserver import SESSION_OPEN
 from ampd.policy import PrefillTask
 from ampd.sessionlog import CannotResume, SessionLog
-from ampd.trust import new_secret
+from ampd.trust import attach_token, new_secret
 from ampd.v1 import common_pb2, coordinator_pb2, decode_pb2, prefill_pb2
 from ampd.validate import stream_message_error, validate_reason
 from services.coordinator.admission import Refused
@@ -168,6 +168,7 @@ class SessionRun:
         self.promised_on, self.admitted = self.decode_id, True
         req.session_secret = self.secret
         self.info = svc.cluster.infos[self.decode_id]
+        req.attach_token = attach_token(bytes.fromhex(self.info.task_key), self.sid, self.decode_id, self.secret)
         self.control = svc.stubs.control(self.info.address, self.info.nixl_agent)
         if not req.HasField("resume"):
             r = await self._route_ahead(0, 0, len(req.open.turn.token_ids))
