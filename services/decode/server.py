@@ -96,10 +96,15 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
             validate_reason(request.reason, "reason")
             self.core.cancel(request.session_id, request.reason, request.session_secret)
 
+    def _stop(self, request: decode_pb2.StopRoundRequest) -> None:
+        with _statuses():
+            self.core.stop_round(request.session_id, request.session_secret)
+
     def _control(self, request: decode_pb2.ControlRequest) -> None:
         kind = request.WhichOneof("call")
         if kind is None:
-            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "call: one of local_prefill, turn, close, cancel is required")
+            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT,
+                             "call: one of local_prefill, turn, stop, close, cancel is required")
         getattr(self, f"_{kind}")(getattr(request, kind))
 
     async def LocalPrefill(self, request: decode_pb2.RouteInfo, context) -> common_pb2.Ack:
