@@ -84,10 +84,10 @@ class DeploymentConfig:
                                   "'authorization: Bearer TOKEN'; health checks are exempt); empty = no auth "
                                   "(docs/security.md)", metavar="TOKEN")
     # Separate from auth_token so that an open client API never opens the workers (issue 24).
-    internal_token: str = setting("", "secret every service requires of its internal callers (coordinator, "
-                                      "workers, sidecars; metadata 'authorization: Bearer SECRET'). `ampd up` makes "
-                                      "one when empty; a service given none uses auth_token for internal calls too "
-                                      "(docs/security.md)", metavar="SECRET")
+    internal_token: str = setting("", "secret of the internal gRPC surface: every internal call carries it "
+                                      "(metadata 'authorization: Bearer SECRET') and every worker and sidecar "
+                                      "requires it. `ampd up` makes one when empty; a service given none uses "
+                                      "auth_token for internal calls too (docs/security.md)", metavar="SECRET")
 
 
 @dataclass(frozen=True)
