@@ -7,7 +7,7 @@ AMPD := $(VENV)/bin/ampd
 PROTOS := $(wildcard proto/ampd/v1/*.proto)
 export NIXL_LOG_LEVEL ?= WARN
 
-.PHONY: venv proto test test-fidelity test-unit test-integration test-e2e test-compose demo bench paper lint clean
+.PHONY: venv proto test test-fidelity test-unit test-integration test-e2e test-compose compose-secret demo bench paper lint clean
 
 venv: $(VENV)/.installed
 
@@ -50,6 +50,14 @@ test-e2e: venv
 test-compose: venv
 	tests/compose/setup.sh
 	$(PY) tests/compose/stack.py $(COMPOSE_ARGS)
+
+# docker-compose.yml requires AMPD_INTERNAL_TOKEN (the internal gRPC surface's secret,
+# docs/security.md): writes a random one to .env (read by `docker compose`), once; .env stays out of git
+# and the image.
+compose-secret:
+	@touch .env && chmod 600 .env
+	@grep -q '^AMPD_INTERNAL_TOKEN=.' .env || echo "AMPD_INTERNAL_TOKEN=$$($(PYTHON) -c 'import secrets; print(secrets.token_urlsafe(32))')" >> .env
+	@echo "AMPD_INTERNAL_TOKEN is in .env"
 
 demo: venv
 	$(AMPD) demo

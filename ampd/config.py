@@ -83,6 +83,11 @@ class DeploymentConfig:
     auth_token: str = setting("", "shared token every gRPC service requires of its callers (metadata "
                                   "'authorization: Bearer TOKEN'; health checks are exempt); empty = no auth "
                                   "(docs/security.md)", metavar="TOKEN")
+    # Separate from auth_token so that an open client API never opens the workers (issue 24).
+    internal_token: str = setting("", "secret of the internal gRPC surface: every internal call carries it "
+                                      "(metadata 'authorization: Bearer SECRET') and every worker and sidecar "
+                                      "requires it. `ampd up` makes one when empty; a service given none uses "
+                                      "auth_token for internal calls too (docs/security.md)", metavar="SECRET")
 
 
 @dataclass(frozen=True)
@@ -286,14 +291,14 @@ _POLICY_ALL = ("policy", "ttft_slo", "itl_slo")
 _WORKER = ("host", "port", "metrics_port", "advertise", "worker_id", "ready_file", "redis_url", "namespace",
            "profile", "engine", "model", *_POLICY_ALL, "reorder_window", "kv_overlap", "kv_admission",
            "tp", "stats_window", "heartbeat", "liveness_ttl", "block_tokens", "kv_bytes_per_token", "kv_pool_mb",
-           "auth_token")
+           "auth_token", "internal_token")
 SERVICE_SETTINGS: dict[str, tuple[str, ...]] = {
     "coordinator": ("host", "port", "metrics_port", "ready_file", "redis_url", "namespace", "profile", *_POLICY_ALL,
                     "slack", "seed", "alpha", "beta", "threshold_tokens", "stats_mode", "migration_limit",
-                    "admission_wait", "admission_queue", "admission", "auth_token"),
+                    "admission_wait", "admission_queue", "admission", "auth_token", "internal_token"),
     "prefill": _WORKER,
     "decode": (*_WORKER, "sidecar", "chunked_prefill", "kv_evict"),
-    "sidecar": ("host", "port", "metrics_port", "name", "tool", "ready_file", "auth_token"),
+    "sidecar": ("host", "port", "metrics_port", "name", "tool", "ready_file", "auth_token", "internal_token"),
     "planner": ("host", "port", "metrics_port", "ready_file", "profiles_dir", "auth_token"),
     # The front serves /metrics on its own HTTP port (`port`), beside the API.
     "frontend": ("host", "port", "ready_file", "redis_url", "namespace", "engine", "model", "coordinator_address",
@@ -302,7 +307,7 @@ SERVICE_SETTINGS: dict[str, tuple[str, ...]] = {
 }
 # Secrets: a launcher passes them in the environment, never on a command line (`ps` shows those).
 # A Redis URL may carry a password (redis://:PASSWORD@HOST:PORT/DB).
-SECRET_SETTINGS = ("auth_token", "redis_url")
+SECRET_SETTINGS = ("auth_token", "internal_token", "redis_url")
 # Per-process settings: the launcher and compose give these on each process's command line.
 PLACEMENT = ("host", "port", "metrics_port", "advertise", "worker_id", "name", "sidecar", "ready_file")
 
@@ -313,7 +318,7 @@ UP_SETTINGS: tuple[str, ...] = (
     *(f.name for f in fields(PolicyConfig)),
     *(f.name for f in fields(WorkerSettings) if f.name != "tp"),
     *(f.name for f in fields(CoordinatorSettings)),
-    *(f.name for f in fields(FrontendSettings) if f.name != "coordinator_address"), "auth_token",
+    *(f.name for f in fields(FrontendSettings) if f.name != "coordinator_address"), "auth_token", "internal_token",
 )
 # `ampd simulate`: the deployment shape, the policy and what the simulator models.
 SIMULATE_SETTINGS: tuple[str, ...] = (

@@ -40,35 +40,71 @@ INTERNAL_MAX_MESSAGE = 64 << 20
 # own latency to it).
 RPC_TIMEOUT_S = 30.0
 
-_auth_token = ""  # this process's shared token (set_auth_token): servers require it, channels send it
+_auth_token = ""  # the client-facing API's token (set_auth_token)
+_internal_token = ""  # the internal surface's secret (set_internal_token); "": _auth_token guards it too
 
 
 def set_auth_token(token: str) -> None:
-    """The deployment's shared token (ampd.config ``auth_token``; "" = no auth): every server this
-    process starts then requires it and every channel it opens sends it."""
+    """The client-facing API's token (ampd.config ``auth_token``; "" = open): the public methods of
+    every server this process starts require it (the coordinator's Session and Metrics), and, when no
+    internal token is set, everything else too and every channel sends it."""
     global _auth_token
     _auth_token = token
+
+
+def set_internal_token(token: str) -> None:
+    """The deployment's internal secret (ampd.config ``internal_token``): every method but the public
+    ones requires it, and every channel this process opens sends it."""
+    global _internal_token
+    _internal_token = token
+
+
+def set_tokens(auth_token: str, internal_token: str) -> None:
+    set_auth_token(auth_token)
+    set_internal_token(internal_token)
+
+
+def internal_token() -> str:
+    """The internal secret this process holds (set_internal_token; "" = none)."""
+    return _internal_token
+
+
+def _internal() -> str:
+    """What this process's channels send and its servers' internal methods require ("" = nothing)."""
+    return _internal_token or _auth_token
 
 
 def _message_options(limit: int) -> list[tuple[str, int]]:
     return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
 
 
-class _TokenCheck(grpc.aio.ServerInterceptor):
-    """Refuses a call without ``authorization: Bearer <token>`` (UNAUTHENTICATED). Health checks stay
-    open: an orchestrator probes without credentials."""
+# Open to anyone: an orchestrator probes health without credentials; reflection shows only the schema.
+_OPEN_PREFIX = "/grpc.health.v1.Health/"
+_REFLECTION_PREFIX = "/grpc.reflection."
 
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+
+class _TokenCheck(grpc.aio.ServerInterceptor):
+    """Refuses a call without ``authorization: Bearer <token>`` (UNAUTHENTICATED): the client token
+    for the server's public methods (the internal secret passes there too), the internal secret for
+    every other method. An empty token leaves its methods open."""
+
+    def __init__(self, client: str, internal: str, public: frozenset[str]) -> None:
+        self._client = f"Bearer {client}".encode() if client else b""
+        self._internal = f"Bearer {internal}".encode() if internal else b""
+        self._public = public
+
+    def _allowed(self, method: str, got: bytes) -> bool:
+        if method in self._public or method.startswith(_REFLECTION_PREFIX):
+            return (not self._client or hmac.compare_digest(got, self._client)
+                    or (bool(self._internal) and hmac.compare_digest(got, self._internal)))
+        return not self._internal or hmac.compare_digest(got, self._internal)
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
-        if handler is None or details.method.startswith("/grpc.health.v1.Health/"):
+        if handler is None or details.method.startswith(_OPEN_PREFIX):
             return handler
-        got = dict(details.invocation_metadata or ()).get("authorization", "")
-        if hmac.compare_digest(str(got).encode(), self._expected):
-            return handler
-        return _denied(handler)
+        got = str(dict(details.invocation_metadata or ()).get("authorization", "")).encode()
+        return handler if self._allowed(details.method, got) else _denied(handler)
 
 
 def _denied(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
@@ -96,13 +132,16 @@ async def start_server(
     add_servicers: Callable[[grpc.aio.Server], None],
     service_names: Iterable[str],
     max_message: int = INTERNAL_MAX_MESSAGE,
+    public: Iterable[str] = (),
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Starts a grpc.aio server on `bind` (host:port, port 0 = free) with health and reflection,
-    messages up to ``max_message`` bytes, and the shared token required when one is set.
+    messages up to ``max_message`` bytes, the client token required of the ``public`` methods
+    (``/package.Service/Method``) and the internal secret of every other one, where they are set.
 
     Returns the server, the bound port and the health servicer (set SERVING when ready).
     """
-    interceptors = [_TokenCheck(_auth_token)] if _auth_token else []
+    internal = _internal()
+    interceptors = [_TokenCheck(_auth_token, internal, frozenset(public))] if _auth_token or internal else []
     server = grpc.aio.server(options=SERVER_OPTIONS + _message_options(max_message), interceptors=interceptors)
     add_servicers(server)
     health_servicer = health.aio.HealthServicer()
@@ -217,8 +256,9 @@ def _token_interceptors(token: str) -> list:
 
 
 def channel(address: str, token: str | None = None, max_message: int = INTERNAL_MAX_MESSAGE) -> grpc.aio.Channel:
-    """A channel to an AMPD service; it sends ``token`` (default: this process's, set_auth_token)."""
-    token = _auth_token if token is None else token
+    """A channel to an AMPD service; it sends ``token`` (default: this process's internal secret, else
+    its auth token)."""
+    token = _internal() if token is None else token
     return grpc.aio.insecure_channel(
         address,
         options=[*CHANNEL_OPTIONS, *_message_options(max_message)],

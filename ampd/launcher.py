@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ampd.cli import CliError
-from ampd import deathsig
+from ampd import deathsig, grpcserver
 from ampd.config import (SECRET_SETTINGS, SERVICE_SETTINGS, SETTINGS, UP_SETTINGS, Config, ConfigError, add_flags,
                          config_from_args, env_name, to_argv)
 from ampd.deployment import expand_spec, format_spec, worker_shape
 from ampd.state.local import RedisStartError, start_redis
-from ampd.trust import redacted
+from ampd.trust import new_secret, redacted
 
 def Options(**settings) -> Config:
     """A launch configuration from settings by name (``Options(policy="remote", decode="tp2*2")``);
@@ -69,7 +69,14 @@ class Deployment:
             check_available(cfg.deployment.engine)
         except (ConfigError, ValueError) as exc:
             raise CliError(str(exc)) from None
-        self.cfg = cfg
+        # Internal calls are authenticated even when the client API is open: the deployment's
+        # secret, made here unless given. This process holds it too (its in-process clients, a test's,
+        # call the workers); one it already holds is reused, so deployments started from one process
+        # share it.
+        self.internal_token = cfg.deployment.internal_token or grpcserver.internal_token() or new_secret()
+        if not grpcserver.internal_token():
+            grpcserver.set_internal_token(self.internal_token)
+        self.cfg = cfg = cfg.with_(internal_token=self.internal_token)
         self.ready_timeout_s = ready_timeout_s  # per group of children (a real model loads for a while)
         self.supervise = supervise
         self.events: list[str] = []  # what supervision did, in order ("decode-0 exited with -9; restarted")

@@ -7,6 +7,10 @@
   cannot make it write KV it was not given.
 - A *session secret*: minted by the coordinator when it opens a session; the decode worker acts on
   that session's Turn, Close, Cancel and LocalPrefill only with it.
+- An *attach token*: the coordinator's proof that it admitted a session onto a decode worker, an
+  HMAC of the session id, the worker id and the session secret under a key derived from that
+  worker's task key (published in Redis, like the task key itself). The decode worker opens a
+  session, and allocates its KV, only with it.
 - Tool call ids are random, not derived from the session id and round.
 
 Pure: no I/O.
@@ -20,7 +24,7 @@ from collections.abc import Sequence
 
 from ampd.v1 import common_pb2
 
-__all__ = ["new_key", "new_secret", "new_call_id", "task_token", "token_matches", "redacted"]
+__all__ = ["new_key", "new_secret", "new_call_id", "task_token", "attach_token", "token_matches", "redacted"]
 
 
 def new_key() -> bytes:
@@ -55,6 +59,14 @@ def task_token(key: bytes, task: common_pb2.PrefillTask, history: Sequence | Non
     ``dest``: the task's segments as the caller already holds them (``ampd.kv.Segment``), the same
     as the message's: reading a message's repeated field costs several times more."""
     return hmac.digest(key, _task_message(task, history, dest), "sha256").hex()[:32]
+
+
+def attach_token(task_key: bytes, session_id: str, decode_worker: str, secret: str) -> str:
+    """The attach token of a session on ``decode_worker`` (AttachRequest.attach_token). Its key is
+    derived from the task key, so that no attach token is ever a valid task token or the reverse."""
+    key = hmac.digest(task_key, b"ampd attach token", "sha256")
+    msg = b"\0".join((session_id.encode(), decode_worker.encode(), secret.encode()))
+    return hmac.digest(key, msg, "sha256").hex()[:32]
 
 
 def token_matches(expected: str, given: str) -> bool:

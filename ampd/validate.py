@@ -132,11 +132,12 @@ def validate_turn(t: common_pb2.Turn, path: str = "turn") -> None:
 
 def stream_message_error(kind: str | None, closing: bool) -> str:
     """What is wrong with a client message on a session's stream after the opening one ("" if
-    nothing): only turn, close and cancel may follow, and nothing but cancel follows a close."""
-    if kind not in ("turn", "close", "cancel"):
-        return f"{kind or 'msg'}: the session is already open on this stream; send turn, close or cancel"
-    if closing and kind != "cancel":
-        return f"{kind}: the session is closing (close was sent); only cancel may follow"
+    nothing): only turn, stop, close and cancel may follow, and nothing but stop or cancel follows a
+    close."""
+    if kind not in ("turn", "stop", "close", "cancel"):
+        return f"{kind or 'msg'}: the session is already open on this stream; send turn, stop, close or cancel"
+    if closing and kind not in ("stop", "cancel"):
+        return f"{kind}: the session is closing (close was sent); only stop or cancel may follow"
     return ""
 
 

@@ -1,6 +1,9 @@
 """The Redis schema every service shares.
 
-Keys (prefix `ns`, default "ampd"):
+Keys (prefix `ns`, default "ampd"). The three hashes have no TTL: each worker deletes its own
+fields when it stops (deregister_worker), and a coordinator removes those of a worker whose liveness
+key has been gone a while. Every other key has a TTL or is deleted by its owner
+(tests/integration/test_redis_keys.py).
 - `{ns}:workers`        hash worker_id -> WorkerInfo JSON (static: address, kind, tp, KV layout, sidecar)
 - `{ns}:nixl`           hash worker_id -> NIXL agent metadata (bytes)
 - `{ns}:stats`          hash worker_id -> WorkerStats JSON (published on every queue change and at
@@ -11,8 +14,8 @@ Keys (prefix `ns`, default "ampd"):
                         fails on the connection)
 - `{ns}:session:{sid}`  hash of one live session (binding, round, state, its coordinator); deleted
                         when it ends, or by any coordinator once its own coordinator is gone
-- `{ns}:coordinator:{id}` a coordinator's liveness key (TTL, renewed every poll): the owner of the
-                        session records that name it
+- `{ns}:coordinator:{id}` a coordinator's liveness key (TTL, renewed every poll; deleted when it
+                        stops): the owner of the session records that name it
 - channel `{ns}:stats`  every stats publish is also PUBLISHed here (same JSON), so a coordinator can
                         keep the cluster view in memory instead of reading it per decision
 
@@ -250,6 +253,9 @@ class StateStore:
 
     async def coordinator_alive(self, instance: str, ttl_s: float) -> None:
         await self.r.set(self.coordinator_key(instance), b"1", px=max(1, int(ttl_s * 1000)))
+
+    async def coordinator_gone(self, instance: str) -> None:
+        await self.r.delete(self.coordinator_key(instance))
 
     async def orphan_sessions(self) -> list[str]:
         """Ids of the session records whose coordinator is gone (it died serving them)."""

@@ -16,17 +16,23 @@ class Close(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class StopRound(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class ClientMessage(_message.Message):
-    __slots__ = ("open", "turn", "cancel", "close")
+    __slots__ = ("open", "turn", "cancel", "close", "stop")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     TURN_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
     open: _common_pb2.OpenSession
     turn: _common_pb2.Turn
     cancel: Cancel
     close: Close
-    def __init__(self, open: _Optional[_Union[_common_pb2.OpenSession, _Mapping]] = ..., turn: _Optional[_Union[_common_pb2.Turn, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., close: _Optional[_Union[Close, _Mapping]] = ...) -> None: ...
+    stop: StopRound
+    def __init__(self, open: _Optional[_Union[_common_pb2.OpenSession, _Mapping]] = ..., turn: _Optional[_Union[_common_pb2.Turn, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., close: _Optional[_Union[Close, _Mapping]] = ..., stop: _Optional[_Union[StopRound, _Mapping]] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
     __slots__ = ("session_id", "tokens", "tool_call", "round_end", "done", "turn_end", "decode_worker")

@@ -8,32 +8,36 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ControlRequest(_message.Message):
-    __slots__ = ("id", "local_prefill", "turn", "cancel", "close")
+    __slots__ = ("id", "local_prefill", "turn", "cancel", "close", "stop")
     ID_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     TURN_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
     id: int
     local_prefill: RouteInfo
     turn: TurnRequest
     cancel: CancelRequest
     close: CloseRequest
-    def __init__(self, id: _Optional[int] = ..., local_prefill: _Optional[_Union[RouteInfo, _Mapping]] = ..., turn: _Optional[_Union[TurnRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelRequest, _Mapping]] = ..., close: _Optional[_Union[CloseRequest, _Mapping]] = ...) -> None: ...
+    stop: StopRoundRequest
+    def __init__(self, id: _Optional[int] = ..., local_prefill: _Optional[_Union[RouteInfo, _Mapping]] = ..., turn: _Optional[_Union[TurnRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelRequest, _Mapping]] = ..., close: _Optional[_Union[CloseRequest, _Mapping]] = ..., stop: _Optional[_Union[StopRoundRequest, _Mapping]] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("open", "arrival", "resume", "session_secret", "route")
+    __slots__ = ("open", "arrival", "resume", "session_secret", "route", "attach_token")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
     SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
+    ATTACH_TOKEN_FIELD_NUMBER: _ClassVar[int]
     open: _common_pb2.OpenSession
     arrival: float
     resume: Resume
     session_secret: str
     route: Route
-    def __init__(self, open: _Optional[_Union[_common_pb2.OpenSession, _Mapping]] = ..., arrival: _Optional[float] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., session_secret: _Optional[str] = ..., route: _Optional[_Union[Route, _Mapping]] = ...) -> None: ...
+    attach_token: str
+    def __init__(self, open: _Optional[_Union[_common_pb2.OpenSession, _Mapping]] = ..., arrival: _Optional[float] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., session_secret: _Optional[str] = ..., route: _Optional[_Union[Route, _Mapping]] = ..., attach_token: _Optional[str] = ...) -> None: ...
 
 class Resume(_message.Message):
     __slots__ = ("round", "round_tokens", "rerun_tools", "calls", "attempt")
@@ -108,6 +112,14 @@ class Route(_message.Message):
     def __init__(self, l_hist: _Optional[int] = ..., l_incr: _Optional[int] = ..., prefill_worker: _Optional[str] = ...) -> None: ...
 
 class CloseRequest(_message.Message):
+    __slots__ = ("session_id", "session_secret")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    session_secret: str
+    def __init__(self, session_id: _Optional[str] = ..., session_secret: _Optional[str] = ...) -> None: ...
+
+class StopRoundRequest(_message.Message):
     __slots__ = ("session_id", "session_secret")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]

@@ -133,6 +133,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if not await self._write(self.store.delete_session(sid)):
             self._unrecorded.add(sid)  # deleted on a later liveness poll, once Redis answers
 
+    async def stop(self) -> None:
+        await self.cluster.stop()  # no poll renews the liveness key after this
+        # The key goes now, not at its TTL: nothing of a stopped coordinator stays in Redis, and the
+        # records of sessions it still served are orphans at once for the next coordinator's sweep.
+        await self._write(self.store.coordinator_gone(self.instance))
+
     async def _on_poll(self) -> None:
         await self.store.coordinator_alive(self.instance, ORPHAN_SWEEP_S)
         self._polls += 1
@@ -193,7 +199,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
 async def amain(args: argparse.Namespace) -> None:
     logs.configure("coordinator")
-    grpcserver.set_auth_token(args.auth_token)
+    grpcserver.set_tokens(args.auth_token, args.internal_token)
     profile = load_profile(args.profile)
     policy_spec(args.policy)  # an unknown name fails here, with the valid ones listed
     slo = SLO(args.ttft_slo, args.itl_slo)
@@ -204,18 +210,21 @@ async def amain(args: argparse.Namespace) -> None:
     service.admission = Admission(args.admission_wait, args.admission_queue, args.admission, profile, slo)
     service.labels.update(profile=profile.name, ttft_slo=str(slo.ttft_s), itl_slo=str(slo.itl_s))
     await service.cluster.start()
+    desc = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"]
     server, port, health = await grpcserver.start_server(
         f"{args.host}:{args.port}",
         lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(service, s),
-        [coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name],
+        [desc.full_name],
         max_message=grpcserver.CLIENT_MAX_MESSAGE,  # clients: gRPC's default; workers take more
+        # the client-facing API: auth_token governs it, not the internal secret
+        public=[f"/{desc.full_name}/{m.name}" for m in desc.methods],
     )
     metrics_port = metrics.serve(args.host, args.metrics_port,
                                  [service.rounds, metrics.rpc_collector(service, "coordinator")])
     write_ready_file(args.ready_file, port, metrics_port)
     log.info("coordinator serving", address=f"{args.host}:{port}", metrics_port=metrics_port, policy=args.policy,
              profile=profile.name, ttft_slo=slo.ttft_s, itl_slo=slo.itl_s)
-    await grpcserver.serve_until_signal(server, health, service.cluster.stop)
+    await grpcserver.serve_until_signal(server, health, service.stop)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,7 +20,7 @@ from ampd.events import merge_tokens
 from ampd.grpcserver import SESSION_OPEN
 from ampd.policy import PrefillTask
 from ampd.sessionlog import CannotResume, SessionLog
-from ampd.trust import new_secret
+from ampd.trust import attach_token, new_secret
 from ampd.v1 import common_pb2, coordinator_pb2, decode_pb2, prefill_pb2
 from ampd.validate import stream_message_error, validate_reason
 from services.coordinator.admission import Refused
@@ -68,7 +68,7 @@ class SessionRun:
         self.deferred: list = []  # bookkeeping that waits until the events in hand went to the client
         self.announce = True  # the next event to the client names the binding
         self.secret = new_secret()  # the session's credential on its decode worker (every request)
-        self.closing = False  # the client sent Close: only cancel may follow
+        self.closing = False  # the client sent Close: only stop or cancel may follow
         # The KV the session may hold (its turns' inputs, outputs and scripted results, one block
         # more): promised to its decode worker by admission while it is bound there.
         self.need = turn_kv_tokens(o.turn, o.limits.max_output_tokens) + svc.block_tokens()
@@ -168,6 +168,7 @@ class SessionRun:
         self.promised_on, self.admitted = self.decode_id, True
         req.session_secret = self.secret
         self.info = svc.cluster.infos[self.decode_id]
+        req.attach_token = attach_token(bytes.fromhex(self.info.task_key), self.sid, self.decode_id, self.secret)
         self.control = svc.stubs.control(self.info.address, self.info.nixl_agent)
         if not req.HasField("resume"):
             r = await self._route_ahead(0, 0, len(req.open.turn.token_ids))
@@ -267,6 +268,11 @@ class SessionRun:
             ok = await self._control(decode_pb2.ControlRequest(close=decode_pb2.CloseRequest(
                 session_id=self.sid, session_secret=self.secret)), ignore=grpc.StatusCode.FAILED_PRECONDITION)
             return [] if ok else await self._move("its control stream failed")
+        if kind == "stop":  # the current turn's decoding ends at its next token; nothing between turns
+            if self.bound:
+                await self._control(decode_pb2.ControlRequest(stop=decode_pb2.StopRoundRequest(
+                    session_id=self.sid, session_secret=self.secret)), ignore=grpc.StatusCode.FAILED_PRECONDITION)
+            return []
         if kind == "cancel":
             if not self.bound:
                 raise SessionEnd(grpc.StatusCode.CANCELLED, f"cancelled: {msg.cancel.reason}" if msg.cancel.reason

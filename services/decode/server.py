@@ -21,6 +21,7 @@ from ampd.state import StateStore, connect
 from ampd.v1 import common_pb2, decode_pb2, decode_pb2_grpc, sidecar_pb2_grpc
 from ampd.grpcserver import write_ready_file
 from ampd.runtime import WorkerRuntime, add_worker_args, config_from_args, pool_for
+from ampd.trust import attach_token, token_matches
 from ampd.worker import DecodeCore
 from ampd.validate import InvalidArgument, validate_attach, validate_reason, validate_turn
 from services.decode.worker import DecodeWorker, InvalidTurn, NotPermitted, SessionError, SessionFailed
@@ -38,9 +39,17 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
             validate_attach(request.arrival, request.open)
             if not request.session_secret:
                 raise InvalidArgument("session_secret: required")
+            sid, wid = request.open.session_id, core.rt.cfg.worker_id
+            # before anything is allocated: only the coordinator that admitted the session here
+            # (it read this worker's task key from the registry) can open it
+            if not token_matches(attach_token(core.rt.task_key, sid, wid, request.session_secret),
+                                 request.attach_token):
+                raise NotPermitted(f"attach_token: not minted for session {sid!r} on {wid!r}")
             s = core.open(request)
         except (InvalidArgument, InvalidTurn) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except NotPermitted as exc:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         except SessionError as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         try:
@@ -87,10 +96,15 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
             validate_reason(request.reason, "reason")
             self.core.cancel(request.session_id, request.reason, request.session_secret)
 
+    def _stop(self, request: decode_pb2.StopRoundRequest) -> None:
+        with _statuses():
+            self.core.stop_round(request.session_id, request.session_secret)
+
     def _control(self, request: decode_pb2.ControlRequest) -> None:
         kind = request.WhichOneof("call")
         if kind is None:
-            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "call: one of local_prefill, turn, close, cancel is required")
+            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT,
+                             "call: one of local_prefill, turn, stop, close, cancel is required")
         getattr(self, f"_{kind}")(getattr(request, kind))
 
     async def LocalPrefill(self, request: decode_pb2.RouteInfo, context) -> common_pb2.Ack:
@@ -144,7 +158,7 @@ def chat_format(cfg) -> ChatFormat | None:
 
 async def amain(args: argparse.Namespace) -> None:
     logs.configure(f"decode:{args.worker_id}")
-    grpcserver.set_auth_token(args.auth_token)
+    grpcserver.set_tokens(args.auth_token, args.internal_token)
     profile = load_profile(args.profile)
     spec = policy_spec(args.policy)
     service = DecodeService()

@@ -62,6 +62,7 @@ def add_segments(field, segments: list[Segment]) -> None:
 
 
 FINISH_STOP, FINISH_LENGTH, FINISH_TOOL = "stop", "length", "tool_calls"
+FINISH_STOP_REQUESTED = "stop_requested"  # the client's StopRound ended the turn
 # How long a session ended during its remote prefill keeps the round's blocks at most, waiting for
 # the prefill worker to report it wrote them (it normally does within the round's TTFT).
 REMOTE_HOLD_S = 60.0
@@ -104,6 +105,7 @@ class Session:
     recompute: int = 0  # KV tokens an eviction took (--kv-evict): the next round prefills them again
     route: decode_pb2.Route | None = None  # the coordinator's route for the round starting now
     closing: bool = False  # Close received: end after the turn
+    stop_requested: bool = False  # StopRound received: the turn ends at its next token
     closed: bool = False
 
     @property
@@ -116,6 +118,8 @@ class Session:
 
     def finish(self, tok: int, engine: Engine) -> str:
         """Why the round ends with ``tok`` (its latest output token), or "" to go on."""
+        if self.stop_requested:
+            return FINISH_STOP_REQUESTED
         if self.stops is not None:
             return self.stops.add(tok) or ""
         p = self.params
@@ -286,6 +290,7 @@ class DecodeWorker:
             self.core.rewind(s.core, t.keep_tokens)
         s.turn = t
         s.script = deque(t.script)
+        s.stop_requested = False
         s.tokens.extend(t.token_ids)
         # the route holds only while the round starts now (its KV admitted at once, in begin_round)
         s.route = route
@@ -447,6 +452,13 @@ class DecodeWorker:
             self._check_secret(s, secret)
             self.fail(s, f"cancelled: {reason}" if reason else "cancelled")
 
+    def stop_round(self, session_id: str, secret: str) -> None:
+        """StopRound: the turn being answered ends at its next token, as if its max_tokens were
+        reached (no tool call follows); nothing else of the session changes. Between turns: nothing."""
+        s = self._session(session_id, secret)
+        if s.turn is not None:
+            s.stop_requested = True
+
     def close_session(self, session_id: str, secret: str) -> None:
         """Close: the session ends once its current turn (if any) is answered."""
         s = self._session(session_id, secret)
@@ -549,8 +561,11 @@ class DecodeWorker:
         if self.core.tool_call(s.core):
             self._admit_waiting()
         s.carried = 0
+        if reason == FINISH_STOP_REQUESTED:
+            s.script.clear()  # the turn ends here: no tool call, no later round
         scripted = s.script.popleft() if s.script else None
-        parsed = parse_tool_calls(s.stops.text)[1] if scripted is None and s.stops is not None else []
+        parsed = parse_tool_calls(s.stops.text)[1] if scripted is None and s.stops is not None \
+            and reason != FINISH_STOP_REQUESTED else []
         if scripted is not None or parsed:
             reason = FINISH_TOOL
         s.timing.finish_reason = reason

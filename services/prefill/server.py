@@ -87,7 +87,7 @@ class PrefillService(prefill_pb2_grpc.PrefillWorkerServicer):
 
 async def amain(args: argparse.Namespace) -> None:
     logs.configure(f"prefill:{args.worker_id}")
-    grpcserver.set_auth_token(args.auth_token)
+    grpcserver.set_tokens(args.auth_token, args.internal_token)
     profile = load_profile(args.profile)
     spec = policy_spec(args.policy)
     service = PrefillService()

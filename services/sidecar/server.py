@@ -59,7 +59,7 @@ class SidecarService(sidecar_pb2_grpc.ToolSidecarServicer):
 
 async def amain(args: argparse.Namespace) -> None:
     logs.configure(f"sidecar:{args.name}")
-    grpcserver.set_auth_token(args.auth_token)
+    grpcserver.set_tokens(args.auth_token, args.internal_token)
     registry = ToolRegistry()
     for spec in args.tool:
         registry.load(spec)

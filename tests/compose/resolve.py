@@ -3,7 +3,7 @@
 podman-compose 1.0.3 leaves `${NAME:-}` (an empty default, used for every AMPD_* setting: empty
 means the ampd/config.py default) in place, literally, so a service gets the text `${AMPD_TOOL:-}`
 as its setting. This module does Compose's interpolation itself -- `$$`, `$NAME`, `${NAME}`,
-`${NAME:-default}`, `${NAME-default}`; the shell's environment first, then a `.env` file beside the
+`${NAME:-default}`, `${NAME-default}`, `${NAME:?error}`; the shell's environment first, then a `.env` file beside the
 compose file -- and writes a copy with no variables left, with relative paths made absolute, that
 podman-compose then runs as is. Docker Compose and newer podman-compose read docker-compose.yml
 directly.
@@ -35,6 +35,11 @@ def interpolate(value: str, env: dict[str, str]) -> str:
         if m.group("escaped"):
             return "$$"  # stays escaped: podman-compose interpolates the copy once more
         expr = m.group("braced") if m.group("braced") is not None else m.group("plain")
+        if ":?" in expr:  # required: set and not empty, or Compose's error
+            name, message = expr.split(":?", 1)
+            if not env.get(name):
+                raise ResolveError(f"{name}: {message}")
+            return env[name]
         for sep, empty_counts in ((":-", True), ("-", False)):
             if sep in expr:
                 name, default = expr.split(sep, 1)

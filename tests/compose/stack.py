@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import re
+import secrets
 import shlex
 import socket
 import subprocess
@@ -271,7 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     ports = {name: str(free_port()) for name in sorted(set(re.findall(r"\$\{(AMPD_[A-Z_]*_PORT)\b",
                                                                        COMPOSE.read_text())))}
     port = int(ports["AMPD_COORDINATOR_PORT"])
-    doc = resolve(COMPOSE, dict(os.environ, AMPD_IMAGE=IMAGE, AMPD_REDIS_IMAGE=REDIS_IMAGE, **ports))
+    # the stack's internal secret, made here as `make compose-secret` would (docs/deploy.md)
+    secret = os.environ.get("AMPD_INTERNAL_TOKEN") or secrets.token_urlsafe(32)
+    doc = resolve(COMPOSE, dict(os.environ, AMPD_IMAGE=IMAGE, AMPD_REDIS_IMAGE=REDIS_IMAGE, **ports,
+                                AMPD_INTERNAL_TOKEN=secret))
     services = doc["services"]
     names = selected(services)
     if SWAPPED not in names:

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from ampd import grpcserver
 from ampd.launcher import Deployment, Options
+from ampd.trust import attach_token
 from ampd.v1 import (
     common_pb2, coordinator_pb2, coordinator_pb2_grpc, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc,
     sidecar_pb2, sidecar_pb2_grpc,
@@ -55,7 +56,9 @@ def workers(redis_url):
     return {k.decode(): WorkerInfo.from_json(v) for k, v in raw.items()}
 
 
-def chan(address: str, token: str = TOKEN) -> grpc.aio.Channel:
+def chan(address: str, token: str | None = None) -> grpc.aio.Channel:
+    """A channel sending ``token``; by default the deployment's internal secret (the workers' and
+    sidecars' calls need it; this process holds it since it started the deployment)."""
     return grpcserver.channel(address, token=token)
 
 
@@ -157,7 +160,7 @@ def assert_nothing_left(dep, redis_url):
             assert m["kv_free_tokens"] == m["kv_capacity_tokens"], f"{wid} holds KV: {m}"
             if info.kind == "decode":
                 assert m["active_sessions"] == 0, wid
-        ch = chan(dep.coordinator)
+        ch = chan(dep.coordinator, TOKEN)
         m = dict((await coordinator_pb2_grpc.CoordinatorStub(ch).Metrics(common_pb2.MetricsRequest(), timeout=10)).values)
         await ch.close()
         assert m["sessions_live"] == 0 and m["sessions_waiting"] == 0, m
@@ -178,27 +181,33 @@ def assert_nothing_left(dep, redis_url):
 
 # ------------------------------------------------------------------------------------- trust
 def test_every_service_requires_the_token_but_health(dep, redis_url):
+    """The coordinator's client API takes the client token; every internal service takes only the
+    deployment's internal secret, which `ampd up` made (issue 24 item 7): the client token opens no
+    worker or sidecar."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    secret = dep.internal_token
+    assert secret and secret != TOKEN
     infos = workers(redis_url)
-    calls = {dep.coordinator: coordinator_pb2_grpc.CoordinatorStub}
+    calls = {dep.coordinator: (coordinator_pb2_grpc.CoordinatorStub, (TOKEN, secret))}
     for info in infos.values():
-        calls[info.address] = (decode_pb2_grpc.DecodeWorkerStub if info.kind == "decode"
-                               else prefill_pb2_grpc.PrefillWorkerStub)
+        stub = decode_pb2_grpc.DecodeWorkerStub if info.kind == "decode" else prefill_pb2_grpc.PrefillWorkerStub
+        calls[info.address] = (stub, (secret,))
         if info.sidecar:
-            calls[info.sidecar] = sidecar_pb2_grpc.ToolSidecarStub
+            calls[info.sidecar] = (sidecar_pb2_grpc.ToolSidecarStub, (secret,))
     assert len(calls) == 6  # coordinator, 2 decode, 1 prefill, 2 sidecars
 
     async def scenario():
-        for address, stub_cls in calls.items():
-            for token, ok in ((TOKEN, True), ("", False), ("wrong", False)):
+        for address, (stub_cls, accepted) in calls.items():
+            for token in (TOKEN, secret, "", "wrong"):
                 ch = chan(address, token)
                 try:
                     await stub_cls(ch).Metrics(common_pb2.MetricsRequest(), timeout=10, wait_for_ready=True)
                     code = grpc.StatusCode.OK
                 except grpc.aio.AioRpcError as exc:
                     code = exc.code()
-                assert code == (grpc.StatusCode.OK if ok else grpc.StatusCode.UNAUTHENTICATED), (address, token)
+                want = grpc.StatusCode.OK if token in accepted else grpc.StatusCode.UNAUTHENTICATED
+                assert code == want, (address, token == TOKEN, token == secret, token)
                 health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
                 assert health.status == health_pb2.HealthCheckResponse.SERVING
                 await ch.close()
@@ -249,7 +258,7 @@ def test_forged_and_bad_prefill_tasks_are_refused_and_the_worker_keeps_serving(d
             assert info.value.code() == code, (field, info.value.details())
             assert info.value.details().startswith(field + ":"), info.value.details()
         # ... and it still serves: a remote prefill (over the threshold) completes
-        coord = chan(dep.coordinator)
+        coord = chan(dep.coordinator, TOKEN)
         code, _, events = await session_status(dep.coordinator, opening(turn(THRESHOLD + 10)))
         assert code == grpc.StatusCode.OK
         timing = events[-1].done.rounds[0]
@@ -266,7 +275,7 @@ def test_session_requests_need_the_session_secret_and_call_ids_are_unguessable(d
     """Found: Decode.Cancel and ToolResult acted on any session; call ids were `<sid>/<round>`; a
     ToolResult with an unknown call id was dropped silently and the session hung."""
     async def scenario():
-        coord = chan(dep.coordinator)
+        coord = chan(dep.coordinator, TOKEN)
         c = Client(coordinator_pb2_grpc.CoordinatorStub(coord))
         sid = uuid.uuid4().hex
         c.send(opening(turn(20, 2, script=[CLIENT_CALL]), sid))
@@ -313,7 +322,7 @@ def test_stream_rules_and_limits(dep):
     tokens and 10,000 rounds were accepted; a message just under 4 MiB passed the coordinator, then
     failed at the decode worker."""
     async def scenario():
-        coord = chan(dep.coordinator)
+        coord = chan(dep.coordinator, TOKEN)
         stub = coordinator_pb2_grpc.CoordinatorStub(coord)
         inf_tool = common_pb2.ScriptedCall(tool=common_pb2.ToolSpec(latency_s=math.inf), result_tokens=2,
                                            sampling=common_pb2.SamplingParams(max_tokens=2))
@@ -372,6 +381,9 @@ def test_attach_with_bad_input_is_refused_and_leaves_nothing(dep, redis_url):
              "open.turn.keep_tokens"),
         ]
         for req, field in cases:
+            # as the coordinator mints it: the fields are checked behind the credential
+            req.attach_token = attach_token(bytes.fromhex(decode.task_key), req.open.session_id,
+                                            decode.worker_id, req.session_secret)
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 async for _ in stub.Attach(req, timeout=10):
                     pass
@@ -390,7 +402,7 @@ def test_concurrent_opens_spread_and_a_full_cluster_refuses_before_accepting(dep
     big = CAPACITY // 2 + 500  # two do not fit on one worker
 
     async def scenario():
-        coord = chan(dep.coordinator)
+        coord = chan(dep.coordinator, TOKEN)
         stub = coordinator_pb2_grpc.CoordinatorStub(coord)
         held = [Client(stub) for _ in range(2)]
         for c in held:  # opened at once; each idles in a client-side call, holding its KV
@@ -429,7 +441,7 @@ def test_cancel_stops_a_running_local_prefill_and_frees_the_worker(dep, redis_ur
         return m
 
     async def scenario():
-        coord = chan(dep.coordinator)
+        coord = chan(dep.coordinator, TOKEN)
         c = Client(coordinator_pb2_grpc.CoordinatorStub(coord))
         c.send(opening(turn(THRESHOLD - 1)))  # local: ~3 s on a TP 1 decode worker
         infos = workers(redis_url)
@@ -471,7 +483,7 @@ def test_a_cancel_during_a_remote_prefill_holds_its_blocks_until_the_write_lands
 
     async def scenario():
         held = await metric("kv_held_for_remote")
-        coord = chan(dep.coordinator)
+        coord = chan(dep.coordinator, TOKEN)
         c = Client(coordinator_pb2_grpc.CoordinatorStub(coord))
         c.send(opening(turn(THRESHOLD + 3000)))  # remote: ~0.7 s on the prefill worker
         await asyncio.sleep(0.3)

@@ -44,16 +44,23 @@ PUBLISHED = {"coordinator": 50051, "frontend": 8000, "planner": 50060, "promethe
 REDIS_URL = "redis://redis:6379/0"
 
 _VAR = re.compile(r"\$(?:\$|\{(?P<braced>[^}]*)\}|(?P<plain>[A-Za-z_][A-Za-z0-9_]*))")
+# Variables `docker compose up` refuses to run without (${VAR:?...}), with a sample value.
+REQUIRED = {"AMPD_INTERNAL_TOKEN": "compose-test-internal-secret"}
 
 
 # ------------------------------------------------------------------------------------------ helpers
 def interpolate(value: str, env: dict[str, str]) -> str:
-    """Compose-style interpolation: $$, $VAR, ${VAR}, ${VAR:-default}, ${VAR-default}."""
+    """Compose-style interpolation: $$, $VAR, ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?error}
+    (a required variable: REQUIRED's sample value when ``env`` lacks it)."""
 
     def sub(m: re.Match) -> str:
         if m.group(0) == "$$":
             return "$"
         expr = m.group("braced") if m.group("braced") is not None else m.group("plain")
+        if ":?" in expr:
+            name = expr.split(":?", 1)[0]
+            assert name in REQUIRED, f"${{{name}}} is required but not in REQUIRED"
+            return env.get(name) or REQUIRED[name]
         for sep, empty_counts in ((":-", True), ("-", False)):
             if sep in expr:
                 name, default = expr.split(sep, 1)
@@ -73,7 +80,7 @@ def variables(text: str) -> set[str]:
     for m in _VAR.finditer(text):
         expr = m.group("braced") or m.group("plain")
         if expr:
-            names.add(re.split(r":?-", expr, maxsplit=1)[0])
+            names.add(re.split(r":?-|:\?", expr, maxsplit=1)[0])
     return names
 
 
@@ -197,7 +204,7 @@ def test_unset_variables_give_the_config_defaults(services, name):
     args = parse(services[name])
     defaults = config.Config().flat()
     for setting in config.SERVICE_SETTINGS[kind_of(name)]:
-        if setting in config.PLACEMENT or setting == "redis_url":
+        if setting in config.PLACEMENT or setting in ("redis_url", "internal_token"):
             continue
         got = getattr(args, setting)
         if setting == "coordinator_address":  # the front dials the coordinator's service by name
@@ -265,8 +272,26 @@ def test_ampd_up_starts_the_same_settings_as_compose(services):
         ours = parse(services[name])
         theirs = real_parser(package, {}).parse_args(spawned[name][3:])
         for setting in config.SERVICE_SETTINGS[kind_of(name)]:
-            if setting not in config.PLACEMENT and setting != "redis_url":
+            # secrets reach a child in its environment (`ampd up` makes the internal one)
+            if setting not in config.PLACEMENT and setting not in config.SECRET_SETTINGS:
                 assert getattr(ours, setting) == getattr(theirs, setting), f"{name} {setting}"
+
+
+def test_the_internal_secret_is_required_and_reaches_every_internal_service(services):
+    """Issue 24 item 7: compose does not start without AMPD_INTERNAL_TOKEN (`make compose-secret`
+    writes one to .env), and every coordinator, worker and sidecar gets the same one."""
+    sys.path.insert(0, str(ROOT / "tests" / "compose"))
+    from resolve import ResolveError, resolve
+
+    with pytest.raises(ResolveError, match=r"AMPD_INTERNAL_TOKEN: run make compose-secret"):
+        resolve(COMPOSE, {"AMPD_INTERNAL_TOKEN": ""})
+    for name in AMPD_SERVICES:
+        wants = "internal_token" in config.SERVICE_SETTINGS[kind_of(name)]
+        assert ("AMPD_INTERNAL_TOKEN" in services[name]["environment"]) == wants, name
+        if wants:
+            assert parse(services[name], {"AMPD_INTERNAL_TOKEN": "s3"}).internal_token == "s3", name
+    assert "compose-secret:" in (ROOT / "Makefile").read_text()
+    assert ".env" in DOCKERIGNORE.read_text().split() and ".env" in (ROOT / ".gitignore").read_text().split()
 
 
 def test_decode_workers_point_at_their_own_sidecar(services):

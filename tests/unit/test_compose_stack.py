@@ -102,8 +102,12 @@ def test_resolve_interpolates_like_compose(tmp_path):
     (tmp_path / "bad.yml").write_text("a: ${X?required}\n")
     with pytest.raises(resolve.ResolveError, match="unsupported"):
         resolve.resolve(tmp_path / "bad.yml", {})
-    # The real file resolves with nothing set, and leaves no variable behind.
-    text = yaml.safe_dump(resolve.resolve(ROOT / "docker-compose.yml", {}))
+    (tmp_path / "req.yml").write_text("a: ${X:?set X}\n")
+    assert resolve.resolve(tmp_path / "req.yml", {"X": "x"}) == {"a": "x"}
+    with pytest.raises(resolve.ResolveError, match="X: set X"):
+        resolve.resolve(tmp_path / "req.yml", {"X": ""})
+    # The real file resolves with only its required secret set, and leaves no variable behind.
+    text = yaml.safe_dump(resolve.resolve(ROOT / "docker-compose.yml", {"AMPD_INTERNAL_TOKEN": "s"}))
     assert "${" not in text and "redis:7" in text
 
 
