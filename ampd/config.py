@@ -78,16 +78,16 @@ class DeploymentConfig:
     namespace: str = setting("ampd", "prefix of every Redis key of this deployment")
     tool: tuple[str, ...] = setting((), "sidecar tool NAME=module:function (repeatable; environment: "
                                         "comma-separated)", metavar="NAME=MOD:FN")
-    # Each call of a registered tool runs in one of the sidecar's worker processes, under these limits
+    # Each call of a registered tool runs in one of the sidecar's tool processes, under these limits
     # (docs/security.md "Tools"); the built-in replay only waits, in the sidecar itself.
-    tool_workers: int = setting(2, "worker processes of each sidecar that run tool calls (a call beyond them "
+    tool_workers: int = setting(2, "tool processes of each sidecar, one call at a time each (a call beyond them "
                                    "waits for one)", minimum=1)
     tool_cpu_s: int = setting(5, "CPU seconds one tool call may use; beyond it its process is killed and the "
                                  "call's result is an error", minimum=1)
     tool_wall_s: float = setting(10.0, "seconds one tool call may run (and at most until its caller's deadline); "
                                        "then its process is killed and the result is an error", metavar="S",
                                  positive=True)
-    tool_memory_mb: int = setting(1024, "address space of a tool worker process, MiB (RLIMIT_AS)", minimum=64)
+    tool_memory_mb: int = setting(1024, "address space of a tool process, MiB (RLIMIT_AS)", minimum=64)
     script_tools: tuple[str, ...] = setting(("replay",), "server-side tools a client's Turn.script may name "
                                                          "(repeatable; environment: comma-separated); other "
                                                          "tools run only when the model calls them",

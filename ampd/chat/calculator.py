@@ -3,6 +3,7 @@
 Register it on any deployment with `--tool calculator=ampd.chat.calculator:calculator`. The call's
 arguments are `{"expression": "1234 * 5678"}`. The expression is parsed with `ast` and only numbers,
 + - * / // % ** and parentheses are evaluated, never `eval`: the arguments come from a model's output.
+Every value, intermediate ones included, is bounded (about MAX_DIGITS digits) before it is computed.
 A bad expression is a result the model reads ("error: ..."), not a failed call.
 """
 
