@@ -93,7 +93,7 @@ def test_a_runaway_call_is_stopped_at_its_deadline_and_the_sidecar_keeps_serving
 
     listed, list_s, metrics_s, other, other_s, runaways, result, spin_s = asyncio.run(scenario())
     assert "spin" in listed.names and list_s < 1.0 and metrics_s < 1.0
-    assert other.content == "42" and other_s < 1.0
+    assert other.content == "42" and other_s < 2.0
     for out, took in runaways:  # the calculator refuses them before computing anything
         assert out.content.startswith("error: the result would have about ") and not out.error, out
         assert took < 1.0
