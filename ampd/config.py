@@ -78,6 +78,20 @@ class DeploymentConfig:
     namespace: str = setting("ampd", "prefix of every Redis key of this deployment")
     tool: tuple[str, ...] = setting((), "sidecar tool NAME=module:function (repeatable; environment: "
                                         "comma-separated)", metavar="NAME=MOD:FN")
+    # Each call of a registered tool runs in one of the sidecar's tool processes, under these limits
+    # (docs/security.md "Tools"); the built-in replay only waits, in the sidecar itself.
+    tool_workers: int = setting(2, "tool processes of each sidecar, one call at a time each (a call beyond them "
+                                   "waits for one)", minimum=1)
+    tool_cpu_s: int = setting(5, "CPU seconds one tool call may use; beyond it its process is killed and the "
+                                 "call's result is an error", minimum=1)
+    tool_wall_s: float = setting(10.0, "seconds one tool call may run (and at most until its caller's deadline); "
+                                       "then its process is killed and the result is an error", metavar="S",
+                                 positive=True)
+    tool_memory_mb: int = setting(1024, "address space of a tool process, MiB (RLIMIT_AS)", minimum=64)
+    script_tools: tuple[str, ...] = setting(("replay",), "server-side tools a client's Turn.script may name "
+                                                         "(repeatable; environment: comma-separated); other "
+                                                         "tools run only when the model calls them",
+                                            metavar="NAME")
     run_dir: str = setting("", "where `ampd up` writes logs (default: a new temporary folder)", metavar="DIR")
     # A flag shows in `ps`: give it through the environment (AMPD_AUTH_TOKEN) outside tests.
     auth_token: str = setting("", "shared token every gRPC service requires of its callers (metadata "
@@ -295,10 +309,12 @@ _WORKER = ("host", "port", "metrics_port", "advertise", "worker_id", "ready_file
 SERVICE_SETTINGS: dict[str, tuple[str, ...]] = {
     "coordinator": ("host", "port", "metrics_port", "ready_file", "redis_url", "namespace", "profile", *_POLICY_ALL,
                     "slack", "seed", "alpha", "beta", "threshold_tokens", "stats_mode", "migration_limit",
-                    "admission_wait", "admission_queue", "admission", "auth_token", "internal_token"),
+                    "admission_wait", "admission_queue", "admission", "auth_token", "internal_token",
+                    "script_tools"),
     "prefill": _WORKER,
-    "decode": (*_WORKER, "sidecar", "chunked_prefill", "kv_evict"),
-    "sidecar": ("host", "port", "metrics_port", "name", "tool", "ready_file", "auth_token", "internal_token"),
+    "decode": (*_WORKER, "sidecar", "chunked_prefill", "kv_evict", "script_tools"),
+    "sidecar": ("host", "port", "metrics_port", "name", "tool", "ready_file", "auth_token", "internal_token",
+                "tool_workers", "tool_cpu_s", "tool_wall_s", "tool_memory_mb"),
     "planner": ("host", "port", "metrics_port", "ready_file", "profiles_dir", "auth_token"),
     # The front serves /metrics on its own HTTP port (`port`), beside the API.
     "frontend": ("host", "port", "ready_file", "redis_url", "namespace", "engine", "model", "coordinator_address",
@@ -315,6 +331,7 @@ PLACEMENT = ("host", "port", "metrics_port", "advertise", "worker_id", "name", "
 # ones (the launcher places each process) and tp (it comes from the SPECs).
 UP_SETTINGS: tuple[str, ...] = (
     "prefill", "decode", "profile", "engine", "model", "redis_url", "namespace", "tool", "run_dir", "host", "port",
+    "tool_workers", "tool_cpu_s", "tool_wall_s", "tool_memory_mb", "script_tools",
     *(f.name for f in fields(PolicyConfig)),
     *(f.name for f in fields(WorkerSettings) if f.name != "tp"),
     *(f.name for f in fields(CoordinatorSettings)),
@@ -416,6 +433,16 @@ class _Typed:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+class _Append(argparse._AppendAction):
+    """Repeatable flag whose first use replaces the default (argparse's "append" adds to it: a
+    default of ("replay",) could never be narrowed)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is self.default:
+            setattr(namespace, self.dest, [])
+        super().__call__(parser, namespace, values, option_string)
+
+
 def add_flags(parser: argparse.ArgumentParser, names: Iterable[str], *, env: bool = False,
               required: Iterable[str] = (), environ: Mapping[str, str] | None = None,
               title: str | None = None) -> None:
@@ -453,7 +480,7 @@ def add_flags(parser: argparse.ArgumentParser, names: Iterable[str], *, env: boo
             continue
         if kind is tuple:
             kw["default"] = list(kw.get("default", ()))
-            target.add_argument(flag_name(name), action="append", metavar=meta["metavar"] or "VALUE",
+            target.add_argument(flag_name(name), action=_Append, metavar=meta["metavar"] or "VALUE",
                                 type=_Typed(name, str), **kw)
             continue
         if meta["choices"] is not None:

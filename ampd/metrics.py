@@ -134,7 +134,9 @@ COORDINATOR = (
 )
 SIDECAR = (
     _one("sidecar_calls", "counter", "calls", "tool calls this sidecar ran"),
-    _one("sidecar_call_failures", "counter", "failures", "tool calls that raised"),
+    _one("sidecar_call_failures", "counter", "failures", "tool calls that failed (their result is an error)"),
+    _one("sidecar_calls_stopped", "counter", "stopped", "tool calls whose process was killed (deadline, CPU "
+         "time, a crash)"),
 )
 FAMILIES = {"coordinator": COORDINATOR, "decode": DECODE, "prefill": PREFILL, "sidecar": SIDECAR}
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from ampd.v1 import common_pb2
@@ -55,7 +56,7 @@ def _finite(value: float, path: str, lo: float, hi: float) -> None:
 
 
 # ------------------------------------------------------------------------------- session API
-def validate_open(o: common_pb2.OpenSession, path: str = "open") -> None:
+def validate_open(o: common_pb2.OpenSession, path: str = "open", script_tools: Collection[str] | None = None) -> None:
     _id(o.session_id, f"{path}.session_id")
     if not o.HasField("turn"):
         raise InvalidArgument(f"{path}.turn: required (a session opens with its first turn)")
@@ -65,7 +66,7 @@ def validate_open(o: common_pb2.OpenSession, path: str = "open") -> None:
     if not 0 <= o.limits.max_output_tokens <= MAX_OUTPUT_TOKENS:
         raise InvalidArgument(f"{path}.limits.max_output_tokens: must be in [0, {MAX_OUTPUT_TOKENS}], "
                               f"got {o.limits.max_output_tokens}")
-    validate_turn(o.turn, f"{path}.turn")
+    validate_turn(o.turn, f"{path}.turn", script_tools)
 
 
 def validate_sampling(p: common_pb2.SamplingParams, path: str) -> None:
@@ -98,7 +99,10 @@ def _arguments(text: str, path: str) -> None:
             raise InvalidArgument(f"{path}: must be a JSON object")
 
 
-def validate_turn(t: common_pb2.Turn, path: str = "turn") -> None:
+def validate_turn(t: common_pb2.Turn, path: str = "turn", script_tools: Collection[str] | None = None) -> None:
+    """``script_tools``: the server-side tools a scripted call may name (the deployment's
+    ``script_tools``; an empty name is ``replay``); None: any. A script runs a tool with the client's
+    own arguments, so only tools meant for replay are allowed."""
     if not t.token_ids:
         raise InvalidArgument(f"{path}.token_ids: empty input (a turn adds at least one token)")
     if len(t.token_ids) > MAX_TURN_TOKENS:
@@ -124,6 +128,9 @@ def validate_turn(t: common_pb2.Turn, path: str = "turn") -> None:
         _arguments(c.tool.arguments, f"{p}.tool.arguments")
         if c.tool.client_side:
             continue
+        if script_tools is not None and (c.tool.name or "replay") not in script_tools:
+            raise InvalidArgument(f"{p}.tool.name: {c.tool.name!r} may not be scripted on this deployment "
+                                  f"(allowed: {', '.join(sorted(script_tools)) or 'none'})")
         if not c.HasField("result_tokens") or not 1 <= c.result_tokens <= MAX_TURN_TOKENS:
             raise InvalidArgument(f"{p}.result_tokens: a server-side call's result needs 1 to {MAX_TURN_TOKENS} "
                                   f"tokens, got {c.result_tokens if c.HasField('result_tokens') else 'none'}")
@@ -146,10 +153,10 @@ def validate_reason(reason: str, path: str) -> None:
         raise InvalidArgument(f"{path}: longer than {MAX_REASON} characters")
 
 
-def validate_attach(arrival: float, o: common_pb2.OpenSession) -> None:
+def validate_attach(arrival: float, o: common_pb2.OpenSession, script_tools: Collection[str] | None = None) -> None:
     """Decode.Attach: the opening message and the time the coordinator accepted it."""
     _finite(arrival, "arrival", 0.0, 1e11)
-    validate_open(o)
+    validate_open(o, script_tools=script_tools)
 
 
 # ---------------------------------------------------------------------------------- tool calls

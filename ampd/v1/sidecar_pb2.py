@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from ampd.v1 import common_pb2 as ampd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x61mpd/v1/sidecar.proto\x12\x07\x61mpd.v1\x1a\x14\x61mpd/v1/common.proto\"\x7f\n\x0fToolCallRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\r\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\x12\x11\n\tlatency_s\x18\x05 \x01(\x01\x12\x15\n\rresult_tokens\x18\x06 \x01(\r\"[\n\x0eToolCallResult\x12\x15\n\rresult_tokens\x18\x01 \x01(\r\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0f\n\x07started\x18\x03 \x01(\x01\x12\x10\n\x08\x66inished\x18\x04 \x01(\x01\"\x12\n\x10ListToolsRequest\"\x1f\n\x0eListToolsReply\x12\r\n\x05names\x18\x01 \x03(\t2\xc4\x01\n\x0bToolSidecar\x12\x39\n\x04\x43\x61ll\x12\x18.ampd.v1.ToolCallRequest\x1a\x17.ampd.v1.ToolCallResult\x12?\n\tListTools\x12\x19.ampd.v1.ListToolsRequest\x1a\x17.ampd.v1.ListToolsReply\x12\x39\n\x07Metrics\x12\x17.ampd.v1.MetricsRequest\x1a\x15.ampd.v1.MetricsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x61mpd/v1/sidecar.proto\x12\x07\x61mpd.v1\x1a\x14\x61mpd/v1/common.proto\"\x7f\n\x0fToolCallRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\r\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\x12\x11\n\tlatency_s\x18\x05 \x01(\x01\x12\x15\n\rresult_tokens\x18\x06 \x01(\r\"j\n\x0eToolCallResult\x12\x15\n\rresult_tokens\x18\x01 \x01(\r\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0f\n\x07started\x18\x03 \x01(\x01\x12\x10\n\x08\x66inished\x18\x04 \x01(\x01\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"\x12\n\x10ListToolsRequest\"\x1f\n\x0eListToolsReply\x12\r\n\x05names\x18\x01 \x03(\t2\xc4\x01\n\x0bToolSidecar\x12\x39\n\x04\x43\x61ll\x12\x18.ampd.v1.ToolCallRequest\x1a\x17.ampd.v1.ToolCallResult\x12?\n\tListTools\x12\x19.ampd.v1.ListToolsRequest\x1a\x17.ampd.v1.ListToolsReply\x12\x39\n\x07Metrics\x12\x17.ampd.v1.MetricsRequest\x1a\x15.ampd.v1.MetricsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,11 +35,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOOLCALLREQUEST']._serialized_start=56
   _globals['_TOOLCALLREQUEST']._serialized_end=183
   _globals['_TOOLCALLRESULT']._serialized_start=185
-  _globals['_TOOLCALLRESULT']._serialized_end=276
-  _globals['_LISTTOOLSREQUEST']._serialized_start=278
-  _globals['_LISTTOOLSREQUEST']._serialized_end=296
-  _globals['_LISTTOOLSREPLY']._serialized_start=298
-  _globals['_LISTTOOLSREPLY']._serialized_end=329
-  _globals['_TOOLSIDECAR']._serialized_start=332
-  _globals['_TOOLSIDECAR']._serialized_end=528
+  _globals['_TOOLCALLRESULT']._serialized_end=291
+  _globals['_LISTTOOLSREQUEST']._serialized_start=293
+  _globals['_LISTTOOLSREQUEST']._serialized_end=311
+  _globals['_LISTTOOLSREPLY']._serialized_start=313
+  _globals['_LISTTOOLSREPLY']._serialized_end=344
+  _globals['_TOOLSIDECAR']._serialized_start=347
+  _globals['_TOOLSIDECAR']._serialized_end=543
 # @@protoc_insertion_point(module_scope)

@@ -24,16 +24,18 @@ class ToolCallRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ..., latency_s: _Optional[float] = ..., result_tokens: _Optional[int] = ...) -> None: ...
 
 class ToolCallResult(_message.Message):
-    __slots__ = ("result_tokens", "content", "started", "finished")
+    __slots__ = ("result_tokens", "content", "started", "finished", "error")
     RESULT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
     STARTED_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     result_tokens: int
     content: str
     started: float
     finished: float
-    def __init__(self, result_tokens: _Optional[int] = ..., content: _Optional[str] = ..., started: _Optional[float] = ..., finished: _Optional[float] = ...) -> None: ...
+    error: str
+    def __init__(self, result_tokens: _Optional[int] = ..., content: _Optional[str] = ..., started: _Optional[float] = ..., finished: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
 
 class ListToolsRequest(_message.Message):
     __slots__ = ()

@@ -13,7 +13,7 @@ import grpc
 import structlog
 
 from ampd import grpcserver, logs, metrics
-from ampd.config import SERVICE_SETTINGS, ConfigError, CoordinatorSettings, add_flags, require
+from ampd.config import SERVICE_SETTINGS, ConfigError, CoordinatorSettings, DeploymentConfig, add_flags, require
 from ampd.deployment import check_names
 from ampd.perf import load_profile
 from ampd.policy import SLO, make_router, policy_spec
@@ -42,6 +42,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.router = router
         self.policy = policy
         self.migration_limit = migration_limit
+        self.script_tools = DeploymentConfig().script_tools  # what a client's Turn.script may run
         self.stubs = Stubs(self._connection_failed)
         self.live: set[str] = set()
         self.counters: Counter[str] = Counter()
@@ -68,7 +69,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "open: the first message must open the session")
         o = first.open
         try:
-            validate_open(o)
+            validate_open(o, script_tools=self.script_tools)
         except InvalidArgument as exc:
             self.counters["sessions_rejected"] += 1
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -207,6 +208,7 @@ async def amain(args: argparse.Namespace) -> None:
                          threshold_tokens=args.threshold_tokens, slack=args.slack or None)
     store = StateStore(await connect(args.redis_url), args.namespace)
     service = CoordinatorService(store, router, args.policy, args.stats_mode, args.migration_limit, cost=profile)
+    service.script_tools = tuple(args.script_tools)
     service.admission = Admission(args.admission_wait, args.admission_queue, args.admission, profile, slo)
     service.labels.update(profile=profile.name, ttft_slo=str(slo.ttft_s), itl_slo=str(slo.itl_s))
     await service.cluster.start()

@@ -243,7 +243,7 @@ class SessionRun:
                 if error:
                     raise InvalidArgument(error)
                 if kind == "turn":
-                    validate_turn(msg.turn, "turn")
+                    validate_turn(msg.turn, "turn", self.svc.script_tools)
                 elif kind == "cancel":
                     validate_reason(msg.cancel.reason, "cancel.reason")
             except InvalidArgument as exc:

@@ -9,7 +9,7 @@ import grpc
 import structlog
 
 from ampd import grpcserver, logs, metrics
-from ampd.config import ConfigError
+from ampd.config import ConfigError, DeploymentConfig
 from ampd.grpcserver import SESSION_OPEN, RpcFailure, abort_on_failure, serve_calls
 from ampd.chat.template import ChatFormat
 from ampd.chat.tokenizer import tokenizer_for
@@ -32,11 +32,12 @@ log = structlog.get_logger()
 class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
     def __init__(self) -> None:
         self.core: DecodeWorker | None = None
+        self.script_tools = DeploymentConfig().script_tools  # Attach is reachable without the coordinator
 
     async def Attach(self, request: decode_pb2.AttachRequest, context: grpc.aio.ServicerContext):
         core = self.core
         try:
-            validate_attach(request.arrival, request.open)
+            validate_attach(request.arrival, request.open, self.script_tools)
             if not request.session_secret:
                 raise InvalidArgument("session_secret: required")
             sid, wid = request.open.session_id, core.rt.cfg.worker_id
@@ -81,7 +82,7 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
 
     def _turn(self, request: decode_pb2.TurnRequest) -> None:
         with _statuses():
-            validate_turn(request.turn, "turn")
+            validate_turn(request.turn, "turn", self.script_tools)
             if request.session_id not in self.core.sessions:
                 raise InvalidTurn(f"session_id: {request.session_id!r} is not open on this worker")
             self.core.turn(request.session_id, request.turn, request.session_secret,
@@ -162,6 +163,7 @@ async def amain(args: argparse.Namespace) -> None:
     profile = load_profile(args.profile)
     spec = policy_spec(args.policy)
     service = DecodeService()
+    service.script_tools = tuple(args.script_tools)
     server, port, health = await grpcserver.start_server(
         f"{args.host}:{args.port}",
         lambda s: decode_pb2_grpc.add_DecodeWorkerServicer_to_server(service, s),

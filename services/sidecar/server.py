@@ -12,17 +12,21 @@ import structlog
 from ampd import grpcserver, logs, metrics
 from ampd.config import SERVICE_SETTINGS, ConfigError, add_flags
 from ampd.grpcserver import write_ready_file
-from ampd.tools import ToolInput, ToolRegistry
+from ampd.tools import BUILTIN, ToolInput, ToolLimits, ToolRegistry, call_budget, isolated
 from ampd.validate import InvalidArgument, validate_tool_call
 from ampd.v1 import common_pb2, sidecar_pb2, sidecar_pb2_grpc
+from services.sidecar.pool import StartError, ToolProcesses
 
 log = structlog.get_logger()
 
 
 class SidecarService(sidecar_pb2_grpc.ToolSidecarServicer):
-    def __init__(self, registry: ToolRegistry, name: str) -> None:
+    def __init__(self, registry: ToolRegistry, name: str, limits: ToolLimits,
+                 procs: ToolProcesses | None = None) -> None:
         self.registry = registry
         self.name = name
+        self.limits = limits
+        self.procs = procs  # None: no tool but replay is registered
         self.calls = 0
         self.failures = 0
 
@@ -32,20 +36,25 @@ class SidecarService(sidecar_pb2_grpc.ToolSidecarServicer):
                                request.session_id)
         except InvalidArgument as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        name = request.name or BUILTIN
         try:
-            tool = self.registry.get(request.name or "replay")
+            tool = self.registry.get(name)
         except KeyError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"name: {exc.args[0]}")
-        args = json.loads(request.arguments) if request.arguments else {}
+        call = ToolInput(request.session_id, request.round,
+                         json.loads(request.arguments) if request.arguments else {}, request.latency_s,
+                         request.result_tokens)
         started = time.time()
         self.calls += 1
-        try:
-            out = await tool(ToolInput(request.session_id, request.round, args, request.latency_s,
-                                       request.result_tokens))
-        except Exception as exc:  # a user tool's bug fails that call, not the sidecar
+        if isolated(name) and self.procs is not None:
+            out, error = await self.procs.call(name, call, call_budget(self.limits.wall_s, context.time_remaining()))
+        else:  # replay only waits: it runs here
+            out, error = await tool(call), ""
+        if error:  # a failed call is a result the model reads: its session goes on
             self.failures += 1
-            log.warning("tool failed", tool=request.name, session=request.session_id, error=str(exc))
-            await context.abort(grpc.StatusCode.INTERNAL, f"tool {request.name!r} raised: {exc}")
+            log.warning("tool failed", tool=name, session=request.session_id)
+            return sidecar_pb2.ToolCallResult(content=f"error: {error}", error=error, started=started,
+                                              finished=time.time())
         return sidecar_pb2.ToolCallResult(result_tokens=out.result_tokens, content=out.content,
                                           started=started, finished=time.time())
 
@@ -53,8 +62,9 @@ class SidecarService(sidecar_pb2_grpc.ToolSidecarServicer):
         return sidecar_pb2.ListToolsReply(names=self.registry.names())
 
     async def Metrics(self, request, context) -> common_pb2.MetricsReply:
+        stopped = self.procs.stopped if self.procs is not None else 0
         return common_pb2.MetricsReply(worker_id=self.name,
-                                       values={"calls": self.calls, "failures": self.failures})
+                                       values={"calls": self.calls, "failures": self.failures, "stopped": stopped})
 
 
 async def amain(args: argparse.Namespace) -> None:
@@ -63,7 +73,14 @@ async def amain(args: argparse.Namespace) -> None:
     registry = ToolRegistry()
     for spec in args.tool:
         registry.load(spec)
-    service = SidecarService(registry, args.name)
+    limits = ToolLimits(cpu_s=args.tool_cpu_s, wall_s=args.tool_wall_s, memory_mb=args.tool_memory_mb)
+    procs = ToolProcesses(registry.specs, limits, args.tool_workers) if registry.specs else None
+    if procs is not None:
+        try:
+            await procs.start()
+        except StartError as exc:
+            sys.exit(f"ampd-sidecar: error: {exc}")
+    service = SidecarService(registry, args.name, limits, procs)
     server, port, health = await grpcserver.start_server(
         f"{args.host}:{args.port}",
         lambda s: sidecar_pb2_grpc.add_ToolSidecarServicer_to_server(service, s),
@@ -71,8 +88,9 @@ async def amain(args: argparse.Namespace) -> None:
     )
     metrics_port = metrics.serve(args.host, args.metrics_port, [metrics.rpc_collector(service, "sidecar")])
     write_ready_file(args.ready_file, port, metrics_port)
-    log.info("sidecar serving", port=port, metrics_port=metrics_port, tools=registry.names())
-    await grpcserver.serve_until_signal(server, health)
+    log.info("sidecar serving", port=port, metrics_port=metrics_port, tools=registry.names(),
+             tool_processes=args.tool_workers if procs else 0)
+    await grpcserver.serve_until_signal(server, health, on_stop=procs.close if procs else None)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
-from ampd.chat.calculator import calculator, evaluate
+import pytest
+
+from ampd.chat.calculator import MAX_DIGITS, calculator, evaluate
 from ampd.tools import ToolInput, ToolRegistry
 
 
@@ -18,7 +21,7 @@ def test_evaluates_arithmetic():
 def test_anything_else_is_an_error_result_not_an_exception():
     assert evaluate("__import__('os').system('true')").startswith("error: unsupported element")
     assert evaluate("1 / 0") == "error: division by zero"
-    assert evaluate("9 ** 9 ** 9") == "error: exponent 387420489 is too large"
+    assert evaluate("9 ** 9 ** 9") == "error: the result would have about 369,693,100 digits, over the limit of 1000"
     assert evaluate("2 +") == "error: '2 +' is not an arithmetic expression"
     assert evaluate("") == "error: expression must be a non-empty string"
     assert evaluate(["1"]) == "error: expression must be a non-empty string"
@@ -31,3 +34,36 @@ def test_runs_as_a_sidecar_tool_by_its_spec():
     out = asyncio.run(reg.get("calculator")(ToolInput("s", 0, {"expression": "6 * 7"}, 0.0, 0)))
     assert out.content == "42"
     assert calculator(ToolInput("s", 0, {}, 0.0, 0)).content.startswith("error:")
+
+
+@pytest.mark.parametrize("expression", [
+    "((9**999)**999)**999",  # issue 24 finding 5: each exponent passed, the sidecar spun for minutes
+    "(10**1000)**1000",  # raised INTERNAL (str() of a million digits)
+    "(10**600) * (10**600)",
+    "2 ** 3330",
+    "10 ** 1001",
+    "(-7) ** 5000",
+])
+def test_intermediate_results_are_bounded_before_they_are_computed(expression):
+    t0 = time.perf_counter()
+    out = evaluate(expression)
+    assert time.perf_counter() - t0 < 0.05
+    assert out.startswith("error: the result would have about ") and out.endswith(f"over the limit of {MAX_DIGITS}")
+
+
+def test_values_within_the_bound_and_cheap_huge_exponents_are_computed():
+    assert evaluate("10 ** 999") == "1" + "0" * 999
+    assert evaluate("(10**500) * (10**500)") == "1" + "0" * 1000
+    assert evaluate("1 ** (10**900)") == "1"
+    assert evaluate("(-1) ** (10**999)") == "1"
+    assert evaluate("2 ** -100000") == "0"
+
+
+def test_other_runaways_are_error_results():
+    assert evaluate("9" * 999) == "9" * 999
+    assert evaluate("-" * 900 + "1") == "error: more than 100 nested operations"
+    assert evaluate("(" * 300 + "1" + ")" * 300).endswith("is not an arithmetic expression")
+    assert evaluate("(-8) ** 0.5") == "error: the result is not a real number"
+    assert evaluate("1e308 * 10") == "error: the result is out of a float's range"
+    assert evaluate("2.0 ** 10000") == "error: Numerical result out of range"
+    assert evaluate("(10**999) / 3") == "error: integer division result too large for a float"

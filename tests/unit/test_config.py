@@ -53,6 +53,17 @@ def test_flags_parse_back_to_the_config():
     assert again == cfg
 
 
+def test_a_repeatable_flag_replaces_its_default():
+    """script_tools defaults to ("replay",): argparse's "append" would only ever add to it."""
+    p = _parser(("script_tools",))
+    assert p.parse_args([]).script_tools == ["replay"]
+    assert p.parse_args(["--script-tools", "calculator"]).script_tools == ["calculator"]
+    assert p.parse_args(["--script-tools", "replay", "--script-tools", "calc"]).script_tools == ["replay", "calc"]
+    assert p.parse_args([]).script_tools == ["replay"]  # the default itself is left as it was
+    env = {"AMPD_SCRIPT_TOOLS": "replay, calculator"}
+    assert _parser(("script_tools",), env=True, environ=env).parse_args([]).script_tools == ["replay", "calculator"]
+
+
 def test_bad_values_name_the_flag():
     p = _parser(("reorder_window", "ttft_slo", "kv_admission"))
     for argv, msg in ((["--reorder-window", "0"], "must be >= 1"), (["--ttft-slo", "-1"], "must be > 0"),

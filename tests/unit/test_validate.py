@@ -78,6 +78,23 @@ def test_each_bad_field_is_named(o, field):
     refused(validate_open, o, field=field)
 
 
+def test_a_script_names_only_the_tools_allowed_for_scripting():
+    """Issue 24 finding 5: any client ran any sidecar tool with its own arguments through Turn.script."""
+    allowed = ("replay",)
+    calc = replay_call(name="calculator", arguments='{"expression": "1"}')
+    validate_open(opening(turn=turn(script=[replay_call(), replay_call(name="replay")])), script_tools=allowed)
+    validate_open(opening(turn=turn(script=[calc])))  # None: no policy (the pure check alone)
+    msg = refused(validate_open, opening(turn=turn(script=[replay_call(), calc])), "open", allowed,
+                  field="open.turn.script[1].tool.name")
+    assert "'calculator' may not be scripted" in msg and "allowed: replay" in msg
+    refused(validate_open, opening(turn=turn(script=[replay_call()])), "open", (), field="open.turn.script[0].tool.name")
+    validate_open(opening(turn=turn(script=[calc])), script_tools=("replay", "calculator"))
+    # a client-side call runs nothing on the sidecar: it goes back to the client
+    validate_open(opening(turn=turn(script=[common_pb2.ScriptedCall(tool=common_pb2.ToolSpec(
+        name="lookup", client_side=True))])), script_tools=allowed)
+    refused(validate_attach, 1.7e9, opening(turn=turn(script=[calc])), allowed, field="open.turn.script[0].tool.name")
+
+
 def test_attach_checks_its_arrival():
     refused(validate_attach, float("nan"), opening(), field="arrival")
     refused(validate_attach, -1.0, opening(), field="arrival")
