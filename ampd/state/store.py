@@ -5,7 +5,8 @@ Keys (prefix `ns`, default "ampd"):
 - `{ns}:nixl`           hash worker_id -> NIXL agent metadata (bytes)
 - `{ns}:stats`          hash worker_id -> WorkerStats JSON (published on every queue change and at
                         least every `heartbeat_s`)
-- `{ns}:alive:{wid}`    a worker's liveness key: set with a TTL (`liveness_ttl`) by every heartbeat,
+- `{ns}:alive:{wid}`    a worker's liveness key (its value: the heartbeat's time, so each heartbeat
+                        changes it): set with a TTL (`liveness_ttl`) by every heartbeat,
                         so it expires on its own when the worker dies; routing reads only workers
                         whose key exists (and the coordinator drops one at once when a call to it
                         fails on the connection)
