@@ -209,7 +209,7 @@ class DecodeWorker:
         """A coordinator fenced this worker out while it was stopped (``WorkerRuntime.on_fenced``): it
         moved or failed every session here, so each ends now (UNAVAILABLE: one whose stream is still
         attached moves) and frees its KV, before the worker registers anew. Blocks that a prefill
-        worker may still write stay held until its notification, as for any ended session."""
+        worker may still write stay held until its notification, at most ``remote_wait_s``."""
         why = f"decode worker {self.rt.cfg.worker_id} was fenced out (not heard from for {self.rt.cfg.fence_after_s:g} s)"
         for s in list(self.sessions.values()):
             self.fail(s, why, SHUTDOWN)
@@ -412,7 +412,7 @@ class DecodeWorker:
         """The round's remote prefill did not report within ``remote_wait_s`` (its prefill worker
         stopped, or its notification was lost): the round runs here, into the KV reserved for it.
         Should the prefill worker still write it (the same KV), the blocks stay held when the
-        session ends until it reports or REMOTE_HOLD_S passes."""
+        session ends until it reports, at most ``remote_wait_s`` more."""
         key = (s.session_id, rnd)
         if self.awaiting_remote.get(key) is not s or s.closed:
             return
