@@ -185,7 +185,8 @@ class DecodeWorker:
         self._token_ids = bool(getattr(engine, "needs_token_ids", False))
         rt.published = self.published
         rt.on_fenced = self.fenced
-        # how long a round waits for its remote prefill's notification before it runs here instead
+        # how long a round waits for its remote prefill's notification (beyond the prefill's own
+        # compute time) before it runs here instead
         self.remote_wait_s = 2 * rt.cfg.fence_after_s
 
     # ---------------------------------------------------------------------------------- lifecycle
@@ -383,7 +384,9 @@ class DecodeWorker:
         task.task_token = s.task_token = task_token(self.rt.task_key, task, history, s.dest)
         self.awaiting_remote[(s.session_id, rnd)] = s
         self._notifs.arm()
-        asyncio.get_running_loop().call_later(self.remote_wait_s, self._remote_overdue, s, rnd)
+        # its bound: the remote wait, plus what the prefill would take here (a long one is not overdue)
+        wait = self.remote_wait_s + self.core.cost.t_pre(self.core.tp, s.l_hist, s.l_incr)
+        asyncio.get_running_loop().call_later(wait, self._remote_overdue, s, rnd, wait)
         if routed:  # its remote route holds: the task goes to that prefill worker from here, now
             target = s.route.prefill_worker
             info = self.rt.peers.get(target)
@@ -408,9 +411,10 @@ class DecodeWorker:
             if not s.closed and self.awaiting_remote.get((s.session_id, task.round)) is s:
                 self.emit(s, decode_pb2.DecodeEvent(prefill_task=task))
 
-    def _remote_overdue(self, s: Session, rnd: int) -> None:
-        """The round's remote prefill did not report within ``remote_wait_s`` (its prefill worker
-        stopped, or its notification was lost): the round runs here, into the KV reserved for it.
+    def _remote_overdue(self, s: Session, rnd: int, waited_s: float) -> None:
+        """The round's remote prefill did not report within ``remote_wait_s`` plus its own compute
+        time here (its prefill worker stopped, or its notification was lost): the round runs here,
+        into the KV reserved for it.
         Should the prefill worker still write it (the same KV), the blocks stay held when the
         session ends until it reports, at most ``remote_wait_s`` more."""
         key = (s.session_id, rnd)
@@ -419,7 +423,7 @@ class DecodeWorker:
         del self.awaiting_remote[key]
         s.overdue = (key, s.task_token)
         log.warning("remote prefill overdue; running it locally", session=s.session_id, round=rnd,
-                    waited_s=self.remote_wait_s)
+                    waited_s=round(waited_s, 3))
         self.metrics["prefills_overdue"] += 1
         self._queue_local(s)
 

@@ -149,3 +149,56 @@ def test_a_stopped_worker_is_fenced_its_sessions_end_and_it_comes_back_clean(dep
         coord = asyncio.run(service_metrics(dep.coordinator, "coordinator"))
     assert coord["sessions_live"] == 0 and coord["kv_promised_tokens"] == 0, coord
     _nothing_left(r, WORKERS, ns=NS)
+
+
+def test_a_remote_prefill_that_never_reports_runs_on_the_decode_worker(redis_url):
+    """The decode worker's wait for a remote prefill is bounded: a round routed to a prefill worker
+    that never reports (here one that does not exist: its notification is as lost as the finding's)
+    runs on the decode worker after twice --fence-after plus its own compute time, and completes;
+    its blocks are freed within that bound after the session ends."""
+    from ampd.engine import make_engine
+    from ampd.perf import load_profile
+    from ampd.policy import SLO, make_queue, policy_spec
+    from ampd.runtime import WorkerRuntime, config_from_args, pool_for
+    from ampd.v1 import common_pb2, decode_pb2
+    from ampd.worker import DecodeCore
+    from services.decode.server import build_parser
+    from services.decode.worker import DecodeWorker, SessionFailed
+
+    async def go():
+        args = build_parser().parse_args(["--worker-id", "d-overdue", "--redis-url", redis_url, "--namespace",
+                                          "overdue", "--fence-after", "0.25", "--engine", "mock"])
+        cfg = config_from_args(args, "decode", 1)
+        profile = load_profile(cfg.profile)
+        queue = make_queue(policy_spec(cfg.policy).decode_queue, profile, SLO(cfg.ttft_slo_s, cfg.itl_slo_s), 1)
+        engine = make_engine("mock", profile, 1, "")
+        rt = WorkerRuntime(cfg, StateStore(await connect(redis_url), "overdue"), pool_for(profile, cfg, engine))
+        core = DecodeCore(cfg.worker_id, 1, profile, queue, kv_capacity_tokens=rt.pool.capacity_tokens)
+        dw = DecodeWorker(rt, engine, core)
+        dw.start()
+        try:
+            turn = common_pb2.Turn(token_ids=list(range(1, 101)),
+                                   sampling=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True))
+            s = dw.open(decode_pb2.AttachRequest(
+                open=common_pb2.OpenSession(session_id="lost", turn=turn), session_secret="secret",
+                route=decode_pb2.Route(l_hist=0, l_incr=100, prefill_worker="prefill-nowhere")))
+            kinds, tokens = [], 0
+            async with asyncio.timeout(10):  # unbounded before: the round waited for ever
+                while "turn_end" not in kinds:
+                    ev = await s.events.get()
+                    assert not isinstance(ev, SessionFailed), ev.error
+                    kinds.append(ev.WhichOneof("event"))
+                    tokens += len(ev.tokens.token_ids) if kinds[-1] == "tokens" else 0
+            assert dw.metrics["prefills_overdue"] == 1 and tokens == 4, (dw.metrics, kinds)
+            dw.close_session("lost", "secret")
+            # its blocks are held (the prefill worker might still write them) for the remote wait only
+            assert dw.metrics["kv_held_for_remote"] == 1
+            async with asyncio.timeout(5):
+                while rt.pool.free_tokens < rt.pool.capacity_tokens:
+                    await asyncio.sleep(0.05)
+        finally:
+            await dw.stop()
+            rt.transport.close()
+            await rt.store.r.aclose()
+
+    asyncio.run(go())
