@@ -73,7 +73,7 @@ class Cluster:
         self._watcher: asyncio.Task | None = None
         self.on_poll = None  # optional coroutine function run after each liveness poll (the coordinator's)
         self.liveness = Liveness(fence_after)
-        self.on_fenced = None  # optional function (worker id, kind) called after a worker was fenced
+        self.on_fenced = None  # optional function (the WorkerInfo fenced) called after a worker was fenced
 
     async def refresh_infos(self) -> None:
         """New and re-registered workers (refresh_live is what drops the gone ones)."""
@@ -118,7 +118,7 @@ class Cluster:
         log.warning("worker fenced: not heard from", worker=worker_id, epoch=epoch, silent_s=round(silent, 1),
                     fenced=fenced)
         if fenced and info is not None and self.on_fenced is not None:
-            self.on_fenced(worker_id, info.kind)
+            self.on_fenced(info)
 
     def mark_lost(self, worker_id: str) -> None:
         """A call to ``worker_id`` failed on its connection: it leaves routing now (not when its

@@ -165,18 +165,21 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 if info.kind == "prefill":
                     self._prefill_lost(wid)
 
-    def _fenced(self, worker: str, kind: str) -> None:
-        """``worker`` went unheard for --fence-after and was fenced (docs/deploy.md "Faults"): it is
-        handled like a dead one. Its sessions move to another decode worker (or fail, past their
-        migration limit); the rounds submitted to a prefill worker run on their decode workers."""
+    def _fenced(self, info) -> None:
+        """The worker of ``info`` went unheard for --fence-after and was fenced (docs/deploy.md
+        "Faults"): it is handled like a dead one. Its sessions move to another decode worker (or
+        fail, past their migration limit); the rounds submitted to a prefill worker run on their
+        decode workers. Its channel closes, so no call to it waits for its deadline."""
+        worker = info.worker_id
         self.counters["workers_fenced"] += 1
-        if kind == "prefill":
+        if info.kind == "prefill":
             self._prefill_lost(worker)
-            return
-        why = f"decode worker {worker} fenced: not heard from for {self.call_timeout_s:g} s"
-        for run in list(self.runs.values()):
-            if run.bound and run.decode_id == worker:
-                run.fenced(why)
+        else:
+            why = f"decode worker {worker} fenced: not heard from for {self.call_timeout_s:g} s"
+            for run in list(self.runs.values()):
+                if run.bound and run.decode_id == worker:
+                    run.fenced(why)
+        self.stubs.drop(info.address)
 
     def remember_remote(self, run: SessionRun, worker: str, rnd: int) -> None:
         self.remote.setdefault(worker, {})[(run.sid, rnd)] = run

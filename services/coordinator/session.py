@@ -294,11 +294,12 @@ class SessionRun:
 
     async def _control(self, req, ignore: grpc.StatusCode | None = None) -> bool:
         """Sends ``req`` on the bound worker's control stream. False: the worker is unreachable, or
-        stopped (no answer within the fence bound)."""
+        stopped (no answer within the fence bound, or fenced: its stream closed, CANCELLED)."""
         try:
             await self.control.call(req, timeout_s=self.svc.call_timeout_s)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                              grpc.StatusCode.CANCELLED):
                 return False
             if exc.code() != ignore:
                 raise SessionEnd(exc.code(), exc.details()) from None
