@@ -150,6 +150,12 @@ class WorkerSettings:
     # routing for new decisions until its next heartbeat (its sessions go on), so this can be short.
     liveness_ttl: float = setting(3.0, "a worker's liveness key in Redis expires this many seconds after its "
                                        "last heartbeat; routing reads only live workers", metavar="S", positive=True)
+    # Fencing (docs/deploy.md "Faults"): a worker that stops answering (SIGSTOP, a hung host) is handled
+    # like a dead one within this bound, and learns it was fenced out when it resumes.
+    fence_after: float = setting(10.0, "a worker not heard from (no heartbeat) for this many seconds is fenced: "
+                                       "its registration is revoked, its sessions move or fail, and it drops them "
+                                       "and registers anew when it resumes; a decode worker waits at most twice "
+                                       "this for a remote prefill", metavar="S", positive=True)
     block_tokens: int = setting(32, "tokens per KV block", minimum=1)
     kv_bytes_per_token: int = setting(64, "KV bytes the mock engine keeps per token (the profile's bytes are "
                                           "for timing only)", minimum=1)
@@ -304,12 +310,12 @@ def _group_of(name: str) -> str:
 _POLICY_ALL = ("policy", "ttft_slo", "itl_slo")
 _WORKER = ("host", "port", "metrics_port", "advertise", "worker_id", "ready_file", "redis_url", "namespace",
            "profile", "engine", "model", *_POLICY_ALL, "reorder_window", "kv_overlap", "kv_admission",
-           "tp", "stats_window", "heartbeat", "liveness_ttl", "block_tokens", "kv_bytes_per_token", "kv_pool_mb",
-           "auth_token", "internal_token")
+           "tp", "stats_window", "heartbeat", "liveness_ttl", "fence_after", "block_tokens", "kv_bytes_per_token",
+           "kv_pool_mb", "auth_token", "internal_token")
 SERVICE_SETTINGS: dict[str, tuple[str, ...]] = {
     "coordinator": ("host", "port", "metrics_port", "ready_file", "redis_url", "namespace", "profile", *_POLICY_ALL,
                     "slack", "seed", "alpha", "beta", "threshold_tokens", "stats_mode", "migration_limit",
-                    "admission_wait", "admission_queue", "admission", "auth_token", "internal_token",
+                    "fence_after", "admission_wait", "admission_queue", "admission", "auth_token", "internal_token",
                     "script_tools"),
     "prefill": _WORKER,
     "decode": (*_WORKER, "sidecar", "chunked_prefill", "kv_evict", "script_tools"),

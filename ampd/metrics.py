@@ -213,6 +213,7 @@ def worker_values(rt) -> dict[str, float]:
         "kv_usage_perc": (blocks - pool.free_blocks) / blocks,
         "nixl_bytes_read": rt.transport.bytes_read,
         "nixl_bytes_written": rt.transport.bytes_written,
+        "fences": rt.fences,  # times a coordinator fenced it out (docs/deploy.md "Faults")
     }
     if st.window_mean_s is not None:
         out["window_mean_s"] = st.window_mean_s

@@ -8,7 +8,7 @@ import contextlib
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Awaitable, Callable
 
 import structlog
 
@@ -20,7 +20,7 @@ from ampd.kv.finetimer import fine_sleep
 from ampd.perf import Profile
 from ampd.policy import WorkerView
 from ampd.state import StateStore, WorkerInfo, WorkerStats
-from ampd.state.store import REDIS_ERRORS
+from ampd.state.store import FENCED, REDIS_ERRORS, REGISTERED
 from ampd.trust import new_key
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
@@ -72,6 +72,7 @@ class WorkerConfig:
     kv_pool_mb: int
     heartbeat_s: float
     liveness_ttl_s: float
+    fence_after_s: float
     kv_overlap: bool
     kv_admission: str  # "wait" | "fail"
     model: str = ""  # a real engine's model (ampd.config)
@@ -122,6 +123,18 @@ class WorkerRuntime:
         self._peer_missing: dict[str, int] = {}  # worker_id -> peer syncs in a row it was not registered
         self._sidecar = ""
         self.registrations = 0  # how often this worker (re-)registered: 1 + Redis restarts survived
+        self.epoch = 0  # the registration's fencing epoch (WorkerInfo.epoch)
+        self.fences = 0  # how often a coordinator fenced this worker out (it re-registered clean each time)
+        # Called (no arguments) when a coordinator fenced this worker: the service drops every session
+        # and task it holds, before the worker registers anew.
+        self.on_fenced: Callable[[], Awaitable[None]] | None = None
+        # Called (with the silence, seconds) when a heartbeat comes more than the liveness TTL after
+        # the one before (the worker was stopped): its liveness key expired, so the coordinator may
+        # have given its work to others even if it did not fence it.
+        self.on_silent: Callable[[float], Awaitable[None]] | None = None
+        # monotonic time of the last heartbeat tried (answered or not: a lost Redis is not silence):
+        # a worker silent for its liveness TTL may have been routed around (``silent``)
+        self.beat_at = time.monotonic()
 
     def info(self, sidecar: str = "") -> WorkerInfo:
         return WorkerInfo(
@@ -136,6 +149,7 @@ class WorkerRuntime:
             engine=self.cfg.engine,
             profile=self.cfg.profile,
             task_key=self.task_key.hex() if self.cfg.kind == "decode" else "",
+            epoch=self.epoch,
         )
 
     def snapshot(self) -> WorkerStats:
@@ -155,9 +169,18 @@ class WorkerRuntime:
         )
 
     async def register(self) -> None:
+        # a new epoch each time, above any fence of this worker id (one fenced while it was away)
+        fenced = await self.store.fence_epoch(self.cfg.worker_id)
+        self.epoch = max(time.time_ns() // 1000, fenced + 1, self.epoch + 1)
         await self.store.register_worker(self.info(self._sidecar), self.transport.metadata(), self.snapshot(),
                                          self.cfg.liveness_ttl_s)
         self.registrations += 1
+
+    def silent(self) -> float:
+        """Seconds since this worker last tried a heartbeat, when that is longer than its liveness
+        TTL (it was stopped: its key may have expired and the coordinator moved its work); else 0."""
+        gap = time.monotonic() - self.beat_at
+        return gap if gap > self.cfg.liveness_ttl_s else 0.0
 
     async def start(self, sidecar: str = "") -> None:
         self._sidecar = sidecar
@@ -215,18 +238,45 @@ class WorkerRuntime:
             try:
                 await self._heartbeat()
             except REDIS_ERRORS:
+                self.beat_at = time.monotonic()
                 # A lost Redis: retry with bounded backoff (the worker keeps serving meanwhile); once
                 # it answers again, a restarted (empty) Redis gets this worker's registration back.
                 async for attempt in AsyncRetrying(retry=retry_if_exception_type(REDIS_ERRORS), reraise=True,
                                                    wait=wait_exponential(multiplier=0.1, max=2.0),
-                                                   before_sleep=_log_redis_retry):
+                                                   before_sleep=self._redis_retry):
                     with attempt:
                         await self._heartbeat()
 
     async def _heartbeat(self) -> None:
-        if not await self.store.heartbeat(self.snapshot(), self.cfg.liveness_ttl_s):
-            await self.register()
-            log.info("registered again", worker=self.cfg.worker_id, registrations=self.registrations)
+        silence = self.silent()
+        if silence and self.on_silent is not None:
+            log.warning("silent past the liveness TTL (stopped?)", worker=self.cfg.worker_id, silent_s=round(silence, 1))
+            await self._hook(self.on_silent, silence)
+        answer = await self.store.heartbeat(self.snapshot(), self.cfg.liveness_ttl_s, self.epoch)
+        self.beat_at = time.monotonic()
+        if answer == REGISTERED:
+            return
+        if answer == FENCED:
+            # A coordinator found this worker silent for --fence-after (it was stopped, or its host
+            # hung) and moved or failed its sessions: drop them all, then register clean.
+            self.fences += 1
+            log.warning("fenced out by the coordinator; dropping every session and registering anew",
+                        worker=self.cfg.worker_id, epoch=self.epoch)
+            if self.on_fenced is not None:
+                await self._hook(self.on_fenced)
+        await self.register()
+        log.info("registered again", worker=self.cfg.worker_id, registrations=self.registrations, epoch=self.epoch)
+
+    async def _hook(self, hook, *args) -> None:
+        self.beat_at = time.monotonic()  # the silence is handled: once
+        try:
+            await hook(*args)
+        except Exception as exc:  # noqa: BLE001 - the heartbeat goes on whatever failed
+            log.warning("dropping the fenced work failed", error=repr(exc))
+
+    def _redis_retry(self, state) -> None:
+        self.beat_at = time.monotonic()  # trying: a lost Redis is not this worker's silence
+        _log_redis_retry(state)
 
     async def sync_peers(self) -> None:
         """Loads NIXL metadata of the other kind's workers (new or restarted ones)."""
@@ -327,6 +377,7 @@ def config_from_args(args, kind: str, port: int) -> WorkerConfig:
         kv_pool_mb=args.kv_pool_mb,
         heartbeat_s=args.heartbeat,
         liveness_ttl_s=args.liveness_ttl,
+        fence_after_s=args.fence_after,
         kv_overlap=args.kv_overlap,
         kv_admission=args.kv_admission,
         chunked_prefill=getattr(args, "chunked_prefill", False),

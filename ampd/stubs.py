@@ -44,6 +44,12 @@ class Stubs:
             ch = self._channels[address] = grpcserver.channel(address)
         return ch
 
+    def drop(self, address: str) -> None:
+        """Closes the channel and call streams to the worker at ``address`` (fenced: it stopped
+        answering): every call in flight on them fails now instead of at its deadline."""
+        if address in self._channels:
+            self._forget(address)
+
     def _forget(self, address: str) -> None:
         ch = self._channels.pop(address)
         self._decode.pop(address, None)

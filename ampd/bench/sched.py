@@ -10,6 +10,7 @@ the same run for scale.
 from __future__ import annotations
 
 import asyncio
+import math
 import json
 import random
 import sys
@@ -64,7 +65,7 @@ async def _routing(store: StateStore, n: int, mode: str, iters: int) -> dict:
     slo = SLO(2.0, 0.05)
     rng = random.Random(n)
     decode_ids = await _setup(store, n, profile, slo, rng)
-    cluster = Cluster(store, mode)
+    cluster = Cluster(store, mode, fence_after=math.inf)  # its workers are registrations that never beat
     await cluster.start()
     router = make_router("adaptive", profile, slo, seed=1)
     stop = asyncio.Event()

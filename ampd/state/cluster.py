@@ -9,7 +9,9 @@ from dataclasses import dataclass, replace
 
 import structlog
 
+from ampd.config import WorkerSettings
 from ampd.policy import CostModel, PrefillTask, RouteDecision, Router, WorkerView, bind
+from ampd.state.liveness import Liveness
 from ampd.state.store import REDIS_ERRORS, StateStore, WorkerInfo, WorkerStats, age_view
 
 __all__ = ["Cluster", "ClusterView", "choose_decode_worker", "route"]
@@ -50,7 +52,7 @@ class Cluster:
     """
 
     def __init__(self, store: StateStore, mode: str = "push", poll_s: float = 0.5, grace_s: float = 3.0,
-                 cost: CostModel | None = None) -> None:
+                 cost: CostModel | None = None, fence_after: float = WorkerSettings.fence_after) -> None:
         if mode not in ("push", "read"):
             raise ValueError(f"stats mode must be 'push' or 'read', got {mode!r}")
         self.store = store
@@ -60,7 +62,6 @@ class Cluster:
         self.seen_live: dict[str, float] = {}  # worker_id -> when its liveness key was last seen (monotonic)
         self.live: set[str] | None = None  # workers with a liveness key (None: not read yet, all count)
         self.lost: dict[str, float] = {}  # worker_id -> when a call to it failed on the connection
-        self.gone_since: dict[str, float] = {}  # registered without a liveness key since (monotonic)
         self.infos: dict[str, WorkerInfo] = {}
         self._infos_at = 0.0
         # wid -> (ts, kind, view, busy_until, accepted)
@@ -71,6 +72,8 @@ class Cluster:
         self._follower: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
         self.on_poll = None  # optional coroutine function run after each liveness poll (the coordinator's)
+        self.liveness = Liveness(fence_after)
+        self.on_fenced = None  # optional function (the WorkerInfo fenced) called after a worker was fenced
 
     async def refresh_infos(self) -> None:
         """New and re-registered workers (refresh_live is what drops the gone ones)."""
@@ -80,11 +83,14 @@ class Cluster:
     async def refresh_live(self) -> None:
         """The registry and the liveness keys, re-read. A worker missing from them stays for
         ``grace_s`` (a restarted Redis is empty until the workers register again, within a heartbeat
-        or a reconnect back-off); registrations whose key has been gone for ten polls are deleted (a
-        worker killed without deregistering leaves nothing behind)."""
+        or a reconnect back-off). A worker not heard from for ``fence_after`` (stopped, hung or dead)
+        is fenced (``fence``): a killed one leaves nothing behind, a stopped one learns it when it
+        resumes."""
         now = time.monotonic()
-        infos = await self.store.workers()
-        live = await self.store.live_workers(infos)
+        registered = await self.store.workers()
+        beats = await self.store.liveness(registered)
+        due = self.liveness.observe({w: i.epoch for w, i in registered.items()}, beats, now)
+        infos, live = dict(registered), set(beats)
         for wid in live:
             self.seen_live[wid] = now
         for wid, info in self.infos.items():  # recently live, missing now: keep it a little
@@ -92,16 +98,27 @@ class Cluster:
                 infos.setdefault(wid, info)
                 live.add(wid)
         self.infos, self._infos_at, self.live = infos, now, live
-        for wid in infos:
-            if wid in live:
-                self.gone_since.pop(wid, None)
-            elif now - self.gone_since.setdefault(wid, now) > 10 * self.poll_s:
-                log.info("removing a dead worker's registration", worker=wid)
-                await self.store.deregister_worker(wid)
-                self.gone_since.pop(wid, None)
+        for wid, epoch in due:
+            await self.fence(wid, epoch)
         for wid in list(self._views):
             if wid not in self.infos:
                 del self._views[wid]
+
+    async def fence(self, worker_id: str, epoch: int) -> None:
+        """Fences ``worker_id``'s registration of ``epoch``: it leaves routing and the registry now,
+        and ``on_fenced`` moves or fails what it served (docs/deploy.md "Faults")."""
+        info = self.infos.pop(worker_id, None)
+        silent = time.monotonic() - self.liveness.heard.get(worker_id, time.monotonic())
+        self.liveness.forget(worker_id)
+        self.seen_live.pop(worker_id, None)
+        if self.live is not None:
+            self.live.discard(worker_id)
+        self.lost[worker_id] = time.time()
+        fenced = await self.store.fence(worker_id, epoch)
+        log.warning("worker fenced: not heard from", worker=worker_id, epoch=epoch, silent_s=round(silent, 1),
+                    fenced=fenced)
+        if fenced and info is not None and self.on_fenced is not None:
+            self.on_fenced(info)
 
     def mark_lost(self, worker_id: str) -> None:
         """A call to ``worker_id`` failed on its connection: it leaves routing now (not when its

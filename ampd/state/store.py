@@ -8,10 +8,15 @@ key has been gone a while. Every other key has a TTL or is deleted by its owner
 - `{ns}:nixl`           hash worker_id -> NIXL agent metadata (bytes)
 - `{ns}:stats`          hash worker_id -> WorkerStats JSON (published on every queue change and at
                         least every `heartbeat_s`)
-- `{ns}:alive:{wid}`    a worker's liveness key: set with a TTL (`liveness_ttl`) by every heartbeat,
+- `{ns}:alive:{wid}`    a worker's liveness key (its value: the heartbeat's time, so each heartbeat
+                        changes it): set with a TTL (`liveness_ttl`) by every heartbeat,
                         so it expires on its own when the worker dies; routing reads only workers
                         whose key exists (and the coordinator drops one at once when a call to it
                         fails on the connection)
+- `{ns}:fence:{wid}`    a fence (docs/deploy.md "Faults"): the epoch of a registration that a coordinator
+                        revoked because the worker went unheard for `fence_after`; the worker, when it
+                        resumes, sees it at its next heartbeat, drops its sessions and registers with a
+                        newer epoch (deleting it). A TTL (FENCE_KEEP_S) bounds it when none resumes
 - `{ns}:session:{sid}`  hash of one live session (binding, round, state, its coordinator); deleted
                         when it ends, or by any coordinator once its own coordinator is gone
 - `{ns}:coordinator:{id}` a coordinator's liveness key (TTL, renewed every poll; deleted when it
@@ -38,13 +43,37 @@ from ampd.policy import PrefillTask, WorkerView
 # channel, its liveness key renewed, and whether it is still registered. Workers publish on every
 # queue change, several times a round: as a 4-command pipeline, redis-py's packing and parsing took
 # ~350 us of the worker's CPU a publication, as one EVALSHA ~100 us.
+# A fenced registration (its epoch at or below the fence) publishes nothing and returns -1. The
+# liveness key's value is the publication's time: a coordinator sees each heartbeat as a change of it.
 _HEARTBEAT = """
+local fence = redis.call('GET', KEYS[4])
+if fence and tonumber(fence) >= tonumber(ARGV[4]) then return -1 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 redis.call('PUBLISH', KEYS[1], ARGV[2])
-redis.call('SET', KEYS[3], '1', 'PX', ARGV[3])
+redis.call('SET', KEYS[3], ARGV[5], 'PX', ARGV[3])
 return redis.call('HEXISTS', KEYS[2], ARGV[1])
 """
 _HEARTBEAT_SHA = hashlib.sha1(_HEARTBEAT.encode()).hexdigest()
+# A coordinator's fence, atomic: revokes the registration of epoch ARGV[2] (none newer may have
+# replaced it meanwhile: a restarted worker's is left alone) and leaves the fence marker.
+_FENCE = """
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+if raw then
+  local ok, info = pcall(cjson.decode, raw)
+  if ok and tonumber(info['epoch'] or 0) ~= tonumber(ARGV[2]) then return 0 end
+end
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('DEL', KEYS[4])
+redis.call('SET', KEYS[5], ARGV[2], 'PX', ARGV[3])
+return 1
+"""
+# How long a fence marker outlives a worker that never resumes. One that resumes later finds its
+# sessions' streams cancelled by the coordinator anyway (it frees them), and registers again.
+FENCE_KEEP_S = 3600.0
+# heartbeat's answers
+REGISTERED, UNREGISTERED, FENCED = 1, 0, -1
 
 # What a lost or restarting Redis raises (redis-py wraps most of them; a refused connect can be OSError).
 REDIS_ERRORS = (aioredis.ConnectionError, aioredis.TimeoutError, ConnectionError, OSError)
@@ -63,6 +92,9 @@ class WorkerInfo:
     engine: str = "mock"
     profile: str = ""
     task_key: str = ""  # hex; a decode worker's key of its prefill tasks' tokens (ampd.trust)
+    # The registration's fencing epoch (microseconds at registration, above any fence of this id):
+    # a coordinator's fence names the epoch it revokes (StateStore.fence)
+    epoch: int = 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -173,6 +205,9 @@ class StateStore:
     def alive_key(self, worker_id: str) -> str:
         return f"{self.ns}:alive:{worker_id}"
 
+    def fence_key(self, worker_id: str) -> str:
+        return f"{self.ns}:fence:{worker_id}"
+
     # --- workers -------------------------------------------------------------------------------
     async def register_worker(self, info: WorkerInfo, nixl_metadata: bytes, stats: WorkerStats,
                               ttl_s: float) -> None:
@@ -180,8 +215,20 @@ class StateStore:
             p.hset(self.k_workers, info.worker_id, info.to_json())
             p.hset(self.k_nixl, info.worker_id, nixl_metadata)
             p.hset(self.k_stats, info.worker_id, stats.to_json())
-            p.set(self.alive_key(info.worker_id), info.nixl_agent, px=max(1, int(ttl_s * 1000)))
+            p.set(self.alive_key(info.worker_id), repr(stats.ts), px=max(1, int(ttl_s * 1000)))
+            p.delete(self.fence_key(info.worker_id))  # this epoch is above it: the fence has done its work
             await p.execute()
+
+    async def fence_epoch(self, worker_id: str) -> int:
+        """The epoch fenced for ``worker_id`` (0: none); a new registration's must be above it."""
+        raw = await self.r.get(self.fence_key(worker_id))
+        return int(raw) if raw else 0
+
+    async def fence(self, worker_id: str, epoch: int, keep_s: float = FENCE_KEEP_S) -> bool:
+        """Revokes ``worker_id``'s registration of ``epoch`` (unless a newer one replaced it) and
+        leaves a fence marker that worker sees when it resumes. True when it fenced."""
+        keys = (self.k_workers, self.k_nixl, self.k_stats, self.alive_key(worker_id), self.fence_key(worker_id))
+        return bool(await self.r.eval(_FENCE, len(keys), *keys, worker_id, int(epoch), int(keep_s * 1000)))
 
     async def deregister_worker(self, worker_id: str) -> None:
         async with self.r.pipeline(transaction=True) as p:
@@ -191,17 +238,28 @@ class StateStore:
             p.hdel(self.k_stats, worker_id)
             await p.execute()
 
-    async def heartbeat(self, stats: WorkerStats, ttl_s: float) -> bool:
+    async def heartbeat(self, stats: WorkerStats, ttl_s: float, epoch: int = 0) -> int:
         """Publishes ``stats`` and renews the worker's liveness key, in one command (_HEARTBEAT).
-        False when the worker is not registered (Redis restarted empty, or someone removed it):
-        register again."""
-        args = (3, self.k_stats, self.k_workers, self.alive_key(stats.worker_id),
-                stats.worker_id, stats.to_json(), max(1, int(ttl_s * 1000)))
+        REGISTERED; UNREGISTERED when the worker is not registered (Redis restarted empty, or it
+        left): register again; FENCED (nothing published) when a coordinator fenced its registration
+        of ``epoch``: drop what it served and register anew."""
+        wid = stats.worker_id
+        args = (4, self.k_stats, self.k_workers, self.alive_key(wid), self.fence_key(wid),
+                wid, stats.to_json(), max(1, int(ttl_s * 1000)), int(epoch), repr(stats.ts))
         try:
-            registered = await self.r.execute_command("EVALSHA", _HEARTBEAT_SHA, *args)
+            answer = await self.r.execute_command("EVALSHA", _HEARTBEAT_SHA, *args)
         except NoScriptError:  # a Redis that has not run it yet (or restarted): EVAL caches it
-            registered = await self.r.execute_command("EVAL", _HEARTBEAT, *args)
-        return bool(registered)
+            answer = await self.r.execute_command("EVAL", _HEARTBEAT, *args)
+        return int(answer)
+
+    async def liveness(self, worker_ids) -> dict[str, bytes]:
+        """worker id -> its liveness key's value (its last heartbeat's time), for those whose key
+        has not expired (one round trip)."""
+        ids = list(worker_ids)
+        if not ids:
+            return {}
+        found = await self.r.mget([self.alive_key(w) for w in ids])
+        return {w: v for w, v in zip(ids, found) if v is not None}
 
     async def live_workers(self, worker_ids) -> set[str]:
         """Those of ``worker_ids`` whose liveness key has not expired (one round trip)."""

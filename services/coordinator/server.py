@@ -13,7 +13,8 @@ import grpc
 import structlog
 
 from ampd import grpcserver, logs, metrics
-from ampd.config import SERVICE_SETTINGS, ConfigError, CoordinatorSettings, DeploymentConfig, add_flags, require
+from ampd.config import (SERVICE_SETTINGS, ConfigError, CoordinatorSettings, DeploymentConfig, WorkerSettings,
+                         add_flags, require)
 from ampd.deployment import check_names
 from ampd.perf import load_profile
 from ampd.policy import SLO, make_router, policy_spec
@@ -35,10 +36,16 @@ ORPHAN_SWEEP_S = 3.0  # the coordinator's liveness key's TTL
 
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(self, store: StateStore, router, policy: str, stats_mode: str = "push",
-                 migration_limit: int = CoordinatorSettings().migration_limit, cost=None) -> None:
+                 migration_limit: int = CoordinatorSettings().migration_limit, cost=None,
+                 fence_after: float = WorkerSettings.fence_after) -> None:
         self.store = store
-        self.cluster = Cluster(store, stats_mode, cost=cost)
+        self.cluster = Cluster(store, stats_mode, cost=cost, fence_after=fence_after)
         self.cluster.on_poll = self._on_poll
+        self.cluster.on_fenced = self._fenced
+        # A call to a worker that does not answer within this bound finds it stopped: the session
+        # moves, or the round runs elsewhere (docs/deploy.md "Faults")
+        self.call_timeout_s = fence_after
+        self.runs: dict[str, SessionRun] = {}  # the live sessions, by id
         self.router = router
         self.policy = policy
         self.migration_limit = migration_limit
@@ -80,8 +87,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.counters["sessions_opened"] += 1
         # The session's headers go once it is bound, while its first round runs: its first event is
         # then a message alone (headers with it took ~0.4 ms more on that event's path, measured).
-        run = SessionRun(self, sid, o, request_iterator,
-                         on_open=lambda: context.send_initial_metadata((SESSION_OPEN,)))
+        run = self.runs[sid] = SessionRun(self, sid, o, request_iterator,
+                                          on_open=lambda: context.send_initial_metadata((SESSION_OPEN,)))
         try:
             async for out in run.run():
                 if out.HasField("done"):
@@ -96,6 +103,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self.counters["sessions_refused" if refused else "sessions_failed"] += 1
             await context.abort(end.code, end.details)
         finally:
+            self.runs.pop(sid, None)
             if sid in self.live:
                 self.live.discard(sid)
                 await self.forget_record(sid)
@@ -165,6 +173,22 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 if info.kind == "prefill":
                     self._prefill_lost(wid)
 
+    def _fenced(self, info) -> None:
+        """The worker of ``info`` went unheard for --fence-after and was fenced (docs/deploy.md
+        "Faults"): it is handled like a dead one. Its sessions move to another decode worker (or
+        fail, past their migration limit); the rounds submitted to a prefill worker run on their
+        decode workers. Its channel closes, so no call to it waits for its deadline."""
+        worker = info.worker_id
+        self.counters["workers_fenced"] += 1
+        if info.kind == "prefill":
+            self._prefill_lost(worker)
+        else:
+            why = f"decode worker {worker} fenced: not heard from for {self.call_timeout_s:g} s"
+            for run in list(self.runs.values()):
+                if run.bound and run.decode_id == worker:
+                    run.fenced(why)
+        self.stubs.drop(info.address)
+
     def remember_remote(self, run: SessionRun, worker: str, rnd: int) -> None:
         self.remote.setdefault(worker, {})[(run.sid, rnd)] = run
 
@@ -190,6 +214,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         values = {k: float(v) for k, v in self.counters.items()}
         values["sessions_live"] = len(self.live)
         values["sessions_waiting"] = self.admission.waiting
+        values["kv_promised_tokens"] = float(sum(self.admission.promised.values()))
         values["route_redis_read_ms_total"] = self.route_read_ms_total
         lags = sorted(self.cluster.lag_s[-1000:])
         if lags:
@@ -207,7 +232,8 @@ async def amain(args: argparse.Namespace) -> None:
     router = make_router(args.policy, profile, slo, seed=args.seed, alpha=args.alpha, beta=args.beta,
                          threshold_tokens=args.threshold_tokens, slack=args.slack or None)
     store = StateStore(await connect(args.redis_url), args.namespace)
-    service = CoordinatorService(store, router, args.policy, args.stats_mode, args.migration_limit, cost=profile)
+    service = CoordinatorService(store, router, args.policy, args.stats_mode, args.migration_limit, cost=profile,
+                                 fence_after=args.fence_after)
     service.script_tools = tuple(args.script_tools)
     service.admission = Admission(args.admission_wait, args.admission_queue, args.admission, profile, slo)
     service.labels.update(profile=profile.name, ttft_slo=str(slo.ttft_s), itl_slo=str(slo.itl_s))

@@ -6,7 +6,8 @@ the decode worker's events, the end of the decode stream. One loop takes them on
 session's record (ampd.sessionlog.SessionLog) never races with itself. A decode stream that fails
 with UNAVAILABLE (the worker died, or is shutting down) moves the session: the worker leaves routing,
 the session is bound to another decode worker with a Resume (its history, prefilled there again),
-and its stream goes on; at most ``migration_limit`` times.
+and its stream goes on; at most ``migration_limit`` times. A decode worker that stopped answering
+(fenced: not heard from for ``fence_after``) moves its sessions the same way.
 """
 from __future__ import annotations
 
@@ -99,6 +100,8 @@ class SessionRun:
                     outs = await self._event(item)
                 elif kind == "error":
                     outs = await self._decode_failed(item)
+                elif kind == "fenced":
+                    outs = await self._move(item)
                 else:
                     outs = await self._move("its stream ended without SessionDone")
                 for out in outs:
@@ -113,6 +116,11 @@ class SessionRun:
             self._unbind()
             self._release()
             self.svc.forget_remote(self)
+
+    def fenced(self, why: str) -> None:
+        """The bound decode worker was fenced: the session moves (in order, after the events in hand;
+        any later event of that binding is dropped, the move replaces it)."""
+        self.q.put_nowait(("fenced", self.gen, why))
 
     def _coalesce(self, ev: decode_pb2.DecodeEvent, gen: int) -> None:
         """Takes the token events of the same round queued right behind ``ev`` into it: one
@@ -291,11 +299,13 @@ class SessionRun:
         return []
 
     async def _control(self, req, ignore: grpc.StatusCode | None = None) -> bool:
-        """Sends ``req`` on the bound worker's control stream. False: the worker is unreachable."""
+        """Sends ``req`` on the bound worker's control stream. False: the worker is unreachable, or
+        stopped (no answer within the fence bound, or fenced: its stream closed, CANCELLED)."""
         try:
-            await self.control.call(req)
+            await self.control.call(req, timeout_s=self.svc.call_timeout_s)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                              grpc.StatusCode.CANCELLED):
                 return False
             if exc.code() != ignore:
                 raise SessionEnd(exc.code(), exc.details()) from None
@@ -415,14 +425,16 @@ class SessionRun:
                 need.session_id, need.decode_worker, need.decode_tp = sid, decode_id, self.info.tp
                 self.remote[need.round] = decision.target
                 svc.remember_remote(self, decision.target, need.round)
-                await svc.stubs.submit(target.address, target.nixl_agent).call(prefill_pb2.SubmitRequest(task=need))
+                await svc.stubs.submit(target.address, target.nixl_agent).call(prefill_pb2.SubmitRequest(task=need),
+                                                                               timeout_s=svc.call_timeout_s)
                 svc.counters["prefills_remote"] += 1
             except (grpc.aio.AioRpcError, AttributeError) as exc:
                 # A prefill worker that vanished must not lose the round: run it locally.
                 log.warning("remote prefill submit failed; running locally", session=sid,
                             target=decision.target, error=str(exc))
                 svc.forget_remote(self, need.round)
-                if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE:
+                if isinstance(exc, grpc.aio.AioRpcError) and exc.code() in (grpc.StatusCode.UNAVAILABLE,
+                                                                             grpc.StatusCode.DEADLINE_EXCEEDED):
                     svc.cluster.mark_lost(decision.target)
                 svc.counters["route_fallback-local"] += 1
                 decision = decision.__class__(decode_id, True, "fallback-local", decision.estimates)
@@ -444,7 +456,8 @@ class SessionRun:
         """The round's prefill runs on the bound decode worker."""
         try:
             await self.control.call(decode_pb2.ControlRequest(local_prefill=decode_pb2.RouteInfo(
-                session_id=self.sid, round=rnd, reason=reason, session_secret=self.secret)))
+                session_id=self.sid, round=rnd, reason=reason, session_secret=self.secret)),
+                timeout_s=self.svc.call_timeout_s)
             self.svc.counters["prefills_local"] += 1
         except grpc.aio.AioRpcError as exc:  # the worker is gone (its stream says so) or the round is
             log.warning("local prefill refused", session=self.sid, round=rnd, error=exc.details())

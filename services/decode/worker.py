@@ -104,6 +104,9 @@ class Session:
     carried: int = 0  # output tokens of the first round here that the lost worker already made
     recompute: int = 0  # KV tokens an eviction took (--kv-evict): the next round prefills them again
     route: decode_pb2.Route | None = None  # the coordinator's route for the round starting now
+    # (session, round) and token of a remote prefill given up on (overdue) that may still write its
+    # blocks: they are held when the session ends, as for a prefill in flight
+    overdue: tuple[tuple[str, int], str] | None = None
     closing: bool = False  # Close received: end after the turn
     stop_requested: bool = False  # StopRound received: the turn ends at its next token
     closed: bool = False
@@ -175,6 +178,7 @@ class DecodeWorker:
             "kv_bytes_verified": 0, "kv_bytes_mismatched": 0, "tool_calls": 0, "prefill_chunks": 0,
             "kv_waits": 0, "prefills_rerouted": 0, "local_prefill_tokens": 0, "sessions_resumed": 0,
             "kv_held_for_remote": 0, "kv_evictions": 0, "kv_recomputed_tokens": 0,
+            "prefills_overdue": 0,
         }
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()  # submits of routed prefills in flight
@@ -184,6 +188,10 @@ class DecodeWorker:
         # An engine that keeps the KV itself (sglang) needs every session's token ids instead.
         self._token_ids = bool(getattr(engine, "needs_token_ids", False))
         rt.published = self.published
+        rt.on_fenced = self.fenced
+        # how long a round waits for its remote prefill's notification (beyond the prefill's own
+        # compute time) before it runs here instead
+        self.remote_wait_s = 2 * rt.cfg.fence_after_s
 
     # ---------------------------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -201,6 +209,21 @@ class DecodeWorker:
         await self._notifs.stop()
         for s in list(self.sessions.values()):
             self.fail(s, f"decode worker {self.rt.cfg.worker_id} shutting down", SHUTDOWN)
+
+    async def fenced(self) -> None:
+        """A coordinator fenced this worker out while it was stopped (``WorkerRuntime.on_fenced``): it
+        moved or failed every session here, so each ends now (UNAVAILABLE: one whose stream is still
+        attached moves) and frees its KV, before the worker registers anew. Blocks that a prefill
+        worker may still write stay held until its notification, at most ``remote_wait_s``."""
+        why = f"decode worker {self.rt.cfg.worker_id} was fenced out (not heard from for {self.rt.cfg.fence_after_s:g} s)"
+        for s in list(self.sessions.values()):
+            self.fail(s, why, SHUTDOWN)
+        # A prefill worker that dropped this worker from its peers while it was out of the registry
+        # cannot report on the blocks held for it (nor write them): they go after the remote wait,
+        # not REMOTE_HOLD_S.
+        loop = asyncio.get_running_loop()
+        for key in list(self._held):
+            loop.call_later(self.remote_wait_s, self._release_held, key)
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
@@ -366,6 +389,9 @@ class DecodeWorker:
         task.task_token = s.task_token = task_token(self.rt.task_key, task, history, s.dest)
         self.awaiting_remote[(s.session_id, rnd)] = s
         self._notifs.arm()
+        # its bound: the remote wait, plus what the prefill would take here (a long one is not overdue)
+        wait = self.remote_wait_s + self.core.cost.t_pre(self.core.tp, s.l_hist, s.l_incr)
+        asyncio.get_running_loop().call_later(wait, self._remote_overdue, s, rnd, wait)
         if routed:  # its remote route holds: the task goes to that prefill worker from here, now
             target = s.route.prefill_worker
             info = self.rt.peers.get(target)
@@ -389,6 +415,22 @@ class DecodeWorker:
                         else str(exc))
             if not s.closed and self.awaiting_remote.get((s.session_id, task.round)) is s:
                 self.emit(s, decode_pb2.DecodeEvent(prefill_task=task))
+
+    def _remote_overdue(self, s: Session, rnd: int, waited_s: float) -> None:
+        """The round's remote prefill did not report within ``remote_wait_s`` plus its own compute
+        time here (its prefill worker stopped, or its notification was lost): the round runs here,
+        into the KV reserved for it.
+        Should the prefill worker still write it (the same KV), the blocks stay held when the
+        session ends until it reports, at most ``remote_wait_s`` more."""
+        key = (s.session_id, rnd)
+        if self.awaiting_remote.get(key) is not s or s.closed:
+            return
+        del self.awaiting_remote[key]
+        s.overdue = (key, s.task_token)
+        log.warning("remote prefill overdue; running it locally", session=s.session_id, round=rnd,
+                    waited_s=round(waited_s, 3))
+        self.metrics["prefills_overdue"] += 1
+        self._queue_local(s)
 
     def _admit_waiting(self) -> None:
         """KV freed: start the waiting rounds that fit now, in the core's order."""
@@ -501,11 +543,14 @@ class DecodeWorker:
             # the session's blocks until then, so _prefill frees them when it lets go.
             if getattr(self.engine, "cancellable_prefill", False):
                 running[1].cancel()
-        elif remote and s.task_token:
-            key = (s.session_id, s.round)
+        elif (remote and s.task_token) or s.overdue is not None:
+            key = (s.session_id, s.round) if remote else s.overdue[0]
+            if not remote:
+                s.task_token = s.overdue[1]
             self._held[key] = s
             self.metrics["kv_held_for_remote"] += 1
-            asyncio.get_running_loop().call_later(REMOTE_HOLD_S, self._release_held, key)
+            asyncio.get_running_loop().call_later(REMOTE_HOLD_S if remote else self.remote_wait_s,
+                                                  self._release_held, key)
         else:
             s.kv.release(self.rt.pool)
         if self._token_ids:
@@ -751,8 +796,12 @@ class DecodeWorker:
         s = self.awaiting_remote.pop(key, None)
         if s is None:
             held = self._held.get(key)
+            live = self.sessions.get(done.session_id)
             if held is not None and token_matches(held.task_token, done.task_token):
                 self._release_held(key)  # the prefill worker is done with the ended session's blocks
+            elif live is not None and live.overdue is not None and live.overdue[0] == key \
+                    and token_matches(live.overdue[1], done.task_token):
+                live.overdue = None  # the overdue prefill reported after all: its blocks are free to go
             else:
                 log.warning("prefill done for an unknown session", session=done.session_id, round=done.round)
             return

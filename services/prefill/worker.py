@@ -59,7 +59,14 @@ class PrefillWorker:
         }
         self._task: asyncio.Task | None = None
         self.patterns = PatternCache()  # the mock's KV of sessions' first positions, for the check
+        # tasks taken before a coordinator fenced this worker out: handed back, never written
+        self.dropped: set[tuple[str, int]] = set()
+        # When this worker last came back from a silence or a fence (unix time): a task whose input
+        # was ready before then was sent while it was stopped, and its sender has given it up since
+        self.resumed_at = 0.0
         rt.published = self.published
+        rt.on_fenced = self.fenced
+        rt.on_silent = lambda _silence: self.fenced()  # its rounds may have been re-routed meanwhile
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="prefill-loop")
@@ -82,15 +89,29 @@ class PrefillWorker:
         for task in unfinished:
             await self._hand_back(task, f"prefill worker {self.rt.cfg.worker_id} shutting down")
 
-    async def _hand_back(self, task, error: str) -> None:
-        done = prefill_pb2.PrefillDone(session_id=task.session_id, round=task.round,
+    async def _hand_back(self, task, error: str, peer: str = "") -> None:
+        """Tells the task's decode worker that this worker will not write its KV (it runs the round
+        itself, or frees the blocks of an ended session). The task's token proves the notification
+        is about that task. A lost notification is bounded too: the decode worker's own wait for
+        it ends (DecodeWorker.remote_wait_s)."""
+        done = prefill_pb2.PrefillDone(session_id=task.session_id, round=task.round, task_token=task.task_token,
                                        prefill_worker=self.rt.cfg.worker_id, error=error)
         try:
-            peer = self.rt._peer_gen.get(task.decode_worker) or await asyncio.wait_for(
+            peer = peer or self.rt._peer_gen.get(task.decode_worker) or await asyncio.wait_for(
                 self.rt.ensure_peer(task.decode_worker), 2.0)
             await self.rt.transport.send_notif(peer, done.SerializeToString())
         except Exception as exc:  # noqa: BLE001 - the coordinator re-routes it when this worker is gone
             log.warning("hand-back notification lost", session=task.session_id, error=str(exc))
+
+    async def fenced(self) -> None:
+        """A coordinator fenced this worker out while it was stopped (``WorkerRuntime.on_fenced``): it
+        already gave every round submitted here to its decode worker, so none of them is written: the
+        queued ones, the one read ahead and the one in service are each handed back as they come up."""
+        self.resumed_at = time.time()
+        self.dropped.update(self.tasks)
+        for job in (self.ahead, self.running):
+            if job is not None:
+                self.dropped.add(self._key(job.task))
 
     def published(self, now: float) -> tuple[WorkerView, float]:
         core = self.core
@@ -101,6 +122,13 @@ class PrefillWorker:
         key = (task.session_id, task.round)
         if key in self.tasks or (self.ahead is not None and self._key(self.ahead.task) == key):
             raise ValueError(f"session {task.session_id!r} round {task.round} is already queued here")
+        if task.input_ready <= self.resumed_at:
+            # Sent before this worker resumed (buffered while it was stopped): its sender gave it to
+            # the decode worker meanwhile, so it is never run here, only handed back.
+            log.warning("task sent while this worker was stopped; handed back", session=task.session_id,
+                        round=task.round)
+            asyncio.get_running_loop().create_task(self._hand_back(task, "sent while the prefill worker was stopped"))
+            return
         self.tasks[key] = task
         # The queue sees the time the round's input became ready: TTFT runs from there.
         read = self.core.submit(PrefillTask(task.session_id, task.round, task.l_hist, task.l_incr,
@@ -184,6 +212,7 @@ class PrefillWorker:
         done = prefill_pb2.PrefillDone(session_id=task.session_id, round=task.round, task_token=task.task_token,
                                        prefill_worker=rt.cfg.worker_id, started=job.read_start or time.time())
         try:
+            self._check_current(task)
             if job.reading is not None:
                 await job.reading  # what is left of its read ahead (raises what the read raised)
             else:
@@ -200,6 +229,7 @@ class PrefillWorker:
             started = time.monotonic()
             await self.engine.pace_transfer(started, task.l_incr, rt.cfg.tp, task.decode_tp)
             done.finished = time.time()
+            self._check_current(task)  # the write is what a fenced worker must never do
             done.kv_bytes = await rt.transport.write(
                 job.peer, local_new, task.dest, done.SerializeToString())
             self.metrics["new_tokens_written"] += task.l_incr
@@ -209,13 +239,21 @@ class PrefillWorker:
             self.core.abort(time.time())
             self.metrics["tasks_failed"] += 1
             log.warning("prefill failed", session=task.session_id, round=task.round, error=str(exc))
-            if job.peer:
-                done.error = str(exc) or type(exc).__name__
-                try:
-                    await rt.transport.send_notif(job.peer, done.SerializeToString())
-                except Exception as exc2:
-                    log.warning("failure notification lost", session=task.session_id, error=str(exc2))
+            await self._hand_back(task, str(exc) or type(exc).__name__, job.peer)
         finally:
+            self.dropped.discard(self._key(task))
             job.kv.release(rt.pool)
             self.running = None
             rt.changed()
+
+    def _check_current(self, task) -> None:
+        """Raises when this worker may no longer write ``task``'s KV: it was fenced out since taking
+        it, or it has been silent past its liveness TTL (stopped: the coordinator may have given the
+        round to its decode worker already). Its decode worker then runs the round (the hand-back)."""
+        silent = self.rt.silent()
+        if silent:
+            raise RuntimeError(f"prefill worker {self.rt.cfg.worker_id} was silent for {silent:.1f} s (stopped?); "
+                               "the round runs on its decode worker")
+        if self._key(task) in self.dropped:
+            raise RuntimeError(f"prefill worker {self.rt.cfg.worker_id} was fenced out or silent since it took "
+                               "the task; the round runs on its decode worker")
