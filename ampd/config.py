@@ -168,6 +168,17 @@ class FrontendSettings:
     default_max_tokens: int = setting(256, "max_tokens of a request that gives none", minimum=1)
     max_sessions: int = setting(1024, "live sessions one front holds; a new conversation beyond it gets HTTP 429 "
                                       "unless an idle session can be closed", minimum=1)
+    api_keys: str = setting("", "file of the front's API keys, one 'TENANT KEY' per line: each key names a tenant, "
+                                "whose sessions no other tenant's requests match (docs/frontend.md); empty = the "
+                                "shared --auth-token is the one key (none: an open front)", metavar="FILE")
+    idle_grace: float = setting(3.0, "when the deployment refuses a new session for lack of KV, the front closes its "
+                                     "sessions idle longer than this, least recently used first, and opens it again, "
+                                     "seconds", metavar="S", minimum=0)
+    tenant_sessions: int = setting(0, "live sessions one tenant may hold on a front; beyond it its least recently "
+                                      "used idle one is closed, or HTTP 429 (0 = no cap)", minimum=0)
+    tenant_kv_tokens: int = setting(0, "KV tokens (the sum of its sessions' histories) one tenant may hold on a "
+                                       "front; beyond it its least recently used idle sessions are closed, or HTTP "
+                                       "429 (0 = no cap)", minimum=0)
 
 
 @dataclass(frozen=True)
@@ -289,7 +300,8 @@ SERVICE_SETTINGS: dict[str, tuple[str, ...]] = {
     "planner": ("host", "port", "metrics_port", "ready_file", "profiles_dir", "auth_token"),
     # The front serves /metrics on its own HTTP port (`port`), beside the API.
     "frontend": ("host", "port", "ready_file", "redis_url", "namespace", "engine", "model", "coordinator_address",
-                 "auth_token", "session_ttl", "default_max_tokens", "max_sessions"),
+                 "auth_token", "session_ttl", "default_max_tokens", "max_sessions", "api_keys", "idle_grace",
+                 "tenant_sessions", "tenant_kv_tokens"),
 }
 # Secrets: a launcher passes them in the environment, never on a command line (`ps` shows those).
 # A Redis URL may carry a password (redis://:PASSWORD@HOST:PORT/DB).

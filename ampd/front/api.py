@@ -23,9 +23,10 @@ class ApiError(Exception):
     """An HTTP error in OpenAI's shape."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error") -> None:
+                 type: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.headers = headers  # of the response (Retry-After)
 
 
 def error_body(e: ApiError) -> dict:
