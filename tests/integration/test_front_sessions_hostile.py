@@ -39,7 +39,7 @@ pytestmark = pytest.mark.timeout(300)
 MODEL = "smollm2-135m-instruct"
 NS = "front-hostile"
 KV_TOKENS = 4096
-TENANTS = ("t1a", "t1b", "t2a", "t2b", "t3", "caps", "fill0", "fill1", "fill2", "fill3", "chat", "leak-a", "leak-b")
+TENANTS = ("t1a", "t1b", "t2a", "t2b", "t3", "caps", "fill0", "fill1", "fill2", "fill3", "chat", "leak-a", "leak-b", "ref", "live")
 KEYS = {t: f"key-of-{t}-0123456789abcdef" for t in TENANTS}
 
 
@@ -263,3 +263,66 @@ def test_no_front_key_outlives_its_sessions(dep, tmp_path):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def chat_llama(tmp_path_factory):
+    """A tiny random Llama over SmolLM2's vocabulary, with its tokenizer saved beside it."""
+    from ampd.chat.tokenizer import tokenizer_for
+    from ampd.engine.torch_models import load_tokenizer, save_tiny_llama, smollm2_tokenizer_dir
+
+    folder = tmp_path_factory.mktemp("chat-llama")
+    tok = load_tokenizer(smollm2_tokenizer_dir())
+    save_tiny_llama(folder, vocab_size=len(tok), layers=2, hidden_size=32, max_positions=2048)
+    tok.save_pretrained(folder)
+    tokenizer_for.cache_clear()
+    return folder
+
+
+async def _answer_known(redis_url: str, ns: str, tenant: str, message: dict) -> bool:
+    from ampd.chat.conversation import answer_digest
+    from ampd.front.index import tenant_scope
+
+    r = await connect(redis_url)
+    try:
+        d = answer_digest(message.get("content"), message.get("tool_calls"))
+        return bool((await SessionIndex(r, ns, 1.0).prefetch(tenant_scope(tenant), [d]))[1])
+    finally:
+        await r.aclose()
+
+
+def test_torch_an_evicted_conversation_goes_on_with_the_undisturbed_greedy_tokens(chat_llama, redis_url, tmp_path):
+    """KV for 1,024 tokens, conversations of ~330: `ref` runs a conversation undisturbed; `live` runs
+    the same one, and two more whose opens evict it (and `ref`'s); its next turn prefills its whole
+    history in a new session and answers exactly what `ref`'s second turn did."""
+    pytest.importorskip("torch")
+    opts = Options(prefill="none", decode="tp1*1", engine="torch", model=str(chat_llama), policy="local",
+                   profile=_profile(tmp_path, 1024, 0.0), ttft_slo=5.0, itl_slo=1.0, redis_url=redis_url,
+                   namespace="front-hostile-torch", session_ttl=120.0, admission_wait=0.5, idle_grace=0.5,
+                   api_keys=_keys_file(tmp_path), run_dir=str(tmp_path / "run"))
+    model = str(chat_llama)
+
+    def turn(url: str, tenant: str, messages: list[dict]) -> dict:
+        s, b, _ = post(url, {"model": model, "messages": messages, "max_tokens": 8, "temperature": 0,
+                             "ignore_eos": True}, tenant)
+        assert s == 200, b
+        return b
+
+    first = [user("alpha " * 300)]
+    with Deployment(opts, frontend=True) as dep:
+        url = dep.frontend
+        r1 = turn(url, "ref", first)
+        second = first + [r1["choices"][0]["message"], user("next question please")]
+        r2 = turn(url, "ref", second)
+        assert cached(r2) > 0  # undisturbed: its session's KV
+        l1 = turn(url, "live", first)
+        assert l1["choices"][0]["message"] == r1["choices"][0]["message"]
+        turn(url, "live", [user("beta " * 300)])  # evicts ref's session
+        turn(url, "live", [user("gamma " * 300)])  # evicts the live conversation's
+        # the evicted session's answer keeps its ids (re-tokenizing its text may give others)
+        msg = l1["choices"][0]["message"]
+        assert asyncio.run(_answer_known(redis_url, "front-hostile-torch", "live", msg))
+        l2 = turn(url, "live", second)
+        assert metric(url, "ampd_frontend_sessions_evicted", reason="kv-full") >= 3
+    assert cached(l2) == 0 and l2["usage"]["prompt_tokens"] == r2["usage"]["prompt_tokens"]
+    assert l2["choices"][0]["message"] == r2["choices"][0]["message"]
