@@ -275,6 +275,7 @@ class Front:
         """The deployment refused the new session ``s`` for lack of KV: closes idle sessions past
         the grace, least recently used first, until one decode worker got back what ``s`` needs
         (waiting for one to pass its grace if none has). False: no idle session to close."""
+        deadline = time.monotonic() + self.idle_grace + 1.0  # sessions that keep turning busy are not idle
         while True:
             now = time.monotonic()
             held = [Held(x.session_id, x.last_used, x.busy, x.worker, x.promised, len(x.history))
@@ -284,7 +285,7 @@ class Front:
                 await asyncio.gather(*filter(None, (self.table.evict(self.table.live[v], "kv-full") for v in victims)))
                 return True
             wake = grace_ends(held, now, self.idle_grace)
-            if wake is None:
+            if wake is None or wake > deadline:
                 return False
             await asyncio.sleep(wake - now)
 
@@ -321,6 +322,7 @@ class Front:
             run.start(turn)
             first = await run.out.get()
             if first[0] != FAILED:
+                s.open_msg, s.opened_with = None, {}  # opened: nothing to open again
                 break
             # a new session refused for lack of KV: idle sessions make room, and it opens again
             if turn is None and _kv_full(first[1]) and await self._kv_room(s):

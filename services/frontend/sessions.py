@@ -110,6 +110,7 @@ class Evicted:
     tenant: Tenant
     answers: list[str]
     last_used: float
+    session_id: str = ""
 
 
 EVICTION_REASONS = ("kv-full", "max-sessions", "tenant-sessions", "tenant-kv")
@@ -143,7 +144,7 @@ class SessionTable:
             self._reaper.cancel()
         for s in list(self.live.values()):
             await self.drop(s)
-        await self._forget_evicted(list(self.evicted))
+        await self._forget_evicted([self._release_evicted(sid) for sid in list(self.evicted)])
 
     def add(self, s: LiveSession) -> None:
         self.live[s.session_id] = s
@@ -181,9 +182,14 @@ class SessionTable:
             return None
         self.evictions[reason] += 1
         log.info("idle session evicted", session=s.session_id, reason=reason, tokens=len(s.history))
-        self.evicted[s.session_id] = Evicted(s.tenant, s.answers, s.last_used)
+        self.evicted[s.session_id] = Evicted(s.tenant, s.answers, s.last_used, s.session_id)
         s.answers = []  # held by the Evicted record now
-        task = asyncio.create_task(self._close(s, *self._detach(s)), name=f"evict-{s.session_id}")
+        if len(self.evicted) > self.max_sessions:  # bounded: the oldest record goes before its TTL
+            self._later(self._forget_evicted([self._release_evicted(next(iter(self.evicted)))]))
+        return self._later(self._close(s, *self._detach(s)))
+
+    def _later(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
         return task
@@ -220,13 +226,19 @@ class SessionTable:
             except (asyncio.TimeoutError, asyncio.CancelledError):
                 s.abort()
 
-    async def _forget_evicted(self, sids: list[str]) -> None:
-        for sid in sids:
-            e = self.evicted.pop(sid, None)
-            if e is None:
-                continue
+    def _release_evicted(self, sid: str) -> Evicted | None:
+        """Forgets an evicted session's answers here; returns them for Redis."""
+        e = self.evicted.pop(sid, None)
+        if e is not None:
             for d in e.answers:
                 self.local.release_answer(e.tenant.scope, d)
+        return e
+
+    async def _forget_evicted(self, records: list[Evicted | None]) -> None:
+        for e in records:
+            if e is None:
+                continue
+            sid = e.session_id
             try:
                 await self.index.withdraw(e.tenant.scope, None, sid, e.answers)
             except Exception as exc:  # Redis away: the keys expire on their own
@@ -251,7 +263,8 @@ class SessionTable:
                 self.closed_by_ttl += 1
                 log.info("session idle past its TTL: closed", session=s.session_id, ttl_s=self.ttl_s)
             await self.drop(s)
-        await self._forget_evicted([sid for sid, e in self.evicted.items() if now - e.last_used > self.ttl_s])
+        await self._forget_evicted([self._release_evicted(sid) for sid, e in list(self.evicted.items())
+                                    if now - e.last_used > self.ttl_s])
         return len(old)
 
     async def _reap_loop(self) -> None:
