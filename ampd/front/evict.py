@@ -36,17 +36,17 @@ def _lru_idle(held: Sequence[Held], now: float, grace_s: float) -> list[Held]:
     return sorted((h for h in held if not h.busy and now - h.last_used >= grace_s), key=lambda h: h.last_used)
 
 
-def kv_victims(held: Sequence[Held], now: float, grace_s: float, need: int) -> list[str]:
+def kv_victims(held: Sequence[Held], now: float, grace_s: float, need: int) -> tuple[list[str], bool]:
     """The idle sessions past the grace to close, least recently used first, until the KV promised
-    to those on one decode worker reaches ``need``; all of them when none does."""
+    to those on one decode worker reaches ``need``, and True; all of them and False when none does."""
     out: list[str] = []
     freed: Counter[str] = Counter()
     for h in _lru_idle(held, now, grace_s):
         out.append(h.session_id)
         freed[h.worker] += h.promised
         if freed[h.worker] >= need:
-            break
-    return out
+            return out, True
+    return out, False
 
 
 def grace_ends(held: Sequence[Held], now: float, grace_s: float) -> float | None:

@@ -112,6 +112,9 @@ def _kv_full(e: ApiError) -> bool:
 
 
 RETRY_AFTER_S = 1  # a tenant at its caps with every session busy: a turn ends soon
+# After a new session was refused for lack of KV, the next new sessions for this long first evict
+# what they need (of the idle sessions past the grace), instead of each waiting out the admission wait.
+KV_SHORT_S = 10.0
 
 
 class Front:
@@ -123,6 +126,7 @@ class Front:
         self.keys = KeyRing(load_api_keys(args.api_keys) if args.api_keys else None, args.auth_token)
         self.idle_grace = args.idle_grace
         self.tenant_sessions, self.tenant_kv_tokens = args.tenant_sessions, args.tenant_kv_tokens
+        self.kv_short_until = 0.0  # monotonic: KV was short lately (see KV_SHORT_S)
         self.fmt = fmt
         self.tok = fmt.tokenizer
         self.eos_ids = (self.tok.eos_token_id,) if self.tok.eos_token_id is not None else ()
@@ -255,6 +259,8 @@ class Front:
             name = header if header and self.table.get(tenant, header) is None else ""
             s = LiveSession(self.table.new_id(), history=list(ids), busy=True, name=name, tenant=tenant,
                             promised=len(ids) + p.max_tokens)
+            if time.monotonic() < self.kv_short_until:  # its admission is woken when their KV frees
+                self._evict_for_kv(s, enough_only=True)
             self.table.add(s)
             s.opened_with = getattr(request.state, "known", {})
             self.table.hold(s, s.opened_with)
@@ -271,19 +277,30 @@ class Front:
         s.history = list(ids)
         return s, turn
 
+    def _evict_for_kv(self, s: LiveSession, enough_only: bool = False) -> list[asyncio.Task]:
+        """Evicts idle sessions past the grace, least recently used first, until one decode worker
+        got back what the new session ``s`` needs (``enough_only``: none if that is not possible);
+        the evictions' tasks."""
+        held = [Held(x.session_id, x.last_used, x.busy, x.worker, x.promised, len(x.history))
+                for x in self.table.live.values() if x is not s]
+        victims, enough = kv_victims(held, time.monotonic(), self.idle_grace, s.promised)
+        if enough_only and not enough:
+            return []
+        return [t for t in (self.table.evict(self.table.live[v], "kv-full") for v in victims) if t is not None]
+
     async def _kv_room(self, s: LiveSession) -> bool:
-        """The deployment refused the new session ``s`` for lack of KV: closes idle sessions past
-        the grace, least recently used first, until one decode worker got back what ``s`` needs
-        (waiting for one to pass its grace if none has). False: no idle session to close."""
-        deadline = time.monotonic() + self.idle_grace + 1.0  # sessions that keep turning busy are not idle
+        """The deployment refused the new session ``s`` for lack of KV: evicts for it (waiting for
+        an idle session to pass its grace if none has). False: no idle session to close."""
+        now = time.monotonic()
+        self.kv_short_until = now + KV_SHORT_S
+        deadline = now + self.idle_grace + 1.0  # sessions that keep turning busy are not idle
         while True:
-            now = time.monotonic()
-            held = [Held(x.session_id, x.last_used, x.busy, x.worker, x.promised, len(x.history))
-                    for x in self.table.live.values() if x is not s]
-            victims = kv_victims(held, now, self.idle_grace, s.promised)
-            if victims:
-                await asyncio.gather(*filter(None, (self.table.evict(self.table.live[v], "kv-full") for v in victims)))
+            evictions = self._evict_for_kv(s)
+            if evictions:
+                await asyncio.gather(*evictions)
                 return True
+            now = time.monotonic()
+            held = [Held(x.session_id, x.last_used, x.busy) for x in self.table.live.values() if x is not s]
             wake = grace_ends(held, now, self.idle_grace)
             if wake is None or wake > deadline:
                 return False

@@ -69,10 +69,10 @@ def test_kv_pressure_evicts_idle_sessions_past_the_grace_lru_first_until_one_wor
     held = [_h("new-idle", 9.5), _h("old", 1.0, "d1"), _h("older", 0.5, "d0"), _h("busy", 0.0, busy=True),
             _h("mid", 2.0, "d0")]
     # at t=10, grace 2: new-idle is within its grace, busy is busy; LRU: older(d0), old(d1), mid(d0)
-    assert kv_victims(held, 10.0, 2.0, 100) == ["older"]
-    assert kv_victims(held, 10.0, 2.0, 150) == ["older", "old", "mid"]  # d0 reaches 200 with mid
-    assert kv_victims(held, 10.0, 2.0, 10_000) == ["older", "old", "mid"]  # none suffices: every candidate
-    assert kv_victims(held, 10.0, 20.0, 100) == []
+    assert kv_victims(held, 10.0, 2.0, 100) == (["older"], True)
+    assert kv_victims(held, 10.0, 2.0, 150) == (["older", "old", "mid"], True)  # d0 reaches 200 with mid
+    assert kv_victims(held, 10.0, 2.0, 10_000) == (["older", "old", "mid"], False)  # none suffices: all
+    assert kv_victims(held, 10.0, 20.0, 100) == ([], False)
     assert grace_ends(held, 10.0, 2.0) == 11.5
     assert grace_ends([_h("busy", 9.9, busy=True)], 10.0, 2.0) is None
 
