@@ -112,8 +112,9 @@ def _kv_full(e: ApiError) -> bool:
 
 
 RETRY_AFTER_S = 1  # a tenant at its caps with every session busy: a turn ends soon
-# After a new session was refused for lack of KV, the next new sessions for this long first evict
-# what they need (of the idle sessions past the grace), instead of each waiting out the admission wait.
+# After a new session was refused for lack of KV, the next new sessions at least as big for this
+# long first evict what they need (of the idle sessions past the grace), instead of each waiting out
+# the admission wait: a smaller one may fit in what is left.
 KV_SHORT_S = 10.0
 
 
@@ -126,7 +127,7 @@ class Front:
         self.keys = KeyRing(load_api_keys(args.api_keys) if args.api_keys else None, args.auth_token)
         self.idle_grace = args.idle_grace
         self.tenant_sessions, self.tenant_kv_tokens = args.tenant_sessions, args.tenant_kv_tokens
-        self.kv_short_until = 0.0  # monotonic: KV was short lately (see KV_SHORT_S)
+        self.kv_short_until, self.kv_short_need = 0.0, 0  # KV was short lately for this need (KV_SHORT_S)
         self.fmt = fmt
         self.tok = fmt.tokenizer
         self.eos_ids = (self.tok.eos_token_id,) if self.tok.eos_token_id is not None else ()
@@ -259,7 +260,8 @@ class Front:
             name = header if header and self.table.get(tenant, header) is None else ""
             s = LiveSession(self.table.new_id(), history=list(ids), busy=True, name=name, tenant=tenant,
                             promised=len(ids) + p.max_tokens)
-            if time.monotonic() < self.kv_short_until:  # its admission is woken when their KV frees
+            if time.monotonic() < self.kv_short_until and s.promised >= self.kv_short_need:
+                # its admission is woken when their KV frees
                 self._evict_for_kv(s, enough_only=True)
             self.table.add(s)
             s.opened_with = getattr(request.state, "known", {})
@@ -292,6 +294,7 @@ class Front:
         """The deployment refused the new session ``s`` for lack of KV: evicts for it (waiting for
         an idle session to pass its grace if none has). False: no idle session to close."""
         now = time.monotonic()
+        self.kv_short_need = s.promised if now >= self.kv_short_until else min(self.kv_short_need, s.promised)
         self.kv_short_until = now + KV_SHORT_S
         deadline = now + self.idle_grace + 1.0  # sessions that keep turning busy are not idle
         while True:
