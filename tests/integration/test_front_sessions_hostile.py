@@ -182,7 +182,7 @@ def test_a_tenant_at_its_caps_loses_its_own_idle_sessions_else_gets_429(dep):
     # two long turns busy: a third conversation finds nothing to evict
     statuses: list[int] = []
     threads = [threading.Thread(target=lambda i=i: statuses.append(_stream(
-        url, chat([user(f"busy {i}")], max_tokens=300, ignore_eos=True), "caps")), daemon=True) for i in range(2)]
+        url, chat([user(f"busy {i}")], max_tokens=500, ignore_eos=True), "caps")), daemon=True) for i in range(2)]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 20
