@@ -20,13 +20,15 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class ApiError(Exception):
-    """An HTTP error in OpenAI's shape."""
+    """An HTTP error in OpenAI's shape. ``retry_after`` (seconds) marks a retryable refusal (429/503):
+    the answer carries it as Retry-After. A permanent error has none and is a 4xx other than 429, so
+    that OpenAI's SDKs, which retry 429 and 5xx, do not send it again."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
+                 type: str = "invalid_request_error", retry_after: float | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
-        self.headers = headers  # of the response (Retry-After)
+        self.retry_after = retry_after
 
 
 def error_body(e: ApiError) -> dict:

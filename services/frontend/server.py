@@ -111,7 +111,7 @@ def _kv_full(e: ApiError) -> bool:
     return e.status == 429 and "kv-full" in e.message
 
 
-RETRY_AFTER_S = 1  # a tenant at its caps with every session busy: a turn ends soon
+TENANT_RETRY_AFTER_S = 1  # a tenant at its caps with every session busy: a turn ends soon
 # After a new session was refused for lack of KV, the next new sessions at least as big for this
 # long first evict what they need (of the idle sessions past the grace), instead of each waiting out
 # the admission wait: a smaller one may fit in what is left.
@@ -240,7 +240,7 @@ class Front:
         if victims is None:
             raise ApiError(429, f"this tenant holds its most sessions ({self.tenant_sessions}, --tenant-sessions) or "
                                 f"KV tokens ({self.tenant_kv_tokens}, --tenant-kv-tokens), all busy; retry later",
-                           code="tenant_limit", type="rate_limit_error", headers={"retry-after": str(RETRY_AFTER_S)})
+                           code="tenant_limit", type="rate_limit_error", retry_after=TENANT_RETRY_AFTER_S)
         over_sessions = bool(self.tenant_sessions) and sessions > self.tenant_sessions
         for sid in victims:
             self.table.evict(self.table.live[sid], "tenant-sessions" if over_sessions else "tenant-kv")
@@ -560,7 +560,8 @@ def build_app(front: Front) -> Starlette:
                 except _Forward as f:
                     resp = await front.forward(request, f.match)
             except ApiError as e:
-                resp = JSONResponse(error_body(e), status_code=e.status, headers=e.headers)
+                headers = {"retry-after": f"{max(1, round(e.retry_after))}"} if e.retry_after is not None else None
+                resp = JSONResponse(error_body(e), status_code=e.status, headers=headers)
             except grpc.aio.AioRpcError as exc:  # pragma: no cover - turned into ApiError in TurnRun
                 from services.frontend.turn import grpc_error
 
