@@ -201,6 +201,17 @@ class FrontendSettings:
     max_prompt_chars: int = setting(2_000_000, "characters of text in one request (messages, tools, a prompt) the "
                                                "front templates and tokenizes; more get HTTP 400 "
                                                "context_length_exceeded at once", minimum=1)
+    api_keys: str = setting("", "file of the front's API keys, one 'TENANT KEY' per line: each key names a tenant, "
+                                "whose sessions no other tenant's requests match (docs/frontend.md); empty = the "
+                                "shared --auth-token is the one key (none: an open front)", metavar="FILE")
+    idle_grace: float = setting(3.0, "when the deployment refuses a new session for lack of KV, the front closes its "
+                                     "sessions idle longer than this, least recently used first, and opens it again, "
+                                     "seconds", metavar="S", minimum=0)
+    tenant_sessions: int = setting(0, "live sessions one tenant may hold on a front; beyond it its least recently "
+                                      "used idle one is closed, or HTTP 429 (0 = no cap)", minimum=0)
+    tenant_kv_tokens: int = setting(0, "KV tokens (the sum of its sessions' histories) one tenant may hold on a "
+                                       "front; beyond it its least recently used idle sessions are closed, or HTTP "
+                                       "429 (0 = no cap)", minimum=0)
 
 
 @dataclass(frozen=True)
@@ -325,7 +336,7 @@ SERVICE_SETTINGS: dict[str, tuple[str, ...]] = {
     # The front serves /metrics on its own HTTP port (`port`), beside the API.
     "frontend": ("host", "port", "ready_file", "redis_url", "namespace", "engine", "model", "coordinator_address",
                  "auth_token", "session_ttl", "default_max_tokens", "max_sessions", "max_inflight_requests",
-                 "max_messages", "max_prompt_chars"),
+                 "max_messages", "max_prompt_chars", "api_keys", "idle_grace", "tenant_sessions", "tenant_kv_tokens"),
 }
 # Secrets: a launcher passes them in the environment, never on a command line (`ps` shows those).
 # A Redis URL may carry a password (redis://:PASSWORD@HOST:PORT/DB).

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hmac
 import signal
 import sys
 import time
@@ -35,7 +34,9 @@ from ampd.config import SERVICE_SETTINGS, ConfigError, add_flags, require
 from ampd.front.answer import FORCED_STOP, Answer, forced_prefix
 from ampd.front.api import (ApiError, ChatRequest, CompletionRequest, RequestLimits, Sampling, check_depth, error_body,
                             parse_chat, parse_completion)
+from ampd.front.evict import Held, grace_ends, kv_victims, tenant_victims
 from ampd.front.index import Match, SessionIndex
+from ampd.front.tenants import KeyRing, Tenant, load_api_keys
 from ampd.metrics import TTFT_BUCKETS
 from ampd.validate import MAX_ID as MAX_SESSION_ID
 from ampd.state import connect
@@ -103,14 +104,27 @@ class FrontMetrics:
               registry=r).set_function(lambda: table.closed_by_ttl)
         self.inflight = Gauge("ampd_frontend_requests_inflight", "API requests being answered (limited by "
                               "--max-inflight-requests)", registry=r)
+        evicted = Gauge("ampd_frontend_sessions_evicted", "idle sessions closed to make room (a counter), by why: "
+                        "kv-full (the deployment refused a new session for lack of KV), max-sessions, "
+                        "tenant-sessions, tenant-kv (a tenant's caps)", ["reason"], registry=r)
+        for reason in table.evictions:
+            evicted.labels(reason).set_function(lambda reason=reason: table.evictions[reason])
 
 
-def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+def _continues(history: Sequence[int], ids: Sequence[int]) -> bool:
+    """Whether ``ids`` is the history and more (a turn needs at least one new token)."""
+    return len(ids) > len(history) and ids[:len(history)] == history
+
+
+def _kv_full(e: ApiError) -> bool:
+    return e.status == 429 and "kv-full" in e.message
+
+
+TENANT_RETRY_AFTER_S = 1  # a tenant at its caps with every session busy: a turn ends soon
+# After a new session was refused for lack of KV, the next new sessions at least as big for this
+# long first evict what they need (of the idle sessions past the grace), instead of each waiting out
+# the admission wait: a smaller one may fit in what is left.
+KV_SHORT_S = 10.0
 
 
 class Front:
@@ -118,7 +132,11 @@ class Front:
         self.model = args.model
         self.engine = args.engine
         self.default_max_tokens = args.default_max_tokens
-        self.auth = f"Bearer {args.auth_token}".encode() if args.auth_token else b""
+        # API keys name tenants; else the shared token is one tenant; else the front is open
+        self.keys = KeyRing(load_api_keys(args.api_keys) if args.api_keys else None, args.auth_token)
+        self.idle_grace = args.idle_grace
+        self.tenant_sessions, self.tenant_kv_tokens = args.tenant_sessions, args.tenant_kv_tokens
+        self.kv_short_until, self.kv_short_need = 0.0, 0  # KV was short lately for this need (KV_SHORT_S)
         self.fmt = fmt
         self.tok = fmt.tokenizer
         self.eos_ids = (self.tok.eos_token_id,) if self.tok.eos_token_id is not None else ()
@@ -136,10 +154,14 @@ class Front:
     def _detok(self, ids: Sequence[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False)
 
-    def _check_auth(self, request: Request) -> None:
-        if self.auth and not hmac.compare_digest(request.headers.get("authorization", "").encode(), self.auth):
+    def _check_auth(self, request: Request) -> Tenant:
+        """The request's tenant (request.state.tenant), or 401."""
+        tenant = self.keys.tenant(request.headers.get("authorization", ""))
+        if tenant is None:
             raise ApiError(401, "authorization: missing or wrong API key (Authorization: Bearer KEY)",
                            code="invalid_api_key", type="authentication_error")
+        request.state.tenant = tenant
+        return tenant
 
     def _check_model(self, model: str) -> None:
         if model != self.model:
@@ -216,67 +238,127 @@ class Front:
                       forced, hold)
 
     # ------------------------------------------------------------------------------ placing a turn
-    async def _place(self, ids: list[int], header: str, how: list[str], forwarded: bool
-                     ) -> tuple[LiveSession | None, int]:
-        """The live session this request continues and how many of its tokens it keeps; None: new."""
+    async def _place(self, tenant: Tenant, ids: list[int], header: str, how: list[str], forwarded: bool
+                     ) -> LiveSession | None:
+        """The tenant's live session this request continues (its history, then more); None: a new
+        one. Another tenant's sessions never match. A request that diverges from the session its
+        header names forks: a new session, and the named one keeps its KV for its own client."""
         if header:
-            s = self.table.live.get(header)
-            if s is not None and not s.closed:
-                if s.busy and forwarded:  # another front matched its entry while its turn runs
-                    how.append("new")
-                    return None, 0
-                if s.busy:
-                    raise ApiError(409, f"x-session-id: session {header!r} is answering another request",
-                                   code="session_busy")
-                how.append("header")
-                return s, min(_lcp(s.history, ids), len(ids) - 1)
-            how.append("new")
-            return None, 0
-        m = self.table.local.find(ids)
+            s = self.table.get(tenant, header)
+            if s is None:
+                how.append("new")
+                return None
+            if s.busy and forwarded:  # another front matched its entry while its turn runs
+                how.append("new")
+                return None
+            if s.busy:
+                raise ApiError(409, f"x-session-id: session {header!r} is answering another request",
+                               code="session_busy")
+            how.append("header" if _continues(s.history, ids) else "fork")
+            return s if how[0] == "header" else None
+        m = self.table.local.find(tenant.scope, ids)
         if m is None and not forwarded:  # none of this front's sessions: perhaps another front's
-            m = await self.index.find(ids, (await self.index.prefetch(()))[0])
+            m = await self.index.find(tenant.scope, ids, (await self.index.prefetch(tenant.scope, ()))[0])
             if m is not None and m.front != self.table.me:
                 raise _Forward(m)
         if m is not None:
             s = self.table.live.get(m.session_id)
-            if s is not None and not s.busy and not s.closed and s.history == ids[:m.length]:
+            if (s is not None and not s.busy and not s.closed and s.tenant.scope == tenant.scope
+                    and s.history == ids[:m.length]):
                 how.append("prefix")
-                return s, m.length
+                return s
         how.append("new")
-        return None, 0
+        return None
+
+    def _tenant_room(self, request: Request, tenant: Tenant, s: LiveSession | None, ids: list[int]) -> None:
+        """Holds the tenant to its caps: its own least recently used idle sessions go, else 429."""
+        if not (self.tenant_sessions or self.tenant_kv_tokens):
+            return
+        if self.tenant_kv_tokens and len(ids) > self.tenant_kv_tokens:
+            param = "messages" if request.url.path.endswith("chat/completions") else "prompt"
+            raise ApiError(400, f"{param}: {len(ids)} tokens, over this tenant's {self.tenant_kv_tokens} KV tokens "
+                                "(--tenant-kv-tokens)", param=param, code="tenant_kv_limit")
+        mine = self.table.of_tenant(tenant)
+        sessions = len(mine) + (s is None)
+        tokens = sum(len(x.history) for x in mine if x is not s) + len(ids)
+        idle = [Held(x.session_id, x.last_used, tokens=len(x.history)) for x in mine if not x.busy and x is not s]
+        victims = tenant_victims(idle, sessions, tokens, self.tenant_sessions, self.tenant_kv_tokens)
+        if victims is None:
+            raise ApiError(429, f"this tenant holds its most sessions ({self.tenant_sessions}, --tenant-sessions) or "
+                                f"KV tokens ({self.tenant_kv_tokens}, --tenant-kv-tokens), all busy; retry later",
+                           code="tenant_limit", type="rate_limit_error", retry_after=TENANT_RETRY_AFTER_S)
+        over_sessions = bool(self.tenant_sessions) and sessions > self.tenant_sessions
+        for sid in victims:
+            self.table.evict(self.table.live[sid], "tenant-sessions" if over_sessions else "tenant-kv")
 
     async def _begin(self, request: Request, ids: list[int], header: str, p: common_pb2.SamplingParams,
                      answered: Sequence[str]) -> tuple[LiveSession, common_pb2.Turn | None]:
         how: list[str] = []
+        tenant: Tenant = request.state.tenant
         forwarded = bool(request.headers.get(FORWARDED)) or getattr(request.state, "no_forward", False)
-        s, keep = await self._place(ids, header, how, forwarded)
+        s = await self._place(tenant, ids, header, how, forwarded)
         self.metrics.sessions.labels(how[0]).inc()
+        self._tenant_room(request, tenant, s, ids)
         if s is None:
             if not self.table.room():
                 raise ApiError(429, "the front holds its most sessions, all busy; retry later",
                                code="too_many_sessions", type="rate_limit_error")
-            held = self.table.live.get(header)
-            sid = header if header and (held is None or held.closed) else self.table.new_id()
-            s = LiveSession(sid, history=list(ids), busy=True)
-            self.table.live[sid] = s
-            s.start(self.stub, common_pb2.OpenSession(session_id=sid, turn=common_pb2.Turn(
-                token_ids=ids, sampling=p)))
+            name = header if header and self.table.get(tenant, header) is None else ""
+            s = LiveSession(self.table.new_id(), history=list(ids), busy=True, name=name, tenant=tenant,
+                            promised=len(ids) + p.max_tokens)
+            if time.monotonic() < self.kv_short_until and s.promised >= self.kv_short_need:
+                # its admission is woken when their KV frees
+                self._evict_for_kv(s, enough_only=True)
+            self.table.add(s)
+            s.opened_with = getattr(request.state, "known", {})
+            self.table.hold(s, s.opened_with)
+            s.open_msg = common_pb2.OpenSession(session_id=s.session_id, turn=common_pb2.Turn(token_ids=ids, sampling=p))
+            s.start(self.stub, s.open_msg)
             return s, None
         self.table.take(s)
-        turn = common_pb2.Turn(token_ids=ids[keep:], sampling=p)
-        if keep < len(s.history):
-            turn.keep_tokens = keep
+        turn = common_pb2.Turn(token_ids=ids[len(s.history):], sampling=p)
+        s.promised += len(turn.token_ids) + p.max_tokens
         answers = [c for c in answered if c in s.pending_calls]
         if answers:
             turn.tool_call_id = answers[0]
         s.pending_calls.clear()
-        s.history = s.history[:keep] + ids[keep:]
+        s.history = list(ids)
         return s, turn
+
+    def _evict_for_kv(self, s: LiveSession, enough_only: bool = False) -> list[asyncio.Task]:
+        """Evicts idle sessions past the grace, least recently used first, until one decode worker
+        got back what the new session ``s`` needs (``enough_only``: none if that is not possible);
+        the evictions' tasks."""
+        held = [Held(x.session_id, x.last_used, x.busy, x.worker, x.promised, len(x.history))
+                for x in self.table.live.values() if x is not s]
+        victims, enough = kv_victims(held, time.monotonic(), self.idle_grace, s.promised)
+        if enough_only and not enough:
+            return []
+        return [t for t in (self.table.evict(self.table.live[v], "kv-full") for v in victims) if t is not None]
+
+    async def _kv_room(self, s: LiveSession) -> bool:
+        """The deployment refused the new session ``s`` for lack of KV: evicts for it (waiting for
+        an idle session to pass its grace if none has). False: no idle session to close."""
+        now = time.monotonic()
+        self.kv_short_need = s.promised if now >= self.kv_short_until else min(self.kv_short_need, s.promised)
+        self.kv_short_until = now + KV_SHORT_S
+        deadline = now + self.idle_grace + 1.0  # sessions that keep turning busy are not idle
+        while True:
+            evictions = self._evict_for_kv(s)
+            if evictions:
+                await asyncio.gather(*evictions)
+                return True
+            now = time.monotonic()
+            held = [Held(x.session_id, x.last_used, x.busy) for x in self.table.live.values() if x is not s]
+            wake = grace_ends(held, now, self.idle_grace)
+            if wake is None or wake > deadline:
+                return False
+            await asyncio.sleep(wake - now)
 
     async def forward(self, request: Request, m: Match) -> Response:
         """Passes the request to the front that holds its session (named by the header there); a
         front that does not answer leaves the conversation to a new session here."""
-        headers = {"content-type": "application/json", "x-session-id": m.session_id, FORWARDED: "1"}
+        headers = {"content-type": "application/json", "x-session-id": m.name, FORWARDED: "1"}
         if request.headers.get("authorization"):
             headers["authorization"] = request.headers["authorization"]
         req = self.http.build_request("POST", m.front + request.url.path, content=request.state.raw, headers=headers)
@@ -290,7 +372,7 @@ class Front:
         self.metrics.sessions.labels("forwarded").inc()
         return StreamingResponse(resp.aiter_raw(), status_code=resp.status_code,
                                  media_type=resp.headers.get("content-type"),
-                                 headers={"x-session-id": resp.headers.get("x-session-id", m.session_id)},
+                                 headers={"x-session-id": resp.headers.get("x-session-id", m.name)},
                                  background=BackgroundTask(resp.aclose))
 
     def _ended(self, run: TurnRun) -> None:
@@ -301,10 +383,19 @@ class Front:
             self.metrics.generation_tokens.inc(len(a.tokens))
 
     async def _run(self, s: LiveSession, turn, answer: Answer, prefix: list[int], t0: float) -> tuple[TurnRun, Any]:
-        run = TurnRun(self.table, s, answer, prefix, self._ended)
-        run.start(turn)
-        first = await run.out.get()
-        if first[0] == FAILED:
+        while True:
+            run = TurnRun(self.table, s, answer, prefix, self._ended)
+            run.start(turn)
+            first = await run.out.get()
+            if first[0] != FAILED:
+                s.open_msg, s.opened_with = None, {}  # opened: nothing to open again
+                break
+            # a new session refused for lack of KV: idle sessions make room, and it opens again
+            if turn is None and _kv_full(first[1]) and await self._kv_room(s):
+                s.reopen(self.stub, self.table.new_id())
+                self.table.add(s)
+                self.table.hold(s, s.opened_with)
+                continue
             raise first[1]
         if run.first_token_at is not None:
             self.metrics.ttft.observe(run.first_token_at - t0)
@@ -317,10 +408,12 @@ class Front:
         req, digests = await self._off_loop(self._parse_chat, await self._raw_body(request))
         self._check_model(req.model)
         header = self._header_session(request)
+        scope = request.state.tenant.scope
         local = self.table.local.answers
-        known = {d: local[d] for d in digests if d in local}
+        known = {d: local[(scope, d)] for d in digests if (scope, d) in local}
         if len(known) < len(digests):  # answers another front gave
-            known.update((await self.index.prefetch([d for d in digests if d not in known]))[1])
+            known.update((await self.index.prefetch(scope, [d for d in digests if d not in known]))[1])
+        request.state.known = known  # a new session's history holds them
         ids, prefix = await self._off_loop(self._render, req, known)
         p = self._sampling(req.sampling, req.forced_tool is not None)
         answered = [m.get("tool_call_id") for m in req.messages[_last_answer(req.messages) + 1:]
@@ -329,7 +422,7 @@ class Front:
         answer = self._answer(p, req.forced_tool, bool(req.tools) and req.forced_tool is None)
         run, first = await self._run(s, turn, answer, prefix, t0)
         cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-        headers = {"x-session-id": s.session_id}
+        headers = {"x-session-id": run.s.name}
         if req.stream:
             return EventStream(self._chat_stream(cid, req, run, first), headers)
         await _until_end(run)
@@ -337,7 +430,7 @@ class Front:
         body = {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": self.model,
                 "choices": [{"index": 0, "message": a.message(run.calls), "finish_reason": a.openai_finish(),
                              "logprobs": None}],
-                "usage": a.usage(), "ampd": _ext(s, a)}
+                "usage": a.usage(), "ampd": _ext(run.s, a)}
         return JSONResponse(body, headers=headers)
 
     async def _chat_stream(self, cid: str, req: ChatRequest, run: TurnRun, first):
@@ -391,7 +484,7 @@ class Front:
                 e.param = "prompt"
             raise
         cid = f"cmpl-{uuid.uuid4().hex[:24]}"
-        headers = {"x-session-id": s.session_id}
+        headers = {"x-session-id": run.s.name}
         if req.stream:
             return EventStream(self._completion_stream(cid, req, run, first), headers)
         await _until_end(run)
@@ -401,7 +494,7 @@ class Front:
         if req.return_token_ids:
             choice.update(prompt_token_ids=ids, token_ids=a.tokens)
         body = {"id": cid, "object": "text_completion", "created": int(time.time()), "model": self.model,
-                "choices": [choice], "usage": a.usage(), "ampd": _ext(s, a)}
+                "choices": [choice], "usage": a.usage(), "ampd": _ext(run.s, a)}
         return JSONResponse(body, headers=headers)
 
     async def _completion_stream(self, cid: str, req: CompletionRequest, run: TurnRun, first):
@@ -538,7 +631,7 @@ async def _until_end(run: TurnRun) -> None:
 def _ext(s: LiveSession, a: Answer) -> dict:
     """The `ampd` extension of an answer: its session and where its prefill ran."""
     t = a.timing
-    out: dict[str, Any] = {"session_id": s.session_id, "l_hist": a.l_hist, "l_incr": a.l_incr}
+    out: dict[str, Any] = {"session_id": s.name, "l_hist": a.l_hist, "l_incr": a.l_incr}
     if t is not None:
         out.update(round=t.round, local=t.local, prefill_worker=t.prefill_worker, route_reason=t.route_reason)
     return out
@@ -659,6 +752,8 @@ def main(argv: list[str] | None = None) -> None:
         args = build_parser().parse_args(argv)
         require(args, "redis_url", "coordinator_address")
         tokenizer_for(args.engine, args.model)
+        if args.api_keys:
+            load_api_keys(args.api_keys)
     except (ConfigError, ValueError) as exc:
         sys.exit(f"ampd-frontend: error: {exc}")
     grpcserver.run(amain(args))

@@ -132,15 +132,17 @@ class TurnRun:
         msg = a.message(self.calls)
         segment = self.segment_prefix + a.tokens
         digest = answer_digest(msg["content"], msg.get("tool_calls"))
-        entry, stale, s.stale_entry = history_entry(s.history), s.stale_entry, None
+        entry, stale, s.stale_entry = history_entry(s.history, s.tenant.scope), s.stale_entry, None
         s.entry = entry.key
-        self.table.local.add(s.session_id, s.entry)
-        self.table.local.answers[digest] = segment
+        self.table.local.add(s.session_id, entry)
+        self.table.local.hold_answer(s.tenant.scope, digest, segment)
         s.answers.append(digest)
+        s.unpublished.append((digest, segment))
+        answers, s.unpublished = s.unpublished, []
         s.busy = False
         s.last_used = time.monotonic()
         try:
-            await self.table.index.publish(s.session_id, self.table.me, entry, (digest, segment), stale)
+            await self.table.index.publish(s.session_id, s.name, self.table.me, entry, answers, stale)
         except Exception as exc:  # Redis away: this front still finds the session
             log.warning("index publish failed", session=s.session_id, error=str(exc))
         self.out.put_nowait((DONE, None, None))
