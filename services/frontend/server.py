@@ -69,9 +69,10 @@ class JSONResponse(Response):
 
 class EventStream(StreamingResponse):
     """Server-sent events, streamed without Starlette's second task that waits for the client to
-    disconnect (what it does for servers of ASGI spec < 2.4; uvicorn says 2.3): a turn runs to its
-    end whether or not its client stays (`TurnRun`), and a gone client's chunks are dropped by the
-    server, so the task would only cost a task group per response."""
+    disconnect (what it does for servers of ASGI spec < 2.4; uvicorn says 2.3): the turn already
+    watches for it (`_client_gone`, which stops its decoding), the turn then runs to its end, and a
+    gone client's chunks are dropped by the server, so the task would only cost a task group per
+    response."""
 
     def __init__(self, content, headers: dict[str, str]) -> None:
         super().__init__(content, media_type="text/event-stream", headers=headers)
@@ -95,6 +96,8 @@ class FrontMetrics:
         self.cached_tokens = Counter("ampd_frontend_cached_prompt_tokens", "prompt tokens whose KV the session "
                                      "already held (not prefilled again)", registry=r)
         self.generation_tokens = Counter("ampd_frontend_generation_tokens", "output tokens sent", registry=r)
+        self.turns_stopped = Counter("ampd_frontend_turns_stopped", "turns whose client went away before their "
+                                     "end: their decoding was stopped (StopRound), the session kept", registry=r)
         self.ttft = Histogram("ampd_frontend_time_to_first_token_seconds", "from a request's arrival at the front "
                               "to its first output token", buckets=TTFT_BUCKETS, registry=r)
         live = Gauge("ampd_frontend_sessions_active", "sessions this front holds", ["state"], registry=r)
@@ -377,6 +380,8 @@ class Front:
 
     def _ended(self, run: TurnRun) -> None:
         a = run.answer
+        if run.stopped:
+            self.metrics.turns_stopped.inc()
         if run.error is None:
             self.metrics.prompt_tokens.inc(a.l_hist + a.l_incr)
             self.metrics.cached_tokens.inc(a.l_hist)
@@ -421,6 +426,7 @@ class Front:
         s, turn = await self._begin(request, ids, header, p, answered)
         answer = self._answer(p, req.forced_tool, bool(req.tools) and req.forced_tool is None)
         run, first = await self._run(s, turn, answer, prefix, t0)
+        run.stop_when(_client_gone(request))
         cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         headers = {"x-session-id": run.s.name}
         if req.stream:
@@ -483,6 +489,7 @@ class Front:
             if e.param == "messages":  # the session API's input is this endpoint's prompt
                 e.param = "prompt"
             raise
+        run.stop_when(_client_gone(request))
         cid = f"cmpl-{uuid.uuid4().hex[:24]}"
         headers = {"x-session-id": run.s.name}
         if req.stream:
@@ -617,6 +624,15 @@ async def _events(run: TurnRun, first):
         yield kind, text, ids
         if kind != TEXT:
             return
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns once the client has gone away. Its body was read whole, so the server's next message
+    is http.disconnect: uvicorn sends it when the connection is lost (or once the response is
+    complete, after the turn's end, when nothing waits for it any more). Costs one waiting task
+    per turn, nothing per token."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _until_end(run: TurnRun) -> None:

@@ -83,6 +83,10 @@ class LiveSession:
     def send_turn(self, turn: common_pb2.Turn) -> None:
         self.outbox.put_nowait(coordinator_pb2.ClientMessage(turn=turn))
 
+    def stop_round(self) -> None:
+        """StopRound: the running turn's decoding ends at its next token; the session stays."""
+        self.outbox.put_nowait(coordinator_pb2.ClientMessage(stop=coordinator_pb2.StopRound()))
+
     def close(self) -> None:
         """Ends the session: Close, then half-close (the decode worker frees its KV)."""
         if not self.closed:

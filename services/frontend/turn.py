@@ -1,11 +1,13 @@
 """One turn on a live session: sends it, feeds the session's events into an `Answer`, records the
-new history in the index when the turn ends. The HTTP handler reads `out`; the turn goes on to its
-end without it (a client that goes away does not leave the session half-recorded)."""
+new history in the index when the turn ends. The HTTP handler reads `out`. A client that goes away
+stops the turn's decoding (`stop_when`: StopRound, the round ends at its next token), and the turn
+still runs to that end, so the front records the history the session holds: the tokens made before
+the stop included, and the session stays reusable."""
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Callable
+from typing import Awaitable, Callable
 
 import grpc
 import structlog
@@ -85,6 +87,9 @@ class TurnRun:
         self.error: ApiError | None = None
         self.first_token_at: float | None = None
         self.on_end = on_end
+        self.stopped = False  # its client went away: StopRound sent
+        self._gone: asyncio.Future | None = None  # completes when its client goes away (`stop_when`)
+        self._over = False  # its TurnEnd (or its failure) came
         s.events = asyncio.Queue()
         if s.closed:  # the stream ended while the session idled
             s.events.put_nowait(s.error or END)
@@ -93,6 +98,27 @@ class TurnRun:
         if turn is not None:
             self.s.send_turn(turn)
         return asyncio.create_task(self._drive(), name=f"turn-{self.s.session_id}")
+
+    def stop_when(self, gone: Awaitable) -> None:
+        """Stops the turn once ``gone`` completes (its client went away); ``gone`` is cancelled at the
+        turn's end. One task per turn, nothing per token."""
+        self._gone = asyncio.ensure_future(gone)
+        if self._over:  # it ended before its response was sent
+            self._gone.cancel()
+            return
+        self._gone.add_done_callback(self._client_gone)
+
+    def _client_gone(self, f: asyncio.Future) -> None:
+        if not f.cancelled():
+            f.exception()  # retrieved: a client whose connection failed is gone too
+            self.stop()
+
+    def stop(self) -> None:
+        """Ends the turn's decoding at its next token (finish_reason stop_requested); a turn that
+        already ended is left alone (a stop between turns does nothing anyway)."""
+        if not self._over and not self.stopped and not self.s.closed:
+            self.stopped = True
+            self.s.stop_round()
 
     async def _drive(self) -> None:
         s, a = self.s, self.answer
@@ -116,8 +142,10 @@ class TurnRun:
                     a.round_end(ev.round_end.timing)
                 elif kind == "turn_end":
                     a.turn_end(ev.turn_end.finish_reason)
+                    held = ev.turn_end.history_tokens
                     break
         except _Ended as e:
+            self._finish()
             self.error = grpc_error(e.exc)
             s.events = None
             await self.table.drop(s)
@@ -125,9 +153,19 @@ class TurnRun:
             self._ended()
             return
         except asyncio.CancelledError:
+            self._finish()
             await self.table.drop(s)
             raise
+        self._finish()
         s.events = None
+        if held != len(s.history):  # never seen: a session the front cannot describe is not reused
+            log.warning("session holds other tokens than the front recorded; closed", session=s.session_id,
+                        held=held, recorded=len(s.history))
+            self.calls = a.calls()
+            await self.table.drop(s)
+            self.out.put_nowait((DONE, None, None))
+            self._ended()
+            return
         self.calls = a.calls()  # every token's text decoded, whether or not a client streamed it
         msg = a.message(self.calls)
         segment = self.segment_prefix + a.tokens
@@ -147,6 +185,11 @@ class TurnRun:
             log.warning("index publish failed", session=s.session_id, error=str(exc))
         self.out.put_nowait((DONE, None, None))
         self._ended()
+
+    def _finish(self) -> None:
+        self._over = True
+        if self._gone is not None:
+            self._gone.cancel()
 
     def _ended(self) -> None:
         if self.on_end is not None:
