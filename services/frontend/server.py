@@ -131,7 +131,7 @@ KV_SHORT_S = 10.0
 
 
 class Front:
-    def __init__(self, args: argparse.Namespace, fmt: ChatFormat, stub, index: SessionIndex, me: str) -> None:
+    def __init__(self, args: argparse.Namespace, fmt: ChatFormat, coordinator, index: SessionIndex, me: str) -> None:
         self.model = args.model
         self.engine = args.engine
         self.default_max_tokens = args.default_max_tokens
@@ -143,7 +143,7 @@ class Front:
         self.fmt = fmt
         self.tok = fmt.tokenizer
         self.eos_ids = (self.tok.eos_token_id,) if self.tok.eos_token_id is not None else ()
-        self.stub = stub
+        self.coordinator = coordinator  # the coordinator's Session API (a gRPC client)
         self.index = index
         self.table = SessionTable(index, me, args.session_ttl, args.max_sessions)
         self.metrics = FrontMetrics(self.table)
@@ -316,7 +316,7 @@ class Front:
             s.opened_with = getattr(request.state, "known", {})
             self.table.hold(s, s.opened_with)
             s.open_msg = common_pb2.OpenSession(session_id=s.session_id, turn=common_pb2.Turn(token_ids=ids, sampling=p))
-            s.start(self.stub, s.open_msg)
+            s.start(self.coordinator)
             return s, None
         self.table.take(s)
         turn = common_pb2.Turn(token_ids=ids[len(s.history):], sampling=p)
@@ -397,7 +397,7 @@ class Front:
                 break
             # a new session refused for lack of KV: idle sessions make room, and it opens again
             if turn is None and _kv_full(first[1]) and await self._kv_room(s):
-                s.reopen(self.stub, self.table.new_id())
+                s.reopen(self.coordinator, self.table.new_id())
                 self.table.add(s)
                 self.table.hold(s, s.opened_with)
                 continue
@@ -713,10 +713,10 @@ async def amain(args: argparse.Namespace) -> None:
     # the deployment's shared token goes to the coordinator with every call (ampd.grpcserver)
     channel = grpcserver.channel(args.coordinator_address, token=args.auth_token,
                                  max_message=grpcserver.CLIENT_MAX_MESSAGE)
-    stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+    coordinator = coordinator_pb2_grpc.CoordinatorStub(channel)
     redis = await connect(args.redis_url)
     index = SessionIndex(redis, args.namespace, args.session_ttl)
-    front = Front(args, fmt, stub, index, "")
+    front = Front(args, fmt, coordinator, index, "")
     config = uvicorn.Config(build_app(front), host=args.host, port=args.port, loop="none", lifespan="off", http="httptools",
                             log_level="warning", access_log=False, timeout_graceful_shutdown=5,
                             timeout_keep_alive=KEEP_ALIVE_S)

@@ -59,9 +59,10 @@ class LiveSession:
         while (m := await self.outbox.get()) is not None:
             yield m
 
-    def start(self, stub, open_msg: common_pb2.OpenSession) -> None:
-        self.outbox.put_nowait(coordinator_pb2.ClientMessage(open=open_msg))
-        self.call = stub.Session(self._requests())
+    def start(self, coordinator) -> None:
+        """Opens the session (``open_msg``) on the coordinator's Session stream."""
+        self.outbox.put_nowait(coordinator_pb2.ClientMessage(open=self.open_msg))
+        self.call = coordinator.Session(self._requests())
         self.reader = asyncio.create_task(self._read(), name=f"session-{self.session_id}")
 
     async def _read(self) -> None:
@@ -100,12 +101,12 @@ class LiveSession:
     def __post_init__(self) -> None:
         self.name = self.name or self.session_id
 
-    def reopen(self, stub, session_id: str) -> None:
+    def reopen(self, coordinator, session_id: str) -> None:
         """Opens again what a refused open asked for, under a new id (the same name)."""
         self.session_id, self.closed, self.error, self.worker = session_id, False, None, ""
         self.outbox, self.call, self.reader, self.events = asyncio.Queue(), None, None, None
         self.open_msg.session_id = session_id
-        self.start(stub, self.open_msg)
+        self.start(coordinator)
 
 
 @dataclass

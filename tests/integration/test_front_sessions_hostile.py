@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -30,9 +28,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ampd import perf
 from ampd.front.index import SessionIndex
-from ampd.grpcserver import read_ready_file
 from ampd.launcher import Deployment, Options
 from ampd.state import connect
+from tests.integration.fronts import extra_front, tiny_chat_llama
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -229,17 +227,8 @@ def test_no_front_key_outlives_its_sessions(dep, tmp_path):
     evicts the other) serves conversations of two tenants with forks and evictions; once its
     sessions are past their TTL, it holds no Redis key."""
     ns, ttl = "front-leak", 2.0
-    ready = tmp_path / "front.port"
-    proc = subprocess.Popen([sys.executable, "-m", "services.frontend", "--coordinator-address", dep.coordinator,
-                             "--redis-url", dep.redis_url, "--namespace", ns, "--api-keys", dep.keys_file,
-                             "--session-ttl", str(ttl), "--max-sessions", "1", "--ready-file", str(ready)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 120
-        while not ready.exists():
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.1)
-        url = f"http://127.0.0.1:{read_ready_file(ready)['port']}"
+    with extra_front(dep.coordinator, dep.redis_url, tmp_path / "front.port", "--namespace", ns, "--api-keys",
+                     dep.keys_file, "--session-ttl", str(ttl), "--max-sessions", "1") as url:
         for tenant in ("leak-a", "leak-b"):
             convo = [user(f"{tenant} says hi")]
             for turn in range(3):
@@ -260,23 +249,11 @@ def test_no_front_key_outlives_its_sessions(dep, tmp_path):
         while (left := asyncio.run(keys())) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert left == []
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 @pytest.fixture(scope="module")
 def chat_llama(tmp_path_factory):
-    """A tiny random Llama over SmolLM2's vocabulary, with its tokenizer saved beside it."""
-    from ampd.chat.tokenizer import tokenizer_for
-    from ampd.engine.torch_models import load_tokenizer, save_tiny_llama, smollm2_tokenizer_dir
-
-    folder = tmp_path_factory.mktemp("chat-llama")
-    tok = load_tokenizer(smollm2_tokenizer_dir())
-    save_tiny_llama(folder, vocab_size=len(tok), layers=2, hidden_size=32, max_positions=2048)
-    tok.save_pretrained(folder)
-    tokenizer_for.cache_clear()
-    return folder
+    return tiny_chat_llama(tmp_path_factory.mktemp("chat-llama"))
 
 
 async def _answer_known(redis_url: str, ns: str, tenant: str, message: dict) -> bool:
@@ -295,7 +272,6 @@ def test_torch_an_evicted_conversation_goes_on_with_the_undisturbed_greedy_token
     """KV for 1,024 tokens, conversations of ~330: `ref` runs a conversation undisturbed; `live` runs
     the same one, and two more whose opens evict it (and `ref`'s); its next turn prefills its whole
     history in a new session and answers exactly what `ref`'s second turn did."""
-    pytest.importorskip("torch")
     opts = Options(prefill="none", decode="tp1*1", engine="torch", model=str(chat_llama), policy="local",
                    profile=_profile(tmp_path, 1024, 0.0), ttft_slo=5.0, itl_slo=1.0, redis_url=redis_url,
                    namespace="front-hostile-torch", session_ttl=120.0, admission_wait=0.5, idle_grace=0.5,

@@ -17,9 +17,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ampd.chat.tokenizer import tokenizer_for
-from ampd.engine.torch_models import load_tokenizer, save_tiny_llama, smollm2_tokenizer_dir
 from ampd.launcher import Deployment, Options
+from tests.integration.fronts import tiny_chat_llama
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -30,13 +29,7 @@ TOOLS = [{"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def chat_llama(tmp_path_factory):
-    """A tiny random Llama over SmolLM2's vocabulary, with its tokenizer saved beside it."""
-    folder = tmp_path_factory.mktemp("chat-llama")
-    tok = load_tokenizer(smollm2_tokenizer_dir())
-    save_tiny_llama(folder, vocab_size=len(tok), layers=2, hidden_size=32, max_positions=2048)
-    tok.save_pretrained(folder)
-    tokenizer_for.cache_clear()
-    return folder
+    return tiny_chat_llama(tmp_path_factory.mktemp("chat-llama"))
 
 
 @pytest.fixture(scope="module")

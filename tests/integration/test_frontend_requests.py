@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -17,10 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ampd.front.index import SessionIndex
-from ampd.grpcserver import read_ready_file
 from ampd.launcher import Deployment, Options
 from ampd.state import connect
 from ampd.state.local import free_port
+from tests.integration.fronts import extra_front
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -196,17 +194,8 @@ def test_fuzzed_requests_never_crash_the_front_nor_leak_a_session(dep):
 def test_a_second_front_agrees_and_guards_with_its_token(dep, tmp_path):
     """A second front on the same deployment and Redis index, with a token: a conversation the first
     front holds, resent to the second, continues on the first (forwarded), with its cached tokens."""
-    ready = tmp_path / "front.port"
-    proc = subprocess.Popen([sys.executable, "-m", "services.frontend", "--coordinator-address", dep.coordinator,
-                             "--redis-url", dep.redis_url, "--namespace", NS, "--auth-token", "s3cret",
-                             "--session-ttl", str(TTL_S), "--ready-file", str(ready)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 120
-        while not ready.exists():
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.1)
-        url = f"http://127.0.0.1:{read_ready_file(ready)['port']}"
+    with extra_front(dep.coordinator, dep.redis_url, tmp_path / "front.port", "--namespace", NS, "--auth-token",
+                     "s3cret", "--session-ttl", str(TTL_S)) as url:
         s, b = post(url, chat())
         assert s == 401 and b["error"]["code"] == "invalid_api_key"
         s, b = post(url, chat(), headers={"authorization": "Bearer wrong"})
@@ -221,9 +210,6 @@ def test_a_second_front_agrees_and_guards_with_its_token(dep, tmp_path):
         assert s2 == 200, b2
         assert b2["ampd"]["session_id"] == b1["ampd"]["session_id"]
         assert b2["usage"]["prompt_tokens_details"]["cached_tokens"] == b1["usage"]["prompt_tokens"] + 4 - 1
-    finally:
-        proc.terminate()
-        proc.wait(10)
     _wait_no_sessions(dep)
 
 
