@@ -174,7 +174,7 @@ class TTFTAwareQueue(PrefillQueue):
     ordering replaces the window and its head is dequeued.
     """
 
-    __slots__ = ("window", "_plans")
+    __slots__ = ("window", "pops_on_time", "_plans")
 
     def __init__(self, cost: CostModel, slo: SLO, tp: int, *, window: int = 3):
         if window < 1:
@@ -182,6 +182,9 @@ class TTFTAwareQueue(PrefillQueue):
         super().__init__(cost, slo, tp)
         self.name = "ttft-aware"
         self.window = window
+        # pops with a choice where the FCFS order already meets every window task's TTFT: nothing
+        # for Algorithm 2 to gain there
+        self.pops_on_time = 0
         # plans per window size n (1..window); index 0, 1 unused (no enumeration needed)
         self._plans = [()] * 2 + [_plans(n) for n in range(2, window + 1)]
 
@@ -215,6 +218,7 @@ class TTFTAwareQueue(PrefillQueue):
         best = -1
         best_order: tuple[int, ...] = ()
         best_post: tuple[int, ...] = ()
+        first = True
         for order, mask, post in self._plans[n]:
             if mask & capped:
                 continue
@@ -224,6 +228,10 @@ class TTFTAwareQueue(PrefillQueue):
                 c += tpre[i]
                 if waited[i] + c <= ttft:
                     s += 1
+            if first:  # the identity (FCFS): caps never skip it, it postpones nobody
+                first = False
+                if s == n:
+                    self.pops_on_time += 1
             if s > best:
                 best = s
                 best_order = order

@@ -104,6 +104,7 @@ def test_start_in_counts_the_wait_for_the_worker():
         q.push(task("Y", 100, -0.8))
         assert q.pop(0.0, start_in).session_id == first
         assert (q.pops_choice, q.pops_reordered) == (1, int(first == "Y"))
+        assert q.pops_on_time == int(first == "X")  # free now, FCFS met both: nothing to gain
         q.pop(0.0)
         assert (q.pops_choice, q.pops_reordered) == (1, int(first == "Y"))  # one task: no choice
 
