@@ -9,17 +9,18 @@ from ampd.policy import SLO, PrefillTask, make_queue, remote_parts, t_remote
 from ampd.worker import KvRead, PrefillCore, PrefillWork
 
 
-def _profile():
+def _profile(pre_alpha=0.01, pre_beta=1e-4, hist=1e-6, kv_alpha=0.001):
     """t_pre = 0.01 + 1e-4 * l_incr + 1e-6 * l_hist; t_kv = 0.001 + 1e-6 * tokens (1000 bytes a
-    token, 1e-9 s a byte); t_dec = 0.02 + 1e-4 * batch + 1e-7 * context."""
+    token, 1e-9 s a byte); t_dec = 0.02 + 1e-4 * batch + 1e-7 * context (the defaults)."""
     tp = {"1": {"kv_capacity_tokens": 10_000, "prefill_chunk_tokens": 512,
-                "t_pre": {"l_incr": {"breakpoints": [0, 1e9], "alpha": [0.01], "beta": [1e-4]},
-                          "hist_s_per_token": 1e-6, "attn_s_per_token2": 0.0},
+                "t_pre": {"l_incr": {"breakpoints": [0, 1e9], "alpha": [pre_alpha], "beta": [pre_beta]},
+                          "hist_s_per_token": hist, "attn_s_per_token2": 0.0},
                 "t_dec": {"batch": {"breakpoints": [0, 1e9], "alpha": [0.02], "beta": [1e-4]},
                           "ctx_s_per_token": 1e-7}}}
     return profile_from_dict({
         "schema_version": 1, "name": "test@worker", "model": "test", "hardware": "sim", "kv_bytes_per_token": 1000,
-        "t_kv": {"bytes_per_link": {"breakpoints": [0, 1e12], "alpha": [0.001], "beta": [1e-9]}, "links": "min_tp"},
+        "t_kv": {"bytes_per_link": {"breakpoints": [0, 1e12], "alpha": [kv_alpha], "beta": [1e-9]},
+                 "links": "min_tp"},
         "tp": tp})
 
 
@@ -148,20 +149,6 @@ def test_reordering_queue_pops_by_algorithm_2():
     assert core.next(0.0).task == short
 
 
-def _ms_per_token_profile():
-    """Issue 26's example: t_pre = 1 ms per new token; t_kv = 1 us per token (1000 bytes a token,
-    1e-9 s a byte), so only A's history read and the write-backs move KV, each under 1.1 ms."""
-    tp = {"1": {"kv_capacity_tokens": 100_000, "prefill_chunk_tokens": 512,
-                "t_pre": {"l_incr": {"breakpoints": [0, 1e9], "alpha": [0.0], "beta": [1e-3]},
-                          "hist_s_per_token": 0.0, "attn_s_per_token2": 0.0},
-                "t_dec": {"batch": {"breakpoints": [0, 1e9], "alpha": [0.02], "beta": [1e-4]},
-                          "ctx_s_per_token": 1e-7}}}
-    return profile_from_dict({
-        "schema_version": 1, "name": "ms@worker", "model": "test", "hardware": "sim", "kv_bytes_per_token": 1000,
-        "t_kv": {"bytes_per_link": {"breakpoints": [0, 1e12], "alpha": [0.0], "beta": [1e-9]}, "links": "min_tp"},
-        "tp": tp})
-
-
 @pytest.mark.parametrize("overlap", [True, False])
 def test_algorithm_2_scores_from_when_the_next_task_can_start(overlap):
     """Issue 26: A (1000 new tokens) computes from t=0 (its 1000-token history was read in the
@@ -169,7 +156,9 @@ def test_algorithm_2_scores_from_when_the_next_task_can_start(overlap):
     X first ends Y at 2.4 s after it arrived, a miss; Y first meets both. With the overlap the pop
     happens at t=0 while A still has 1 s of compute and its write-back to go: scored from t=0, X
     went first."""
-    prof = _ms_per_token_profile()
+    # 1 ms per new token; t_kv 1 us per token, so only A's history read and the write-backs move
+    # KV, each under 1.1 ms
+    prof = _profile(pre_alpha=0.0, pre_beta=1e-3, hist=0.0, kv_alpha=0.0)
     core = PrefillCore("prefill-0", 1, prof, make_queue("ttft-aware", prof, SLO(ttft_s=2.0, itl_s=0.1), 1),
                        kv_overlap=overlap)
     a = _task("a", 1000, 1000, -0.001)
