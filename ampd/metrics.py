@@ -80,6 +80,9 @@ WORKER = (
            (("nixl_bytes_read", "read"), ("nixl_bytes_written", "written")), label="direction"),
     _one("kv_bytes_verified", "counter", "kv_bytes_verified", "KV bytes received over NIXL and checked"),
     _one("kv_bytes_mismatched", "counter", "kv_bytes_mismatched", "checked KV bytes that were wrong"),
+    Family("queue_pops", "counter", "tasks taken from this worker's prefill queue with others waiting: "
+           "'choice' (two or more queued), 'reordered' (not the head: Algorithm 2 or Continuum's priority)",
+           (("queue_pops_choice", "choice"), ("queue_pops_reordered", "reordered")), label="kind"),
 )
 DECODE = (
     *WORKER,

@@ -3,7 +3,13 @@
 One queue instance per worker (prefill workers and every decode worker's local prefill queue).
 Each task's predicted prefill time on this worker (``cost.t_pre(tp, l_hist, l_incr)``) is
 computed once at ``push`` and kept beside the task, so ``pop`` and ``predicted_total`` never call
-the cost model. ``pop(now)`` takes the time as an argument; nothing reads a clock.
+the cost model. ``pop(now, start_in_s)`` takes the time as an argument (and how long until the popped
+task can start: a prefill worker with the KV overlap pops the next task while the current one still
+computes); nothing reads a clock.
+
+Every queue counts its pops: ``pops_choice`` (pops with two or more tasks queued, where an order had
+to be chosen) and ``pops_reordered`` (pops that did not take the head): the reordering ablation's
+evidence of how often Algorithm 2 had something to do and did it.
 """
 
 from __future__ import annotations
@@ -34,12 +40,12 @@ _POST = 2
 class PrefillQueue:
     """Base: FCFS storage in a deque of entries, running predicted total.
 
-    ``push(task[, predicted_s])``; ``pop(now) -> PrefillTask`` (``IndexError`` when empty); ``len(q)``;
-    ``tasks()`` in current order; ``predicted_total()`` = sum of predicted t_pre of queued tasks
-    (what the worker publishes as ``WorkerView.queue_predicted_s``); ``predict(task)``.
+    ``push(task[, predicted_s])``; ``pop(now[, start_in_s]) -> PrefillTask`` (``IndexError`` when
+    empty); ``len(q)``; ``tasks()`` in current order; ``predicted_total()`` = sum of predicted t_pre
+    of queued tasks (what the worker publishes as ``WorkerView.queue_predicted_s``); ``predict(task)``.
     """
 
-    __slots__ = ("name", "cost", "slo", "tp", "_q", "_total")
+    __slots__ = ("name", "cost", "slo", "tp", "_q", "_total", "pops_choice", "pops_reordered")
 
     def __init__(self, cost: CostModel, slo: SLO, tp: int):
         self.cost = cost
@@ -47,6 +53,8 @@ class PrefillQueue:
         self.tp = tp
         self._q: deque[list] = deque()
         self._total = 0.0
+        self.pops_choice = 0
+        self.pops_reordered = 0
 
     def predict(self, task: PrefillTask) -> float:
         """Predicted prefill time of ``task`` on this queue's worker."""
@@ -67,9 +75,12 @@ class PrefillQueue:
             self._total = 0.0  # drop accumulated rounding error whenever the queue drains
         return e[_TASK]
 
-    def pop(self, now: float) -> PrefillTask:
+    def pop(self, now: float, start_in_s: float = 0.0) -> PrefillTask:
+        """The next task to run; it can start ``start_in_s`` seconds after ``now``."""
         if not self._q:
             raise IndexError(f"pop from an empty {self.name} prefill queue")
+        if len(self._q) > 1:
+            self.pops_choice += 1
         return self._take(self._q.popleft())
 
     def __len__(self) -> int:
@@ -148,9 +159,12 @@ def _max_on_time(tpre: list[float], slack: list[float]) -> int:
 class TTFTAwareQueue(PrefillQueue):
     """Algorithm 2: TTFT-aware reordering inside a lookahead window, with a postponement cap.
 
-    At each ``pop(now)`` the window ``W`` is the first ``min(w, len)`` tasks. Every ordering of
-    ``W`` is scored ``S = #{k : (now - enqueued_at(k)) + C(k) <= slo.ttft_s}``, with ``C`` the prefix
-    sums of predicted prefill times in that order. Orderings are enumerated identity first and
+    At each ``pop(now, start_in_s)`` the window ``W`` is the first ``min(w, len)`` tasks. Every
+    ordering of ``W`` is scored ``S = #{k : (now - enqueued_at(k)) + start_in_s + C(k) <= slo.ttft_s}``,
+    with ``C`` the prefix sums of predicted prefill times in that order: completion times count from
+    when the popped task can start (Eq. 3 measured from the worker's next free moment, so a pop made
+    while the task in service still computes, the KV overlap's read ahead, scores the same window the
+    same way as a pop made when the worker is idle). Orderings are enumerated identity first and
     only a strictly larger ``S`` replaces the best so far, so ties keep FCFS. An ordering is skipped
     when it would postpone a task whose counter already equals ``w``.
 
@@ -160,7 +174,7 @@ class TTFTAwareQueue(PrefillQueue):
     ordering replaces the window and its head is dequeued.
     """
 
-    __slots__ = ("window", "_plans")
+    __slots__ = ("window", "pops_on_time", "_plans")
 
     def __init__(self, cost: CostModel, slo: SLO, tp: int, *, window: int = 3):
         if window < 1:
@@ -168,22 +182,30 @@ class TTFTAwareQueue(PrefillQueue):
         super().__init__(cost, slo, tp)
         self.name = "ttft-aware"
         self.window = window
+        # pops with a choice where the FCFS order already meets every window task's TTFT: nothing
+        # for Algorithm 2 to gain there
+        self.pops_on_time = 0
         # plans per window size n (1..window); index 0, 1 unused (no enumeration needed)
         self._plans = [()] * 2 + [_plans(n) for n in range(2, window + 1)]
 
-    def pop(self, now: float) -> PrefillTask:
+    def pop(self, now: float, start_in_s: float = 0.0) -> PrefillTask:
         q = self._q
         size = len(q)
         if size <= 1 or self.window == 1:
             if not size:
                 raise IndexError("pop from an empty ttft-aware prefill queue")
+            if size > 1:
+                self.pops_choice += 1
             return self._take(q.popleft())
+        self.pops_choice += 1
         n = self.window if size > self.window else size
         win = [q[k] for k in range(n)]
         ttft = self.slo.ttft_s
         cap = self.window
-        # waited[i]: how long task i has waited; it meets TTFT when waited[i] + C <= ttft (Eq. 4)
-        waited = [now - e[_TASK].enqueued_at for e in win]
+        # waited[i]: how long task i will have waited when the popped task starts; it meets TTFT
+        # when waited[i] + C <= ttft (Eq. 4)
+        at = now + start_in_s
+        waited = [at - e[_TASK].enqueued_at for e in win]
         tpre = [e[_TPRE] for e in win]
         capped = 0
         for i in range(n):
@@ -196,6 +218,7 @@ class TTFTAwareQueue(PrefillQueue):
         best = -1
         best_order: tuple[int, ...] = ()
         best_post: tuple[int, ...] = ()
+        first = True
         for order, mask, post in self._plans[n]:
             if mask & capped:
                 continue
@@ -205,6 +228,10 @@ class TTFTAwareQueue(PrefillQueue):
                 c += tpre[i]
                 if waited[i] + c <= ttft:
                     s += 1
+            if first:  # the identity (FCFS): caps never skip it, it postpones nobody
+                first = False
+                if s == n:
+                    self.pops_on_time += 1
             if s > best:
                 best = s
                 best_order = order
@@ -213,6 +240,7 @@ class TTFTAwareQueue(PrefillQueue):
                     break
         if not best_post:  # identity (FCFS) chosen
             return self._take(q.popleft())
+        self.pops_reordered += 1
         for i in best_post:
             win[i][_POST] += 1
         for _ in range(n):
@@ -231,20 +259,28 @@ class ContinuumQueue(PrefillQueue):
     their KV is resident, pinned through the tool call) go before new sessions' initial prefills
     (``round == 0``); FCFS within each class."""
 
-    __slots__ = ("_new",)
+    __slots__ = ("_new", "_seq")
 
     def __init__(self, cost: CostModel, slo: SLO, tp: int):
         super().__init__(cost, slo, tp)
         self.name = "continuum"
+        self._seq = 0
         self._new: deque[list] = deque()  # round-0 tasks; self._q holds round >= 1 tasks
 
     def push(self, task: PrefillTask, predicted_s: float | None = None) -> None:
         t = self.cost.t_pre(self.tp, task.l_hist, task.l_incr) if predicted_s is None else predicted_s
-        (self._q if task.round >= 1 else self._new).append([task, t, 0])
+        # the third slot (no postponement here) holds the push order, to count the overtakes
+        self._seq += 1
+        (self._q if task.round >= 1 else self._new).append([task, t, self._seq])
         self._total += t
 
-    def pop(self, now: float) -> PrefillTask:
+    def pop(self, now: float, start_in_s: float = 0.0) -> PrefillTask:
+        n = len(self._q) + len(self._new)
+        if n > 1:
+            self.pops_choice += 1
         if self._q:
+            if self._new and self._new[0][_POST] < self._q[0][_POST]:
+                self.pops_reordered += 1  # a running session's task overtakes an older new one
             e = self._q.popleft()
         elif self._new:
             e = self._new.popleft()

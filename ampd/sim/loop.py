@@ -544,6 +544,12 @@ class _Run:
             "decode_busy_fraction": [d.busy_s / now if now > 0 else 0.0 for d in decodes],
             "prefill_busy_fraction": [p.busy_s / now if now > 0 else 0.0 for p in prefills],
             "kv_used_end": [d.kv_used for d in decodes],
+            # the queues' pops (ampd.policy.reorder): with a choice (>= 2 queued), reordered, and
+            # (Algorithm 2's queues) with a choice where FCFS already met every window task
+            "pops": {kind: {"choice": sum(w.queue.pops_choice for w in ws),
+                            "reordered": sum(w.queue.pops_reordered for w in ws),
+                            "on_time": sum(getattr(w.queue, "pops_on_time", 0) for w in ws)}
+                     for kind, ws in (("prefill", prefills), ("local", decodes))},
             "gpus": sim.gpus,
             "prefill_spec": sim.prefill_spec,
             "decode_spec": sim.decode_spec,

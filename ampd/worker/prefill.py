@@ -23,7 +23,9 @@ Published queue (``WorkerView.queue_predicted_s``): the queued tasks' predicted 
 remaining time of the task in service. With the overlap, each queued task counts its compute, its
 write-back and the part of its read that the task before it (at push time: the last queued task, or
 the one read ahead) does not hide, and the task read ahead counts its compute, its write-back and
-whatever of its read outlasts the task in service; Algorithm 2 orders the queue by these same times.
+whatever of its read outlasts the task in service; Algorithm 2 orders the queue by these same times,
+counted from when the popped task can start (a read ahead pops while the task in service still has
+its compute and write-back to go).
 Without the overlap, a queued task counts its compute only (the paper's Eq. 2 queue term).
 """
 from __future__ import annotations
@@ -193,7 +195,11 @@ class PrefillCore(CachedWindowMean):
         return task
 
     def _read_ahead(self, now: float) -> KvRead:
-        task = self.queue.pop(now)
+        # Algorithm 2 scores the window from when the popped task can start computing: after the
+        # task in service has computed and written back (issue 26: scoring from now let a fresh
+        # task go before one that had waited, and the waiting one missed its TTFT)
+        start_in = self.busy_until - now if self.current is not None and self.busy_until > now else 0.0
+        task = self.queue.pop(now, start_in)
         self.qver += 1
         self.qlen -= 1
         parts = self._parts_of(task)

@@ -126,6 +126,8 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
         values.update(
             active_sessions=len(core.sessions),
             queue_length=len(core.core.queue),
+            queue_pops_choice=core.core.queue.pops_choice,
+            queue_pops_reordered=core.core.queue.pops_reordered,
             kv_overcommits=core.core.kv_overcommits,
             **metrics.worker_values(core.rt),
         )

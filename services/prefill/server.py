@@ -81,7 +81,9 @@ class PrefillService(prefill_pb2_grpc.PrefillWorkerServicer):
     async def Metrics(self, request, context) -> common_pb2.MetricsReply:
         core = self.core
         values = dict(core.metrics)
-        values.update(queue_length=len(core.core.queue), **metrics.worker_values(core.rt))
+        q = core.core.queue
+        values.update(queue_length=len(q), queue_pops_choice=q.pops_choice, queue_pops_reordered=q.pops_reordered,
+                      **metrics.worker_values(core.rt))
         return common_pb2.MetricsReply(worker_id=core.rt.cfg.worker_id, values=values)
 
 

@@ -198,6 +198,9 @@ def test_workers_count_queue_kv_and_nixl_bytes(deployment, replayed):
         assert m.total("ampd_kv_cache_blocks", state="free") > 0
         assert m.total("ampd_kv_bytes_mismatched_total") == 0
         assert m.total("process_cpu_seconds_total") > 0
+        assert m.types["ampd_queue_pops"] == "counter"
+        assert m.total("ampd_queue_pops_total", kind="reordered") == 0  # threshold: FCFS queues
+        assert 0 <= m.total("ampd_queue_pops_total", kind="choice") <= len(rounds)
     # The prefill worker read the history and wrote the new KV of every remote prefill over NIXL.
     new_bytes = BYTES_PER_TOKEN * sum(rr.l_incr for rr in remote)
     assert p.types["ampd_nixl_kv_bytes"] == "counter"

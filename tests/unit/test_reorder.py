@@ -94,6 +94,34 @@ def test_reorder_lets_urgent_short_task_overtake():
     assert q.pop(10.2).session_id == "A"
 
 
+def test_start_in_counts_the_wait_for_the_worker():
+    # X 0.5 s fresh, Y 0.1 s waited 0.8 s, TTFT 2 s (issue 26). Free now: X first ends Y at
+    # 0.8 + 0.6 = 1.4 s, both meet -> FCFS. Free in 1 s: X first ends Y at 2.4 s (a miss) -> Y first.
+    slo = SLO(ttft_s=2.0, itl_s=0.1)
+    for start_in, first in ((0.0, "X"), (1.0, "Y")):
+        q = make_queue("ttft-aware", COST, slo, 1)
+        q.push(task("X", 500, 0.0))
+        q.push(task("Y", 100, -0.8))
+        assert q.pop(0.0, start_in).session_id == first
+        assert (q.pops_choice, q.pops_reordered) == (1, int(first == "Y"))
+        assert q.pops_on_time == int(first == "X")  # free now, FCFS met both: nothing to gain
+        q.pop(0.0)
+        assert (q.pops_choice, q.pops_reordered) == (1, int(first == "Y"))  # one task: no choice
+
+
+@pytest.mark.parametrize("name", QUEUES)
+def test_pop_counters(name):
+    q = make_queue(name, COST, SLO_, 1)
+    q.push(task("a", 1000, 10.0))
+    q.push(task("b", 200, 8.8, rnd=0))
+    q.push(task("c", 200, 8.8))
+    drain(q, 10.0)
+    assert q.pops_choice == 2
+    # ttft-aware: b, then c (each waited 1.2 s, 0.2 s long) overtake a (1 s, fresh): b, c, a;
+    # continuum: a, then c (running sessions) before the new b: only c overtakes
+    assert q.pops_reordered == {"fcfs": 0, "ttft-aware": 2, "continuum": 1}[name]
+
+
 def test_ties_keep_fcfs():
     # everybody meets TTFT in every order -> FCFS
     q = make_queue("ttft-aware", COST, SLO_, 1)

@@ -9,17 +9,18 @@ from ampd.policy import SLO, PrefillTask, make_queue, remote_parts, t_remote
 from ampd.worker import KvRead, PrefillCore, PrefillWork
 
 
-def _profile():
+def _profile(pre_alpha=0.01, pre_beta=1e-4, hist=1e-6, kv_alpha=0.001):
     """t_pre = 0.01 + 1e-4 * l_incr + 1e-6 * l_hist; t_kv = 0.001 + 1e-6 * tokens (1000 bytes a
-    token, 1e-9 s a byte); t_dec = 0.02 + 1e-4 * batch + 1e-7 * context."""
+    token, 1e-9 s a byte); t_dec = 0.02 + 1e-4 * batch + 1e-7 * context (the defaults)."""
     tp = {"1": {"kv_capacity_tokens": 10_000, "prefill_chunk_tokens": 512,
-                "t_pre": {"l_incr": {"breakpoints": [0, 1e9], "alpha": [0.01], "beta": [1e-4]},
-                          "hist_s_per_token": 1e-6, "attn_s_per_token2": 0.0},
+                "t_pre": {"l_incr": {"breakpoints": [0, 1e9], "alpha": [pre_alpha], "beta": [pre_beta]},
+                          "hist_s_per_token": hist, "attn_s_per_token2": 0.0},
                 "t_dec": {"batch": {"breakpoints": [0, 1e9], "alpha": [0.02], "beta": [1e-4]},
                           "ctx_s_per_token": 1e-7}}}
     return profile_from_dict({
         "schema_version": 1, "name": "test@worker", "model": "test", "hardware": "sim", "kv_bytes_per_token": 1000,
-        "t_kv": {"bytes_per_link": {"breakpoints": [0, 1e12], "alpha": [0.001], "beta": [1e-9]}, "links": "min_tp"},
+        "t_kv": {"bytes_per_link": {"breakpoints": [0, 1e12], "alpha": [kv_alpha], "beta": [1e-9]},
+                 "links": "min_tp"},
         "tp": tp})
 
 
@@ -146,3 +147,44 @@ def test_reordering_queue_pops_by_algorithm_2():
     core.submit(long_, 0.0)
     core.submit(short, 0.0)
     assert core.next(0.0).task == short
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_algorithm_2_scores_from_when_the_next_task_can_start(overlap):
+    """Issue 26: A (1000 new tokens) computes from t=0 (its 1000-token history was read in the
+    1 ms before); X (500 tokens, fresh) and Y (100 tokens, waited 0.8 s) are queued; TTFT SLO 2 s.
+    X first ends Y at 2.4 s after it arrived, a miss; Y first meets both. With the overlap the pop
+    happens at t=0 while A still has 1 s of compute and its write-back to go: scored from t=0, X
+    went first."""
+    # 1 ms per new token; t_kv 1 us per token, so only A's history read and the write-backs move
+    # KV, each under 1.1 ms
+    prof = _profile(pre_alpha=0.0, pre_beta=1e-3, hist=0.0, kv_alpha=0.0)
+    core = PrefillCore("prefill-0", 1, prof, make_queue("ttft-aware", prof, SLO(ttft_s=2.0, itl_s=0.1), 1),
+                       kv_overlap=overlap)
+    a = _task("a", 1000, 1000, -0.001)
+    x = _task("x", 0, 500, 0.0)
+    y = _task("y", 0, 100, -0.8)
+    assert core.submit(a, -0.001) is None
+    wa = core.next(-0.001)
+    assert wa.task is a and wa.read_s == pytest.approx(0.001) and wa.compute_s == pytest.approx(1.0)
+    assert core.submit(x, -0.0005) is None and core.submit(y, -0.0005) is None  # A still reads
+    r = core.compute_started(0.0)
+    if overlap:
+        assert r is not None and r.task is y  # the read ahead: Y goes next
+    else:
+        assert r is None
+    end_a = core.busy_until
+    assert end_a == pytest.approx(1.001)
+    core.finish(end_a)
+    ttft = {}
+    now = end_a
+    for _ in range(2):
+        w = core.next(now)
+        now = now + w.total_s
+        core.busy_until = now
+        if overlap:
+            core.compute_started(now - w.compute_s - w.write_s)
+        ttft[core.finish(now).session_id] = now - w.task.enqueued_at
+    assert list(ttft) == ["y", "x"]
+    assert ttft["y"] == pytest.approx(1.9011, abs=1e-6) and ttft["x"] == pytest.approx(1.6016, abs=1e-6)
+    assert max(ttft.values()) <= 2.0
