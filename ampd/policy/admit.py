@@ -23,6 +23,7 @@ from typing import Protocol
 
 from .bind import bind
 from .cost import t_local, t_remote
+from .order import worker_key
 from .types import SLO, WorkerView
 
 __all__ = ["ADMISSION_RULES", "REFUSAL_REASONS", "KV_SIZE", "KV_FULL", "QUEUE_FULL", "TTFT", "ITL",
@@ -112,9 +113,9 @@ def decide(rule: str, decode: Sequence[WorkerView], prefills: Sequence[WorkerVie
     if cost is None or slo is None:
         raise ValueError("admission rule 'slo' needs the cost model and the SLO")
     limit = TTFT_FRACTION * slo.ttft_s
-    # the workers with room, in bind's order (most KV left first, ties to the lowest id)
+    # the workers with room, in bind's order (most KV left first, ties in the worker order)
     room = sorted((w for w in decode if w.kv_free_tokens - promised.get(w.worker_id, 0) >= need),
-                  key=lambda w: (-(w.kv_free_tokens - promised.get(w.worker_id, 0)), w.worker_id))
+                  key=lambda w: (-(w.kv_free_tokens - promised.get(w.worker_id, 0)), worker_key(w.worker_id)))
     if not room:  # wait for KV, as long as the TTFT budget lasts on the best worker
         ttft = min(predicted_ttft(cost, w, prefills, l_incr, waited_s) for w in decode)
         if ttft > limit:

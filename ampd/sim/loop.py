@@ -18,7 +18,7 @@ import math
 import time as _time
 from typing import Sequence
 
-from ampd.policy import SLO, PrefillTask, bind, make_queue, make_router, policy_spec
+from ampd.policy import SLO, PrefillTask, bind, in_worker_order, make_queue, make_router, policy_spec
 from ampd.worker import (ADMITTED, FAILED, IDLE, STEPPING, DecodeCore, DecodeRun, DecodeSession, PrefillCore)
 
 from .config import PathLatency, SimConfig
@@ -175,11 +175,12 @@ class Simulator:
                     kv_admission=cfg.kv_admission, kv_evict=cfg.kv_evict)
             for i, tp in enumerate(expand_spec(dec_groups))
         ]
-        self.prefills = [
+        # the coordinator's order (ampd.policy.order): Algorithm 1's seeded visits and every tie agree
+        self.prefills = in_worker_order([
             _Prefill(f"prefill-{i}", tp, prof, make_queue(spec.prefill_queue or "fcfs", prof, slo, tp, window=rw),
                      window_s=w, kv_overlap=cfg.kv_overlap, kv_capacity_tokens=int(prof.kv_capacity_tokens(tp)))
             for i, tp in enumerate(expand_spec(pre_groups))
-        ]
+        ])
         self.by_id = {d.worker_id: d for d in self.decodes}
         self.by_id.update({p.worker_id: p for p in self.prefills})
         self.gpus = sum(tp * r for tp, r in (*pre_groups, *dec_groups))
