@@ -62,9 +62,10 @@ class DeploymentConfig:
     """What runs where: the worker shape, the model profile, the engine, shared state."""
 
     prefill: str = setting(
-        "tp1*1", "prefill workers: a count (of TP 1) or a SPEC of replica groups tpN*R[,tpN*R...]; 'none' for "
-        "none. A co-located policy (colocated, continuum) runs no prefill workers: their GPUs become "
-        "co-located workers (same GPU count)", metavar="SPEC")
+        "auto", "prefill workers: a count (of TP 1) or a SPEC of replica groups tpN*R[,tpN*R...]; 'none' for "
+        "none; 'auto': none under a co-located policy (colocated, continuum), tp1*1 under a disaggregated one "
+        "for `ampd up` (`ampd simulate` asks for it). A co-located policy runs no prefill workers: GPUs given "
+        "here become co-located workers (same GPU count)", metavar="SPEC")
     decode: str = setting("tp1*1", "decode workers: a count (of TP 1) or a SPEC like tp2*2", metavar="SPEC")
     profile: str = setting(DEFAULT_PROFILE, "performance profile: shipped name (MODEL@HARDWARE) or a JSON file",
                            metavar="P")

@@ -440,3 +440,18 @@ def test_kv_evict_lets_a_new_session_in_and_the_idle_one_re_prefills_its_history
     a1 = sa.rounds[1]  # b has ended by then: a's round prefills its whole context, 1001 + 100 tokens
     assert a1.first_token - a1.input_ready == pytest.approx(P.t_pre(1, 0, 1101), abs=1e-12)
     assert ev.stats["kv_evictions"] == 1 and ev.stats["kv_recomputed_tokens"] == 1001
+
+
+def test_worker_shape_prefill_auto_by_policy():
+    """Issue 26: --prefill auto (not given) is none under a co-located policy; a disaggregated one
+    gets `ampd up`'s tp1*1, or one clear error where the caller (simulate) asks for it; a policy that
+    sends prefills to prefill workers and has none is an error; `local` may run none."""
+    from ampd.deployment import SpecError, worker_shape
+
+    assert worker_shape("colocated", "auto", "tp8*4").prefill == ()
+    assert worker_shape("continuum", None, "tp8*4", auto_prefill=None).decode == ((8, 4),)
+    assert worker_shape("ampd", "auto", "tp2*1").prefill == ((1, 1),)
+    assert worker_shape("local", "none", "tp2*1").prefill == ()
+    for pre, auto in (("auto", None), ("none", "tp1*1"), ("0", None)):
+        with pytest.raises(SpecError, match="--prefill: policy remote"):
+            worker_shape("remote", pre, "tp2*1", auto_prefill=auto)
