@@ -179,7 +179,8 @@ class CoordinatorSettings:
                                         "gets RESOURCE_EXHAUSTED at once", minimum=0)
     admission: str = setting("kv", "which new sessions are accepted: kv: those a decode worker has the KV for; "
                                    "slo: those too whose predicted TTFT (queues included) and ITL fit the SLO, "
-                                   "the others refused at once (docs/security.md)", choices=ADMISSION_RULES)
+                                   "the others refused at once (docs/security.md); none: every session at once, "
+                                   "its rounds wait for KV on its decode worker", choices=ADMISSION_RULES)
 
 
 @dataclass(frozen=True)
@@ -358,6 +359,7 @@ UP_SETTINGS: tuple[str, ...] = (
 # `ampd simulate`: the deployment shape, the policy and what the simulator models.
 SIMULATE_SETTINGS: tuple[str, ...] = (
     "prefill", "decode", "profile", *(f.name for f in fields(PolicyConfig)), "stats_window",
+    "admission", "admission_wait", "admission_queue", "block_tokens",
     *(f.name for f in fields(SimulatorSettings)),
 )
 

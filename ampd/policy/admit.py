@@ -1,6 +1,11 @@
 """Admission of a new session: the decode worker that takes it, or why it waits, or why it is refused.
 
-Two rules (``ampd.config`` ``admission``; docs/security.md):
+Three rules (``ampd.config`` ``admission``; docs/security.md):
+
+- ``none``: every session is accepted at once, on the decode worker with the least KV promised
+  (``bind`` with no need); its rounds wait for KV there if they must (the decode worker's
+  ``kv_admission``). What the simulator did before it drove this core; its tests of the decode
+  worker's own KV admission use it.
 
 - ``kv``: a session is admitted when some decode worker can hold all the KV it may need, net of what
   is promised to the sessions in flight there (``bind``); otherwise it waits for KV to free.
@@ -34,7 +39,7 @@ from .types import SLO, WorkerView
 __all__ = ["AdmissionBook", "ADMISSION_RULES", "REFUSAL_REASONS", "KV_SIZE", "KV_FULL", "QUEUE_FULL", "TTFT", "ITL",
            "TTFT_FRACTION", "Verdict", "decide", "predicted_itl", "predicted_ttft"]
 
-ADMISSION_RULES = ("kv", "slo")
+ADMISSION_RULES = ("kv", "slo", "none")
 
 # Why a session was refused (RESOURCE_EXHAUSTED), the label of the coordinator's refusal counter.
 KV_SIZE = "kv-size"  # it may need more KV than any decode worker holds
@@ -48,6 +53,8 @@ REFUSAL_REASONS = (KV_SIZE, KV_FULL, QUEUE_FULL, TTFT, ITL)
 # (Algorithm 1's alpha), leaving room for what the prediction does not see (sessions admitted an
 # instant ago whose prefill is not yet queued, the hops between services).
 TTFT_FRACTION = 0.9
+
+_WAIT_EPS_S = 1e-9  # a wait this short is over
 
 
 class AdmissionCost(Protocol):
@@ -108,6 +115,8 @@ def decide(rule: str, decode: Sequence[WorkerView], prefills: Sequence[WorkerVie
         raise ValueError(f"admission rule must be one of {', '.join(ADMISSION_RULES)}, got {rule!r}")
     if not decode:
         raise ValueError("admission: no decode worker")
+    if rule == "none":
+        return Verdict(worker=bind(decode, promised))
     biggest = max(w.kv_free_tokens for w in decode)
     if need > biggest:
         return Verdict(reason=KV_SIZE, detail=f"the session may need {need} KV tokens, more than any decode "
@@ -205,7 +214,7 @@ class AdmissionBook:
             else:
                 self.waiting.append(ticket)
         left = self.wait_s - waited_s
-        if left <= 0:
+        if left <= _WAIT_EPS_S:  # (a float deadline: "now + left" may round back to now)
             return Verdict(reason=KV_FULL, detail=f"no decode worker had KV for {need} tokens within "
                                                   f"{self.wait_s:g} s")
         return Verdict(wait_s=min(left, v.wait_s), ttft_s=v.ttft_s)

@@ -60,7 +60,8 @@ def run(args) -> int:
                       window_s=args.stats_window, kv_contention=args.kv_contention,
                       reorder_window=args.reorder_window, chunked_prefill=args.chunked_prefill,
                       kv_overlap=args.kv_overlap, kv_admission=args.kv_admission,
-                      kv_evict=args.kv_evict,
+                      kv_evict=args.kv_evict, admission=args.admission, admission_wait=args.admission_wait,
+                      admission_queue=args.admission_queue, block_tokens=args.block_tokens,
                       router_options=router, path=path)
     try:
         sim = Simulator(cfg)
