@@ -448,9 +448,11 @@ class _Run:
         d = st.dw
         task = PrefillTask(st.session_id, st.round, st.l_hist, st.l_incr, st.ready, d.worker_id, d.tp)
         dview = d.view(now)
-        pviews = () if self.pviews_static else _Views(self.prefills, now)
-        dec = self.router.route(task, dview, pviews, now)
-        if pviews:
+        if self.pviews_static:
+            dec = self.router.route(task, dview, (), now)
+        else:
+            pviews = _Views(self.prefills, now)
+            dec = self.router.route(task, dview, pviews, now)
             pviews.settle()
         reasons = self.reasons
         reasons[dec.reason] = reasons.get(dec.reason, 0) + 1
