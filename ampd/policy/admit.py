@@ -168,7 +168,7 @@ class AdmissionBook:
     hashable the driver picks); after a final verdict (admitted or refused), or when it gives up,
     the driver calls ``leave``. When KV frees (``release``) or the head leaves, the driver judges the
     head again (``head``). A session accepted is never refused later: ``new=False`` (a later binding
-    of it) applies the KV rule only, and ``add`` promises its later turns."""
+    of it) applies the KV rule only (``none``: none), and ``add`` promises its later turns."""
 
     def __init__(self, rule: str = "kv", wait_s: float = 5.0, queue_max: int = 256,
                  cost: AdmissionCost | None = None, slo: SLO | None = None) -> None:
@@ -195,7 +195,7 @@ class AdmissionBook:
         queued = ticket in self.waiting
         # a waiting session ahead of this one takes what frees first (slo: a new one goes ahead)
         ahead = bool(self.waiting) and self.waiting[0] is not ticket and not (self.rule == "slo" and not queued)
-        v = decide(self.rule if new else "kv", decode, prefills, self.promised, self.sessions, need, l_incr,
+        v = decide(self.rule if new or self.rule == "none" else "kv", decode, prefills, self.promised, self.sessions, need, l_incr,
                    waited_s, self.cost, self.slo)
         if v.reason:
             return v

@@ -123,3 +123,13 @@ def test_book_kv_rule_first_come_first_served_then_refused_after_the_wait():
     assert book.promised == {"decode-0": 600} and book.sessions == {"decode-0": 1}
     v = book.judge("C", 600, 10, 0.0, d, ())
     assert v.wait_s == 2.0 and book.judge("C", 600, 10, 2.0, d, ()).reason == KV_FULL
+
+
+def test_book_rule_none_admits_every_session_on_the_least_promised_worker():
+    from ampd.policy.admit import AdmissionBook
+
+    book = AdmissionBook("none", wait_s=0.0, queue_max=0)
+    d = [WorkerView(w, "decode", 8, None, (), 1000, 0.0) for w in ("decode-10", "decode-2")]
+    assert book.judge("a", 5000, 10, 0.0, d, ()).worker == "decode-2"  # over capacity, ties in worker order
+    assert book.judge("b", 10, 10, 0.0, d, ()).worker == "decode-10"
+    assert book.judge("c", 10, 10, 0.0, d, (), new=False).worker == "decode-10"
