@@ -62,9 +62,10 @@ class DeploymentConfig:
     """What runs where: the worker shape, the model profile, the engine, shared state."""
 
     prefill: str = setting(
-        "tp1*1", "prefill workers: a count (of TP 1) or a SPEC of replica groups tpN*R[,tpN*R...]; 'none' for "
-        "none. A co-located policy (colocated, continuum) runs no prefill workers: their GPUs become "
-        "co-located workers (same GPU count)", metavar="SPEC")
+        "auto", "prefill workers: a count (of TP 1) or a SPEC of replica groups tpN*R[,tpN*R...]; 'none' for "
+        "none; 'auto': none under a co-located policy (colocated, continuum), tp1*1 under a disaggregated one "
+        "for `ampd up` (`ampd simulate` asks for it). A co-located policy runs no prefill workers: GPUs given "
+        "here become co-located workers (same GPU count)", metavar="SPEC")
     decode: str = setting("tp1*1", "decode workers: a count (of TP 1) or a SPEC like tp2*2", metavar="SPEC")
     profile: str = setting(DEFAULT_PROFILE, "performance profile: shipped name (MODEL@HARDWARE) or a JSON file",
                            metavar="P")
@@ -178,7 +179,8 @@ class CoordinatorSettings:
                                         "gets RESOURCE_EXHAUSTED at once", minimum=0)
     admission: str = setting("kv", "which new sessions are accepted: kv: those a decode worker has the KV for; "
                                    "slo: those too whose predicted TTFT (queues included) and ITL fit the SLO, "
-                                   "the others refused at once (docs/security.md)", choices=ADMISSION_RULES)
+                                   "the others refused at once (docs/security.md); none: every session at once, "
+                                   "its rounds wait for KV on its decode worker", choices=ADMISSION_RULES)
 
 
 @dataclass(frozen=True)
@@ -357,6 +359,7 @@ UP_SETTINGS: tuple[str, ...] = (
 # `ampd simulate`: the deployment shape, the policy and what the simulator models.
 SIMULATE_SETTINGS: tuple[str, ...] = (
     "prefill", "decode", "profile", *(f.name for f in fields(PolicyConfig)), "stats_window",
+    "admission", "admission_wait", "admission_queue", "block_tokens",
     *(f.name for f in fields(SimulatorSettings)),
 )
 

@@ -12,7 +12,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SpecError", "parse_spec", "format_spec", "expand_spec", "Shape", "worker_shape", "check_names"]
+__all__ = ["AUTO", "AUTO_PREFILL", "SpecError", "parse_spec", "format_spec", "expand_spec", "Shape", "worker_shape", "check_names"]
+
+# --prefill's default (ampd.config): no prefill worker under a co-located policy, AUTO_PREFILL under a
+# disaggregated one for `ampd up` (a deployment that starts with no flags at all)
+AUTO = "auto"
+AUTO_PREFILL = "tp1*1"
 
 _GROUP = re.compile(r"^tp(\d+)(?:\*(\d+))?$")
 _EMPTY = {"", "none", "-", "0"}
@@ -73,14 +78,26 @@ def _merge(a, b) -> tuple[tuple[int, int], ...]:
     return tuple(counts.items())
 
 
-def worker_shape(policy: str, prefill: str | None, decode: str | None, tps=None) -> Shape:
-    """The one rule for both `ampd up` and `ampd simulate`: a co-located policy (one that runs no
-    prefill workers) turns the prefill GPUs into co-located workers, so the GPU count stays what
-    was asked. ``tps``: the TP degrees the profile covers (checked when given). Raises SpecError
-    naming the flag (``--prefill``/``--decode``) or ValueError for an unknown policy."""
+def worker_shape(policy: str, prefill: str | None, decode: str | None, tps=None,
+                 auto_prefill: str | None = AUTO_PREFILL) -> Shape:
+    """The one rule for `ampd up`, `ampd simulate` and the benchmarks: a co-located policy (one that
+    runs no prefill workers) turns the prefill GPUs into co-located workers, so the GPU count stays
+    what was asked. ``prefill`` ``auto`` (or None: not given) is no prefill worker under a co-located
+    policy and ``auto_prefill`` under a disaggregated one (None: it must be given). A policy that
+    sends prefills to prefill workers and has none is an error. ``tps``: the TP degrees the profile
+    covers (checked when given). Raises SpecError naming the flag (``--prefill``/``--decode``) or
+    ValueError for an unknown policy."""
     from ampd.policy import policy_spec
 
     spec = policy_spec(policy)
+    if prefill is None or prefill.strip().lower() == AUTO:
+        if not spec.uses_prefill_workers:
+            prefill = "none"
+        elif auto_prefill is None:
+            raise SpecError(f"--prefill: policy {policy} runs prefill workers: give --prefill SPEC (e.g. "
+                            f"tp4*1), or a co-located policy ({', '.join(_colocated())})")
+        else:
+            prefill = auto_prefill
     groups = {}
     for flag, text in (("--prefill", prefill), ("--decode", decode)):
         try:
@@ -93,11 +110,21 @@ def worker_shape(policy: str, prefill: str | None, decode: str | None, tps=None)
                     raise SpecError(f"{flag}: TP {tp} is not in the profile (it covers "
                                     f"{', '.join(map(str, tps))})")
     pre, dec = groups["--prefill"], groups["--decode"]
+    if spec.needs_prefill_workers and not pre:
+        raise SpecError(f"--prefill: policy {policy} sends prefills to prefill workers, and --prefill {prefill} "
+                        f"has none: give --prefill SPEC (e.g. tp4*1), or a co-located policy "
+                        f"({', '.join(_colocated())})")
     if not spec.uses_prefill_workers:
         pre, dec = (), _merge(dec, pre)
     if not dec:
         raise SpecError("--decode: the deployment needs at least one decode worker")
     return Shape(pre, dec, not spec.uses_prefill_workers)
+
+
+def _colocated() -> list[str]:
+    from ampd.policy import POLICIES, policy_spec
+
+    return [p for p in POLICIES if not policy_spec(p).uses_prefill_workers]
 
 
 def check_names(args: Any) -> None:

@@ -320,7 +320,6 @@ def plan_deployment(cfg: Config, trace: str, gpus: int | None) -> tuple[Config, 
     as ``--prefill`` and ``--decode`` hold), under cfg's profile, policy and SLOs, and a line that says
     what it chose. A co-located winner runs under the policy the planner simulated it with (a
     co-located one): AMPD becomes co-location where that wins (docs/planner.md)."""
-    from ampd.deployment import SpecError, parse_spec
     from ampd.planner import PlanError, PlanRequest, plan
     from ampd.planner.cli import load_inputs
     from ampd.slo import SLO
@@ -328,8 +327,9 @@ def plan_deployment(cfg: Config, trace: str, gpus: int | None) -> tuple[Config, 
     d, pol = cfg.deployment, cfg.policy
     if gpus is None:
         try:
-            gpus = sum(tp * n for spec in (d.prefill, d.decode) for tp, n in parse_spec(spec))
-        except SpecError as exc:
+            shape = worker_shape(pol.policy, d.prefill, d.decode)
+            gpus = sum(tp * n for tp, n in (*shape.prefill, *shape.decode))
+        except ValueError as exc:  # SpecError, an unknown policy
             raise CliError(str(exc)) from None
     profile, sessions = load_inputs(d.profile, trace)
     try:

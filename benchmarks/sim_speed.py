@@ -2,11 +2,12 @@
 
     python benchmarks/sim_speed.py [--sessions 100000] [--rates 0.04,0.3] [--policy ampd]
 
-One run per rate: 0.04 sessions/s is a load this deployment sustains (decode ~72 % busy, no KV
-overcommit, the run ends with the last arrivals); 0.3 sessions/s is ~15x overloaded (KV runs out,
-the backlog takes ~5M virtual seconds to drain). Writes benchmarks/results/sim_speed.json (wall
-and CPU seconds of the simulation alone, wall seconds of the report, sessions/s, events, and the report's headline
-numbers) with the command that made it.
+Wall and CPU seconds of each phase (trace generation, simulation, report) and end to end. One run
+per rate: 0.04 sessions/s is a load this deployment sustains (decode ~72 % busy, no KV
+overcommit, the run ends with the last arrivals); 0.3 sessions/s is ~15x overloaded (admission, the
+coordinator's: most sessions wait for KV and over half are refused after the 5 s admission wait).
+Writes benchmarks/results/sim_speed.json (wall and CPU seconds per phase, sessions/s, events,
+admission counts and the report's headline numbers) with the command that made it.
 """
 from __future__ import annotations
 
@@ -18,17 +19,30 @@ import sys
 import time
 
 from ampd.bench.report import SLO
+from ampd.deployment import worker_shape
 from ampd.perf import load_profile
 from ampd.sim import Simulator, SimConfig, sim_report
 from ampd.workload import generate
 from benchmarks import write_json
 
 
+def deployment_shape(a, prof):
+    """``ampd simulate``'s rule (ampd.deployment.worker_shape): under a co-located policy --prefill
+    may be left out, and GPUs given there become co-located workers."""
+    try:
+        return worker_shape(a.policy, a.prefill, a.decode, prof.tps, auto_prefill=None)
+    except ValueError as exc:
+        raise SystemExit(f"sim_speed: {exc}") from None
+
+
 def one_run(a, prof, rate: float) -> dict:
     t = time.perf_counter()
+    c = time.process_time()
     sessions = generate("gaia", rate, a.sessions / rate, 1)
+    gen_cpu_s = time.process_time() - c
     gen_s = time.perf_counter() - t
-    cfg = SimConfig(profile=prof, policy=a.policy, prefill=a.prefill, decode=a.decode,
+    shape = deployment_shape(a, prof)
+    cfg = SimConfig(profile=prof, policy=a.policy, prefill=shape.prefill, decode=shape.decode,
                     ttft_slo_s=a.ttft_slo, itl_slo_s=a.itl_slo)
     t = time.perf_counter()
     c = time.process_time()
@@ -36,14 +50,20 @@ def one_run(a, prof, rate: float) -> dict:
     sim_cpu_s = time.process_time() - c
     sim_s = time.perf_counter() - t
     t = time.perf_counter()
+    c = time.process_time()
     rep = sim_report(res, SLO(a.ttft_slo, a.itl_slo), extras=False)
+    rep_cpu_s = time.process_time() - c
     rep_s = time.perf_counter() - t
     st = res.stats
     return {
         "preset": "gaia", "rate": rate, "sessions": len(sessions),
         "rounds": sum(len(s.rounds) for s in sessions),
         "output_tokens": rep["output_tokens"],
-        "profile": prof.name, "policy": a.policy, "prefill": a.prefill, "decode": a.decode, "gpus": st["gpus"],
+        "profile": prof.name, "policy": a.policy, "prefill": st["prefill_spec"], "decode": st["decode_spec"],
+        "gpus": st["gpus"],
+        # CPU seconds too: on a shared box the wall clock measures the other jobs as well
+        "end_to_end_s": gen_s + sim_s + rep_s, "end_to_end_cpu_s": gen_cpu_s + sim_cpu_s + rep_cpu_s,
+        "generate_cpu_s": gen_cpu_s, "report_cpu_s": rep_cpu_s,
         "generate_s": gen_s, "simulate_s": sim_s, "simulate_cpu_s": sim_cpu_s, "report_s": rep_s,
         "sessions_per_s": len(sessions) / sim_s, "events": st["events"],
         "decode_steps": sum(st["decode_steps"]), "virtual_s": st["sim_end_s"],
@@ -51,6 +71,7 @@ def one_run(a, prof, rate: float) -> dict:
         "decode_busy_fraction": [round(x, 3) for x in st["decode_busy_fraction"]],
         "prefill_busy_fraction": [round(x, 3) for x in st["prefill_busy_fraction"]],
         "kv_overcommits": st["kv_overcommits"],
+        "admission_refused": st["admission_refused"], "admission_waited": st["admission_waited"],
         "slo_attainment": rep["slo_attainment"], "local_fraction": rep["local_fraction"],
         "ttft_p50_s": rep["ttft_s"]["p50"], "ttft_p99_s": rep["ttft_s"]["p99"], "itl_p50_s": rep["itl_s"]["p50"],
     }
@@ -63,7 +84,8 @@ def main() -> int:
                     help="comma-separated Poisson arrival rates, sessions/s (one run each)")
     ap.add_argument("--policy", default="ampd")
     ap.add_argument("--profile", default="llama3.1-70b@h20")
-    ap.add_argument("--prefill", default="tp8*2")
+    ap.add_argument("--prefill", default="tp8*2", help="prefill SPEC; may be left out ('auto') under a co-located "
+                                                       "policy, whose GPUs given here become co-located workers")
     ap.add_argument("--decode", default="tp8*2")
     ap.add_argument("--ttft-slo", type=float, default=5.0)
     ap.add_argument("--itl-slo", type=float, default=0.1)

@@ -3,6 +3,7 @@
 See docs/policies.md."""
 
 from .bind import bind
+from .order import before, in_worker_order, worker_key
 from .reorder import QUEUES, ContinuumQueue, FCFSQueue, PrefillQueue, TTFTAwareQueue, make_queue
 from .route import (
     COST_MODEL,
@@ -46,6 +47,9 @@ __all__ = [
     "ROUTERS",
     "make_router",
     "bind",
+    "before",
+    "in_worker_order",
+    "worker_key",
     "PrefillQueue",
     "FCFSQueue",
     "TTFTAwareQueue",

@@ -1,6 +1,11 @@
 """Admission of a new session: the decode worker that takes it, or why it waits, or why it is refused.
 
-Two rules (``ampd.config`` ``admission``; docs/security.md):
+Three rules (``ampd.config`` ``admission``; docs/security.md):
+
+- ``none``: every session is accepted at once, on the decode worker with the least KV promised
+  (``bind`` with no need); its rounds wait for KV there if they must (the decode worker's
+  ``kv_admission``). What the simulator did before it drove this core; its tests of the decode
+  worker's own KV admission use it.
 
 - ``kv``: a session is admitted when some decode worker can hold all the KV it may need, net of what
   is promised to the sessions in flight there (``bind``); otherwise it waits for KV to free.
@@ -12,23 +17,29 @@ Two rules (``ampd.config`` ``admission``; docs/security.md):
   session waiting for KV waits no longer than what is left of its TTFT budget.
 
 Pure: no I/O, no clock. The caller passes what the session has waited (``waited_s``) and the workers'
-published views; the coordinator's ``Admission`` is the shell that waits.
+views. ``decide`` judges one session; ``AdmissionBook`` keeps what admission remembers between
+judgements (the KV promised and the sessions admitted per decode worker, the sessions waiting and
+who goes first) and applies the admission wait and queue bound. Two drivers run the same book: the
+coordinator's ``Admission`` (services/coordinator/admission.py, asyncio: it sleeps and wakes) and
+the simulator (``ampd.sim``, virtual clock: timed events).
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections import Counter, deque
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from .bind import bind
 from .cost import t_local, t_remote
+from .order import worker_key
 from .types import SLO, WorkerView
 
-__all__ = ["ADMISSION_RULES", "REFUSAL_REASONS", "KV_SIZE", "KV_FULL", "QUEUE_FULL", "TTFT", "ITL",
+__all__ = ["AdmissionBook", "ADMISSION_RULES", "REFUSAL_REASONS", "KV_SIZE", "KV_FULL", "QUEUE_FULL", "TTFT", "ITL",
            "TTFT_FRACTION", "Verdict", "decide", "predicted_itl", "predicted_ttft"]
 
-ADMISSION_RULES = ("kv", "slo")
+ADMISSION_RULES = ("kv", "slo", "none")
 
 # Why a session was refused (RESOURCE_EXHAUSTED), the label of the coordinator's refusal counter.
 KV_SIZE = "kv-size"  # it may need more KV than any decode worker holds
@@ -42,6 +53,8 @@ REFUSAL_REASONS = (KV_SIZE, KV_FULL, QUEUE_FULL, TTFT, ITL)
 # (Algorithm 1's alpha), leaving room for what the prediction does not see (sessions admitted an
 # instant ago whose prefill is not yet queued, the hops between services).
 TTFT_FRACTION = 0.9
+
+_WAIT_EPS_S = 1e-9  # a wait this short is over
 
 
 class AdmissionCost(Protocol):
@@ -102,6 +115,8 @@ def decide(rule: str, decode: Sequence[WorkerView], prefills: Sequence[WorkerVie
         raise ValueError(f"admission rule must be one of {', '.join(ADMISSION_RULES)}, got {rule!r}")
     if not decode:
         raise ValueError("admission: no decode worker")
+    if rule == "none":
+        return Verdict(worker=bind(decode, promised))
     biggest = max(w.kv_free_tokens for w in decode)
     if need > biggest:
         return Verdict(reason=KV_SIZE, detail=f"the session may need {need} KV tokens, more than any decode "
@@ -112,9 +127,9 @@ def decide(rule: str, decode: Sequence[WorkerView], prefills: Sequence[WorkerVie
     if cost is None or slo is None:
         raise ValueError("admission rule 'slo' needs the cost model and the SLO")
     limit = TTFT_FRACTION * slo.ttft_s
-    # the workers with room, in bind's order (most KV left first, ties to the lowest id)
+    # the workers with room, in bind's order (most KV left first, ties in the worker order)
     room = sorted((w for w in decode if w.kv_free_tokens - promised.get(w.worker_id, 0) >= need),
-                  key=lambda w: (-(w.kv_free_tokens - promised.get(w.worker_id, 0)), w.worker_id))
+                  key=lambda w: (-(w.kv_free_tokens - promised.get(w.worker_id, 0)), worker_key(w.worker_id)))
     if not room:  # wait for KV, as long as the TTFT budget lasts on the best worker
         ttft = min(predicted_ttft(cost, w, prefills, l_incr, waited_s) for w in decode)
         if ttft > limit:
@@ -140,3 +155,90 @@ def decide(rule: str, decode: Sequence[WorkerView], prefills: Sequence[WorkerVie
                                 detail=f"predicted ITL {itl * 1e3:.1f} ms on {w.worker_id} with one more "
                                        f"session is over the ITL SLO {slo.itl_s * 1e3:.1f} ms")
     return first
+
+
+class AdmissionBook:
+    """Admission's state and its one procedure, for both drivers.
+
+    A session that cannot be admitted now waits, in a queue of at most ``queue_max``, at most
+    ``wait_s`` seconds from its arrival (``slo``: no longer than its TTFT budget lasts), then is
+    refused. ``kv``: first come, first served. ``slo``: newest first; a new session goes ahead of the
+    waiting ones (it has the most TTFT budget left; under overload the oldest would miss its TTFT
+    anyway, and is refused when its budget is spent). A waiting session is a ``ticket`` (any
+    hashable the driver picks); after a final verdict (admitted or refused), or when it gives up,
+    the driver calls ``leave``. When KV frees (``release``) or the head leaves, the driver judges the
+    head again (``head``). A session accepted is never refused later: ``new=False`` (a later binding
+    of it) applies the KV rule only (``none``: none), and ``add`` promises its later turns."""
+
+    def __init__(self, rule: str = "kv", wait_s: float = 5.0, queue_max: int = 256,
+                 cost: AdmissionCost | None = None, slo: SLO | None = None) -> None:
+        if rule not in ADMISSION_RULES:
+            raise ValueError(f"admission rule must be one of {', '.join(ADMISSION_RULES)}, got {rule!r}")
+        if rule == "slo" and (cost is None or slo is None):
+            raise ValueError("admission rule 'slo' needs the cost model and the SLO")
+        self.rule, self.wait_s, self.queue_max, self.cost, self.slo = rule, wait_s, queue_max, cost, slo
+        self.promised: Counter[str] = Counter()  # decode worker -> KV tokens promised to its live sessions
+        self.sessions: Counter[str] = Counter()  # decode worker -> sessions admitted there, live
+        self.waiting: deque = deque()  # tickets, the head first
+
+    @property
+    def head(self) -> Hashable | None:
+        return self.waiting[0] if self.waiting else None
+
+    def judge(self, ticket: Hashable, need: int, l_incr: int, waited_s: float, decode: Sequence[WorkerView],
+              prefills: Sequence[WorkerView], new: bool = True) -> Verdict:
+        """The verdict for ``ticket``, a session that may need ``need`` KV tokens and has waited
+        ``waited_s`` seconds since it arrived: admitted (``worker``, ``need`` promised there),
+        refused (``reason``), or waiting (``wait_s``: judge it again by then at the latest; it is in
+        ``waiting`` now). ``decode``: the decode workers, each with its KV capacity as
+        ``kv_free_tokens``. Raises ValueError on an empty ``decode``."""
+        queued = ticket in self.waiting
+        # a waiting session ahead of this one takes what frees first (slo: a new one goes ahead)
+        ahead = bool(self.waiting) and self.waiting[0] is not ticket and not (self.rule == "slo" and not queued)
+        v = decide(self.rule if new or self.rule == "none" else "kv", decode, prefills, self.promised, self.sessions, need, l_incr,
+                   waited_s, self.cost, self.slo)
+        if v.reason:
+            return v
+        if v.worker is not None and not ahead:
+            self.promised[v.worker] += need
+            self.sessions[v.worker] += 1
+            return v
+        if not queued:
+            if self.wait_s <= 0 or len(self.waiting) >= self.queue_max:
+                return Verdict(reason=KV_FULL if self.wait_s <= 0 else QUEUE_FULL,
+                               detail=f"no decode worker has KV for {need} tokens now, and "
+                                      + ("admission does not wait" if self.wait_s <= 0 else
+                                         f"{self.queue_max} sessions already wait"))
+            if self.rule == "slo":
+                self.waiting.appendleft(ticket)
+            else:
+                self.waiting.append(ticket)
+        left = self.wait_s - waited_s
+        if left <= _WAIT_EPS_S:  # (a float deadline: "now + left" may round back to now)
+            return Verdict(reason=KV_FULL, detail=f"no decode worker had KV for {need} tokens within "
+                                                  f"{self.wait_s:g} s")
+        return Verdict(wait_s=min(left, v.wait_s), ttft_s=v.ttft_s)
+
+    def leave(self, ticket: Hashable) -> bool:
+        """``ticket`` no longer waits; True when it was the head (the next one is judged then)."""
+        if not self.waiting:
+            return False
+        head = self.waiting[0] is ticket
+        try:
+            self.waiting.remove(ticket)
+        except ValueError:
+            return False
+        return head
+
+    def add(self, worker: str, tokens: int) -> None:
+        """A later turn of an accepted session: it is not refused, but its KV is promised too."""
+        self.promised[worker] += tokens
+
+    def release(self, worker: str, tokens: int) -> None:
+        """A session ended (or left ``worker``): its promise is free for the waiting ones."""
+        self.promised[worker] -= tokens
+        if self.promised[worker] <= 0:
+            del self.promised[worker]
+        self.sessions[worker] -= 1
+        if self.sessions[worker] <= 0:
+            del self.sessions[worker]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from .order import before
 from .types import WorkerView
 
 __all__ = ["bind"]
@@ -18,8 +19,8 @@ def bind(decode_workers: Sequence[WorkerView], promised: Mapping[str, int] | Non
 
     Counting what is promised, and not only what a worker last published, spreads sessions opened
     at once: each open sees the ones before it even before any worker has reported them.
-    Ties go to the lowest ``worker_id`` (string order), so the choice does not depend on the
-    order of ``decode_workers``. Raises ``ValueError`` when there is no decode worker.
+    Ties go to the first worker in the worker order (``ampd.policy.order``: ``decode-2`` before
+    ``decode-10``), so the choice does not depend on the order of ``decode_workers``. Raises ``ValueError`` when there is no decode worker.
     """
     if not decode_workers:
         raise ValueError("bind: no decode workers to bind the session to")
@@ -30,7 +31,7 @@ def bind(decode_workers: Sequence[WorkerView], promised: Mapping[str, int] | Non
         free = w.kv_free_tokens - promised.get(w.worker_id, 0)
         if need > 0 and free < need:  # (need 0: any worker, even one over its capacity)
             continue
-        if best_id is None or free > best_free or (free == best_free and w.worker_id < best_id):
+        if best_id is None or free > best_free or (free == best_free and before(w.worker_id, best_id)):
             best_free = free
             best_id = w.worker_id
     return best_id

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 from .cost import remote_prefill_s, t_local
+from .order import before
 from .types import SLO, CostModel, PrefillTask, RouteDecision, WorkerView
 
 __all__ = [
@@ -85,7 +86,7 @@ def _check_binding(req: PrefillTask, decode: WorkerView) -> None:
 
 
 def _least_loaded(prefills: Sequence[WorkerView], est: dict[str, float]) -> str:
-    """Prefill worker with the smallest ``queue_predicted_s``; ties -> lowest ``worker_id``.
+    """Prefill worker with the smallest ``queue_predicted_s``; ties -> the first in the worker order (``ampd.policy.order``).
 
     Records every compared queue as ``est["queue_s:<id>"]``.
     """
@@ -96,7 +97,7 @@ def _least_loaded(prefills: Sequence[WorkerView], est: dict[str, float]) -> str:
         q = p.queue_predicted_s
         wid = p.worker_id
         est["queue_s:" + wid] = q
-        if first or q < best_q or (q == best_q and wid < best_id):
+        if first or q < best_q or (q == best_q and before(wid, best_id)):
             best_q = q
             best_id = wid
             first = False
@@ -111,7 +112,7 @@ class AdaptiveRouter:
     2. Else, if the bound decode worker's windowed ITL is ``<= beta * slo.itl_s`` (``None`` is
        slack), run locally (``decode-slack``).
     3. Else take the argmin of Eq. (1) ``t_local`` and Eq. (2) ``t_remote:<id>`` (``cost-model``);
-       ties go to local, then to the lowest worker id.
+       ties go to local, then to the first in the worker order (``ampd.policy.order``).
     With no prefill workers at all the prefill runs locally (``no-prefill-workers``).
 
     ``slack="queue"`` (our extension, see docs/policies.md) also asks each slack test for the
@@ -121,7 +122,7 @@ class AdaptiveRouter:
     queues the workers publish do not. ``slack="window"`` is the paper's rule exactly.
 
     The random order is drawn lazily (a Fisher-Yates shuffle stopped at the first slack worker),
-    over the positions of ``prefills``: callers pass workers in a stable order (e.g. sorted by id)
+    over the positions of ``prefills``: callers pass workers in the worker order (``ampd.policy.order.in_worker_order``)
     so that a seed reproduces the same decisions live and in the simulator.
     """
 
@@ -225,7 +226,7 @@ class AdaptiveRouter:
             t = b + p.queue_predicted_s
             wid = p.worker_id
             est["t_remote:" + wid] = t
-            if t < best_t or (t == best_t and not best_local and wid < best_id):
+            if t < best_t or (t == best_t and not best_local and before(wid, best_id)):
                 best_t = t
                 best_id = wid
                 best_local = False
@@ -234,7 +235,7 @@ class AdaptiveRouter:
 
 class RemoteRouter:
     """Dynamo-style disaggregation: every prefill goes to the prefill worker with the smallest
-    ``queue_predicted_s`` (ties -> lowest id), reason ``policy-remote``. With no prefill worker
+    ``queue_predicted_s`` (ties -> the first in the worker order), reason ``policy-remote``. With no prefill worker
     the prefill runs locally (``no-prefill-workers``)."""
 
     __slots__ = ("name",)
@@ -344,7 +345,7 @@ class MarginRouter:
                 b = base[p.tp] = remote_prefill_s(cost, l_hist, l_incr, dtp, p.tp)
             t = b + p.queue_predicted_s
             est["t_remote:" + p.worker_id] = t
-            if not best_id or t < best_t or (t == best_t and p.worker_id < best_id):
+            if not best_id or t < best_t or (t == best_t and before(p.worker_id, best_id)):
                 best_t, best_id = t, p.worker_id
         if itl_after <= self.beta * slo.itl_s:
             if t_loc <= best_t:

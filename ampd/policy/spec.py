@@ -38,6 +38,11 @@ class PolicySpec:
     description: str = ""
     slack: str = "window"
 
+    @property
+    def needs_prefill_workers(self) -> bool:
+        """Its router sends prefills to prefill workers (``local`` runs them idle, by design)."""
+        return self.uses_prefill_workers and self.router != "local"
+
 
 _SPECS: dict[str, PolicySpec] = {}
 

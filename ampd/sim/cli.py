@@ -18,7 +18,7 @@ def register(subparsers) -> None:
                     "co-located workers, as in `ampd up`.")
     p.add_argument("--trace", required=True, metavar="F", help="session trace (JSON Lines)")
     p.add_argument("--json", metavar="OUT", help="write the JSON report here ('-' for stdout)")
-    add_flags(p, SIMULATE_SETTINGS, required=("profile", "prefill", "decode", "policy", "ttft_slo", "itl_slo"))
+    add_flags(p, SIMULATE_SETTINGS, required=("profile", "decode", "policy", "ttft_slo", "itl_slo"))
     p.set_defaults(func=run)
 
 
@@ -42,7 +42,7 @@ def run(args) -> int:
     except ValueError as exc:
         raise CliError(str(exc)) from None
     try:
-        shape = worker_shape(args.policy, args.prefill, args.decode, profile.tps)
+        shape = worker_shape(args.policy, args.prefill, args.decode, profile.tps, auto_prefill=None)
     except ValueError as exc:  # a bad SPEC or an unknown policy
         raise CliError(str(exc).replace("is not in the profile", f"is not in profile {profile.name}")) from None
     try:
@@ -60,7 +60,8 @@ def run(args) -> int:
                       window_s=args.stats_window, kv_contention=args.kv_contention,
                       reorder_window=args.reorder_window, chunked_prefill=args.chunked_prefill,
                       kv_overlap=args.kv_overlap, kv_admission=args.kv_admission,
-                      kv_evict=args.kv_evict,
+                      kv_evict=args.kv_evict, admission=args.admission, admission_wait=args.admission_wait,
+                      admission_queue=args.admission_queue, block_tokens=args.block_tokens,
                       router_options=router, path=path)
     try:
         sim = Simulator(cfg)

@@ -5,6 +5,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ampd.config import CoordinatorSettings, WorkerSettings
+
 __all__ = ["PathLatency", "SimConfig"]
 
 
@@ -81,7 +83,11 @@ class SimConfig:
     (``ampd.worker.DecodeCore``). ``kv_evict``: a round whose KV does not fit first evicts the KV of
     sessions idle in tool calls, least recently used first. ``kv_overlap``: a prefill worker reads the next task's history KV
     while the current one computes (the paper's section 6; ``ampd.worker.PrefillCore``).
-    ``router_options``: keywords for ``ampd.policy.make_router`` (alpha, beta, slack, ...)."""
+    ``router_options``: keywords for ``ampd.policy.make_router`` (alpha, beta, slack, ...).
+    ``admission``, ``admission_wait``, ``admission_queue``: the coordinator's admission of new
+    sessions (``ampd.policy.admit.AdmissionBook``, the same core): a session is bound where its
+    whole KV (every round's input and output, plus ``block_tokens`` for a partly filled last block)
+    is promised, or waits, or is refused."""
 
     profile: Any
     policy: str
@@ -97,5 +103,9 @@ class SimConfig:
     kv_admission: str = "wait"
     kv_evict: bool = False
     kv_overlap: bool = True
+    admission: str = CoordinatorSettings.admission
+    admission_wait: float = CoordinatorSettings.admission_wait
+    admission_queue: int = CoordinatorSettings.admission_queue
+    block_tokens: int = WorkerSettings.block_tokens
     router_options: dict = field(default_factory=dict)
     path: PathLatency = field(default_factory=PathLatency)  # live control-path latencies (default none)

@@ -18,7 +18,8 @@ import math
 import time as _time
 from typing import Sequence
 
-from ampd.policy import SLO, PrefillTask, bind, make_queue, make_router, policy_spec
+from ampd.policy import SLO, PrefillTask, WorkerView, in_worker_order, make_queue, make_router, policy_spec
+from ampd.policy.admit import AdmissionBook
 from ampd.worker import (ADMITTED, FAILED, IDLE, STEPPING, DecodeCore, DecodeRun, DecodeSession, PrefillCore)
 
 from .config import PathLatency, SimConfig
@@ -39,6 +40,11 @@ _PIN_EXPIRED = 5  # a session's KV pin expired during its tool call (Continuum)
 _DISPATCH = 7  # a round reaches the coordinator and is routed (after PathLatency.dispatch_s)
 _HANDOFF = 8  # a remote prefill's KV notification reaches the decode worker
 _COMPUTE_START = 9  # a remote prefill's history read ended: its compute starts (KV overlap)
+_ADMIT_CHECK = 10  # a session waiting for admission is judged again (its wait or TTFT budget ends)
+
+# How often the head of the admission queue looks again without a release (the coordinator's
+# poll, services/coordinator/admission.py); only the slo rule's verdict can change meanwhile.
+_HEAD_POLL_S = 0.5
 
 
 class _Decode(DecodeCore):
@@ -102,16 +108,32 @@ class _Views:
                 p.window_mean(now)
 
 
+class _Waiting:
+    """A new session that admission has not bound yet (its ticket in the ``AdmissionBook``)."""
+
+    __slots__ = ("s", "rec", "need", "at", "check_at", "done")
+
+    def __init__(self, s, rec: SimSession, need: int, at: float):
+        self.s = s
+        self.rec = rec
+        self.need = need
+        self.at = at  # arrival: what its wait and its first round's TTFT count from
+        self.check_at = math.inf  # the earliest _ADMIT_CHECK pending for it
+        self.done = False
+
+
 class _Sess(DecodeSession):
-    """A session on its decode worker, plus its script (rounds) and where its record goes."""
+    """A session on its decode worker, plus its script (rounds), where its record goes and the KV
+    admission promised it."""
 
-    __slots__ = ("rounds", "rec", "dw", "ready", "local", "pw", "write_s", "target")
+    __slots__ = ("rounds", "rec", "dw", "ready", "local", "pw", "write_s", "target", "need")
 
-    def __init__(self, sid: str, rounds, rec: SimSession, dw: _Decode):
+    def __init__(self, sid: str, rounds, rec: SimSession, dw: _Decode, need: int):
         super().__init__(sid)
         self.rounds = rounds
         self.rec = rec
         self.dw = dw
+        self.need = need
         self.ready = 0.0  # the current round's input-ready time
         self.local = False
         self.pw: _Prefill | None = None  # the prefill worker running its remote prefill
@@ -175,14 +197,16 @@ class Simulator:
                     kv_admission=cfg.kv_admission, kv_evict=cfg.kv_evict)
             for i, tp in enumerate(expand_spec(dec_groups))
         ]
-        self.prefills = [
+        # the coordinator's order (ampd.policy.order): Algorithm 1's seeded visits and every tie agree
+        self.prefills = in_worker_order([
             _Prefill(f"prefill-{i}", tp, prof, make_queue(spec.prefill_queue or "fcfs", prof, slo, tp, window=rw),
                      window_s=w, kv_overlap=cfg.kv_overlap, kv_capacity_tokens=int(prof.kv_capacity_tokens(tp)))
             for i, tp in enumerate(expand_spec(pre_groups))
-        ]
+        ])
         self.by_id = {d.worker_id: d for d in self.decodes}
         self.by_id.update({p.worker_id: p for p in self.prefills})
         self.gpus = sum(tp * r for tp, r in (*pre_groups, *dec_groups))
+        AdmissionBook(cfg.admission, cfg.admission_wait, cfg.admission_queue, prof, slo)  # checks the rule
 
     def run(self, sessions: Sequence) -> SimResult:
         with gc_paused():
@@ -193,6 +217,7 @@ class _Run:
     """One simulation run: the event heap, the sessions in flight and the handlers."""
 
     __slots__ = ("sim", "heap", "seq", "live", "outcomes", "reasons", "n_local", "n_remote", "n_failed",
+                 "book", "block_tokens", "refused", "n_waited",
                  "decodes", "prefills", "by_id", "router", "pviews_static", "pin_ttl", "kv_evict", "open_s", "dispatch_s",
                  "handoff_s", "tool_rpc_s", "busy_extra", "contention", "dispatch")
 
@@ -205,6 +230,10 @@ class _Run:
         self.outcomes: list[SimSession] = []
         self.reasons: dict[str, int] = {}
         self.n_local = self.n_remote = self.n_failed = 0
+        self.book = AdmissionBook(cfg.admission, cfg.admission_wait, cfg.admission_queue, sim.profile, sim.slo)
+        self.block_tokens = cfg.block_tokens
+        self.refused: dict[str, int] = {}  # admission's refusals by reason
+        self.n_waited = 0  # sessions that waited for admission
         self.decodes = sim.decodes
         self.prefills = sim.prefills
         self.by_id = sim.by_id
@@ -268,6 +297,10 @@ class _Run:
                 self.compute_start(obj, now)
             elif code == _COMPUTE_DONE:
                 self.compute_done(obj, now)
+            elif code == _ADMIT_CHECK:
+                if not obj.done:
+                    obj.check_at = math.inf
+                    self.admit(obj, now)
         return self.result(now, n_events, _time.perf_counter() - wall0, len(sessions))
 
     # --------------------------------------------------------------------- sessions and rounds
@@ -282,15 +315,66 @@ class _Run:
             rec.completed = True
             rec.end = now
             return
-        d = self.by_id[bind([d.view(now) for d in self.decodes])]
-        rec.decode_worker = d.worker_id
-        st = _Sess(sid, s.rounds, rec, d)
-        self.live[sid] = st
-        self.round_ready(st, now)
+        # what the coordinator promises a replayed session: its whole script (services/coordinator
+        # core.turn_kv_tokens) and a partly filled last block
+        need = sum(int(r.input) + int(r.output) for r in s.rounds) + self.block_tokens
+        self.admit(_Waiting(s, rec, need, now), now)
 
-    def round_ready(self, st: _Sess, now: float) -> None:
+    # ------------------------------------------------------------------------------- admission
+    def admit(self, w: _Waiting, now: float) -> None:
+        """Judge ``w`` (ampd.policy.admit.AdmissionBook, the coordinator's core): bind it, refuse it,
+        or let it wait (judged again when KV is released, at the end of its wait, or, as the head
+        under the slo rule, every _HEAD_POLL_S)."""
+        book = self.book
+        queued = w in book.waiting
+        decode = []
+        for d in self.decodes:  # every worker's view, as the coordinator reads them (windows move)
+            v = d.view(now)
+            decode.append(WorkerView(v.worker_id, "decode", v.tp, v.window_mean_s, v.queue, d.kv_cap,
+                                     v.queue_predicted_s))
+        prefills = [p.view(now) for p in self.prefills] if book.rule == "slo" else ()
+        v = book.judge(w, w.need, int(w.s.rounds[0].input), now - w.at, decode, prefills)
+        if v.worker is None and not v.reason:
+            if not queued:
+                self.n_waited += 1
+            at = now + (min(v.wait_s, _HEAD_POLL_S) if book.rule == "slo" and book.head is w else v.wait_s)
+            if at <= now:  # a wait shorter than the clock's resolution: the next instant
+                at = math.nextafter(now, math.inf)
+            if at < w.check_at:
+                w.check_at = at
+                self.push(at, _ADMIT_CHECK, w)
+            return
+        w.done = True
+        head_left = book.leave(w)
+        rec = w.rec
+        if v.reason:
+            self.refused[v.reason] = self.refused.get(v.reason, 0) + 1
+            rec.error = f"admission: {v.reason}: {v.detail}"
+            rec.end = now
+        else:
+            d = self.by_id[v.worker]
+            rec.decode_worker = d.worker_id
+            st = _Sess(rec.session_id, w.s.rounds, rec, d, w.need)
+            self.live[rec.session_id] = st
+            self.round_ready(st, now, w.at)
+        if head_left:
+            self.admit_head(now)
+
+    def admit_head(self, now: float) -> None:
+        """KV was released or the head left: the new head is judged (and so on while they pass)."""
+        w = self.book.head
+        if w is not None:
+            self.admit(w, now)
+
+    def release(self, st: _Sess, now: float) -> None:
+        """The session ended: its promise frees, for the sessions waiting."""
+        self.book.release(st.dw.worker_id, st.need)
+        self.admit_head(now)
+
+    def round_ready(self, st: _Sess, now: float, ready: float = -1.0) -> None:
+        """The round's input is ready at ``ready`` (default ``now``; a first round: the arrival)."""
         rnd = st.rounds[st.round]
-        st.ready = now
+        st.ready = now if ready < 0.0 else ready
         st.l_incr = int(rnd.input)
         st.out = int(rnd.output)
         d = st.dw
@@ -303,6 +387,7 @@ class _Run:
             rec.error = st.error
             rec.end = now
             del self.live[st.session_id]
+            self.release(st, now)
         else:
             self.drain(d, now)
 
@@ -339,6 +424,7 @@ class _Run:
             st.rec.end = now
             del self.live[st.session_id]
             self.drain(d, now)
+            self.release(st, now)
 
     def first_token(self, st: _Sess, now: float) -> None:
         d = st.dw
@@ -362,9 +448,11 @@ class _Run:
         d = st.dw
         task = PrefillTask(st.session_id, st.round, st.l_hist, st.l_incr, st.ready, d.worker_id, d.tp)
         dview = d.view(now)
-        pviews = () if self.pviews_static else _Views(self.prefills, now)
-        dec = self.router.route(task, dview, pviews, now)
-        if pviews:
+        if self.pviews_static:
+            dec = self.router.route(task, dview, (), now)
+        else:
+            pviews = _Views(self.prefills, now)
+            dec = self.router.route(task, dview, pviews, now)
             pviews.settle()
         reasons = self.reasons
         reasons[dec.reason] = reasons.get(dec.reason, 0) + 1
@@ -529,6 +617,8 @@ class _Run:
         decodes, prefills = self.decodes, self.prefills
         for st in self.live.values():
             st.rec.completed = False
+        for w in self.book.waiting:
+            w.rec.error = "waiting for admission at the end of the simulation"
         stats = {
             "events": n_events,
             "wall_s": wall,
@@ -539,7 +629,9 @@ class _Run:
             "route_reasons": self.reasons,
             "kv_overcommits": sum(d.kv_overcommits for d in decodes),
             "kv_evictions": sum(d.kv_evictions for d in decodes),
-            "unfinished_sessions": len(self.live),
+            "unfinished_sessions": len(self.live) + len(self.book.waiting),
+            "admission_refused": self.refused,
+            "admission_waited": self.n_waited,
             "decode_steps": [d.step_idx for d in decodes],
             "decode_busy_fraction": [d.busy_s / now if now > 0 else 0.0 for d in decodes],
             "prefill_busy_fraction": [p.busy_s / now if now > 0 else 0.0 for p in prefills],
@@ -566,12 +658,15 @@ def simulate(sessions, profile, *, policy: str, prefill="none", decode="tp1*1",
              ttft_slo_s: float = 1.0, itl_slo_s: float = 0.1, seed: int = 0, window_s: float = 10.0,
              kv_contention: bool = False, reorder_window: int = 3, chunked_prefill: bool = False,
              kv_admission: str = "wait", kv_evict: bool = False, kv_overlap: bool = True,
-             path: PathLatency | None = None, **router_options) -> SimResult:
+             path: PathLatency | None = None, admission: str = SimConfig.admission,
+             admission_wait: float = SimConfig.admission_wait, admission_queue: int = SimConfig.admission_queue,
+             block_tokens: int = SimConfig.block_tokens, **router_options) -> SimResult:
     """Run ``sessions`` (``ampd.workload.Session``s) on a deployment; see ``SimConfig``."""
     cfg = SimConfig(profile=profile, policy=policy, prefill=prefill, decode=decode,
                     ttft_slo_s=ttft_slo_s, itl_slo_s=itl_slo_s, seed=seed, window_s=window_s,
                     kv_contention=kv_contention, reorder_window=reorder_window,
                     chunked_prefill=chunked_prefill, kv_admission=kv_admission, kv_evict=kv_evict,
-                    kv_overlap=kv_overlap,
+                    kv_overlap=kv_overlap, admission=admission, admission_wait=admission_wait,
+                    admission_queue=admission_queue, block_tokens=block_tokens,
                     router_options=router_options, path=path or PathLatency())
     return Simulator(cfg).run(list(sessions))

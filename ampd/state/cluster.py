@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 import structlog
 
 from ampd.config import WorkerSettings
-from ampd.policy import CostModel, PrefillTask, RouteDecision, Router, WorkerView, bind
+from ampd.policy import CostModel, PrefillTask, RouteDecision, Router, WorkerView, bind, in_worker_order
 from ampd.state.liveness import Liveness
 from ampd.state.store import REDIS_ERRORS, StateStore, WorkerInfo, WorkerStats, age_view
 
@@ -257,9 +257,8 @@ class Cluster:
                 decode[v.worker_id] = v
             else:
                 prefill.append(v)
-        # Algorithm 1 visits prefill workers in a seeded order over list positions: keep it stable.
-        prefill.sort(key=lambda v: v.worker_id)
-        return ClusterView(decode, tuple(prefill), read_s)
+        # Algorithm 1 visits prefill workers in a seeded order over list positions: the simulator's order.
+        return ClusterView(decode, tuple(in_worker_order(prefill)), read_s)
 
 
 def choose_decode_worker(view: ClusterView) -> str:

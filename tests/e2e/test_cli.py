@@ -112,3 +112,50 @@ def _state(pid: int) -> str:
         return "zombie" if (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z") else "live"
     except OSError:
         return "zombie"
+
+
+def _sim(trace, *args):
+    return run("simulate", "--trace", str(trace), "--profile", "llama3.1-70b@h20", "--ttft-slo", "5",
+               "--itl-slo", "0.1", *args)
+
+
+def test_simulate_colocated_needs_no_prefill_and_disaggregated_one_clear_error(tmp_path):
+    """Issue 26: `--prefill` is optional under a co-located policy (none), and a policy that sends
+    prefills to prefill workers gets one line when it has none."""
+    import json
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"id": "a", "arrival": 0, "rounds": [{"input": 100, "output": 5, "tool_s": 0.5}, '
+                     '{"input": 20, "output": 4}]}\n')
+    out = tmp_path / "r.json"
+    r = _sim(trace, "--policy", "colocated", "--decode", "tp8*4", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(out.read_text())
+    assert rep["deployment"]["prefill"] == "none" and rep["deployment"]["decode"] == "tp8*4"
+    assert rep["completed"] == 1
+    for extra in ((), ("--prefill", "none")):
+        r = _sim(trace, "--policy", "ampd", "--decode", "tp8*4", *extra)
+        assert r.returncode == 2 and "Traceback" not in r.stderr
+        assert r.stderr.count("\n") == 1 and "--prefill: policy ampd" in r.stderr, r.stderr
+    r = run("up", "--policy", "remote", "--prefill", "none", "--decode", "1")
+    assert r.returncode == 2 and "--prefill: policy remote" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_simulate_bad_input_is_one_line_naming_the_field(tmp_path):
+    import json
+
+    empty, bad, prof = tmp_path / "e.jsonl", tmp_path / "b.jsonl", tmp_path / "p.json"
+    empty.write_text("")
+    bad.write_text('{"id": "a", "arrival": 0, "rounds": [{"input": 0, "output": 3}]}\n')
+    from ampd.perf import load_profile
+
+    d = load_profile("llama3.1-70b@h20").to_json()
+    d["tp"] = {"8": {k: v for k, v in d["tp"]["8"].items() if k != "t_dec"}}  # TP 8 without its decode fit
+    prof.write_text(json.dumps(d))
+    for trace, profile, want in ((empty, "llama3.1-70b@h20", "no sessions"),
+                                 (bad, "llama3.1-70b@h20", "rounds[0].input"),
+                                 (empty, str(prof), "'tp.8.t_dec'")):
+        r = run("simulate", "--trace", str(trace), "--profile", profile, "--policy", "colocated",
+                "--decode", "tp8*1", "--ttft-slo", "5", "--itl-slo", "0.1")
+        assert r.returncode == 2 and want in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert r.stderr.count("\n") == 1

@@ -7,7 +7,7 @@ import pytest
 
 from ampd.perf import load_profile
 from ampd.policy import SLO, WorkerView, bind
-from ampd.policy.admit import (ITL, KV_SIZE, TTFT, TTFT_FRACTION, decide, predicted_itl, predicted_ttft)
+from ampd.policy.admit import (ITL, KV_FULL, KV_SIZE, TTFT, TTFT_FRACTION, decide, predicted_itl, predicted_ttft)
 
 COST = load_profile("qwen3-32b@h20")
 SLO_ = SLO(2.0, 0.1)
@@ -104,3 +104,32 @@ def test_bad_calls_raise():
         decide("kv", [], (), {}, {}, 0, 0, 0.0, None, None)
     with pytest.raises(ValueError, match="needs the cost model"):
         decide("slo", [dw("d0", 1)], (), {}, {}, 0, 0, 0.0, None, None)
+
+
+def test_book_kv_rule_first_come_first_served_then_refused_after_the_wait():
+    """The pure book both drivers run (issue 26): B waits behind A, A gets the KV that frees, B is
+    refused once its admission wait is spent; a queue of 1 refuses a third session at once."""
+    from ampd.policy.admit import QUEUE_FULL, AdmissionBook
+
+    book = AdmissionBook("kv", wait_s=2.0, queue_max=1)
+    d = [WorkerView("decode-0", "decode", 8, None, (), 1000, 0.0)]
+    assert book.judge("X", 1000, 10, 0.0, d, ()).worker == "decode-0"
+    v = book.judge("A", 600, 10, 0.0, d, ())
+    assert v.worker is None and not v.reason and v.wait_s == 2.0 and book.head == "A"
+    assert book.judge("B", 600, 10, 0.1, d, ()).reason == QUEUE_FULL
+    book.release("decode-0", 1000)
+    assert book.judge(book.head, 600, 10, 0.5, d, ()).worker == "decode-0"
+    assert book.leave("A") and book.head is None
+    assert book.promised == {"decode-0": 600} and book.sessions == {"decode-0": 1}
+    v = book.judge("C", 600, 10, 0.0, d, ())
+    assert v.wait_s == 2.0 and book.judge("C", 600, 10, 2.0, d, ()).reason == KV_FULL
+
+
+def test_book_rule_none_admits_every_session_on_the_least_promised_worker():
+    from ampd.policy.admit import AdmissionBook
+
+    book = AdmissionBook("none", wait_s=0.0, queue_max=0)
+    d = [WorkerView(w, "decode", 8, None, (), 1000, 0.0) for w in ("decode-10", "decode-2")]
+    assert book.judge("a", 5000, 10, 0.0, d, ()).worker == "decode-2"  # over capacity, ties in worker order
+    assert book.judge("b", 10, 10, 0.0, d, ()).worker == "decode-10"
+    assert book.judge("c", 10, 10, 0.0, d, (), new=False).worker == "decode-10"

@@ -1,4 +1,4 @@
-"""Session binding: most free KV tokens, ties to the lowest worker id."""
+"""Session binding: most free KV tokens, ties to the first in the worker order."""
 
 import pytest
 

@@ -407,15 +407,16 @@ def test_kv_overlap_hides_the_next_tasks_history_read(overlap):
 
 
 def test_kv_admission_fail_fails_the_session_that_does_not_fit():
+    """The decode worker's own KV admission, under the admission rule that lets every session in."""
     prof = _profile(cap=1500)
     a = Session("a", 0.0, (Round(1000, 3),))
     b = Session("b", 0.1, (Round(1000, 3),))
-    wait = simulate([a, b], prof, policy="colocated", decode="tp1*1", ttft_slo_s=5, itl_slo_s=1)
+    wait = simulate([a, b], prof, policy="colocated", decode="tp1*1", ttft_slo_s=5, itl_slo_s=1, admission="none")
     assert all(s.completed for s in wait.sessions)  # "wait": b starts once a frees its KV
     b0 = wait.sessions[1].rounds[0]
     assert b0.first_token == pytest.approx(wait.sessions[0].end + P.t_pre(1, 0, 1000), abs=1e-12)
     fail = simulate([a, b], prof, policy="colocated", decode="tp1*1", ttft_slo_s=5, itl_slo_s=1,
-                    kv_admission="fail")
+                    kv_admission="fail", admission="none")
     sa, sb = fail.sessions
     assert sa.completed and not sb.completed and sb.error.startswith("KV exhausted on decode-0")
     assert fail.stats["kv_failed_sessions"] == 1
@@ -429,7 +430,7 @@ def test_kv_evict_lets_a_new_session_in_and_the_idle_one_re_prefills_its_history
     prof = _profile(cap=1500)
     a = Session("a", 0.0, (Round(1000, 1, 5.0), Round(100, 2)))  # idle in a 5 s tool call, history 1001
     b = Session("b", 0.5, (Round(1000, 2),))
-    kw = dict(policy="colocated", decode="tp1*1", ttft_slo_s=5, itl_slo_s=1)
+    kw = dict(policy="colocated", decode="tp1*1", ttft_slo_s=5, itl_slo_s=1, admission="none")
     keep = simulate([a, b], prof, **kw)
     assert keep.stats["kv_evictions"] == 0 and "kv_recomputed_tokens" not in keep.stats
     assert keep.sessions[1].rounds[0].first_token > keep.sessions[0].end  # b waits for a to end
@@ -440,3 +441,44 @@ def test_kv_evict_lets_a_new_session_in_and_the_idle_one_re_prefills_its_history
     a1 = sa.rounds[1]  # b has ended by then: a's round prefills its whole context, 1001 + 100 tokens
     assert a1.first_token - a1.input_ready == pytest.approx(P.t_pre(1, 0, 1101), abs=1e-12)
     assert ev.stats["kv_evictions"] == 1 and ev.stats["kv_recomputed_tokens"] == 1001
+
+
+def test_worker_shape_prefill_auto_by_policy():
+    """Issue 26: --prefill auto (not given) is none under a co-located policy; a disaggregated one
+    gets `ampd up`'s tp1*1, or one clear error where the caller (simulate) asks for it; a policy that
+    sends prefills to prefill workers and has none is an error; `local` may run none."""
+    from ampd.deployment import SpecError, worker_shape
+
+    assert worker_shape("colocated", "auto", "tp8*4").prefill == ()
+    assert worker_shape("continuum", None, "tp8*4", auto_prefill=None).decode == ((8, 4),)
+    assert worker_shape("ampd", "auto", "tp2*1").prefill == ((1, 1),)
+    assert worker_shape("local", "none", "tp2*1").prefill == ()
+    for pre, auto in (("auto", None), ("none", "tp1*1"), ("0", None)):
+        with pytest.raises(SpecError, match="--prefill: policy remote"):
+            worker_shape("remote", pre, "tp2*1", auto_prefill=auto)
+
+
+def test_admission_promises_the_whole_session_and_waits_then_refuses_as_live():
+    """Issue 26: the simulator binds through the coordinator's admission core
+    (ampd.policy.admit.AdmissionBook): a session is bound where its whole KV (every round, plus a
+    block) is promised; b waits for a to end (its TTFT counts from its arrival), c is refused after
+    the admission wait; one bigger than any worker is refused at once."""
+    prof = _profile(cap=3000)
+    a = Session("a", 0.0, (Round(1000, 3, 1.0), Round(200, 3)))  # promises 1000+3+200+3+32 = 1238
+    b = Session("b", 0.1, (Round(1500, 3),))  # 1535: fits beside a? 1238 + 1535 = 2773 <= 3000: yes
+    c = Session("c", 0.2, (Round(1000, 3),))  # 1035: waits for KV (a or b must end)
+    d = Session("d", 0.3, (Round(4000, 3),))  # more than the worker holds
+    kw = dict(policy="colocated", decode="tp1*1", ttft_slo_s=5, itl_slo_s=1)
+    r = simulate([a, b, c, d], prof, **kw)
+    sa, sb, sc, sd = r.sessions
+    assert sa.completed and sb.completed and sc.completed and not sd.completed
+    assert sd.error.startswith("admission: kv-size:") and r.stats["admission_refused"] == {"kv-size": 1}
+    assert r.stats["admission_waited"] == 1 and r.stats["kv_overcommits"] == 0
+    c0 = sc.rounds[0]
+    assert c0.input_ready == 0.2 and c0.first_token > min(sa.end, sb.end)
+    assert c0.first_token == pytest.approx(min(sa.end, sb.end) + P.t_pre(1, 0, 1000), abs=1e-9)
+    short = simulate([a, b, c], prof, admission_wait=0.05, **kw)
+    assert short.sessions[2].error.startswith("admission: kv-full:") and not short.sessions[2].rounds
+    assert short.stats["admission_refused"] == {"kv-full": 1}
+    none = simulate([a, b, c], prof, admission="none", **kw)
+    assert none.stats["admission_waited"] == 0 and none.sessions[2].decode_worker == "decode-0"
