@@ -39,8 +39,8 @@ def register(subparsers) -> None:
                    help="simulate only the first M sessions of the trace in each check (default all)")
     p.add_argument("--seed", type=int, default=0, metavar="K", help="seed of the router's random order")
     p.add_argument("--estimates-cache", metavar="F",
-                   help="keep the estimate simulations in this file: a later plan of the same workload mix, "
-                        "profile and SLO (any GPU count or rate) reuses them")
+                   help="keep the check simulations in this file: a later plan of the same trace, profile, "
+                        "SLO and policy (any GPU count or top K) reuses them")
     p.set_defaults(func=run)
 
 
@@ -125,7 +125,7 @@ def run(args) -> int:
     from .space import PlanError
 
     profile, sessions = load_inputs(args.profile, args.trace)
-    cache = _load_cache(args.estimates_cache)
+    cache = _load_cache(args.estimates_cache) if args.estimates_cache else None
     t0 = time.monotonic()
     progress = _StderrProgress()
     try:
@@ -140,8 +140,9 @@ def run(args) -> int:
         progress.close()
     out = result.to_json(time.monotonic() - t0)
     out["profile"] = profile.name
-    out["estimates"] = {"simulated": cache.misses, "cached": cache.hits}
-    _save_cache(args.estimates_cache, cache)
+    if cache is not None:
+        out["timings"]["cached_simulations"] = cache.hits
+        _save_cache(args.estimates_cache, cache)
     print(format_plan(out))
     if args.json:
         text = json.dumps(out, indent=1)
