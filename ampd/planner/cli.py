@@ -34,9 +34,9 @@ def register(subparsers) -> None:
     p.add_argument("--all-gpus", action="store_true",
                    help="only deployments that use exactly N GPUs (by default fewer may win on a tie-break)")
     p.add_argument("--candidates", type=int, default=0, metavar="C",
-                   help="ILP candidates to check by simulation (default 2 x --top)")
-    p.add_argument("--check-sessions", type=int, default=0, metavar="M",
-                   help="simulate only the first M sessions of the trace in each check (default all)")
+                   help="ILP finalists to check by simulation (default --top + 1)")
+    p.add_argument("--check-sessions", type=int, default=None, metavar="M",
+                   help="simulate only the first M sessions of the trace in each check (default 200; 0: all)")
     p.add_argument("--seed", type=int, default=0, metavar="K", help="seed of the router's random order")
     p.add_argument("--estimates-cache", metavar="F",
                    help="keep the check simulations in this file: a later plan of the same trace, profile, "
@@ -121,7 +121,7 @@ def _save_cache(path: str | None, cache) -> None:
 
 
 def run(args) -> int:
-    from .plan import PlanRequest, plan, resolve_slo
+    from .plan import CHECK_SESSIONS, PlanRequest, plan, resolve_slo
     from .space import PlanError
 
     profile, sessions = load_inputs(args.profile, args.trace)
@@ -132,7 +132,7 @@ def run(args) -> int:
         slo = resolve_slo(profile, sessions, args.gpus, args.ttft_slo, args.itl_slo)
         req = PlanRequest(profile, sessions, args.gpus, slo, top=args.top, policy=args.policy,
                           colocated=not args.no_colocated, mixed=not args.one_degree, all_gpus=args.all_gpus,
-                          candidates=args.candidates, check_sessions=args.check_sessions, seed=args.seed)
+                          candidates=args.candidates, check_sessions=CHECK_SESSIONS if args.check_sessions is None else args.check_sessions, seed=args.seed)
         result = plan(req, cache=cache, progress=progress)
     except PlanError as exc:
         raise CliError(f"--{exc.field.replace('_', '-')}: {str(exc).partition(': ')[2]}") from None

@@ -27,9 +27,7 @@ of its time on prefills that the prefill workers then do not carry (the ILP pick
 """
 from __future__ import annotations
 
-import hashlib
 import math
-import statistics
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -154,6 +152,8 @@ def sample_sessions(sessions: Sequence, k: int = SAMPLE_SESSIONS) -> list:
 
 def trace_fingerprint(sessions) -> str:
     """A digest of the trace (arrivals and rounds): the cache key of its check simulations."""
+    import hashlib
+
     h = hashlib.sha1()
     for s in sessions:
         h.update(repr((s.id, s.arrival, [(r.input, r.output, r.tool_s) for r in s.rounds])).encode())
@@ -195,6 +195,12 @@ def _capacities(profile, mix, degrees, itl_slo_s: float) -> dict[str, dict[int, 
     return cap
 
 
+def _mean(xs) -> float:
+    """statistics.fmean without importing statistics (fractions, decimal: a cold start pays for them)."""
+    xs = list(xs)
+    return math.fsum(xs) / len(xs)
+
+
 def _quantiles(xs: list[float], k: int) -> list[float]:
     s = sorted(xs)
     if len(s) <= k:
@@ -228,15 +234,15 @@ class _Mix:
         self.kv_tool = kv_tool / max(len(sample), 1)
         self.out_q = _quantiles(self.outs, 2 * QUANTILES)
         self.rounds_per_session = len(rounds) / max(len(sample), 1)
-        self.mean_ctx = max(statistics.fmean(ctxs), 1.0) if ctxs else 1.0
-        self.mean_out = max(statistics.fmean(self.outs), 1.0) if self.outs else 1.0
+        self.mean_ctx = max(_mean(ctxs), 1.0) if ctxs else 1.0
+        self.mean_out = max(_mean(self.outs), 1.0) if self.outs else 1.0
         self.work, self.es, self.es2, self.q, self.kv_q = {}, {}, {}, {}, {}
         for n in degrees:
             svc = [profile.t_pre(n, h, i) for h, i, _ in rounds] or [0.0]
             kv = [profile.t_kv(i, n, n) for _, i, _ in rounds] or [0.0]
             self.work[n] = sum(svc) / max(len(sample), 1)
-            self.es[n] = max(statistics.fmean(svc), 1e-9)
-            self.es2[n] = statistics.fmean(x * x for x in svc)
+            self.es[n] = max(_mean(svc), 1e-9)
+            self.es2[n] = _mean(x * x for x in svc)
             self.q[n] = _quantiles(svc, QUANTILES)
             # the latency a prefill worker's round sees: compute plus the new KV's write-back
             self.kv_q[n] = _quantiles([a + b for a, b in zip(svc, kv)], QUANTILES)

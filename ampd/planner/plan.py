@@ -5,7 +5,6 @@ Pure: takes the profile and the sessions as values, reports progress through a c
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -15,13 +14,16 @@ from .objective import evaluate, surrogate
 from .space import Deployment, PlanError, feasible_degrees
 
 __all__ = ["PlanRequest", "PlanEntry", "PlanResult", "plan", "default_slo", "resolve_slo", "search_space", "check",
-           "family_candidates", "balanced_splits", "check_policy", "max_context", "SLO_TTFT_K", "SLO_ITL_M"]
+           "family_candidates", "check_policy", "FINALISTS_EXTRA", "CHECK_SESSIONS", "max_context", "SLO_TTFT_K", "SLO_ITL_M"]
 
 # Default SLO when the request gives none: the rule of docs/paper-results.md ("SLO rule"), taken at the
 # largest degree a prefill and a decode replica can both use.
 SLO_TTFT_K = 3.0   # TTFT threshold = K x P90 of the standalone prefill time of every round
 SLO_ITL_M = 3.0    # ITL threshold = M x one decode step at batch SLO_ITL_BATCH, median round context
 SLO_ITL_BATCH = 32
+
+FINALISTS_EXTRA = 1  # finalists simulated beyond --top by default (the ILP's next best)
+CHECK_SESSIONS = 200  # sessions a check simulates by default (the first by arrival; 0: the whole trace)
 
 Progress = Callable[[str, int, int], None]
 
@@ -37,8 +39,8 @@ class PlanRequest:
     colocated: bool = True     # search co-located deployments (no prefill workers) too
     mixed: bool = True         # a phase may mix TP degrees (False: one degree per phase, like Table 2)
     all_gpus: bool = False     # use exactly `gpus` GPUs (C3 as an equality, as every Table 2 entry does)
-    candidates: int = 0        # ILP candidates to simulate (0: 2 x top)
-    check_sessions: int = 0    # simulate the first this many sessions in the checks (0: all)
+    candidates: int = 0        # ILP finalists to simulate (0: top + FINALISTS_EXTRA)
+    check_sessions: int = CHECK_SESSIONS  # simulate the first this many sessions in the checks (0: all)
     sample_sessions: int = SAMPLE_SESSIONS  # sessions the closed-form estimates draw from the trace
     seed: int = 0
     skip_dominated: bool = True  # do not simulate a candidate skippable() shows cannot rank (False: all)
@@ -94,14 +96,20 @@ def _num(x: float):
     return x if math.isfinite(x) else None
 
 
+def _percentile(xs, q: float) -> float:
+    """numpy's default ("linear") percentile, without importing numpy."""
+    s = sorted(xs)
+    h = (len(s) - 1) * q / 100.0
+    lo = math.floor(h)
+    return float(s[lo] + (h - lo) * (s[min(lo + 1, len(s) - 1)] - s[lo]))
+
+
 def max_context(sessions) -> int:
     return max(s.context_tokens for s in sessions)
 
 
 def default_slo(profile, sessions, degree: int):
     """The default thresholds on this workload at ``degree`` (see SLO_TTFT_K, SLO_ITL_M)."""
-    import numpy as np
-
     from ampd.bench.report import SLO
 
     pre, ctxs = [], []
@@ -111,8 +119,8 @@ def default_slo(profile, sessions, degree: int):
             pre.append(profile.t_pre(degree, h, r.input))
             ctxs.append(h + r.input + r.output // 2)
             h += r.input + r.output
-    ctx = statistics.median(ctxs)
-    ttft = SLO_TTFT_K * float(np.percentile(pre, 90))
+    ctx = _percentile(ctxs, 50)
+    ttft = SLO_TTFT_K * _percentile(pre, 90)
     itl = SLO_ITL_M * profile.t_dec(degree, SLO_ITL_BATCH, int(SLO_ITL_BATCH * ctx))
     return SLO(ttft_s=round(ttft, 3), itl_s=round(itl, 4))
 
@@ -192,51 +200,25 @@ def headroom(e: "PlanEntry", slo) -> float:
     return worst if math.isfinite(worst) else math.inf
 
 
-def balanced_splits(gpus: int, degrees) -> list[Deployment]:
-    """Half the GPUs to each phase at one degree: P<n, N/2n> D<n, N/2n> for every degree ``n`` that
-    divides N/2 (every Table 2 entry but one has this form)."""
-    half = gpus // 2
-    if half < 1 or 2 * half != gpus:
-        return []
-    return [Deployment.of({n: half // n}, {n: half // n}) for n in sorted(degrees) if half % n == 0]
-
-
 def family_candidates(est, gpus: int, degrees, k: int, *, disaggregated: bool, colocated: bool, mixed: bool,
-                      all_gpus: bool, form_k: int = 0, log: list | None = None) -> list:
-    """The ILP's ``k`` best of each family (co-located, disaggregated), which hold its ``k`` best over
-    the whole space, plus the balanced splits (:func:`balanced_splits`) when disaggregated
-    deployments are searched. The surrogate may rank a family low that the simulator, running the real
-    policy, prefers (AMPD's local prefills make a disaggregated deployment partly co-located), and a
-    plan restricted to one family (a baseline's: ``remote`` plans disaggregated, ``colocated``
-    co-located deployments) checks exactly that family's ``k`` best: so AMPD's candidates hold every
-    deployment a baseline's plan of the same ``k`` would check, and AMPD can become that baseline's
-    deployment where it wins. The balanced splits cost a few simulations and guard against the
-    surrogate's blind spot: its per-replica estimates run the `remote` policy, so under AMPD (local
-    prefills) it undervalues decode capacity and prefers lopsided mixed-degree splits. For the same
-    reason, when the space is larger than Table 2's form (one degree per phase, all GPUs), the
-    ``form_k`` best of that form are added too: a mixed-degree search otherwise fills its ``k``
-    slots with lopsided splits the surrogate ties, and misses the single-degree split a Table-2-form
-    plan checks (Qwen3-32B DuReader on 16 GPUs: P tp4*3 D tp4*1, the form's 2nd best)."""
-    if disaggregated and colocated:
-        # the joint k best lie within the union of the two families' k best: two solves, not three.
-        # Each family's solve is the one a baseline's plan of that family runs (same model, same ties).
-        cands = [c for fam in ({"disaggregated": True, "colocated": False},
-                               {"disaggregated": False, "colocated": True})
-                 for c in best_deployments(est, gpus, degrees, k, mixed=mixed, all_gpus=all_gpus, log=log, **fam)]
-        cands.sort(key=lambda t: t[0])  # stable: the joint k best first, each family in its own order
-    else:
-        cands = best_deployments(est, gpus, degrees, k, disaggregated=disaggregated, colocated=colocated,
-                                 mixed=mixed, all_gpus=all_gpus, log=log)
+                      all_gpus: bool, log: list | None = None) -> list:
+    """The finalists: the ILP's ``k`` best over the search space, plus the best of each family
+    (co-located, disaggregated) when the ``k`` best lack it. Each family is solved apart (the joint
+    ``k`` best lie within the union of the two families' ``k`` best), so AMPD's finalists hold the
+    deployment a baseline's plan of one family (``remote``: disaggregated, ``colocated``: co-located)
+    would choose first by the ILP, and AMPD can become that baseline's deployment where it wins
+    (docs/planner.md, "Never lose to a baseline")."""
+    fams = []
     if disaggregated:
-        extra = balanced_splits(gpus, degrees)
-        if form_k and (mixed or not all_gpus):
-            extra = [d for _, d in best_deployments(est, gpus, degrees, form_k, disaggregated=True, colocated=False,
-                                                    mixed=False, all_gpus=True, log=log)] + extra
-        seen = {d for _, d in cands}
-        for d in extra:
-            if d not in seen:
-                seen.add(d)
-                cands.append((surrogate(d, est, gpus), d))
+        fams.append({"disaggregated": True, "colocated": False})
+    if colocated:
+        fams.append({"disaggregated": False, "colocated": True})
+    per = [best_deployments(est, gpus, degrees, k, mixed=mixed, all_gpus=all_gpus, log=log, **f) for f in fams]
+    joint = sorted((c for fam in per for c in fam), key=lambda t: t[0])  # stable: each family in its own order
+    cands = joint[:k]
+    for fam in per:
+        if fam and fam[0] not in cands:
+            cands.append(fam[0])
     return cands
 
 
@@ -288,11 +270,11 @@ def plan(req: PlanRequest, *, cache: EstimateCache | None = None, progress: Prog
                           sample_size=req.sample_sessions)
     if progress is not None:
         progress("estimates", 1, 1)
-    n_cand = req.candidates or 2 * req.top
+    n_cand = req.candidates or req.top + FINALISTS_EXTRA
     solves: list = []
     t0 = time.perf_counter()
     cands = family_candidates(est, req.gpus, degrees, max(n_cand, req.top), disaggregated=disagg,
-                              colocated=coloc, mixed=req.mixed, all_gpus=req.all_gpus, form_k=req.top, log=solves)
+                              colocated=coloc, mixed=req.mixed, all_gpus=req.all_gpus, log=solves)
     solve_s = time.perf_counter() - t0
     if not cands:
         raise PlanError("gpus", f"no deployment of degrees {list(degrees)} uses exactly {req.gpus} GPUs")
