@@ -96,6 +96,12 @@ def format_plan(out: dict) -> str:
         p95 = "-" if e["p95_s"] is None else f"{e['p95_s']:.3f}"
         lines.append(f"{i:>2}  {e['prefill']:<16} {e['decode']:<16} {e['slo_attainment'] * 100:>7.1f}% "
                      f"{p95:>9} {e['estimate']['worst_p95_over_slo']:>12.3f}")
+    if out["top"] and out["top"][0]["slo_attainment"] == 0:
+        lines.append(f"note: no session meets the SLO on any deployment checked (--ttft-slo {out['slo']['ttft_s']:g} s, "
+                     f"--itl-slo {out['slo']['itl_s']:g} s): loosen the SLO or plan for more --gpus")
+    t = out["timings"]
+    lines.append(f"SCIP: {out['solver_calls']} solves in {t['solve_s']:.3f} s; estimates {t['estimates_s']:.3f} s; "
+                 f"{t['simulations']} check simulations in {t['simulations_s']:.3f} s")
     return "\n".join(lines)
 
 

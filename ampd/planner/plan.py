@@ -151,10 +151,10 @@ def search_space(req: PlanRequest) -> tuple[tuple[int, ...], bool, bool]:
         v = getattr(req, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise PlanError(name, f"must be an integer >= 1, got {v!r}")
-    for name in ("candidates", "check_sessions"):
+    for name, zero in (("candidates", "the default"), ("check_sessions", "the whole trace")):
         v = getattr(req, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise PlanError(name, f"must be an integer >= 0 (0: the default), got {v!r}")
+            raise PlanError(name, f"must be an integer >= 0 (0: {zero}), got {v!r}")
     try:
         spec = policy_spec(req.policy)
     except ValueError as exc:
