@@ -28,7 +28,7 @@ of its time on prefills that the prefill workers then do not carry (the ILP pick
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from .space import KINDS

@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 
 from .estimates import SAMPLE_SESSIONS, EstimateCache, Estimates, build_estimates, outcome, trace_fingerprint
 from .ilp import best_deployments
-from .objective import evaluate, surrogate
+from .objective import evaluate
 from .space import Deployment, PlanError, feasible_degrees
 
 __all__ = ["PlanRequest", "PlanEntry", "PlanResult", "plan", "default_slo", "resolve_slo", "search_space", "check",
