@@ -36,7 +36,7 @@ def register(subparsers) -> None:
     p.add_argument("--candidates", type=int, default=0, metavar="C",
                    help="ILP finalists to check by simulation (default --top + 1)")
     p.add_argument("--check-sessions", type=int, default=None, metavar="M",
-                   help="simulate only the first M sessions of the trace in each check (default 150; 0: all)")
+                   help="simulate only the first M sessions of the trace in each check (default 250; 0: all)")
     p.add_argument("--seed", type=int, default=0, metavar="K", help="seed of the router's random order")
     p.add_argument("--estimates-cache", metavar="F",
                    help="keep the check simulations in this file: a later plan of the same trace, profile, "

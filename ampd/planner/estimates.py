@@ -33,12 +33,16 @@ from typing import Mapping, Sequence
 
 from .space import KINDS
 
-__all__ = ["LEVELS", "SPILLS", "OVERLOAD", "saturated", "Estimates", "EstimateCache", "capacities",
+__all__ = ["LEVELS", "SPILLS", "POOLS", "OVERLOAD", "saturated", "Estimates", "EstimateCache", "capacities",
            "build_estimates", "spills_for", "sample_sessions", "workload_rate", "latency_p95", "outcome",
            "trace_fingerprint"]
 
 # Utilisation levels rho_l; the last (inf) is "overloaded": any capacity satisfies it, at OVERLOAD.
 LEVELS = (0.1, 0.25, 0.4, 0.55, 0.7, 0.8, 0.9, 0.95, 1.0, 1.2, 1.5, 2.0, 3.0, math.inf)
+# Pool sizes: the prefill replicas of one degree share the load as one queue (least-loaded routing),
+# so c replicas wait less than one at the same utilisation; tau[prefill][n][l][i] holds for a group
+# of at least POOLS[i] replicas.
+POOLS = (1, 2, 4, 8)
 # Shares of a decode replica's time spent on local prefills (policies that route locally).
 SPILLS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.45)
 STOP_AT = 20.0        # a normalised P95 at or above this counts as saturated
@@ -61,7 +65,8 @@ def saturated(rho: float) -> float:
 @dataclass(frozen=True)
 class Estimates:
     """What the ILP needs. ``tau[kind][n][l]``: normalised P95 at level ``levels[l]``; for ``decode``
-    a tuple over ``spills`` at each level (its ITL and its local prefills' TTFT, the worse);
+    a tuple over ``spills`` at each level (its ITL and its local prefills' TTFT, the worse), for
+    ``prefill`` a tuple over ``pools`` (a group of at least that many replicas of degree ``n``);
     ``capacity[kind][n]``: c(n) (``capacity["prefill"][n]`` is also what a decode replica of degree
     ``n`` prefills at: its local prefill capacity); ``seconds``: the time these estimates took."""
 
@@ -70,6 +75,7 @@ class Estimates:
     capacity: Mapping[str, Mapping[int, float]]
     tau: Mapping[str, Mapping[int, tuple]]
     spills: tuple[float, ...] = (0.0,)
+    pools: tuple[int, ...] = (1,)
     seconds: float = 0.0
 
     def degrees(self, kind: str) -> tuple[int, ...]:
@@ -85,9 +91,9 @@ class Estimates:
                 return i
         return len(self.levels) - 1
 
-    def tau_at(self, kind: str, n: int, level: int, spill: int = 0) -> float:
-        t = self.tau[kind][n][level]
-        return t[spill] if kind == "decode" else t
+    def pool_index(self, count: int) -> int:
+        """The largest pool size a group of ``count`` replicas reaches."""
+        return max(i for i, c in enumerate(self.pools) if c <= max(count, 1))
 
 
 class EstimateCache:
@@ -252,18 +258,32 @@ class _Mix:
         return self.kv_per_itl * itl_s + self.kv_tool
 
 
-def _ttft_p95(q: list[float], es: float, es2: float, rho: float) -> float:
-    """P95 of wait + service in an M/G/1 queue at utilisation ``rho``: the wait is 0 with probability
-    1 - rho, else exponential with the Pollaczek-Khinchine mean; the service is the quantiles ``q``."""
+def _erlang_c(c: int, rho: float) -> float:
+    """The probability that a task waits in an M/M/c queue whose servers are each at ``rho``."""
+    a = c * rho
+    term, total = 1.0, 1.0
+    for k in range(1, c):
+        term *= a / k
+        total += term
+    last = term * a / c / (1.0 - rho)
+    return last / (total + last)
+
+
+def _ttft_p95(q: list[float], es: float, es2: float, rho: float, c: int = 1) -> float:
+    """P95 of wait + service in an M/G/c queue (``c`` replicas behind one queue: the router sends a
+    prefill to the least-loaded one) at utilisation ``rho``: the wait is 0 but with the Erlang-C
+    probability, else exponential with the Allen-Cunneen mean (Pollaczek-Khinchine at c = 1); the
+    service is the quantiles ``q``."""
     if rho >= 1.0:
         return math.inf
     if rho <= 0.0:
         return q[min(len(q) - 1, int(0.95 * len(q)))]
-    theta = es2 / (2.0 * es * (1.0 - rho))  # mean wait of a task that waits
+    p_wait = _erlang_c(c, rho)
+    theta = es2 / (2.0 * es * c * (1.0 - rho))  # mean wait of a task that waits
 
     def tail(t: float) -> float:
-        return sum(1.0 if t < x else (rho * math.exp(-(t - x) / theta) if theta > 0 else 0.0) for x in q) / len(q)
-    lo, hi = 0.0, q[-1] + theta * (math.log(max(rho, 0.05) / 0.05) + 1.0)
+        return sum(1.0 if t < x else (p_wait * math.exp(-(t - x) / theta) if theta > 0 else 0.0) for x in q) / len(q)
+    lo, hi = 0.0, q[-1] + theta * (math.log(max(p_wait, 0.05) / 0.05) + 1.0)
     for _ in range(30):
         mid = 0.5 * (lo + hi)
         if tail(mid) > 0.05:
@@ -348,7 +368,11 @@ def build_estimates(profile, sessions: Sequence, degrees: Sequence[int], slo, *,
         es, es2 = mix.es[n], mix.es2[n]
         local = [_ttft_p95(mix.q[n], es, es2, f) / slo.ttft_s if f > 0 else 0.0 for f in spills]
         if "prefill" in kinds:
-            tau["prefill"][n] = _finish([_ttft_p95(mix.kv_q[n], es, es2, rho) / slo.ttft_s for rho in levels], levels)
+            cols = [_finish([_ttft_p95(mix.kv_q[n], es, es2, rho, c) / slo.ttft_s for rho in levels], levels)
+                    for c in POOLS]
+            for i in range(1, len(cols)):  # a larger pool never waits longer
+                cols[i] = tuple(min(x, y) for x, y in zip(cols[i], cols[i - 1]))
+            tau["prefill"][n] = tuple(tuple(c[l] for c in cols) for l in range(len(levels)))
         if "decode" in kinds:
             cols = []
             for k, f in enumerate(spills):
@@ -367,7 +391,8 @@ def build_estimates(profile, sessions: Sequence, degrees: Sequence[int], slo, *,
                                 _itl_p95(profile, mix, n, lam, f, slo.itl_s) / slo.itl_s))
             tau["colocated"][n] = _finish(vals, levels)
     return Estimates(rate=workload_rate(sessions), levels=tuple(levels), capacity=cap, tau=tau,
-                     spills=tuple(spills), seconds=time.perf_counter() - t0)
+                     spills=tuple(spills), pools=POOLS if "prefill" in kinds else (1,),
+                     seconds=time.perf_counter() - t0)
 
 
 # ---- outcome of a check simulation ------------------------------------------------------------

@@ -5,11 +5,13 @@ Variables, for each kind k in {prefill, decode, colocated} and degree n:
   act[k,n] in {0,1}  the replica type is instantiated: act <= cnt <= ub * act
   u[k,l]   in {0,1}  the utilisation level of kind k's replicas (exactly one per kind in use)
   v[j]     in {0,1}  the share SPILLS[j] of a decode replica's time on local prefills (one, if decode in use)
+  g[n,i]   in {0,1}  the prefill replicas of degree n form a pool of at least POOLS[i] (one per active n)
   s        >= 0      sessions/s whose prefills run on their decode replica (0 unless the policy routes locally)
   co       in {0,1}  co-located deployment (no prefill workers)
   W[k]     >= 0      the worst normalised P95 of kind k's replicas; Z >= W[k] the worst over all
 minimize  Z + EPS_BALANCE * sum_k W[k] + EPS_UNUSED * (N - GPUs used) / N
-s.t.  W[k] >= tau[k,n,l(,j)] when act[k,n], u[k,l] (and v[j]) are on   (the paper's C1, C2 with activation)
+s.t.  W[k] >= tau[k,n,l(,j|i)] when act[k,n], u[k,l] (and v[j] or g[n,i]) are on   (the paper's C1, C2)
+      cnt[prefill,n] >= POOLS[i] g[n,i]
       sum_n n (cnt[prefill,n] + cnt[decode,n] + cnt[colocated,n]) <= N       (C3)
       rate - s <= rho_l sum_n cnt[prefill,n] c[prefill,n]  when u[prefill,l]   (level l bounds the utilisation)
       rate     <= rho_l sum_n cnt[k,n] c[k,n]              when u[k,l], k in {decode, colocated}
@@ -144,6 +146,15 @@ def _model(est, gpus, degrees, disaggregated, colocated, mixed, all_gpus):
                     big = max(max(t) for t in taus)
                     m.addCons(w[kd] >= quicksum(taus[l][j] * u[l] for l in range(len(taus)))
                               - big * (2 - act[kd, n] - v[j]))
+        elif kd == "prefill":
+            for n in degrees:  # g[i] on: the group holds at least POOLS[i] replicas; one g per active degree
+                taus = est.tau[kd][n]
+                big = max(max(t) for t in taus)
+                g = {i: m.addVar(f"g_{n}_{i}", vtype="B") for i, c in enumerate(est.pools) if c <= gpus // n}
+                m.addCons(quicksum(g.values()) == act[kd, n])
+                for i, gi in g.items():
+                    m.addCons(cnt[kd, n] >= est.pools[i] * gi)
+                    m.addCons(w[kd] >= quicksum(taus[l][i] * u[l] for l in range(len(taus))) - big * (1 - gi))
         else:
             for n in degrees:  # u selects one level, so the sum is tau at that level (tighter than big-M per level)
                 taus = est.tau[kd][n]

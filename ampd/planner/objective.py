@@ -21,7 +21,8 @@ def evaluate(dep: Deployment, est: Estimates, gpus: int) -> tuple[float, dict[st
     """(the ILP's objective, the worst tau of each kind, each kind's level index, the spill index) of
     ``dep`` on ``gpus`` GPUs: the ILP's optimum over the spill share with the replica counts fixed.
     A larger share j lets the decode replicas run up to SPILLS[j] x their prefill capacity of the
-    prefills (the prefill workers carry the rest: a lower level), at tau[decode][n][l][j]."""
+    prefills (the prefill workers carry the rest: a lower level), at tau[decode][n][l][j]; a group
+    of c prefill replicas of degree n takes tau[prefill][n][l][i] of the largest pool POOLS[i] <= c."""
     unused = EPS_UNUSED * (gpus - dep.gpus) / gpus
     if dep.colocated:
         groups = dep.groups("colocated")
@@ -34,7 +35,7 @@ def evaluate(dep: Deployment, est: Estimates, gpus: int) -> tuple[float, dict[st
     best = None
     for j, f in enumerate(est.spills):
         lp = est.level_index("prefill", dep.prefill, max(0.0, est.rate - f * local))
-        tp = max(est.tau["prefill"][n][lp] for n, _ in dep.prefill)
+        tp = max(est.tau["prefill"][n][lp][est.pool_index(c)] for n, c in dep.prefill)
         td = max(est.tau["decode"][n][ld][j] for n, _ in dec)
         obj = max(tp, td) + EPS_BALANCE * (tp + td) + unused
         if best is None or obj < best[0] - 1e-12:

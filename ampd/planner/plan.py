@@ -23,7 +23,7 @@ SLO_ITL_M = 3.0    # ITL threshold = M x one decode step at batch SLO_ITL_BATCH,
 SLO_ITL_BATCH = 32
 
 FINALISTS_EXTRA = 1  # finalists simulated beyond --top by default (the ILP's next best)
-CHECK_SESSIONS = 150  # sessions a check simulates by default (the first by arrival; 0: the whole trace)
+CHECK_SESSIONS = 250  # sessions a check simulates by default (the first by arrival; 0: the whole trace)
 
 Progress = Callable[[str, int, int], None]
 

@@ -11,7 +11,7 @@ from ampd.bench.report import SLO
 from ampd.perf import load_profile
 from ampd.planner import (Deployment, EstimateCache, Estimates, PlanError, PlanRequest, brute_force_top,
                           build_estimates, capacities, feasible_degrees, plan, solve_top, surrogate)
-from ampd.planner.estimates import LEVELS, OVERLOAD, SPILLS, sample_sessions, saturated
+from ampd.planner.estimates import LEVELS, OVERLOAD, POOLS, SPILLS, sample_sessions, saturated
 from ampd.planner.ilp import best_deployments, space_size
 from ampd.planner.objective import enumerate_deployments, evaluate
 from ampd.planner.plan import family_candidates
@@ -23,9 +23,9 @@ PROFILES = ["llama3.1-70b@h20", "qwen3-32b@h20", "mixtral-8x7b@h20"]
 SPILL3 = (0.0, 0.1, 0.3)
 
 
-def _random_estimates(profile, degrees, rate, seed, spills=SPILL3) -> Estimates:
-    """Real capacity weights of the profile on a toolbench mix, random monotone tau per level (and,
-    for decode replicas, rising with the local-prefill share)."""
+def _random_estimates(profile, degrees, rate, seed, spills=SPILL3, pools=POOLS) -> Estimates:
+    """Real capacity weights of the profile on a toolbench mix, random monotone tau per level (for
+    decode replicas rising with the local-prefill share, for prefill replicas falling with the pool)."""
     rng = random.Random(seed)
     sample = sample_sessions(generate("toolbench", 1.0, 60.0, seed), 16)
     cap = capacities(profile, sample, degrees, 0.05)
@@ -41,13 +41,19 @@ def _random_estimates(profile, degrees, rate, seed, spills=SPILL3) -> Estimates:
             if kind == "decode":
                 steps = [rng.uniform(0.0, 0.8) * j for j in range(len(spills))]
                 vals = [tuple(round(v + d, 4) if v < OVERLOAD else OVERLOAD for d in steps) for v in vals]
+            if kind == "prefill":
+                cuts = [1.0]
+                for _ in pools[1:]:  # a larger pool never waits longer
+                    cuts.append(cuts[-1] * rng.uniform(0.8, 1.0))
+                vals = [tuple(round(v * f, 4) if v < OVERLOAD else OVERLOAD for f in cuts) for v in vals]
             tau[kind][n] = tuple(vals)
-    return Estimates(rate=rate, levels=LEVELS, capacity=cap, tau=tau, spills=spills)
+    return Estimates(rate=rate, levels=LEVELS, capacity=cap, tau=tau, spills=spills, pools=pools)
 
 
 def _flat(kind, value):
-    """A decode tau entry is a tuple over the spill shares; the others are numbers."""
-    return (value,) if kind == "decode" else value
+    """A decode tau entry is a tuple over the spill shares, a prefill one over the pools; the
+    co-located ones are numbers."""
+    return (value,) if kind in ("decode", "prefill") else value
 
 
 CASES = [(prof, gpus, seed) for prof in PROFILES for gpus, seed in ((2, 1), (4, 2), (6, 3), (8, 4), (12, 5), (16, 6))]
@@ -108,7 +114,7 @@ def test_ilp_on_closed_form_estimates_equals_brute_force(policy):
     assert [v for v, _ in got] == pytest.approx([v for v, _ in want], abs=1e-6)
     for kind, by_n in est.tau.items():  # tau never falls as the load rises
         for vals in by_n.values():
-            cols = list(zip(*vals)) if kind == "decode" else [vals]
+            cols = list(zip(*vals)) if kind in ("decode", "prefill") else [vals]
             for col in cols:
                 assert all(b >= a for a, b in zip(col, col[1:]))
 
