@@ -37,7 +37,10 @@ RESULTS = os.path.join(os.path.dirname(__file__), "results")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAPER_S = {8: 0.54, 16: 1.93, 32: 5.06, 64: 14.50, 128: 28.88, 256: 61.67}
 MODEL, PRESET, BASE_GPUS, SESSIONS = "llama3.1-70b@h20", "toolbench", 8, 400
-IMPORTS = "import ampd.cli, ampd.planner.cli, ampd.planner.plan, pyscipopt, ampd.sim"
+# what a cold `ampd plan` imports before it reads the trace: the CLI and the plan command's modules
+# (`ampd plan --help`), and the solver with the numpy it brings
+IMPORTS = {"cli": ["-m", "ampd", "plan", "--help"], "pyscipopt": ["-c", "import pyscipopt"],
+           "planner+simulator": ["-c", "import ampd.planner.plan, ampd.planner.ilp, ampd.sim"]}
 
 
 def _env(tree: str) -> dict:
@@ -63,9 +66,9 @@ def _cold(tree: str, trace: str, n: int, out: str) -> tuple[float, float, dict]:
         return wall, cpu, json.load(f)
 
 
-def _imports(tree: str) -> float:
+def _imports(tree: str, args: list[str]) -> float:
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-c", IMPORTS], check=True, env=_env(tree), cwd=tree)
+    subprocess.run([sys.executable, *args], check=True, env=_env(tree), cwd=tree, capture_output=True)
     return time.perf_counter() - t
 
 
@@ -130,9 +133,11 @@ def main(argv=None) -> int:
         dump_trace(generate(PRESET, 1.0, 20.0, 1), warm)
         for tree in [ROOT] + ([a.baseline] if a.baseline else []):
             _cold(tree, warm, 8, os.path.join(tmp, "warm.json"))  # writes the .pyc files, as an install would
-        imports = {"this": _spread([_imports(ROOT) for _ in range(a.repeats)])}
+        imports = {name: {"this": _spread([_imports(ROOT, args) for _ in range(a.repeats)])}
+                   for name, args in IMPORTS.items()}
         if a.baseline:
-            imports["baseline"] = _spread([_imports(a.baseline) for _ in range(a.baseline_repeats)])
+            for name, args in IMPORTS.items():
+                imports[name]["baseline"] = _spread([_imports(a.baseline, args) for _ in range(a.baseline_repeats)])
         for n in sizes:
             r = one_size(n, a, tmp)
             rows.append(r)
