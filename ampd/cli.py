@@ -15,16 +15,20 @@ _COMMANDS = (
     "ampd.planner.cli",
     "ampd.profiler.cli",
 )
+# Commands whose module is imported alone when the command line names them: a cold `ampd plan`
+# must not pay for the launcher's gRPC and Redis imports (docs/planner.md, "Planning time").
+_ONLY = {"plan": "ampd.planner.cli", "simulate": "ampd.sim.cli", "trace": "ampd.workload.cli"}
 
 
 class CliError(Exception):
     """A user-facing error: printed as one line, exit status 2, never a traceback."""
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command, or of ``command`` alone where ``_ONLY`` names its module."""
     parser = argparse.ArgumentParser(prog="ampd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in _COMMANDS:
+    for name in (_ONLY[command],) if command in _ONLY else _COMMANDS:
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:
@@ -36,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except CliError as exc:

@@ -123,7 +123,7 @@ def plan_case(job: dict) -> dict:
                    "p95_s": p95 if math.isfinite(p95) else None})
     return {"model": job["model"], "preset": job["preset"], "gpus": job["gpus"], "rate": job["rate"],
             "sessions": len(sessions), "slo": job["slo"], "plans": out, "table2": t2,
-            "estimates": {"simulated": cache.misses, "cached": cache.hits}, "wall_s": round(time.time() - t0, 1)}
+            "check_simulations": {"run": cache.misses, "cached": cache.hits}, "wall_s": round(time.time() - t0, 1)}
 
 
 def chosen(plan_json: dict, name: str) -> tuple[str, str, str]:

@@ -18,6 +18,7 @@ def main(argv: list[str]) -> int:
                 continue
             raise
         print(f"== {name}", file=sys.stderr)
+        sys.argv = [name]  # each benchmark parses its own flags: run it with its defaults, not run's names
         mod.main()
     return 0
 

@@ -10,8 +10,6 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
-
 from ampd.slo import SLO
 
 __all__ = ["SLO", "RoundRecord", "SessionRecord", "SessionVerdict", "judge_session",
@@ -128,6 +126,8 @@ def judge_session(s: SessionRecord, slo: SLO) -> SessionVerdict:
 
 def latency_summary(samples) -> dict:
     """{"mean", "p50", "p90", "p99"} (numpy linear interpolation); all None without samples."""
+    import numpy as np  # imported here: a planner run does not pay for it
+
     a = np.asarray(samples, dtype=float)
     if a.size == 0:
         return {"mean": None, "p50": None, "p90": None, "p99": None}
@@ -140,6 +140,8 @@ def weighted_latency_summary(values, weights) -> dict:
     >= 0, need not be integers). Percentiles interpolate linearly between order statistics as
     numpy's default does, so integer weights give exactly ``latency_summary`` of the repeated
     sample (up to float rounding)."""
+    import numpy as np  # imported here: a planner run does not pay for it
+
     v = np.asarray(values, dtype=float).ravel()
     w = np.asarray(weights, dtype=float).ravel()
     if v.shape != w.shape:
@@ -179,6 +181,8 @@ def build_report(policy: str, sessions: Sequence[SessionRecord], slo: SLO, durat
     failed; ``e2e_s`` (last token of the last round minus arrival) only from completed sessions.
     ``slo_attainment`` and ``goodput_rps`` count attaining sessions over all sessions and over
     ``duration_s`` respectively."""
+    import numpy as np  # imported here: a planner run does not pay for it
+
     if not (isinstance(duration_s, (int, float)) and math.isfinite(duration_s) and duration_s > 0):
         raise ValueError(f"duration_s must be a finite number > 0, got {duration_s!r}")
     n = len(sessions)

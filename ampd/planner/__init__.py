@@ -1,8 +1,9 @@
 """Offline deployment planner: how many prefill and decode replicas at which TP degree.
 
-Pure (no I/O): the search space (``space``), the per-replica latency estimates made with the
-simulator (``estimates``), the ILP solved with SCIP (``ilp``) and the plan that checks the best
-candidates with whole-deployment simulations (``plan``). docs/planner.md has the formulation.
+Pure (no I/O): the search space (``space``), the per-replica latency estimates in closed form under
+the policy that will run (``estimates``), the ILP solved with SCIP at every size (``ilp``) and the
+plan that checks its finalists with whole-deployment simulations (``plan``). docs/planner.md has the
+formulation.
 """
 from .estimates import EstimateCache, Estimates, build_estimates, capacities
 from .ilp import solve_top

@@ -1,34 +1,57 @@
-"""Per-replica latency estimates tau(kind, n, level), made with the simulator.
+"""Per-replica latency estimates tau(kind, n, level[, spill]), in closed form from the performance model.
 
 Why levels: a replica's P95 depends on the load it carries, and that load depends on the whole
 deployment. The planner assumes the dispatcher spreads each phase's load in proportion to a
 capacity weight ``c(n)`` (sessions/s one replica of degree ``n`` sustains; weighted round-robin,
 as in the paper's simulator). Then every replica of a phase runs at the same utilisation
 ``rho = rate / sum_n count(n) c(n)``, and a replica of degree ``n`` carries ``rho * c(n)`` sessions/s.
-``tau(kind, n, l)`` is the P95 of one replica simulated alone at the load of level ``rho_l``,
-normalised by its SLO threshold (1.0 = the P95 sits exactly on the threshold). The estimates do not
-depend on the GPU count or the workload's rate (only on its session mix), so one set serves every
-plan for a workload and is cached.
+``tau(kind, n, l)`` is the P95 of one replica at the load of level ``rho_l``, normalised by its SLO
+threshold (1.0 = the P95 sits exactly on the threshold).
+
+Why closed form: the paper estimates tau by simulation; here a queueing model of the same profile
+gives every tau in milliseconds (a cold ``ampd plan`` pays for nothing else before the ILP), and only
+the ILP's finalists are simulated, whole, under the policy that will run (``plan.check``):
+- a prefill queue is M/G/1 (Pollaczek-Khinchine mean wait, an exponential tail with an atom at zero),
+  its service times the workload's rounds at degree ``n``, the KV write-back added to each TTFT;
+- a decode batch size is the fixed point of Little's law, b = (sessions/s) x (output tokens per
+  session) x ITL, the step time ``t_dec(n, b, b x context)``; a replica whose KV cannot hold the
+  sessions it carries (tool waits included) is saturated;
+- a prefill run on a decode replica (co-location, or AMPD's local route) pauses its batch: a
+  share ``f`` of the replica's time on prefills stretches every ITL by 1 / (1 - f) and adds the
+  stalls a session meets to its mean ITL; its own TTFT queues behind the other local prefills.
+
+The policy that will run decides the ``spill`` axis: under a policy that may route a prefill to the
+session's decode worker (AMPD's adaptive routing), a decode replica may spend a share ``SPILLS[k]``
+of its time on prefills that the prefill workers then do not carry (the ILP picks the share, see
+``ilp``); under ``remote`` the only share is 0.
 """
 from __future__ import annotations
 
-import hashlib
 import math
-import statistics
-from dataclasses import dataclass, field, replace
-from typing import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Mapping, Sequence
 
 from .space import KINDS
 
-__all__ = ["LEVELS", "OVERLOAD", "SIM_MAX_RHO", "saturated", "Estimates", "EstimateCache", "capacities",
-           "build_estimates", "sample_sessions", "workload_rate", "latency_p95", "outcome"]
+__all__ = ["LEVELS", "SPILLS", "POOLS", "OVERLOAD", "saturated", "Estimates", "EstimateCache", "capacities",
+           "build_estimates", "spills_for", "sample_sessions", "workload_rate", "latency_p95", "outcome",
+           "trace_fingerprint"]
 
-# Utilisation levels rho_l. Those up to SIM_MAX_RHO are simulated; the ones above are past saturation
-# in closed form (saturated()); the last (inf) is "overloaded": any capacity satisfies it, at OVERLOAD.
-LEVELS = (0.1, 0.25, 0.4, 0.55, 0.7, 0.8, 0.9, 1.0, 1.2, 1.5, 2.0, 3.0, math.inf)
-SIM_MAX_RHO = 1.2
-STOP_AT = 20.0        # a normalised P95 at or above this counts as saturated (no level above is simulated)
+# Utilisation levels rho_l; the last (inf) is "overloaded": any capacity satisfies it, at OVERLOAD.
+LEVELS = (0.1, 0.25, 0.4, 0.55, 0.7, 0.8, 0.9, 0.95, 1.0, 1.2, 1.5, 2.0, 3.0, math.inf)
+# Pool sizes: the prefill replicas of one degree share the load as one queue (least-loaded routing),
+# so c replicas wait less than one at the same utilisation; tau[prefill][n][l][i] holds for a group
+# of at least POOLS[i] replicas.
+POOLS = (1, 2, 4, 8)
+# Shares of a decode replica's time spent on local prefills (policies that route locally).
+SPILLS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.45)
+STOP_AT = 20.0        # a normalised P95 at or above this counts as saturated
 OVERLOAD = 100.0      # tau of the inf level: above every saturated() value of a finite level
+SAMPLE_SESSIONS = 200  # sessions drawn from the workload (its mix, evenly drawn)
+QUANTILES = 24        # service-time quantiles the M/G/1 tail is evaluated on
+DECODE_BATCH_CAP = 256  # largest decode batch the compute-limit weight assumes
+BATCH_Z = 1.0         # the batch a session's ITL sees: mean + BATCH_Z x sqrt(mean) (Poisson spread)
+STALL_Z = 1.0         # the stalls a session meets: mean + STALL_Z x their standard deviation
 
 
 def saturated(rho: float) -> float:
@@ -38,43 +61,47 @@ def saturated(rho: float) -> float:
     instead of seeing one flat "overload" everywhere."""
     return STOP_AT * (1.0 + rho)
 
-SAMPLE_SESSIONS = 96  # sessions drawn from the workload (its mix, evenly drawn)
-STEADY_FACTOR = 2.5   # an estimate simulation runs this many session lifetimes' worth of arrivals ...
-MAX_SIM_SESSIONS = 400  # ... up to this many sessions (the sample repeated), so a big replica fills up
-AMPLE_RHO = 0.3       # the phase not being estimated runs at this utilisation (it must not be the bottleneck)
-MAX_AMPLE_REPLICAS = 32
-DECODE_BATCH_CAP = 256  # largest decode batch the compute-limit weight assumes
-
 
 @dataclass(frozen=True)
 class Estimates:
-    """What the ILP needs. ``tau[kind][n][l]``: normalised P95 at level ``levels[l]``;
-    ``p95_s[kind][n][l]``: the (TTFT, mean ITL) P95 seconds behind it; ``capacity[kind][n]``: c(n)."""
+    """What the ILP needs. ``tau[kind][n][l]``: normalised P95 at level ``levels[l]``; for ``decode``
+    a tuple over ``spills`` at each level (its ITL and its local prefills' TTFT, the worse), for
+    ``prefill`` a tuple over ``pools`` (a group of at least that many replicas of degree ``n``);
+    ``capacity[kind][n]``: c(n) (``capacity["prefill"][n]`` is also what a decode replica of degree
+    ``n`` prefills at: its local prefill capacity); ``seconds``: the time these estimates took."""
 
     rate: float
     levels: tuple[float, ...]
     capacity: Mapping[str, Mapping[int, float]]
-    tau: Mapping[str, Mapping[int, tuple[float, ...]]]
-    p95_s: Mapping[str, Mapping[int, tuple[tuple[float, float], ...]]] = field(default_factory=dict)
+    tau: Mapping[str, Mapping[int, tuple]]
+    spills: tuple[float, ...] = (0.0,)
+    pools: tuple[int, ...] = (1,)
+    seconds: float = 0.0
 
     def degrees(self, kind: str) -> tuple[int, ...]:
         return tuple(sorted(self.tau.get(kind, {})))
 
-    def level_index(self, kind: str, groups) -> int:
-        """The lowest level whose utilisation bounds the deployment's: rate / rho_l <= capacity."""
+    def level_index(self, kind: str, groups, load: float | None = None) -> int:
+        """The lowest level whose utilisation bounds the deployment's: load / rho_l <= capacity
+        (``load``: sessions/s the kind carries, the workload's rate by default)."""
+        rate = self.rate if load is None else load
         cap = sum(c * self.capacity[kind][n] for n, c in groups)
         for i, rho in enumerate(self.levels):
-            if math.isinf(rho) or self.rate / rho <= cap * (1 + 1e-9):
+            if math.isinf(rho) or rate <= rho * cap * (1 + 1e-9):
                 return i
         return len(self.levels) - 1
 
+    def pool_index(self, count: int) -> int:
+        """The largest pool size a group of ``count`` replicas reaches."""
+        return max(i for i, c in enumerate(self.pools) if c <= max(count, 1))
+
 
 class EstimateCache:
-    """Estimate results by (profile, workload mix, SLO, kind, degree, level): planning for another GPU
-    count or arrival rate of the same workload reuses every simulation."""
+    """Check simulations by (profile, trace, SLO, policy, deployment, sessions, seed): planning the
+    same trace again (another GPU count or top K) reuses every simulation it already ran."""
 
     def __init__(self) -> None:
-        self._d: dict[tuple, tuple[float, float, float]] = {}
+        self._d: dict[tuple, tuple[float, ...]] = {}
         self.hits = 0
         self.misses = 0
 
@@ -87,25 +114,25 @@ class EstimateCache:
         return v
 
     def put(self, key, value) -> None:
-        self._d[key] = value
+        self._d[key] = tuple(float(x) for x in value)
 
     def __len__(self) -> int:
         return len(self._d)
 
     def to_json(self) -> dict:
-        return {"version": 1, "entries": [[list(k), list(v)] for k, v in self._d.items()]}
+        return {"version": 2, "entries": [[list(k), list(v)] for k, v in self._d.items()]}
 
     @staticmethod
     def from_json(doc) -> "EstimateCache":
         """The cache ``to_json`` wrote; ValueError if the document is not one."""
-        if not isinstance(doc, dict) or doc.get("version") != 1 or not isinstance(doc.get("entries"), list):
-            raise ValueError("not an estimate cache (version 1)")
+        if not isinstance(doc, dict) or doc.get("version") != 2 or not isinstance(doc.get("entries"), list):
+            raise ValueError("not a planner cache (version 2)")
         c = EstimateCache()
         try:
             for k, v in doc["entries"]:
                 c._d[tuple(k)] = tuple(float(x) for x in v)
         except (TypeError, ValueError):
-            raise ValueError("malformed estimate cache entry") from None
+            raise ValueError("malformed planner cache entry") from None
         return c
 
 
@@ -129,32 +156,25 @@ def sample_sessions(sessions: Sequence, k: int = SAMPLE_SESSIONS) -> list:
     return [ss[int(i * step)] for i in range(k)]
 
 
-def _fingerprint(sample) -> str:
+def trace_fingerprint(sessions) -> str:
+    """A digest of the trace (arrivals and rounds): the cache key of its check simulations."""
+    import hashlib
+
     h = hashlib.sha1()
-    for s in sample:
-        h.update(repr([(r.input, r.output, r.tool_s) for r in s.rounds]).encode())
+    for s in sessions:
+        h.update(repr((s.id, s.arrival, [(r.input, r.output, r.tool_s) for r in s.rounds])).encode())
     return h.hexdigest()[:16]
 
 
-def _lifetime_s(sample, itl_s: float) -> float:
-    """Mean seconds a session lives when it decodes at the ITL threshold (tools included)."""
-    return statistics.fmean(sum(r.output * itl_s + r.tool_delay_s for r in s.rounds) for s in sample)
-
-
-def _retimed(sample, rate: float, itl_s: float) -> list:
-    """The sample arriving as a Poisson process of ``rate`` sessions/s (fixed unit gaps: deterministic),
-    repeated until the arrivals span STEADY_FACTOR session lifetimes (at most MAX_SIM_SESSIONS): with
-    fewer, a replica that holds many sessions at once never reaches its steady load."""
-    import numpy as np
-
-    want = math.ceil(STEADY_FACTOR * rate * _lifetime_s(sample, itl_s))
-    n = max(len(sample), min(MAX_SIM_SESSIONS, want))
-    gaps = np.random.default_rng(12345).exponential(1.0, n)
-    t = np.cumsum(gaps) - gaps[0]
-    return [replace(sample[i % len(sample)], id=f"e{i}", arrival=float(t[i] / rate)) for i in range(n)]
-
-
 # ---- capacity weights ---------------------------------------------------------------------------
+
+def _decode_batch(profile, n: int, mean_ctx: float, itl_slo_s: float) -> int:
+    """The largest batch the KV holds whose step still meets the ITL threshold."""
+    batch = max(1, min(DECODE_BATCH_CAP, int(profile.kv_capacity_tokens(n) // mean_ctx)))
+    while batch > 1 and profile.t_dec(n, batch, int(batch * mean_ctx)) > itl_slo_s:
+        batch = max(1, int(batch * 0.9))
+    return batch
+
 
 def capacities(profile, sample, degrees, itl_slo_s: float) -> dict[str, dict[int, float]]:
     """c(kind, n): sessions/s one replica of degree ``n`` sustains on this session mix.
@@ -165,51 +185,224 @@ def capacities(profile, sample, degrees, itl_slo_s: float) -> dict[str, dict[int
     the largest batch the KV holds, over a session's output tokens). Binding by free KV memory
     shares sessions about in proportion to the KV limit.
     colocated: the same replica does both, so the work adds: 1 / (1/prefill + 1/decode)."""
-    kv_ts, outs, ctxs = [], [], []
-    for s in sample:
-        h, occ = 0, 0.0
-        for r in s.rounds:
-            ctx = h + r.input + r.output / 2
-            ctxs.append(ctx)
-            occ += ctx * (r.output * itl_slo_s + r.tool_delay_s)
-            h += r.input + r.output
-        kv_ts.append(occ)
-        outs.append(s.output_tokens)
-    mean_kv_ts = max(statistics.fmean(kv_ts), 1e-9)
-    mean_out = max(statistics.fmean(outs), 1.0)
-    mean_ctx = max(statistics.fmean(ctxs), 1.0)
+    return _capacities(profile, _Mix(profile, sample, degrees), degrees, itl_slo_s)
+
+
+def _capacities(profile, mix, degrees, itl_slo_s: float) -> dict[str, dict[int, float]]:
     cap: dict[str, dict[int, float]] = {k: {} for k in KINDS}
     for n in degrees:
-        work = []
-        for s in sample:
-            h, w = 0, 0.0
-            for r in s.rounds:
-                w += profile.t_pre(n, h, r.input)
-                h += r.input + r.output
-            work.append(w)
-        c_pre = 1.0 / max(statistics.fmean(work), 1e-9)
-        kv = profile.kv_capacity_tokens(n)
-        # the largest batch the KV holds whose step still meets the ITL threshold
-        batch = max(1, min(DECODE_BATCH_CAP, int(kv // mean_ctx)))
-        while batch > 1 and profile.t_dec(n, batch, int(batch * mean_ctx)) > itl_slo_s:
-            batch = max(1, int(batch * 0.9))
-        c_compute = batch / profile.t_dec(n, batch, int(batch * mean_ctx)) / mean_out
-        c_dec = min(kv / mean_kv_ts, c_compute)
+        c_pre = 1.0 / max(mix.work[n], 1e-9)
+        batch = _decode_batch(profile, n, mix.mean_ctx, itl_slo_s)
+        c_compute = batch / profile.t_dec(n, batch, int(batch * mix.mean_ctx)) / mix.mean_out
+        c_dec = min(profile.kv_capacity_tokens(n) / max(mix.kv_seconds(itl_slo_s), 1e-9), c_compute)
         cap["prefill"][n] = c_pre
         cap["decode"][n] = c_dec
         cap["colocated"][n] = 1.0 / (1.0 / c_pre + 1.0 / c_dec)
     return cap
 
 
-# ---- one estimate simulation --------------------------------------------------------------------
+def _mean(xs) -> float:
+    """statistics.fmean without importing statistics (fractions, decimal: a cold start pays for them)."""
+    xs = list(xs)
+    return math.fsum(xs) / len(xs)
+
+
+def _quantiles(xs: list[float], k: int) -> list[float]:
+    s = sorted(xs)
+    if len(s) <= k:
+        return s
+    return [s[min(len(s) - 1, int((i + 0.5) * len(s) / k))] for i in range(k)]
+
+
+class _Mix:
+    """The workload's rounds at each degree: service times, their moments, the decode mix."""
+
+    def __init__(self, profile, sample, degrees) -> None:
+        rounds = []  # (history, input, output)
+        self.outs, ctxs = [], []
+        for s in sample:
+            h = 0
+            for r in s.rounds:
+                rounds.append((h, r.input, r.output))
+                ctxs.append(h + r.input + r.output / 2)
+                h += r.input + r.output
+            self.outs.append(max(1, s.output_tokens))
+        # KV token-seconds a session holds: linear in the ITL (decoding) plus its tool waits
+        kv_out = kv_tool = 0.0
+        for s in sample:
+            h = 0
+            for r in s.rounds:
+                ctx = h + r.input + r.output / 2
+                kv_out += ctx * r.output
+                kv_tool += ctx * r.tool_delay_s
+                h += r.input + r.output
+        self.kv_per_itl = kv_out / max(len(sample), 1)
+        self.kv_tool = kv_tool / max(len(sample), 1)
+        self.out_q = _quantiles(self.outs, 2 * QUANTILES)
+        self.rounds_per_session = len(rounds) / max(len(sample), 1)
+        self.mean_ctx = max(_mean(ctxs), 1.0) if ctxs else 1.0
+        self.mean_out = max(_mean(self.outs), 1.0) if self.outs else 1.0
+        self.work, self.es, self.es2, self.q, self.kv_q = {}, {}, {}, {}, {}
+        for n in degrees:
+            svc = [profile.t_pre(n, h, i) for h, i, _ in rounds] or [0.0]
+            kv = [profile.t_kv(i, n, n) for _, i, _ in rounds] or [0.0]
+            self.work[n] = sum(svc) / max(len(sample), 1)
+            self.es[n] = max(_mean(svc), 1e-9)
+            self.es2[n] = _mean(x * x for x in svc)
+            self.q[n] = _quantiles(svc, QUANTILES)
+            # the latency a prefill worker's round sees: compute plus the new KV's write-back
+            self.kv_q[n] = _quantiles([a + b for a, b in zip(svc, kv)], QUANTILES)
+
+    def kv_seconds(self, itl_s: float) -> float:
+        """Mean KV token-seconds a session holds at ITL ``itl_s`` (decoding and waiting on tools)."""
+        return self.kv_per_itl * itl_s + self.kv_tool
+
+
+def _erlang_c(c: int, rho: float) -> float:
+    """The probability that a task waits in an M/M/c queue whose servers are each at ``rho``."""
+    a = c * rho
+    term, total = 1.0, 1.0
+    for k in range(1, c):
+        term *= a / k
+        total += term
+    last = term * a / c / (1.0 - rho)
+    return last / (total + last)
+
+
+def _ttft_p95(q: list[float], es: float, es2: float, rho: float, c: int = 1) -> float:
+    """P95 of wait + service in an M/G/c queue (``c`` replicas behind one queue: the router sends a
+    prefill to the least-loaded one) at utilisation ``rho``: the wait is 0 but with the Erlang-C
+    probability, else exponential with the Allen-Cunneen mean (Pollaczek-Khinchine at c = 1); the
+    service is the quantiles ``q``."""
+    if rho >= 1.0:
+        return math.inf
+    if rho <= 0.0:
+        return q[min(len(q) - 1, int(0.95 * len(q)))]
+    p_wait = _erlang_c(c, rho)
+    theta = es2 / (2.0 * es * c * (1.0 - rho))  # mean wait of a task that waits
+
+    def tail(t: float) -> float:
+        return sum(1.0 if t < x else (p_wait * math.exp(-(t - x) / theta) if theta > 0 else 0.0) for x in q) / len(q)
+    lo, hi = 0.0, q[-1] + theta * (math.log(max(p_wait, 0.05) / 0.05) + 1.0)
+    for _ in range(30):
+        mid = 0.5 * (lo + hi)
+        if tail(mid) > 0.05:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def _itl_p95(profile, mix: _Mix, n: int, sessions_per_s: float, f: float, itl_slo_s: float) -> float:
+    """P95 over sessions of a session's mean ITL on a decode replica carrying ``sessions_per_s`` and
+    spending a share ``f`` of its time on prefills; inf when its KV or compute cannot keep up."""
+    if f >= 1.0:
+        return math.inf
+    kv_cap = profile.kv_capacity_tokens(n)
+    b, step = 1.0, profile.t_dec(n, 1, int(mix.mean_ctx))
+    for _ in range(40):  # Little's law fixed point: b = rate x output tokens x ITL(b)
+        itl = step / (1.0 - f)
+        nb = sessions_per_s * mix.mean_out * itl
+        if nb * mix.mean_ctx > kv_cap or nb > 4 * DECODE_BATCH_CAP:
+            return math.inf
+        b = 0.5 * (b + max(nb, 1.0))
+        step = profile.t_dec(n, max(1, round(b)), int(b * mix.mean_ctx))
+    itl = step / (1.0 - f)
+    if abs(sessions_per_s * mix.mean_out * itl - b) > 0.1 * b + 1.0:
+        return math.inf  # no fixed point: the batch grows without bound
+    if sessions_per_s * mix.kv_seconds(itl) > kv_cap:
+        return math.inf  # the sessions it holds (tool waits included) do not fit its KV
+    bq = b + BATCH_Z * math.sqrt(b)
+    step_q = profile.t_dec(n, max(1, round(bq)), int(bq * mix.mean_ctx))
+    if f <= 0.0:
+        return step_q
+    # stalls: prefills of mean es arrive at f / es per second of the replica's time
+    es, es2 = mix.es[n], mix.es2[n]
+    vals = []
+    for o in mix.out_q:
+        dur = o * step_q / (1.0 - f)
+        mu = f / es * dur * (1.0 - f)  # prefills that start while the session decodes
+        vals.append(step_q + (mu * es + STALL_Z * math.sqrt(mu * es2)) / o)
+    vals.sort()
+    return vals[min(len(vals) - 1, int(0.95 * len(vals)))]
+
+
+def spills_for(policy: str) -> tuple[float, ...]:
+    """The local-prefill shares a decode replica may take under ``policy``: none when every prefill
+    goes to a prefill worker (``remote``), else SPILLS."""
+    from ampd.policy import policy_spec
+
+    spec = policy_spec(policy)
+    return (0.0,) if (spec.uses_prefill_workers and spec.router == "remote") else SPILLS
+
+
+def _finish(vals: list[float], levels) -> tuple[float, ...]:
+    """Saturated values past STOP_AT, a cumulative max (more load never helps), OVERLOAD at inf."""
+    out, prev, sat = [], 0.0, False
+    for v, rho in zip(vals, levels):
+        if math.isinf(rho):
+            out.append(OVERLOAD)
+            continue
+        if sat or not math.isfinite(v) or v >= STOP_AT:
+            sat, v = True, saturated(rho)
+        prev = max(prev, v)
+        out.append(prev)
+    return tuple(out)
+
+
+def build_estimates(profile, sessions: Sequence, degrees: Sequence[int], slo, *,
+                    kinds: Sequence[str] = KINDS, levels: Sequence[float] = LEVELS, policy: str = "ampd",
+                    sample_size: int = SAMPLE_SESSIONS) -> Estimates:
+    """tau for every kind, degree and level (and spill share, for decode replicas) under ``policy``."""
+    import time
+
+    if not levels or not math.isinf(levels[-1]):
+        raise ValueError("levels: the last level must be inf (the overload level)")
+    t0 = time.perf_counter()
+    sample = sample_sessions(sessions, sample_size)
+    mix = _Mix(profile, sample, degrees)
+    cap = _capacities(profile, mix, degrees, slo.itl_s)
+    spills = spills_for(policy) if "decode" in kinds else (0.0,)
+    tau: dict[str, dict[int, tuple]] = {k: {} for k in kinds}
+    for n in degrees:
+        es, es2 = mix.es[n], mix.es2[n]
+        local = [_ttft_p95(mix.q[n], es, es2, f) / slo.ttft_s if f > 0 else 0.0 for f in spills]
+        if "prefill" in kinds:
+            cols = [_finish([_ttft_p95(mix.kv_q[n], es, es2, rho, c) / slo.ttft_s for rho in levels], levels)
+                    for c in POOLS]
+            for i in range(1, len(cols)):  # a larger pool never waits longer
+                cols[i] = tuple(min(x, y) for x, y in zip(cols[i], cols[i - 1]))
+            tau["prefill"][n] = tuple(tuple(c[l] for c in cols) for l in range(len(levels)))
+        if "decode" in kinds:
+            cols = []
+            for k, f in enumerate(spills):
+                cols.append(_finish([max(local[k], _itl_p95(profile, mix, n, rho * cap["decode"][n], f, slo.itl_s)
+                                         / slo.itl_s) if math.isfinite(rho) else math.inf for rho in levels], levels))
+            tau["decode"][n] = tuple(tuple(c[l] for c in cols) for l in range(len(levels)))
+        if "colocated" in kinds:
+            vals = []
+            for rho in levels:
+                if math.isinf(rho):
+                    vals.append(math.inf)
+                    continue
+                lam = rho * cap["colocated"][n]
+                f = lam / cap["prefill"][n]  # the replica's share of time on prefills
+                vals.append(max(_ttft_p95(mix.q[n], es, es2, f) / slo.ttft_s,
+                                _itl_p95(profile, mix, n, lam, f, slo.itl_s) / slo.itl_s))
+            tau["colocated"][n] = _finish(vals, levels)
+    return Estimates(rate=workload_rate(sessions), levels=tuple(levels), capacity=cap, tau=tau,
+                     spills=tuple(spills), pools=POOLS if "prefill" in kinds else (1,),
+                     seconds=time.perf_counter() - t0)
+
+
+# ---- outcome of a check simulation ------------------------------------------------------------
 
 def _p95(xs) -> float:
-    import numpy as np
-
+    """The 95th percentile, the sample at or above it (numpy's method="higher")."""
     if not xs:
         return 0.0
-    return float(np.percentile(np.asarray(xs, dtype=float), 95, method="higher"))
-
+    s = sorted(xs)
+    return float(s[min(len(s) - 1, math.ceil(0.95 * (len(s) - 1)))])
 
 def outcome(res, slo) -> tuple[float, float, float, float]:
     """(SLO attainment, P95 TTFT over rounds, P95 over sessions of the session's mean ITL, finished
@@ -242,85 +435,3 @@ def latency_p95(res, slo) -> tuple[float, float, float]:
     return ttft, itl, done
 
 
-def _ample(cap: Mapping[int, float], rate: float) -> str:
-    """A deployment of the other phase that stays at AMPLE_RHO: the degree of largest capacity."""
-    n = max(cap, key=lambda d: cap[d])
-    k = min(MAX_AMPLE_REPLICAS, max(1, math.ceil(rate / (AMPLE_RHO * cap[n]))))
-    return f"tp{n}*{k}"
-
-
-def _simulate_one(profile, sample, cap, kind: str, n: int, rho: float, slo) -> tuple[float, float, float]:
-    from ampd.sim import simulate
-
-    rate = rho * cap[kind][n]
-    sessions = _retimed(sample, rate, slo.itl_s)
-    if kind == "prefill":
-        kw = dict(policy="remote", prefill=f"tp{n}*1", decode=_ample(cap["decode"], rate))
-    elif kind == "decode":
-        kw = dict(policy="remote", prefill=_ample(cap["prefill"], rate), decode=f"tp{n}*1")
-    else:
-        kw = dict(policy="colocated", prefill="none", decode=f"tp{n}*1")
-    res = simulate(sessions, profile, ttft_slo_s=slo.ttft_s, itl_slo_s=slo.itl_s, seed=0, **kw)
-    ttft, itl, done = latency_p95(res, slo)
-    if kind == "prefill":
-        norm = ttft / slo.ttft_s
-    elif kind == "decode":
-        norm = itl / slo.itl_s
-    else:
-        norm = max(ttft / slo.ttft_s, itl / slo.itl_s)
-    if done < 1.0 or not math.isfinite(norm):
-        norm = OVERLOAD
-    return min(norm, OVERLOAD), ttft, itl
-
-
-def build_estimates(profile, sessions: Sequence, degrees: Sequence[int], slo, *,
-                    kinds: Sequence[str] = KINDS, levels: Sequence[float] = LEVELS,
-                    cache: EstimateCache | None = None, sample_size: int = SAMPLE_SESSIONS,
-                    progress: Callable[[int, int], None] | None = None) -> Estimates:
-    """Estimate tau for every kind, degree and level (simulating each level once, cached)."""
-    if not levels or not math.isinf(levels[-1]):
-        raise ValueError("levels: the last level must be inf (the overload level)")
-    sample = sample_sessions(sessions, sample_size)
-    cap = capacities(profile, sample, degrees, slo.itl_s)
-    key0 = (profile.name, profile.source, _fingerprint(sample), slo.ttft_s, slo.itl_s, MAX_SIM_SESSIONS)
-    tau: dict[str, dict[int, tuple[float, ...]]] = {}
-    raw: dict[str, dict[int, tuple[tuple[float, float], ...]]] = {}
-    sim_levels = [rho for rho in levels if rho <= SIM_MAX_RHO]
-    total = len(kinds) * len(degrees) * len(sim_levels)
-    done = 0
-    for kind in kinds:
-        tau[kind], raw[kind] = {}, {}
-        for n in degrees:
-            vals, secs, prev, sat = [], [], 0.0, False
-            for rho in levels:
-                if math.isinf(rho):
-                    vals.append(OVERLOAD)
-                    secs.append((math.inf, math.inf))
-                    continue
-                if sat or rho > SIM_MAX_RHO:  # past saturation: closed form, monotone in load
-                    vals.append(max(prev, saturated(rho)))
-                    secs.append(secs[-1] if sat and secs else (math.inf, math.inf))
-                    prev = vals[-1]
-                    if rho <= SIM_MAX_RHO:
-                        done += 1
-                        if progress is not None:
-                            progress(done, total)
-                    continue
-                key = key0 + (kind, n, rho, len(sample))
-                hit = cache.get(key) if cache is not None else None
-                if hit is None:
-                    hit = _simulate_one(profile, sample, cap, kind, n, rho, slo)
-                    if cache is not None:
-                        cache.put(key, hit)
-                norm, ttft, itl = hit
-                if norm >= STOP_AT:  # saturated (or unfinished sessions): no heavier level is simulated
-                    sat, norm = True, saturated(rho)
-                prev = max(prev, norm)  # cumulative max: simulation noise must not make load help
-                vals.append(prev)
-                secs.append((ttft, itl))
-                done += 1
-                if progress is not None:
-                    progress(done, total)
-            tau[kind][n] = tuple(vals)
-            raw[kind][n] = tuple(secs)
-    return Estimates(rate=workload_rate(sessions), levels=tuple(levels), capacity=cap, tau=tau, p95_s=raw)

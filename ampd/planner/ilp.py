@@ -1,40 +1,38 @@
-"""The planning ILP (docs/planner.md, "Formulation"), solved with SCIP through pyscipopt.
+"""The planning ILP (docs/planner.md, "Formulation"), solved with SCIP through pyscipopt at every size.
 
 Variables, for each kind k in {prefill, decode, colocated} and degree n:
   cnt[k,n] in Z>=0   replicas (the paper's x(n) for prefill, y(n) for decode)
   act[k,n] in {0,1}  the replica type is instantiated: act <= cnt <= ub * act
   u[k,l]   in {0,1}  the utilisation level of kind k's replicas (exactly one per kind in use)
+  v[j]     in {0,1}  the share SPILLS[j] of a decode replica's time on local prefills (one, if decode in use)
+  g[n,i]   in {0,1}  the prefill replicas of degree n form a pool of at least POOLS[i] (one per active n)
+  s        >= 0      sessions/s whose prefills run on their decode replica (0 unless the policy routes locally)
   co       in {0,1}  co-located deployment (no prefill workers)
   W[k]     >= 0      the worst normalised P95 of kind k's replicas; Z >= W[k] the worst over all
 minimize  Z + EPS_BALANCE * sum_k W[k] + EPS_UNUSED * (N - GPUs used) / N
-s.t.  W[k] >= tau[k,n,l] - M (2 - act[k,n] - u[k,l]), Z >= W[k]   (the paper's C1, C2 with activation)
+s.t.  W[k] >= tau[k,n,l(,j|i)] when act[k,n], u[k,l] (and v[j] or g[n,i]) are on   (the paper's C1, C2)
+      cnt[prefill,n] >= POOLS[i] g[n,i]
       sum_n n (cnt[prefill,n] + cnt[decode,n] + cnt[colocated,n]) <= N       (C3)
-      sum_n cnt[k,n] c[k,n] / rate >= sum_l u[k,l] / rho_l    (level l bounds the utilisation)
+      rate - s <= rho_l sum_n cnt[prefill,n] c[prefill,n]  when u[prefill,l]   (level l bounds the utilisation)
+      rate     <= rho_l sum_n cnt[k,n] c[k,n]              when u[k,l], k in {decode, colocated}
+      s <= SPILLS[j] sum_n cnt[decode,n] c[prefill,n]      when v[j]   (a decode replica prefills at c[prefill,n])
       sum_n cnt[prefill,n] >= 1 - co, sum_n cnt[decode,n] >= 1 - co, sum_n cnt[colocated,n] >= co
       cnt[prefill|decode,n] <= ub (1 - co), cnt[colocated,n] <= ub co
-      sum_l u[prefill|decode,l] = 1 - co, sum_l u[colocated,l] = co
-The k best deployments come from re-solving with a no-good cut on each one found.
-
-A space of at most ENUMERATE_MAX deployments is solved by enumerating it instead
-(:func:`best_deployments`): the same objective (``objective.surrogate``), hence the same optimum and
-k best, for a fraction of a SCIP solve's cost.
+The k best deployments come from re-solving with a no-good cut on each one found. Every solve is
+logged (status, seconds, nodes): ``ampd plan --json`` reports them. ``objective.brute_force_top``
+enumerates the same objective: the tests' oracle, never the planner's answer.
 """
 from __future__ import annotations
 
 import math
+import time
 from typing import Sequence
 
 from .estimates import Estimates
-from .objective import EPS_BALANCE, EPS_UNUSED, brute_force_top
+from .objective import EPS_BALANCE, EPS_UNUSED
 from .space import KINDS, Deployment
 
-__all__ = ["solve_top", "best_deployments", "space_size", "ENUMERATE_MAX"]
-
-# Spaces up to this many deployments are enumerated, not solved. Scoring one deployment costs ~8 us
-# (2,000: ~16 ms), SCIP's 6 best of a family 14-20 ms (benchmarks/results/planner_time.json, 8 and 16
-# GPUs, Llama3.1-70B, degrees 2/4/8: 13 and 169 disaggregated deployments). Above it SCIP's time
-# barely grows with N while the space does (2,982 disaggregated deployments at 32 GPUs, 77,692 at 64).
-ENUMERATE_MAX = 2000
+__all__ = ["solve_top", "best_deployments", "space_size"]
 
 
 def space_size(gpus: int, degrees: Sequence[int], *, disaggregated: bool = True, colocated: bool = True,
@@ -68,25 +66,24 @@ def space_size(gpus: int, degrees: Sequence[int], *, disaggregated: bool = True,
 
 
 def best_deployments(est: Estimates, gpus: int, degrees: Sequence[int], k: int, *, disaggregated: bool = True,
-                     colocated: bool = True, mixed: bool = True, all_gpus: bool = False) -> list[tuple[float, Deployment]]:
-    """The ``k`` best deployments by the ILP's objective, best first: by enumeration when the space
-    holds at most ENUMERATE_MAX deployments (exact; ties to the lower worst utilisation, see
-    ``objective.brute_force_top``), else by SCIP (ties arbitrary)."""
-    space = dict(disaggregated=disaggregated, colocated=colocated, mixed=mixed, all_gpus=all_gpus)
-    if not (disaggregated or colocated):
-        raise ValueError("search space: allow disaggregated and/or co-located deployments")
-    if space_size(gpus, degrees, **space) <= ENUMERATE_MAX:
-        return brute_force_top(est, gpus, degrees, k, **space)
-    return solve_top(est, gpus, degrees, k, **space)
+                     colocated: bool = True, mixed: bool = True, all_gpus: bool = False,
+                     log: list | None = None) -> list[tuple[float, Deployment]]:
+    """The ``k`` best deployments by the ILP's objective, best first, each found by SCIP (ties
+    arbitrary); each solve is appended to ``log`` (see :func:`solve_top`)."""
+    return solve_top(est, gpus, degrees, k, disaggregated=disaggregated, colocated=colocated, mixed=mixed,
+                     all_gpus=all_gpus, log=log)
 
 
 def solve_top(est: Estimates, gpus: int, degrees: Sequence[int], k: int, *, disaggregated: bool = True,
-              colocated: bool = True, mixed: bool = True, all_gpus: bool = False) -> list[tuple[float, Deployment]]:
-    """The ``k`` best deployments by the ILP's objective, best first (fewer if the space is smaller)."""
+              colocated: bool = True, mixed: bool = True, all_gpus: bool = False,
+              log: list | None = None) -> list[tuple[float, Deployment]]:
+    """The ``k`` best deployments by the ILP's objective, best first (fewer if the space is smaller).
+    Each SCIP solve appends ``{"family", "status", "seconds", "nodes"}`` to ``log``."""
     if not (disaggregated or colocated):
         raise ValueError("search space: allow disaggregated and/or co-located deployments")
+    family = "both" if disaggregated and colocated else ("disaggregated" if disaggregated else "colocated")
     m, cnt, _ = _model(est, gpus, degrees, disaggregated, colocated, mixed, all_gpus)
-    return _top(m, cnt, k, [])
+    return _top(m, cnt, k, [], family, log)
 
 
 def _model(est, gpus, degrees, disaggregated, colocated, mixed, all_gpus):
@@ -95,20 +92,23 @@ def _model(est, gpus, degrees, disaggregated, colocated, mixed, all_gpus):
     m = Model("ampd-plan")
     m.hideOutput()
     # The model is small (tens of integers): SCIP's presolve, cutting planes, primal heuristics and
-    # symmetry detection cost more than the branching they save (measured: 6 solves at 256 GPUs,
-    # 0.44 s -> 0.12 s), and so do timing every plugin and the default branching rule's strong
-    # branching (most-infeasible branching instead: 12 solves at 8 GPUs, ~65 -> ~45 ms CPU).
+    # symmetry detection cost more than the branching they save, and so does timing every plugin
+    # (measured on the closed-form estimates of a 400-session toolbench trace, 4 solves: 8 GPUs 0.07 s
+    # with them off against 0.37 s on; 128 GPUs 0.21 s against 0.68 s; the default branching rule
+    # beat most-infeasible branching, 0.21 s against 0.22 s and 0.08 s against 0.13 s at 256 GPUs).
     m.setPresolve(SCIP_PARAMSETTING.OFF)
     m.setSeparating(SCIP_PARAMSETTING.OFF)
     m.setHeuristics(SCIP_PARAMSETTING.OFF)
     m.setParam("misc/usesymmetry", 0)
     m.setParam("timing/enabled", False)
-    m.setParam("branching/mostinf/priority", 100000)
     m.setParam("limits/gap", 0.0)
     m.setParam("limits/absgap", 0.0)
     kinds = [kd for kd in KINDS if (kd == "colocated" and colocated) or (kd != "colocated" and disaggregated)]
     co = m.addVar("co", vtype="B", lb=1 if not disaggregated else 0, ub=0 if not colocated else 1)
     z = m.addVar("Z", vtype="C", lb=0.0)
+    rate = est.rate
+    spill = disaggregated and len(est.spills) > 1
+    s = m.addVar("s", vtype="C", lb=0.0, ub=rate if spill else 0.0)
     cnt, act, w = {}, {}, {}
     for kd in kinds:
         w[kd] = m.addVar(f"W_{kd}", vtype="C", lb=0.0)
@@ -126,22 +126,55 @@ def _model(est, gpus, degrees, disaggregated, colocated, mixed, all_gpus):
             m.addCons(quicksum(act[kd, n] for n in degrees) <= 1)
         u = {l: m.addVar(f"u_{kd}_{l}", vtype="B") for l in range(len(est.levels))}
         m.addCons(quicksum(u.values()) == on)
-        need = quicksum(u[l] / rho for l, rho in enumerate(est.levels) if not math.isinf(rho))
-        m.addCons(quicksum(cnt[kd, n] * (est.capacity[kd][n] / est.rate) for n in degrees) >= need)
-        for n in degrees:  # u selects one level, so the sum is tau at that level (tighter than big-M per level)
-            taus = est.tau[kd][n]
-            m.addCons(w[kd] >= quicksum(t * u[l] for l, t in enumerate(taus)) - max(taus) * (1 - act[kd, n]))
+        cap = quicksum(cnt[kd, n] * est.capacity[kd][n] for n in degrees)
+        if kd == "prefill" and spill:  # the prefill workers carry rate - s: one big-M row per level
+            for l, rho in enumerate(est.levels):
+                if not math.isinf(rho):
+                    m.addCons(rate - s <= rho * cap + rate * (1 - u[l]))
+        else:  # sum_l u_l / rho_l: the aggregated form, tighter than a big-M row per level
+            need = quicksum(u[l] / rho for l, rho in enumerate(est.levels) if not math.isinf(rho))
+            m.addCons(cap * (1.0 / rate) >= need)
+        if kd == "decode":
+            v = {j: m.addVar(f"v_{j}", vtype="B") for j in range(len(est.spills))}
+            m.addCons(quicksum(v.values()) == on)
+            local = quicksum(cnt[kd, n] * est.capacity["prefill"][n] for n in degrees)
+            for j, f in enumerate(est.spills):
+                if spill:
+                    m.addCons(s <= f * local + rate * (1 - v[j]))
+                for n in degrees:  # u selects one level: the sum is tau at that level and share j
+                    taus = est.tau[kd][n]
+                    big = max(max(t) for t in taus)
+                    m.addCons(w[kd] >= quicksum(taus[l][j] * u[l] for l in range(len(taus)))
+                              - big * (2 - act[kd, n] - v[j]))
+        elif kd == "prefill":
+            for n in degrees:  # g[i] on: the group holds at least POOLS[i] replicas; one g per active degree
+                taus = est.tau[kd][n]
+                big = max(max(t) for t in taus)
+                g = {i: m.addVar(f"g_{n}_{i}", vtype="B") for i, c in enumerate(est.pools) if c <= gpus // n}
+                m.addCons(quicksum(g.values()) == act[kd, n])
+                for i, gi in g.items():
+                    m.addCons(cnt[kd, n] >= est.pools[i] * gi)
+                    m.addCons(w[kd] >= quicksum(taus[l][i] * u[l] for l in range(len(taus))) - big * (1 - gi))
+        else:
+            for n in degrees:  # u selects one level, so the sum is tau at that level (tighter than big-M per level)
+                taus = est.tau[kd][n]
+                m.addCons(w[kd] >= quicksum(t * u[l] for l, t in enumerate(taus)) - max(taus) * (1 - act[kd, n]))
     used = quicksum(n * v for (kd, n), v in cnt.items())
     m.addCons(used == gpus) if all_gpus else m.addCons(used <= gpus)
     m.setObjective(z + EPS_BALANCE * quicksum(w.values()) + EPS_UNUSED * (gpus - used) / gpus, "minimize")
     return m, cnt, co
 
 
-def _top(m, cnt, k: int, found: list) -> list[tuple[float, Deployment]]:
+def _top(m, cnt, k: int, found: list, family: str, log: list | None) -> list[tuple[float, Deployment]]:
     """Solve, cut off the solution, solve again, until ``found`` holds ``k`` deployments."""
     while len(found) < k:
+        t0 = time.perf_counter()
         m.optimize()
-        if m.getStatus() != "optimal":
+        status = m.getStatus()
+        if log is not None:
+            log.append({"family": family, "status": status, "seconds": round(time.perf_counter() - t0, 5),
+                        "nodes": int(m.getNNodes())})
+        if status != "optimal":
             m.freeTransform()  # the family is exhausted; the model stays editable for the next one
             break
         obj = m.getObjVal()

@@ -6,7 +6,7 @@ from typing import Iterator, Sequence
 from .estimates import Estimates
 from .space import KINDS, Deployment
 
-__all__ = ["EPS_BALANCE", "EPS_UNUSED", "surrogate", "bottleneck", "phase_taus", "worst_utilisation",
+__all__ = ["EPS_BALANCE", "EPS_UNUSED", "evaluate", "surrogate", "bottleneck", "phase_taus", "worst_utilisation",
            "enumerate_deployments", "brute_force_top"]
 
 # Tie-breaks, both small against a difference of the worst normalised P95 that matters. Among
@@ -17,34 +17,46 @@ EPS_BALANCE = 1e-3
 EPS_UNUSED = 1e-4
 
 
+def evaluate(dep: Deployment, est: Estimates, gpus: int) -> tuple[float, dict[str, float], dict[str, int], int]:
+    """(the ILP's objective, the worst tau of each kind, each kind's level index, the spill index) of
+    ``dep`` on ``gpus`` GPUs: the ILP's optimum over the spill share with the replica counts fixed.
+    A larger share j lets the decode replicas run up to SPILLS[j] x their prefill capacity of the
+    prefills (the prefill workers carry the rest: a lower level), at tau[decode][n][l][j]; a group
+    of c prefill replicas of degree n takes tau[prefill][n][l][i] of the largest pool POOLS[i] <= c."""
+    unused = EPS_UNUSED * (gpus - dep.gpus) / gpus
+    if dep.colocated:
+        groups = dep.groups("colocated")
+        i = est.level_index("colocated", groups)
+        t = max(est.tau["colocated"][n][i] for n, _ in groups)
+        return t + EPS_BALANCE * t + unused, {"colocated": t}, {"colocated": i}, 0
+    dec = dep.groups("decode")
+    ld = est.level_index("decode", dec)
+    local = sum(c * est.capacity["prefill"][n] for n, c in dec)
+    best = None
+    for j, f in enumerate(est.spills):
+        lp = est.level_index("prefill", dep.prefill, max(0.0, est.rate - f * local))
+        tp = max(est.tau["prefill"][n][lp][est.pool_index(c)] for n, c in dep.prefill)
+        td = max(est.tau["decode"][n][ld][j] for n, _ in dec)
+        obj = max(tp, td) + EPS_BALANCE * (tp + td) + unused
+        if best is None or obj < best[0] - 1e-12:
+            best = (obj, {"prefill": tp, "decode": td}, {"prefill": lp, "decode": ld}, j)
+    return best
+
+
 def bottleneck(dep: Deployment, est: Estimates) -> tuple[float, dict[str, int]]:
     """Z: the largest tau over the replicas the deployment instantiates, and the level of each kind."""
-    z, lv = 0.0, {}
-    for kind in KINDS:
-        groups = dep.groups(kind)
-        if not groups:
-            continue
-        i = est.level_index(kind, groups)
-        lv[kind] = i
-        z = max(z, max(est.tau[kind][n][i] for n, _ in groups))
-    return z, lv
+    _, taus, lv, _ = evaluate(dep, est, max(dep.gpus, 1))
+    return max(taus.values()), lv
 
 
 def phase_taus(dep: Deployment, est: Estimates) -> dict[str, float]:
     """The worst tau of each kind the deployment instantiates (at its level)."""
-    out = {}
-    for kind in KINDS:
-        groups = dep.groups(kind)
-        if groups:
-            i = est.level_index(kind, groups)
-            out[kind] = max(est.tau[kind][n][i] for n, _ in groups)
-    return out
+    return evaluate(dep, est, max(dep.gpus, 1))[1]
 
 
 def surrogate(dep: Deployment, est: Estimates, gpus: int) -> float:
     """The ILP's objective value of ``dep`` on ``gpus`` GPUs."""
-    taus = phase_taus(dep, est)
-    return max(taus.values()) + EPS_BALANCE * sum(taus.values()) + EPS_UNUSED * (gpus - dep.gpus) / gpus
+    return evaluate(dep, est, gpus)[0]
 
 
 def worst_utilisation(dep: Deployment, est: Estimates) -> float:
@@ -99,8 +111,8 @@ def enumerate_deployments(gpus: int, degrees: Sequence[int], *, disaggregated: b
 
 
 def brute_force_top(est: Estimates, gpus: int, degrees: Sequence[int], k: int, **space) -> list[tuple[float, Deployment]]:
-    """The ``k`` best deployments by :func:`surrogate`, by full enumeration (small spaces:
-    ``ilp.best_deployments``; the tests' reference for the ILP). Equal objectives go to the lower
+    """The ``k`` best deployments by :func:`surrogate`, by full enumeration: the tests' reference for
+    the ILP (the planner always solves it with SCIP). Equal objectives go to the lower
     :func:`worst_utilisation`: past saturation every deployment whose phases round up to the same
     level ties (one tau per level), and the one whose bottleneck carries the least excess load is the
     better guess (SCIP breaks such ties arbitrarily)."""

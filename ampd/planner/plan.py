@@ -5,23 +5,25 @@ Pure: takes the profile and the sessions as values, reports progress through a c
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from .estimates import SAMPLE_SESSIONS, EstimateCache, Estimates, build_estimates, outcome
+from .estimates import SAMPLE_SESSIONS, EstimateCache, Estimates, build_estimates, outcome, trace_fingerprint
 from .ilp import best_deployments
-from .objective import bottleneck, surrogate
+from .objective import evaluate
 from .space import Deployment, PlanError, feasible_degrees
 
 __all__ = ["PlanRequest", "PlanEntry", "PlanResult", "plan", "default_slo", "resolve_slo", "search_space", "check",
-           "family_candidates", "balanced_splits", "max_context", "SLO_TTFT_K", "SLO_ITL_M"]
+           "family_candidates", "check_policy", "FINALISTS_EXTRA", "CHECK_SESSIONS", "max_context", "SLO_TTFT_K", "SLO_ITL_M"]
 
 # Default SLO when the request gives none: the rule of docs/paper-results.md ("SLO rule"), taken at the
 # largest degree a prefill and a decode replica can both use.
 SLO_TTFT_K = 3.0   # TTFT threshold = K x P90 of the standalone prefill time of every round
 SLO_ITL_M = 3.0    # ITL threshold = M x one decode step at batch SLO_ITL_BATCH, median round context
 SLO_ITL_BATCH = 32
+
+FINALISTS_EXTRA = 1  # finalists simulated beyond --top by default (the ILP's next best)
+CHECK_SESSIONS = 250  # sessions a check simulates by default (the first by arrival; 0: the whole trace)
 
 Progress = Callable[[str, int, int], None]
 
@@ -37,9 +39,9 @@ class PlanRequest:
     colocated: bool = True     # search co-located deployments (no prefill workers) too
     mixed: bool = True         # a phase may mix TP degrees (False: one degree per phase, like Table 2)
     all_gpus: bool = False     # use exactly `gpus` GPUs (C3 as an equality, as every Table 2 entry does)
-    candidates: int = 0        # ILP candidates to simulate (0: 2 x top)
-    check_sessions: int = 0    # simulate the first this many sessions in the checks (0: all)
-    sample_sessions: int = SAMPLE_SESSIONS  # sessions per estimate simulation
+    candidates: int = 0        # ILP finalists to simulate (0: top + FINALISTS_EXTRA)
+    check_sessions: int = CHECK_SESSIONS  # simulate the first this many sessions in the checks (0: all)
+    sample_sessions: int = SAMPLE_SESSIONS  # sessions the closed-form estimates draw from the trace
     seed: int = 0
     skip_dominated: bool = True  # do not simulate a candidate skippable() shows cannot rank (False: all)
 
@@ -53,13 +55,17 @@ class PlanEntry:
     p95_itl_s: float           # P95 over sessions of the mean ITL, check simulation
     objective: float           # the ILP's objective (estimated worst P95 / SLO threshold)
     levels: dict = field(default_factory=dict)  # kind -> estimated utilisation level
+    spill: float = 0.0         # the estimated share of a decode replica's time on local prefills
+    seconds: float = 0.0       # of the check simulation (0: from the cache)
 
     def to_json(self) -> dict:
         d = self.deployment
         return {"prefill": d.prefill_spec, "decode": d.decode_spec, "p95_s": _num(self.p95_s),
                 "slo_attainment": self.slo_attainment, "gpus": d.gpus, "policy": self.policy,
                 "p95_itl_s": _num(self.p95_itl_s),
-                "estimate": {"worst_p95_over_slo": round(self.objective, 6), "utilisation": self.levels}}
+                "estimate": {"worst_p95_over_slo": round(self.objective, 6), "utilisation": self.levels,
+                             "local_prefill_share": self.spill},
+                "simulation_s": round(self.seconds, 4)}
 
 
 @dataclass(frozen=True)
@@ -71,15 +77,31 @@ class PlanResult:
     candidates: int            # deployments the ILP proposed and the simulator checked
     estimates: Estimates
     skipped: int = 0           # deployments the ILP proposed that were not simulated (skippable)
+    solves: list = field(default_factory=list)  # one {"family", "status", "seconds", "nodes"} per SCIP solve
+    solve_s: float = 0.0       # the ILP's seconds, SCIP and the model's build
+    simulation_s: float = 0.0  # the check simulations' seconds
+    simulations: int = 0       # check simulations run (the others came from the cache)
+    policy: str = "ampd"
 
     def to_json(self, seconds: float) -> dict:
         return {"gpus": self.gpus, "seconds": round(seconds, 4), "top": [e.to_json() for e in self.top],
                 "degrees": list(self.degrees), "slo": {"ttft_s": self.slo.ttft_s, "itl_s": self.slo.itl_s},
+                "policy": self.policy, "solver": "scip", "solver_calls": len(self.solves), "solves": self.solves,
+                "timings": {"estimates_s": round(self.estimates.seconds, 4), "solve_s": round(self.solve_s, 4),
+                            "simulations_s": round(self.simulation_s, 4), "simulations": self.simulations},
                 "candidates_checked": self.candidates, "candidates_skipped": self.skipped}
 
 
 def _num(x: float):
     return x if math.isfinite(x) else None
+
+
+def _percentile(xs, q: float) -> float:
+    """numpy's default ("linear") percentile, without importing numpy."""
+    s = sorted(xs)
+    h = (len(s) - 1) * q / 100.0
+    lo = math.floor(h)
+    return float(s[lo] + (h - lo) * (s[min(lo + 1, len(s) - 1)] - s[lo]))
 
 
 def max_context(sessions) -> int:
@@ -88,8 +110,6 @@ def max_context(sessions) -> int:
 
 def default_slo(profile, sessions, degree: int):
     """The default thresholds on this workload at ``degree`` (see SLO_TTFT_K, SLO_ITL_M)."""
-    import numpy as np
-
     from ampd.bench.report import SLO
 
     pre, ctxs = [], []
@@ -99,8 +119,8 @@ def default_slo(profile, sessions, degree: int):
             pre.append(profile.t_pre(degree, h, r.input))
             ctxs.append(h + r.input + r.output // 2)
             h += r.input + r.output
-    ctx = statistics.median(ctxs)
-    ttft = SLO_TTFT_K * float(np.percentile(pre, 90))
+    ctx = _percentile(ctxs, 50)
+    ttft = SLO_TTFT_K * _percentile(pre, 90)
     itl = SLO_ITL_M * profile.t_dec(degree, SLO_ITL_BATCH, int(SLO_ITL_BATCH * ctx))
     return SLO(ttft_s=round(ttft, 3), itl_s=round(itl, 4))
 
@@ -131,10 +151,10 @@ def search_space(req: PlanRequest) -> tuple[tuple[int, ...], bool, bool]:
         v = getattr(req, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise PlanError(name, f"must be an integer >= 1, got {v!r}")
-    for name in ("candidates", "check_sessions"):
+    for name, zero in (("candidates", "the default"), ("check_sessions", "the whole trace")):
         v = getattr(req, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise PlanError(name, f"must be an integer >= 0 (0: the default), got {v!r}")
+            raise PlanError(name, f"must be an integer >= 0 (0: {zero}), got {v!r}")
     try:
         spec = policy_spec(req.policy)
     except ValueError as exc:
@@ -155,7 +175,7 @@ def check(req: PlanRequest, dep: Deployment) -> tuple[str, float, float, float]:
     """(policy, SLO attainment, P95 TTFT, P95 mean ITL) of ``dep`` simulated on the request's trace."""
     from ampd.sim import simulate
 
-    policy = req.policy if not dep.colocated or req.policy in ("colocated", "continuum") else "colocated"
+    policy = check_policy(req, dep)
     sessions = sorted(req.sessions, key=lambda s: s.arrival)
     if req.check_sessions:
         sessions = sessions[: req.check_sessions]
@@ -163,6 +183,12 @@ def check(req: PlanRequest, dep: Deployment) -> tuple[str, float, float, float]:
                    ttft_slo_s=req.slo.ttft_s, itl_slo_s=req.slo.itl_s, seed=req.seed)
     att, ttft, itl, _ = outcome(res, req.slo)
     return policy, att, ttft, itl
+
+
+def check_policy(req: PlanRequest, dep: Deployment) -> str:
+    """The policy ``dep`` runs under: the request's, but a co-located deployment runs a co-located
+    policy (a disaggregated policy with no prefill workers degenerates to ``colocated``)."""
+    return req.policy if not dep.colocated or req.policy in ("colocated", "continuum") else "colocated"
 
 
 def headroom(e: "PlanEntry", slo) -> float:
@@ -174,51 +200,25 @@ def headroom(e: "PlanEntry", slo) -> float:
     return worst if math.isfinite(worst) else math.inf
 
 
-def balanced_splits(gpus: int, degrees) -> list[Deployment]:
-    """Half the GPUs to each phase at one degree: P<n, N/2n> D<n, N/2n> for every degree ``n`` that
-    divides N/2 (every Table 2 entry but one has this form)."""
-    half = gpus // 2
-    if half < 1 or 2 * half != gpus:
-        return []
-    return [Deployment.of({n: half // n}, {n: half // n}) for n in sorted(degrees) if half % n == 0]
-
-
 def family_candidates(est, gpus: int, degrees, k: int, *, disaggregated: bool, colocated: bool, mixed: bool,
-                      all_gpus: bool, form_k: int = 0) -> list:
-    """The ILP's ``k`` best of each family (co-located, disaggregated), which hold its ``k`` best over
-    the whole space, plus the balanced splits (:func:`balanced_splits`) when disaggregated
-    deployments are searched. The surrogate may rank a family low that the simulator, running the real
-    policy, prefers (AMPD's local prefills make a disaggregated deployment partly co-located), and a
-    plan restricted to one family (a baseline's: ``remote`` plans disaggregated, ``colocated``
-    co-located deployments) checks exactly that family's ``k`` best: so AMPD's candidates hold every
-    deployment a baseline's plan of the same ``k`` would check, and AMPD can become that baseline's
-    deployment where it wins. The balanced splits cost a few simulations and guard against the
-    surrogate's blind spot: its per-replica estimates run the `remote` policy, so under AMPD (local
-    prefills) it undervalues decode capacity and prefers lopsided mixed-degree splits. For the same
-    reason, when the space is larger than Table 2's form (one degree per phase, all GPUs), the
-    ``form_k`` best of that form are added too: a mixed-degree search otherwise fills its ``k``
-    slots with lopsided splits the surrogate ties, and misses the single-degree split a Table-2-form
-    plan checks (Qwen3-32B DuReader on 16 GPUs: P tp4*3 D tp4*1, the form's 2nd best)."""
-    if disaggregated and colocated:
-        # the joint k best lie within the union of the two families' k best: two solves, not three.
-        # Each family's solve is the one a baseline's plan of that family runs (same model, same ties).
-        cands = [c for fam in ({"disaggregated": True, "colocated": False},
-                               {"disaggregated": False, "colocated": True})
-                 for c in best_deployments(est, gpus, degrees, k, mixed=mixed, all_gpus=all_gpus, **fam)]
-        cands.sort(key=lambda t: t[0])  # stable: the joint k best first, each family in its own order
-    else:
-        cands = best_deployments(est, gpus, degrees, k, disaggregated=disaggregated, colocated=colocated,
-                                 mixed=mixed, all_gpus=all_gpus)
+                      all_gpus: bool, log: list | None = None) -> list:
+    """The finalists: the ILP's ``k`` best over the search space, plus the best of each family
+    (co-located, disaggregated) when the ``k`` best lack it. Each family is solved apart (the joint
+    ``k`` best lie within the union of the two families' ``k`` best), so AMPD's finalists hold the
+    deployment a baseline's plan of one family (``remote``: disaggregated, ``colocated``: co-located)
+    would choose first by the ILP, and AMPD can become that baseline's deployment where it wins
+    (docs/planner.md, "Never lose to a baseline")."""
+    fams = []
     if disaggregated:
-        extra = balanced_splits(gpus, degrees)
-        if form_k and (mixed or not all_gpus):
-            extra = [d for _, d in best_deployments(est, gpus, degrees, form_k, disaggregated=True, colocated=False,
-                                                    mixed=False, all_gpus=True)] + extra
-        seen = {d for _, d in cands}
-        for d in extra:
-            if d not in seen:
-                seen.add(d)
-                cands.append((surrogate(d, est, gpus), d))
+        fams.append({"disaggregated": True, "colocated": False})
+    if colocated:
+        fams.append({"disaggregated": False, "colocated": True})
+    per = [best_deployments(est, gpus, degrees, k, mixed=mixed, all_gpus=all_gpus, log=log, **f) for f in fams]
+    joint = sorted((c for fam in per for c in fam), key=lambda t: t[0])  # stable: each family in its own order
+    cands = joint[:k]
+    for fam in per:
+        if fam and fam[0] not in cands:
+            cands.append(fam[0])
     return cands
 
 
@@ -257,47 +257,68 @@ def skippable(dep: Deployment, entries, top: int) -> bool:
 
 
 def plan(req: PlanRequest, *, cache: EstimateCache | None = None, progress: Progress | None = None) -> PlanResult:
-    """The ``req.top`` best deployments: the ILP's best ``candidates`` by estimated worst P95, each
-    simulated whole on the trace (but those :func:`skippable` shows cannot rank, with
-    ``req.skip_dominated``) and ranked by simulated SLO attainment, then by the worse of P95 TTFT and
-    P95 mean ITL over their thresholds (:func:`headroom`)."""
+    """The ``req.top`` best deployments: the ILP's best ``candidates`` by estimated worst P95 (closed-form
+    estimates under ``req.policy``, solved by SCIP), each simulated whole on the trace under the policy
+    that will run (but those :func:`skippable` shows cannot rank, with ``req.skip_dominated``) and
+    ranked by simulated SLO attainment, then by the worse of P95 TTFT and P95 mean ITL over their
+    thresholds (:func:`headroom`). ``cache`` keeps the check simulations for a later plan of the trace."""
+    import time
+
     degrees, disagg, coloc = search_space(req)
     kinds = (("prefill", "decode") if disagg else ()) + (("colocated",) if coloc else ())
-
-    def est_progress(done, total):
-        if progress is not None:
-            progress("estimates", done, total)
-    est = build_estimates(req.profile, req.sessions, degrees, req.slo, kinds=kinds, cache=cache,
-                          sample_size=req.sample_sessions, progress=est_progress)
-    n_cand = req.candidates or 2 * req.top
+    est = build_estimates(req.profile, req.sessions, degrees, req.slo, kinds=kinds, policy=req.policy,
+                          sample_size=req.sample_sessions)
+    if progress is not None:
+        progress("estimates", 1, 1)
+    n_cand = req.candidates or req.top + FINALISTS_EXTRA
+    solves: list = []
+    t0 = time.perf_counter()
     cands = family_candidates(est, req.gpus, degrees, max(n_cand, req.top), disaggregated=disagg,
-                              colocated=coloc, mixed=req.mixed, all_gpus=req.all_gpus, form_k=req.top)
+                              colocated=coloc, mixed=req.mixed, all_gpus=req.all_gpus, log=solves)
+    solve_s = time.perf_counter() - t0
     if not cands:
         raise PlanError("gpus", f"no deployment of degrees {list(degrees)} uses exactly {req.gpus} GPUs")
     from ampd.sim.gcpause import gc_paused
 
     entries, rank = [], {}
+    key0 = None if cache is None else (req.profile.name, req.profile.source, trace_fingerprint(req.sessions),
+                                       req.slo.ttft_s, req.slo.itl_s, req.check_sessions, req.seed)
     with gc_paused():  # the checks' records die by reference counting; a collection would walk every live object
-        _check_all(req, est, cands, entries, rank, progress)
+        _check_all(req, est, cands, entries, rank, progress, cache, key0)
     # full ties keep the candidates' order, whatever order they were checked in
     entries.sort(key=lambda e: (-e.slo_attainment, headroom(e, req.slo), e.objective, rank[e.deployment]))
     return PlanResult(gpus=req.gpus, top=entries[: req.top], degrees=degrees, slo=req.slo,
-                      candidates=len(entries), estimates=est, skipped=len(cands) - len(entries))
+                      candidates=len(entries), estimates=est, skipped=len(cands) - len(entries), solves=solves,
+                      solve_s=solve_s, simulation_s=sum(e.seconds for e in entries),
+                      simulations=sum(e.seconds > 0 for e in entries), policy=req.policy)
 
 
-def _check_all(req: PlanRequest, est, cands, entries: list, rank: dict, progress: Progress | None) -> None:
+def _check_all(req: PlanRequest, est, cands, entries: list, rank: dict, progress: Progress | None,
+               cache: EstimateCache | None, key0) -> None:
     """Simulate the candidates in :func:`check_order`, skipping the :func:`skippable` ones."""
+    import time
+
     for done, i in enumerate(check_order(cands)):
         if progress is not None:
             progress("checks", done, len(cands))
         obj, dep = cands[i]
         if req.skip_dominated and skippable(dep, entries, req.top):
             continue
-        policy, att, p95, p95_itl = check(req, dep)
-        _, lv = bottleneck(dep, est)
+        policy = check_policy(req, dep)
+        key = None if key0 is None else key0 + (policy, dep.prefill_spec, dep.decode_spec)
+        hit = cache.get(key) if key is not None else None
+        t0 = time.perf_counter()
+        if hit is None:
+            _, att, p95, p95_itl = check(req, dep)
+            secs = time.perf_counter() - t0
+            if key is not None:
+                cache.put(key, (att, p95, p95_itl))
+        else:
+            (att, p95, p95_itl), secs = hit, 0.0
+        _, _, lv, j = evaluate(dep, est, req.gpus)
         levels = {k: est.levels[l] if math.isfinite(est.levels[l]) else "overload" for k, l in lv.items()}
-        entries.append(PlanEntry(dep, policy, att, p95, p95_itl, obj, levels))
+        entries.append(PlanEntry(dep, policy, att, p95, p95_itl, obj, levels, est.spills[j] if "decode" in lv else 0.0,
+                                 secs))
         rank[dep] = i
     if progress is not None:
         progress("checks", len(cands), len(cands))
-

@@ -104,7 +104,7 @@ class PlannerService(planner_pb2_grpc.PlannerServicer):
 
     async def Plan(self, request, context) -> planner_pb2.PlanReply:
         from ampd.planner import PlanError, PlanRequest, plan
-        from ampd.planner.plan import resolve_slo
+        from ampd.planner.plan import CHECK_SESSIONS, resolve_slo
         from ampd.workload import TraceError
 
         try:
@@ -127,7 +127,7 @@ class PlannerService(planner_pb2_grpc.PlannerServicer):
                               policy=request.policy or "ampd", colocated=not request.no_colocated,
                               mixed=not request.one_degree, all_gpus=request.all_gpus,
                               candidates=request.candidates,
-                              check_sessions=request.check_sessions, seed=request.seed)
+                              check_sessions=request.check_sessions or CHECK_SESSIONS, seed=request.seed)
             async with self.lock:
                 result = await asyncio.to_thread(plan, req, cache=self.cache)
         except PlanError as exc:

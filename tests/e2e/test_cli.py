@@ -159,3 +159,40 @@ def test_simulate_bad_input_is_one_line_naming_the_field(tmp_path):
                 "--decode", "tp8*1", "--ttft-slo", "5", "--itl-slo", "0.1")
         assert r.returncode == 2 and want in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert r.stderr.count("\n") == 1
+
+
+def test_plan_bad_input_is_one_line_naming_the_field(tmp_path):
+    """`ampd plan` as a user runs it: an empty or malformed trace, a profile without a TP degree or
+    whose smallest replica exceeds the GPU budget, each one line naming the flag and the value."""
+    import json
+
+    good = tmp_path / "t.jsonl"
+    good.write_text('{"id": "a", "arrival": 0, "rounds": [{"input": 100, "output": 3}]}\n')
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "arrival": 0, "rounds": [{"input": 100, "output": 3}]}\n{"id": "b", "arrival"\n')
+    neg = tmp_path / "neg.jsonl"
+    neg.write_text('{"id": "a", "arrival": 0, "rounds": [{"input": -5, "output": 3}]}\n')
+    from ampd.perf import load_profile
+
+    prof = load_profile("llama3.1-70b@h20").to_json()
+    no_tp = tmp_path / "no_tp.json"
+    no_tp.write_text(json.dumps(dict(prof, tp={})))
+    tp8 = tmp_path / "tp8.json"
+    tp8.write_text(json.dumps(dict(prof, tp={k: v for k, v in prof["tp"].items() if k == "8"})))
+    cases = [
+        ((str(empty), "llama3.1-70b@h20", "8"), "--trace: " + str(empty) + ": the trace has no sessions"),
+        ((str(bad), "llama3.1-70b@h20", "8"), "line 2: invalid JSON"),
+        ((str(neg), "llama3.1-70b@h20", "8"), "field 'rounds[0].input': must be an integer >= 1, got -5"),
+        ((str(good), str(no_tp), "8"), "--profile: " + str(no_tp) + ": field 'tp': expected a non-empty object"),
+        ((str(good), str(tp8), "4"), "--gpus: 4 GPUs cannot hold one replica of llama3.1-70b@h20: the smallest "
+                                     "replica that holds the model needs 8 GPUs"),
+        ((str(good), "llama3.1-70b@h20", "0"), "--gpus: must be an integer >= 1, got 0"),
+    ]
+    for (trace, profile, gpus), want in cases:
+        r = run("plan", "--trace", trace, "--profile", profile, "--gpus", gpus)
+        assert r.returncode == 2, (want, r.stdout, r.stderr)
+        lines = [x for x in r.stderr.splitlines() if x.startswith("ampd plan: error:")]
+        assert len(lines) == 1 and want in lines[0], (want, r.stderr)
+        assert "Traceback" not in r.stderr

@@ -1,4 +1,5 @@
-"""Planner core: the SCIP ILP against brute-force enumeration, the search space and its errors."""
+"""Planner core: the SCIP ILP against brute-force enumeration (the oracle), the closed-form estimates
+under the policy that will run, the search space and its errors."""
 from __future__ import annotations
 
 import math
@@ -10,17 +11,21 @@ from ampd.bench.report import SLO
 from ampd.perf import load_profile
 from ampd.planner import (Deployment, EstimateCache, Estimates, PlanError, PlanRequest, brute_force_top,
                           build_estimates, capacities, feasible_degrees, plan, solve_top, surrogate)
-from ampd.planner.estimates import LEVELS, OVERLOAD, sample_sessions, saturated
-from ampd.planner.ilp import ENUMERATE_MAX, best_deployments, space_size
-from ampd.planner.objective import enumerate_deployments
-from ampd.planner.plan import balanced_splits, family_candidates
+from ampd.planner.estimates import LEVELS, OVERLOAD, POOLS, SPILLS, sample_sessions, saturated
+from ampd.planner.ilp import best_deployments, space_size
+from ampd.planner.objective import enumerate_deployments, evaluate
+from ampd.planner.plan import family_candidates
 from ampd.workload import generate
 
 PROFILES = ["llama3.1-70b@h20", "qwen3-32b@h20", "mixtral-8x7b@h20"]
 
 
-def _random_estimates(profile, degrees, rate, seed) -> Estimates:
-    """Real capacity weights of the profile on a toolbench mix, random monotone tau per level."""
+SPILL3 = (0.0, 0.1, 0.3)
+
+
+def _random_estimates(profile, degrees, rate, seed, spills=SPILL3, pools=POOLS) -> Estimates:
+    """Real capacity weights of the profile on a toolbench mix, random monotone tau per level (for
+    decode replicas rising with the local-prefill share, for prefill replicas falling with the pool)."""
     rng = random.Random(seed)
     sample = sample_sessions(generate("toolbench", 1.0, 60.0, seed), 16)
     cap = capacities(profile, sample, degrees, 0.05)
@@ -32,8 +37,23 @@ def _random_estimates(profile, degrees, rate, seed) -> Estimates:
             for rho in LEVELS[:-1]:
                 cur += rng.uniform(0.0, 0.6) * rho
                 vals.append(round(cur, 4))
-            tau[kind][n] = tuple(vals) + (OVERLOAD,)
-    return Estimates(rate=rate, levels=LEVELS, capacity=cap, tau=tau)
+            vals.append(OVERLOAD)
+            if kind == "decode":
+                steps = [rng.uniform(0.0, 0.8) * j for j in range(len(spills))]
+                vals = [tuple(round(v + d, 4) if v < OVERLOAD else OVERLOAD for d in steps) for v in vals]
+            if kind == "prefill":
+                cuts = [1.0]
+                for _ in pools[1:]:  # a larger pool never waits longer
+                    cuts.append(cuts[-1] * rng.uniform(0.8, 1.0))
+                vals = [tuple(round(v * f, 4) if v < OVERLOAD else OVERLOAD for f in cuts) for v in vals]
+            tau[kind][n] = tuple(vals)
+    return Estimates(rate=rate, levels=LEVELS, capacity=cap, tau=tau, spills=spills, pools=pools)
+
+
+def _flat(kind, value):
+    """A decode tau entry is a tuple over the spill shares, a prefill one over the pools; the
+    co-located ones are numbers."""
+    return (value,) if kind in ("decode", "prefill") else value
 
 
 CASES = [(prof, gpus, seed) for prof in PROFILES for gpus, seed in ((2, 1), (4, 2), (6, 3), (8, 4), (12, 5), (16, 6))]
@@ -60,41 +80,63 @@ def test_ilp_optimum_equals_brute_force(prof, gpus, seed):
 
 
 @pytest.mark.parametrize("prof,gpus,seed", [c for c in CASES if c[1] >= 4])
-def test_candidates_hold_the_best_of_each_family(prof, gpus, seed):
-    """Whatever the joint top k holds, the simulator also checks the k best co-located deployments and
-    the k best disaggregated ones (each equal to brute force over its family alone): every deployment
-    a baseline's plan (one family) would check."""
+def test_finalists_hold_the_joint_best_and_each_familys_best(prof, gpus, seed):
+    """The finalists are the ILP's k best over the whole space plus each family's best: the
+    deployment a baseline's plan (one family) ranks first is always simulated too."""
     profile = load_profile(prof)
     degrees = feasible_degrees(profile, gpus, 1000)
     if gpus < 2 * min(degrees):
         return
     est = _random_estimates(profile, degrees, gpus * 0.05 * (1 + seed % 3), seed)
     # make co-location look bad to the surrogate, so the joint top 2 is all disaggregated
-    est.tau["colocated"] = {n: tuple(t + 5.0 for t in v) for n, v in est.tau["colocated"].items()}
+    est.tau["colocated"].update({n: tuple(t + 5.0 for t in v) for n, v in est.tau["colocated"].items()})
+    log: list = []
     cands = family_candidates(est, gpus, degrees, 2, disaggregated=True, colocated=True, mixed=True,
-                              all_gpus=False)
+                              all_gpus=False, log=log)
     assert [v for v, _ in cands[:2]] == pytest.approx([v for v, _ in brute_force_top(est, gpus, degrees, 2)], abs=1e-6)
     assert len({d for _, d in cands}) == len(cands)
+    assert any(d.colocated for _, d in cands) and any(not d.colocated for _, d in cands)
     for fam in ({"disaggregated": True, "colocated": False}, {"disaggregated": False, "colocated": True}):
-        want = sorted(v for v, _ in brute_force_top(est, gpus, degrees, 2, **fam))
-        got = sorted(v for v, d in cands if d.colocated == fam["colocated"])[:len(want)]
-        assert got == pytest.approx(want, abs=1e-6), (fam, cands)
-        # and the family's own plan checks nothing AMPD's does not
-        assert {d for _, d in best_deployments(est, gpus, degrees, 2, **fam)} <= {d for _, d in cands}
+        best = brute_force_top(est, gpus, degrees, 1, **fam)[0][0]
+        assert min(v for v, d in cands if d.colocated == fam["colocated"]) == pytest.approx(best, abs=1e-6)
+    assert log and all(x["status"] in ("optimal", "infeasible") for x in log)  # every candidate from a SCIP solve
 
 
-def test_ilp_on_simulated_estimates_equals_brute_force():
+@pytest.mark.parametrize("policy", ["ampd", "remote"])
+def test_ilp_on_closed_form_estimates_equals_brute_force(policy):
     profile = load_profile("qwen3-32b@h20")
     sessions = generate("toolbench", 1.5, 120.0, 3)
     slo = SLO(ttft_s=1.5, itl_s=0.05)
     degrees = feasible_degrees(profile, 8, max(s.context_tokens for s in sessions))
-    est = build_estimates(profile, sessions, degrees, slo, sample_size=16)
+    est = build_estimates(profile, sessions, degrees, slo, policy=policy)
     got = solve_top(est, 8, degrees, 4)
     want = brute_force_top(est, 8, degrees, 4)
     assert [v for v, _ in got] == pytest.approx([v for v, _ in want], abs=1e-6)
     for kind, by_n in est.tau.items():  # tau never falls as the load rises
         for vals in by_n.values():
-            assert all(b >= a for a, b in zip(vals, vals[1:]))
+            cols = list(zip(*vals)) if kind in ("decode", "prefill") else [vals]
+            for col in cols:
+                assert all(b >= a for a, b in zip(col, col[1:]))
+
+
+def test_tau_is_estimated_under_the_policy_that_will_run():
+    """AMPD's estimates let a decode replica take local prefills (the prefill workers then carry
+    less); remote's do not. Under AMPD an under-provisioned prefill phase is relieved, so the ILP's
+    estimate of a prefill-starved split is lower than remote's, and the chosen plan's estimate is
+    what its check finds (not several times the SLO)."""
+    profile = load_profile("llama3.1-70b@h20")
+    sessions = generate("toolbench", 0.8, 300.0, 3)
+    slo = SLO(ttft_s=2.0, itl_s=0.055)
+    degrees = (2, 4, 8)
+    ampd = build_estimates(profile, sessions, degrees, slo, policy="ampd")
+    remote = build_estimates(profile, sessions, degrees, slo, policy="remote")
+    assert ampd.spills == SPILLS and remote.spills == (0.0,)
+    starved = Deployment.of({2: 1}, {4: 1, 2: 1})
+    assert evaluate(starved, ampd, 8)[0] < evaluate(starved, remote, 8)[0]
+    assert evaluate(starved, ampd, 8)[3] > 0  # it counts on local prefills
+    res = plan(PlanRequest(profile, sessions, 8, slo, top=1))
+    assert res.estimates.spills == SPILLS and res.top[0].slo_attainment > 0.9
+    assert res.top[0].objective < 2.0
 
 
 def test_past_saturation_the_surrogate_still_ranks_by_load():
@@ -104,8 +146,8 @@ def test_past_saturation_the_surrogate_still_ranks_by_load():
     degrees = (4, 8)
     sample = sample_sessions(generate("toolbench", 1.0, 60.0, 1), 16)
     cap = capacities(profile, sample, degrees, 0.05)
-    tau = {kind: {n: tuple(saturated(r) if math.isfinite(r) else OVERLOAD for r in LEVELS) for n in degrees}
-           for kind in cap}
+    tau = {kind: {n: tuple(_flat(kind, saturated(r) if math.isfinite(r) else OVERLOAD) for r in LEVELS)
+                  for n in degrees} for kind in cap}
     gpus = 16
     space = list(enumerate_deployments(gpus, degrees, colocated=False, mixed=False, all_gpus=True))
 
@@ -136,23 +178,6 @@ def test_outcome_is_the_reports_attainment():
     att, ttft, itl, done = outcome(res, slo)
     assert att == pytest.approx(sim_report(res, slo, extras=False)["slo_attainment"], abs=1e-12)
     assert 0.0 < att < 1.0 and ttft > 0 and itl > 0 and done > 0
-
-
-def test_balanced_splits_are_candidates():
-    assert [str(d) for d in balanced_splits(16, (2, 4, 8))] == [
-        "prefill tp2*4 decode tp2*4", "prefill tp4*2 decode tp4*2", "prefill tp8*1 decode tp8*1"]
-    assert balanced_splits(12, (2, 4, 8)) == [Deployment.of({2: 3}, {2: 3})]  # 6 GPUs: tp4, tp8 do not divide
-    assert balanced_splits(7, (1,)) == [] and balanced_splits(1, (1,)) == []
-    profile = load_profile("llama3.1-70b@h20")
-    degrees = feasible_degrees(profile, 16, 1000)
-    est = _random_estimates(profile, degrees, 0.8, 3)
-    for space in ({}, {"mixed": False, "all_gpus": True}):
-        cands = family_candidates(est, 16, degrees, 2, disaggregated=True, colocated=not space, mixed=not space,
-                                  all_gpus=bool(space))
-        assert set(balanced_splits(16, degrees)) <= {d for _, d in cands}
-        assert len({d for _, d in cands}) == len(cands)
-    cands = family_candidates(est, 16, degrees, 2, disaggregated=False, colocated=True, mixed=True, all_gpus=False)
-    assert all(d.colocated for _, d in cands)
 
 
 def test_enumeration_respects_phases_and_budget():
@@ -206,8 +231,8 @@ def test_plan_checks_and_ranks_candidates_by_simulation():
     cache = EstimateCache()
     req = PlanRequest(prof, sessions, 4, SLO(1.5, 0.05), top=2, candidates=3, sample_sessions=16)
     res = plan(req, cache=cache)
-    # the 3 best of each family, plus the balanced splits P<1,2> D<1,2> and P<2,1> D<2,1>
-    assert 3 <= res.candidates <= 11 and len(res.top) == 2
+    # the 3 best over the space, plus each family's best if they lack it
+    assert 3 <= res.candidates + res.skipped <= 5 and len(res.top) == 2
     atts = [e.slo_attainment for e in res.top]
     assert atts == sorted(atts, reverse=True)
     for e in res.top:
@@ -215,10 +240,14 @@ def test_plan_checks_and_ranks_candidates_by_simulation():
     out = res.to_json(1.25)
     assert out["gpus"] == 4 and out["seconds"] == 1.25
     assert set(out["top"][0]) >= {"prefill", "decode", "p95_s", "slo_attainment"}
+    assert out["solver"] == "scip" and out["solver_calls"] == len(out["solves"]) >= 2  # one per family at least
+    assert all(x["status"] in ("optimal", "infeasible") and x["seconds"] >= 0 for x in out["solves"])
+    assert out["timings"]["simulations"] == res.candidates and out["timings"]["simulations_s"] > 0
     n = len(cache)
-    assert n > 0 and cache.misses == n
-    plan(req, cache=cache)  # same workload again: every estimate comes from the cache
-    assert len(cache) == n and cache.hits >= n
+    assert n == res.candidates and cache.misses == n
+    again = plan(req, cache=cache)  # the same trace again: every check comes from the cache
+    assert len(cache) == n and cache.hits == n and again.simulations == 0
+    assert [(e.deployment, e.slo_attainment) for e in again.top] == [(e.deployment, e.slo_attainment) for e in res.top]
 
 
 def test_space_size_counts_the_enumeration():
@@ -231,33 +260,36 @@ def test_space_size_counts_the_enumeration():
                 assert space_size(gpus, degs, **space) == want, (gpus, degs, space)
 
 
-@pytest.mark.parametrize("gpus", [8, 16])
-def test_best_deployments_enumerates_small_spaces_and_solves_large_ones(gpus):
-    """Below ENUMERATE_MAX the enumeration, above it SCIP: the same k best objective values either way."""
+@pytest.mark.parametrize("gpus", [4, 8, 16])
+def test_scip_solves_every_size(gpus):
+    """Small spaces too: every candidate comes from a SCIP solve (one per deployment found, each
+    logged with its status), equal to the enumeration oracle."""
     profile = load_profile("qwen3-32b@h20")
-    degrees = feasible_degrees(profile, gpus, 1000)   # 1, 2, 4, 8: 169 and 3,389 disaggregated deployments
+    degrees = feasible_degrees(profile, gpus, 1000)
     est = _random_estimates(profile, degrees, gpus * 0.1, gpus)
     fam = {"disaggregated": True, "colocated": False}
-    assert (space_size(gpus, degrees, **fam) <= ENUMERATE_MAX) == (gpus == 8)
-    got = best_deployments(est, gpus, degrees, 4, **fam)
-    want = solve_top(est, gpus, degrees, 4, **fam)
+    log: list = []
+    got = best_deployments(est, gpus, degrees, 4, log=log, **fam)
+    want = brute_force_top(est, gpus, degrees, 4, **fam)
     assert [v for v, _ in got] == pytest.approx([v for v, _ in want], abs=1e-6)
+    assert [x["status"] for x in log[:len(got)]] == ["optimal"] * len(got)
+    assert all(x["family"] == "disaggregated" and x["seconds"] > 0 for x in log)
 
 
 def test_enumeration_breaks_ties_by_the_worst_utilisation():
-    """Past saturation a whole level shares one tau, so many deployments tie; the enumeration puts the
-    one whose bottleneck carries the least excess load first."""
+    """Past saturation a whole level shares one tau, so many deployments tie; the oracle's enumeration
+    puts the one whose bottleneck carries the least excess load first."""
     from ampd.planner.objective import worst_utilisation
 
     profile = load_profile("llama3.1-70b@h20")
     degrees = (2, 4, 8)
     sample = sample_sessions(generate("toolbench", 1.0, 60.0, 1), 16)
     cap = capacities(profile, sample, degrees, 0.05)
-    tau = {kind: {n: tuple(saturated(r) if math.isfinite(r) else OVERLOAD for r in LEVELS) for n in degrees}
-           for kind in cap}
+    tau = {kind: {n: tuple(_flat(kind, saturated(r) if math.isfinite(r) else OVERLOAD) for r in LEVELS)
+                  for n in degrees} for kind in cap}
     rate = 1.3 * 16 * max(cap["colocated"][n] / n for n in degrees)  # every 16-GPU deployment at level 1.5
     est = Estimates(rate=rate, levels=LEVELS, capacity=cap, tau=tau)
-    top = best_deployments(est, 16, degrees, 6, disaggregated=False, all_gpus=True)
+    top = brute_force_top(est, 16, degrees, 6, disaggregated=False, all_gpus=True)
     assert len({round(v, 9) for v, _ in top}) == 1  # all tied on the objective
     utils = [worst_utilisation(d, est) for _, d in top]
     assert utils == sorted(utils)
@@ -289,29 +321,10 @@ def test_skipping_keeps_the_plan():
     from dataclasses import replace
 
     prof = load_profile("llama3.1-70b@h20")
-    sessions = generate("dureader", 0.25, 120.0, 3)
-    req = PlanRequest(prof, sessions, 8, SLO(5.0, 0.05), top=3, candidates=6, sample_sessions=16)
+    sessions = generate("dureader", 0.6, 120.0, 3)
+    req = PlanRequest(prof, sessions, 8, SLO(5.0, 0.05), top=3, candidates=10)
     cache = EstimateCache()
     a = plan(req, cache=cache)
     b = plan(replace(req, skip_dominated=False), cache=cache)
     assert a.skipped > 0 and b.skipped == 0 and a.candidates + a.skipped == b.candidates
     assert [(e.deployment, e.slo_attainment) for e in a.top] == [(e.deployment, e.slo_attainment) for e in b.top]
-
-
-def test_a_larger_space_also_checks_the_best_of_table2s_form():
-    """A mixed-degree search holds the ``form_k`` best single-degree all-GPU splits (what a
-    Table-2-form plan ranks first), so the surrogate's ties among lopsided mixed splits cannot
-    crowd them out."""
-    profile = load_profile("qwen3-32b@h20")
-    degrees = feasible_degrees(profile, 16, 1000)
-    est = _random_estimates(profile, degrees, 1.2, 5)
-    form = best_deployments(est, 16, degrees, 3, colocated=False, mixed=False, all_gpus=True)
-    cands = family_candidates(est, 16, degrees, 2, disaggregated=True, colocated=True, mixed=True, all_gpus=False,
-                              form_k=3)
-    assert {d for _, d in form} <= {d for _, d in cands}
-    assert len({d for _, d in cands}) == len(cands)
-    # the form's own search adds nothing to itself
-    same = family_candidates(est, 16, degrees, 2, disaggregated=True, colocated=False, mixed=False, all_gpus=True,
-                             form_k=3)
-    assert same == family_candidates(est, 16, degrees, 2, disaggregated=True, colocated=False, mixed=False,
-                                     all_gpus=True)

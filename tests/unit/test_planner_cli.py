@@ -16,10 +16,16 @@ def test_plan_json_keys(tmp_path, capsys):
             "--estimates-cache", str(tmp_path / "est.json")]
     assert main(args) == 0
     doc = json.loads(out.read_text())
-    assert doc["estimates"]["simulated"] > 0 and doc["estimates"]["cached"] == 0
-    assert main(args[:-4] + ["--gpus", "6", "--json", str(out), "--estimates-cache", str(tmp_path / "est.json")]) == 0
+    assert doc["solver"] == "scip" and doc["solver_calls"] == len(doc["solves"]) >= 2  # one per family at least
+    for s in doc["solves"]:
+        assert set(s) == {"family", "status", "seconds", "nodes"} and s["status"] in ("optimal", "infeasible")
+    t = doc["timings"]
+    assert set(t) >= {"estimates_s", "solve_s", "simulations_s", "simulations"}
+    assert t["simulations"] == doc["candidates_checked"] and t["cached_simulations"] == 0
+    assert main(args) == 0
     again = json.loads(out.read_text())
-    assert again["estimates"]["simulated"] == 0 and again["estimates"]["cached"] > 0  # another N: all cached
+    assert again["timings"]["simulations"] == 0 and again["timings"]["cached_simulations"] > 0  # the same trace
+    assert [(e["prefill"], e["decode"]) for e in again["top"]] == [(e["prefill"], e["decode"]) for e in doc["top"]]
     assert main(args) == 0
     doc = json.loads(out.read_text())
     assert doc["gpus"] == 4 and doc["seconds"] > 0 and len(doc["top"]) == 2
@@ -42,3 +48,14 @@ def test_plan_errors_name_the_flag(tmp_path, capsys):
     assert main(["plan", "--profile", "llama3.1-70b@h20", "--trace", str(trace), "--gpus", "8",
                  "--itl-slo", "0"]) == 2
     assert "--itl-slo: must be a number > 0" in capsys.readouterr().err
+    assert main(["plan", "--profile", "llama3.1-70b@h20", "--trace", str(trace), "--gpus", "8",
+                 "--check-sessions", "-1"]) == 2
+    assert "--check-sessions: must be an integer >= 0 (0: the whole trace), got -1" in capsys.readouterr().err
+
+
+def test_an_unreachable_slo_is_said_in_one_line(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    dump_trace(generate("toolbench", 1.0, 10.0, 4)[:5], trace)
+    assert main(["plan", "--profile", "llama3.1-70b@h20", "--trace", str(trace), "--gpus", "8",
+                 "--ttft-slo", "0.001", "--itl-slo", "0.0001"]) == 0
+    assert "note: no session meets the SLO on any deployment checked (--ttft-slo 0.001 s" in capsys.readouterr().out
