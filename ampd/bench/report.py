@@ -14,7 +14,7 @@ from ampd.slo import SLO
 
 __all__ = ["SLO", "RoundRecord", "SessionRecord", "SessionVerdict", "judge_session",
            "build_report", "format_report", "latency_summary", "weighted_latency_summary",
-           "REPORT_KEYS", "EPS_S"]
+           "REPORT_KEYS", "EPS_S", "assemble_report"]
 
 # Comparisons with a threshold allow this much float noise (far below any meaningful latency).
 EPS_S = 1e-9
@@ -245,6 +245,18 @@ def build_report(policy: str, sessions: Sequence[SessionRecord], slo: SLO, durat
                                                    np.concatenate([np.ones(itl.size), compact_wts]))
         else:
             itl_summary = latency_summary(itl)
+    return assemble_report(policy, slo, duration_s, n=n, completed=completed, attained=attained,
+                           ttft_ok=ttft_ok, itl_ok=itl_ok, local=local, remote=remote, ttft_all=ttft_all,
+                           ttft_init=ttft_init, ttft_incr=ttft_incr, itl_summary=itl_summary, e2e=e2e,
+                           rounds_total=rounds_total, rounds_done=rounds_done, tokens=tokens, errors=errors)
+
+
+def assemble_report(policy: str, slo: SLO, duration_s: float, *, n: int, completed: int, attained: int,
+                    ttft_ok: int, itl_ok: int, local: int, remote: int, ttft_all, ttft_init, ttft_incr,
+                    itl_summary: dict, e2e, rounds_total: int, rounds_done: int, tokens: int,
+                    errors: Counter) -> dict:
+    """The report dict from the counts and samples ``build_report`` gathers (the simulator's
+    ``compact_report`` gathers them without records and calls this too)."""
     placed = local + remote
     return {
         "policy": policy,

@@ -91,14 +91,14 @@ def compact_report(res: SimResult, slo, duration: float) -> dict:
     """``build_report(res.policy, to_compact_session_records(res), slo, duration,
     itl_samples=res.itl_samples())`` without building a record per round: one pass over the
     rounds into flat lists, then numpy. The same numbers (same samples in the same order, the same
-    SLO rule, ``judge_session``'s, written out for compact rounds); tests/unit/test_sim_report_compact.py
-    compares the two. Measured: the 100k-session GAIA report went from 14.5 to XX CPU s
-    (benchmarks/results/sim_speed.json)."""
+    SLO rule, ``judge_session``'s, written out for compact rounds); a test in tests/unit/test_sim.py
+    compares the two. Measured: the 100k-session GAIA report went from 14.5 CPU s (on a loaded box)
+    to 8.3 (benchmarks/results/sim_speed.json)."""
     from collections import Counter
 
     import numpy as np  # imported here: a planner run does not pay for it
 
-    from ampd.bench.report import EPS_S, latency_summary, weighted_latency_summary
+    from ampd.bench.report import EPS_S, assemble_report, weighted_latency_summary
 
     ttft_lim = slo.ttft_s + EPS_S
     itl_lim = slo.itl_s + EPS_S
@@ -154,30 +154,8 @@ def compact_report(res: SimResult, slo, duration: float) -> dict:
     rounds_done = len(ttft_all)
     ttft = np.asarray(ttft_all, dtype=float)
     init = np.asarray(is_init, dtype=bool)
-    placed = local + remote
-    return {
-        "policy": res.policy,
-        "sessions": n,
-        "completed": completed,
-        "failed": n - completed,
-        "slo_attainment": attained / n if n else 0.0,
-        "goodput_rps": attained / duration,
-        "local_fraction": local / placed if placed else None,
-        "ttft_s": latency_summary(ttft),
-        "ttft_initial_s": latency_summary(ttft[init]),
-        "ttft_incremental_s": latency_summary(ttft[~init]),
-        "itl_s": weighted_latency_summary(*res.itl_samples()),
-        "e2e_s": latency_summary(e2e),
-        "slo": {"ttft_s": slo.ttft_s, "itl_s": slo.itl_s},
-        "duration_s": float(duration),
-        "attained": attained,
-        "ttft_attainment": ttft_ok_n / n if n else 0.0,
-        "itl_attainment": itl_ok_n / n if n else 0.0,
-        "rounds": rounds_total,
-        "rounds_with_first_token": rounds_done,
-        "local_prefills": local,
-        "remote_prefills": remote,
-        "output_tokens": tokens,
-        "output_tokens_per_s": tokens / duration,
-        "errors": dict(errors.most_common(10)),
-    }
+    return assemble_report(res.policy, slo, duration, n=n, completed=completed, attained=attained,
+                           ttft_ok=ttft_ok_n, itl_ok=itl_ok_n, local=local, remote=remote, ttft_all=ttft,
+                           ttft_init=ttft[init], ttft_incr=ttft[~init],
+                           itl_summary=weighted_latency_summary(*res.itl_samples()), e2e=e2e,
+                           rounds_total=rounds_total, rounds_done=rounds_done, tokens=tokens, errors=errors)
