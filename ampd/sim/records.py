@@ -16,7 +16,7 @@ from .gcpause import gc_paused
 from .result import SimResult
 
 __all__ = ["to_session_records", "to_compact_session_records", "sim_report", "total_tokens",
-           "DEFAULT_MAX_FULL_TOKENS"]
+           "DEFAULT_MAX_FULL_TOKENS", "compact_report"]
 
 DEFAULT_MAX_FULL_TOKENS = 3_000_000
 
@@ -78,11 +78,84 @@ def _sim_report(res: SimResult, slo, max_full_tokens: int, extras: bool) -> dict
         report = build_report(res.policy, to_session_records(res), slo, duration)
         path = "full"
     else:
-        report = build_report(res.policy, to_compact_session_records(res), slo, duration,
-                              itl_samples=res.itl_samples())
+        report = compact_report(res, slo, duration)
         path = "compact"
     if extras:
         st = dict(res.stats)
         st["report_path"] = path
         report["simulation"] = st
     return report
+
+
+def compact_report(res: SimResult, slo, duration: float) -> dict:
+    """``build_report(res.policy, to_compact_session_records(res), slo, duration,
+    itl_samples=res.itl_samples())`` without building a record per round: one pass over the
+    rounds into flat lists, then numpy. The same numbers (same samples in the same order, the same
+    SLO rule, ``judge_session``'s, written out for compact rounds); a test in tests/unit/test_sim.py
+    compares the two. Measured: the 100k-session GAIA report went from 14.5 CPU s (on a loaded box)
+    to 8.3 (benchmarks/results/sim_speed.json)."""
+    from collections import Counter
+
+    import numpy as np  # imported here: a planner run does not pay for it
+
+    from ampd.bench.report import EPS_S, assemble_report, weighted_latency_summary
+
+    ttft_lim = slo.ttft_s + EPS_S
+    itl_lim = slo.itl_s + EPS_S
+    ttft_all: list[float] = []
+    is_init: list[bool] = []
+    e2e: list[float] = []
+    errors: Counter[str] = Counter()
+    n = len(res.sessions)
+    completed = attained = ttft_ok_n = itl_ok_n = 0
+    local = remote = rounds_total = rounds_done = tokens = 0
+    add_t = ttft_all.append
+    add_i = is_init.append
+    for s in res.sessions:
+        rounds = s.rounds
+        ttft_ok = bool(rounds)
+        span = 0.0
+        gaps = 0
+        for r in rounds:
+            loc = r.local
+            if loc is True:
+                local += 1
+            elif loc is False:
+                remote += 1
+            ft = r.first_token
+            nt = r.n_tokens
+            if ft is None:
+                ttft_ok = False
+            else:
+                t = ft - r.input_ready
+                if t > ttft_lim:
+                    ttft_ok = False
+                add_t(t)
+                add_i(r.round == 0)
+            if nt:
+                tokens += nt
+                if nt > 1:
+                    span += r.last_token - ft
+                    gaps += nt - 1
+        rounds_total += len(rounds)
+        itl_ok = not gaps or span / gaps <= itl_lim
+        ttft_ok_n += ttft_ok
+        itl_ok_n += itl_ok
+        if s.completed:
+            completed += 1
+            attained += ttft_ok and itl_ok
+            if rounds:
+                last = rounds[-1]
+                end = last.last_token if last.last_token is not None else last.first_token
+                if end is not None:
+                    e2e.append(end - s.arrival)
+        else:
+            errors[s.error or _UNFINISHED] += 1
+    rounds_done = len(ttft_all)
+    ttft = np.asarray(ttft_all, dtype=float)
+    init = np.asarray(is_init, dtype=bool)
+    return assemble_report(res.policy, slo, duration, n=n, completed=completed, attained=attained,
+                           ttft_ok=ttft_ok_n, itl_ok=itl_ok_n, local=local, remote=remote, ttft_all=ttft,
+                           ttft_init=ttft[init], ttft_incr=ttft[~init],
+                           itl_summary=weighted_latency_summary(*res.itl_samples()), e2e=e2e,
+                           rounds_total=rounds_total, rounds_done=rounds_done, tokens=tokens, errors=errors)

@@ -145,6 +145,24 @@ def test_compact_report_matches_full_report():
             assert compact[k] == v, k
 
 
+@pytest.mark.parametrize("rate,ttft,itl", [(2.0, 1.0, 0.03), (40.0, 0.2, 0.01)])
+def test_compact_report_is_the_record_path_exactly(rate, ttft, itl):
+    """``compact_report`` (one pass, no records) gives exactly what ``build_report`` gives on the
+    compact records, including unfinished sessions and failing SLOs (the second case overloads)."""
+    from ampd.bench.report import SLO, build_report
+    from ampd.sim.records import compact_report, to_compact_session_records
+
+    sessions = workload.generate("hotpotqa", rate, 20, 1)
+    r = _run(sessions, policy="ampd", prefill="tp1*1", decode="tp1*1", ttft_slo_s=ttft, itl_slo_s=itl)
+    r.sessions[0].completed = False  # an incomplete session: counted in errors, no e2e sample
+    r.sessions[0].error = ""
+    slo = SLO(ttft, itl)
+    want = build_report(r.policy, to_compact_session_records(r), slo, r.duration_s, itl_samples=r.itl_samples())
+    got = compact_report(r, slo, r.duration_s)
+    assert got == want
+    assert got["attained"] < got["sessions"] and got["errors"]
+
+
 def test_colocated_has_no_prefill_workers():
     sessions = workload.generate("toolbench", 2.0, 10, 2)
     r = _run(sessions, policy="colocated", prefill="none", decode="tp1*2")
