@@ -27,6 +27,7 @@ import torch
 
 from ampd.engine.base import DecodeSeq, Sampling
 from ampd.engine.sampling import next_tokens
+from ampd.engine.torch_fast import Resident, decode_forward, supports
 from ampd.engine.torch_kv import PoolCache, attention_mask
 from ampd.kv import KVPool, Segment, segments_tokens
 from ampd.kv.layout import KVShape, pool_rows, token_rows
@@ -57,6 +58,7 @@ class TorchEngine:
     """Engine protocol over one loaded model. `tp` is always 1 (one CPU process)."""
 
     name = "torch"
+    keeps_round_kv = True  # a decoding round's resident KV (torch_fast); the worker calls forget
 
     def __init__(self, model: Any, *, tp: int = 1) -> None:
         if tp != 1:
@@ -70,6 +72,9 @@ class TorchEngine:
         self.eos_token_ids = eos_ids_of(model)
         self._views: weakref.WeakKeyDictionary[KVPool, torch.Tensor] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
+        # Llama-family models decode through ampd.engine.torch_fast, over per-session resident KV
+        self.fast = supports(model)
+        self._resident: weakref.WeakKeyDictionary[KVPool, dict[str, Resident]] = weakref.WeakKeyDictionary()
 
     @classmethod
     def from_pretrained(cls, path: str, **kw: Any) -> "TorchEngine":
@@ -142,10 +147,18 @@ class TorchEngine:
         logits = self._forward(ids[None], positions, mask, cache)
         return next_tokens(logits, [sampling], [l_hist + l_incr])[0]
 
+    def forget(self, session_id: str) -> None:
+        """Drops the session's resident KV (the decode worker calls it when a round ends): the next
+        round's first step reads its KV from the pool again, where a prefill may have written."""
+        for sessions in list(self._resident.values()):
+            sessions.pop(session_id, None)
+
     def decode_sync(self, pool: KVPool, seqs: Sequence[DecodeSeq]) -> list[int]:
         """One step for the batch: KV of each sequence's `position` into its kv_segments."""
         if not seqs:
             return []
+        if self.fast:
+            return self._decode_fast(pool, seqs)
         bt = pool.block_tokens
         ctx = [s.position + 1 for s in seqs]
         keys = max(ctx)
@@ -164,6 +177,27 @@ class TorchEngine:
         mask = attention_mask(positions, torch.tensor(ctx), keys)
         cache = PoolCache(self._rows(pool), torch.from_numpy(write), torch.from_numpy(read))
         logits = self._forward(ids, positions, mask, cache)
+        return next_tokens(logits, [s.sampling for s in seqs], [s.position + 1 for s in seqs])
+
+    def _decode_fast(self, pool: KVPool, seqs: Sequence[DecodeSeq]) -> list[int]:
+        bt = pool.block_tokens
+        rows = self._rows(pool)
+        kept = self._resident.setdefault(pool, {})
+        res, write = [], np.empty(len(seqs), dtype=np.int64)
+        for i, s in enumerate(seqs):
+            self._check_cover(s.history_kv, s.position, f"seqs[{i}].history_kv")
+            self._check_cover(s.kv_segments, 1, f"seqs[{i}].kv_segments")
+            self.check_context(s.position + 1, f"seqs[{i}].context")
+            hist = token_rows(s.history_kv, bt)
+            r = kept.get(s.session_id)
+            if r is None or not r.matches(hist):  # a new round, or rows that moved: read the pool
+                r = kept[s.session_id] = Resident.from_pool(rows, hist, 1)
+            res.append(r)
+            write[i] = token_rows(s.kv_segments, bt)[0]
+        ids = self.check_tokens([s.last_token for s in seqs], "last_token")[:, None]
+        positions = torch.tensor([[s.position] for s in seqs])
+        with self._lock, torch.inference_mode():
+            logits = decode_forward(self.model, ids, positions, res, rows, write)
         return next_tokens(logits, [s.sampling for s in seqs], [s.position + 1 for s in seqs])
 
     def _forward(self, ids, positions, mask, cache) -> torch.Tensor:
