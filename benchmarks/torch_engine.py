@@ -235,6 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-tokens", type=int, default=1024, help="history tokens moved over NIXL")
     ap.add_argument("--kv-reps", type=int, default=20, help="repetitions of the KV transfer")
     ap.add_argument("--out", default=str(OUT))
+    argv = list(argv or [])  # `make bench` (benchmarks.run) calls main() with none
     args = ap.parse_args(argv)
     if args.new < 2 or args.prompt < 1 or args.batch < 2 or args.reps < 1:
         ap.error("--new must be >= 2, --batch >= 2, --prompt and --reps >= 1")
@@ -249,7 +250,7 @@ def main(argv: list[str] | None = None) -> None:
     res["bandwidth"] = bandwidth(model, res["batch1"]["ampd_decode_tok_s"])
     kv = asyncio.run(_kv_transfer(TorchEngine(model), args.kv_tokens, args.kv_reps))
     result = {
-        "command": " ".join(["python -m benchmarks.torch_engine", *(sys.argv[1:] if argv is None else argv)]),
+        "command": " ".join(["python -m benchmarks.torch_engine", *argv]),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
                    f"{torch.get_num_threads()} threads per process",
         "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
@@ -264,4 +265,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

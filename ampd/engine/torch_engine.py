@@ -3,14 +3,16 @@
 The pool holds every session's KV in the layout of `ampd.kv.layout` (token rows of
 `[layers][k, v][kv_heads][head_dim]` fp32), so a remote prefill worker reads the history blocks and
 writes the new blocks back over NIXL, and the engine on either side attends to exactly those bytes
-(`ampd.engine.torch_kv.PoolCache`). The engine keeps no per-session state: the worker's block maps
-say where each session's KV is.
+(`ampd.engine.torch_kv.PoolCache`). The worker's block maps say where each session's KV is.
 
 - prefill: one forward over the new tokens on top of the history gathered from the pool; the new
   KV lands in the segments the worker reserved; the next token per the request's `Sampling`.
-- decode_step: one forward for the whole batch, one new token per sequence; sequences of unequal
-  length are padded to the longest, with position ids and a mask per sequence (continuous batching:
-  the worker may change the batch between any two steps).
+- decode_step: one forward for the whole batch, one new token per sequence (continuous batching:
+  the worker may change the batch between any two steps). A Llama-family model decodes through
+  `ampd.engine.torch_fast`: each decoding session's KV is also kept resident in attention's layout
+  (read from the pool at the round's first step, appended to by each step, checked against its pool
+  rows, dropped by `forget` when the round ends), and each sequence attends to its own KV with no
+  padding. Other models pad the batch to the longest sequence, with position ids and a mask.
 
 Greedy by default; temperature / top-p / seed per sequence (`ampd.engine.sampling`). The compute runs in a worker thread (torch releases the GIL), one forward at a time.
 """
