@@ -1,21 +1,27 @@
-"""The torch engine against plain transformers `generate`, and its KV through NIXL against memcpy.
+"""The torch engine through a live deployment against plain transformers, and its KV through NIXL.
 
-    python -m benchmarks.torch_engine [--model smollm2-135m-instruct|tiny|FOLDER]
-                                      [--prompt 128] [--new 64] [--batches 1,4,8]
+    python -m benchmarks.torch_engine [--model smollm2-135m-instruct|FOLDER] [--prompt 300]
+                                      [--new 64] [--batch 8] [--reps 3]
 
-Decode throughput, same model object, same prompts, one run: for each batch size B, B sessions
-with distinct random prompts of `--prompt` tokens, `--new` greedy tokens each.
-- engine: each session is prefilled (one at a time, as a worker does), then all decode together in
-  one continuous batch through the async Engine protocol; tokens/s = B * new / wall time of it all.
-- generate: `model.generate` on each prompt one after the other (what one transformers process
-  serves without batching); tokens/s = B * new / the sum of the first B prompts' wall times (each
-  prompt is generated once, the batches share them).
-Both produce the same tokens (checked). Batching: a decode step of the largest batch as one padded
-forward against one forward per sequence. KV transfer: one session's history in the engine's block
-layout (16-token blocks, scattered), READ from one pool into another over NIXL (UCX, two agents in
-this process), against numpy copying the same number of bytes in one piece. Writes
-benchmarks/results/torch_engine.json with the command. Timings on a shared 2-core box are noisy:
-compare the ratios of one run.
+One run, same model folder, same torch threads (the default: one per core) in every process, same
+prompts (random token ids):
+- `generate`: in this process, `model.generate(use_cache=True)` greedy on each prompt; its decode
+  rate is (new - 1) / (time of `new` tokens - time of 1 token), and `forward` is one plain
+  `model(ids)` over the prompt (the TTFT reference).
+- AMPD: `ampd up --engine torch` (Redis, coordinator, one prefill and one decode worker, sidecar, the
+  OpenAI front) started from this process; each prompt is one streamed `/v1/completions` request
+  (token ids, `ignore_eos`), timed by this client: TTFT from sending to the first token, decode
+  rate (new - 1) / (last token - first token). Batch 1 and generate take turns, `--reps` times each,
+  so both see the same load; the medians are reported, every sample is kept.
+- batching: `--batch` sessions sent at once (prompts of `--batch-prompt` tokens); aggregate decode
+  tokens/s over the window in which all of them are decoding, against batch 1.
+- memory bandwidth: weight bytes read per decode step (every parameter once) divided by the
+  bandwidth of `np.copyto` of a 256 MiB buffer: the step no CPU of this memory can beat.
+- KV transfer: one session's history in the engine's block layout (16-token blocks, scattered), READ
+  from one pool into another over NIXL (UCX, two agents in this process), against numpy copying the
+  same number of bytes in one piece.
+Greedy tokens through AMPD are checked equal to `generate`'s. Writes benchmarks/results/torch_engine.json
+with the command and the load average (the 2-core box is shared: compare the ratios of one run).
 """
 
 from __future__ import annotations
@@ -26,10 +32,8 @@ import json
 import os
 import platform
 import random
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -38,143 +42,135 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from ampd.engine.base import DecodeSeq  # noqa: E402
 from ampd.engine.torch_engine import TorchEngine  # noqa: E402
 from ampd.engine.torch_models import (  # noqa: E402
     DEFAULT_MODEL,
     load_model,
     resolve_model,
-    save_tiny_llama,
 )
-from ampd.kv import KVPool, SessionKV  # noqa: E402
+from ampd.kv import SessionKV  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "torch_engine.json"
 
 
 def _load(name: str) -> tuple[object, dict]:
     t = time.perf_counter()
-    if name == "tiny":
-        path = save_tiny_llama(Path(tempfile.mkdtemp(prefix="ampd-tiny-")), vocab_size=32000,
-                               hidden_size=256, layers=4, heads=4, kv_heads=2, init_std=0.02)
-    else:
-        path = resolve_model(name)
+    path = resolve_model(name)
     prep_s = time.perf_counter() - t
     t = time.perf_counter()
     model = load_model(path)
-    if name == "tiny":  # weights are in memory now; the folder was only for the real loading path
-        shutil.rmtree(path, ignore_errors=True)
     info = {"model": name, "path": str(path), "prepare_s": round(prep_s, 2),
             "load_s": round(time.perf_counter() - t, 2),
             "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1)}
     return model, info
 
 
-def _generate(model, prompts: list[list[int]], new: int) -> tuple[list[float], list[list[int]]]:
-    """`generate` on each prompt in turn: the wall time of each and its tokens."""
-    times, outs = [], []
-    for p in prompts:
+def _generate(model, prompt: list[int], new: int) -> tuple[float, list[int]]:
+    t = time.perf_counter()
+    with torch.inference_mode():
+        o = model.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                           use_cache=True)
+    return time.perf_counter() - t, o[0, len(prompt):].tolist()
+
+
+def generate_sample(model, prompt: list[int], new: int) -> dict:
+    """`generate` of 1 and of `new` tokens, and one plain forward over the prompt."""
+    one_s, _ = _generate(model, prompt, 1)
+    all_s, tokens = _generate(model, prompt, new)
+    t = time.perf_counter()
+    with torch.inference_mode():
+        model(torch.tensor([prompt]))
+    fwd_s = time.perf_counter() - t
+    return {"forward_s": fwd_s, "first_s": one_s, "decode_tok_s": (new - 1) / max(all_s - one_s, 1e-9),
+            "tokens": tokens}
+
+
+async def _stream(http, model: str, prompt: list[int], new: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": new, "temperature": 0, "stream": True,
+            "ignore_eos": True, "return_token_ids": True}
+    ids: list[int] = []
+    times: list[float] = []
+    sent = time.perf_counter()
+    async with http.stream("POST", "/completions", json=body) as resp:
+        if resp.status_code != 200:
+            await resp.aread()
+            raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:300]}")
+        async for line in resp.aiter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(chunk["error"])
+                for c in chunk.get("choices", ()):
+                    new_ids = c.get("token_ids") or []
+                    ids.extend(new_ids)
+                    times.extend([time.perf_counter()] * len(new_ids))
+    return {"sent": sent, "times": times, "tokens": ids}
+
+
+def _rate(r: dict) -> float:
+    t = r["times"]
+    return (len(t) - 1) / max(t[-1] - t[0], 1e-9)
+
+
+async def live(url: str, model, name: str, args, rng) -> dict:
+    import httpx2
+
+    samples_gen, samples_ampd = [], []
+    same = True
+    async with httpx2.AsyncClient(base_url=url + "/v1", timeout=900) as http:
+        warm = rng.integers(10, model.config.vocab_size, 32).tolist()
+        await _stream(http, name, warm, 4)  # first use of each path in its process is slower
+        _generate(model, warm, 4)
+        for _ in range(args.reps):
+            prompt = rng.integers(10, model.config.vocab_size, args.prompt).tolist()
+            g = generate_sample(model, prompt, args.new)
+            r = await _stream(http, name, prompt, args.new)
+            same &= r["tokens"] == g.pop("tokens")
+            samples_gen.append(g)
+            samples_ampd.append({"ttft_s": r["times"][0] - r["sent"], "decode_tok_s": _rate(r)})
+            print(json.dumps({"generate": samples_gen[-1], "ampd": samples_ampd[-1]}), file=sys.stderr)
+        prompts = [rng.integers(10, model.config.vocab_size, args.batch_prompt).tolist() for _ in range(args.batch)]
+        runs = await asyncio.gather(*[_stream(http, name, p, args.new) for p in prompts])
+    all_in = max(r["times"][0] for r in runs)  # every session is decoding from here ...
+    first_out = min(r["times"][-1] for r in runs)  # ... to here
+    window = sum(sum(all_in < t <= first_out for t in r["times"]) for r in runs)
+    med = statistics.median
+    b1 = med(s["decode_tok_s"] for s in samples_ampd)
+    gen = med(s["decode_tok_s"] for s in samples_gen)
+    fwd = med(s["forward_s"] for s in samples_gen)
+    ttft = med(s["ttft_s"] for s in samples_ampd)
+    agg = window / max(first_out - all_in, 1e-9)
+    return {
+        "samples": {"generate": [{k: round(v, 4) for k, v in g.items()} for g in samples_gen],
+                    "ampd": [{k: round(v, 4) for k, v in a.items()} for a in samples_ampd]},
+        "batch1": {"ampd_decode_tok_s": round(b1, 2), "generate_decode_tok_s": round(gen, 2),
+                   "ratio": round(b1 / gen, 3), "ampd_itl_ms": round(1e3 / b1, 1),
+                   "generate_itl_ms": round(1e3 / gen, 1), "same_tokens": same},
+        "ttft": {"prompt_tokens": args.prompt, "ampd_ttft_s": round(ttft, 3), "forward_s": round(fwd, 3),
+                 "ratio": round(ttft / fwd, 3)},
+        "batching": {"sessions": args.batch, "prompt_tokens": args.batch_prompt, "window_s": round(first_out - all_in, 3),
+                     "window_tokens": window, "aggregate_tok_s": round(agg, 2),
+                     "wall_tok_s": round(sum(len(r["times"]) for r in runs)
+                                         / (max(r["times"][-1] for r in runs) - min(r["sent"] for r in runs)), 2),
+                     "vs_batch1": round(agg / b1, 2)},
+    }
+
+
+def bandwidth(model, b1_tok_s: float) -> dict:
+    """The decode step against the memory-bandwidth limit."""
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    x = np.random.default_rng(2).integers(0, 256, 256 << 20, dtype=np.uint8)
+    y = np.empty_like(x)
+    times = []
+    for _ in range(5):
         t = time.perf_counter()
-        with torch.inference_mode():
-            o = model.generate(torch.tensor([p]), max_new_tokens=new, min_new_tokens=new,
-                               do_sample=False)
+        np.copyto(y, x)
         times.append(time.perf_counter() - t)
-        outs.append(o[0, len(p):].tolist())
-    return times, outs
-
-
-async def _engine(engine: TorchEngine, pool: KVPool, prompts: list[list[int]], new: int
-                  ) -> tuple[float, list[list[int]], float]:
-    """Prefill each session, then decode all in one batch; (wall s, tokens, decode-only s)."""
-    kvs = [SessionKV() for _ in prompts]
-    outs: list[list[int]] = [[] for _ in prompts]
-    t = time.perf_counter()
-    for i, p in enumerate(prompts):
-        dest = kvs[i].reserve(pool, len(p))
-        outs[i].append(await engine.prefill(f"s{i}", 0, len(p), pool, dest, token_ids=p))
-        kvs[i].commit(len(p))
-    t_dec = time.perf_counter()
-    for _ in range(new - 1):
-        seqs = []
-        for i, kv in enumerate(kvs):
-            pos = kv.tokens
-            seg = kv.reserve(pool, 1)
-            seqs.append(DecodeSeq(f"s{i}", pos, outs[i][-1], seg, pos + 1, kv.segments(0, pos)))
-        for i, tok in enumerate(await engine.decode_step(pool, seqs)):
-            kvs[i].commit(1)
-            outs[i].append(tok)
-    end = time.perf_counter()
-    for kv in kvs:
-        kv.release(pool)
-    return end - t, outs, end - t_dec
-
-
-def _per_sequence_vs_batched(engine: TorchEngine, prompts: list[list[int]], steps: int) -> dict:
-    """Decode step time of B sequences as one padded batch vs one forward per sequence."""
-    pool = engine.make_pool(len(prompts) * (max(map(len, prompts)) + 2 * steps + 16), 16)
-    kvs = [SessionKV() for _ in prompts]
-    last = []
-    for kv, p in zip(kvs, prompts):
-        last.append(engine.prefill_sync(pool, p, [], kv.reserve(pool, len(p))))
-        kv.commit(len(p))
-
-    def step(group: list[int]) -> None:
-        seqs = []
-        for i in group:
-            pos = kvs[i].tokens
-            seg = kvs[i].reserve(pool, 1)
-            seqs.append(DecodeSeq(f"s{i}", pos, last[i], seg, pos + 1, kvs[i].segments(0, pos)))
-        for i, tok in zip(group, engine.decode_sync(pool, seqs)):
-            kvs[i].commit(1)
-            last[i] = tok
-
-    every = list(range(len(prompts)))
-    step(every)  # warm-up, untimed: first calls with new shapes are slower
-    step(every[:1])
-    t = time.perf_counter()
-    for _ in range(steps):
-        step(every)
-    batched = (time.perf_counter() - t) / steps
-    t = time.perf_counter()
-    for _ in range(steps):
-        for i in every:
-            step([i])
-    alone = (time.perf_counter() - t) / steps
-    return {"batch": len(prompts), "steps": steps, "padded_batch_step_ms": round(batched * 1e3, 2),
-            "per_sequence_step_ms": round(alone * 1e3, 2), "padded_speedup": round(alone / batched, 2)}
-
-
-def bench_decode(model, args) -> tuple[list[dict], dict]:
-    engine = TorchEngine(model)
-    rng = np.random.default_rng(0)
-    vocab = engine.vocab_size
-    most = max(args.batches)
-    prompts = [rng.integers(10, vocab, args.prompt).tolist() for _ in range(most)]
-    pool = engine.make_pool(most * (args.prompt + args.new + 16), 16)
-    # warm-up of both paths (first calls in a process are slower)
-    asyncio.run(_engine(engine, pool, prompts[:1], 4))
-    _generate(model, prompts[:1], 4)
-    # sequential generate of the first B prompts takes the sum of their times: run each once
-    gen_times, gen_outs = _generate(model, prompts, args.new)
-    rows = []
-    for b in args.batches:
-        gen_s, gen_out = sum(gen_times[:b]), gen_outs[:b]
-        eng_s, eng_out, dec_s = asyncio.run(_engine(engine, pool, prompts[:b], args.new))
-        tokens = b * args.new
-        row = {
-            "batch": b,
-            "tokens": tokens,
-            "engine_s": round(eng_s, 3),
-            "engine_decode_s": round(dec_s, 3),
-            "engine_step_ms": round(dec_s / (args.new - 1) * 1e3, 2),
-            "generate_sequential_s": round(gen_s, 3),
-            "engine_tok_s": round(tokens / eng_s, 2),
-            "generate_sequential_tok_s": round(tokens / gen_s, 2),
-            "ratio": round(gen_s / eng_s, 3),
-            "same_tokens": eng_out == gen_out,
-        }
-        print(json.dumps(row), file=sys.stderr)
-        rows.append(row)
-    return rows, _per_sequence_vs_batched(engine, prompts, 8)
+    gb_s = x.nbytes / min(times) / 1e9
+    limit_ms = weight_bytes / (gb_s * 1e9) * 1e3
+    return {"weight_bytes_per_token": weight_bytes, "copy_gb_s": round(gb_s, 2),
+            "limit_step_ms": round(limit_ms, 1), "ampd_step_ms": round(1e3 / b1_tok_s, 1),
+            "ampd_step_vs_limit": round(1e3 / b1_tok_s / limit_ms, 2)}
 
 
 async def _kv_transfer(engine: TorchEngine, tokens: int, reps: int) -> dict:
@@ -230,40 +226,43 @@ async def _kv_transfer(engine: TorchEngine, tokens: int, reps: int) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=DEFAULT_MODEL, help="smollm2-135m-instruct, tiny, or a folder")
-    ap.add_argument("--prompt", type=int, default=128, help="prompt tokens per session")
-    ap.add_argument("--new", type=int, default=32, help="generated tokens per session")
-    ap.add_argument("--batches", default="1,4,8", help="comma-separated batch sizes")
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="smollm2-135m-instruct or a folder")
+    ap.add_argument("--prompt", type=int, default=300, help="prompt tokens of the batch-1 requests")
+    ap.add_argument("--new", type=int, default=64, help="generated tokens per request")
+    ap.add_argument("--reps", type=int, default=3, help="batch-1 requests (and generate runs)")
+    ap.add_argument("--batch", type=int, default=8, help="concurrent sessions")
+    ap.add_argument("--batch-prompt", type=int, default=128, help="prompt tokens of each concurrent session")
     ap.add_argument("--kv-tokens", type=int, default=1024, help="history tokens moved over NIXL")
-    ap.add_argument("--reps", type=int, default=20, help="repetitions of the KV transfer")
+    ap.add_argument("--kv-reps", type=int, default=20, help="repetitions of the KV transfer")
     ap.add_argument("--out", default=str(OUT))
+    argv = list(argv or [])  # `make bench` (benchmarks.run) calls main() with none
     args = ap.parse_args(argv)
-    args.batches = [int(x) for x in args.batches.split(",")]
-    if args.new < 2 or args.prompt < 1 or min(args.batches) < 1:
-        ap.error("--new must be >= 2, --prompt and every batch >= 1")
+    if args.new < 2 or args.prompt < 1 or args.batch < 2 or args.reps < 1:
+        ap.error("--new must be >= 2, --batch >= 2, --prompt and --reps >= 1")
+    from ampd.launcher import Deployment, Options
+
     load_before = os.getloadavg()[0]  # the box is shared: say how busy it was
     model, info = _load(args.model)
     print(json.dumps(info), file=sys.stderr)
-    decode, padding = bench_decode(model, args)
-    print(json.dumps(padding), file=sys.stderr)
-    kv = asyncio.run(_kv_transfer(TorchEngine(model), args.kv_tokens, args.reps))
-    print(json.dumps(kv), file=sys.stderr)
+    rng = np.random.default_rng(0)
+    with Deployment(Options(engine="torch", model=args.model), frontend=True, ready_timeout_s=600) as dep:
+        res = asyncio.run(live(dep.frontend, model, args.model, args, rng))
+    res["bandwidth"] = bandwidth(model, res["batch1"]["ampd_decode_tok_s"])
+    kv = asyncio.run(_kv_transfer(TorchEngine(model), args.kv_tokens, args.kv_reps))
     result = {
-        "command": " ".join(["python -m benchmarks.torch_engine", *(sys.argv[1:] if argv is None else argv)]),
+        "command": " ".join(["python -m benchmarks.torch_engine", *argv]),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-                   f"{torch.get_num_threads()} threads",
+                   f"{torch.get_num_threads()} threads per process",
         "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         **info,
-        "prompt_tokens": args.prompt,
         "new_tokens": args.new,
-        "decode": decode,
-        "batching": padding,
+        **res,
         "kv_transfer": kv,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if k != "samples"}, indent=2))
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -3,14 +3,16 @@
 The pool holds every session's KV in the layout of `ampd.kv.layout` (token rows of
 `[layers][k, v][kv_heads][head_dim]` fp32), so a remote prefill worker reads the history blocks and
 writes the new blocks back over NIXL, and the engine on either side attends to exactly those bytes
-(`ampd.engine.torch_kv.PoolCache`). The engine keeps no per-session state: the worker's block maps
-say where each session's KV is.
+(`ampd.engine.torch_kv.PoolCache`). The worker's block maps say where each session's KV is.
 
 - prefill: one forward over the new tokens on top of the history gathered from the pool; the new
   KV lands in the segments the worker reserved; the next token per the request's `Sampling`.
-- decode_step: one forward for the whole batch, one new token per sequence; sequences of unequal
-  length are padded to the longest, with position ids and a mask per sequence (continuous batching:
-  the worker may change the batch between any two steps).
+- decode_step: one forward for the whole batch, one new token per sequence (continuous batching:
+  the worker may change the batch between any two steps). A Llama-family model decodes through
+  `ampd.engine.torch_fast`: each decoding session's KV is also kept resident in attention's layout
+  (read from the pool at the round's first step, appended to by each step, checked against its pool
+  rows, dropped by `forget` when the round ends), and each sequence attends to its own KV with no
+  padding. Other models pad the batch to the longest sequence, with position ids and a mask.
 
 Greedy by default; temperature / top-p / seed per sequence (`ampd.engine.sampling`). The compute runs in a worker thread (torch releases the GIL), one forward at a time.
 """
@@ -27,6 +29,7 @@ import torch
 
 from ampd.engine.base import DecodeSeq, Sampling
 from ampd.engine.sampling import next_tokens
+from ampd.engine.torch_fast import Resident, decode_forward, supports
 from ampd.engine.torch_kv import PoolCache, attention_mask
 from ampd.kv import KVPool, Segment, segments_tokens
 from ampd.kv.layout import KVShape, pool_rows, token_rows
@@ -57,6 +60,7 @@ class TorchEngine:
     """Engine protocol over one loaded model. `tp` is always 1 (one CPU process)."""
 
     name = "torch"
+    keeps_round_kv = True  # a decoding round's resident KV (torch_fast); the worker calls forget
 
     def __init__(self, model: Any, *, tp: int = 1) -> None:
         if tp != 1:
@@ -70,6 +74,9 @@ class TorchEngine:
         self.eos_token_ids = eos_ids_of(model)
         self._views: weakref.WeakKeyDictionary[KVPool, torch.Tensor] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
+        # Llama-family models decode through ampd.engine.torch_fast, over per-session resident KV
+        self.fast = supports(model)
+        self._resident: weakref.WeakKeyDictionary[KVPool, dict[str, Resident]] = weakref.WeakKeyDictionary()
 
     @classmethod
     def from_pretrained(cls, path: str, **kw: Any) -> "TorchEngine":
@@ -142,10 +149,18 @@ class TorchEngine:
         logits = self._forward(ids[None], positions, mask, cache)
         return next_tokens(logits, [sampling], [l_hist + l_incr])[0]
 
+    def forget(self, session_id: str) -> None:
+        """Drops the session's resident KV (the decode worker calls it when a round ends): the next
+        round's first step reads its KV from the pool again, where a prefill may have written."""
+        for sessions in list(self._resident.values()):
+            sessions.pop(session_id, None)
+
     def decode_sync(self, pool: KVPool, seqs: Sequence[DecodeSeq]) -> list[int]:
         """One step for the batch: KV of each sequence's `position` into its kv_segments."""
         if not seqs:
             return []
+        if self.fast:
+            return self._decode_fast(pool, seqs)
         bt = pool.block_tokens
         ctx = [s.position + 1 for s in seqs]
         keys = max(ctx)
@@ -164,6 +179,27 @@ class TorchEngine:
         mask = attention_mask(positions, torch.tensor(ctx), keys)
         cache = PoolCache(self._rows(pool), torch.from_numpy(write), torch.from_numpy(read))
         logits = self._forward(ids, positions, mask, cache)
+        return next_tokens(logits, [s.sampling for s in seqs], [s.position + 1 for s in seqs])
+
+    def _decode_fast(self, pool: KVPool, seqs: Sequence[DecodeSeq]) -> list[int]:
+        bt = pool.block_tokens
+        rows = self._rows(pool)
+        kept = self._resident.setdefault(pool, {})
+        res, write = [], np.empty(len(seqs), dtype=np.int64)
+        for i, s in enumerate(seqs):
+            self._check_cover(s.history_kv, s.position, f"seqs[{i}].history_kv")
+            self._check_cover(s.kv_segments, 1, f"seqs[{i}].kv_segments")
+            self.check_context(s.position + 1, f"seqs[{i}].context")
+            hist = token_rows(s.history_kv, bt)
+            r = kept.get(s.session_id)
+            if r is None or not r.matches(hist):  # a new round, or rows that moved: read the pool
+                r = kept[s.session_id] = Resident.from_pool(rows, hist, 1)
+            res.append(r)
+            write[i] = token_rows(s.kv_segments, bt)[0]
+        ids = self.check_tokens([s.last_token for s in seqs], "last_token")[:, None]
+        positions = torch.tensor([[s.position] for s in seqs])
+        with self._lock, torch.inference_mode():
+            logits = decode_forward(self.model, ids, positions, res, rows, write)
         return next_tokens(logits, [s.sampling for s in seqs], [s.position + 1 for s in seqs])
 
     def _forward(self, ids, positions, mask, cache) -> torch.Tensor:

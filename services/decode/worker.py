@@ -187,6 +187,9 @@ class DecodeWorker:
         self._history_kv = engine.name != "mock"
         # An engine that keeps the KV itself (sglang) needs every session's token ids instead.
         self._token_ids = bool(getattr(engine, "needs_token_ids", False))
+        # An engine that keeps a decoding round's KV beside the pool (torch) drops it when the round
+        # ends: what a later prefill writes into the pool is then read from there.
+        self._round_kv = bool(getattr(engine, "keeps_round_kv", False))
         rt.published = self.published
         rt.on_fenced = self.fenced
         # how long a round waits for its remote prefill's notification (beyond the prefill's own
@@ -553,7 +556,7 @@ class DecodeWorker:
                                                   self._release_held, key)
         else:
             s.kv.release(self.rt.pool)
-        if self._token_ids:
+        if self._token_ids or self._round_kv:
             self.engine.forget(s.session_id)
         self.rt.active_sessions = len(self.sessions)
         self.rt.changed()
@@ -602,6 +605,8 @@ class DecodeWorker:
         of the turn), or the end of the turn (a client-side call, or the answer is complete). The
         calls are the turn's scripted ones, else those parsed from the output (engines with text)."""
         self.core.round_end(s.core, False)
+        if self._round_kv:
+            self.engine.forget(s.session_id)
         # idle until its next round (a tool result, or the next turn); with --kv-evict its KV may go
         if self.core.tool_call(s.core):
             self._admit_waiting()

@@ -301,3 +301,37 @@ def test_sampling_fields_are_checked():
 def test_engine_reports_eos_vocab_and_context(engine):
     assert engine.eos_token_ids == (2,)  # save_tiny_llama's config
     assert (engine.vocab_size, engine.max_context) == (VOCAB, 1024)
+
+
+def test_fast_decode_equals_the_pool_cache_path(engine):
+    """Llama-family models decode over resident KV (torch_fast); the generic PoolCache path, which
+    other models take, gives the same tokens for a batch of unequal lengths."""
+    generic = TorchEngine(engine.model)
+    generic.fast = False
+    assert engine.fast
+    out = {}
+    for eng in (engine, generic):
+        pool = _scattered_pool(eng, 512, 16, seed=4)
+        seqs = [Seq(eng, pool, f"f{i}") for i in range(3)]
+        got = [[s.prefill(_prompt(n, 30 + n))] for s, n in zip(seqs, (7, 33, 50))]
+        for _ in range(8):
+            for g, s, t in zip(got, seqs, eng.decode_sync(pool, [s.step_args() for s in seqs])):
+                s.took(t)
+                g.append(t)
+        out[eng] = got
+    assert out[engine] == out[generic]
+
+
+def test_a_rewritten_history_is_read_from_the_pool_after_forget(engine):
+    """A rewind rewrites positions the resident KV already holds, in the same pool rows, and the next
+    step sits where the resident KV ends: only `forget` (the worker calls it at every round's end)
+    makes the step read the new KV from the pool."""
+    pool = engine.make_pool(256, 16)
+    s = Seq(engine, pool, "rw")
+    prompt, edit = _prompt(20, 40), _prompt(5, 41)
+    s.prefill(prompt)
+    s.decode(5)  # resident KV: positions [0, 25)
+    engine.forget("rw")
+    s.kv.truncate(pool, 20)
+    got = [s.prefill(edit)] + s.decode(6)  # the prefill rewrites positions 20..24 in the same rows
+    assert got == _generate(engine.model, prompt + edit, 7)
