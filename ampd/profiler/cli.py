@@ -53,13 +53,16 @@ def _progress():
     t0 = time.monotonic()
     tty = sys.stderr.isatty()
     last = [0.0]
+    first = [0.0]  # when the first run ended: loading the model and the histories is not the pace
 
     def tick(done: int, total: int) -> None:
         now = time.monotonic()
+        first[0] = first[0] or now
         if done == total or now - last[0] >= (0.2 if tty else 10.0):
             last[0] = now
             el = now - t0
-            eta = f", ~{el / done * (total - done):.0f} s left" if done < total else ""
+            pace = (now - first[0]) / (done - 1) if done > 1 else 0.0
+            eta = f", ~{pace * (total - done):.0f} s left" if 1 < done < total else ""
             msg = f"profile: {done}/{total} timed runs ({el:.0f} s{eta})"
             sys.stderr.write(("\r" + msg + ("\n" if done == total else "")) if tty else msg + "\n")
             sys.stderr.flush()
