@@ -12,8 +12,11 @@ profile against a live `ampd up --engine torch` on a short trace the profile nev
    paper's model) and once with the control path's latency measured on mock engines
    (benchmarks/results/live_overhead.json, ``benchmarks.fidelity.measured_path``).
 4. Compares median TTFT and ITL live vs simulated (goal: within 20 %), and, to say where a gap comes
-   from, sets each live round beside its simulated twin: the round's TTFT, and its mean token gap
-   against the profile's decode step for that round's batch (``live_vs_model``).
+   from: sets each live round beside its simulated twin (``live_vs_model``); splits live token gaps
+   and TTFTs by whether the other worker was computing at the time (``contention_split``: the two
+   workers share the cores, the simulated ones do not); and times one decode step of the engine alone
+   in this process just before and after the replay (``engine_step_probe``), against the profile's,
+   to tell a machine that got busier since profiling from what the live path adds.
 
 The trace: ToolBench-shaped sessions (``toolbench`` preset, its arrivals and tool times) with the
 inputs divided by 4 and the outputs capped at 32 tokens, at most 4 rounds, so that a 135M model on
@@ -130,11 +133,77 @@ def live_vs_model(live_records, sim_records, profile) -> dict:
             pre_share.append(profile.t_pre(1, lv["l_hist"], lv["l_incr"]) / lv["ttft_s"] if lv["l_incr"] else None)
         if lv["gap_s"] and sv["gap_s"]:
             gap_ratio.append(lv["gap_s"] / sv["gap_s"])
-    med = (lambda xs: round(statistics.median(xs), 4) if xs else None)
+
+    def med(xs):
+        return round(statistics.median(xs), 4) if xs else None
     return {"rounds_paired": len(ttft_ratio),
             "ttft_live_over_sim_median": med(ttft_ratio),
             "token_gap_live_over_sim_median": med(gap_ratio),
             "modelled_prefill_over_live_ttft_median": med([x for x in pre_share if x is not None])}
+
+
+def _overlaps(a: float, b: float, spans) -> bool:
+    return any(x < b and a < y for x, y in spans)
+
+
+def contention_split(live_records, sim_records) -> dict:
+    """Whether the live deployment's two torch processes slow each other down on the shared cores:
+    live token gaps while the prefill worker was computing another session's prefill (a round between
+    its input and its first token, every prefill is remote) against gaps while it was idle; and each
+    round's live TTFT over its simulated twin's, while the decode worker was decoding another session
+    or not. The simulator's engines never share cores."""
+    sim = _rounds(sim_records)
+    prefill, decode = {}, {}
+    for s in live_records:
+        for i, r in enumerate(s.rounds):
+            if r.first_token:
+                prefill[(s.session_id, i)] = (r.input_ready, r.first_token)
+            if len(r.token_times) > 1:
+                decode[(s.session_id, i)] = (r.token_times[0], r.token_times[-1])
+    gaps = {True: [], False: []}
+    ttft = {True: [], False: []}
+    for s in live_records:
+        for i, r in enumerate(s.rounds):
+            key = (s.session_id, i)
+            others_pre = [v for k, v in prefill.items() if k[0] != s.session_id]
+            others_dec = [v for k, v in decode.items() if k[0] != s.session_id]
+            for a, b in zip(r.token_times, r.token_times[1:]):
+                gaps[_overlaps(a, b, others_pre)].append(b - a)
+            sv = sim.get(key)
+            if key in prefill and sv and sv["ttft_s"]:
+                a, b = prefill[key]
+                ttft[_overlaps(a, b, others_dec)].append((b - a) / sv["ttft_s"])
+
+    def stat(xs, scale=1.0):
+        return {"n": len(xs), "median": round(statistics.median(xs) * scale, 4) if xs else None}
+    return {"token_gap_ms_while_prefill_worker_computes": stat(gaps[True], 1e3),
+            "token_gap_ms_while_prefill_worker_idle": stat(gaps[False], 1e3),
+            "ttft_live_over_sim_while_decode_worker_decodes": stat(ttft[True]),
+            "ttft_live_over_sim_while_decode_worker_idle": stat(ttft[False])}
+
+
+PROBE_CONTEXT = 256
+
+
+def probe_step(engine, reps: int = 9) -> float:
+    """Median seconds of one decode step at batch 1 over a ``PROBE_CONTEXT``-token history, timed in this
+    process with no deployment computing: what the machine gives the engine at this moment, to set
+    beside the profile's t_dec(1, context) (measured earlier) and the live token gap."""
+    from ampd.engine.base import DecodeSeq
+    from ampd.kv import Segment
+
+    bt = 32
+    pool = engine.make_pool(PROBE_CONTEXT + bt, bt)
+    hist = [Segment(b, 0, bt) for b in range(PROBE_CONTEXT // bt)]
+    seq = DecodeSeq("probe", PROBE_CONTEXT, 1, [Segment(PROBE_CONTEXT // bt, 0, 1)], PROBE_CONTEXT + 1,
+                    history_kv=hist)
+    engine.decode_sync(pool, [seq])
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        engine.decode_sync(pool, [seq])
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
 
 
 def main() -> dict:
@@ -158,12 +227,19 @@ def main() -> dict:
                    policy=POLICY, ttft_slo=TTFT_SLO_S, itl_slo=ITL_SLO_S, stats_window=WINDOW_S, seed=SEED,
                    namespace="torch-fidelity")
     _log(f"live: {len(sessions)} sessions, {sum(len(s.rounds) for s in sessions)} rounds")
+    from ampd.engine import make_engine
+
+    engine = make_engine("torch", None, 1, MODEL)
+    probe = {"profile_t_dec_s": round(profile.t_dec(1, 1, PROBE_CONTEXT + 1), 5)}
     with Deployment(opts) as dep:
         warm_up(dep.coordinator)
         time.sleep(WINDOW_S + 0.5)
+        probe["before_live_s"] = round(probe_step(engine), 5)
         loads["before_live"] = _load()
         records, stats, wall, _ = asyncio.run(replay(dep.coordinator, sessions, progress=False, timeout_s=600))
         loads["after_live"] = _load()
+        probe["after_live_s"] = round(probe_step(engine), 5)
+    _log(f"decode step at batch 1, {PROBE_CONTEXT} tokens, alone in this process: {probe}")
     live = build_report(POLICY, records, slo, wall)
     sims = {}
     for label, path in (("no_path_latency", PathLatency()), ("mock_path_latency", measured_path())):
@@ -179,7 +255,8 @@ def main() -> dict:
         rows[label] = {"sim": sm, "rel_diff": rel,
                        "within_tolerance": all(rel[k] is not None and abs(rel[k]) <= TOL_REL
                                                for k in ("ttft_p50_s", "itl_p50_s")),
-                       "round_by_round": live_vs_model(records, to_session_records(res), profile)}
+                       "round_by_round": live_vs_model(records, to_session_records(res), profile),
+                       "contention": contention_split(records, to_session_records(res))}
     out = {
         "command": "make bench BENCH=torch_fidelity (benchmarks/torch_fidelity.py)",
         "machine": f"{platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}",
@@ -196,6 +273,9 @@ def main() -> dict:
         "live": {**_medians(live), "completed": live["completed"], "failed": live["failed"],
                  "errors_sample": stats.errors[:3], "wall_s": round(wall, 1)},
         "sim": rows,
+        # the same decode step, timed alone in this process around the live replay: how the machine
+        # itself changed between profiling and the replay, apart from anything the live path adds
+        "engine_step_probe": probe,
         "loadavg_1m": loads,
         "wall_s": round(time.monotonic() - t0, 1),
     }

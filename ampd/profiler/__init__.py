@@ -77,7 +77,7 @@ GRIDS: dict[str, dict[str, Grid]] = {
         "small": Grid(l_incr=(1, 4, 16, 64, 256), l_hist=(0, 512), batch=(1, 2, 4, 8), context=(128, 512),
                       kv_tokens=(16, 256, 4096), reps=3),
         "full": Grid(l_incr=_powers(1, 512), l_hist=(0, 512, 1024), batch=(1, 2, 4, 8, 16), context=(128, 640),
-                     kv_tokens=(16, 64, 256, 1024, 4096), reps=3),
+                     kv_tokens=_powers(16, 4096), reps=3),
     },
 }
 
@@ -327,6 +327,7 @@ class ProfileRun:
 async def _run(setup: EngineSetup, grid: Grid, name: str, block_tokens: int, max_error: float,
                progress) -> ProfileRun:
     t0 = time.monotonic()
+    load_start = os.getloadavg()[0]
     cache: dict[int, object] = {}
 
     def make(tp: int):
@@ -355,10 +356,12 @@ async def _run(setup: EngineSetup, grid: Grid, name: str, block_tokens: int, max
     tp_models, held, samples, hsamples, problems = {}, {}, {}, {}, []
     for tp in setup.tps:
         engine, plan = make(tp), plans[tp]
-        ps = await _prefill_samples(setup, engine, plan.pre, block_tokens, timing)
-        hps = await _prefill_samples(setup, engine, plan.hpre, block_tokens, timing)
-        ds = await _decode_samples(setup, engine, plan.dec, block_tokens, timing)
-        hds = await _decode_samples(setup, engine, plan.hdec, block_tokens, timing)
+        # Fitted and held-out points are timed together, in the same passes on the same pool, so a drift
+        # of the machine between two phases cannot show as a held-out error.
+        both = await _prefill_samples(setup, engine, plan.pre + plan.hpre, block_tokens, timing)
+        ps, hps = both[:len(plan.pre)], both[len(plan.pre):]
+        both = await _decode_samples(setup, engine, plan.dec + plan.hdec, block_tokens, timing)
+        ds, hds = both[:len(plan.dec)], both[len(plan.dec):]
         qp, qd = f"tp.{tp}.t_pre", f"tp.{tp}.t_dec"
         samples[qp], samples[qd], hsamples[qp], hsamples[qd] = ps, ds, hps, hds
         try:
@@ -392,8 +395,10 @@ async def _run(setup: EngineSetup, grid: Grid, name: str, block_tokens: int, max
 
     def per_link(s, d, n):
         return n * setup.kv_bytes_per_token / rule(s, d)
-    ks = await _kv_samples(setup, make, pairs, list(grid.kv_tokens), block_tokens, timing)
-    hks = await _kv_samples(setup, make, pairs, kv_held, block_tokens, timing)
+    sizes = list(grid.kv_tokens) + kv_held
+    both = await _kv_samples(setup, make, pairs, sizes, block_tokens, timing)
+    ks = [k for k in both if k[2] in grid.kv_tokens]
+    hks = [k for k in both if k[2] not in grid.kv_tokens]
     samples["t_kv"], hsamples["t_kv"] = ks, hks
     try:
         K = fit_kv([(per_link(s, d, n), t) for s, d, n, t in ks])
@@ -412,6 +417,8 @@ async def _run(setup: EngineSetup, grid: Grid, name: str, block_tokens: int, max
     doc["profiling"] = {
         "engine": setup.engine, "source": setup.source, "machine": f"{platform.machine()} {os.cpu_count()} cores",
         "when": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": round(seconds, 2),
+        # timings on a machine shared with other work are only as good as its load let them be
+        "loadavg_1m": {"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2)},
         "wakeup_latency_subtracted_s": oh, "block_tokens": block_tokens, "grid": asdict(grid),
         "samples_are": f"{'min' if setup.sleeps else 'median'} over {grid.reps} runs",
         "max_held_out_error": max_error,

@@ -95,6 +95,10 @@ def run(args) -> int:
         raise CliError(f"--reps: must be >= 1, got {args.reps}")
     if os.path.isdir(args.out):
         raise CliError(f"--out: {args.out} is a folder; give a file name")
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load > cores:
+        print(f"profile: note: load average {load:.1f} on {cores} cores; other work will slow and scatter the "
+              "timings (the held-out check judges them)", file=sys.stderr)
     try:
         result = profile_engine(args.engine, profile=args.profile, tps=_tps(args.tp), grid=args.grid,
                                 reps=args.reps, name=args.name, model=args.model, block_tokens=args.block_tokens,
