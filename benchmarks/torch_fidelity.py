@@ -206,6 +206,32 @@ def probe_step(engine, reps: int = 9) -> float:
     return statistics.median(times)
 
 
+KEPT_RUNS = 8
+
+
+def headline(run: dict) -> dict:
+    """What one run says, in a line: when, the load, the profile's held-out error, live and simulated
+    medians (the no-path-latency simulation)."""
+    sim = run["sim"]["no_path_latency"]
+    return {"when": run["when"], "loadavg_1m": run["loadavg_1m"],
+            "profile_accepted": run["profile"]["accepted"],
+            "held_out_max": {q: e["max_rel"] for q, e in run["profile"]["held_out_error"].items()},
+            "live": {k: round(run["live"][k], 4) for k in ("ttft_p50_s", "itl_p50_s")},
+            "sim": {k: round(sim["sim"][k], 4) for k in ("ttft_p50_s", "itl_p50_s")},
+            "rel_diff": {k: sim["rel_diff"][k] for k in ("ttft_p50_s", "itl_p50_s")},
+            "engine_step_probe": run.get("engine_step_probe")}
+
+
+def _earlier(run: dict) -> list[dict]:
+    """The headlines of the runs before this one (newest first, at most ``KEPT_RUNS``): on a shared
+    machine one run says little about the next, so the file keeps how they differed."""
+    try:
+        last = json.loads(OUT.read_text())
+    except (OSError, ValueError):
+        return []
+    return ([headline(last)] + last.get("earlier_runs", []))[:KEPT_RUNS]
+
+
 def main() -> dict:
     from benchmarks.fidelity import measured_path, warm_up
 
@@ -279,6 +305,7 @@ def main() -> dict:
         "loadavg_1m": loads,
         "wall_s": round(time.monotonic() - t0, 1),
     }
+    out["earlier_runs"] = _earlier(out)
     OUT.write_text(json.dumps(out, indent=2) + "\n")
     for label, row in rows.items():
         _log(f"{label}: TTFT p50 live {live['ttft_s']['p50']} sim {row['sim']['ttft_p50_s']} "

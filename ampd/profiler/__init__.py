@@ -159,6 +159,7 @@ def _real_setup(name: str, profile_name: str | None, tps, model: str, kv_pool_mb
     hardware, scale = _hardware(first)
     return EngineSetup(engine=name, model=Path(model).name or model, hardware=hardware, tps=use, make=make,
                        kv_bytes_per_token=bpt, kv_capacity_tokens={t: cap for t in use}, scale=scale,
+                       pool_bytes_per_token=bpt,  # an engine that cuts no pool (SGLang) moves the model's bytes
                        kv_links="min_tp", link="NIXL (UCX) between two agents in one process",
                        source=f"{name} engine, model {model}")
 
