@@ -29,8 +29,8 @@ from ampd.policy.spec import POLICIES
 __all__ = [
     "DEFAULT_PROFILE", "ALPHA", "BETA", "THRESHOLD_TOKENS", "SLACK_CHOICES", "KV_ADMISSION",
     "DeploymentConfig", "PolicyConfig", "WorkerSettings", "CoordinatorSettings", "FrontendSettings", "ProcessConfig",
-    "SimulatorSettings", "Config", "ConfigError", "SETTINGS", "SERVICE_SETTINGS", "UP_SETTINGS",
-    "SIMULATE_SETTINGS", "PLACEMENT", "SECRET_SETTINGS", "flag_name", "env_name", "add_flags", "to_argv", "env_names", "pick",
+    "SimulatorSettings", "ProfilerSettings", "Config", "ConfigError", "SETTINGS", "SERVICE_SETTINGS", "UP_SETTINGS",
+    "SIMULATE_SETTINGS", "PROFILE_SETTINGS", "PLACEMENT", "SECRET_SETTINGS", "flag_name", "env_name", "add_flags", "to_argv", "env_names", "pick",
     "config_from_args", "check",
 ]
 
@@ -246,8 +246,18 @@ class SimulatorSettings:
                 "e.g. 'dispatch=0.01,handoff=0.002' (docs/simulator.md)", metavar="NAME=S[,...]")
 
 
+@dataclass(frozen=True)
+class ProfilerSettings:
+    """What `ampd profile` accepts (docs/planner.md, "The profiler")."""
+
+    max_held_out_error: float = setting(0.15, "`ampd profile` refuses to write a profile whose relative error on "
+                                              "held-out points (measured, never fitted) exceeds this for any "
+                                              "quantity, or one of whose pieces falls by more than it",
+                                        metavar="REL", positive=True)
+
+
 GROUPS = (DeploymentConfig, PolicyConfig, WorkerSettings, CoordinatorSettings, FrontendSettings, ProcessConfig,
-          SimulatorSettings)
+          SimulatorSettings, ProfilerSettings)
 
 
 def _index() -> dict[str, tuple[type, Field]]:
@@ -362,6 +372,8 @@ SIMULATE_SETTINGS: tuple[str, ...] = (
     "admission", "admission_wait", "admission_queue", "block_tokens",
     *(f.name for f in fields(SimulatorSettings)),
 )
+# `ampd profile`: the real engine's model, the pool it is timed on, and what the profile must meet.
+PROFILE_SETTINGS: tuple[str, ...] = ("model", "block_tokens", "kv_pool_mb", "max_held_out_error")
 
 
 # ------------------------------------------------------------------------------ flattening

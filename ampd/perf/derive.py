@@ -266,7 +266,7 @@ def _rounded(p: Piecewise) -> Piecewise:
     return Piecewise(p.breakpoints, tuple(_r(v) for v in p.alpha), tuple(_r(v) for v in p.beta))
 
 
-def _chunk_tokens(pre: Piecewise, attn: float, a: Assumptions) -> int:
+def chunk_tokens(pre: Piecewise, attn: float, a: Assumptions) -> int:
     best = a.chunk_min
     for c in range(a.chunk_min, a.chunk_max + 1, a.chunk_quantum):
         if pre(c) + attn * 0.5 * c * c <= a.chunk_target_s:
@@ -290,7 +290,7 @@ def derive_tp(m: Model, hw: Hardware, tp: int, a: Assumptions = ASSUME) -> TPMod
     attn = _r(prefill_attn_s_per_token2(m, hw, tp, a))
     return TPModel(
         kv_capacity_tokens=cap,
-        prefill_chunk_tokens=_chunk_tokens(pre, attn, a),
+        prefill_chunk_tokens=chunk_tokens(pre, attn, a),
         pre=pre,
         pre_hist_s_per_token=_r(kv_read_s_per_token(m, hw, tp, a)),
         pre_attn_s_per_token2=attn,

@@ -1,36 +1,42 @@
-"""The profiler: time an engine over grids, fit the piecewise alpha-beta model, report the fit error.
+"""The profiler: time an engine through the Engine protocol, fit the piecewise alpha-beta model, judge
+the fit on held-out points.
 
+    ampd profile --engine torch --out smollm2.json
     ampd profile --engine mock --profile qwen3-32b@h20 --tp 4,8 --out my.json
 
-Measures, per TP degree, prefill over a grid of (l_hist, l_incr) and decode steps over batch sizes and
-per-sequence contexts, through the engine's own ``prefill``/``decode_step`` on a real KV pool; and KV
-transfer over sizes through the real NIXL path (two ``NixlTransport`` agents, a READ of the segments,
-then the engine's ``pace_transfer``, exactly as a prefill worker reads history KV). Each sample is the
-minimum over ``reps`` runs (timer and scheduling noise only ever add time). Fitting is
-``ampd.perf.fit``; the fit error of every function, on the fitted points and on held-out midpoints,
-is printed and stored in the profile's ``"profiling"`` block.
+Any engine ``ampd.engine.make_engine`` returns can be profiled (``torch``, ``sglang`` where it is
+installed; ``mock``, timed by ``--profile``). Per TP degree it times, through the engine's own
+``prefill`` and ``decode_step`` on a pool the engine cuts (``make_pool``) as a worker's:
 
-Engines come from ``ENGINES``: a factory per name returning an :class:`EngineSetup`. ``mock`` is timed
-by a profile (``--profile``), so profiling it must give that profile back (the round-trip test). A
-real engine (``torch``, ``sglang``) plugs in as one more factory: it builds its engine per TP degree
-and states the model's KV bytes per token, its KV capacity and chunk size per degree (from the model
-config and the memory it measures); nothing else here changes.
+- prefill over (l_hist, l_incr), each on top of a history the engine itself prefilled first;
+- decode steps over (batch, context per sequence);
+- KV transfer over sizes through the real NIXL path (two ``NixlTransport`` agents, a READ of the
+  segments, then the engine's ``pace_transfer``), as a prefill worker reads history KV.
+
+Each point is the median over ``reps`` passes for a computing engine, the minimum for the mock (its
+time is a sleep; timer and scheduling noise only add to it); passes go over every point in turn, so a
+burst of contention spoils one pass of a point. Held-out points (``ampd.profiler.checks``) are
+timed the same way but never fitted; their error is the profile's ``held_out_error``, and a profile
+whose error or shape fails the checks is refused (``ProfileRun.problems``).
 """
 from __future__ import annotations
 
 import asyncio
 import math
+import os
+import platform
 import selectors
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Callable
 
-from ampd.perf.fit import FitError, fit_decode, fit_kv, fit_prefill, rel_errors
+from ampd.perf.fit import fit_decode, fit_kv, fit_prefill
 from ampd.perf.profile import LINK_RULES, KVTransfer, Profile, TPModel
+from ampd.profiler.checks import HeldOut, error_problems, geo_midpoints, held_out, plan_points, shape_problems
 
-__all__ = ["Grid", "DEFAULT_GRID", "QUICK_GRID", "EngineSetup", "ENGINES", "ProfileRun", "profile_engine"]
-
-BLOCK_TOKENS = 16
+__all__ = ["Grid", "GRIDS", "EngineSetup", "ProfileRun", "profile_engine", "wakeup_latency"]
 
 
 def _powers(lo: int, hi: int) -> tuple[int, ...]:
@@ -43,18 +49,37 @@ def _powers(lo: int, hi: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class Grid:
-    l_incr: tuple[int, ...] = _powers(1, 4096)
-    l_hist: tuple[int, ...] = (0, 1024, 8192)
-    batch: tuple[int, ...] = _powers(1, 256)
-    context: tuple[int, ...] = (256, 2048, 8192)   # tokens per sequence in a decode batch
-    kv_tokens: tuple[int, ...] = _powers(16, 16384)
+    l_incr: tuple[int, ...]
+    l_hist: tuple[int, ...]
+    batch: tuple[int, ...]
+    context: tuple[int, ...]   # tokens per sequence in a decode batch
+    kv_tokens: tuple[int, ...]
     reps: int = 3
-    validate: bool = True                          # also time midpoints the fit never saw
 
 
-DEFAULT_GRID = Grid()
-QUICK_GRID = Grid(l_incr=(1, 4, 16, 64, 256, 1024), l_hist=(0, 2048), batch=(1, 4, 16, 64), context=(512, 4096),
-                  kv_tokens=(64, 1024, 8192), reps=2)
+# Grids by size, per scale: "gpu" for engines timed at GPU speed (the mock, SGLang on a GPU), "cpu" for
+# a model computing on this machine's cores (the torch engine, SGLang on a CPU). Every piece of the
+# fit holds two measured x values (ampd.perf.fit.breakpoints_for); the powers of two place a knee
+# between two of them. "tiny" is for tests and `make test-sglang` (seconds); "small" a first look;
+# "full" what a profile to plan or simulate with is measured on.
+GRIDS: dict[str, dict[str, Grid]] = {
+    "gpu": {
+        "tiny": Grid(l_incr=(1, 8, 64, 256), l_hist=(0, 2048), batch=(1, 4, 16, 64), context=(512, 4096),
+                     kv_tokens=(512, 2048, 8192), reps=3),
+        "small": Grid(l_incr=(1, 4, 16, 64, 256, 1024), l_hist=(0, 2048), batch=(1, 4, 16, 64),
+                      context=(512, 4096), kv_tokens=(64, 1024, 8192), reps=2),
+        "full": Grid(l_incr=_powers(1, 4096), l_hist=(0, 1024, 8192), batch=_powers(1, 256),
+                     context=(256, 2048, 8192), kv_tokens=_powers(16, 16384), reps=3),
+    },
+    "cpu": {
+        "tiny": Grid(l_incr=(1, 4, 16, 64), l_hist=(0, 128), batch=(1, 2, 4), context=(32, 128),
+                     kv_tokens=(16, 64, 256), reps=2),
+        "small": Grid(l_incr=(1, 4, 16, 64, 256), l_hist=(0, 512), batch=(1, 2, 4, 8), context=(128, 512),
+                      kv_tokens=(16, 256, 4096), reps=3),
+        "full": Grid(l_incr=_powers(1, 512), l_hist=(0, 512, 1024), batch=(1, 2, 4, 8, 16), context=(128, 640),
+                     kv_tokens=_powers(16, 4096), reps=3),
+    },
+}
 
 
 @dataclass(frozen=True)
@@ -65,22 +90,23 @@ class EngineSetup:
     model: str
     hardware: str
     tps: tuple[int, ...]
-    make: Callable[[int], object]          # TP degree -> an ampd.engine Engine
+    make: Callable[[int], object]          # TP degree -> an ampd.engine Engine (called once per degree)
     kv_bytes_per_token: int                # the model's KV bytes per token (t_kv's bytes per link)
-    pool_bytes_per_token: int              # bytes per token the engine keeps in its pool
     kv_capacity_tokens: dict[int, int]
-    prefill_chunk_tokens: dict[int, int]
+    scale: str = "cpu"                     # which GRIDS suit it
+    pool_bytes_per_token: int = 0          # bytes a pool keeps per token when the engine cuts none (mock)
     kv_links: str = "min_tp"
     link: str = ""
     source: str = ""
+    prefill_chunk_tokens: dict[int, int] = field(default_factory=dict)  # default: from the fitted prefill
     sleeps: bool = False                   # the engine's time is a timed sleep: subtract the wake-up latency
 
 
-def _mock_setup(profile_name: str | None, tps: tuple[int, ...] | None) -> EngineSetup:
+def _mock_setup(profile_name: str | None, tps, model: str, kv_pool_mb: int) -> EngineSetup:
     from ampd.engine.mock import MockEngine
-
     from ampd.perf.profile import load_profile
 
+    del model, kv_pool_mb  # the mock's sizes are the profile's
     if not profile_name:
         raise ValueError("profile: the mock engine is timed by a profile; give --profile NAME|FILE")
     src = load_profile(profile_name)
@@ -89,7 +115,7 @@ def _mock_setup(profile_name: str | None, tps: tuple[int, ...] | None) -> Engine
     if bad:
         raise ValueError(f"tp: {bad} not in profile {src.name} (it covers {list(src.tps)})")
     return EngineSetup(
-        engine="mock", model=src.model, hardware=src.hardware, tps=tuple(use),
+        engine="mock", model=src.model, hardware=src.hardware, tps=tuple(use), scale="gpu",
         make=lambda tp: MockEngine(src, tp), kv_bytes_per_token=src.kv_bytes_per_token,
         pool_bytes_per_token=64,  # what a live mock worker keeps per token (its timing uses the profile's)
         kv_capacity_tokens={t: src.kv_capacity_tokens(t) for t in use},
@@ -97,43 +123,98 @@ def _mock_setup(profile_name: str | None, tps: tuple[int, ...] | None) -> Engine
         kv_links=src.kv_transfer.links, link=src.kv_transfer.link, source=src.name, sleeps=True)
 
 
-# name -> factory(profile name or None, TP degrees or None). `torch` and `sglang` register here.
-ENGINES: dict[str, Callable[[str | None, tuple[int, ...] | None], EngineSetup]] = {"mock": _mock_setup}
+def _hardware(engine) -> tuple[str, str]:
+    """(hardware name, grid scale) of where ``engine`` computes."""
+    try:
+        import torch
+
+        if torch.cuda.is_available() and engine.name != "torch":  # the torch engine runs on the CPU
+            return torch.cuda.get_device_name(0).lower().replace("nvidia ", "").replace(" ", "-"), "gpu"
+    except ImportError:
+        pass
+    return f"cpu{os.cpu_count()}", "cpu"
+
+
+def _real_setup(name: str, profile_name: str | None, tps, model: str, kv_pool_mb: int) -> EngineSetup:
+    """Any engine ``make_engine`` builds: its KV bytes per token and, from the pool a worker would give
+    it (``kv_pool_mb``), its KV capacity."""
+    from ampd.engine import check_available, make_engine
+
+    if profile_name:
+        raise ValueError(f"profile: only the mock engine is timed by a profile; --engine {name} is measured")
+    check_available(name)  # "--engine: ... not installed; install with ..."
+    engines: dict[int, object] = {}
+
+    def make(tp: int):
+        if tp not in engines:
+            try:
+                engines[tp] = make_engine(name, None, tp, model)
+            except (ValueError, RuntimeError, OSError) as exc:
+                raise ValueError(f"model: {exc}") from None
+        return engines[tp]
+    use = tuple(tps or (1,))
+    first = make(use[0])
+    bpt = int(first.kv_bytes_per_token)
+    cap = max(1, kv_pool_mb * 2**20 // bpt)
+    hardware, scale = _hardware(first)
+    return EngineSetup(engine=name, model=Path(model).name or model, hardware=hardware, tps=use, make=make,
+                       kv_bytes_per_token=bpt, kv_capacity_tokens={t: cap for t in use}, scale=scale,
+                       pool_bytes_per_token=bpt,  # an engine that cuts no pool (SGLang) moves the model's bytes
+                       kv_links="min_tp", link="NIXL (UCX) between two agents in one process",
+                       source=f"{name} engine, model {model}")
+
+
+# name -> factory(profile name or None, TP degrees or None, model, kv_pool_mb)
+ENGINES: dict[str, Callable[..., EngineSetup]] = {
+    "mock": _mock_setup,
+    "torch": lambda *a: _real_setup("torch", *a),
+    "sglang": lambda *a: _real_setup("sglang", *a),
+}
 
 
 # ---- measuring ----------------------------------------------------------------------------------
 
-def _segments(start: int, tokens: int):
-    """Segments for positions [start, start + tokens) of a contiguous pool (block = position // 16)."""
-    from ampd.kv import Segment
+class _Region:
+    """A pool and its positions: a contiguous run of blocks per use."""
 
-    segs, pos, end = [], start, start + tokens
-    while pos < end:
-        b, off = divmod(pos, BLOCK_TOKENS)
-        n = min(BLOCK_TOKENS - off, end - pos)
-        segs.append(Segment(b, off, n))
-        pos += n
-    return segs
+    def __init__(self, setup: EngineSetup, engine, tokens: int, block_tokens: int) -> None:
+        from ampd.kv import KVPool
+
+        self.bt = block_tokens
+        if hasattr(engine, "make_pool"):
+            self.pool = engine.make_pool(tokens, block_tokens)
+        else:
+            self.pool = KVPool(max(1, math.ceil(tokens / block_tokens)), block_tokens, setup.pool_bytes_per_token)
+
+    def segments(self, start: int, tokens: int):
+        from ampd.kv import Segment
+
+        segs, pos, end = [], start, start + tokens
+        while pos < end:
+            b, off = divmod(pos, self.bt)
+            n = min(self.bt - off, end - pos)
+            segs.append(Segment(b, off, n))
+            pos += n
+        return segs
 
 
-def _pool(tokens: int, bpt: int):
-    from ampd.kv import KVPool
+def _ids(engine, n: int, start: int = 0) -> list[int]:
+    from ampd.workload import filler_ids
 
-    return KVPool(max(1, math.ceil(tokens / BLOCK_TOKENS)), BLOCK_TOKENS, bpt)
+    return filler_ids(n, start, vocab=int(getattr(engine, "vocab_size", 32_000)))
 
 
-async def _best_each(calls, reps: int, overhead: float, tick) -> list[float]:
-    """The minimum time of each call over ``reps`` passes. Passes go over every call in turn, so a burst
-    of contention on a shared machine spoils one run of a point, not all of them."""
-    best = [math.inf] * len(calls)
-    for rep in range(reps):
+async def _time_each(calls, reps: int, stat, overhead: float, tick) -> list[float]:
+    """``stat`` (median or min) of each call's time over ``reps`` passes, less ``overhead``. Passes go
+    over every call in turn, so a burst of contention on a shared machine spoils one run of a point."""
+    runs: list[list[float]] = [[] for _ in calls]
+    for _ in range(reps):
         for i, fn in enumerate(calls):
             t0 = time.perf_counter()
             await fn()
-            best[i] = min(best[i], time.perf_counter() - t0)
-            if rep == reps - 1:
-                tick()
-    return [max(t - overhead, 0.0) for t in best]
+            runs[i].append(time.perf_counter() - t0)
+            tick()
+    return [max(stat(r) - overhead, 0.0) for r in runs]
 
 
 async def wakeup_latency(reps: int = 20, sleep_s: float = 0.002) -> float:
@@ -149,64 +230,82 @@ async def wakeup_latency(reps: int = 20, sleep_s: float = 0.002) -> float:
     return max(best, 0.0)
 
 
-def _mid(a: int, b: int) -> int:
-    return int(round(math.sqrt(a * b)))
-
-
-def _midpoints(xs) -> list[int]:
-    return sorted({_mid(a, b) for a, b in zip(xs, xs[1:]) if _mid(a, b) not in (a, b)})
-
-
-async def _prefill_samples(engine, points, bpt, reps, tick, overhead=0.0):
+async def _prefill_samples(setup, engine, points, bt, timing):
+    """(l_hist, l_incr, s). Each history is prefilled by the engine first (untimed), so an engine with a
+    cache of its own (SGLang) holds it as after a real earlier round; new KV goes after the history."""
     if not points:
         return []
-    pool = _pool(max(lh + li for lh, li in points), bpt)
+    reg = _Region(setup, engine, max(lh + li for lh, li in points), bt)
+    for lh in sorted({lh for lh, _ in points}):
+        if lh:
+            await engine.prefill(f"profile-h{lh}", 0, lh, reg.pool, reg.segments(0, lh), token_ids=_ids(engine, lh))
 
     def call(lh, li):
-        segs = _segments(lh, li)
-        return lambda: engine.prefill("profile", lh, li, pool, segs)
-    times = await _best_each([call(lh, li) for lh, li in points], reps, overhead, tick)
+        kw = dict(token_ids=_ids(engine, li, lh), history_kv=reg.segments(0, lh))
+        new = reg.segments(lh, li)
+        return lambda: engine.prefill(f"profile-h{lh}", lh, li, reg.pool, new, **kw)
+    times = await _time_each([call(lh, li) for lh, li in points], *timing)
     return [(lh, li, t) for (lh, li), t in zip(points, times)]
 
 
-async def _decode_samples(engine, points, bpt, reps, tick, overhead=0.0):
+async def _decode_samples(setup, engine, points, bt, timing):
+    """(batch, context tokens in the batch, s). The sequences of a step share one history region (the
+    engine gathers each one's rows all the same) and write their new token to slots of their own."""
     from ampd.engine.base import DecodeSeq
 
     if not points:
         return []
-    pool = _pool(max(b for b, _ in points) * BLOCK_TOKENS, bpt)
+    top = max(c for _, c in points)
+    base = math.ceil(top / bt) * bt
+    reg = _Region(setup, engine, base + max(b for b, _ in points), bt)
+    own_kv = bool(getattr(engine, "needs_token_ids", False))  # it attends to its own cache: fill it
+    seqs_of: dict[tuple[int, int], list] = {}
+    prefilled: set[str] = set()
+    for b, c in points:
+        ids = _ids(engine, c)
+        seqs = []
+        for i in range(b):
+            sid = f"profile-d{c}-{i}"
+            if own_kv and sid not in prefilled:
+                prefilled.add(sid)
+                await engine.prefill(sid, 0, c - 1, reg.pool, reg.segments(0, c - 1), token_ids=ids[:-1])
+            seqs.append(DecodeSeq(sid, c - 1, ids[-1], reg.segments(base + i, 1), c,
+                                  history_kv=reg.segments(0, c - 1), token_ids=ids))
+        seqs_of[(b, c)] = seqs
+    await engine.decode_step(reg.pool, seqs_of[points[0]])  # warm-up: first-step allocations
 
-    def call(b, ctx):
-        seqs = [DecodeSeq(f"s{i}", ctx - 1, 0, _segments(i * BLOCK_TOKENS, 1), ctx) for i in range(b)]
-        return lambda: engine.decode_step(pool, seqs)
-    times = await _best_each([call(b, ctx) for b, ctx in points], reps, overhead, tick)
-    return [(b, b * ctx, t) for (b, ctx), t in zip(points, times)]
+    def call(b, c):
+        return lambda: engine.decode_step(reg.pool, seqs_of[(b, c)])
+    times = await _time_each([call(b, c) for b, c in points], *timing)
+    return [(b, b * c, t) for (b, c), t in zip(points, times)]
 
 
-async def _kv_samples(setup, pairs, sizes, reps, tick, overhead=0.0):
-    """(src_tp, dst_tp, tokens, seconds): a READ of ``tokens`` tokens over NIXL, paced by the engine."""
+async def _kv_samples(setup, make, pairs, sizes, bt, timing):
+    """(src_tp, dst_tp, tokens, s): a READ of ``tokens`` tokens over NIXL, paced by the reading engine."""
     from ampd.kv.transport import NixlTransport
 
     if not sizes:
         return []
-    bpt = setup.pool_bytes_per_token
+    engine = make(pairs[0][1])
     cap = max(sizes)
-    a = NixlTransport("profile-src", _pool(cap, bpt))
-    b = NixlTransport("profile-dst", _pool(cap, bpt))
+    a = NixlTransport("profile-src", _Region(setup, engine, cap, bt).pool)
+    dst = _Region(setup, engine, cap, bt)
+    b = NixlTransport("profile-dst", dst.pool)
     try:
         b.add_peer("profile-src", a.metadata(), a.layout)
 
-        def call(src, dst, n):
-            engine = setup.make(dst)  # the reading side paces, as a prefill worker does
-            segs = _segments(0, n)
+        def call(src, d, n):
+            eng = make(d)  # the reading side paces, as a prefill worker does
+            segs = dst.segments(0, n)
 
             async def one():
                 started = time.monotonic()
                 await b.read("profile-src", segs, segs)
-                await engine.pace_transfer(started, n, src, dst)
+                await eng.pace_transfer(started, n, src, d)
             return one
-        points = [(src, dst, n) for src, dst in pairs for n in sizes]
-        times = await _best_each([call(*p) for p in points], reps, overhead, tick)
+        points = [(src, d, n) for src, d in pairs for n in sizes]
+        await call(*points[0])()  # warm-up: the first READ connects the agents
+        times = await _time_each([call(*p) for p in points], *timing)
     finally:
         b.close()
         a.close()
@@ -218,29 +317,33 @@ async def _kv_samples(setup, pairs, sizes, reps, tick, overhead=0.0):
 @dataclass
 class ProfileRun:
     profile: Profile
-    errors: dict[str, dict[str, FitError]] = field(default_factory=dict)
-    samples: dict[str, list] = field(default_factory=dict)  # function -> measured (x..., seconds) tuples
+    held_out: dict[str, HeldOut] = field(default_factory=dict)   # quantity -> error on held-out points
+    problems: list[str] = field(default_factory=list)            # why the profile is refused; empty: accepted
+    samples: dict[str, list] = field(default_factory=dict)       # quantity -> fitted (x..., seconds)
+    held_out_samples: dict[str, list] = field(default_factory=dict)
     seconds: float = 0.0
     document: dict = field(default_factory=dict)
 
 
-def _grid_points(setup: EngineSetup, tp: int, grid: Grid):
-    pre = [(lh, li) for lh in grid.l_hist for li in grid.l_incr]
-    cap = setup.kv_capacity_tokens[tp]
-    dec = [(b, c) for c in grid.context for b in grid.batch if b * c <= cap]
-    vpre = [(grid.l_hist[len(grid.l_hist) // 2], li) for li in _midpoints(grid.l_incr)] if grid.validate else []
-    cmid = grid.context[len(grid.context) // 2]
-    vdec = [(b, cmid) for b in _midpoints(grid.batch) if b * cmid <= cap] if grid.validate else []
-    return pre, dec, vpre, vdec
-
-
-async def _run(setup: EngineSetup, grid: Grid, name: str, progress) -> ProfileRun:
+async def _run(setup: EngineSetup, grid: Grid, name: str, block_tokens: int, max_error: float,
+               progress) -> ProfileRun:
     t0 = time.monotonic()
-    plan = {tp: _grid_points(setup, tp, grid) for tp in setup.tps}
-    kv_sizes = list(grid.kv_tokens)
-    kv_val = _midpoints(grid.kv_tokens) if grid.validate else []
+    load_start = os.getloadavg()[0]
+    cache: dict[int, object] = {}
+
+    def make(tp: int):
+        if tp not in cache:
+            cache[tp] = setup.make(tp)
+        return cache[tp]
+    plans = {}
+    for tp in setup.tps:
+        ctx_limit = int(getattr(make(tp), "max_context", 1 << 30))
+        plans[tp] = plan_points(grid.l_hist, grid.l_incr, grid.batch, grid.context,
+                                setup.kv_capacity_tokens[tp], ctx_limit)
+    kv_held = geo_midpoints(grid.kv_tokens)
     pairs = [(tp, tp) for tp in setup.tps]
-    total = sum(sum(len(x) for x in p) for p in plan.values()) + len(pairs) * (len(kv_sizes) + len(kv_val))
+    total = grid.reps * (sum(len(p.pre) + len(p.dec) + len(p.hpre) + len(p.hdec) for p in plans.values())
+                         + len(pairs) * (len(grid.kv_tokens) + len(kv_held)))
     done = 0
 
     def tick():
@@ -250,19 +353,30 @@ async def _run(setup: EngineSetup, grid: Grid, name: str, progress) -> ProfileRu
             progress(done, total)
 
     oh = await wakeup_latency() if setup.sleeps else 0.0
-    bpt, reps = setup.pool_bytes_per_token, grid.reps
-    tp_models, errors, samples = {}, {}, {}
+    timing = (grid.reps, min if setup.sleeps else statistics.median, oh, tick)
+    tp_models, held, samples, hsamples, problems = {}, {}, {}, {}, []
     for tp in setup.tps:
-        engine = setup.make(tp)
-        pre, dec, vpre, vdec = plan[tp]
-        ps = await _prefill_samples(engine, pre, bpt, reps, tick, oh)
-        ds = await _decode_samples(engine, dec, bpt, reps, tick, oh)
-        vps = await _prefill_samples(engine, vpre, bpt, reps, tick, oh)
-        vds = await _decode_samples(engine, vdec, bpt, reps, tick, oh)
-        samples[f"tp.{tp}.t_pre"], samples[f"tp.{tp}.t_dec"] = ps, ds
-        P, hist, attn = fit_prefill(ps)
-        D, ctx = fit_decode(ds)
-        m = TPModel(kv_capacity_tokens=setup.kv_capacity_tokens[tp], prefill_chunk_tokens=setup.prefill_chunk_tokens[tp],
+        engine, plan = make(tp), plans[tp]
+        # Fitted and held-out points are timed together, in the same passes on the same pool, so a drift
+        # of the machine between two phases cannot show as a held-out error.
+        both = await _prefill_samples(setup, engine, plan.pre + plan.hpre, block_tokens, timing)
+        ps, hps = both[:len(plan.pre)], both[len(plan.pre):]
+        both = await _decode_samples(setup, engine, plan.dec + plan.hdec, block_tokens, timing)
+        ds, hds = both[:len(plan.dec)], both[len(plan.dec):]
+        qp, qd = f"tp.{tp}.t_pre", f"tp.{tp}.t_dec"
+        samples[qp], samples[qd], hsamples[qp], hsamples[qd] = ps, ds, hps, hds
+        try:
+            P, hist, attn = fit_prefill(ps)
+            D, ctx = fit_decode(ds)
+        except ValueError as exc:
+            raise ValueError(f"grid: {exc} (each piece needs two measured values; widen the grid)") from None
+        if tp in setup.prefill_chunk_tokens:
+            chunk = setup.prefill_chunk_tokens[tp]
+        else:
+            from ampd.perf.derive import Assumptions, chunk_tokens
+
+            chunk = chunk_tokens(P, attn, Assumptions())
+        m = TPModel(kv_capacity_tokens=setup.kv_capacity_tokens[tp], prefill_chunk_tokens=chunk,
                     pre=P, pre_hist_s_per_token=hist, pre_attn_s_per_token2=attn, dec=D, dec_ctx_s_per_token=ctx)
         tp_models[tp] = m
 
@@ -271,48 +385,76 @@ async def _run(setup: EngineSetup, grid: Grid, name: str, progress) -> ProfileRu
 
         def t_dec(b, c, m=m):
             return m.dec(b) + m.dec_ctx_s_per_token * c
-        errors[f"tp.{tp}.t_pre"] = {"fit": rel_errors([(t_pre(lh, li), t) for lh, li, t in ps]),
-                                    "validation": rel_errors([(t_pre(lh, li), t) for lh, li, t in vps])}
-        errors[f"tp.{tp}.t_dec"] = {"fit": rel_errors([(t_dec(b, c), t) for b, c, t in ds]),
-                                    "validation": rel_errors([(t_dec(b, c), t) for b, c, t in vds])}
+        held[qp], held[qd] = held_out(hps, t_pre), held_out(hds, t_dec)
+        problems += error_problems(qp, held[qp], ("l_hist", "l_incr"), max_error)
+        problems += error_problems(qd, held[qd], ("batch", "context_tokens"), max_error)
+        problems += shape_problems(f"{qp} P(l_incr)", "tokens", P, 1, max_error,
+                                   [(li, t - t_pre(lh, li) + P(li)) for lh, li, t in ps])
+        problems += shape_problems(f"{qd} D(batch)", "sequences", D, 1, max_error,
+                                   [(b, t - ctx * c) for b, c, t in ds])
     rule = LINK_RULES[setup.kv_links]
 
     def per_link(s, d, n):
         return n * setup.kv_bytes_per_token / rule(s, d)
-    ks = await _kv_samples(setup, pairs, kv_sizes, reps, tick, oh)
-    vks = await _kv_samples(setup, pairs, kv_val, reps, tick, oh)
-    samples["t_kv"] = ks
-    K = fit_kv([(per_link(s, d, n), t) for s, d, n, t in ks])
-    errors["t_kv"] = {"fit": rel_errors([(K(per_link(s, d, n)), t) for s, d, n, t in ks]),
-                      "validation": rel_errors([(K(per_link(s, d, n)), t) for s, d, n, t in vks])}
+    sizes = list(grid.kv_tokens) + kv_held
+    both = await _kv_samples(setup, make, pairs, sizes, block_tokens, timing)
+    ks = [k for k in both if k[2] in grid.kv_tokens]
+    hks = [k for k in both if k[2] not in grid.kv_tokens]
+    samples["t_kv"], hsamples["t_kv"] = ks, hks
+    try:
+        K = fit_kv([(per_link(s, d, n), t) for s, d, n, t in ks])
+    except ValueError as exc:
+        raise ValueError(f"grid: KV transfer: {exc} (widen the grid's KV sizes)") from None
+    held["t_kv"] = held_out(hks, lambda s, d, n: K(per_link(s, d, n)))
+    problems += error_problems("t_kv", held["t_kv"], ("src_tp", "dst_tp", "tokens"), max_error)
+    problems += shape_problems("t_kv K(bytes per link)", "bytes", K, min(per_link(s, d, 1) for s, d in pairs),
+                               max_error, [(per_link(s, d, n), t) for s, d, n, t in ks])
     prof = Profile(name=name, model=setup.model, hardware=setup.hardware, kv_bytes_per_token=setup.kv_bytes_per_token,
                    tp_models=tp_models, kv_transfer=KVTransfer(K, setup.kv_links, setup.link),
                    description=f"Measured by `ampd profile --engine {setup.engine}`"
-                               + (f" (timed by {setup.source})" if setup.source else "") + "; see docs/planner.md.")
+                               + (f" ({setup.source})" if setup.source else "") + "; see docs/planner.md.")
     seconds = time.monotonic() - t0
     doc = prof.to_json()
-    doc["profiling"] = {"engine": setup.engine, "source": setup.source, "seconds": round(seconds, 2),
-                        "wakeup_latency_subtracted_s": oh,
-                        "grid": asdict(grid), "samples_are": f"min over {grid.reps} runs",
-                        "fit_error": {k: {kk: vv.to_json() for kk, vv in v.items()} for k, v in errors.items()},
-                        "samples": {k: [list(x) for x in v] for k, v in samples.items()}}
-    return ProfileRun(prof, errors, samples, seconds, doc)
+    doc["profiling"] = {
+        "engine": setup.engine, "source": setup.source, "machine": f"{platform.machine()} {os.cpu_count()} cores",
+        "when": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": round(seconds, 2),
+        # timings on a machine shared with other work are only as good as its load let them be
+        "loadavg_1m": {"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2)},
+        "wakeup_latency_subtracted_s": oh, "block_tokens": block_tokens, "grid": asdict(grid),
+        "samples_are": f"{'min' if setup.sleeps else 'median'} over {grid.reps} runs",
+        "max_held_out_error": max_error,
+        "held_out_error": {k: v.to_json() for k, v in held.items()},
+        "samples": {k: [list(x) for x in v] for k, v in samples.items()},
+        "held_out_samples": {k: [list(x) for x in v] for k, v in hsamples.items()}}
+    return ProfileRun(prof, held, problems, samples, hsamples, seconds, doc)
 
 
 def profile_engine(engine: str, *, profile: str | None = None, tps: tuple[int, ...] | None = None,
-                   grid: Grid = DEFAULT_GRID, name: str | None = None,
+                   grid: Grid | str = "full", reps: int | None = None, name: str | None = None,
+                   model: str = "", block_tokens: int = 32, kv_pool_mb: int = 256, max_error: float = 0.15,
                    progress: Callable[[int, int], None] | None = None) -> ProfileRun:
-    """Profile ``engine`` and fit a :class:`Profile`. ValueError names the bad option."""
-    try:
-        factory = ENGINES[engine]
-    except KeyError:
-        raise ValueError(f"engine: {engine!r} cannot be profiled in this build (available: "
-                         f"{', '.join(ENGINES)})") from None
-    setup = factory(profile, tps)
+    """Profile ``engine`` and fit a :class:`Profile`; ``grid`` is a Grid or a size name of ``GRIDS``.
+    ValueError names the bad option (``engine``, ``profile``, ``tp``, ``model``, ``grid``). The run's
+    ``problems`` say why the profile must not be used (empty when it passed its checks)."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine: {engine!r} cannot be profiled (available: {', '.join(ENGINES)})")
+    if isinstance(grid, str) and grid not in GRIDS["cpu"]:
+        raise ValueError(f"grid: {grid!r} is not one of {', '.join(GRIDS['cpu'])}")
+    if not model:
+        from ampd.config import DeploymentConfig
+
+        model = DeploymentConfig().model
+    setup = ENGINES[engine](profile, tps, model, kv_pool_mb)
+    g = GRIDS[setup.scale][grid] if isinstance(grid, str) else grid
+    if reps is not None:
+        from dataclasses import replace
+
+        g = replace(g, reps=reps)
     # select(2) takes its timeout in microseconds; asyncio's default epoll selector rounds every wait
     # up to the next millisecond, which would add up to 1 ms to each timed sleep of the mock engine.
     loop = asyncio.SelectorEventLoop(selectors.SelectSelector())
     try:
-        return loop.run_until_complete(_run(setup, grid, name or f"{setup.model}@{setup.hardware}-{engine}", progress))
+        return loop.run_until_complete(_run(setup, g, name or f"{setup.model}@{setup.hardware}-{engine}",
+                                            block_tokens, max_error, progress))
     finally:
         loop.close()

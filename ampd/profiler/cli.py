@@ -1,31 +1,39 @@
-"""`ampd profile`: time an engine, fit the performance model, write a profile file."""
+"""`ampd profile`: time an engine, fit the performance model, write the profile file if it passes."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
+import tempfile
 import time
 
 from ampd.cli import CliError
 
 
 def register(subparsers) -> None:
+    from ampd import config
+
     p = subparsers.add_parser(
         "profile", help="measure an engine and fit its performance profile (piecewise alpha-beta)",
         description="Times prefill over (l_hist, l_incr), decode steps over batch sizes and contexts, and "
-                    "KV transfer over sizes through NIXL; fits the piecewise alpha-beta model by least "
-                    "squares, prints the fit error of each function and writes the profile (with the fit "
-                    "errors and samples under \"profiling\").")
+                    "KV transfer over sizes through NIXL, through the engine's own Engine protocol; fits the "
+                    "piecewise alpha-beta model; measures its error on held-out points that were not fitted "
+                    "and writes the profile only if that error and the pieces' shapes pass (docs/planner.md).")
     p.add_argument("--engine", required=True, metavar="E",
-                   help="engine to time: mock (timed by --profile); torch and sglang plug in as they land")
+                   help="engine to time: torch (the model of --model on this machine's CPU), sglang (where "
+                        "its extra is installed) or mock (timed by --profile)")
     p.add_argument("--profile", metavar="P", help="for --engine mock: the profile that times it (name or file)")
-    p.add_argument("--tp", metavar="N[,N...]", help="TP degrees to profile (default: every degree the engine has)")
-    p.add_argument("--out", required=True, metavar="F", help="profile file to write (JSON)")
+    p.add_argument("--tp", metavar="N[,N...]", help="TP degrees to profile (default: 1; mock: every degree of "
+                                                     "its profile)")
+    p.add_argument("--out", required=True, metavar="F",
+                   help="profile file to write (JSON); a refused profile leaves an existing F as it was")
     p.add_argument("--name", metavar="MODEL@HARDWARE", help="name of the new profile (default MODEL@HARDWARE-ENGINE)")
-    p.add_argument("--quick", action="store_true", help="a small grid (seconds, not minutes)")
-    p.add_argument("--reps", type=int, metavar="R", help="runs per point, the minimum is kept (default 3, quick 2)")
-    p.add_argument("--no-validate", action="store_true", help="skip the held-out midpoints")
+    p.add_argument("--grid", default="full", choices=("tiny", "small", "full"),
+                   help="grid size: tiny (seconds; tests), small, full (default; a torch profile of SmolLM2 "
+                        "takes a few minutes on 2 cores). Sizes suit where the engine computes (CPU or GPU)")
+    p.add_argument("--reps", type=int, metavar="R", help="runs per point, the median is kept (the mock: the "
+                                                         "minimum); default the grid's (2-3)")
+    config.add_flags(p, config.PROFILE_SETTINGS)
     p.set_defaults(func=run)
 
 
@@ -45,45 +53,75 @@ def _progress():
     t0 = time.monotonic()
     tty = sys.stderr.isatty()
     last = [0.0]
+    first = [0.0]  # when the first run ended: loading the model and the histories is not the pace
 
     def tick(done: int, total: int) -> None:
         now = time.monotonic()
-        if done == total or now - last[0] >= (0.2 if tty else 5.0):
+        first[0] = first[0] or now
+        if done == total or now - last[0] >= (0.2 if tty else 10.0):
             last[0] = now
-            msg = f"profile: {done}/{total} points ({now - t0:.1f} s)"
+            el = now - t0
+            pace = (now - first[0]) / (done - 1) if done > 1 else 0.0
+            eta = f", ~{pace * (total - done):.0f} s left" if 1 < done < total else ""
+            msg = f"profile: {done}/{total} timed runs ({el:.0f} s{eta})"
             sys.stderr.write(("\r" + msg + ("\n" if done == total else "")) if tty else msg + "\n")
             sys.stderr.flush()
     return tick
 
 
-def run(args) -> int:
-    from ampd.profiler import DEFAULT_GRID, QUICK_GRID, profile_engine
-
-    grid = QUICK_GRID if args.quick else DEFAULT_GRID
-    if args.reps is not None:
-        if args.reps < 1:
-            raise CliError(f"--reps must be >= 1, got {args.reps}")
-        grid = dataclasses.replace(grid, reps=args.reps)
-    if args.no_validate:
-        grid = dataclasses.replace(grid, validate=False)
+def _write_atomic(path: str, document: dict) -> None:
+    """The whole file or nothing: a crash mid-write leaves an existing profile as it was."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".profile-", suffix=".json", dir=folder)
     try:
-        result = profile_engine(args.engine, profile=args.profile, tps=_tps(args.tp), grid=grid, name=args.name,
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(document, fh, indent=1)
+            fh.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+FLAGS = {"engine": "--engine", "--engine": "--engine", "profile": "--profile", "tp": "--tp", "model": "--model",
+         "grid": "--grid"}
+
+
+def run(args) -> int:
+    from ampd.profiler import profile_engine
+
+    if args.reps is not None and args.reps < 1:
+        raise CliError(f"--reps: must be >= 1, got {args.reps}")
+    if os.path.isdir(args.out):
+        raise CliError(f"--out: {args.out} is a folder; give a file name")
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load > cores:
+        print(f"profile: note: load average {load:.1f} on {cores} cores; other work will slow and scatter the "
+              "timings (the held-out check judges them)", file=sys.stderr)
+    try:
+        result = profile_engine(args.engine, profile=args.profile, tps=_tps(args.tp), grid=args.grid,
+                                reps=args.reps, name=args.name, model=args.model, block_tokens=args.block_tokens,
+                                kv_pool_mb=args.kv_pool_mb, max_error=args.max_held_out_error,
                                 progress=_progress())
     except ValueError as exc:
         field, _, msg = str(exc).partition(": ")
-        flag = {"engine": "--engine", "profile": "--profile", "tp": "--tp"}.get(field)
+        flag = FLAGS.get(field)
         raise CliError(f"{flag}: {msg}" if flag else str(exc)) from None
     except ImportError as exc:
-        raise CliError(f"--engine {args.engine}: a KV transfer needs NIXL, which did not load: {exc}") from None
+        raise CliError(f"--engine {args.engine}: a module it needs did not load ({exc}); `make venv` installs "
+                       "AMPD's dependencies (NIXL, torch)") from None
     print(f"profiled {result.profile.name} ({args.engine}) in {result.seconds:.1f} s")
-    print(f"{'function':<16} {'fit max':>8} {'fit mean':>9} {'held-out max':>13} {'held-out mean':>14}")
-    for fn, errs in result.errors.items():
-        f, v = errs["fit"], errs["validation"]
-        held = f"{v.max_rel:>12.2%} {v.mean_rel:>14.2%}" if v.points else f"{'-':>12} {'-':>14}"
-        print(f"{fn:<16} {f.max_rel:>8.2%} {f.mean_rel:>9.2%} {held}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as fh:
-        json.dump(result.document, fh, indent=1)
-        fh.write("\n")
+    print(f"{'quantity':<12} {'held-out max':>13} {'mean':>8} {'points':>7}")
+    for q, e in result.held_out.items():
+        print(f"{q:<12} {e.max_rel:>13.1%} {e.mean_rel:>8.1%} {e.points:>7}")
+    if result.problems:
+        for p in result.problems:
+            print(f"refused: {p}", file=sys.stderr)
+        kept = "left as it was" if os.path.exists(args.out) else "not written"
+        raise CliError(f"profile refused ({len(result.problems)} problem(s) above; limit --max-held-out-error "
+                       f"{args.max_held_out_error:g}); {args.out} {kept}. A quieter machine, more --reps or "
+                       "a denser --grid may pass")
+    _write_atomic(args.out, result.document)
     print(f"wrote {args.out}")
     return 0
