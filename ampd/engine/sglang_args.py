@@ -10,6 +10,7 @@ history. KV moves between instances through SGLang's unified cache external link
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,7 +98,7 @@ def server_args(o: SGLangOptions) -> dict[str, Any]:
     if o.linker:
         args |= {"enable_unified_cache_external_linker": True,
                  "unified_cache_external_linker_backend": "dynamic",
-                 "unified_cache_external_linker_config": o.linker}
+                 "unified_cache_external_linker_config": json.loads(o.linker)}
     return args
 
 

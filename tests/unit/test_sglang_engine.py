@@ -32,7 +32,7 @@ def test_server_args_cpu_and_linker():
     assert "enable_unified_cache_external_linker" not in a
     g = server_args(SGLangOptions(model_path="/m", device="cuda", linker='{"linker": "X"}'))
     assert "attention_backend" not in g and g["mem_fraction_static"] == 0.85
-    assert g["enable_unified_cache_external_linker"] and g["unified_cache_external_linker_config"] == '{"linker": "X"}'
+    assert g["enable_unified_cache_external_linker"] and g["unified_cache_external_linker_config"] == {"linker": "X"}
 
 
 @pytest.mark.parametrize("field,kw", [("model", {"model_path": ""}), ("tp", {"tp": 0}),
