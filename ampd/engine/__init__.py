@@ -17,11 +17,6 @@ def check_available(name: str, model: str = "") -> None:
     a model folder (or the default model's wheel)."""
     if name == "sglang":
         from ampd.engine.sglang_args import INSTALL_HINT, EngineUnavailable, require_sglang
-
-        try:
-            require_sglang()
-        except EngineUnavailable as exc:
-            raise ValueError(f"--engine: {exc}") from None
         import importlib.util
         from pathlib import Path
 
@@ -34,11 +29,15 @@ def check_available(name: str, model: str = "") -> None:
         elif not (Path(model).expanduser() / "config.json").is_file():
             raise ValueError(f"--model: {model!r} is not a model folder (no config.json there); give a folder "
                              f"saved with save_pretrained, or {DEFAULT_MODEL}")
+        try:
+            require_sglang()
+        except EngineUnavailable as exc:
+            raise ValueError(f"--engine: {exc}") from None
 
 
 def sglang_options(path: str, tp: int, kv_store: dict | None = None) -> "SGLangOptions":
     """A worker's SGLang instance: on the GPU when there is one, else on the CPU in fp32; with AMPD's
-    KV linker when the worker's environment names its store (``ampd.engine.sglang_linker``)."""
+    KV linker when the worker gives its Redis (kv_store) (``ampd.engine.sglang_linker``)."""
     import torch
 
     from ampd.engine.sglang_args import SGLangOptions

@@ -58,6 +58,11 @@ def test_sampling_params():
     assert sampling_params(None, 9, 0, round_stops(9, [], True, (2,)))["ignore_eos"] is True
 
 
+def test_a_missing_model_is_named_before_anything_starts(tmp_path):
+    with pytest.raises(ValueError, match=r"^--model: '.*nothing' is not a model folder \(no config.json there\)"):
+        check_available("sglang", str(tmp_path / "nothing"))
+
+
 def test_the_extra_is_pinned_to_the_mapped_release():
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert extras["sglang"] == [f"sglang=={SGLANG_VERSION}"]
