@@ -17,7 +17,7 @@ from typing import Any
 from ampd.engine.base import RoundStops, Sampling
 
 __all__ = ["EXTRA", "EngineUnavailable", "SGLangOptions", "server_args", "sampling_params",
-           "require_sglang", "seed_at", "SGLANG_VERSION", "INSTALL_HINT"]
+           "require_sglang", "seed_at", "launch_env", "SGLANG_VERSION", "INSTALL_HINT"]
 
 EXTRA = "sglang"  # pip install '.[sglang]'
 SGLANG_VERSION = "0.5.23"  # the release pyproject's extra pins; its API is what this module maps to
@@ -54,6 +54,10 @@ class SGLangOptions:
     mem_fraction_static: float = 0.85  # of the GPU's memory (SGLang's own meaning; unused on the CPU)
     dtype: str = "auto"  # "float32" on the CPU (what the torch engine computes in)
     seed: int = 0
+    # OpenMP threads of the instance's forward on the CPU. 1: on this project's shared 2-core box a
+    # decode step of SmolLM2 took 1.12 s with 2 threads and 0.16 s with 1 (one run each, load ~8):
+    # OpenMP's 2 threads wait on each other when other processes hold the cores.
+    cpu_threads: int = 1
     linker: str = ""  # JSON of the unified cache linker's config (ampd.engine.sglang_linker); empty: none
 
     def __post_init__(self) -> None:
@@ -67,6 +71,8 @@ class SGLangOptions:
             raise ValueError(f"max_total_tokens: must be >= page_size, got {self.max_total_tokens}")
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static: must be in (0, 1), got {self.mem_fraction_static}")
+        if self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads: must be >= 1, got {self.cpu_threads}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device: cpu or cuda, got {self.device!r}")
 
@@ -100,6 +106,14 @@ def server_args(o: SGLangOptions) -> dict[str, Any]:
                  "unified_cache_external_linker_backend": "dynamic",
                  "unified_cache_external_linker_config": json.loads(o.linker)}
     return args
+
+
+def launch_env(o: SGLangOptions) -> dict[str, str]:
+    """Environment the instance's processes must inherit (set before `sglang.Engine` starts them)."""
+    if o.device != "cpu":
+        return {}
+    # is_cpu() reads SGLANG_USE_CPU_ENGINE when SGLang is imported: without it SGLang takes CUDA-only paths
+    return {"SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": str(o.cpu_threads)}
 
 
 def seed_at(seed: int, position: int) -> int:

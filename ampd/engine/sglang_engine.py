@@ -31,7 +31,7 @@ from typing import Any, Sequence
 import structlog
 
 from ampd.engine.base import DecodeSeq, RoundStops, Sampling
-from ampd.engine.sglang_args import SGLangOptions, require_sglang, sampling_params, server_args
+from ampd.engine.sglang_args import SGLangOptions, launch_env, require_sglang, sampling_params, server_args
 from ampd.kv import KVPool, Segment
 
 __all__ = ["SGLangEngine"]
@@ -73,9 +73,7 @@ class SGLangEngine:
     @classmethod
     def launch(cls, options: SGLangOptions) -> "SGLangEngine":
         """Starts an SGLang instance for `options` (EngineUnavailable without SGLang installed)."""
-        if options.device == "cpu":
-            # read when SGLang is imported (is_cpu()): without it SGLang takes CUDA-only code paths
-            os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+        os.environ.update(launch_env(options))
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoConfig, GenerationConfig
 

@@ -275,9 +275,11 @@ def main() -> int:
         # 4. speed: conversation A again through AMPD, alternating with SGLang's own Engine
         import sglang
 
-        from ampd.engine.sglang_args import SGLangOptions, server_args
+        from ampd.engine.sglang_args import SGLangOptions, launch_env, server_args
 
-        eng = sglang.Engine(**server_args(SGLangOptions(model_path=model, dtype="float32")))
+        opts = SGLangOptions(model_path=model, dtype="float32")  # as the workers' instances (make_engine)
+        os.environ.update(launch_env(opts))
+        eng = sglang.Engine(**server_args(opts))
         ampd_rounds, base_rounds = [], []
         try:
             for rep in range(args.speed_reps):
