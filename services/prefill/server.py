@@ -103,7 +103,7 @@ async def amain(args: argparse.Namespace) -> None:
     store = StateStore(await connect(cfg.redis_url), cfg.namespace)
     queue = make_queue(spec.prefill_queue or "fcfs", profile, SLO(cfg.ttft_slo_s, cfg.itl_slo_s), cfg.tp,
                        window=cfg.reorder_window)
-    engine = make_engine(cfg.engine, profile, cfg.tp, cfg.model)
+    engine = make_engine(cfg.engine, profile, cfg.tp, cfg.model, kv_store={"redis_url": cfg.redis_url, "namespace": cfg.namespace, "worker": cfg.worker_id})
     rt = WorkerRuntime(cfg, store, pool_for(profile, cfg, engine))
     core = PrefillCore(cfg.worker_id, cfg.tp, profile, queue, window_s=cfg.window_s, kv_overlap=cfg.kv_overlap,
                        kv_capacity_tokens=rt.pool.capacity_tokens)
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         args = build_parser().parse_args(argv)
         config_from_args(args, "prefill", args.port)  # bad settings fail before a port is bound
-        check_available(args.engine)
+        check_available(args.engine, args.model)
     except (ConfigError, ValueError) as exc:
         sys.exit(f"ampd-prefill: error: {exc}")
     grpcserver.run(amain(args))

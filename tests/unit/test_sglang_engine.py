@@ -1,11 +1,10 @@
-"""The sglang engine without SGLang (it needs a GPU): the arguments it gives SGLang, the error
-without the extra, and how it drives a runtime with SGLang's `async_generate` signature (a
-recording stand-in here; SGLang itself never ran on this project's machines)."""
+"""The sglang engine without SGLang's runtime: the arguments it gives SGLang, the error without
+SGLang, and how it drives a runtime with SGLang's `async_generate` signature (a recording runtime
+here; the real one runs in `make test-sglang`, tests/sglang/live.py)."""
 from __future__ import annotations
 
 import asyncio
 import importlib.util
-import json
 import subprocess
 import sys
 import tomllib
@@ -14,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from ampd.engine import check_available
-from ampd.engine.base import DecodeSeq, Sampling
+from ampd.engine.base import DecodeSeq, Sampling, round_stops
 from ampd.engine.sglang_args import (SGLANG_VERSION, EngineUnavailable, SGLangOptions, require_sglang,
-                                     sampling_params, seed_at, server_args, storage_env)
+                                     sampling_params, seed_at, server_args)
 from ampd.engine.sglang_engine import SGLangEngine
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,19 +23,16 @@ needs_no_sglang = pytest.mark.skipif(importlib.util.find_spec("sglang") is not N
                                      reason="sglang is installed here")
 
 
-def test_server_args_map_the_choice_hicache_storage_on_nixl():
-    a = server_args(SGLangOptions(model_path="/m", tp=2, page_size=32, nixl_plugin="POSIX"))
-    assert a["model_path"] == "/m" and a["tp_size"] == 2 and a["page_size"] == 32
+def test_server_args_cpu_and_linker():
+    a = server_args(SGLangOptions(model_path="/m", tp=2, page_size=32, dtype="float32"))
+    assert a["model_path"] == "/m" and a["tp_size"] == 2 and a["page_size"] == 32 and a["device"] == "cpu"
     assert a["disaggregation_mode"] == "null"  # either worker may prefill any round
-    assert a["enable_hierarchical_cache"] and a["hicache_storage_backend"] == "nixl"
-    assert a["hicache_write_policy"] == "write_through"
-    assert a["hicache_storage_prefetch_policy"] == "wait_complete"
-    assert a["skip_tokenizer_init"]  # ids in, ids out
-    assert json.loads(a["hicache_storage_backend_extra_config"]) == {"plugin": "POSIX"}
-    assert "hicache_storage_backend_extra_config" not in server_args(SGLangOptions(model_path="/m"))
-    assert storage_env(SGLangOptions(model_path="/m", storage_dir="/shared/kv")) == \
-        {"SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR": "/shared/kv"}
-    assert storage_env(SGLangOptions(model_path="/m")) == {}
+    assert a["skip_tokenizer_init"] and a["incremental_streaming_output"]  # ids in, one new id per chunk
+    assert a["attention_backend"] == "torch_native" and a["disable_cuda_graph"]
+    assert "enable_unified_cache_external_linker" not in a
+    g = server_args(SGLangOptions(model_path="/m", device="cuda", linker='{"linker": "X"}'))
+    assert "attention_backend" not in g and g["mem_fraction_static"] == 0.85
+    assert g["enable_unified_cache_external_linker"] and g["unified_cache_external_linker_config"] == {"linker": "X"}
 
 
 @pytest.mark.parametrize("field,kw", [("model", {"model_path": ""}), ("tp", {"tp": 0}),
@@ -52,10 +48,19 @@ def test_sampling_params():
     p = sampling_params(Sampling(0.7, 0.9, 5), 3, position=40)
     assert p == {"max_new_tokens": 3, "ignore_eos": True, "temperature": 0.7, "top_p": 0.9,
                  "sampling_seed": seed_at(5, 40)}
-    # one request per token: each position gets its own seed, a function of (seed, position) only
     assert len({seed_at(5, k) for k in range(100)}) == 100 and seed_at(5, 7) != seed_at(6, 7)
     assert 0 <= seed_at(-1, 3) < 1 << 63
     assert "sampling_seed" not in sampling_params(Sampling(0.7))
+    # a round's stops: SGLang's ignore_eos would also disable stop ids, so they go with it off
+    stops = round_stops(9, [7], False, (2,))
+    assert sampling_params(None, 9, 0, stops) == {"max_new_tokens": 9, "ignore_eos": False,
+                                                   "stop_token_ids": [7, 2], "temperature": 0.0}
+    assert sampling_params(None, 9, 0, round_stops(9, [], True, (2,)))["ignore_eos"] is True
+
+
+def test_a_missing_model_is_named_before_anything_starts(tmp_path):
+    with pytest.raises(ValueError, match=r"^--model: '.*nothing' is not a model folder \(no config.json there\)"):
+        check_available("sglang", str(tmp_path / "nothing"))
 
 
 def test_the_extra_is_pinned_to_the_mapped_release():
@@ -65,30 +70,47 @@ def test_the_extra_is_pinned_to_the_mapped_release():
 
 @needs_no_sglang
 def test_without_sglang_the_error_names_the_extra():
-    with pytest.raises(EngineUnavailable, match=r"pip install '\.\[sglang\]'"):
+    with pytest.raises(EngineUnavailable, match=r"make test-sglang-env"):
         require_sglang()
     with pytest.raises(ValueError, match=r"^--engine: engine sglang needs SGLang"):
         check_available("sglang")
     check_available("torch")  # nothing to check
     r = subprocess.run([sys.executable, "-m", "ampd", "up", "--engine", "sglang"], capture_output=True, text=True,
                        timeout=120)
-    assert r.returncode == 2 and "pip install '.[sglang]'" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "make test-sglang-env" in r.stderr and "Traceback" not in r.stderr
 
 
-class FakeRuntime:
-    """SGLang's `async_generate` signature; the next token is a function of the whole context, so a
-    wrong context gives a wrong token."""
+class RecordingRuntime:
+    """SGLang's `async_generate` signature, streaming or not; each next token is a function of the
+    whole context, so a wrong context gives a wrong token. A stream ends at max_new_tokens or a stop id."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple[list[int], dict]] = []
+        self.calls: list[tuple[list[int], dict, bool]] = []
+        self.aborted: list[str] = []
+        self.tokenizer_manager = self
 
-    async def async_generate(self, *, input_ids, sampling_params, rid):
-        self.calls.append((list(input_ids), sampling_params))
-        return {"output_ids": [sum(i * (k + 1) for k, i in enumerate(input_ids)) % 97]}
+    def abort_request(self, rid):
+        self.aborted.append(rid)
+
+    async def async_generate(self, *, input_ids, sampling_params, rid, stream=False):
+        self.calls.append((list(input_ids), sampling_params, stream))
+        ctx = list(input_ids)
+
+        async def gen():
+            for _ in range(sampling_params["max_new_tokens"]):
+                await asyncio.sleep(0.01)  # SGLang's step: a round can be stopped mid-way
+                tok = _want(ctx)
+                ctx.append(tok)
+                yield {"output_ids": [tok], "meta_info": {"prompt_tokens": len(input_ids), "cached_tokens": 0}}
+                if not sampling_params["ignore_eos"] and tok in sampling_params.get("stop_token_ids", ()):
+                    return
+        if stream:
+            return gen()
+        return {"output_ids": [_want(ctx)], "meta_info": {"prompt_tokens": len(ctx), "cached_tokens": 0}}
 
 
-def _engine() -> tuple[SGLangEngine, FakeRuntime]:
-    rt = FakeRuntime()
+def _engine() -> tuple[SGLangEngine, RecordingRuntime]:
+    rt = RecordingRuntime()
     return SGLangEngine(rt, tp=1, vocab_size=100, max_context=64, eos_token_ids=(2,), kv_bytes_per_token=8), rt
 
 
@@ -96,31 +118,42 @@ def _want(ids):
     return sum(i * (k + 1) for k, i in enumerate(ids)) % 97
 
 
-def test_rounds_resend_the_whole_context_and_batch_one_request_per_sequence():
+def test_a_round_is_one_streaming_request_and_prefill_alone_one_token():
     eng, rt = _engine()
 
     async def run():
-        t0 = await eng.prefill("a", 0, 3, None, [], token_ids=[5, 6, 7])
+        stops = round_stops(4, [], True, eng.eos_token_ids)
+        # a local prefill with the round's stops: the round's request; its first token comes back
+        t0 = await eng.prefill("a", 0, 3, None, [], token_ids=[5, 6, 7], stops=stops)
+        # a prefill worker's round: one token, no stream
         t1 = await eng.prefill("b", 0, 2, None, [], token_ids=[8, 9])
         a, b = [5, 6, 7, t0], [8, 9, t1]
-        # the worker passes its token lists; the engine reads them up to each position
-        step = await eng.decode_step(None, [DecodeSeq("a", 3, t0, [], 4, token_ids=a),
-                                            DecodeSeq("b", 2, t1, [], 3, token_ids=b)])
-        assert step == [_want(a), _want(b)]
-        a.append(step[0])
-        # a local prefill on the decode worker: history from the worker's list (history_ids)
-        t2 = await eng.prefill("a", 5, 2, None, [], token_ids=[11, 12], history_ids=a)
+        # the remote round continues on the decode instance as one request on the context + first token
+        eng.open_round("b", b, None, stops)
+        for _ in range(3):
+            step = await eng.decode_step(None, [DecodeSeq("a", len(a) - 1, a[-1], [], len(a)),
+                                                DecodeSeq("b", len(b) - 1, b[-1], [], len(b))])
+            assert step == [_want(a), _want(b)]
+            a.append(step[0])
+            b.append(step[1])
+        # the round's request ended at max_tokens: asking for more is the worker's error, named
+        with pytest.raises(RuntimeError, match="ended the round before AMPD's stop"):
+            await eng.decode_step(None, [DecodeSeq("a", len(a) - 1, a[-1], [], len(a))])
+        # the next local round: history from the worker's list, one new request
+        t2 = await eng.prefill("a", len(a), 2, None, [], token_ids=[11, 12], history_ids=a,
+                               stops=round_stops(5, [], True, (2,)))
         assert t2 == _want(a + [11, 12])
-        # a prefill worker that gets no ids for a session it never saw cannot guess them
+        eng.end_round("a")  # the worker stopped first (a stop string): the request is aborted
+        await asyncio.sleep(0)
         with pytest.raises(ValueError, match="knows 0 of its 4 history tokens"):
             await eng.prefill("c", 4, 1, None, [], token_ids=[1])
         with pytest.raises(ValueError, match=r"token_ids\[1\] = 100 is outside the vocabulary"):
             await eng.prefill("d", 0, 2, None, [], token_ids=[1, 100])
-        return t0, t1
+        return a, b
 
-    t0, t1 = asyncio.run(run())
-    assert (t0, t1) == (_want([5, 6, 7]), _want([8, 9]))
-    assert [c[0] for c in rt.calls[:2]] == [[5, 6, 7], [8, 9]]
-    assert all(c[1]["max_new_tokens"] == 1 for c in rt.calls)
+    a, b = asyncio.run(run())
+    assert [(c[0], c[1]["max_new_tokens"], c[2]) for c in rt.calls[:3]] == [
+        ([5, 6, 7], 4, True), ([8, 9], 1, False), (b[:3], 3, True)]
+    assert len(rt.aborted) == 1 and rt.aborted[0].startswith("a#")
     eng.forget("a")
     assert "a" not in eng._ids
