@@ -27,8 +27,6 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from ampd.config import ConfigError
-
 __all__ = ["on", "setup", "shutdown", "check_endpoint", "trace_id", "session_span_id", "round_span_id",
            "session_context", "round_context", "record", "start", "traceparent", "parse_traceparent",
            "metadata", "from_metadata", "TRACEPARENT"]
@@ -123,6 +121,8 @@ def from_metadata(md: Iterable | Mapping | None):
 def check_endpoint(endpoint: str) -> None:
     """ConfigError naming the flag when ``endpoint`` is neither empty nor HOST:PORT or
     http(s)://HOST:PORT."""
+    from ampd.config import ConfigError  # here: ampd.grpcserver imports this module, the config need not load
+
     if endpoint and (_ENDPOINT.match(endpoint) is None or not 0 < int(_ENDPOINT.match(endpoint)["port"]) < 65536):
         raise ConfigError(f"--otlp-endpoint (AMPD_OTLP_ENDPOINT): expected HOST:PORT or http(s)://HOST:PORT of an "
                           f"OTLP/gRPC collector, got {endpoint!r}")
@@ -254,3 +254,33 @@ def start(name: str, parent, attrs: Mapping[str, Any] | None = None, kind: str =
     if not on or parent is None:
         return None
     return _Live(name, parent, attrs, kind)
+
+
+# ----------------------------------------------------------------------- the coordinator's spans
+def session_span(session_id: str, start_s: float, end_s: float, attrs: Mapping[str, Any] | None = None,
+                 caller=None, error: str = "") -> None:
+    """The session's span: the trace's root. ``caller``, the context a client sent with the session
+    (its traceparent), is linked: the client's own trace points into the session's."""
+    record("session", start_s, end_s, None, {"ampd.session_id": session_id, **(attrs or {})},
+           span_id=session_span_id(session_id), trace=trace_id(session_id), links=(caller,), kind="server",
+           error=error)
+
+
+def round_span(session_id: str, t) -> None:
+    """Round ``t.round``'s span from its RoundTiming: from its input being ready to its last token,
+    with where its prefill ran and why."""
+    record("round", t.input_ready, t.last_token or time.time(), session_context(session_id), {
+        "ampd.session_id": session_id, "ampd.round": t.round, "ampd.route.reason": t.route_reason,
+        "ampd.route.local": t.local, "ampd.prefill_worker": t.prefill_worker, "ampd.l_hist": t.l_hist,
+        "ampd.l_incr": t.l_incr, "ampd.tokens": t.tokens, "ampd.finish_reason": t.finish_reason,
+        "ampd.recovered": t.recovered, "ampd.ttft_s": max(0.0, t.first_token - t.input_ready)},
+        span_id=round_span_id(session_id, t.round))
+
+
+def route_span(session_id: str, rnd: int, decision, start_s: float, end_s: float, l_hist: int, l_incr: int) -> None:
+    """Algorithm 1's decision for round ``rnd``: where its prefill goes, why, and the estimates."""
+    attrs = {"ampd.session_id": session_id, "ampd.round": rnd, "ampd.route.reason": decision.reason,
+             "ampd.route.target": decision.target, "ampd.route.local": decision.local, "ampd.l_hist": l_hist,
+             "ampd.l_incr": l_incr}
+    attrs.update((f"ampd.estimate.{k}", float(v)) for k, v in decision.estimates.items())
+    record("route", start_s, end_s, round_context(session_id, rnd), attrs)
