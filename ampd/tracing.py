@@ -21,8 +21,8 @@ Spans are recorded when their work is over, from the times the services already 
 from __future__ import annotations
 
 import hashlib
+import random
 import re
-import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -36,9 +36,11 @@ TRACEPARENT = "traceparent"  # the W3C header, as gRPC metadata (keys are lower 
 SCHEDULE_DELAY_MS = 1000  # spans batch this long before they go to the collector
 EXPORT_TIMEOUT_S = 2.0  # one export's bound: a stopping service flushes within its stop deadline
 
-_provider: Any = None
-_tracer: Any = None
-_ids: Any = None
+_processor: Any = None  # the SDK's span processor: batches to the exporter
+_resource: Any = None  # this service's name
+_scope: Any = None
+_KINDS: dict[str, Any] = {}  # "server" -> SpanKind.SERVER
+_rng = random.Random()  # random span ids: its own, seeded from the OS (a seeded global would repeat them)
 _ENDPOINT = re.compile(r"^(?:(?P<scheme>https?)://)?(?P<host>\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})/?$")
 _TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
 
@@ -128,41 +130,19 @@ def check_endpoint(endpoint: str) -> None:
                           f"OTLP/gRPC collector, got {endpoint!r}")
 
 
-class _Ids:
-    """The SDK's id source, told the ids of the next span where they are derived (a session's and a
-    round's spans); random otherwise. Spans start on one thread at a time (the lock)."""
-
-    def __init__(self) -> None:
-        from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
-
-        self.random = RandomIdGenerator()
-        self.lock = threading.Lock()
-        self.trace: int | None = None
-        self.span: int | None = None
-
-    def generate_trace_id(self) -> int:
-        t, self.trace = self.trace, None
-        return t if t is not None else self.random.generate_trace_id()
-
-    def generate_span_id(self) -> int:
-        s, self.span = self.span, None
-        return s if s is not None else self.random.generate_span_id()
-
-    def is_trace_id_random(self) -> bool:
-        return False  # derived from the session id
-
-
 def setup(service: str, endpoint: str = "", *, exporter=None, instance: str = "",
-          schedule_delay_ms: int = SCHEDULE_DELAY_MS) -> None:
+          schedule_delay_ms: int = SCHEDULE_DELAY_MS, batch: bool | None = None) -> None:
     """Turns tracing on for this process when ``endpoint`` (an OTLP/gRPC collector) or ``exporter``
-    (an SDK SpanExporter, for tests) is given; otherwise leaves it off and imports nothing."""
-    global on, _provider, _tracer, _ids
+    (an SDK SpanExporter, for tests) is given; otherwise leaves it off and imports nothing. Spans go
+    out in batches from a thread of their own (``batch``; a test's exporter gets each span at once
+    unless it asks for batches)."""
+    global on, _processor, _resource, _scope
     check_endpoint(endpoint)
     if not endpoint and exporter is None:
         return
     from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
     if exporter is None:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
@@ -170,6 +150,7 @@ def setup(service: str, endpoint: str = "", *, exporter=None, instance: str = ""
         m = _ENDPOINT.match(endpoint)
         exporter = OTLPSpanExporter(endpoint=f"{m['host']}:{m['port']}", insecure=m["scheme"] != "https",
                                     timeout=EXPORT_TIMEOUT_S)
+    if batch or (batch is None and endpoint):
         processor = BatchSpanProcessor(exporter, schedule_delay_millis=schedule_delay_ms,
                                        export_timeout_millis=int(EXPORT_TIMEOUT_S * 1000))
     else:
@@ -178,19 +159,17 @@ def setup(service: str, endpoint: str = "", *, exporter=None, instance: str = ""
     if instance:
         attrs["service.instance.id"] = instance
     shutdown()
-    _ids = _Ids()
-    _provider = TracerProvider(resource=Resource.create(attrs), id_generator=_ids)
-    _provider.add_span_processor(processor)
-    _tracer = _provider.get_tracer("ampd")
+    _resource, _scope = Resource.create(attrs), InstrumentationScope("ampd")
+    _processor = processor
     on = True
 
 
 def shutdown() -> None:
     """Sends the spans still batched and turns tracing off (a stopping service)."""
-    global on, _provider, _tracer
-    provider, _provider, _tracer, on = _provider, None, None, False
-    if provider is not None:
-        provider.shutdown()
+    global on, _processor
+    processor, _processor, on = _processor, None, False
+    if processor is not None:
+        processor.shutdown()
 
 
 # ------------------------------------------------------------------------------------- spans
@@ -198,47 +177,44 @@ def _ns(t: float) -> int:
     return int(t * 1e9)
 
 
-def _attributes(attrs: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    if not attrs:
-        return None
-    return {k: v for k, v in attrs.items() if v is not None}
-
-
 def record(name: str, start_s: float, end_s: float, parent=None, attrs: Mapping[str, Any] | None = None, *,
            span_id: int | None = None, trace: int | None = None, links: Sequence = (), kind: str = "internal",
            error: str = ""):
     """Records a span that is over: from ``start_s`` to ``end_s`` (unix seconds), under ``parent``
     (a SpanContext; None: a root, of trace ``trace``). ``span_id`` fixes its id (a derived one).
-    Returns its SpanContext (the parent of its own children), or None when tracing is off."""
+    Returns its SpanContext (the parent of its own children), or None when tracing is off.
+
+    The span goes to the processor as finished: the SDK's tracer (its sampler, context, attribute
+    checks and live-span bookkeeping) would cost several times as much per span, for nothing a
+    finished span needs."""
     if not on:
         return None
-    from opentelemetry import trace as api
-    from opentelemetry.trace import Status, StatusCode
+    from opentelemetry.sdk.trace import ReadableSpan
+    from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
-    ctx = api.set_span_in_context(api.NonRecordingSpan(parent)) if parent is not None else None
-    links = [api.Link(c) for c in links if c is not None]
-    with _ids.lock:
-        _ids.span, _ids.trace = span_id, trace
-        span = _tracer.start_span(name, context=ctx, kind=getattr(api.SpanKind, kind.upper()),
-                                  attributes=_attributes(attrs), links=links, start_time=_ns(start_s))
-        _ids.span = _ids.trace = None
-    if error:
-        span.set_status(Status(StatusCode.ERROR, error))
-    span.end(end_time=_ns(max(end_s, start_s)))
-    return span.get_span_context()
+    if not _KINDS:
+        _KINDS.update((k.name.lower(), k) for k in SpanKind)
+    ctx = SpanContext(parent.trace_id if parent is not None else (trace or _rng.getrandbits(128) or 1),
+                      span_id or _rng.getrandbits(64) or 1, is_remote=False,
+                      trace_flags=TraceFlags(TraceFlags.SAMPLED))
+    span = ReadableSpan(name, ctx, parent, _resource, {k: v for k, v in (attrs or {}).items() if v is not None},
+                        links=[Link(c) for c in links if c is not None], kind=_KINDS[kind],
+                        status=Status(StatusCode.ERROR, error) if error else Status(StatusCode.UNSET),
+                        start_time=_ns(start_s), end_time=_ns(max(end_s, start_s)), instrumentation_scope=_scope)
+    _processor.on_end(span)
+    return ctx
 
 
 class _Live:
     """A span that runs now (``start``): ``end()`` records it with what it learnt."""
 
     def __init__(self, name: str, parent, attrs: Mapping[str, Any] | None, kind: str) -> None:
-        from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
         from opentelemetry.trace import SpanContext, TraceFlags
 
         self.name, self.parent, self.kind = name, parent, kind
         self.attrs = dict(attrs or {})
         self.t0 = time.time()
-        self.span_id = RandomIdGenerator().generate_span_id()
+        self.span_id = _rng.getrandbits(64) or 1
         # known before it ends: what its callee's spans name as their parent (traceparent)
         self.context = SpanContext(parent.trace_id, self.span_id, is_remote=False,
                                    trace_flags=TraceFlags(TraceFlags.SAMPLED))
