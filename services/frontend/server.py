@@ -316,6 +316,8 @@ class Front:
             s.opened_with = getattr(request.state, "known", {})
             self.table.hold(s, s.opened_with)
             s.open_msg = common_pb2.OpenSession(session_id=s.session_id, turn=common_pb2.Turn(token_ids=ids, sampling=p))
+            if tracing.on:
+                s.caller = tracing.parse_traceparent(request.headers.get(tracing.TRACEPARENT))
             s.start(self.coordinator)
             return s, None
         self.table.take(s)

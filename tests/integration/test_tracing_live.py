@@ -66,8 +66,9 @@ def collector():
 
 @pytest.fixture(scope="module")
 def deployment(collector, redis_url, tmp_path_factory):
+    # session_ttl: the front closes its idle session soon, which ends the session's span
     opts = Options(prefill="tp1*1", decode="tp1*1", profile="qwen3-32b@h20", policy="remote",
-                   redis_url=redis_url, namespace="tracing", ttft_slo=2.0, itl_slo=0.1,
+                   redis_url=redis_url, namespace="tracing", ttft_slo=2.0, itl_slo=0.1, session_ttl=2.0,
                    otlp_endpoint=collector.endpoint, run_dir=str(tmp_path_factory.mktemp("run")))
     with Deployment(opts, frontend=True) as dep:
         yield dep
@@ -177,10 +178,10 @@ def test_one_session_of_three_rounds_is_one_span_tree(deployment, collector):
             assert "tool_call" not in kids
 
 
-def _complete(front: str, prompt: list[int]) -> dict:
+def _complete(front: str, prompt: list[int], headers: dict) -> dict:
     body = json.dumps({"model": "smollm2-135m-instruct", "prompt": prompt, "max_tokens": 3, "ignore_eos": True,
                        "return_token_ids": True}).encode()
-    req = urllib.request.Request(f"{front}/v1/completions", body, {"content-type": "application/json"})
+    req = urllib.request.Request(f"{front}/v1/completions", body, {"content-type": "application/json", **headers})
     return json.loads(urllib.request.urlopen(req, timeout=30).read())
 
 
@@ -188,17 +189,21 @@ def test_front_turns_are_in_their_sessions_trace(deployment, collector):
     prompt = list(range(100, 140))
     sid = ""
     for turn in range(3):  # one session: each prompt continues the last one's history
-        out = _complete(deployment.frontend, prompt)
+        # an HTTP client's own context (W3C traceparent) on the request that opens the session
+        out = _complete(deployment.frontend, prompt, {"traceparent": CLIENT_TRACEPARENT} if turn == 0 else {})
         sid = sid or out["ampd"]["session_id"]
         assert out["ampd"]["session_id"] == sid
         prompt = prompt + out["choices"][0]["token_ids"] + [200 + turn] * 8
     tid = tracing.trace_id(sid)
     spans = _wait_for(collector, tid, lambda sp: [s.name for _, s in sp].count("front.turn") == 3
-                      and [s.name for _, s in sp].count("round") == 3)
+                      and [s.name for _, s in sp].count("round") == 3 and "session" in [s.name for _, s in sp])
     turns = [s for svc, s in spans if s.name == "front.turn"]
     assert len(turns) == 3 and all(svc == "ampd-frontend" for svc, s in spans if s.name == "front.turn")
     # under the session's span (derived: the coordinator ends it when the front closes the session)
     assert {int.from_bytes(s.parent_span_id, "big") for s in turns} == {tracing.session_span_id(sid)}
     rounds = {_attrs(s)["ampd.round"] for _, s in spans if s.name == "round"}
     assert rounds == {0, 1, 2}
+    # closed at its TTL: the session's span, linked to the HTTP client's context through the front
+    (session,) = [s for _, s in spans if s.name == "session"]
+    assert [int.from_bytes(li.span_id, "big") for li in session.links] == [int(CLIENT_TRACEPARENT[36:52], 16)]
 
