@@ -142,3 +142,12 @@ def test_an_end_before_its_start_is_clamped_and_none_attributes_dropped(spans):
     (s,) = spans.get_finished_spans()
     assert s.context.span_id == ctx.span_id and s.end_time == s.start_time
     assert dict(s.attributes) == {"a": 1}
+
+
+def test_ampd_up_refuses_a_bad_endpoint_before_starting_anything(tmp_path):
+    from ampd.cli import CliError
+    from ampd.launcher import Deployment, Options
+
+    with pytest.raises(CliError, match="--otlp-endpoint"):
+        Deployment(Options(otlp_endpoint="collector", run_dir=str(tmp_path)))
+    assert not any(tmp_path.iterdir())  # nothing was started
