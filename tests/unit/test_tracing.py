@@ -151,3 +151,18 @@ def test_ampd_up_refuses_a_bad_endpoint_before_starting_anything(tmp_path):
     with pytest.raises(CliError, match="--otlp-endpoint"):
         Deployment(Options(otlp_endpoint="collector", run_dir=str(tmp_path)))
     assert not any(tmp_path.iterdir())  # nothing was started
+
+
+def test_a_local_rounds_spans_on_the_decode_worker(spans):
+    from services.decode.worker import _round_spans
+
+    t = common_pb2.RoundTiming(round=2, input_ready=10.0, first_token=10.5, last_token=11.0, tokens=7, local=True,
+                               l_hist=64, l_incr=8, finish_reason="stop")
+    _round_spans(SimpleNamespace(session_id="s", timing=t, admitted_at=10.1, prefill_at=10.2), "decode-3")
+    got = {s.name: s for s in spans.get_finished_spans()}
+    assert set(got) == {"kv_admit", "prefill", "queue_wait", "compute", "decode"}
+    rnd = tracing.round_span_id("s", 2)
+    assert {got[n].parent.span_id for n in ("kv_admit", "prefill", "decode")} == {rnd}
+    assert got["queue_wait"].parent.span_id == got["compute"].parent.span_id == got["prefill"].context.span_id
+    assert (got["compute"].start_time, got["compute"].end_time) == (10_200_000_000, 10_500_000_000)
+    assert got["prefill"].attributes["ampd.route.local"] is True and got["decode"].attributes["ampd.tokens"] == 7
