@@ -1,10 +1,11 @@
 """What tracing costs a round, off and on (ampd/tracing.py).
 
 - ``off``: with no ``--otlp-endpoint`` every tracing hook on the serving path is one test of
-  ``tracing.on``. A round passes at most ``HOOKS_PER_ROUND`` of them over all its services (the
-  coordinator's route and round end, the decode worker's round start, local prefill, round end and
-  tool call, the prefill worker's submit and task end, the sidecar's call, the front's turn start
-  and end). Measured: the cost of one such test, times that count.
+  ``tracing.on`` (or of a span being None). A round passes at most ``HOOKS_PER_ROUND`` of them over
+  all its services (the coordinator's route (twice when a route sent ahead does not hold) and round
+  end, the decode worker's round start, local prefill, round end and tool call (three), the prefill
+  worker's submit and task end, the sidecar's call, the front's session open, turn start and end).
+  Measured: the cost of one such test, times that count.
 - ``on``: the spans one round records, over all its services (the ``round`` and ``route`` spans,
   the prefill worker's five, the decode worker's three, a tool call and the sidecar's side of it:
   ``SPANS_PER_ROUND``), recorded into the real SDK pipeline (a BatchSpanProcessor) whose exporter
@@ -27,7 +28,7 @@ from ampd import tracing
 from ampd.v1 import common_pb2
 
 OUT = Path(__file__).parent / "results" / "tracing_overhead.json"
-HOOKS_PER_ROUND = 11
+HOOKS_PER_ROUND = 15
 SPANS_PER_ROUND = 14
 ROUNDS = 3000
 
