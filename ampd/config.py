@@ -103,6 +103,10 @@ class DeploymentConfig:
                                       "(metadata 'authorization: Bearer SECRET') and every worker and sidecar "
                                       "requires it. `ampd up` makes one when empty; a service given none uses "
                                       "auth_token for internal calls too (docs/security.md)", metavar="SECRET")
+    # Off by default: with no collector a span would be made only to be dropped (docs/deploy.md "Tracing").
+    otlp_endpoint: str = setting("", "OpenTelemetry collector (OTLP over gRPC, HOST:PORT or http(s)://HOST:PORT) "
+                                     "every service sends its spans to: one trace per session across the "
+                                     "services; empty = no tracing (docs/deploy.md)", metavar="URL")
 
 
 @dataclass(frozen=True)
@@ -334,21 +338,22 @@ _POLICY_ALL = ("policy", "ttft_slo", "itl_slo")
 _WORKER = ("host", "port", "metrics_port", "advertise", "worker_id", "ready_file", "redis_url", "namespace",
            "profile", "engine", "model", *_POLICY_ALL, "reorder_window", "kv_overlap", "kv_admission",
            "tp", "stats_window", "heartbeat", "liveness_ttl", "fence_after", "block_tokens", "kv_bytes_per_token",
-           "kv_pool_mb", "auth_token", "internal_token")
+           "kv_pool_mb", "auth_token", "internal_token", "otlp_endpoint")
 SERVICE_SETTINGS: dict[str, tuple[str, ...]] = {
     "coordinator": ("host", "port", "metrics_port", "ready_file", "redis_url", "namespace", "profile", *_POLICY_ALL,
                     "slack", "seed", "alpha", "beta", "threshold_tokens", "stats_mode", "migration_limit",
                     "fence_after", "admission_wait", "admission_queue", "admission", "auth_token", "internal_token",
-                    "script_tools"),
+                    "script_tools", "otlp_endpoint"),
     "prefill": _WORKER,
     "decode": (*_WORKER, "sidecar", "chunked_prefill", "kv_evict", "script_tools"),
     "sidecar": ("host", "port", "metrics_port", "name", "tool", "ready_file", "auth_token", "internal_token",
-                "tool_workers", "tool_cpu_s", "tool_wall_s", "tool_memory_mb"),
-    "planner": ("host", "port", "metrics_port", "ready_file", "profiles_dir", "auth_token"),
+                "tool_workers", "tool_cpu_s", "tool_wall_s", "tool_memory_mb", "otlp_endpoint"),
+    "planner": ("host", "port", "metrics_port", "ready_file", "profiles_dir", "auth_token", "otlp_endpoint"),
     # The front serves /metrics on its own HTTP port (`port`), beside the API.
     "frontend": ("host", "port", "ready_file", "redis_url", "namespace", "engine", "model", "coordinator_address",
                  "auth_token", "session_ttl", "default_max_tokens", "max_sessions", "max_inflight_requests",
-                 "max_messages", "max_prompt_chars", "api_keys", "idle_grace", "tenant_sessions", "tenant_kv_tokens"),
+                 "max_messages", "max_prompt_chars", "api_keys", "idle_grace", "tenant_sessions", "tenant_kv_tokens",
+                 "otlp_endpoint"),
 }
 # Secrets: a launcher passes them in the environment, never on a command line (`ps` shows those).
 # A Redis URL may carry a password (redis://:PASSWORD@HOST:PORT/DB).
@@ -365,6 +370,7 @@ UP_SETTINGS: tuple[str, ...] = (
     *(f.name for f in fields(WorkerSettings) if f.name != "tp"),
     *(f.name for f in fields(CoordinatorSettings)),
     *(f.name for f in fields(FrontendSettings) if f.name != "coordinator_address"), "auth_token", "internal_token",
+    "otlp_endpoint",
 )
 # `ampd simulate`: the deployment shape, the policy and what the simulator models.
 SIMULATE_SETTINGS: tuple[str, ...] = (

@@ -16,6 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ampd import tracing
 from ampd.v1 import common_pb2
 
 # Token streams are small messages; keep keepalives modest so a dead peer is noticed.
@@ -187,6 +188,7 @@ async def serve_until_signal(
         await on_stop()
     await server.stop(grace_s)
     stopper.cancel()
+    tracing.shutdown()  # the spans still batched go before the process ends (bounded: tracing.EXPORT_TIMEOUT_S)
 
 
 def run(main: Awaitable[None]) -> None:

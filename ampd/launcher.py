@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ampd.cli import CliError
-from ampd import deathsig, grpcserver
+from ampd import deathsig, grpcserver, tracing
 from ampd.config import (SECRET_SETTINGS, SERVICE_SETTINGS, SETTINGS, UP_SETTINGS, Config, ConfigError, add_flags,
                          config_from_args, env_name, to_argv)
 from ampd.deployment import expand_spec, format_spec, worker_shape
@@ -67,6 +67,7 @@ class Deployment:
         try:
             cfg.validate()
             check_available(cfg.deployment.engine, cfg.deployment.model)
+            tracing.check_endpoint(cfg.deployment.otlp_endpoint)  # before any child fails on it
         except (ConfigError, ValueError) as exc:
             raise CliError(str(exc)) from None
         # Internal calls are authenticated even when the client API is open: the deployment's

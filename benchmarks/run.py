@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ["benchmarks.live_overhead", "benchmarks.sched", "benchmarks.sim_speed"]
+BENCHMARKS = ["benchmarks.live_overhead", "benchmarks.sched", "benchmarks.sim_speed", "benchmarks.tracing_overhead"]
 
 
 def main(argv: list[str]) -> int:

@@ -12,7 +12,7 @@ from collections import Counter
 import grpc
 import structlog
 
-from ampd import grpcserver, logs, metrics
+from ampd import grpcserver, logs, metrics, tracing
 from ampd.config import (SERVICE_SETTINGS, ConfigError, CoordinatorSettings, DeploymentConfig, WorkerSettings,
                          add_flags, require)
 from ampd.deployment import check_names
@@ -68,6 +68,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._polls = 0
 
     async def Session(self, request_iterator, context: grpc.aio.ServicerContext):
+        opened, failure = time.time(), ""  # for its span (tracing)
         try:
             first = await anext(request_iterator)
         except StopAsyncIteration:
@@ -99,10 +100,15 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     await self.forget_record(sid)
                 yield out
         except SessionEnd as end:
+            failure = end.details
             refused = end.code == grpc.StatusCode.RESOURCE_EXHAUSTED and not run.admitted
             self.counters["sessions_refused" if refused else "sessions_failed"] += 1
             await context.abort(end.code, end.details)
         finally:
+            if tracing.on:
+                tracing.session_span(sid, opened, time.time(), {"ampd.decode_worker": run.decode_id,
+                                                                "ampd.moves": run.log.moves},
+                                     tracing.from_metadata(context.invocation_metadata()), failure)
             self.runs.pop(sid, None)
             if sid in self.live:
                 self.live.discard(sid)
@@ -266,6 +272,7 @@ def main(argv: list[str] | None = None) -> None:
         args = build_parser().parse_args(argv)
         require(args, "redis_url")
         check_names(args)
+        tracing.setup("coordinator", args.otlp_endpoint)
     except ConfigError as exc:
         sys.exit(f"ampd-coordinator: error: {exc}")
     grpcserver.run(amain(args))

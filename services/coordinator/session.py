@@ -17,6 +17,7 @@ import time
 import grpc
 import structlog
 
+from ampd import tracing
 from ampd.events import merge_tokens
 from ampd.grpcserver import SESSION_OPEN
 from ampd.policy import PrefillTask
@@ -359,6 +360,8 @@ class SessionRun:
             t = ev.round_end.timing
             lg.on_round_end(t)
             self._annotate(t)
+            if tracing.on:
+                tracing.round_span(self.sid, t)
             self.svc.rounds.observe(t)
             return [self._out(round_end=ev.round_end)]
         if kind == "done":
@@ -383,7 +386,11 @@ class SessionRun:
             svc.cluster.routed(view, req, decision, now)
         except LookupError:  # the bound worker left routing meanwhile: its stream says what happened
             decision = None
-        return decision, (time.perf_counter() - t0) * 1e3
+        took = time.perf_counter() - t0
+        if tracing.on and decision is not None:
+            end = time.time()
+            tracing.route_span(self.sid, rnd, decision, end - took, end, l_hist, l_incr)
+        return decision, took * 1e3
 
     async def _route_ahead(self, rnd: int, l_hist: int, l_incr: int) -> decode_pb2.Route | None:
         """Routes the first round of a client's turn as the turn goes to the decode worker, for the

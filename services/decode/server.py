@@ -8,7 +8,7 @@ from contextlib import contextmanager
 import grpc
 import structlog
 
-from ampd import grpcserver, logs, metrics
+from ampd import grpcserver, logs, metrics, tracing
 from ampd.config import ConfigError, DeploymentConfig
 from ampd.grpcserver import SESSION_OPEN, RpcFailure, abort_on_failure, serve_calls
 from ampd.chat.template import ChatFormat
@@ -210,6 +210,7 @@ def main(argv: list[str] | None = None) -> None:
         args = build_parser().parse_args(argv)
         config_from_args(args, "decode", args.port)  # bad settings fail before a port is bound
         check_available(args.engine, args.model)
+        tracing.setup("decode", args.otlp_endpoint, instance=args.worker_id)
     except (ConfigError, ValueError) as exc:
         sys.exit(f"ampd-decode: error: {exc}")
     grpcserver.run(amain(args))

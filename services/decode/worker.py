@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
+from ampd import tracing
 from ampd.chat.stops import StopChecker
 from ampd.chat.template import ChatFormat
 from ampd.chat.toolcalls import parse_tool_calls
@@ -111,6 +112,9 @@ class Session:
     closing: bool = False  # Close received: end after the turn
     stop_requested: bool = False  # StopRound received: the turn ends at its next token
     closed: bool = False
+    # for the round's spans (tracing on only): when its KV was admitted, when its local prefill began
+    admitted_at: float = 0.0
+    prefill_at: float = 0.0
 
     @property
     def round(self) -> int:
@@ -378,6 +382,8 @@ class DecodeWorker:
                                           recovered=s.recovering, kv_recomputed_tokens=s.recompute)
         self.metrics["kv_recomputed_tokens"] += s.recompute
         s.recovering, s.recompute = False, 0
+        if tracing.on:
+            s.admitted_at, s.prefill_at = time.time(), 0.0
         routed = s.route is not None and (s.route.l_hist, s.route.l_incr) == (s.l_hist, s.l_incr)
         if routed and not s.route.prefill_worker:  # the coordinator's local route holds
             self._queue_local(s)
@@ -627,6 +633,8 @@ class DecodeWorker:
             reason = FINISH_TOOL
         s.timing.finish_reason = reason
         s.rounds_done.append(s.timing)
+        if tracing.on:
+            _round_spans(s, self.rt.cfg.worker_id)
         self.emit(s, decode_pb2.DecodeEvent(round_end=common_pb2.RoundEnd(timing=s.timing)))
         calls = [(scripted.tool.name or "replay", scripted.tool.arguments, scripted.tool.client_side)] if scripted \
             else [(c.name, c.arguments, c.name not in s.turn.server_tools) for c in parsed]
@@ -655,16 +663,25 @@ class DecodeWorker:
         results = []
         for name, arguments, _ in calls:
             latency = scripted.tool.latency_s if scripted else 0.0
+            # its span is the parent of the sidecar's (traceparent in the call's metadata)
+            span = tracing.start("tool_call", tracing.round_context(s.session_id, s.round), {
+                "ampd.session_id": s.session_id, "ampd.round": s.round, "ampd.tool.name": name},
+                kind="client") if tracing.on else None
             try:  # the deadline: the tool's own latency and an RPC's
                 res = await self.sidecar.Call(sidecar_pb2.ToolCallRequest(
                     session_id=s.session_id, round=s.round, name=name, arguments=arguments,
                     latency_s=latency, result_tokens=scripted.result_tokens if scripted else 0),
-                    timeout=latency + RPC_TIMEOUT_S, wait_for_ready=True)  # a restarting sidecar: wait
+                    timeout=latency + RPC_TIMEOUT_S, wait_for_ready=True,  # a restarting sidecar: wait
+                    metadata=tracing.metadata(span.context) if span is not None else None)
             except Exception as exc:  # grpc.aio.AioRpcError and connection failures
+                detail = exc.details() if hasattr(exc, "details") else exc
+                if span is not None:
+                    span.end(error=str(detail))
                 if not s.closed:
-                    detail = exc.details() if hasattr(exc, "details") else exc
                     self.fail(s, f"tool {name!r} failed: {detail}")
                 return
+            if span is not None:
+                span.end(error=res.error, **{"ampd.tool.result_tokens": res.result_tokens})
             results.append((name, res))
         if s.closed:
             return
@@ -704,6 +721,8 @@ class DecodeWorker:
         chunk = not (work.last and s.prefilled == 0)
         segs = s.kv.segments(start, n) if chunk else s.dest
         extra = {"history_ids": s.tokens} if self._token_ids else {}
+        if tracing.on and not s.prefill_at:
+            s.prefill_at = time.time()
         if self._streams and work.last:
             extra["stops"] = stops_of(s, self.engine)  # the round's request: prefill, then its decode
         run = asyncio.ensure_future(self.engine.prefill(
@@ -853,3 +872,26 @@ class SessionFailed:
     def __init__(self, error: str, code: str = "ABORTED") -> None:
         self.error = error
         self.code = code
+
+
+def _round_spans(s: Session, worker: str) -> None:
+    """The decode worker's spans of the round that just ended (tracing on): its admission (from its
+    input being ready to its KV reserved here: a wait for KV when the pool is full; for a session's
+    first round, from the coordinator's arrival time), its local prefill (queue wait and compute) or
+    its wait for a remote one, and its decode."""
+    t, parent = s.timing, tracing.round_context(s.session_id, s.timing.round)
+    base = {"ampd.session_id": s.session_id, "ampd.round": t.round, "ampd.worker": worker}
+    admitted = s.admitted_at or t.input_ready
+    if admitted > t.input_ready:
+        tracing.record("kv_admit", t.input_ready, admitted, parent, base)
+    if t.local:
+        started = s.prefill_at or admitted
+        local = tracing.record("prefill", admitted, t.first_token, parent, {
+            **base, "ampd.route.local": True, "ampd.l_hist": t.l_hist, "ampd.l_incr": t.l_incr})
+        tracing.record("queue_wait", admitted, started, local, base)
+        tracing.record("compute", started, t.first_token, local, base)
+    else:  # the prefill worker's own spans are beside this one
+        tracing.record("remote_prefill_wait", admitted, t.first_token, parent, {
+            **base, "ampd.prefill_worker": t.prefill_worker})
+    tracing.record("decode", t.first_token, t.last_token, parent, {
+        **base, "ampd.tokens": t.tokens, "ampd.finish_reason": t.finish_reason})

@@ -26,7 +26,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from ampd import grpcserver, logs
+from ampd import grpcserver, logs, tracing
 from ampd.chat.conversation import answer_digest, render_conversation
 from ampd.chat.template import ChatFormat
 from ampd.chat.tokenizer import tokenizer_for
@@ -316,6 +316,8 @@ class Front:
             s.opened_with = getattr(request.state, "known", {})
             self.table.hold(s, s.opened_with)
             s.open_msg = common_pb2.OpenSession(session_id=s.session_id, turn=common_pb2.Turn(token_ids=ids, sampling=p))
+            if tracing.on:
+                s.caller = tracing.parse_traceparent(request.headers.get(tracing.TRACEPARENT))
             s.start(self.coordinator)
             return s, None
         self.table.take(s)
@@ -380,6 +382,12 @@ class Front:
 
     def _ended(self, run: TurnRun) -> None:
         a = run.answer
+        if tracing.on:  # the turn's span, in its session's trace (ampd.tracing)
+            tracing.record("front.turn", getattr(run, "traced_at", time.time()), time.time(),
+                           tracing.session_context(run.s.session_id), {
+                               "ampd.session_id": run.s.session_id, "ampd.l_hist": a.l_hist, "ampd.l_incr": a.l_incr,
+                               "ampd.tokens": len(a.tokens), "ampd.stopped": run.stopped}, kind="server",
+                           error=run.error.message if run.error is not None else "")
         if run.stopped:
             self.metrics.turns_stopped.inc()
         if run.error is None:
@@ -390,6 +398,8 @@ class Front:
     async def _run(self, s: LiveSession, turn, answer: Answer, prefix: list[int], t0: float) -> tuple[TurnRun, Any]:
         while True:
             run = TurnRun(self.table, s, answer, prefix, self._ended)
+            if tracing.on:
+                run.traced_at = time.time()
             run.start(turn)
             first = await run.out.get()
             if first[0] != FAILED:
@@ -743,6 +753,7 @@ async def amain(args: argparse.Namespace) -> None:
         front.work.shutdown(wait=False, cancel_futures=True)
         await channel.close()
         await redis.aclose()
+        tracing.shutdown()  # the spans still batched go before the process ends
 
 
 class _Server(uvicorn.Server):
@@ -770,6 +781,7 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer_for(args.engine, args.model)
         if args.api_keys:
             load_api_keys(args.api_keys)
+        tracing.setup("frontend", args.otlp_endpoint)
     except (ConfigError, ValueError) as exc:
         sys.exit(f"ampd-frontend: error: {exc}")
     grpcserver.run(amain(args))

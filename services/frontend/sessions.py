@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 import structlog
 
+from ampd import tracing
 from ampd.front.index import LocalIndex, SessionIndex
 from ampd.front.tenants import OPEN, Tenant
 from ampd.v1 import common_pb2, coordinator_pb2
@@ -54,6 +55,7 @@ class LiveSession:
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
     call: Any = None
     reader: asyncio.Task | None = None
+    caller: Any = None  # the context (W3C traceparent) of the request that opened it: its span links to it
 
     async def _requests(self):
         while (m := await self.outbox.get()) is not None:
@@ -62,7 +64,7 @@ class LiveSession:
     def start(self, coordinator) -> None:
         """Opens the session (``open_msg``) on the coordinator's Session stream."""
         self.outbox.put_nowait(coordinator_pb2.ClientMessage(open=self.open_msg))
-        self.call = coordinator.Session(self._requests())
+        self.call = coordinator.Session(self._requests(), metadata=tracing.metadata(self.caller))
         self.reader = asyncio.create_task(self._read(), name=f"session-{self.session_id}")
 
     async def _read(self) -> None:

@@ -17,8 +17,8 @@ from pathlib import Path
 import grpc
 import structlog
 
-from ampd import grpcserver, logs, metrics
-from ampd.config import SERVICE_SETTINGS, add_flags
+from ampd import grpcserver, logs, metrics, tracing
+from ampd.config import SERVICE_SETTINGS, ConfigError, add_flags
 from ampd.grpcserver import write_ready_file
 from ampd.v1 import planner_pb2, planner_pb2_grpc
 
@@ -173,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    try:
+        tracing.setup("planner", args.otlp_endpoint)
+    except ConfigError as exc:
+        sys.exit(f"ampd-planner: error: {exc}")
     grpcserver.run(amain(args))
 
 

@@ -8,7 +8,7 @@ import sys
 import grpc
 import structlog
 
-from ampd import grpcserver, logs, metrics
+from ampd import grpcserver, logs, metrics, tracing
 from ampd.config import ConfigError
 from ampd.grpcserver import RpcFailure, abort_on_failure, serve_calls
 from ampd.engine import check_available, make_engine
@@ -135,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
         args = build_parser().parse_args(argv)
         config_from_args(args, "prefill", args.port)  # bad settings fail before a port is bound
         check_available(args.engine, args.model)
+        tracing.setup("prefill", args.otlp_endpoint, instance=args.worker_id)
     except (ConfigError, ValueError) as exc:
         sys.exit(f"ampd-prefill: error: {exc}")
     grpcserver.run(amain(args))

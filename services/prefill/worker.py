@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from ampd import tracing
 from ampd.engine.base import Engine
 from ampd.kv import PatternCache, Segment, SessionKV
 from ampd.policy import PrefillTask, WorkerView
@@ -64,6 +65,7 @@ class PrefillWorker:
         # When this worker last came back from a silence or a fence (unix time): a task whose input
         # was ready before then was sent while it was stopped, and its sender has given it up since
         self.resumed_at = 0.0
+        self.enqueued: dict[tuple[str, int], float] = {}  # when each task came (its spans; tracing on only)
         rt.published = self.published
         rt.on_fenced = self.fenced
         rt.on_silent = lambda _silence: self.fenced()  # its rounds may have been re-routed meanwhile
@@ -130,6 +132,8 @@ class PrefillWorker:
             asyncio.get_running_loop().create_task(self._hand_back(task, "sent while the prefill worker was stopped"))
             return
         self.tasks[key] = task
+        if tracing.on:
+            self.enqueued[key] = time.time()
         # The queue sees the time the round's input became ready: TTFT runs from there.
         read = self.core.submit(PrefillTask(task.session_id, task.round, task.l_hist, task.l_incr,
                                             task.input_ready, task.decode_worker, task.decode_tp), time.time())
@@ -217,7 +221,8 @@ class PrefillWorker:
                 await job.reading  # what is left of its read ahead (raises what the read raised)
             else:
                 await self._read(job)
-            self._read_ahead(self.core.compute_started(time.time()))
+            computing = time.time()
+            self._read_ahead(self.core.compute_started(computing))
             local_new = job.kv.reserve(rt.pool, task.l_incr)
             # an engine that keeps the KV itself (sglang) gets the history's ids instead of reading them
             extra = {"history_ids": task.history_token_ids} if task.history_token_ids else {}
@@ -234,11 +239,19 @@ class PrefillWorker:
                 job.peer, local_new, task.dest, done.SerializeToString())
             self.metrics["new_tokens_written"] += task.l_incr
             self.metrics["tasks_done"] += 1
-            self.core.finish(time.time())
+            written = time.time()
+            self.core.finish(written)
+            if tracing.on:
+                _task_spans(rt.cfg.worker_id, task, self.enqueued.pop(self._key(task), done.started), job,
+                            computing, done.finished, written)
         except Exception as exc:  # noqa: BLE001 - any failure ends this task, never the worker
             self.core.abort(time.time())
             self.metrics["tasks_failed"] += 1
             log.warning("prefill failed", session=task.session_id, round=task.round, error=str(exc))
+            if tracing.on:
+                tracing.record("prefill", self.enqueued.pop(self._key(task), done.started), time.time(),
+                               tracing.round_context(task.session_id, task.round),
+                               {"ampd.worker": rt.cfg.worker_id, "ampd.round": task.round}, error=str(exc))
             await self._hand_back(task, str(exc) or type(exc).__name__, job.peer)
         finally:
             self.dropped.discard(self._key(task))
@@ -257,3 +270,18 @@ class PrefillWorker:
         if self._key(task) in self.dropped:
             raise RuntimeError(f"prefill worker {self.rt.cfg.worker_id} was fenced out or silent since it took "
                                "the task; the round runs on its decode worker")
+
+
+def _task_spans(worker: str, task, enqueued: float, job: _Job, computing: float, computed: float,
+                written: float) -> None:
+    """A remote prefill's spans (tracing on), under its round's: its wait in the queue (Algorithm 2),
+    the read of its history KV over NIXL, its compute and the write of its new KV back."""
+    base = {"ampd.session_id": task.session_id, "ampd.round": task.round, "ampd.worker": worker}
+    left = job.read_start or computing  # it left the queue when its read began
+    span = tracing.record("prefill", enqueued, written, tracing.round_context(task.session_id, task.round), {
+        **base, "ampd.route.local": False, "ampd.l_hist": task.l_hist, "ampd.l_incr": task.l_incr,
+        "ampd.decode_worker": task.decode_worker})
+    tracing.record("queue_wait", enqueued, left, span, base)
+    tracing.record("kv_read", left, job.read_end or left, span, {**base, "ampd.kv.tokens": task.l_hist})
+    tracing.record("compute", computing, computed, span, base)
+    tracing.record("kv_write", computed, written, span, {**base, "ampd.kv.tokens": task.l_incr})

@@ -9,7 +9,7 @@ import time
 import grpc
 import structlog
 
-from ampd import grpcserver, logs, metrics
+from ampd import grpcserver, logs, metrics, tracing
 from ampd.config import SERVICE_SETTINGS, ConfigError, add_flags
 from ampd.grpcserver import write_ready_file
 from ampd.tools import BUILTIN, ToolInput, ToolLimits, ToolRegistry, call_budget, isolated
@@ -50,6 +50,12 @@ class SidecarService(sidecar_pb2_grpc.ToolSidecarServicer):
             out, error = await self.procs.call(name, call, call_budget(self.limits.wall_s, context.time_remaining()))
         else:  # replay only waits: it runs here
             out, error = await tool(call), ""
+        if tracing.on:  # its span: the child of the decode worker's tool call (traceparent)
+            parent = tracing.from_metadata(context.invocation_metadata()) or tracing.round_context(
+                request.session_id, request.round)
+            tracing.record("sidecar.call", started, time.time(), parent,
+                           {"ampd.session_id": request.session_id, "ampd.round": request.round,
+                            "ampd.tool.name": name, "ampd.sidecar": self.name}, kind="server", error=error)
         if error:  # a failed call is a result the model reads: its session goes on
             self.failures += 1
             log.warning("tool failed", tool=name, session=request.session_id)
@@ -110,6 +116,10 @@ def main(argv: list[str] | None = None) -> None:
             ToolRegistry().load(spec)
         except ValueError as exc:
             parser.error(f"--tool: {exc}")
+    try:
+        tracing.setup("sidecar", args.otlp_endpoint, instance=args.name)
+    except ConfigError as exc:
+        sys.exit(f"ampd-sidecar: error: {exc}")
     grpcserver.run(amain(args))
 
 
