@@ -23,14 +23,15 @@ REPO = Path(__file__).resolve().parents[2]
 REDIS_PORT = 6379
 COORDINATOR_PORT = 50051
 # (name, service, host index, port, placement): host 1 (index 0) holds Redis, the coordinator,
-# prefill-0 and decode-0; host 2 prefill-1 and decode-1
+# decode-0 and prefill-1; host 2 decode-1 and prefill-0. The coordinator breaks ties among idle
+# workers by id: an idle deployment's first choice, prefill-0 for decode-0, crosses hosts.
 LAYOUT = (
     ("sidecar-0", "sidecar", 0, 50081, {"name": "sidecar-0"}),
     ("sidecar-1", "sidecar", 1, 50082, {"name": "sidecar-1"}),
     ("decode-0", "decode", 0, 50061, {"worker_id": "decode-0", "sidecar": "@sidecar-0"}),
     ("decode-1", "decode", 1, 50062, {"worker_id": "decode-1", "sidecar": "@sidecar-1"}),
-    ("prefill-0", "prefill", 0, 50071, {"worker_id": "prefill-0"}),
-    ("prefill-1", "prefill", 1, 50072, {"worker_id": "prefill-1"}),
+    ("prefill-0", "prefill", 1, 50071, {"worker_id": "prefill-0"}),
+    ("prefill-1", "prefill", 0, 50072, {"worker_id": "prefill-1"}),
     ("coordinator", "coordinator", 0, COORDINATOR_PORT, {}),
 )
 
