@@ -7,7 +7,8 @@ UCX bound to its address's interface as a worker's is. Paths: "between hosts" (o
 reader on host 2, over the veth link) and "loopback" (both on host 1 over `lo`). Cases: contiguous
 reads of 1, 8 and 32 MiB, and 512 scattered 16 KiB blocks in shuffled order (a session's KV spread
 over a pool). Every read's bytes are checked against the pattern (outside the timed region).
-Median of the repetitions after two warm-up reads. Writes benchmarks/results/multihost_kv.json.
+The two paths are measured in turn, three times (a busy machine's load drifts); a case's result is
+the median over all its timed reads (two warm-up reads before each set). Writes benchmarks/results/multihost_kv.json.
 """
 from __future__ import annotations
 
@@ -91,7 +92,8 @@ def _peer(role: str, host: str, reps: int, sizes_mib: list[int]) -> None:
                     times.append(dt)
             med = statistics.median(times)
             results.append({"label": label, "bytes": nbytes, "median_ms": round(med * 1e3, 3),
-                            "gbps": round(nbytes / med / 1e9, 4), "mismatched_bytes": bad, "reps": reps})
+                            "gbps": round(nbytes / med / 1e9, 4), "mismatched_bytes": bad, "reps": reps,
+                            "times_ms": [round(t * 1e3, 3) for t in times]})
 
     asyncio.run(run())
     _say({"results": results})
@@ -156,13 +158,27 @@ def _pair(hosts, owner: tuple[int, str], reader: tuple[int, str], reps: int, siz
                 p.close()
 
 
-def measure(hosts, reps: int = 10, sizes_mib=(1, 8, 32)) -> dict:
-    """Both paths on ``hosts`` (tests.multihost.hosts.Hosts, entered)."""
+def measure(hosts, reps: int = 10, sizes_mib=(1, 8, 32), rounds: int = 1) -> dict:
+    """Both paths on ``hosts`` (tests.multihost.hosts.Hosts, entered), alternating ``rounds`` times
+    (a busy machine's load drifts: each path sees the same share of it); each case's median over
+    every repetition of every round."""
+    paths = (("between hosts", (0, hosts.addr[0]), (1, hosts.addr[1])),
+             ("loopback", (0, "127.0.0.1"), (0, "127.0.0.1")))
+    merged: dict[tuple[str, str], dict] = {}
+    for _ in range(rounds):
+        for path, owner, reader in paths:
+            for r in _pair(hosts, owner, reader, reps, sizes_mib):
+                m = merged.setdefault((path, r["label"]), {"path": path, **r, "times_ms": [], "mismatched_bytes": 0,
+                                                           "reps": 0})
+                m["times_ms"] += r["times_ms"]
+                m["mismatched_bytes"] += r["mismatched_bytes"]
+                m["reps"] += r["reps"]
     cases = []
-    for path, owner, reader in (("between hosts", (0, hosts.addr[0]), (1, hosts.addr[1])),
-                                ("loopback", (0, "127.0.0.1"), (0, "127.0.0.1"))):
-        for r in _pair(hosts, owner, reader, reps, sizes_mib):
-            cases.append({"path": path, **r})
+    for m in merged.values():
+        med = statistics.median(m["times_ms"]) / 1e3
+        times = sorted(m.pop("times_ms"))
+        cases.append({**m, "median_ms": round(med * 1e3, 3), "gbps": round(m["bytes"] / med / 1e9, 4),
+                      "p10_ms": times[len(times) // 10], "p90_ms": times[len(times) * 9 // 10]})
     ratio = {}
     for c in cases:
         if c["path"] == "between hosts":
@@ -175,7 +191,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--peer", choices=("owner", "reader"), help=argparse.SUPPRESS)
     ap.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=10, help="timed reads per case, path and round")
+    ap.add_argument("--rounds", type=int, default=3, help="times the two paths are measured in turn")
     ap.add_argument("--sizes", default="1,8,32", help="contiguous read sizes, MiB (comma-separated)")
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.sizes.split(",") if x]
@@ -187,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         with Hosts() as hosts:
-            result = measure(hosts, args.reps, sizes)
+            result = measure(hosts, args.reps, sizes, args.rounds)
     except HostsError as exc:
         sys.exit(f"multihost_kv: cannot build the two hosts: {exc}")
     result.update(
