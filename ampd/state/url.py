@@ -13,6 +13,7 @@ The URL is a secret (it may hold a password): errors name the addresses, never t
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -108,12 +109,16 @@ def pool(target: RedisTarget, *, max_connections: int, wait_s: float, **kw):
         return aioredis.BlockingConnectionPool.from_url(target.url, max_connections=max_connections, timeout=wait_s,
                                                         **kw)
 
-    class BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
-        """redis-py's Sentinel pool with the blocking pool's bound (it has none of its own)."""
-
     manager = Sentinel(list(target.sentinels), sentinel_kwargs=_sentinel_kwargs(kw))
-    return BlockingSentinelPool(target.master, manager, max_connections=max_connections, timeout=wait_s,
+    return _blocking_sentinel_pool(SentinelConnectionPool, aioredis.BlockingConnectionPool)(target.master, manager, max_connections=max_connections, timeout=wait_s,
                                 db=target.db, username=target.username, password=target.password, **kw)
+
+
+@functools.cache
+def _blocking_sentinel_pool(sentinel_pool: type, blocking_pool: type) -> type:
+    """redis-py's Sentinel pool with the blocking pool's bound (it has none of its own): a call
+    that finds every connection in use waits for one instead of failing at once."""
+    return type("BlockingSentinelPool", (sentinel_pool, blocking_pool), {"__module__": __name__})
 
 
 def _sentinel_kwargs(kw: dict, aio: bool = True) -> dict:

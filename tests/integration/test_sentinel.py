@@ -12,10 +12,11 @@ import time
 
 import pytest
 
+from ampd.config import ConfigError
 from ampd.state.local import free_port
 from ampd.state.store import REDIS_ERRORS, REGISTERED, StateStore, WorkerInfo, WorkerStats, connect
 from ampd.state.url import sync_client
-from tests.sentinels import SentinelSet
+from tests.sentinels import MASTER, SentinelSet
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -64,6 +65,13 @@ def test_failover_keeps_the_registry_and_unreachable_sentinels_fail_clearly(tmp_
                 return took
 
             took = asyncio.run(scenario())
+
+            async def unknown_group():  # Sentinels that answer but monitor no such master
+                with pytest.raises(ConfigError) as e:
+                    await connect(s.url.replace(f"/{MASTER}/", "/nope/"), timeout_s=0.5)
+                return str(e.value)
+            said = asyncio.run(unknown_group())
+            assert said.startswith("--redis-url: the Redis Sentinels 127.0.0.1:") and "know no master group 'nope'" in said
             print(f"\nheartbeat answered by the new master {took:.1f} s after the old one was killed")
             assert took < 20
             r = sync_client(s.url, socket_timeout=2)  # the blocking client (sglang's KV linker) too
