@@ -36,6 +36,8 @@ class Hosts:
         self.names = [f"ampd{tag}h{i + 1}" for i in range(n)]
         self.links = [f"ampd{tag}v{i + 1}" for i in range(n)]  # <= 15 characters, the kernel's limit
         self.addr = [f"{SUBNET}.{i + 1}" for i in range(n)]
+        self.made: list[str] = []  # the namespaces this made: close deletes these only
+        self.linked = False
 
     def __enter__(self) -> "Hosts":
         if shutil.which("ip") is None:
@@ -45,8 +47,10 @@ class Hosts:
         try:
             for ns in self.names:
                 _ip("netns", "add", ns)
+                self.made.append(ns)
                 _ip("-n", ns, "link", "set", "lo", "up")
             _ip("link", "add", self.links[0], "type", "veth", "peer", "name", self.links[1])
+            self.linked = True
             for ns, link, addr in zip(self.names, self.links, self.addr):
                 _ip("link", "set", link, "netns", ns)
                 _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", link)
@@ -76,7 +80,7 @@ class Hosts:
     def close(self) -> None:
         """Kills what still runs in the namespaces (bounded), then deletes them (and the veth pair)."""
         existing = set(_ip("netns", "list", check=False).stdout.split())
-        for ns in self.names:
+        for ns in self.made:
             if ns not in existing:
                 continue
             for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -93,4 +97,7 @@ class Hosts:
                 if not pids:
                     break
             _ip("netns", "del", ns, check=False)
-        _ip("link", "del", self.links[0], check=False)  # if it never moved into a namespace
+        self.made.clear()
+        if self.linked:  # gone with its namespaces, unless it never moved into one
+            _ip("link", "del", self.links[0], check=False)
+            self.linked = False

@@ -12,7 +12,7 @@ import pytest
 from ampd.launcher import Deployment, Options
 from ampd.trust import new_secret
 from benchmarks.multihost_kv import measure
-from tests.multihost.hosts import Hosts, HostsError
+from tests.multihost.hosts import Hosts, HostsError, _ip
 from tests.multihost.stack import Stack, run_driver
 
 pytestmark = pytest.mark.timeout(420)
@@ -106,3 +106,18 @@ def test_nixl_reads_between_hosts_move_checked_bytes(hosts):
         assert case["mismatched_bytes"] == 0, case
         assert case["gbps"] > 0, case
     print("\n" + "\n".join(f"{c['path']}: {c['label']} {c['gbps']:.2f} GB/s" for c in result["cases"]))
+
+
+def test_a_namespace_that_cannot_be_made_fails_clearly():
+    """The second namespace's name is taken: entering fails at once naming the command and the
+    kernel's reason, and the first one, already made, is deleted again (the taken one is left)."""
+    h = Hosts()
+    _ip("netns", "add", h.names[1])
+    try:
+        with pytest.raises(HostsError) as e:
+            h.__enter__()
+        assert f"`ip netns add {h.names[1]}` failed" in str(e.value) and "exists" in str(e.value), str(e.value)
+        names = _ip("netns", "list").stdout.split()
+        assert h.names[0] not in names and h.names[1] in names
+    finally:
+        _ip("netns", "del", h.names[1], check=False)
