@@ -5,6 +5,7 @@ killed and the namespaces (with their veth ends) deleted, also when the test fai
 """
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import signal
@@ -51,6 +52,7 @@ class Hosts:
                 _ip("-n", ns, "link", "set", "lo", "up")
             _ip("link", "add", self.links[0], "type", "veth", "peer", "name", self.links[1])
             self.linked = True
+            atexit.register(self.close)  # also when the test run itself is interrupted
             for ns, link, addr in zip(self.names, self.links, self.addr):
                 _ip("link", "set", link, "netns", ns)
                 _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", link)
@@ -79,6 +81,8 @@ class Hosts:
 
     def close(self) -> None:
         """Kills what still runs in the namespaces (bounded), then deletes them (and the veth pair)."""
+        if not self.made and not self.linked:
+            return
         existing = set(_ip("netns", "list", check=False).stdout.split())
         for ns in self.made:
             if ns not in existing:
