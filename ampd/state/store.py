@@ -38,6 +38,9 @@ from redis.exceptions import NoScriptError
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from ampd.policy import PrefillTask, WorkerView
+from ampd.state.url import parse as parse_redis_url
+from ampd.state.url import pool as redis_pool
+from ampd.state.url import unreachable
 
 # A worker's publication (StateStore.heartbeat) as one script: its stats into the hash and the
 # channel, its liveness key renewed, and whether it is still registered. Workers publish on every
@@ -173,21 +176,27 @@ POOL_WAIT_S = 5.0
 
 
 async def connect(url: str, timeout_s: float = 10.0) -> aioredis.Redis:
-    """Connects to Redis, retrying while it starts (a fresh `ampd up` races its redis-server)."""
+    """Connects to Redis (``url``: one Redis, or Sentinels that name the master; ampd.state.url),
+    retrying while it starts (a fresh `ampd up` races its redis-server). ConfigError, one line naming
+    the address, when ``url`` is malformed or nothing answers within ``timeout_s``."""
+    target = parse_redis_url(url)
     # Timeouts: a Redis that stops answering must fail a call (and let the caller's backoff run),
     # never hang it.
-    pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=POOL_CONNECTIONS, timeout=POOL_WAIT_S,
-                                                    decode_responses=False, socket_timeout=5.0,
-                                                    socket_connect_timeout=2.0)
-    client = aioredis.Redis.from_pool(pool)
-    async for attempt in AsyncRetrying(
-        retry=retry_if_exception_type(REDIS_ERRORS),
-        wait=wait_exponential(multiplier=0.05, max=1.0),
-        stop=stop_after_delay(timeout_s),
-        reraise=True,
-    ):
-        with attempt:
-            await client.ping()
+    client = aioredis.Redis.from_pool(redis_pool(target, max_connections=POOL_CONNECTIONS, wait_s=POOL_WAIT_S,
+                                                 decode_responses=False, socket_timeout=5.0,
+                                                 socket_connect_timeout=2.0))
+    try:
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type(REDIS_ERRORS),
+            wait=wait_exponential(multiplier=0.05, max=1.0),
+            stop=stop_after_delay(timeout_s),
+            reraise=True,
+        ):
+            with attempt:
+                await client.ping()
+    except REDIS_ERRORS + (aioredis.ResponseError,) as exc:
+        await client.aclose()
+        raise await unreachable(target, timeout_s, exc) from None
     return client
 
 
