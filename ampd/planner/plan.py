@@ -86,10 +86,16 @@ class PlanResult:
     def to_json(self, seconds: float) -> dict:
         return {"gpus": self.gpus, "seconds": round(seconds, 4), "top": [e.to_json() for e in self.top],
                 "degrees": list(self.degrees), "slo": {"ttft_s": self.slo.ttft_s, "itl_s": self.slo.itl_s},
-                "policy": self.policy, "solver": "scip", "solver_calls": len(self.solves), "solves": self.solves,
+                "policy": self.policy, "colocated_form": _colocated_form(self.policy), "solver": "scip", "solver_calls": len(self.solves), "solves": self.solves,
                 "timings": {"estimates_s": round(self.estimates.seconds, 4), "solve_s": round(self.solve_s, 4),
                             "simulations_s": round(self.simulation_s, 4), "simulations": self.simulations},
                 "candidates_checked": self.candidates, "candidates_skipped": self.skipped}
+
+
+def _colocated_form(policy: str) -> str:
+    from ampd.policy import policy_spec
+
+    return policy_spec(policy).on_colocated()
 
 
 def _num(x: float):
@@ -186,9 +192,12 @@ def check(req: PlanRequest, dep: Deployment) -> tuple[str, float, float, float]:
 
 
 def check_policy(req: PlanRequest, dep: Deployment) -> str:
-    """The policy ``dep`` runs under: the request's, but a co-located deployment runs a co-located
-    policy (a disaggregated policy with no prefill workers degenerates to ``colocated``)."""
-    return req.policy if not dep.colocated or req.policy in ("colocated", "continuum") else "colocated"
+    """The policy ``dep`` runs under: the request's, but a co-located deployment runs the request's
+    co-located form (``PolicySpec.on_colocated``: ``ampd`` -> ``ampd-colocated``, whose decode
+    workers keep Algorithm 2's order; a policy that names none -> ``colocated``)."""
+    from ampd.policy import policy_spec
+
+    return req.policy if not dep.colocated else policy_spec(req.policy).on_colocated()
 
 
 def headroom(e: "PlanEntry", slo) -> float:
