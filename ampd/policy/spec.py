@@ -83,14 +83,7 @@ def register_policy(spec: PolicySpec) -> PolicySpec:
     return spec
 
 
-for _spec in (
-    # AMPD's router with no prefill workers to route to: every prefill runs on the session's decode
-    # worker, whose queue keeps Algorithm 2. The planner's co-located candidates run it under ampd
-    # (benchmarks/results/never_lose.json: toolbench 2.4/s, lenient ITL, none|tp8*2: FCFS
-    # colocated 60.3 %, continuum 62.9 %, this 70.7 % on the held-out trace).
-    PolicySpec("ampd-colocated", "adaptive", None, "ttft-aware", False, slack="queue",
-               description="AMPD on a co-located deployment (no prefill workers): every prefill local, "
-                           "TTFT-aware reordering (Alg. 2) on each worker's queue"),
+_BUILTIN = (
     PolicySpec("ampd", "adaptive", "ttft-aware", "ttft-aware", True, slack="queue", colocated_form="ampd-colocated",
                description="AMPD: adaptive routing (Alg. 1, queue-aware slack) + TTFT-aware reordering "
                            "(Alg. 2) on every queue"),
@@ -112,8 +105,18 @@ for _spec in (
                description="vLLM-style co-location: no prefill workers, prefill-priority continuous batching, FCFS"),
     PolicySpec("continuum", "local", None, "continuum", False, kv_pin_ttl_s=CONTINUUM_KV_PIN_TTL_S,
                description="vLLM-Continuum: co-located, KV pinned through tool calls for a TTL, running sessions first"),
-):
+    # AMPD's router with no prefill workers to route to: every prefill runs on the session's decode
+    # worker, whose queue keeps Algorithm 2. The planner's co-located candidates run it under ampd
+    # (benchmarks/results/never_lose.json: toolbench 2.4/s, lenient ITL, none|tp8*2: FCFS
+    # colocated 60.3 %, continuum 62.9 %, this 70.7 % on the held-out trace).
+    PolicySpec("ampd-colocated", "adaptive", None, "ttft-aware", False, slack="queue",
+               description="AMPD on a co-located deployment (no prefill workers): every prefill local, "
+                           "TTFT-aware reordering (Alg. 2) on each worker's queue"),
+)
+# a co-located form is registered before the policies that name it; the registry lists them as above
+for _spec in sorted(_BUILTIN, key=lambda s: s.uses_prefill_workers):
     register_policy(_spec)
+_SPECS = {s.name: _SPECS[s.name] for s in _BUILTIN}
 
 POLICIES: tuple[str, ...] = tuple(_SPECS)
 
