@@ -154,8 +154,8 @@ def _model(est, gpus, degrees, disaggregated, colocated, mixed, all_gpus):
         m.addCons(quicksum(u.values()) == on)
         # A valid floor: whatever degrees are active, the worst of them is at least the best tau any
         # degree has at the chosen level. The big-M rows below are void in the LP relaxation (act is
-        # fractional there), which left the root bound at 0; with the floor SCIP prunes (64 GPUs:
-        # 90-190 nodes a solve instead of 160-410).
+        # fractional there), which left the root bound at 0; with the floor SCIP prunes (64 GPUs,
+        # the disaggregated family alone: 90-190 nodes a solve instead of 160-410).
         floor = [min(_least(est.tau[kd][n][l]) for n in degrees) for l in range(len(est.levels))]
         m.addCons(w[kd] >= quicksum(floor[l] * u[l] for l in range(len(est.levels))))
         cap = quicksum(cnt[kd, n] * est.capacity[kd][n] for n in degrees)
