@@ -63,7 +63,7 @@ class DeploymentConfig:
 
     prefill: str = setting(
         "auto", "prefill workers: a count (of TP 1) or a SPEC of replica groups tpN*R[,tpN*R...]; 'none' for "
-        "none; 'auto': none under a co-located policy (colocated, continuum), tp1*1 under a disaggregated one "
+        "none; 'auto': none under a co-located policy (colocated, continuum, ampd-colocated), tp1*1 under a disaggregated one "
         "for `ampd up` (`ampd simulate` asks for it). A co-located policy runs no prefill workers: GPUs given "
         "here become co-located workers (same GPU count)", metavar="SPEC")
     decode: str = setting("tp1*1", "decode workers: a count (of TP 1) or a SPEC like tp2*2", metavar="SPEC")

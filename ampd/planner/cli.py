@@ -128,8 +128,16 @@ def _save_cache(path: str | None, cache) -> None:
 
 def _prefetch_solver() -> None:
     """Import pyscipopt (and the numpy it brings, a fifth of a cold run) on a thread while the trace
-    is read and the estimates are made: part of it overlaps (benchmarks/results/planner_time.json)."""
+    is read and the estimates are made: part of it overlaps (benchmarks/results/planner_time.json).
+
+    pyscipopt stays the solver's interface (its import is ~0.1 s of CPU, most of it numpy, against
+    ~0.4 s for a cold 8-GPU plan: measured with ``python -X importtime -c "import pyscipopt"``, not
+    enough to justify calling SCIP's C library directly). The planner does no linear algebra, so
+    numpy's OpenBLAS gets one thread: starting its pool of one thread per core cost a third of the
+    import's CPU time (0.15-0.18 s against 0.09-0.12 s of CPU on 2 cores), unless the user set it."""
     import threading
+
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
     def load() -> None:
         try:

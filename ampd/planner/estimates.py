@@ -280,6 +280,8 @@ def _ttft_p95(q: list[float], es: float, es2: float, rho: float, c: int = 1) -> 
         return q[min(len(q) - 1, int(0.95 * len(q)))]
     p_wait = _erlang_c(c, rho)
     theta = es2 / (2.0 * es * c * (1.0 - rho))  # mean wait of a task that waits
+    if theta > 0:
+        return _tail_point(q, p_wait, theta, 0.05)
 
     def tail(t: float) -> float:
         return sum(1.0 if t < x else (p_wait * math.exp(-(t - x) / theta) if theta > 0 else 0.0) for x in q) / len(q)
@@ -291,6 +293,33 @@ def _ttft_p95(q: list[float], es: float, es2: float, rho: float, c: int = 1) -> 
         else:
             hi = mid
     return hi
+
+
+def _tail_point(q: list[float], p_wait: float, theta: float, target: float) -> float:
+    """The smallest t with P(wait + service > t) <= ``target``, the service one of the sorted
+    quantiles ``q`` (equally likely), the wait 0 but with probability ``p_wait``, else exponential
+    of mean ``theta``. Exact, segment by segment: for t between two quantiles the tail is
+    (quantiles above t) / Q + p_wait / Q x sum over the quantiles x <= t of exp(-(t - x) / theta),
+    which is solved for t in closed form (a 30-step bisection over the same tail was ~70 % of the
+    estimates' time: 0.15 s against 0.04 s for a 400-session trace at 8 GPUs)."""
+    n = len(q)
+    s, prev, i = 0.0, q[0], 0
+    while i < n:
+        x = q[i]
+        j = i
+        while j < n and q[j] == x:
+            j += 1
+        s = s * math.exp(-(x - prev) / theta) + (j - i)  # sum of exp(-(x - x_i) / theta), x_i <= x
+        above = (n - j) / n
+        if above + p_wait * s / n <= target:
+            return x  # the tail drops below the target at this quantile (the service's own step)
+        room = target - above
+        if room > 0 and p_wait > 0:
+            t = x + theta * math.log(p_wait * s / (n * room))
+            if j == n or t < q[j]:
+                return t
+        prev, i = x, j
+    return q[-1]  # not reached: past the last quantile the tail decays to 0
 
 
 def _itl_p95(profile, mix: _Mix, n: int, sessions_per_s: float, f: float, itl_slo_s: float) -> float:

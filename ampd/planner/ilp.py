@@ -32,7 +32,7 @@ from .estimates import Estimates
 from .objective import EPS_BALANCE, EPS_UNUSED
 from .space import KINDS, Deployment
 
-__all__ = ["solve_top", "best_deployments", "space_size"]
+__all__ = ["solve_top", "best_deployments", "finalists", "space_size"]
 
 
 def space_size(gpus: int, degrees: Sequence[int], *, disaggregated: bool = True, colocated: bool = True,
@@ -86,6 +86,32 @@ def solve_top(est: Estimates, gpus: int, degrees: Sequence[int], k: int, *, disa
     return _top(m, cnt, k, [], family, log)
 
 
+def finalists(est: Estimates, gpus: int, degrees: Sequence[int], k: int, *, disaggregated: bool = True,
+              colocated: bool = True, mixed: bool = True, all_gpus: bool = False,
+              log: list | None = None) -> list[tuple[float, Deployment]]:
+    """The ``k`` best deployments over the whole space, then the best of each family (co-located,
+    disaggregated) that they lack, from one model: ``k`` solves, and one more per missing family
+    with ``co`` fixed to it (the no-good cuts so far exclude only the other family's deployments).
+    Solving each family apart took ``2k`` solves for the same finalists."""
+    if not (disaggregated or colocated):
+        raise ValueError("search space: allow disaggregated and/or co-located deployments")
+    both = disaggregated and colocated
+    family = "both" if both else ("disaggregated" if disaggregated else "colocated")
+    m, cnt, co = _model(est, gpus, degrees, disaggregated, colocated, mixed, all_gpus)
+    found = _top(m, cnt, k, [], family, log)
+    if both:
+        for fam, fixed in (("disaggregated", 0.0), ("colocated", 1.0)):
+            if any(d.colocated == bool(fixed) for _, d in found):
+                continue
+            m.chgVarLb(co, fixed)
+            m.chgVarUb(co, fixed)
+            extra = _top(m, cnt, len(found) + 1, list(found), fam, log)[len(found):]
+            m.chgVarLb(co, 0.0)
+            m.chgVarUb(co, 1.0)
+            found += extra
+    return found
+
+
 def _model(est, gpus, degrees, disaggregated, colocated, mixed, all_gpus):
     from pyscipopt import SCIP_PARAMSETTING, Model, quicksum
 
@@ -126,6 +152,12 @@ def _model(est, gpus, degrees, disaggregated, colocated, mixed, all_gpus):
             m.addCons(quicksum(act[kd, n] for n in degrees) <= 1)
         u = {l: m.addVar(f"u_{kd}_{l}", vtype="B") for l in range(len(est.levels))}
         m.addCons(quicksum(u.values()) == on)
+        # A valid floor: whatever degrees are active, the worst of them is at least the best tau any
+        # degree has at the chosen level. The big-M rows below are void in the LP relaxation (act is
+        # fractional there), which left the root bound at 0; with the floor SCIP prunes (64 GPUs,
+        # the disaggregated family alone: 90-190 nodes a solve instead of 160-410).
+        floor = [min(_least(est.tau[kd][n][l]) for n in degrees) for l in range(len(est.levels))]
+        m.addCons(w[kd] >= quicksum(floor[l] * u[l] for l in range(len(est.levels))))
         cap = quicksum(cnt[kd, n] * est.capacity[kd][n] for n in degrees)
         if kd == "prefill" and spill:  # the prefill workers carry rate - s: one big-M row per level
             for l, rho in enumerate(est.levels):
@@ -204,3 +236,8 @@ def _exclude(m, cnt, sol, tag: int) -> None:
             m.addCons(v <= star - 1 + ub * (1 - down))
             moves.append(down)
     m.addCons(quicksum(moves) >= 1)
+
+
+def _least(t) -> float:
+    """The smallest tau of one (kind, degree, level): over the spill shares or pool sizes it holds."""
+    return min(t) if isinstance(t, tuple) else t

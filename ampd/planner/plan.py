@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from .estimates import SAMPLE_SESSIONS, EstimateCache, Estimates, build_estimates, outcome, trace_fingerprint
-from .ilp import best_deployments
+from .ilp import finalists
 from .objective import evaluate
 from .space import Deployment, PlanError, feasible_degrees
 
@@ -86,10 +86,16 @@ class PlanResult:
     def to_json(self, seconds: float) -> dict:
         return {"gpus": self.gpus, "seconds": round(seconds, 4), "top": [e.to_json() for e in self.top],
                 "degrees": list(self.degrees), "slo": {"ttft_s": self.slo.ttft_s, "itl_s": self.slo.itl_s},
-                "policy": self.policy, "solver": "scip", "solver_calls": len(self.solves), "solves": self.solves,
+                "policy": self.policy, "colocated_form": _colocated_form(self.policy), "solver": "scip", "solver_calls": len(self.solves), "solves": self.solves,
                 "timings": {"estimates_s": round(self.estimates.seconds, 4), "solve_s": round(self.solve_s, 4),
                             "simulations_s": round(self.simulation_s, 4), "simulations": self.simulations},
                 "candidates_checked": self.candidates, "candidates_skipped": self.skipped}
+
+
+def _colocated_form(policy: str) -> str:
+    from ampd.policy import policy_spec
+
+    return policy_spec(policy).on_colocated()
 
 
 def _num(x: float):
@@ -186,9 +192,12 @@ def check(req: PlanRequest, dep: Deployment) -> tuple[str, float, float, float]:
 
 
 def check_policy(req: PlanRequest, dep: Deployment) -> str:
-    """The policy ``dep`` runs under: the request's, but a co-located deployment runs a co-located
-    policy (a disaggregated policy with no prefill workers degenerates to ``colocated``)."""
-    return req.policy if not dep.colocated or req.policy in ("colocated", "continuum") else "colocated"
+    """The policy ``dep`` runs under: the request's, but a co-located deployment runs the request's
+    co-located form (``PolicySpec.on_colocated``: ``ampd`` -> ``ampd-colocated``, whose decode
+    workers keep Algorithm 2's order; a policy that names none -> ``colocated``)."""
+    from ampd.policy import policy_spec
+
+    return req.policy if not dep.colocated else policy_spec(req.policy).on_colocated()
 
 
 def headroom(e: "PlanEntry", slo) -> float:
@@ -203,23 +212,13 @@ def headroom(e: "PlanEntry", slo) -> float:
 def family_candidates(est, gpus: int, degrees, k: int, *, disaggregated: bool, colocated: bool, mixed: bool,
                       all_gpus: bool, log: list | None = None) -> list:
     """The finalists: the ILP's ``k`` best over the search space, plus the best of each family
-    (co-located, disaggregated) when the ``k`` best lack it. Each family is solved apart (the joint
-    ``k`` best lie within the union of the two families' ``k`` best), so AMPD's finalists hold the
+    (co-located, disaggregated) when the ``k`` best lack it (``ilp.finalists``: one model, ``k``
+    SCIP solves and one more per missing family), so AMPD's finalists hold the
     deployment a baseline's plan of one family (``remote``: disaggregated, ``colocated``: co-located)
     would choose first by the ILP, and AMPD can become that baseline's deployment where it wins
     (docs/planner.md, "Never lose to a baseline")."""
-    fams = []
-    if disaggregated:
-        fams.append({"disaggregated": True, "colocated": False})
-    if colocated:
-        fams.append({"disaggregated": False, "colocated": True})
-    per = [best_deployments(est, gpus, degrees, k, mixed=mixed, all_gpus=all_gpus, log=log, **f) for f in fams]
-    joint = sorted((c for fam in per for c in fam), key=lambda t: t[0])  # stable: each family in its own order
-    cands = joint[:k]
-    for fam in per:
-        if fam and fam[0] not in cands:
-            cands.append(fam[0])
-    return cands
+    return finalists(est, gpus, degrees, k, disaggregated=disaggregated, colocated=colocated, mixed=mixed,
+                     all_gpus=all_gpus, log=log)
 
 
 def holds(big: Deployment, small: Deployment) -> bool:

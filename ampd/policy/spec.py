@@ -27,6 +27,8 @@ class PolicySpec:
     pinning (the session's KV stays on its decode worker for the session's life). ``slack``:
     Algorithm 1's slack rule (``ampd.policy.route.SLACK_RULES``) when the router is adaptive.
     Chunked local prefill is a worker option (``chunked_prefill``), not a policy's.
+    ``colocated_form``: the policy a deployment with no prefill workers runs in place of this one
+    (see :meth:`on_colocated`); empty: ``colocated``.
     """
 
     name: str
@@ -37,11 +39,21 @@ class PolicySpec:
     kv_pin_ttl_s: float | None = None
     description: str = ""
     slack: str = "window"
+    colocated_form: str = ""
 
     @property
     def needs_prefill_workers(self) -> bool:
         """Its router sends prefills to prefill workers (``local`` runs them idle, by design)."""
         return self.uses_prefill_workers and self.router != "local"
+
+    def on_colocated(self) -> str:
+        """The policy this one becomes on a deployment with no prefill workers: itself when it is
+        co-located, else its ``colocated_form`` (``colocated`` when it names none). AMPD's is
+        ``ampd-colocated``: its router then routes every prefill locally and its decode workers keep
+        Algorithm 2's order, which plain ``colocated`` (FCFS) would drop."""
+        if not self.uses_prefill_workers:
+            return self.name
+        return self.colocated_form or "colocated"
 
 
 _SPECS: dict[str, PolicySpec] = {}
@@ -62,21 +74,25 @@ def register_policy(spec: PolicySpec) -> PolicySpec:
         problems.append(f"slack {spec.slack!r} (valid: {', '.join(SLACK_RULES)})")
     if spec.uses_prefill_workers != (spec.prefill_queue is not None):
         problems.append("a policy has a prefill queue exactly when it uses prefill workers")
+    form = _SPECS.get(spec.colocated_form) if spec.colocated_form else None
+    if spec.colocated_form and (form is None or form.uses_prefill_workers):
+        problems.append(f"colocated_form {spec.colocated_form!r} must name a co-located policy registered before it")
     if problems:
         raise ValueError(f"policy {spec.name!r}: " + "; ".join(problems))
     _SPECS[spec.name] = spec
     return spec
 
 
-for _spec in (
-    PolicySpec("ampd", "adaptive", "ttft-aware", "ttft-aware", True, slack="queue",
+_BUILTIN = (
+    PolicySpec("ampd", "adaptive", "ttft-aware", "ttft-aware", True, slack="queue", colocated_form="ampd-colocated",
                description="AMPD: adaptive routing (Alg. 1, queue-aware slack) + TTFT-aware reordering "
                            "(Alg. 2) on every queue"),
     PolicySpec("ampd-window", "adaptive", "ttft-aware", "ttft-aware", True, slack="window",
+               colocated_form="ampd-colocated",
                description="AMPD as the paper writes it: Alg. 1 with the windowed-mean slack rule + Alg. 2"),
     PolicySpec("ampd-noreorder", "adaptive", "fcfs", "fcfs", True, slack="queue",
                description="AMPD routing (Alg. 1, queue-aware slack) with FCFS queues (ablation)"),
-    PolicySpec("ampd-margin", "margin", "ttft-aware", "ttft-aware", True,
+    PolicySpec("ampd-margin", "margin", "ttft-aware", "ttft-aware", True, colocated_form="ampd-colocated",
                description="AMPD with margin routing: local or remote by the SLO margin each leaves (TTFT on "
                            "both sides, ITL on the decode worker) + TTFT-aware reordering (Alg. 2)"),
     PolicySpec("remote", "remote", "fcfs", "fcfs", True,
@@ -89,8 +105,18 @@ for _spec in (
                description="vLLM-style co-location: no prefill workers, prefill-priority continuous batching, FCFS"),
     PolicySpec("continuum", "local", None, "continuum", False, kv_pin_ttl_s=CONTINUUM_KV_PIN_TTL_S,
                description="vLLM-Continuum: co-located, KV pinned through tool calls for a TTL, running sessions first"),
-):
+    # AMPD's router with no prefill workers to route to: every prefill runs on the session's decode
+    # worker, whose queue keeps Algorithm 2. The planner's co-located candidates run it under ampd
+    # (benchmarks/results/never_lose.json: toolbench 2.4/s, lenient ITL, none|tp8*2: FCFS
+    # colocated 60.3 %, continuum 62.9 %, this 70.7 % on the held-out trace).
+    PolicySpec("ampd-colocated", "adaptive", None, "ttft-aware", False, slack="queue",
+               description="AMPD on a co-located deployment (no prefill workers): every prefill local, "
+                           "TTFT-aware reordering (Alg. 2) on each worker's queue"),
+)
+# a co-located form is registered before the policies that name it; the registry lists them as above
+for _spec in sorted(_BUILTIN, key=lambda s: s.uses_prefill_workers):
     register_policy(_spec)
+_SPECS = {s.name: _SPECS[s.name] for s in _BUILTIN}
 
 POLICIES: tuple[str, ...] = tuple(_SPECS)
 

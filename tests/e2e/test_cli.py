@@ -196,3 +196,31 @@ def test_plan_bad_input_is_one_line_naming_the_field(tmp_path):
         lines = [x for x in r.stderr.splitlines() if x.startswith("ampd plan: error:")]
         assert len(lines) == 1 and want in lines[0], (want, r.stderr)
         assert "Traceback" not in r.stderr
+
+
+# What a cold `ampd plan` may not import: the engines' and the services' stacks. Its path is the CLI,
+# the planner, the simulator and pyscipopt (which brings numpy); docs/planner.md "Cold planning time".
+HEAVY = ("torch", "transformers", "sglang", "scipy", "pandas", "sklearn", "grpc", "redis", "nixl", "aiohttp",
+         "fastapi", "uvicorn", "httpx", "google.protobuf", "safetensors", "tokenizers", "sentencepiece")
+
+
+def test_cold_plan_imports_nothing_heavy(tmp_path):
+    """A fresh `ampd plan` process (as a user runs it) plans with SCIP and imports none of HEAVY:
+    its import log (python -X importtime) names every module the process loaded."""
+    import json
+
+    from ampd.workload import dump_trace, generate
+
+    trace = tmp_path / "t.jsonl"
+    dump_trace(generate("toolbench", 0.8, 60.0, 3)[:40], trace)
+    out = tmp_path / "plan.json"
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "ampd", "plan", "--profile", "llama3.1-70b@h20",
+                        "--trace", str(trace), "--gpus", "8", "--json", str(out)],
+                       capture_output=True, text=True, timeout=120, env=ENV)
+    assert r.returncode == 0, r.stderr[-2000:]
+    loaded = {line.rsplit("|", 1)[1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert "ampd.planner.ilp" in loaded and "pyscipopt" in loaded
+    heavy = sorted(m for m in loaded if any(m == h or m.startswith(h + ".") for h in HEAVY))
+    assert not heavy, heavy
+    doc = json.loads(out.read_text())
+    assert doc["solver"] == "scip" and doc["solver_calls"] == len(doc["solves"]) >= 1

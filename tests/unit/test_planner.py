@@ -240,7 +240,8 @@ def test_plan_checks_and_ranks_candidates_by_simulation():
     out = res.to_json(1.25)
     assert out["gpus"] == 4 and out["seconds"] == 1.25
     assert set(out["top"][0]) >= {"prefill", "decode", "p95_s", "slo_attainment"}
-    assert out["solver"] == "scip" and out["solver_calls"] == len(out["solves"]) >= 2  # one per family at least
+    assert out["solver"] == "scip" and out["solver_calls"] == len(out["solves"]) >= 3  # one per finalist at least
+    assert out["colocated_form"] == "ampd-colocated"
     assert all(x["status"] in ("optimal", "infeasible") and x["seconds"] >= 0 for x in out["solves"])
     assert out["timings"]["simulations"] == res.candidates and out["timings"]["simulations_s"] > 0
     n = len(cache)
@@ -328,3 +329,39 @@ def test_skipping_keeps_the_plan():
     b = plan(replace(req, skip_dominated=False), cache=cache)
     assert a.skipped > 0 and b.skipped == 0 and a.candidates + a.skipped == b.candidates
     assert [(e.deployment, e.slo_attainment) for e in a.top] == [(e.deployment, e.slo_attainment) for e in b.top]
+
+
+def test_a_colocated_candidate_runs_the_policys_colocated_form():
+    """A co-located deployment is checked under the request policy's co-located form: ampd keeps
+    Algorithm 2 there (ampd-colocated), remote falls back to colocated, a co-located policy stays."""
+    from ampd.planner.plan import check_policy
+
+    prof = load_profile("qwen3-32b@h20")
+    sessions = generate("toolbench", 1.0, 10.0, 2)
+    co, dis = Deployment.of({}, {2: 2}), Deployment.of({2: 1}, {2: 1})
+    for policy, want in (("ampd", "ampd-colocated"), ("remote", "colocated"), ("continuum", "continuum")):
+        req = PlanRequest(prof, sessions, 4, SLO(1.5, 0.05), policy=policy)
+        assert check_policy(req, co) == want
+        if policy != "continuum":
+            assert check_policy(req, dis) == policy
+
+
+def test_prefill_tail_point_solves_the_tail_exactly():
+    """The P95 of wait + service in closed form per quantile segment equals a fine bisection of the
+    same tail (random service quantiles, Erlang-C waits, pools of 1 to 8)."""
+    from ampd.planner.estimates import _erlang_c, _tail_point
+
+    rnd = random.Random(5)
+    for _ in range(300):
+        q = sorted(rnd.expovariate(1.0) for _ in range(24))
+        es, es2 = sum(q) / 24, sum(x * x for x in q) / 24
+        rho, c = rnd.uniform(0.05, 0.97), rnd.choice([1, 2, 4, 8])
+        p, theta = _erlang_c(c, rho), es2 / (2.0 * es * c * (1.0 - rho))
+
+        def tail(t):
+            return sum(1.0 if t < x else p * math.exp(-(t - x) / theta) for x in q) / len(q)
+        lo, hi = 0.0, q[-1] + theta * (math.log(max(p, 0.05) / 0.05) + 1.0)
+        for _ in range(60):
+            mid = 0.5 * (lo + hi)
+            lo, hi = (mid, hi) if tail(mid) > 0.05 else (lo, mid)
+        assert _tail_point(q, p, theta, 0.05) == pytest.approx(hi, rel=1e-7, abs=1e-9)

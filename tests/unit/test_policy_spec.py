@@ -26,7 +26,7 @@ class LinearCost:
 
 def test_policy_names():
     assert POLICIES == ("ampd", "ampd-window", "ampd-noreorder", "ampd-margin", "remote", "local", "threshold",
-                        "colocated", "continuum")
+                        "colocated", "continuum", "ampd-colocated")
 
 
 def test_specs():
@@ -45,6 +45,9 @@ def test_specs():
     s = policy_spec("continuum")
     assert (s.router, s.prefill_queue, s.decode_queue, s.uses_prefill_workers) == ("local", None, "continuum", False)
     assert s.kv_pin_ttl_s == 5.0
+    s = policy_spec("ampd-colocated")  # AMPD's router and Algorithm 2's queue, no prefill workers
+    assert (s.router, s.prefill_queue, s.decode_queue, s.uses_prefill_workers, s.slack) == (
+        "adaptive", None, "ttft-aware", False, "queue")
     for name in POLICIES:
         s = policy_spec(name)
         assert isinstance(s, PolicySpec) and s.name == name and s.description
@@ -88,7 +91,7 @@ def test_ttl_override_and_errors():
         policy_spec("ampd", kv_pin_ttl_s=1.0)
     with pytest.raises(ValueError, match=">= 0"):
         policy_spec("continuum", kv_pin_ttl_s=-1.0)
-    with pytest.raises(ValueError, match=r"unknown policy 'vllm'; valid policies: ampd, ampd-window, ampd-noreorder, ampd-margin, remote, local, threshold, colocated, continuum"):
+    with pytest.raises(ValueError, match=r"unknown policy 'vllm'; valid policies: ampd, ampd-window, ampd-noreorder, ampd-margin, remote, local, threshold, colocated, continuum, ampd-colocated"):
         policy_spec("vllm")
 
 
@@ -116,3 +119,19 @@ def test_slo_is_the_report_modules():
     from ampd.bench import report
 
     assert SLO is report.SLO
+
+
+def test_colocated_form():
+    """The policy a deployment with no prefill workers runs in place of each policy: AMPD keeps its
+    reordering there (ampd-colocated), the others fall back to FCFS co-location, a co-located one
+    stays itself; a form must be a co-located policy."""
+    for name in ("ampd", "ampd-window", "ampd-margin"):
+        assert policy_spec(name).on_colocated() == "ampd-colocated"
+    for name in ("ampd-noreorder", "remote", "local", "threshold"):
+        assert policy_spec(name).on_colocated() == "colocated"
+    for name in ("colocated", "continuum", "ampd-colocated"):
+        assert policy_spec(name).on_colocated() == name
+    from ampd.policy import register_policy
+
+    with pytest.raises(ValueError, match="colocated_form 'remote' must name a co-located policy"):
+        register_policy(PolicySpec("bad-form", "remote", "fcfs", "fcfs", True, colocated_form="remote"))

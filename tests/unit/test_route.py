@@ -289,7 +289,7 @@ def test_make_router_by_router_and_policy_name():
     cost = LinearCost()
     kinds = {"ampd": "adaptive", "ampd-window": "adaptive", "ampd-noreorder": "adaptive", "ampd-margin": "margin",
              "remote": "remote", "local": "local",
-             "threshold": "threshold", "colocated": "local", "continuum": "local"}
+             "threshold": "threshold", "colocated": "local", "continuum": "local", "ampd-colocated": "adaptive"}
     assert set(kinds) == set(POLICIES)
     for name, kind in kinds.items():
         assert make_router(name, cost, SLO_).name == kind
