@@ -40,7 +40,11 @@ class ManifestError(ValueError):
 
 def render(path: Path, kubectl: str = "kubectl", timeout_s: float = 60) -> list[dict]:
     """`kubectl kustomize path`, parsed: the objects in order."""
-    p = subprocess.run([kubectl, "kustomize", str(path)], capture_output=True, text=True, timeout=timeout_s)
+    try:
+        p = subprocess.run([kubectl, "kustomize", str(path)], capture_output=True, text=True, timeout=timeout_s)
+    except FileNotFoundError:
+        raise ManifestError(f"{kubectl}: not found (make test-k8s installs one from requirements-k8s.txt; "
+                            "KUBECTL=... names another)") from None
     if p.returncode:
         raise ManifestError(f"kubectl kustomize {path} exited {p.returncode}: {p.stderr.strip()[-2000:]}")
     return [d for d in yaml.safe_load_all(p.stdout) if d]

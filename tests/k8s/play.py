@@ -27,6 +27,7 @@ import json
 import os
 import re
 import secrets
+import signal
 import socket
 import sys
 import tempfile
@@ -204,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         raise SystemExit("tests/k8s/play.py runs podman as root (rootful, as CI does): run it as root")
     os.environ.setdefault("CONTAINERS_CONF", str(ROOT / "tests/compose/containers.conf"))
+    # `timeout` (CI) sends SIGTERM: end through the `finally` below, which removes the pods
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     base = os.environ.get("AMPD_BASE_IMAGE", "localhost/debian-py:bookworm")
     work = Path(tempfile.mkdtemp(prefix="ampd-k8s-"))
     timings: dict[str, float] = {}

@@ -195,3 +195,11 @@ def test_expand_like_the_kubelet():
     env = {"A": "1"}
     assert expand("$(A):$(B)", env) == "1:$(B)"
     assert expand("$$(A)", env) == "$(A)"
+
+
+def test_render_errors_are_clear(tmp_path):
+    with pytest.raises(ManifestError, match="not found"):
+        render(ROOT / "deploy/k8s/overlays/mock", str(tmp_path / "no-kubectl"))
+    (tmp_path / "kustomization.yaml").write_text("resources: [missing.yaml]\n")
+    with pytest.raises(ManifestError, match="kustomize"):
+        render(tmp_path, KUBECTL)
