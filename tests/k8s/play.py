@@ -169,8 +169,9 @@ def cleanup() -> None:
     """Every pod this test plays (its label) and its network: leftovers of an interrupted run too."""
     ids = run(["podman", "pod", "ps", "-q", "--filter", "label=" + "=".join(*LABEL.items())],
               check=False, quiet=True).stdout.split()
-    if ids:
-        run(["podman", "pod", "rm", "-f", "-t", "1", *ids], check=False, timeout=300)
+    if ids:  # nothing to keep: SIGKILL (a stop would give each container its grace period in turn)
+        run(["podman", "pod", "kill", *ids], check=False, quiet=True, timeout=120)
+        run(["podman", "pod", "rm", "-f", "-t", "0", *ids], check=False, quiet=True, timeout=300)
     run(["podman", "network", "rm", "-f", NETWORK], check=False, quiet=True)
 
 
