@@ -252,6 +252,10 @@ def main(argv: list[str] | None = None) -> int:
         start, end = cluster.replace(REPLACED, REPLACEMENT)
         log(f"replace window {end - start:.1f} s")
         all_complete(replay.report(), "replay across the replacement")
+        logs = run(["podman", "logs", "coordinator-coordinator"], check=False, quiet=True)
+        moved = [ln for ln in (logs.stdout + logs.stderr).splitlines() if "moving the session" in ln]
+        log(f"the coordinator moved {len(moved)} sessions off {REPLACED}" +
+            "".join(f"\n    {ln[-200:]}" for ln in moved[:3]))
         if bound < 1:
             raise Failed(f"no session was open on {REPLACED} when it was replaced: the check shows nothing "
                          "(more or longer sessions in the trace)")
