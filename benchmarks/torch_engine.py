@@ -3,8 +3,8 @@
     python -m benchmarks.torch_engine [--model smollm2-135m-instruct|FOLDER] [--prompt 300]
                                       [--new 64] [--batch 8] [--reps 3]
 
-One run, same model folder, same torch threads (the default: one per core) in every process, same
-prompts (random token ids):
+One run, same model folder, same torch threads in `generate` as in each engine worker (`ampd up`'s
+--worker-threads: the cores divided among its engine workers), same prompts (random token ids):
 - `generate`: in this process, `model.generate(use_cache=True)` greedy on each prompt; its decode
   rate is (new - 1) / (time of `new` tokens - time of 1 token), and `forward` is one plain
   `model(ids)` over the prompt (the TTFT reference).
@@ -242,17 +242,19 @@ def main(argv: list[str] | None = None) -> None:
     from ampd.launcher import Deployment, Options
 
     load_before = os.getloadavg()[0]  # the box is shared: say how busy it was
-    model, info = _load(args.model)
-    print(json.dumps(info), file=sys.stderr)
-    rng = np.random.default_rng(0)
     with Deployment(Options(engine="torch", model=args.model), frontend=True, ready_timeout_s=600) as dep:
+        threads = dep.worker_threads()
+        torch.set_num_threads(threads)  # generate gets the threads each engine worker has
+        model, info = _load(args.model)
+        print(json.dumps(info), file=sys.stderr)
+        rng = np.random.default_rng(0)
         res = asyncio.run(live(dep.frontend, model, args.model, args, rng))
     res["bandwidth"] = bandwidth(model, res["batch1"]["ampd_decode_tok_s"])
     kv = asyncio.run(_kv_transfer(TorchEngine(model), args.kv_tokens, args.kv_reps))
     result = {
         "command": " ".join(["python -m benchmarks.torch_engine", *argv]),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-                   f"{torch.get_num_threads()} threads per process",
+                   f"{threads} torch threads in generate and in each engine worker (--worker-threads)",
         "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         **info,
         "new_tokens": args.new,
