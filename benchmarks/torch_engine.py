@@ -1,7 +1,7 @@
 """The torch engine through a live deployment against plain transformers, and its KV through NIXL.
 
     python -m benchmarks.torch_engine [--model smollm2-135m-instruct|FOLDER] [--prompt 300]
-                                      [--new 64] [--batch 8] [--reps 3]
+                                      [--new 64] [--batch 8] [--batch-new 160] [--reps 5]
 
 One run, same model folder, same torch threads in `generate` as in each engine worker (`ampd up`'s
 --worker-threads: the cores divided among its engine workers), same prompts (random token ids):
@@ -13,8 +13,9 @@ One run, same model folder, same torch threads in `generate` as in each engine w
   (token ids, `ignore_eos`), timed by this client: TTFT from sending to the first token, decode
   rate (new - 1) / (last token - first token). Batch 1 and generate take turns, `--reps` times each,
   so both see the same load; the medians are reported, every sample is kept.
-- batching: `--batch` sessions sent at once (prompts of `--batch-prompt` tokens); aggregate decode
-  tokens/s over the window in which all of them are decoding, against batch 1.
+- batching: `--batch` sessions sent at once (prompts of `--batch-prompt` tokens, `--batch-new` new
+  tokens each); aggregate decode tokens/s over the window in which all of them are decoding (from
+  the last session's first token to the first session's last), against batch 1.
 - memory bandwidth: weight bytes read per decode step (every parameter once) divided by the
   bandwidth of `np.copyto` of a 256 MiB buffer: the step no CPU of this memory can beat.
 - KV transfer: one session's history in the engine's block layout (16-token blocks, scattered), READ
@@ -130,7 +131,7 @@ async def live(url: str, model, name: str, args, rng) -> dict:
             samples_ampd.append({"ttft_s": r["times"][0] - r["sent"], "decode_tok_s": _rate(r)})
             print(json.dumps({"generate": samples_gen[-1], "ampd": samples_ampd[-1]}), file=sys.stderr)
         prompts = [rng.integers(10, model.config.vocab_size, args.batch_prompt).tolist() for _ in range(args.batch)]
-        runs = await asyncio.gather(*[_stream(http, name, p, args.new) for p in prompts])
+        runs = await asyncio.gather(*[_stream(http, name, p, args.batch_new) for p in prompts])
     all_in = max(r["times"][0] for r in runs)  # every session is decoding from here ...
     first_out = min(r["times"][-1] for r in runs)  # ... to here
     window = sum(sum(all_in < t <= first_out for t in r["times"]) for r in runs)
@@ -139,7 +140,10 @@ async def live(url: str, model, name: str, args, rng) -> dict:
     gen = med(s["decode_tok_s"] for s in samples_gen)
     fwd = med(s["forward_s"] for s in samples_gen)
     ttft = med(s["ttft_s"] for s in samples_ampd)
-    agg = window / max(first_out - all_in, 1e-9)
+    if first_out <= all_in:  # the prefills of the batch outlasted a session's decode: no common window
+        raise RuntimeError(f"no window with all {args.batch} sessions decoding: the first ended "
+                           f"{all_in - first_out:.1f} s before the last began; raise --batch-new")
+    agg = window / (first_out - all_in)
     return {
         "samples": {"generate": [{k: round(v, 4) for k, v in g.items()} for g in samples_gen],
                     "ampd": [{k: round(v, 4) for k, v in a.items()} for a in samples_ampd]},
@@ -148,7 +152,8 @@ async def live(url: str, model, name: str, args, rng) -> dict:
                    "generate_itl_ms": round(1e3 / gen, 1), "same_tokens": same},
         "ttft": {"prompt_tokens": args.prompt, "ampd_ttft_s": round(ttft, 3), "forward_s": round(fwd, 3),
                  "ratio": round(ttft / fwd, 3)},
-        "batching": {"sessions": args.batch, "prompt_tokens": args.batch_prompt, "window_s": round(first_out - all_in, 3),
+        "batching": {"sessions": args.batch, "prompt_tokens": args.batch_prompt, "new_tokens": args.batch_new,
+                     "window_s": round(first_out - all_in, 3),
                      "window_tokens": window, "aggregate_tok_s": round(agg, 2),
                      "wall_tok_s": round(sum(len(r["times"]) for r in runs)
                                          / (max(r["times"][-1] for r in runs) - min(r["sent"] for r in runs)), 2),
@@ -229,16 +234,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default=DEFAULT_MODEL, help="smollm2-135m-instruct or a folder")
     ap.add_argument("--prompt", type=int, default=300, help="prompt tokens of the batch-1 requests")
     ap.add_argument("--new", type=int, default=64, help="generated tokens per request")
-    ap.add_argument("--reps", type=int, default=3, help="batch-1 requests (and generate runs)")
+    ap.add_argument("--reps", type=int, default=5, help="batch-1 requests (and generate runs)")
     ap.add_argument("--batch", type=int, default=8, help="concurrent sessions")
     ap.add_argument("--batch-prompt", type=int, default=128, help="prompt tokens of each concurrent session")
+    # The sessions' prefills run one after another: each must still be decoding when the last starts.
+    ap.add_argument("--batch-new", type=int, default=160, help="generated tokens of each concurrent session")
     ap.add_argument("--kv-tokens", type=int, default=1024, help="history tokens moved over NIXL")
     ap.add_argument("--kv-reps", type=int, default=20, help="repetitions of the KV transfer")
     ap.add_argument("--out", default=str(OUT))
     argv = list(argv or [])  # `make bench` (benchmarks.run) calls main() with none
     args = ap.parse_args(argv)
-    if args.new < 2 or args.prompt < 1 or args.batch < 2 or args.reps < 1:
-        ap.error("--new must be >= 2, --batch >= 2, --prompt and --reps >= 1")
+    if args.new < 2 or args.batch_new < 2 or args.prompt < 1 or args.batch < 2 or args.reps < 1:
+        ap.error("--new and --batch-new must be >= 2, --batch >= 2, --prompt and --reps >= 1")
     from ampd.launcher import Deployment, Options
 
     load_before = os.getloadavg()[0]  # the box is shared: say how busy it was
