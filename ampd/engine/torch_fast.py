@@ -93,10 +93,10 @@ class Fused:
     gives `generate`'s logits exactly (tests/unit/test_torch_engine.py).
 
     `packed`: the same weights reordered into oneDNN's blocked layout, used from PACK_FROM sequences
-    on: at batch 8 on this project's CPU `aten::mm` took 2.2 ms for the gate/up product that it
-    takes in 0.42 ms at batch 1, the blocked product 1.35 ms (at batch 1 it is slower: 0.60 ms). Its
-    sums are ordered differently; a batch's rows already differ from batch 1 in the last bits with
-    `aten::mm` too (the exactness checks compare a batch's tokens with each sequence alone)."""
+    on: at batch 8 `aten::mm` runs these fp32 products far below the bandwidth limit on this
+    project's CPU, the blocked layout faster (at batch 1 it is the slower one). Its sums are ordered
+    differently; a batch's rows already differ from batch 1 in the last bits with `aten::mm` too
+    (the exactness checks compare a batch's tokens with each sequence alone)."""
 
     qkv: list[torch.Tensor]
     split: tuple[int, int, int]
