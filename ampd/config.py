@@ -164,8 +164,8 @@ class WorkerSettings:
                                    "below it)", minimum=1)
     # OpenMP threads of processes that share cores wait on each other (a descheduled thread stalls
     # its whole parallel region), so `ampd up` splits the machine's cores among its engine workers.
-    worker_threads: int = setting(0, "torch intra-op (OpenMP) threads of each engine worker process (torch engine, "
-                                     "SGLang on the CPU); 0 = `ampd up` gives each the machine's cores divided "
+    worker_threads: int = setting(0, "torch intra-op (OpenMP) threads of each engine worker process (torch "
+                                     "engine); 0 = `ampd up` gives each the machine's cores divided "
                                      "by its engine worker processes (at least 1), a lone service keeps torch's "
                                      "default", minimum=0)
 
