@@ -3,9 +3,10 @@
 Profiling the live decode worker (py-spy, torch.profiler) showed that, beside the weights, a step
 through `model(...)` with `PoolCache` spent about a quarter of its time gathering every layer's whole
 history out of the pool (a strided `index_select`, then a copy to make it contiguous) and in
-attention over a padded, masked batch. This module runs the same modules of the model (norms,
-projections, rotary embedding, MLP, head: the same kernels on the same shapes, so the same bits as
-`generate`) layer by layer, with attention over a per-session resident copy of the KV:
+attention over a padded, masked batch. This module runs the model's own weights and modules (norms,
+projections, rotary embedding, MLP, head; q/k/v and gate/up fused into one product each, which gives
+the same bits, `Fused`) layer by layer, so a lone session's logits are `generate`'s exactly, with
+attention over a per-session resident copy of the KV:
 
 - `Resident`: a session's KV as `[layers, k/v, kv_heads, capacity, head_dim]`, the layout attention
   reads. Built from the pool at the first step of a decode (one gather per round, not per step and
