@@ -167,6 +167,12 @@ class WorkerSettings:
                                           "for timing only)", minimum=1)
     kv_pool_mb: int = setting(256, "cap on a worker's KV pool memory, MiB (the profile's capacity applies "
                                    "below it)", minimum=1)
+    # OpenMP threads of processes that share cores wait on each other (a descheduled thread stalls
+    # its whole parallel region), so `ampd up` splits the machine's cores among its engine workers.
+    worker_threads: int = setting(0, "torch intra-op (OpenMP) threads of each engine worker process (torch "
+                                     "engine); 0 = `ampd up` gives each the machine's cores divided "
+                                     "by its engine worker processes (at least 1), a lone service keeps torch's "
+                                     "default", minimum=0)
 
 
 @dataclass(frozen=True)
@@ -339,7 +345,8 @@ _POLICY_ALL = ("policy", "ttft_slo", "itl_slo")
 _WORKER = ("host", "port", "metrics_port", "advertise", "worker_id", "ready_file", "redis_url", "namespace",
            "profile", "engine", "model", *_POLICY_ALL, "reorder_window", "kv_overlap", "kv_admission",
            "tp", "stats_window", "heartbeat", "liveness_ttl", "fence_after", "block_tokens", "kv_bytes_per_token",
-           "kv_pool_mb", "auth_token", "internal_token", "otlp_endpoint")
+           "kv_pool_mb", "auth_token", "internal_token", "otlp_endpoint",
+           "worker_threads")
 SERVICE_SETTINGS: dict[str, tuple[str, ...]] = {
     "coordinator": ("host", "port", "metrics_port", "ready_file", "redis_url", "namespace", "profile", *_POLICY_ALL,
                     "slack", "seed", "alpha", "beta", "threshold_tokens", "stats_mode", "migration_limit",

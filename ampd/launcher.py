@@ -188,12 +188,14 @@ class Deployment:
                     for i in range(len(self.decode_tps))]
         sidecar_ports = self._wait_ready(sidecars)
         workers = []
+        threads = self.worker_threads()
         for i, tp in enumerate(self.decode_tps):
             workers.append(self._spawn(f"decode-{i}", self._argv(
-                "decode", worker_id=f"decode-{i}", tp=tp,
+                "decode", worker_id=f"decode-{i}", tp=tp, worker_threads=threads,
                 sidecar=f"{host}:{sidecar_ports[f'sidecar-{i}']}")))
         for i, tp in enumerate(self.prefill_tps):
-            workers.append(self._spawn(f"prefill-{i}", self._argv("prefill", worker_id=f"prefill-{i}", tp=tp)))
+            workers.append(self._spawn(f"prefill-{i}", self._argv("prefill", worker_id=f"prefill-{i}", tp=tp,
+                                                                  worker_threads=threads)))
         self._wait_ready(workers)
         # --port binds the coordinator's port; it keeps it across restarts (clients hold its address)
         coord_argv, coord_port = self._argv("coordinator"), self.cfg.process.port
@@ -208,6 +210,13 @@ class Deployment:
             self._supervisor = threading.Thread(target=self._supervise_loop, name="ampd-supervisor", daemon=True)
             self._supervisor.start()
         return self
+
+    def worker_threads(self) -> int:
+        """--worker-threads, or (0) the cores split among the engine workers: torch's default of one
+        thread per core in each would oversubscribe the cores, and OpenMP threads that wait on a
+        descheduled peer stall every step."""
+        return self.cfg.worker.worker_threads or max(
+            1, (os.cpu_count() or 1) // max(1, len(self.decode_tps) + len(self.prefill_tps)))
 
     # ---------------------------------------------------------------------------- supervision
     def child(self, name: str) -> Child:

@@ -11,6 +11,18 @@ if TYPE_CHECKING:
 ENGINES = ("mock", "torch", "sglang")
 
 
+def use_threads(threads: int) -> None:
+    """This worker process's torch intra-op threads (--worker-threads; 0 keeps torch's default). Set
+    before torch loads (OMP_NUM_THREADS sizes OpenMP's pool) and in torch if it is already loaded."""
+    if threads > 0:
+        import os
+        import sys
+
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        if "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(threads)
+
+
 def check_available(name: str, model: str = "") -> None:
     """Raises ValueError (a message for a person) when engine ``name``'s software or model is
     missing, before a deployment or a worker starts: the sglang engine needs SGLang installed, and

@@ -29,7 +29,7 @@ import torch
 
 from ampd.engine.base import DecodeSeq, Sampling
 from ampd.engine.sampling import next_tokens
-from ampd.engine.torch_fast import Resident, decode_forward, supports
+from ampd.engine.torch_fast import Resident, decode_forward, fuse, supports
 from ampd.engine.torch_kv import PoolCache, attention_mask
 from ampd.kv import KVPool, Segment, segments_tokens
 from ampd.kv.layout import KVShape, pool_rows, token_rows
@@ -76,6 +76,7 @@ class TorchEngine:
         self._lock = threading.Lock()
         # Llama-family models decode through ampd.engine.torch_fast, over per-session resident KV
         self.fast = supports(model)
+        self._fused = fuse(model) if self.fast else None  # fused projections, views shared with the model
         self._resident: weakref.WeakKeyDictionary[KVPool, dict[str, Resident]] = weakref.WeakKeyDictionary()
 
     @classmethod
@@ -199,7 +200,7 @@ class TorchEngine:
         ids = self.check_tokens([s.last_token for s in seqs], "last_token")[:, None]
         positions = torch.tensor([[s.position] for s in seqs])
         with self._lock, torch.inference_mode():
-            logits = decode_forward(self.model, ids, positions, res, rows, write)
+            logits = decode_forward(self.model, ids, positions, res, rows, write, self._fused)
         return next_tokens(logits, [s.sampling for s in seqs], [s.position + 1 for s in seqs])
 
     def _forward(self, ids, positions, mask, cache) -> torch.Tensor:

@@ -3,9 +3,10 @@
 Profiling the live decode worker (py-spy, torch.profiler) showed that, beside the weights, a step
 through `model(...)` with `PoolCache` spent about a quarter of its time gathering every layer's whole
 history out of the pool (a strided `index_select`, then a copy to make it contiguous) and in
-attention over a padded, masked batch. This module runs the same modules of the model (norms,
-projections, rotary embedding, MLP, head: the same kernels on the same shapes, so the same bits as
-`generate`) layer by layer, with attention over a per-session resident copy of the KV:
+attention over a padded, masked batch. This module runs the model's own weights and modules (norms,
+projections, rotary embedding, MLP, head; q/k/v and gate/up fused into one product each, which gives
+the same bits, `Fused`) layer by layer, so a lone session's logits are `generate`'s exactly, with
+attention over a per-session resident copy of the KV:
 
 - `Resident`: a session's KV as `[layers, k/v, kv_heads, capacity, head_dim]`, the layout attention
   reads. Built from the pool at the first step of a decode (one gather per round, not per step and
@@ -32,7 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Resident", "supports", "decode_forward"]
+__all__ = ["Resident", "Fused", "PACK_FROM", "supports", "fuse", "decode_forward"]
 
 _GROW = 256  # resident capacity grows by this many positions at least (amortizes the copy)
 
@@ -80,19 +81,91 @@ class Resident:
         self.kv = bigger
 
 
+PACK_FROM = 4  # batches from this size multiply by oneDNN-blocked weights (Fused.pack)
+
+
+@dataclass
+class Fused:
+    """A model's decode weights. Per layer, the q/k/v projections as one weight and the MLP's gate/up
+    as one, so a step runs 2 matrix products where it ran 5 (each call has its fixed cost, large
+    beside a 1-token product). The separate projections' weights become row views of the fused ones
+    (no second copy: prefill through transformers reads the same memory). Concatenating along the
+    output dimension leaves each output's dot product as it was: the same bits, so a batch of 1 still
+    gives `generate`'s logits exactly (tests/unit/test_torch_engine.py).
+
+    `packed`: the same weights reordered into oneDNN's blocked layout, used from PACK_FROM sequences
+    on: at batch 8 `aten::mm` runs these fp32 products far below the bandwidth limit on this
+    project's CPU, the blocked layout faster (at batch 1 it is the slower one). Its sums are ordered
+    differently; a batch's rows already differ from batch 1 in the last bits with `aten::mm` too
+    (the exactness checks compare a batch's tokens with each sequence alone)."""
+
+    qkv: list[torch.Tensor]
+    split: tuple[int, int, int]
+    gate_up: list[torch.Tensor]
+    packed: list[tuple[torch.Tensor, ...]] | None = None  # per layer: qkv, o, gate_up, down
+    head: torch.Tensor | None = None
+
+    def pack(self, model: Any) -> None:
+        """oneDNN-blocked copies of every product's weight (once, at the first large batch)."""
+        if self.packed is not None or not torch.backends.mkldnn.is_available():
+            return
+        blocked = torch.ops.mkldnn._reorder_linear_weight
+        layers = model.model.layers[: model.config.num_hidden_layers]
+        self.packed = [tuple(blocked(w, 8) for w in (q, layer.self_attn.o_proj.weight, g, layer.mlp.down_proj.weight))
+                       for q, g, layer in zip(self.qkv, self.gate_up, layers)]
+        self.head = blocked(model.lm_head.weight, 8)
+
+
+def fuse(model: Any) -> Fused | None:
+    """The model's `Fused` weights; None (the separate modules run) for biased projections or another
+    MLP than Llama's."""
+    layers = model.model.layers[: model.config.num_hidden_layers]
+    for layer in layers:
+        a, mlp = layer.self_attn, layer.mlp
+        if not all(hasattr(mlp, p) for p in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            return None
+        if any(lin.bias is not None for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj,
+                                                mlp.up_proj, mlp.down_proj, model.lm_head)):
+            return None
+    a = layers[0].self_attn
+    return Fused([_stack(la.self_attn.q_proj, la.self_attn.k_proj, la.self_attn.v_proj) for la in layers],
+                 (a.q_proj.out_features, a.k_proj.out_features, a.v_proj.out_features),
+                 [_stack(la.mlp.gate_proj, la.mlp.up_proj) for la in layers])
+
+
+def _stack(*linears: Any) -> torch.Tensor:
+    w = torch.cat([lin.weight.detach() for lin in linears])
+    at = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight = torch.nn.Parameter(w[at : at + n], requires_grad=False)
+        at += n
+    return w
+
+
+def _blocked(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T with `w` in oneDNN's blocked layout (Fused.pack)."""
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), w, None, "none", [], "")
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
 def _rotary(model: Any):
     """The model module's own `apply_rotary_pos_emb` (the function its attention calls)."""
     return sys.modules[type(model.model.layers[0].self_attn).__module__].apply_rotary_pos_emb
 
 
 def decode_forward(model: Any, ids: torch.Tensor, positions: torch.Tensor, res: Sequence[Resident],
-                   pool_rows: torch.Tensor, write_rows: np.ndarray) -> torch.Tensor:
+                   pool_rows: torch.Tensor, write_rows: np.ndarray, fused: Fused | None = None) -> torch.Tensor:
     """One decode step: `ids` and `positions` `[batch, 1]`, `res[b]` holding positions
     [0, positions[b]); appends each new token's KV to `res[b]` and writes it into pool row
-    `write_rows[b]`. Returns the logits `[batch, vocab]`."""
+    `write_rows[b]`. `fused`: `fuse(model)`'s weights (else the separate projections). Returns the
+    logits `[batch, vocab]`."""
     inner = model.model
     rope = _rotary(model)
     b = ids.shape[0]
+    if fused is not None and b >= PACK_FROM:
+        fused.pack(model)
+    packed = fused.packed if fused is not None and b >= PACK_FROM else None
     for r in res:
         r.make_room()
     h = inner.embed_tokens(ids)  # [b, 1, hidden]
@@ -102,9 +175,15 @@ def decode_forward(model: Any, ids: torch.Tensor, positions: torch.Tensor, res: 
         attn = layer.self_attn
         x = layer.input_layernorm(h)
         shape = (b, 1, -1, attn.head_dim)
-        q = attn.q_proj(x).view(shape).transpose(1, 2)  # [b, heads, 1, dim]
-        k = attn.k_proj(x).view(shape).transpose(1, 2)  # [b, kv_heads, 1, dim]
-        v = attn.v_proj(x).view(shape).transpose(1, 2)
+        if packed:
+            q, k, v = _blocked(x, packed[li][0]).split(fused.split, -1)
+        elif fused is not None:
+            q, k, v = F.linear(x, fused.qkv[li]).split(fused.split, -1)
+        else:
+            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        q = q.reshape(shape).transpose(1, 2)  # [b, heads, 1, dim]
+        k = k.reshape(shape).transpose(1, 2)  # [b, kv_heads, 1, dim]
+        v = v.reshape(shape).transpose(1, 2)
         q, k = rope(q, k, cos, sin)
         outs = []
         for i, r in enumerate(res):
@@ -117,10 +196,19 @@ def decode_forward(model: Any, ids: torch.Tensor, positions: torch.Tensor, res: 
                 scale=attn.scaling, enable_gqa=True))
         o = outs[0] if b == 1 else torch.cat(outs)  # [b, heads, 1, dim]
         o = o.transpose(1, 2).reshape(b, 1, -1)
-        h = h + attn.o_proj(o)
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-    h = inner.norm(h)
-    logits = model.lm_head(h[:, -1])
+        h = h + (_blocked(o, packed[li][1]) if packed else attn.o_proj(o))
+        x = layer.post_attention_layernorm(h)
+        mlp = layer.mlp
+        if packed:  # LlamaMLP's down(act(gate(x)) * up(x)), gate and up in one product
+            gate, up = _blocked(x, packed[li][2]).chunk(2, -1)
+            h = h + _blocked(mlp.act_fn(gate) * up, packed[li][3])
+        elif fused is not None:
+            gate, up = F.linear(x, fused.gate_up[li]).chunk(2, -1)
+            h = h + mlp.down_proj(mlp.act_fn(gate) * up)
+        else:
+            h = h + mlp(x)
+    h = inner.norm(h)[:, -1]
+    logits = _blocked(h, fused.head) if packed else model.lm_head(h)
     for i, r in enumerate(res):  # the pool gets the new KV too: it stays the KV's home
         pool_rows[int(write_rows[i])] = r.kv[:, :, :, at[i]]
         r.rows = np.append(r.rows, write_rows[i])

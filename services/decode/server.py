@@ -13,7 +13,7 @@ from ampd.config import ConfigError, DeploymentConfig
 from ampd.grpcserver import SESSION_OPEN, RpcFailure, abort_on_failure, serve_calls
 from ampd.chat.template import ChatFormat
 from ampd.chat.tokenizer import tokenizer_for
-from ampd.engine import check_available, make_engine
+from ampd.engine import check_available, make_engine, use_threads
 from ampd.events import merge_tokens
 from ampd.perf import load_profile
 from ampd.policy import SLO, make_queue, policy_spec
@@ -212,6 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         args = build_parser().parse_args(argv)
         config_from_args(args, "decode", args.port)  # bad settings fail before a port is bound
+        use_threads(args.worker_threads)
         check_available(args.engine, args.model)
         tracing.setup("decode", args.otlp_endpoint, instance=args.worker_id)
     except (ConfigError, ValueError) as exc:

@@ -11,7 +11,7 @@ import structlog
 from ampd import grpcserver, logs, metrics, tracing
 from ampd.config import ConfigError
 from ampd.grpcserver import RpcFailure, abort_on_failure, serve_calls
-from ampd.engine import check_available, make_engine
+from ampd.engine import check_available, make_engine, use_threads
 from ampd.perf import load_profile
 from ampd.policy import SLO, make_queue, policy_spec
 from ampd.state import StateStore, connect
@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         args = build_parser().parse_args(argv)
         config_from_args(args, "prefill", args.port)  # bad settings fail before a port is bound
+        use_threads(args.worker_threads)
         check_available(args.engine, args.model)
         tracing.setup("prefill", args.otlp_endpoint, instance=args.worker_id)
     except (ConfigError, ValueError) as exc:

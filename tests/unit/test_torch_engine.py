@@ -145,6 +145,7 @@ def test_batched_decode_of_unequal_lengths_equals_each_alone(engine):
             got[i].append(t)
     assert got == alone
     assert alone[2] == _generate(engine.model, _prompt(40, 12), steps + 1)
+    assert engine._fused.packed is not None  # 4 sequences ran on the oneDNN-blocked weights (PACK_FROM)
 
 
 def test_bad_input_names_the_field(engine):
@@ -335,3 +336,24 @@ def test_a_rewritten_history_is_read_from_the_pool_after_forget(engine):
     s.kv.truncate(pool, 20)
     got = [s.prefill(edit)] + s.decode(6)  # the prefill rewrites positions 20..24 in the same rows
     assert got == _generate(engine.model, prompt + edit, 7)
+
+
+def test_fused_projections_give_the_same_logits_bits(engine):
+    """A decode step over the fused q/k/v and gate/up weights gives exactly the logits of the separate
+    projections at batch 1 (what makes a lone session's tokens `generate`'s bit for bit)."""
+    from ampd.engine.torch_fast import Resident, decode_forward
+
+    assert engine._fused is not None
+    pool = engine.make_pool(128, 16)
+    s = Seq(engine, pool, "fz")
+    s.prefill(_prompt(37, 50))
+    step = s.step_args()
+    rows = engine._rows(pool)
+    hist = token_rows(step.history_kv, 16)
+    write = token_rows(step.kv_segments, 16)
+    out = []
+    for fused in (engine._fused, None):
+        with torch.inference_mode():
+            out.append(decode_forward(engine.model, torch.tensor([[s.last]]), torch.tensor([[step.position]]),
+                                      [Resident.from_pool(rows, hist, 1)], rows, write, fused))
+    assert torch.equal(out[0], out[1])
