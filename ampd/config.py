@@ -162,6 +162,13 @@ class WorkerSettings:
                                           "for timing only)", minimum=1)
     kv_pool_mb: int = setting(256, "cap on a worker's KV pool memory, MiB (the profile's capacity applies "
                                    "below it)", minimum=1)
+    # Two coordinators (docs/deploy.md "Two coordinators"): a session whose coordinator is lost goes
+    # on on its decode worker, unattached, until its client reattaches it through another one.
+    reattach_grace: float = setting(30.0, "a decode worker keeps a session whose coordinator went away (its "
+                                          "stream ended without a cancel) this many seconds for the client to "
+                                          "reattach it through another coordinator, then frees it; a coordinator "
+                                          "keeps a lost coordinator's session records as long",
+                                    metavar="S", positive=True)
 
 
 @dataclass(frozen=True)
@@ -339,9 +346,9 @@ SERVICE_SETTINGS: dict[str, tuple[str, ...]] = {
     "coordinator": ("host", "port", "metrics_port", "ready_file", "redis_url", "namespace", "profile", *_POLICY_ALL,
                     "slack", "seed", "alpha", "beta", "threshold_tokens", "stats_mode", "migration_limit",
                     "fence_after", "admission_wait", "admission_queue", "admission", "auth_token", "internal_token",
-                    "script_tools"),
+                    "script_tools", "reattach_grace"),
     "prefill": _WORKER,
-    "decode": (*_WORKER, "sidecar", "chunked_prefill", "kv_evict", "script_tools"),
+    "decode": (*_WORKER, "sidecar", "chunked_prefill", "kv_evict", "script_tools", "reattach_grace"),
     "sidecar": ("host", "port", "metrics_port", "name", "tool", "ready_file", "auth_token", "internal_token",
                 "tool_workers", "tool_cpu_s", "tool_wall_s", "tool_memory_mb"),
     "planner": ("host", "port", "metrics_port", "ready_file", "profiles_dir", "auth_token"),

@@ -300,6 +300,11 @@ class StateStore:
     async def update_session(self, session_id: str, fields: dict[str, str | int | float]) -> None:
         await self.r.hset(self.session_key(session_id), mapping=fields)
 
+    async def session_record(self, session_id: str) -> dict[str, str]:
+        """A live session's record (empty: none)."""
+        raw = await self.r.hgetall(self.session_key(session_id))
+        return {k.decode(): v.decode() for k, v in raw.items()}
+
     async def delete_session(self, session_id: str) -> None:
         await self.r.delete(self.session_key(session_id))
 

@@ -66,20 +66,30 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         # is gone (it died serving the session) is deleted by the next coordinator's sweep.
         self.instance = f"{os.getpid()}-{int(time.time() * 1000) % 10**9}"
         self._polls = 0
+        # A lost coordinator's session records stay this long for their clients to reattach them
+        self.reattach_grace_s = WorkerSettings.reattach_grace
+        self._orphans_seen: dict[str, float] = {}  # orphaned record -> when a sweep first found it
+        self.stopping = False  # stop(): the sessions are left on their workers for other coordinators
 
     async def Session(self, request_iterator, context: grpc.aio.ServicerContext):
         try:
             first = await anext(request_iterator)
         except StopAsyncIteration:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "open: the first message must open the session")
-        if not first.HasField("open"):
+        reattach = first.reattach if first.HasField("reattach") else None
+        if not first.HasField("open") and reattach is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "open: the first message must open the session")
-        o = first.open
-        try:
-            validate_open(o, script_tools=self.script_tools)
-        except InvalidArgument as exc:
-            self.counters["sessions_rejected"] += 1
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if reattach is not None:  # its coordinator was lost: it goes on here (coordinator.proto ReattachSession)
+            if not reattach.session_id or len(reattach.session_id) > 256:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "reattach.session_id: 1 to 256 characters")
+            o = common_pb2.OpenSession(session_id=reattach.session_id)
+        else:
+            o = first.open
+            try:
+                validate_open(o, script_tools=self.script_tools)
+            except InvalidArgument as exc:
+                self.counters["sessions_rejected"] += 1
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         sid = o.session_id
         if sid in self.live:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"open.session_id: {sid!r} is already live")
@@ -88,7 +98,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         # The session's headers go once it is bound, while its first round runs: its first event is
         # then a message alone (headers with it took ~0.4 ms more on that event's path, measured).
         run = self.runs[sid] = SessionRun(self, sid, o, request_iterator,
-                                          on_open=lambda: context.send_initial_metadata((SESSION_OPEN,)))
+                                          on_open=lambda: context.send_initial_metadata((SESSION_OPEN,)),
+                                          reattach=reattach)
         try:
             async for out in run.run():
                 if out.HasField("done"):
@@ -143,6 +154,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self._unrecorded.add(sid)  # deleted on a later liveness poll, once Redis answers
 
     async def stop(self) -> None:
+        self.stopping = True
         await self.cluster.stop()  # no poll renews the liveness key after this
         # The key goes now, not at its TTL: nothing of a stopped coordinator stays in Redis, and the
         # records of sessions it still served are orphans at once for the next coordinator's sweep.
@@ -152,10 +164,18 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         await self.store.coordinator_alive(self.instance, ORPHAN_SWEEP_S)
         self._polls += 1
         if self._polls % ORPHAN_SWEEP_POLLS == 1:
-            orphans = [sid for sid in await self.store.orphan_sessions() if sid not in self.live]
+            # A record stays reattach_grace after its coordinator is found gone: its client may
+            # reattach the session through this coordinator or another meanwhile.
+            now = time.monotonic()
+            found = [sid for sid in await self.store.orphan_sessions() if sid not in self.live]
+            seen = self._orphans_seen
+            self._orphans_seen = {sid: seen.get(sid, now) for sid in found}
+            orphans = [sid for sid, t in self._orphans_seen.items() if now - t >= self.reattach_grace_s]
             if orphans:
                 log.info("deleting the records of sessions whose coordinator is gone", sessions=len(orphans))
                 await self.store.delete_sessions(orphans)
+                for sid in orphans:
+                    del self._orphans_seen[sid]
         if self._unrecorded:
             gone = set(self._unrecorded)
             await self.store.delete_sessions(gone)
@@ -236,6 +256,7 @@ async def amain(args: argparse.Namespace) -> None:
                                  fence_after=args.fence_after)
     service.script_tools = tuple(args.script_tools)
     service.admission = Admission(args.admission_wait, args.admission_queue, args.admission, profile, slo)
+    service.reattach_grace_s = args.reattach_grace
     service.labels.update(profile=profile.name, ttft_slo=str(slo.ttft_s), itl_slo=str(slo.itl_s))
     await service.cluster.start()
     desc = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"]
