@@ -22,7 +22,8 @@ from ampd.state import StateStore, connect
 from ampd.state.store import REDIS_ERRORS
 from ampd.stubs import Stubs
 from ampd.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from ampd.grpcserver import SESSION_OPEN, write_ready_file
+from ampd.grpcserver import REATTACH_HEADER, SESSION_OPEN, write_ready_file
+from ampd.trust import reattach_token
 from services.coordinator.core import Cluster, InvalidArgument, validate_open
 from services.coordinator.admission import Admission
 from services.coordinator.session import SessionEnd, SessionRun
@@ -97,9 +98,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.counters["sessions_opened"] += 1
         # The session's headers go once it is bound, while its first round runs: its first event is
         # then a message alone (headers with it took ~0.4 ms more on that event's path, measured).
-        run = self.runs[sid] = SessionRun(self, sid, o, request_iterator,
-                                          on_open=lambda: context.send_initial_metadata((SESSION_OPEN,)),
-                                          reattach=reattach)
+        # its headers carry the client's reattach token (ampd.coordinators): a session whose
+        # coordinator is lost before its first event can go on through another one too
+        run = self.runs[sid] = SessionRun(
+            self, sid, o, request_iterator, reattach=reattach,
+            on_open=lambda: context.send_initial_metadata((SESSION_OPEN, (REATTACH_HEADER, reattach_token(run.secret)))))
         try:
             async for out in run.run():
                 if out.HasField("done"):

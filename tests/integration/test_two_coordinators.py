@@ -1,0 +1,167 @@
+"""Two coordinators sharing one Redis (`ampd up --coordinators 2`), the torch engine: a replay of
+multi-round sessions (server-side tools) through both, first undisturbed, then with one coordinator
+SIGKILLed mid-replay. Its sessions go on through the other, reattached to the decode workers that
+hold their KV (ampd.coordinators, decode.proto Reattach): every session completes, with greedy
+tokens identical to the undisturbed run, and afterwards nothing is double-booked or left behind:
+no session record, no KV promise or block, no queued prefill.
+
+Also: a client given an unreachable coordinator address fails at once with one error naming it.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import grpc
+import pytest
+import redis
+
+from ampd.coordinators import Coordinators
+from ampd.launcher import Deployment, Options
+from ampd.v1 import common_pb2, coordinator_pb2
+from ampd.workload.ids import filler_ids
+from tests.integration.rpc_metrics import service_metrics, worker_metrics
+
+pytestmark = pytest.mark.timeout(120)
+
+NS = "twocoord"
+VOCAB = 512  # the tiny random Llama's
+
+
+def _sampling(n: int) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def _turn(i: int) -> common_pb2.Turn:
+    """Session ``i``'s one turn: a prompt, then two server-side tool calls (three rounds); one of
+    four kinds (``i % 4``), so that four undisturbed sessions give every expected output."""
+    k = i % 4
+    return common_pb2.Turn(
+        token_ids=filler_ids(40 + 8 * k, 7 * k, VOCAB), sampling=_sampling(12 + k),
+        script=[common_pb2.ScriptedCall(tool=common_pb2.ToolSpec(name="replay", latency_s=0.4), result_tokens=10 + k,
+                                        sampling=_sampling(10)) for _ in range(2)])
+
+
+async def _session(coords: Coordinators, sid: str, i: int, delay: float, out: dict) -> None:
+    await asyncio.sleep(delay)
+    outbox: asyncio.Queue = asyncio.Queue()
+    outbox.put_nowait(coordinator_pb2.ClientMessage(open=common_pb2.OpenSession(session_id=sid, turn=_turn(i))))
+
+    async def requests():
+        while (m := await outbox.get()) is not None:
+            yield m
+
+    tokens: dict[int, int] = {}  # position -> token
+    call = coords.Session(requests(), timeout=90)
+    try:
+        async for ev in call:
+            kind = ev.WhichOneof("event")
+            if kind == "tokens":
+                for j, tok in enumerate(ev.tokens.token_ids):
+                    assert ev.tokens.position + j not in tokens, (sid, "a token twice")
+                    tokens[ev.tokens.position + j] = tok
+            elif kind == "turn_end":
+                outbox.put_nowait(None)  # its only turn: half-close, SessionDone follows
+            elif kind == "done":
+                out[i] = ("", [tokens[p] for p in sorted(tokens)], len(ev.done.rounds), call.failovers,
+                          call.restarts)
+                return
+        out[i] = ("stream ended without SessionDone", [], 0, call.failovers, call.restarts)
+    except grpc.aio.AioRpcError as exc:
+        out[i] = (f"{exc.code().name}: {exc.details()}", [], 0, call.failovers, call.restarts)
+    finally:
+        call.cancel()
+
+
+async def _replay(coords: Coordinators, prefix: str, n: int, kill=None) -> dict:
+    out: dict = {}
+    tasks = [asyncio.create_task(_session(coords, f"{prefix}{i}", i, 0.12 * i, out)) for i in range(n)]
+    if kill is not None:
+        await kill()
+    await asyncio.gather(*tasks)
+    return out
+
+
+def test_a_killed_coordinators_sessions_go_on_through_the_other(tmp_path):
+    from ampd.engine.torch_models import save_tiny_llama
+
+    tiny = save_tiny_llama(tmp_path / "tiny", vocab_size=VOCAB, layers=2)
+    opts = Options(prefill="tp1*1", decode="tp1*2", coordinators=2, engine="torch", model=str(tiny),
+                   policy="ampd", profile="qwen3-32b@h20", namespace=NS, ttft_slo=5.0, itl_slo=1.0,
+                   run_dir=str(tmp_path / "run"))
+    n = 24
+    t0 = time.monotonic()
+    with Deployment(opts) as dep:
+        print(f"\ndeployment up in {time.monotonic() - t0:.1f} s")
+        assert len(dep.coordinators) == 2 and dep.coordinator == ",".join(dep.coordinators)
+        r = redis.Redis.from_url(dep.redis_url)
+
+        async def both():
+            coords = Coordinators(dep.coordinators)
+            await coords.check()
+            plain = await _replay(coords, "plain-", 4)
+
+            async def kill():
+                # mid-replay: a third of the sessions opened, tokens flowing
+                while len(r.keys(f"{NS}:session:*")) < n // 3:
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(0.3)
+                proc = dep.child("coordinator-0").proc
+                os.kill(proc.pid, signal.SIGKILL)
+                await asyncio.get_running_loop().run_in_executor(None, proc.wait, 10)
+
+            t = time.monotonic()
+            killed = await _replay(coords, "killed-", n, kill)
+            wall = time.monotonic() - t
+            await coords.close()
+            return plain, killed, wall
+
+        plain, killed, wall = asyncio.run(both())
+        failed = {i: e for i, (e, *_) in killed.items() if e}
+        failovers = sum(x[3] for x in killed.values())
+        restarts = sum(x[4] for x in killed.values())
+        print(f"\ntwo coordinators: {n - len(failed)}/{n} sessions completed after a kill, {failovers} failed "
+              f"over, {restarts} opened again; replay {wall:.1f} s; supervisor: {dep.events}")
+        assert all(not e for e, *_ in plain.values()), plain
+        assert not failed, failed
+        assert failovers >= 1  # the killed coordinator held sessions
+        for i in range(n):
+            assert killed[i][1] == plain[i % 4][1], f"session {i}: tokens differ from the undisturbed run"
+            assert killed[i][2] == 3 and len(killed[i][1]) == 12 + i % 4 + 20
+
+        t1 = time.monotonic()
+        # Nothing double-booked or left behind: no session record or KV promise, every decode worker's
+        # KV free and no session on it, every prefill queue empty.
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            left = [k.decode() for k in r.keys(f"{NS}:session:*")] + \
+                [k.decode() for k in r.keys(f"{NS}:promise*")]
+            workers = asyncio.run(worker_metrics(dep.redis_url, NS))
+            busy = {w: m for w, (kind, m) in workers.items()
+                    if m["kv_free_tokens"] != m["kv_capacity_tokens"] or m.get("active_sessions", 0)
+                    or m.get("queue_length", 0)}
+            if not left and not busy:
+                break
+            time.sleep(0.3)
+        print(f"clean in {time.monotonic() - t1:.1f} s")
+        assert not left, left
+        assert not busy, busy
+        for w, (kind, m) in workers.items():
+            assert m.get("kv_overcommits", 0) == 0, w
+        coord = asyncio.run(service_metrics(dep.coordinators[1], "coordinator"))
+        assert coord["sessions_reattached"] >= 1 and coord["sessions_live"] == 0
+        assert coord.get("kv_promised_tokens", 0) == 0
+
+
+def test_an_unreachable_coordinator_is_named_at_start_up():
+    async def check():
+        coords = Coordinators(["127.0.0.1:1"])
+        try:
+            await coords.check(timeout_s=3)
+        finally:
+            await coords.close()
+
+    with pytest.raises(ConnectionError, match=r"cannot reach the coordinator at 127\.0\.0\.1:1"):
+        asyncio.run(check())
