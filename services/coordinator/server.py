@@ -19,6 +19,7 @@ from ampd.deployment import check_names
 from ampd.perf import load_profile
 from ampd.policy import SLO, make_router, policy_spec
 from ampd.state import StateStore, connect
+from ampd.state.promises import Promises
 from ampd.state.store import REDIS_ERRORS
 from ampd.stubs import Stubs
 from ampd.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -258,7 +259,9 @@ async def amain(args: argparse.Namespace) -> None:
     service = CoordinatorService(store, router, args.policy, args.stats_mode, args.migration_limit, cost=profile,
                                  fence_after=args.fence_after)
     service.script_tools = tuple(args.script_tools)
-    service.admission = Admission(args.admission_wait, args.admission_queue, args.admission, profile, slo)
+    # its promises shared with the deployment's other coordinators (ampd.state.promises)
+    service.admission = Admission(args.admission_wait, args.admission_queue, args.admission, profile, slo,
+                                  promises=Promises(store.r, args.namespace))
     service.reattach_grace_s = args.reattach_grace
     service.labels.update(profile=profile.name, ttft_slo=str(slo.ttft_s), itl_slo=str(slo.itl_s))
     await service.cluster.start()

@@ -196,7 +196,7 @@ class SessionRun:
         while True:
             try:
                 self.decode_id = await svc.admission.admit(self.need, svc.rooms, len(self.o.turn.token_ids),
-                                                           self.arrived, new=not self.admitted)
+                                                           self.arrived, new=not self.admitted, sid=self.sid)
                 break
             except Refused as exc:
                 svc.counters["refused_" + exc.reason] += 1
@@ -225,7 +225,7 @@ class SessionRun:
 
     def _release(self) -> None:
         if self.promised_on:
-            self.svc.admission.release(self.promised_on, self.need)
+            self.svc.admission.release(self.promised_on, self.need, self.sid)
             self.promised_on = ""
 
     def _unbind(self) -> None:
@@ -301,7 +301,7 @@ class SessionRun:
             more = turn_kv_tokens(msg.turn, self.o.limits.max_output_tokens)
             self.need += more  # accepted sessions are not refused: their later turns are promised too
             if self.promised_on:
-                self.svc.admission.add(self.promised_on, more)
+                self.svc.admission.add(self.promised_on, more, self.sid)
             if not self.bound:
                 return await self._resume_with(msg.turn)
             r = await self._route_ahead(self.log.next_round, *self.log.expected_sizes(msg.turn))
@@ -377,6 +377,7 @@ class SessionRun:
         except (asyncio.TimeoutError, *REDIS_ERRORS) as exc:
             raise SessionEnd(grpc.StatusCode.UNAVAILABLE, f"reattach: the session's record is out of reach: "
                                                           f"{exc or type(exc).__name__}") from None
+        self.rec = rec
         secret, wid = rec.get("secret", ""), rec.get("decode_worker", "")
         if not secret or not wid:
             raise SessionEnd(grpc.StatusCode.NOT_FOUND, f"reattach: no session {self.sid!r} to reattach")
@@ -406,9 +407,11 @@ class SessionRun:
         self.o = common_pb2.OpenSession(session_id=self.sid, limits=st.limits)
         self.replayed = self.seq = st.seq
         self.admitted = True
-        self.need = len(st.history) + svc.block_tokens() + (
+        # the promise its lost coordinator made stays (it is in the session's record), else a new one
+        promised = int(self.rec.get("promised", 0) or 0)
+        self.need = promised or len(st.history) + svc.block_tokens() + (
             turn_kv_tokens(st.turn, st.limits.max_output_tokens) if st.HasField("turn") else 0)
-        svc.admission.add(self.decode_id, self.need)
+        svc.admission.add(self.decode_id, self.need, self.sid, shared=not promised)
         self.promised_on = self.decode_id
         # the client's last turn, which its lost coordinator never passed on; then what it sent after
         if r.turns > st.turns and r.HasField("turn"):

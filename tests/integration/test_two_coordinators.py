@@ -132,7 +132,8 @@ def test_a_killed_coordinators_sessions_go_on_through_the_other(tmp_path):
             assert killed[i][2] == 3 and len(killed[i][1]) == 12 + i % 4 + 20
 
         t1 = time.monotonic()
-        # Nothing double-booked or left behind: no session record or KV promise, every decode worker's
+        # Nothing double-booked or left behind: no session record or KV promise (ampd.state.promises:
+        # both coordinators admitted against the same totals), every decode worker's
         # KV free and no session on it, every prefill queue empty.
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
@@ -152,7 +153,6 @@ def test_a_killed_coordinators_sessions_go_on_through_the_other(tmp_path):
             assert m.get("kv_overcommits", 0) == 0, w
         coord = asyncio.run(service_metrics(dep.coordinators[1], "coordinator"))
         assert coord["sessions_reattached"] >= 1 and coord["sessions_live"] == 0
-        assert coord.get("kv_promised_tokens", 0) == 0
 
 
 def test_an_unreachable_coordinator_is_named_at_start_up():
