@@ -17,7 +17,8 @@ key has been gone a while. Every other key has a TTL or is deleted by its owner
                         revoked because the worker went unheard for `fence_after`; the worker, when it
                         resumes, sees it at its next heartbeat, drops its sessions and registers with a
                         newer epoch (deleting it). A TTL (FENCE_KEEP_S) bounds it when none resumes
-- `{ns}:session:{sid}`  hash of one live session (binding, round, state, its coordinator); deleted
+- `{ns}:session:{sid}`  hash of one live session (its binding, secret and KV promise, its coordinator,
+                        the round it was bound at); deleted
                         when it ends, or by any coordinator once its own coordinator is gone
 - `{ns}:promised`       hash decode worker -> KV tokens promised to live sessions by every coordinator;
                         each session's share is in its record (ampd.state.promises)

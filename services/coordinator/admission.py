@@ -73,6 +73,9 @@ class Admission:
                 decode, prefill = await rooms()
                 if not decode:
                     raise LookupError("no decode worker is serving")
+                pending = self._releasing.get(sid) if sid else None
+                if pending is not None:  # its own release (a move's) lands before the totals are read
+                    await asyncio.wait({pending})
                 await self._refresh()
                 v = book.judge(me, need, l_incr, time.monotonic() - start, decode, prefill, new)
                 if v.reason:
@@ -112,6 +115,15 @@ class Admission:
             task.add_done_callback(lambda t: self._releasing.pop(sid, None) if self._releasing.get(sid) is t else None)
         self._wake()
 
+    async def promised_total(self) -> float:
+        """KV tokens promised to live sessions: by every coordinator when shared (Redis), else here."""
+        if self.promises is not None:
+            try:
+                return float(sum((await asyncio.wait_for(self.promises.totals(), 2.0)).values()))
+            except (asyncio.TimeoutError, *REDIS_ERRORS):
+                pass
+        return float(sum(self.promised.values()))
+
     # ------------------------------------------------------------------------- shared (Redis)
     async def _refresh(self) -> None:
         """The book's promises become every coordinator's (its own included)."""
@@ -128,9 +140,6 @@ class Admission:
     async def _promise(self, sid: str, worker: str, need: int, capacity: int) -> bool:
         if self.promises is None or not sid:
             return True
-        pending = self._releasing.get(sid)
-        if pending is not None:
-            await asyncio.wait({pending})
         try:
             return await asyncio.wait_for(self.promises.promise(sid, worker, need, capacity), 2.0)
         except (asyncio.TimeoutError, *REDIS_ERRORS) as exc:

@@ -238,7 +238,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         values = {k: float(v) for k, v in self.counters.items()}
         values["sessions_live"] = len(self.live)
         values["sessions_waiting"] = self.admission.waiting
-        values["kv_promised_tokens"] = float(sum(self.admission.promised.values()))
+        values["kv_promised_tokens"] = await self.admission.promised_total()
         values["route_redis_read_ms_total"] = self.route_read_ms_total
         lags = sorted(self.cluster.lag_s[-1000:])
         if lags:

@@ -557,10 +557,9 @@ class SessionRun:
 
     def _routed(self, rnd: int, decision, decide_ms: float) -> None:
         """Round ``rnd``'s prefill went where ``decision`` says (after fallbacks)."""
-        svc = self.svc
         self.routes[rnd] = (decision.target, decision.reason, decision.local)
-        # the record after the prefill's request: its Redis write would run first and delay it
-        svc.record(self.sid, {"round": rnd, "route": decision.reason, "prefill_worker": decision.target})
+        # (no Redis write a round: the session's record holds what a move or a reattach needs, its
+        # binding; a write a round took ~5% of the coordinator's CPU, benchmarks/coordinator_capacity.py)
         log.info("route", session=self.sid, round=rnd, target=decision.target, local=decision.local,
                  reason=decision.reason, decide_ms=round(decide_ms, 3),
                  **{k: round(v, 4) for k, v in decision.estimates.items()})

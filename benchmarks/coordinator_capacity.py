@@ -1,0 +1,206 @@
+"""Coordinator capacity: the rounds per second one coordinator routes before its added latency
+doubles, and two coordinators sharing one Redis (`ampd up --coordinators 2`).
+
+A mock deployment on the zero-cost profile (``zero@none``: every modelled cost is 0, so a round's
+TTFT is the live path itself: the decode worker's prefill_task, the coordinator's route decision,
+its LocalPrefill or Submit, the first token back through the coordinator), ``PREFILL`` prefill and
+``DECODE`` decode workers. Load: sessions of ``ROUNDS`` rounds (``INPUT`` new tokens, ``OUTPUT``
+output tokens each), their tool calls on the decode workers' sidecars taking ``TOOL_S`` each, so a
+session makes about 1/``TOOL_S`` rounds a second; for a target rate X, X*``TOOL_S`` sessions run at
+once (arrivals spread over ``TOOL_S``). Every round but the first is an incremental prefill that the
+coordinator routes (the first goes with the open, routed ahead).
+
+On this shared 2-core box the latency knee is where the box runs out of CPU (every service, the
+client and other work share it), not where a coordinator does; so each point also records the CPU
+seconds each coordinator process and Redis used per round routed (/proc/PID/stat), and
+``cpu_capacity_rounds_per_s`` = 1 / (a coordinator's CPU seconds per round): the rate one coordinator
+could route on one core of its own, and the two coordinators' sum with Redis's CPU per round as the
+shared bound.
+
+At each target rate: the achieved rate (rounds that completed over the span they took) and the P50
+and P99 of the rounds' TTFT (server clocks: input ready to first token). The baseline is the P99 at
+the lowest rate; the capacity is the highest achieved rate whose P99 stays within twice it (and
+which reached at least ``REACH`` of its target). One coordinator and two coordinators are measured
+in the same run, one after the other, with the load average beside each point.
+
+Then the coordinator at the rate past its capacity is profiled with py-spy (``PROFILE_S`` seconds,
+``--idle``-less, subprocesses off): the functions with the most samples go to ``profile`` in the
+results, where its time goes.
+
+Writes benchmarks/results/coordinator_capacity.json (``make bench BENCH=coordinator_capacity``).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from ampd.bench.client import replay
+from ampd.launcher import Deployment, Options
+from ampd.workload import Round, Session
+
+RESULTS = Path(__file__).parent / "results"
+PREFILL, DECODE = "tp1*2", "tp1*2"
+ROUNDS, INPUT, OUTPUT, TOOL_S = 12, 32, 2, 0.5
+RATES = (20, 50, 100, 200, 400, 800, 1600, 2400)  # target rounds per second
+REACH = 0.8  # a point counts only if it achieved this share of its target rate
+GOAL_ONE, GOAL_RATIO = 2000.0, 1.8
+PROFILE_S = 8.0
+
+
+def sessions_for(rate: float, tag: str) -> list[Session]:
+    n = max(1, round(rate * TOOL_S))
+    rounds = tuple(Round(INPUT, OUTPUT, TOOL_S if i < ROUNDS - 1 else None) for i in range(ROUNDS))
+    return [Session(f"{tag}-{i}", TOOL_S * i / n, rounds) for i in range(n)]
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def point(target: str, rate: float, tag: str, pids: dict[str, int] | None = None) -> dict:
+    load0 = os.getloadavg()[0]
+    pids = pids or {}
+    cpu0 = {k: cpu_s(p) for k, p in pids.items()}
+    records, stats, wall, _ = asyncio.run(replay(target, sessions_for(rate, tag), progress=False, timeout_s=120))
+    cpu = {k: cpu_s(p) - cpu0[k] for k, p in pids.items()}
+    ttft, first, last = [], float("inf"), 0.0
+    for rec in records:
+        for r in rec.rounds:
+            if r.first_token is None:
+                continue
+            ttft.append(r.first_token - r.input_ready)
+            first, last = min(first, r.input_ready), max(last, r.first_token)
+    done = sum(1 for r in records if r.completed)
+    achieved = len(ttft) / (last - first) if ttft and last > first else 0.0
+    out = {"target_rounds_per_s": rate, "achieved_rounds_per_s": round(achieved, 1), "rounds": len(ttft),
+           "sessions": len(records), "sessions_completed": done, "errors": stats.errors[:3],
+           "ttft_p50_ms": round(float(np.percentile(ttft, 50)) * 1e3, 2) if ttft else None,
+           "ttft_p99_ms": round(float(np.percentile(ttft, 99)) * 1e3, 2) if ttft else None,
+           "wall_s": round(wall, 1), "loadavg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)]}
+    if ttft:
+        out["cpu_ms_per_round"] = {k: round(v / len(ttft) * 1e3, 3) for k, v in cpu.items()}
+        coords = [v for k, v in cpu.items() if k.startswith("coordinator")]
+        if coords:  # the rounds one coordinator would route on one core of its own
+            out["cpu_capacity_rounds_per_s"] = round(len(ttft) / (sum(coords) / len(coords)) / len(coords), 1) \
+                if sum(coords) else None
+    print(f"  {tag}: target {rate:g}/s achieved {out['achieved_rounds_per_s']}/s, P50 {out['ttft_p50_ms']} ms, "
+          f"P99 {out['ttft_p99_ms']} ms, {done}/{len(records)} sessions, load {out['loadavg_1m']}, "
+          f"cpu ms/round {out.get('cpu_ms_per_round')}",
+          file=sys.stderr, flush=True)
+    return out
+
+
+def pids_of(dep: Deployment) -> dict[str, int]:
+    return {c.name: c.proc.pid for c in dep.children if c.name.startswith("coordinator") or c.name == "redis"}
+
+
+def sweep(dep: Deployment, label: str, rates) -> dict:
+    points, base, capacity = [], None, 0.0
+    for rate in rates:
+        p = point(dep.coordinator, rate, f"{label}-{rate:g}", pids_of(dep))
+        points.append(p)
+        if p["ttft_p99_ms"] is None:
+            break
+        if base is None:
+            base = p["ttft_p99_ms"]
+        within = p["ttft_p99_ms"] <= 2 * base and p["sessions_completed"] == p["sessions"]
+        if within and p["achieved_rounds_per_s"] >= REACH * rate:
+            capacity = max(capacity, p["achieved_rounds_per_s"])
+        else:
+            break  # past its capacity: a higher rate only queues more
+    # CPU per round at the highest rate measured (the fixed costs spread the thinnest)
+    cpu = [p for p in points if p.get("cpu_capacity_rounds_per_s")]
+    return {"baseline_p99_ms": base, "capacity_rounds_per_s": capacity, "points": points,
+            "cpu_capacity_rounds_per_s": max((p["cpu_capacity_rounds_per_s"] for p in cpu), default=None)}
+
+
+def profile(dep: Deployment, rate: float, pid: int) -> dict:
+    """py-spy's samples of the coordinator while ``rate`` rounds/s run through it: the functions
+    it spends the most samples in (own time) and the stacks above them."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not Path(spy).exists():
+        return {"error": "py-spy is not installed"}
+    raw = Path(tempfile.mkdtemp()) / "coordinator.txt"
+    proc = subprocess.Popen([spy, "record", "--pid", str(pid), "--duration", str(int(PROFILE_S)), "--format", "raw",
+                             "--output", str(raw), "--nonblocking", "--rate", "200"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        point(dep.coordinator, rate, f"profile-{rate:g}")
+    finally:
+        _, err = proc.communicate(timeout=60)
+    if not raw.exists():
+        return {"error": f"py-spy wrote nothing: {err.decode(errors='replace')[-400:]}"}
+    own: collections.Counter = collections.Counter()
+    inclusive: collections.Counter = collections.Counter()
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        n = int(count)
+        total += n
+        frames = [f.split(" (")[0] + " (" + f.split(" (")[-1].split(":")[0].rsplit("/", 2)[-1]
+                  if " (" in f else f for f in stack.split(";")]
+        own[frames[-1]] += n
+        for f in set(frames):
+            inclusive[f] += n
+    share = lambda c: [{"function": f, "share": round(n / total, 3)} for f, n in c.most_common(25)]  # noqa: E731
+    return {"samples": total, "rate_rounds_per_s": rate, "own": share(own), "inclusive": share(inclusive)}
+
+
+def deployment(coordinators: int, run_dir: str) -> Deployment:
+    return Deployment(Options(prefill=PREFILL, decode=DECODE, profile="zero@none", policy="ampd",
+                              coordinators=coordinators, ttft_slo=5.0, itl_slo=1.0, run_dir=run_dir,
+                              namespace=f"capacity{coordinators}", admission_queue=4096))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rates", default=",".join(str(r) for r in RATES), help="target rounds/s, ascending")
+    ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--out", default=str(RESULTS / "coordinator_capacity.json"))
+    args = ap.parse_args()
+    rates = [float(r) for r in args.rates.split(",")]
+    out: dict = {"command": "make bench BENCH=coordinator_capacity", "machine": platform.platform(),
+                 "cpus": os.cpu_count(), "shape": {"prefill": PREFILL, "decode": DECODE, "profile": "zero@none",
+                                                   "rounds": ROUNDS, "input": INPUT, "output": OUTPUT,
+                                                   "tool_s": TOOL_S},
+                 "goal": {"one_rounds_per_s": GOAL_ONE, "two_over_one": GOAL_RATIO}}
+    for n in (1, 2):
+        with deployment(n, tempfile.mkdtemp(prefix=f"ampd-capacity{n}-")) as dep:
+            print(f"{n} coordinator(s): {dep.coordinator}", file=sys.stderr, flush=True)
+            point(dep.coordinator, rates[0], f"warmup{n}")
+            out[f"coordinators_{n}"] = s = sweep(dep, f"c{n}", rates)
+            if n == 1 and not args.no_profile:
+                past = next((p["target_rounds_per_s"] for p in s["points"]
+                             if p["achieved_rounds_per_s"] > s["capacity_rounds_per_s"]), rates[-1])
+                out["profile"] = profile(dep, past, dep.child("coordinator").proc.pid)
+    one, two = out["coordinators_1"]["capacity_rounds_per_s"], out["coordinators_2"]["capacity_rounds_per_s"]
+    out["two_over_one"] = round(two / one, 2) if one else None
+    c1, c2 = out["coordinators_1"]["cpu_capacity_rounds_per_s"], out["coordinators_2"]["cpu_capacity_rounds_per_s"]
+    if c1 and c2:  # each of two coordinators routes at its own one-core rate: their sum, against one's
+        out["cpu_capacity_two_over_one"] = round(2 * c2 / c1, 2)
+    redis = [p["cpu_ms_per_round"].get("redis") for p in out["coordinators_2"]["points"] if p.get("cpu_ms_per_round")]
+    if redis and redis[-1]:  # the shared Redis's one-core bound on the rounds of any number of coordinators
+        out["redis_cpu_capacity_rounds_per_s"] = round(1e3 / redis[-1], 1)
+    out["goal_met"] = {"one": one >= GOAL_ONE, "two_over_one": bool(one) and two / one >= GOAL_RATIO}
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(f"one coordinator {one:g} rounds/s, two {two:g} ({out['two_over_one']}x); wrote {args.out}",
+          file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
