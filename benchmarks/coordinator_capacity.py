@@ -127,6 +127,32 @@ def sweep(dep: Deployment, label: str, rates) -> dict:
             "cpu_capacity_rounds_per_s": max((p["cpu_capacity_rounds_per_s"] for p in cpu), default=None)}
 
 
+# Where a sample's time goes, by the first of these found in its stack (leaf first): what it is
+# named in the results, and the frame names that mark it.
+CATEGORIES = (
+    ("stats channel (following every worker's publications)", ("Cluster._follow", "_ingest")),
+    ("Redis commands (records, promises, liveness polls)", ("execute_command", "Retry.call_with_retry",
+                                                            "Promises.", "StateStore.")),
+    ("gRPC message reads and writes (grpc.aio, per message)", ("_call.py", "_interceptor.py", "CallStream.",
+                                                               "_base_call", "_server.py")),
+    ("route decisions (cluster view, Algorithm 1)", ("_decide", "route (", "ClusterView", "Cluster.view",
+                                                     "Cluster.routed", "_assemble")),
+    ("session logic (events, log, forwarding)", ("session.py", "sessionlog.py", "server.py")),
+    ("logging", ("structlog", "logs.py")),
+)
+THREAD = "gRPC core (its poller thread: HTTP/2 framing and socket I/O)"
+
+
+def classify(frames: list[str]) -> str:
+    if frames and frames[0].startswith("Thread._bootstrap"):
+        return THREAD
+    for f in reversed(frames):
+        for name, marks in CATEGORIES:
+            if any(m in f for m in marks):
+                return name
+    return "event loop and other (uvloop, asyncio, grpc's C parts called from the loop)"
+
+
 def profile(dep: Deployment, rate: float, pid: int) -> dict:
     """py-spy's samples of the coordinator while ``rate`` rounds/s run through it: the functions
     it spends the most samples in (own time) and the stacks above them."""
@@ -145,6 +171,7 @@ def profile(dep: Deployment, rate: float, pid: int) -> dict:
         return {"error": f"py-spy wrote nothing: {err.decode(errors='replace')[-400:]}"}
     own: collections.Counter = collections.Counter()
     inclusive: collections.Counter = collections.Counter()
+    where: collections.Counter = collections.Counter()
     total = 0
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
@@ -155,10 +182,13 @@ def profile(dep: Deployment, rate: float, pid: int) -> dict:
         frames = [f.split(" (")[0] + " (" + f.split(" (")[-1].split(":")[0].rsplit("/", 2)[-1]
                   if " (" in f else f for f in stack.split(";")]
         own[frames[-1]] += n
+        where[classify(frames)] += n
         for f in set(frames):
             inclusive[f] += n
     share = lambda c: [{"function": f, "share": round(n / total, 3)} for f, n in c.most_common(25)]  # noqa: E731
-    return {"samples": total, "rate_rounds_per_s": rate, "own": share(own), "inclusive": share(inclusive)}
+    return {"samples": total, "rate_rounds_per_s": rate,
+            "where_time_goes": {k: round(n / total, 3) for k, n in where.most_common()},
+            "own": share(own), "inclusive": share(inclusive)}
 
 
 def deployment(coordinators: int, run_dir: str) -> Deployment:
