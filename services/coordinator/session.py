@@ -30,6 +30,8 @@ from services.coordinator.core import InvalidArgument, route, turn_kv_tokens, va
 
 log = structlog.get_logger()
 
+# what a decode worker's Attach stream ends with when another coordinator reattached the session
+TAKEN_OVER = "reattached through another coordinator"
 BIND_WAIT_S = 15.0  # a moving session waits this long for a live decode worker (one may be restarting)
 OPEN_WAIT_S = 3.0  # a new session waits this long for one (then UNAVAILABLE: none is serving)
 
@@ -246,6 +248,9 @@ class SessionRun:
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND):
             # NOT_FOUND: the worker does not hold the session (it restarted, or was fenced meanwhile)
             return await self._move(exc.details())
+        if code == grpc.StatusCode.ABORTED and TAKEN_OVER in (exc.details() or ""):
+            self.bound = False  # another coordinator serves it now: it must not be cancelled from here
+            raise SessionEnd(grpc.StatusCode.UNAVAILABLE, f"the session moved to another coordinator: {exc.details()}")
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             raise SessionEnd(code, exc.details())
         raise SessionEnd(code if code != grpc.StatusCode.UNKNOWN else grpc.StatusCode.INTERNAL,
