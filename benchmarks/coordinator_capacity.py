@@ -57,6 +57,18 @@ RATES = (50, 100, 200, 400, 800, 1600, 2400)  # target rounds per second
 REACH = 0.8  # a point counts only if it achieved this share of its target rate
 GOAL_ONE, GOAL_RATIO = 2000.0, 1.8
 PROFILE_S = 8.0
+READING = (
+    "capacity_rounds_per_s: the latency criterion (P99 TTFT within twice the lowest rate's). On a 2-core box "
+    "shared with other work (see loadavg_1m) it marks where the box's scheduling jitter doubles the P99, with "
+    "the coordinator far from busy (cpu_ms_per_round x rate: a fraction of one core), so it is the same for one "
+    "and two coordinators. cpu_capacity_rounds_per_s: 1 / (one coordinator's CPU seconds per round it routes), "
+    "what one coordinator routes on a core of its own; for two coordinators the per-coordinator rate measured "
+    "with both serving (each also follows every worker's statistics), and cpu_capacity_two_over_one = twice "
+    "that over one's; redis_cpu_capacity_rounds_per_s bounds any number of coordinators. profile.where_time_goes: "
+    "py-spy's samples of the one coordinator at the highest rate measured, by category: most of a round's cost "
+    "is per gRPC message (about nine a round: the worker's events in, the route's LocalPrefill or Submit and its "
+    "reply, tokens, round end and tool call out to the client), in gRPC's poller thread and the grpc.aio "
+    "machinery on the event loop, not in the routing decision.")
 REPEAT = 2
 
 
@@ -156,7 +168,8 @@ CATEGORIES = (
                                                                "_base_call", "_server.py")),
     ("route decisions (cluster view, Algorithm 1)", ("_decide", "route (", "ClusterView", "Cluster.view",
                                                      "Cluster.routed", "_assemble")),
-    ("session logic (events, log, forwarding)", ("session.py", "sessionlog.py", "server.py")),
+    ("session logic (events, log, forwarding)", ("SessionRun.", "CoordinatorService.", "SessionLog.",
+                                                 "merge_tokens", "Admission.")),
     ("logging", ("structlog", "logs.py")),
 )
 THREAD = "gRPC core (its poller thread: HTTP/2 framing and socket I/O)"
@@ -188,6 +201,11 @@ def profile(dep: Deployment, rate: float, pid: int) -> dict:
         _, err = proc.communicate(timeout=60)
     if not raw.exists():
         return {"error": f"py-spy wrote nothing: {err.decode(errors='replace')[-400:]}"}
+    return summarize(raw, rate)
+
+
+def summarize(raw: Path, rate: float) -> dict:
+    """py-spy's raw samples (``--format raw``) by category, and the top functions."""
     own: collections.Counter = collections.Counter()
     inclusive: collections.Counter = collections.Counter()
     where: collections.Counter = collections.Counter()
@@ -240,6 +258,7 @@ def main() -> None:
             top = max(p["target_rounds_per_s"] for p in out["coordinators_1"]["points"])
             out["profile"] = profile(one, top, one.child("coordinator").proc.pid)
     out["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    out["reading"] = READING
     one, two = out["coordinators_1"]["capacity_rounds_per_s"], out["coordinators_2"]["capacity_rounds_per_s"]
     out["two_over_one"] = round(two / one, 2) if one else None
     c1, c2 = out["coordinators_1"]["cpu_capacity_rounds_per_s"], out["coordinators_2"]["cpu_capacity_rounds_per_s"]
