@@ -3,7 +3,9 @@ multi-round sessions (server-side tools) through both, first undisturbed, then w
 SIGKILLed mid-replay. Its sessions go on through the other, reattached to the decode workers that
 hold their KV (ampd.coordinators, decode.proto Reattach): every session completes, with greedy
 tokens identical to the undisturbed run, and afterwards nothing is double-booked or left behind:
-no session record, no KV promise or block, no queued prefill.
+no session record, no KV promise or block, no queued prefill. Then the other coordinator is killed
+mid-round and, once a session went on through the restarted one, that session's decode worker too:
+the session moves and still gives the undisturbed tokens.
 
 Also: a client given an unreachable coordinator address fails at once with one error naming it.
 """
@@ -44,10 +46,20 @@ def _turn(i: int) -> common_pb2.Turn:
                                         sampling=_sampling(10)) for _ in range(2)])
 
 
-async def _session(coords: Coordinators, sid: str, i: int, delay: float, out: dict) -> None:
+def _long_turn() -> common_pb2.Turn:
+    """A long first round (its decode worker can be killed mid-round), then one tool call."""
+    return common_pb2.Turn(
+        token_ids=filler_ids(48, 3, VOCAB), sampling=_sampling(60),
+        script=[common_pb2.ScriptedCall(tool=common_pb2.ToolSpec(name="replay", latency_s=0.3), result_tokens=9,
+                                        sampling=_sampling(8))])
+
+
+async def _session(coords: Coordinators, sid: str, i: int, delay: float, out: dict, turn=None,
+                   seen: dict | None = None) -> None:
     await asyncio.sleep(delay)
     outbox: asyncio.Queue = asyncio.Queue()
-    outbox.put_nowait(coordinator_pb2.ClientMessage(open=common_pb2.OpenSession(session_id=sid, turn=_turn(i))))
+    outbox.put_nowait(coordinator_pb2.ClientMessage(open=common_pb2.OpenSession(
+        session_id=sid, turn=turn if turn is not None else _turn(i))))
 
     async def requests():
         while (m := await outbox.get()) is not None:
@@ -57,6 +69,8 @@ async def _session(coords: Coordinators, sid: str, i: int, delay: float, out: di
     call = coords.Session(requests(), timeout=90)
     try:
         async for ev in call:
+            if seen is not None:  # (tokens so far, its decode worker, its stream) for the test to act on
+                seen[i] = (len(tokens), ev.decode_worker or (seen[i][1] if i in seen else ""), call)
             kind = ev.WhichOneof("event")
             if kind == "tokens":
                 for j, tok in enumerate(ev.tokens.token_ids):
@@ -66,11 +80,11 @@ async def _session(coords: Coordinators, sid: str, i: int, delay: float, out: di
                 outbox.put_nowait(None)  # its only turn: half-close, SessionDone follows
             elif kind == "done":
                 out[i] = ("", [tokens[p] for p in sorted(tokens)], len(ev.done.rounds), call.failovers,
-                          call.restarts)
+                          call.restarts, sum(t.recovered for t in ev.done.rounds))
                 return
-        out[i] = ("stream ended without SessionDone", [], 0, call.failovers, call.restarts)
+        out[i] = ("stream ended without SessionDone", [], 0, call.failovers, call.restarts, 0)
     except grpc.aio.AioRpcError as exc:
-        out[i] = (f"{exc.code().name}: {exc.details()}", [], 0, call.failovers, call.restarts)
+        out[i] = (f"{exc.code().name}: {exc.details()}", [], 0, call.failovers, call.restarts, 0)
     finally:
         call.cancel()
 
@@ -153,6 +167,36 @@ def test_a_killed_coordinators_sessions_go_on_through_the_other(tmp_path):
             assert m.get("kv_overcommits", 0) == 0, w
         coord = asyncio.run(service_metrics(dep.coordinators[1], "coordinator"))
         assert coord["sessions_reattached"] >= 1 and coord["sessions_live"] == 0
+
+        # A session that went on through the other coordinator, whose decode worker dies later: that
+        # coordinator moves it (its record of the session was rebuilt from the worker's state), and it
+        # completes with the undisturbed tokens.
+        dep.wait_serving()
+
+        async def later():
+            coords = Coordinators(dep.coordinators)
+            await coords.check()
+            ref: dict = {}
+            await _session(coords, "ref-long", 0, 0.0, ref, _long_turn())
+            out, seen = {}, {}
+            tasks = [asyncio.create_task(_session(coords, f"long-{j}", j, 0.0, out, _long_turn(), seen))
+                     for j in range(4)]
+            while len(seen) < 4 or min(t for t, _, _ in seen.values()) < 3:
+                await asyncio.sleep(0.02)
+            os.kill(dep.child("coordinator-1").proc.pid, signal.SIGKILL)  # the one that served the others
+            while not any(c.failovers and t >= 6 for t, _, c in seen.values()):
+                await asyncio.sleep(0.02)
+            victim = next(w for t, w, c in seen.values() if c.failovers)
+            os.kill(dep.child(victim).proc.pid, signal.SIGKILL)
+            await asyncio.gather(*tasks)
+            await coords.close()
+            return ref[0], out, victim
+
+        ref, out, victim = asyncio.run(later())
+        print(f"after {victim} was killed: {[(e, f, rec) for e, _, _, f, _, rec in out.values()]}")
+        assert all(not e for e, *_ in out.values()), out
+        assert all(toks == ref[1] for _, toks, *_ in out.values())
+        assert any(f and rec for _, _, _, f, _, rec in out.values())  # failed over, then moved (recovered)
 
 
 def test_an_unreachable_coordinator_is_named_at_start_up():
