@@ -30,6 +30,7 @@ pytestmark = pytest.mark.timeout(120)
 
 NS = "twocoord"
 VOCAB = 512  # the tiny random Llama's
+LONG = 240  # output tokens of a long round
 
 
 def _sampling(n: int) -> common_pb2.SamplingParams:
@@ -49,7 +50,7 @@ def _turn(i: int) -> common_pb2.Turn:
 def _long_turn() -> common_pb2.Turn:
     """A long first round (its decode worker can be killed mid-round), then one tool call."""
     return common_pb2.Turn(
-        token_ids=filler_ids(48, 3, VOCAB), sampling=_sampling(60),
+        token_ids=filler_ids(48, 3, VOCAB), sampling=_sampling(LONG),
         script=[common_pb2.ScriptedCall(tool=common_pb2.ToolSpec(name="replay", latency_s=0.3), result_tokens=9,
                                         sampling=_sampling(8))])
 
@@ -184,9 +185,19 @@ def test_a_killed_coordinators_sessions_go_on_through_the_other(tmp_path):
             while len(seen) < 4 or min(t for t, _, _ in seen.values()) < 3:
                 await asyncio.sleep(0.02)
             os.kill(dep.child("coordinator-1").proc.pid, signal.SIGKILL)  # the one that served the others
-            while not any(c.failovers and t >= 6 for t, _, c in seen.values()):
-                await asyncio.sleep(0.02)
-            victim = next(w for t, w, c in seen.values() if c.failovers)
+            # the decode worker of a session that went on through the restarted coordinator (tokens
+            # came through it), mid-round
+            marks: dict = {}
+            while True:
+                for j, (t, w, c) in list(seen.items()):
+                    if c.failovers:
+                        marks.setdefault(j, t)
+                mid = [seen[j][1] for j, t0 in marks.items() if t0 + 4 <= seen[j][0] < LONG // 2]
+                if mid:
+                    break
+                assert not all(j in out for j in range(4)), "no session went on mid-round"
+                await asyncio.sleep(0.005)
+            victim = mid[0]
             os.kill(dep.child(victim).proc.pid, signal.SIGKILL)
             await asyncio.gather(*tasks)
             await coords.close()
