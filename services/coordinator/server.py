@@ -121,7 +121,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self.runs.pop(sid, None)
             if sid in self.live:
                 self.live.discard(sid)
-                await self.forget_record(sid)
+                if not run.taken_over:  # (a record another coordinator holds now stays)
+                    await self.forget_record(sid)
 
     # ---------------------------------------------------------------------------- admission
     async def rooms(self) -> tuple[list, tuple]:

@@ -85,6 +85,7 @@ class SessionRun:
         self.reattach = reattach
         self.replayed = 0
         self.seq = 0  # the last decode event's number seen (a moved session numbers on after it)
+        self.taken_over = False  # another coordinator reattached it: its record is not deleted from here
 
     # -------------------------------------------------------------------------------- the loop
     async def run(self):
@@ -249,7 +250,9 @@ class SessionRun:
             # NOT_FOUND: the worker does not hold the session (it restarted, or was fenced meanwhile)
             return await self._move(exc.details())
         if code == grpc.StatusCode.ABORTED and TAKEN_OVER in (exc.details() or ""):
-            self.bound = False  # another coordinator serves it now: it must not be cancelled from here
+            # another coordinator serves it now: it is not cancelled from here, and its record and KV
+            # promise are that coordinator's
+            self.bound, self.taken_over, self.promised_on = False, True, ""
             raise SessionEnd(grpc.StatusCode.UNAVAILABLE, f"the session moved to another coordinator: {exc.details()}")
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             raise SessionEnd(code, exc.details())
