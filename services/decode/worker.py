@@ -355,7 +355,9 @@ class DecodeWorker:
     def reattach(self, session_id: str, secret: str, after_seq: int) -> tuple[Session, decode_pb2.SessionState]:
         """A coordinator takes over the session (Reattach): its state for that coordinator's record."""
         s = self.sessions.get(session_id) or self.ended.get(session_id)
-        if s is None:
+        if s is None or (s.closed and s.log and type(s.log[-1][1]) is SessionFailed):
+            # (one that ended failing, e.g. cancelled by a coordinator that lost its client, is not
+            # taken over: its client opens it again)
             raise NotOpen(f"session_id: {session_id!r} is not open on this worker")
         self._check_secret(s, secret)
         first = s.log[0][0] if s.log else s.seq + 1
