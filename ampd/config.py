@@ -67,6 +67,9 @@ class DeploymentConfig:
         "for `ampd up` (`ampd simulate` asks for it). A co-located policy runs no prefill workers: GPUs given "
         "here become co-located workers (same GPU count)", metavar="SPEC")
     decode: str = setting("tp1*1", "decode workers: a count (of TP 1) or a SPEC like tp2*2", metavar="SPEC")
+    coordinators: int = setting(1, "coordinators `ampd up` starts, sharing one Redis: clients and the front are "
+                                   "given all of them, and a session whose coordinator is lost goes on through "
+                                   "another (docs/deploy.md \"Two coordinators\")", minimum=1)
     profile: str = setting(DEFAULT_PROFILE, "performance profile: shipped name (MODEL@HARDWARE) or a JSON file",
                            metavar="P")
     engine: str = setting("mock", "model backend of the workers: mock (timed by the profile), torch (a real "
@@ -173,6 +176,13 @@ class WorkerSettings:
                                      "engine); 0 = `ampd up` gives each the machine's cores divided "
                                      "by its engine worker processes (at least 1), a lone service keeps torch's "
                                      "default", minimum=0)
+    # Two coordinators (docs/deploy.md "Two coordinators"): a session whose coordinator is lost goes
+    # on on its decode worker, unattached, until its client reattaches it through another one.
+    reattach_grace: float = setting(30.0, "a decode worker keeps a session whose coordinator went away (its "
+                                          "stream ended without a cancel) this many seconds for the client to "
+                                          "reattach it through another coordinator, then frees it; a coordinator "
+                                          "keeps a lost coordinator's session records as long",
+                                    metavar="S", positive=True)
 
 
 @dataclass(frozen=True)
@@ -198,8 +208,10 @@ class CoordinatorSettings:
 class FrontendSettings:
     """The OpenAI-compatible HTTP front (services/frontend, docs/frontend.md)."""
 
-    coordinator_address: str = setting("", "the coordinator the front opens sessions on (required by the front)",
-                                       metavar="HOST:PORT")
+    coordinator_address: str = setting("", "the coordinator the front opens sessions on (required by the front); "
+                                           "several sharing one Redis: comma-separated, new sessions go to each "
+                                           "in turn and a session whose coordinator is lost goes on through "
+                                           "another", metavar="HOST:PORT[,...]")
     api_port: int = setting(0, "port of the front's HTTP API for `ampd up` (0 = a free one)", minimum=0)
     session_ttl: float = setting(600.0, "a front's session idle longer than this is closed and its KV freed, "
                                         "seconds", metavar="S", positive=True)
@@ -351,9 +363,9 @@ SERVICE_SETTINGS: dict[str, tuple[str, ...]] = {
     "coordinator": ("host", "port", "metrics_port", "ready_file", "redis_url", "namespace", "profile", *_POLICY_ALL,
                     "slack", "seed", "alpha", "beta", "threshold_tokens", "stats_mode", "migration_limit",
                     "fence_after", "admission_wait", "admission_queue", "admission", "auth_token", "internal_token",
-                    "script_tools", "otlp_endpoint"),
+                    "script_tools", "otlp_endpoint", "reattach_grace"),
     "prefill": _WORKER,
-    "decode": (*_WORKER, "sidecar", "chunked_prefill", "kv_evict", "script_tools"),
+    "decode": (*_WORKER, "sidecar", "chunked_prefill", "kv_evict", "script_tools", "reattach_grace"),
     "sidecar": ("host", "port", "metrics_port", "name", "tool", "ready_file", "auth_token", "internal_token",
                 "tool_workers", "tool_cpu_s", "tool_wall_s", "tool_memory_mb", "otlp_endpoint"),
     "planner": ("host", "port", "metrics_port", "ready_file", "profiles_dir", "auth_token", "otlp_endpoint"),
@@ -372,7 +384,7 @@ PLACEMENT = ("host", "port", "metrics_port", "advertise", "worker_id", "name", "
 # `ampd up`: the deployment, the policy, every worker and coordinator setting except the per-process
 # ones (the launcher places each process) and tp (it comes from the SPECs).
 UP_SETTINGS: tuple[str, ...] = (
-    "prefill", "decode", "profile", "engine", "model", "redis_url", "namespace", "tool", "run_dir", "host", "port",
+    "prefill", "decode", "coordinators", "profile", "engine", "model", "redis_url", "namespace", "tool", "run_dir", "host", "port",
     "tool_workers", "tool_cpu_s", "tool_wall_s", "tool_memory_mb", "script_tools",
     *(f.name for f in fields(PolicyConfig)),
     *(f.name for f in fields(WorkerSettings) if f.name != "tp"),

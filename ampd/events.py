@@ -13,4 +13,6 @@ def merge_tokens(into: decode_pb2.DecodeEvent, nxt: decode_pb2.DecodeEvent) -> b
         return False
     into.tokens.token_ids.extend(nxt.tokens.token_ids)
     into.tokens.times.extend(nxt.tokens.times)
+    if nxt.seq:
+        into.seq = nxt.seq  # the merged event's number: its last part's
     return True

@@ -344,6 +344,8 @@ _CODES = {c.value[0]: c for c in grpc.StatusCode}
 # The initial metadata of DecodeWorker.Attach once the session is open on the worker (a failed open
 # sends none): the coordinator holds the session's Control requests (a turn, a cancel) until it comes.
 SESSION_OPEN = ("ampd-session", "open")
+# The coordinator's session headers also carry the client's reattach token (ampd.coordinators)
+REATTACH_HEADER = "ampd-reattach"
 
 
 class CallStream:

@@ -91,7 +91,8 @@ class Deployment:
         self._lock = threading.Lock()
         self.children: list[Child] = []
         self.redis_url = cfg.deployment.redis_url
-        self.coordinator = ""
+        self.coordinator = ""  # the coordinators' addresses, comma-separated (what clients are given)
+        self.coordinators: list[str] = []
         self.start_frontend = frontend
         self.frontend = ""  # the OpenAI-compatible front's URL (http://HOST:PORT), when started
         self.metrics: dict[str, str] = {}  # child name -> its /metrics URL
@@ -197,10 +198,17 @@ class Deployment:
             workers.append(self._spawn(f"prefill-{i}", self._argv("prefill", worker_id=f"prefill-{i}", tp=tp,
                                                                   worker_threads=threads)))
         self._wait_ready(workers)
-        # --port binds the coordinator's port; it keeps it across restarts (clients hold its address)
-        coord_argv, coord_port = self._argv("coordinator"), self.cfg.process.port
-        coord = self._spawn("coordinator", lambda port: coord_argv(port or coord_port), keep_port=True)
-        self.coordinator = f"{host}:{self._wait_ready([coord])['coordinator']}"
+        # --port binds the (first) coordinator's port; each keeps its port across restarts (clients
+        # hold its address). Several share the Redis; clients and the front get them all ("A,B").
+        n = self.cfg.deployment.coordinators
+        names = ["coordinator"] if n == 1 else [f"coordinator-{i}" for i in range(n)]
+        coords = []
+        for i, name in enumerate(names):
+            coord_argv, coord_port = self._argv("coordinator"), self.cfg.process.port if i == 0 else 0
+            coords.append(self._spawn(name, lambda port, a=coord_argv, p=coord_port: a(port or p), keep_port=True))
+        ports = self._wait_ready(coords)
+        self.coordinators = [f"{host}:{ports[name]}" for name in names]
+        self.coordinator = ",".join(self.coordinators)
         if self.start_frontend:
             # --api-port binds the front's HTTP port; it keeps the port across restarts (clients hold its URL)
             argv, api_port = self._argv("frontend", coordinator_address=self.coordinator), self.cfg.frontend.api_port

@@ -40,11 +40,24 @@ class SessionLog:
     carry: tuple[int, int, float, float] | None = None
     first_token_at: float = 0.0  # the current round's first token (server clock)
     input_ready: float = 0.0  # the current round's input ready time (server clock)
+    turns: int = 0  # the client's turns (the open's counts): a reattach knows which one never arrived
+
+    @classmethod
+    def from_state(cls, session_id: str, st: decode_pb2.SessionState) -> "SessionLog":
+        """The log of a session reattached from its decode worker's state (decode.proto SessionState),
+        after its coordinator was lost."""
+        return cls(session_id, st.limits, history=list(st.history),
+                   turn=st.turn if st.HasField("turn") else None, turn_round=st.turn_round,
+                   next_round=st.next_round, round=st.round, round_tokens=st.round_tokens,
+                   round_ended=st.round_ended, server_calls=list(st.server_calls),
+                   client_calls=set(st.client_calls), timings={t.round: t for t in st.rounds}, moves=st.moves,
+                   first_token_at=st.first_token_at, input_ready=st.input_ready, turns=st.turns)
 
     # ------------------------------------------------------------------------ what happened
     def on_turn(self, t: common_pb2.Turn) -> None:
         """The client's turn was handed to the decode worker."""
         self.turn = t
+        self.turns += 1
         self.turn_round = self.next_round
         self.round, self.round_ended, self.server_calls = -1, False, []
         if t.HasField("keep_tokens"):
@@ -154,7 +167,7 @@ class SessionLog:
         if t is None:
             raise CannotResume("no turn to resume")
         self.moves += 1
-        res = decode_pb2.Resume(attempt=self.moves)
+        res = decode_pb2.Resume(attempt=self.moves, turns=self.turns)
         turn = common_pb2.Turn(server_tools=t.server_tools)
         i = self.round - self.turn_round  # the round of the turn in progress (-1: none begun)
         if self.round < 0:  # the turn's first round never began: run the turn from its start

@@ -11,6 +11,25 @@ from ampd.v1 import decode_pb2_grpc, prefill_pb2_grpc
 __all__ = ["Stubs"]
 
 
+class _WithToken:
+    """A stub whose every call carries the deployment's token as metadata. A channel interceptor
+    does the same, but grpc.aio reads each intercepted stream's messages through a task of its own:
+    ~5 % of the coordinator's CPU at load went there (benchmarks/coordinator_capacity.py)."""
+
+    def __init__(self, stub, md: tuple[str, str]) -> None:
+        self._stub = stub
+        self._md = md
+
+    def __getattr__(self, name: str):
+        method = getattr(self._stub, name)
+        md = self._md
+
+        def call(*args, **kwargs):
+            kwargs["metadata"] = (*(kwargs.get("metadata") or ()), md)
+            return method(*args, **kwargs)
+        return call
+
+
 class Stubs:
     """One channel per worker address, reused by every session, and one call stream per worker for
     the per-round requests (Control; Submit): see grpcserver.CallStream. The coordinator keeps one
@@ -41,8 +60,14 @@ class Stubs:
         if incarnation:
             self._incarnation[address] = incarnation
         if ch is None:
-            ch = self._channels[address] = grpcserver.channel(address)
+            # no interceptor: the token goes with each call (_WithToken)
+            ch = self._channels[address] = grpcserver.channel(address, token="")
         return ch
+
+    @staticmethod
+    def _authed(stub):
+        token = grpcserver._internal()
+        return _WithToken(stub, ("authorization", f"Bearer {token}")) if token else stub
 
     def drop(self, address: str) -> None:
         """Closes the channel and call streams to the worker at ``address`` (fenced: it stopped
@@ -80,11 +105,11 @@ class Stubs:
     def decode(self, address: str, incarnation: str = "") -> decode_pb2_grpc.DecodeWorkerStub:
         ch = self._channel(address, incarnation)
         if address not in self._decode:
-            self._decode[address] = decode_pb2_grpc.DecodeWorkerStub(ch)
+            self._decode[address] = self._authed(decode_pb2_grpc.DecodeWorkerStub(ch))
         return self._decode[address]
 
     def prefill(self, address: str, incarnation: str = "") -> prefill_pb2_grpc.PrefillWorkerStub:
         ch = self._channel(address, incarnation)
         if address not in self._prefill:
-            self._prefill[address] = prefill_pb2_grpc.PrefillWorkerStub(ch)
+            self._prefill[address] = self._authed(prefill_pb2_grpc.PrefillWorkerStub(ch))
         return self._prefill[address]

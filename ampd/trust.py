@@ -11,6 +11,8 @@
   HMAC of the session id, the worker id and the session secret under a key derived from that
   worker's task key (published in Redis, like the task key itself). The decode worker opens a
   session, and allocates its KV, only with it.
+- A *reattach token*: the client's, derived from the session secret: with it, another coordinator
+  takes the session over when the client's own is lost.
 - Tool call ids are random, not derived from the session id and round.
 
 Pure: no I/O.
@@ -24,7 +26,8 @@ from collections.abc import Sequence
 
 from ampd.v1 import common_pb2
 
-__all__ = ["new_key", "new_secret", "new_call_id", "task_token", "attach_token", "token_matches", "redacted"]
+__all__ = ["new_key", "new_secret", "new_call_id", "task_token", "attach_token", "reattach_token", "token_matches",
+           "redacted"]
 
 
 def new_key() -> bytes:
@@ -67,6 +70,13 @@ def attach_token(task_key: bytes, session_id: str, decode_worker: str, secret: s
     key = hmac.digest(task_key, b"ampd attach token", "sha256")
     msg = b"\0".join((session_id.encode(), decode_worker.encode(), secret.encode()))
     return hmac.digest(key, msg, "sha256").hex()[:32]
+
+
+def reattach_token(secret: str) -> str:
+    """The client's credential to reattach its session through another coordinator
+    (SessionEvent.reattach_token): derived from the session secret, which the client never sees and
+    every coordinator reads from the session's record in Redis."""
+    return hmac.digest(secret.encode(), b"ampd reattach token", "sha256").hex()[:32]
 
 
 def token_matches(expected: str, given: str) -> bool:

@@ -18,8 +18,13 @@ def _cmd(args: argparse.Namespace) -> int:
         if args.verify_tokens or args.client_tools:
             raise CliError("--verify-tokens and --client-tools are for --api grpc (the front's tools are the "
                            "client's)")
-    elif ":" not in args.target or args.target.startswith(("http://", "https://")):
-        raise CliError(f"--target {args.target!r}: expected the coordinator's HOST:PORT")
+    else:
+        from ampd.coordinators import parse_addresses
+
+        try:
+            parse_addresses(args.target)
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
     return run_bench_cli(args.target, args.trace, args.ttft_slo, args.itl_slo, json_out=args.json or None,
                          verify_tokens=args.verify_tokens, client_tools=args.client_tools,
                          timeout_s=args.timeout, api=args.api, model=args.model, api_key=args.api_key)
@@ -54,7 +59,9 @@ def register(sub) -> None:
                    help="grpc: one session stream per trace session at the coordinator; openai: streamed "
                         "/v1/completions through the front, the whole history resent every round, the client "
                         "waiting out each tool time (docs/frontend.md)")
-    p.add_argument("--target", required=True, help="coordinator HOST:PORT (grpc) or the front's URL (openai)")
+    p.add_argument("--target", required=True,
+                   help="coordinator HOST:PORT (grpc; several sharing one Redis: comma-separated, a session whose "
+                        "coordinator is lost goes on through another) or the front's URL (openai)")
     p.add_argument("--model", default="", help="--api openai: the model to ask for (default: the front's first)")
     p.add_argument("--api-key", default="", help="--api openai: the front's key (its --auth-token), if it has one")
     p.add_argument("--trace", required=True, help="trace file (JSON Lines)")

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from ampd import grpcserver
 from ampd.bench.report import SLO, RoundRecord, SessionRecord, build_report, format_report
 from ampd.engine.mock import token_at
-from ampd.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from ampd.coordinators import Coordinators, parse_addresses
+from ampd.v1 import common_pb2, coordinator_pb2
 from ampd.workload import Session, filler_ids
 
 
@@ -58,6 +58,8 @@ class ReplayStats:
     started_at: dict[str, float] = field(default_factory=dict)  # session id -> client clock at its open
     ended_at: dict[str, float] = field(default_factory=dict)  # session id -> client clock at its end
     recovered_rounds: dict[str, int] = field(default_factory=dict)  # session id -> rounds marked recovered
+    failovers: dict[str, int] = field(default_factory=dict)  # session id -> coordinators it went on through
+    restarts: dict[str, int] = field(default_factory=dict)  # session id -> times it was opened again
 
 
 async def run_session(coordinator, s: Session, stats: ReplayStats, *, verify_tokens: bool = False,
@@ -126,6 +128,8 @@ async def run_session(coordinator, s: Session, stats: ReplayStats, *, verify_tok
     finally:
         stats.ended_at[s.id] = time.time()
         stats.recovered_rounds[s.id] = sum(1 for t in timings.values() if t.recovered)
+        stats.failovers[s.id] = getattr(call, "failovers", 0)
+        stats.restarts[s.id] = getattr(call, "restarts", 0)
         await outbox.put(None)
         call.cancel()
     rounds = []
@@ -147,14 +151,16 @@ async def run_session(coordinator, s: Session, stats: ReplayStats, *, verify_tok
 async def replay(target: str, sessions: list[Session], *, verify_tokens: bool = False,
                  client_tools: bool = False, progress: bool = True,
                  timeout_s: float = 600.0) -> tuple[list[SessionRecord], ReplayStats, float, dict]:
-    """Replays `sessions` at their arrival times; returns records, stats, wall seconds, labels."""
-    channel = grpcserver.channel(target)
-    coordinator = coordinator_pb2_grpc.CoordinatorStub(channel)
+    """Replays `sessions` at their arrival times; returns records, stats, wall seconds, labels.
+    ``target``: the coordinator's HOST:PORT, or several sharing one Redis, comma-separated (new
+    sessions go to each in turn; a session whose coordinator is lost goes on through another:
+    ampd.coordinators)."""
+    coordinator = Coordinators(parse_addresses(target))
     try:
-        info = await coordinator.Metrics(common_pb2.MetricsRequest(), timeout=10)
-    except grpc.aio.AioRpcError as exc:
-        await channel.close()
-        raise ConnectionError(f"cannot reach the coordinator at {target}: {exc.code().name} {exc.details()}")
+        info = await coordinator.check()
+    except ConnectionError:
+        await coordinator.close()
+        raise
     stats = ReplayStats()
     bar = None
     if progress:
@@ -181,7 +187,7 @@ async def replay(target: str, sessions: list[Session], *, verify_tokens: bool = 
     finally:
         if bar is not None:
             bar.close()
-        await channel.close()
+        await coordinator.close()
     return list(records), stats, time.monotonic() - t0, dict(info.labels)
 
 
@@ -234,7 +240,9 @@ def run_bench_cli(target: str, trace: str, ttft_slo: float, itl_slo: float, *, j
                                "completed": r.completed, "error": r.error, "rounds": len(r.rounds),
                                "started": stats.started_at.get(r.session_id),
                                "ended": stats.ended_at.get(r.session_id),
-                               "recovered_rounds": stats.recovered_rounds.get(r.session_id, 0)}
+                               "recovered_rounds": stats.recovered_rounds.get(r.session_id, 0),
+                               "failovers": stats.failovers.get(r.session_id, 0),
+                               "restarts": stats.restarts.get(r.session_id, 0)}
                               for r in records]
     for e in errors[:5]:
         print(f"  failed: {e}", file=sys.stderr)

@@ -17,8 +17,11 @@ key has been gone a while. Every other key has a TTL or is deleted by its owner
                         revoked because the worker went unheard for `fence_after`; the worker, when it
                         resumes, sees it at its next heartbeat, drops its sessions and registers with a
                         newer epoch (deleting it). A TTL (FENCE_KEEP_S) bounds it when none resumes
-- `{ns}:session:{sid}`  hash of one live session (binding, round, state, its coordinator); deleted
+- `{ns}:session:{sid}`  hash of one live session (its binding, secret and KV promise, its coordinator,
+                        the round it was bound at); deleted
                         when it ends, or by any coordinator once its own coordinator is gone
+- `{ns}:promised`       hash decode worker -> KV tokens promised to live sessions by every coordinator;
+                        each session's share is in its record (ampd.state.promises)
 - `{ns}:coordinator:{id}` a coordinator's liveness key (TTL, renewed every poll; deleted when it
                         stops): the owner of the session records that name it
 - channel `{ns}:stats`  every stats publish is also PUBLISHed here (same JSON), so a coordinator can
@@ -41,6 +44,7 @@ from ampd.policy import PrefillTask, WorkerView
 from ampd.state.url import parse as parse_redis_url
 from ampd.state.url import pool as redis_pool
 from ampd.state.url import unreachable
+from ampd.state.promises import Promises
 
 # A worker's publication (StateStore.heartbeat) as one script: its stats into the hash and the
 # channel, its liveness key renewed, and whether it is still registered. Workers publish on every
@@ -309,11 +313,19 @@ class StateStore:
     async def update_session(self, session_id: str, fields: dict[str, str | int | float]) -> None:
         await self.r.hset(self.session_key(session_id), mapping=fields)
 
+    async def session_record(self, session_id: str) -> dict[str, str]:
+        """A live session's record (empty: none)."""
+        raw = await self.r.hgetall(self.session_key(session_id))
+        return {k.decode(): v.decode() for k, v in raw.items()}
+
     async def delete_session(self, session_id: str) -> None:
-        await self.r.delete(self.session_key(session_id))
+        """Deletes the session's record and releases the KV promised to it (ampd.state.promises)."""
+        await Promises(self.r, self.ns).release(session_id, delete_record=True)
 
     async def delete_sessions(self, session_ids) -> None:
-        await self.r.delete(*(self.session_key(s) for s in session_ids))
+        promises = Promises(self.r, self.ns)
+        for sid in session_ids:
+            await promises.release(sid, delete_record=True)
 
     def coordinator_key(self, instance: str) -> str:
         return f"{self.ns}:coordinator:{instance}"

@@ -21,21 +21,23 @@ class StopRound(_message.Message):
     def __init__(self) -> None: ...
 
 class ClientMessage(_message.Message):
-    __slots__ = ("open", "turn", "cancel", "close", "stop")
+    __slots__ = ("open", "turn", "cancel", "close", "stop", "reattach")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     TURN_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    REATTACH_FIELD_NUMBER: _ClassVar[int]
     open: _common_pb2.OpenSession
     turn: _common_pb2.Turn
     cancel: Cancel
     close: Close
     stop: StopRound
-    def __init__(self, open: _Optional[_Union[_common_pb2.OpenSession, _Mapping]] = ..., turn: _Optional[_Union[_common_pb2.Turn, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., close: _Optional[_Union[Close, _Mapping]] = ..., stop: _Optional[_Union[StopRound, _Mapping]] = ...) -> None: ...
+    reattach: ReattachSession
+    def __init__(self, open: _Optional[_Union[_common_pb2.OpenSession, _Mapping]] = ..., turn: _Optional[_Union[_common_pb2.Turn, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., close: _Optional[_Union[Close, _Mapping]] = ..., stop: _Optional[_Union[StopRound, _Mapping]] = ..., reattach: _Optional[_Union[ReattachSession, _Mapping]] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("session_id", "tokens", "tool_call", "round_end", "done", "turn_end", "decode_worker")
+    __slots__ = ("session_id", "tokens", "tool_call", "round_end", "done", "turn_end", "decode_worker", "seq", "reattach_token")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +45,8 @@ class SessionEvent(_message.Message):
     DONE_FIELD_NUMBER: _ClassVar[int]
     TURN_END_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    REATTACH_TOKEN_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tokens: _common_pb2.Tokens
     tool_call: _common_pb2.ToolCall
@@ -50,4 +54,22 @@ class SessionEvent(_message.Message):
     done: _common_pb2.SessionDone
     turn_end: _common_pb2.TurnEnd
     decode_worker: str
-    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Union[_common_pb2.Tokens, _Mapping]] = ..., tool_call: _Optional[_Union[_common_pb2.ToolCall, _Mapping]] = ..., round_end: _Optional[_Union[_common_pb2.RoundEnd, _Mapping]] = ..., done: _Optional[_Union[_common_pb2.SessionDone, _Mapping]] = ..., turn_end: _Optional[_Union[_common_pb2.TurnEnd, _Mapping]] = ..., decode_worker: _Optional[str] = ...) -> None: ...
+    seq: int
+    reattach_token: str
+    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Union[_common_pb2.Tokens, _Mapping]] = ..., tool_call: _Optional[_Union[_common_pb2.ToolCall, _Mapping]] = ..., round_end: _Optional[_Union[_common_pb2.RoundEnd, _Mapping]] = ..., done: _Optional[_Union[_common_pb2.SessionDone, _Mapping]] = ..., turn_end: _Optional[_Union[_common_pb2.TurnEnd, _Mapping]] = ..., decode_worker: _Optional[str] = ..., seq: _Optional[int] = ..., reattach_token: _Optional[str] = ...) -> None: ...
+
+class ReattachSession(_message.Message):
+    __slots__ = ("session_id", "reattach_token", "after_seq", "turns", "turn", "closed")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REATTACH_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    TURNS_FIELD_NUMBER: _ClassVar[int]
+    TURN_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    reattach_token: str
+    after_seq: int
+    turns: int
+    turn: _common_pb2.Turn
+    closed: bool
+    def __init__(self, session_id: _Optional[str] = ..., reattach_token: _Optional[str] = ..., after_seq: _Optional[int] = ..., turns: _Optional[int] = ..., turn: _Optional[_Union[_common_pb2.Turn, _Mapping]] = ..., closed: _Optional[bool] = ...) -> None: ...

@@ -42,6 +42,11 @@ class DecodeWorkerStub:
                 request_serializer=ampd_dot_v1_dot_decode__pb2.AttachRequest.SerializeToString,
                 response_deserializer=ampd_dot_v1_dot_decode__pb2.DecodeEvents.FromString,
                 _registered_method=True)
+        self.Reattach = channel.unary_stream(
+                '/ampd.v1.DecodeWorker/Reattach',
+                request_serializer=ampd_dot_v1_dot_decode__pb2.ReattachRequest.SerializeToString,
+                response_deserializer=ampd_dot_v1_dot_decode__pb2.DecodeEvents.FromString,
+                _registered_method=True)
         self.LocalPrefill = channel.unary_unary(
                 '/ampd.v1.DecodeWorker/LocalPrefill',
                 request_serializer=ampd_dot_v1_dot_decode__pb2.RouteInfo.SerializeToString,
@@ -72,6 +77,15 @@ class DecodeWorkerServicer:
     def Attach(self, request, context):
         """Opens a session on this worker; its events stream back until it ends, those ready together in
         one message.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Reattach(self, request, context):
+        """Takes over a session whose coordinator was lost (its Attach stream ended while the session went
+        on here, kept for --reattach-grace seconds): its state first, then its events after `after_seq`
+        again and the rest as they come. An attached stream of the session ends (ABORTED) first.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -111,6 +125,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
             'Attach': grpc.unary_stream_rpc_method_handler(
                     servicer.Attach,
                     request_deserializer=ampd_dot_v1_dot_decode__pb2.AttachRequest.FromString,
+                    response_serializer=ampd_dot_v1_dot_decode__pb2.DecodeEvents.SerializeToString,
+            ),
+            'Reattach': grpc.unary_stream_rpc_method_handler(
+                    servicer.Reattach,
+                    request_deserializer=ampd_dot_v1_dot_decode__pb2.ReattachRequest.FromString,
                     response_serializer=ampd_dot_v1_dot_decode__pb2.DecodeEvents.SerializeToString,
             ),
             'LocalPrefill': grpc.unary_unary_rpc_method_handler(
@@ -162,6 +181,33 @@ class DecodeWorker:
             target,
             '/ampd.v1.DecodeWorker/Attach',
             ampd_dot_v1_dot_decode__pb2.AttachRequest.SerializeToString,
+            ampd_dot_v1_dot_decode__pb2.DecodeEvents.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reattach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ampd.v1.DecodeWorker/Reattach',
+            ampd_dot_v1_dot_decode__pb2.ReattachRequest.SerializeToString,
             ampd_dot_v1_dot_decode__pb2.DecodeEvents.FromString,
             options,
             channel_credentials,

@@ -4,15 +4,26 @@ flight there, and, under the ``slo`` rule, when it can still meet its TTFT and I
 otherwise it waits, first come first served, up to ``admission_wait`` seconds (``slo``: no longer than
 its TTFT budget lasts) in a queue of at most ``admission_queue`` sessions, or is refused
 (RESOURCE_EXHAUSTED, with the reason). A session accepted is never aborted for lack of KV: its
-promise is released only when it ends."""
+promise is released only when it ends.
+
+With ``promises`` (ampd.state.promises), the promises are shared with the deployment's other
+coordinators through Redis: each judgement reads every coordinator's totals, and a promise is made
+only if the worker's total stays within its capacity, so two coordinators never book the same KV.
+A Redis that does not answer leaves each coordinator judging on its own promises."""
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
+import structlog
+
 from ampd.policy import SLO, WorkerView
 from ampd.policy.admit import AdmissionBook, AdmissionCost
+from ampd.state.promises import Promises
+from ampd.state.store import REDIS_ERRORS
+
+log = structlog.get_logger()
 
 __all__ = ["Admission", "Refused"]
 
@@ -34,8 +45,13 @@ class Admission:
     event, which a release (the head) or the head leaving sets."""
 
     def __init__(self, wait_s: float, queue_max: int, rule: str = "kv", cost: AdmissionCost | None = None,
-                 slo: SLO | None = None) -> None:
+                 slo: SLO | None = None, promises: Promises | None = None) -> None:
         self.book = AdmissionBook(rule, wait_s, queue_max, cost, slo)
+        self.rule = rule
+        self.promises = promises
+        self._background: set[asyncio.Task] = set()
+        # a session's release in flight: its next promise (a move's) lands after it
+        self._releasing: dict[str, asyncio.Task] = {}
         self.promised = self.book.promised  # decode worker -> KV tokens promised to its live sessions
         self.sessions = self.book.sessions  # decode worker -> sessions admitted there, live
 
@@ -44,7 +60,7 @@ class Admission:
         return len(self.book.waiting)
 
     async def admit(self, need: int, rooms: Rooms, l_incr: int = 0, since: float | None = None,
-                    new: bool = True) -> str:
+                    new: bool = True, sid: str = "") -> str:
         """A decode worker for a session that may need ``need`` KV tokens, with ``need`` promised to
         it. ``l_incr``: its first prefill's tokens; ``since``: when it arrived (time.monotonic());
         ``new``: False for a session already accepted (moved, or bound again for a later turn),
@@ -57,11 +73,21 @@ class Admission:
                 decode, prefill = await rooms()
                 if not decode:
                     raise LookupError("no decode worker is serving")
+                pending = self._releasing.get(sid) if sid else None
+                if pending is not None:  # its own release (a move's) lands before the totals are read
+                    await asyncio.wait({pending})
+                await self._refresh()
                 v = book.judge(me, need, l_incr, time.monotonic() - start, decode, prefill, new)
                 if v.reason:
                     raise Refused(v.reason, v.detail)
                 if v.worker is not None:
-                    return v.worker
+                    cap = 0 if self.rule == "none" else next(w.kv_free_tokens for w in decode if w.worker_id == v.worker)
+                    if await self._promise(sid, v.worker, need, cap):
+                        return v.worker
+                    # another coordinator promised that KV meanwhile: judged again on the new totals
+                    book.promised[v.worker] -= need
+                    book.sessions[v.worker] -= 1
+                    continue
                 me.clear()
                 # Woken by a release (the head) or by the head leaving. Only the head also looks
                 # again twice a second (a new worker may have joined): many waiters must not poll.
@@ -74,14 +100,64 @@ class Admission:
             if book.leave(me):
                 self._wake()
 
-    def add(self, worker: str, tokens: int) -> None:
-        """A later turn of an accepted session: it is not refused, but its KV is promised too."""
+    def add(self, worker: str, tokens: int, sid: str = "", shared: bool = True) -> None:
+        """A later turn of an accepted session: it is not refused, but its KV is promised too.
+        ``shared`` False: the promise is in Redis already (a reattached session's)."""
         self.book.add(worker, tokens)
+        if self.promises is not None and sid and shared:
+            self._spawn(self.promises.add(sid, worker, tokens), after=self._releasing.get(sid))
 
-    def release(self, worker: str, tokens: int) -> None:
-        """A session ended: its promise is free for the waiting ones."""
+    def release(self, worker: str, tokens: int, sid: str = "") -> None:
+        """A session ended (or left ``worker``): its promise is free for the waiting ones."""
         self.book.release(worker, tokens)
+        if self.promises is not None and sid:
+            task = self._releasing[sid] = self._spawn(self.promises.release(sid))
+            task.add_done_callback(lambda t: self._releasing.pop(sid, None) if self._releasing.get(sid) is t else None)
         self._wake()
+
+    async def promised_total(self) -> float:
+        """KV tokens promised to live sessions: by every coordinator when shared (Redis), else here."""
+        if self.promises is not None:
+            try:
+                return float(sum((await asyncio.wait_for(self.promises.totals(), 2.0)).values()))
+            except (asyncio.TimeoutError, *REDIS_ERRORS):
+                pass
+        return float(sum(self.promised.values()))
+
+    # ------------------------------------------------------------------------- shared (Redis)
+    async def _refresh(self) -> None:
+        """The book's promises become every coordinator's (its own included)."""
+        if self.promises is None:
+            return
+        try:
+            totals = await asyncio.wait_for(self.promises.totals(), 2.0)
+        except (asyncio.TimeoutError, *REDIS_ERRORS):
+            return  # judged on this coordinator's own view
+        promised = self.book.promised
+        promised.clear()
+        promised.update(totals)
+
+    async def _promise(self, sid: str, worker: str, need: int, capacity: int) -> bool:
+        if self.promises is None or not sid:
+            return True
+        try:
+            return await asyncio.wait_for(self.promises.promise(sid, worker, need, capacity), 2.0)
+        except (asyncio.TimeoutError, *REDIS_ERRORS) as exc:
+            log.warning("KV promise not shared", session=sid, error=str(exc) or type(exc).__name__)
+            return True
+
+    def _spawn(self, op, after: asyncio.Task | None = None) -> asyncio.Task:
+        async def run() -> None:
+            if after is not None:
+                await asyncio.wait({after})
+            try:
+                await asyncio.wait_for(op, 2.0)
+            except (asyncio.TimeoutError, *REDIS_ERRORS) as exc:
+                log.warning("KV promise not shared", error=str(exc) or type(exc).__name__)
+        task = asyncio.ensure_future(run())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
 
     def _wake(self) -> None:
         head = self.book.head

@@ -19,10 +19,12 @@ from ampd.deployment import check_names
 from ampd.perf import load_profile
 from ampd.policy import SLO, make_router, policy_spec
 from ampd.state import StateStore, connect
+from ampd.state.promises import Promises
 from ampd.state.store import REDIS_ERRORS
 from ampd.stubs import Stubs
 from ampd.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from ampd.grpcserver import SESSION_OPEN, write_ready_file
+from ampd.grpcserver import REATTACH_HEADER, SESSION_OPEN, write_ready_file
+from ampd.trust import reattach_token
 from services.coordinator.core import Cluster, InvalidArgument, validate_open
 from services.coordinator.admission import Admission
 from services.coordinator.session import SessionEnd, SessionRun
@@ -66,6 +68,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         # is gone (it died serving the session) is deleted by the next coordinator's sweep.
         self.instance = f"{os.getpid()}-{int(time.time() * 1000) % 10**9}"
         self._polls = 0
+        # A lost coordinator's session records stay this long for their clients to reattach them
+        self.reattach_grace_s = WorkerSettings.reattach_grace
+        self._orphans_seen: dict[str, float] = {}  # orphaned record -> when a sweep first found it
+        self.stopping = False  # stop(): the sessions are left on their workers for other coordinators
 
     async def Session(self, request_iterator, context: grpc.aio.ServicerContext):
         opened, failure = time.time(), ""  # for its span (tracing)
@@ -73,14 +79,20 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             first = await anext(request_iterator)
         except StopAsyncIteration:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "open: the first message must open the session")
-        if not first.HasField("open"):
+        reattach = first.reattach if first.HasField("reattach") else None
+        if not first.HasField("open") and reattach is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "open: the first message must open the session")
-        o = first.open
-        try:
-            validate_open(o, script_tools=self.script_tools)
-        except InvalidArgument as exc:
-            self.counters["sessions_rejected"] += 1
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if reattach is not None:  # its coordinator was lost: it goes on here (coordinator.proto ReattachSession)
+            if not reattach.session_id or len(reattach.session_id) > 256:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "reattach.session_id: 1 to 256 characters")
+            o = common_pb2.OpenSession(session_id=reattach.session_id)
+        else:
+            o = first.open
+            try:
+                validate_open(o, script_tools=self.script_tools)
+            except InvalidArgument as exc:
+                self.counters["sessions_rejected"] += 1
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         sid = o.session_id
         if sid in self.live:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"open.session_id: {sid!r} is already live")
@@ -88,8 +100,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.counters["sessions_opened"] += 1
         # The session's headers go once it is bound, while its first round runs: its first event is
         # then a message alone (headers with it took ~0.4 ms more on that event's path, measured).
-        run = self.runs[sid] = SessionRun(self, sid, o, request_iterator,
-                                          on_open=lambda: context.send_initial_metadata((SESSION_OPEN,)))
+        # its headers carry the client's reattach token (ampd.coordinators): a session whose
+        # coordinator is lost before its first event can go on through another one too
+        run = self.runs[sid] = SessionRun(
+            self, sid, o, request_iterator, reattach=reattach,
+            on_open=lambda: context.send_initial_metadata((SESSION_OPEN, (REATTACH_HEADER, reattach_token(run.secret)))))
         try:
             async for out in run.run():
                 if out.HasField("done"):
@@ -112,7 +127,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self.runs.pop(sid, None)
             if sid in self.live:
                 self.live.discard(sid)
-                await self.forget_record(sid)
+                if not run.taken_over:  # (a record another coordinator holds now stays)
+                    await self.forget_record(sid)
 
     # ---------------------------------------------------------------------------- admission
     async def rooms(self) -> tuple[list, tuple]:
@@ -149,6 +165,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self._unrecorded.add(sid)  # deleted on a later liveness poll, once Redis answers
 
     async def stop(self) -> None:
+        self.stopping = True
         await self.cluster.stop()  # no poll renews the liveness key after this
         # The key goes now, not at its TTL: nothing of a stopped coordinator stays in Redis, and the
         # records of sessions it still served are orphans at once for the next coordinator's sweep.
@@ -158,10 +175,18 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         await self.store.coordinator_alive(self.instance, ORPHAN_SWEEP_S)
         self._polls += 1
         if self._polls % ORPHAN_SWEEP_POLLS == 1:
-            orphans = [sid for sid in await self.store.orphan_sessions() if sid not in self.live]
+            # A record stays reattach_grace after its coordinator is found gone: its client may
+            # reattach the session through this coordinator or another meanwhile.
+            now = time.monotonic()
+            found = [sid for sid in await self.store.orphan_sessions() if sid not in self.live]
+            seen = self._orphans_seen
+            self._orphans_seen = {sid: seen.get(sid, now) for sid in found}
+            orphans = [sid for sid, t in self._orphans_seen.items() if now - t >= self.reattach_grace_s]
             if orphans:
                 log.info("deleting the records of sessions whose coordinator is gone", sessions=len(orphans))
                 await self.store.delete_sessions(orphans)
+                for sid in orphans:
+                    del self._orphans_seen[sid]
         if self._unrecorded:
             gone = set(self._unrecorded)
             await self.store.delete_sessions(gone)
@@ -220,7 +245,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         values = {k: float(v) for k, v in self.counters.items()}
         values["sessions_live"] = len(self.live)
         values["sessions_waiting"] = self.admission.waiting
-        values["kv_promised_tokens"] = float(sum(self.admission.promised.values()))
+        values["kv_promised_tokens"] = await self.admission.promised_total()
         values["route_redis_read_ms_total"] = self.route_read_ms_total
         lags = sorted(self.cluster.lag_s[-1000:])
         if lags:
@@ -241,7 +266,10 @@ async def amain(args: argparse.Namespace) -> None:
     service = CoordinatorService(store, router, args.policy, args.stats_mode, args.migration_limit, cost=profile,
                                  fence_after=args.fence_after)
     service.script_tools = tuple(args.script_tools)
-    service.admission = Admission(args.admission_wait, args.admission_queue, args.admission, profile, slo)
+    # its promises shared with the deployment's other coordinators (ampd.state.promises)
+    service.admission = Admission(args.admission_wait, args.admission_queue, args.admission, profile, slo,
+                                  promises=Promises(store.r, args.namespace))
+    service.reattach_grace_s = args.reattach_grace
     service.labels.update(profile=profile.name, ttft_slo=str(slo.ttft_s), itl_slo=str(slo.itl_s))
     await service.cluster.start()
     desc = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"]

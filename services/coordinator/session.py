@@ -22,7 +22,8 @@ from ampd.events import merge_tokens
 from ampd.grpcserver import SESSION_OPEN
 from ampd.policy import PrefillTask
 from ampd.sessionlog import CannotResume, SessionLog
-from ampd.trust import attach_token, new_secret
+from ampd.state.store import REDIS_ERRORS
+from ampd.trust import attach_token, new_secret, reattach_token, token_matches
 from ampd.v1 import common_pb2, coordinator_pb2, decode_pb2, prefill_pb2
 from ampd.validate import stream_message_error, validate_reason
 from services.coordinator.admission import Refused
@@ -30,6 +31,8 @@ from services.coordinator.core import InvalidArgument, route, turn_kv_tokens, va
 
 log = structlog.get_logger()
 
+# what a decode worker's Attach stream ends with when another coordinator reattached the session
+TAKEN_OVER = "reattached through another coordinator"
 BIND_WAIT_S = 15.0  # a moving session waits this long for a live decode worker (one may be restarting)
 OPEN_WAIT_S = 3.0  # a new session waits this long for one (then UNAVAILABLE: none is serving)
 
@@ -44,7 +47,8 @@ class SessionEnd(Exception):
 
 
 class SessionRun:
-    def __init__(self, svc, sid: str, o: common_pb2.OpenSession, request_iterator, on_open=None) -> None:
+    def __init__(self, svc, sid: str, o: common_pb2.OpenSession, request_iterator, on_open=None,
+                 reattach: coordinator_pb2.ReattachSession | None = None) -> None:
         self.svc = svc
         self.on_open = on_open  # awaited once the session is bound (the server sends its headers then)
         self.sid = sid
@@ -77,12 +81,21 @@ class SessionRun:
         self.promised_on = ""  # the decode worker holding that promise
         self.admitted = False
         self.arrived = time.monotonic()  # what admission's TTFT budget counts from
+        # Reattached (its coordinator was lost): the client's ReattachSession, until the decode
+        # worker's state comes; events up to ``replayed`` were in that state (sent, not logged again)
+        self.reattach = reattach
+        self.replayed = 0
+        self.seq = 0  # the last decode event's number seen (a moved session numbers on after it)
+        self.taken_over = False  # another coordinator reattached it: its record is not deleted from here
 
     # -------------------------------------------------------------------------------- the loop
     async def run(self):
         """The session's events for the client; raises SessionEnd."""
-        self.log.on_turn(self.o.turn)
-        await self._bind(decode_pb2.AttachRequest(open=self.o, arrival=time.time()), wait_s=OPEN_WAIT_S)
+        if self.reattach is not None:
+            await self._reattach(self.reattach)
+        else:
+            self.log.on_turn(self.o.turn)
+            await self._bind(decode_pb2.AttachRequest(open=self.o, arrival=time.time()), wait_s=OPEN_WAIT_S)
         if self.on_open is not None:
             await self.on_open()
         reader = asyncio.create_task(self._read_client())
@@ -98,7 +111,17 @@ class SessionRun:
                 elif kind == "event":
                     if item.HasField("tokens"):
                         self._coalesce(item, gen)
-                    outs = await self._event(item)
+                    seq = item.seq
+                    if seq <= self.replayed:  # in the reattached state already: to the client only
+                        outs = self._replay(item)
+                    else:
+                        outs = await self._event(item)
+                    if seq:
+                        self.seq = seq
+                        for out in outs:
+                            out.seq = seq
+                elif kind == "state":
+                    outs = await self._adopt(item)
                 elif kind == "error":
                     outs = await self._decode_failed(item)
                 elif kind == "fenced":
@@ -109,14 +132,24 @@ class SessionRun:
                     yield out
                 while self.deferred:
                     self.deferred.pop(0)()
-                while self.held and self.opened and not self.finished:
+                while self.held and self.opened and self.reattach is None and not self.finished:
                     for out in await self._client(self.held.pop(0)):
                         yield out
         finally:
             reader.cancel()
+            if self.bound and not self.finished and not self.svc.stopping and self.control is not None:
+                # Ended here (the client cancelled, or the session failed): the decode worker frees it
+                # now. A stream that just ends leaves it there for another coordinator (reattach_grace).
+                self._cancel_on_worker("the coordinator ended the session")
             self._unbind()
             self._release()
             self.svc.forget_remote(self)
+
+    def _cancel_on_worker(self, why: str) -> None:
+        reply = self.control.send(decode_pb2.ControlRequest(cancel=decode_pb2.CancelRequest(
+            session_id=self.sid, reason=why, session_secret=self.secret)), timeout_s=self.svc.call_timeout_s)
+        task = asyncio.ensure_future(reply)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # nothing to do on a failure
 
     def fenced(self, why: str) -> None:
         """The bound decode worker was fenced: the session moves (in order, after the events in hand;
@@ -145,6 +178,8 @@ class SessionRun:
             if SESSION_OPEN in tuple(await call.initial_metadata() or ()):
                 self.q.put_nowait(("opened", gen, None))
             async for batch in call:
+                if batch.HasField("state"):  # Reattach's first message
+                    self.q.put_nowait(("state", gen, batch.state))
                 for ev in batch.events:
                     self.q.put_nowait(("event", gen, ev))
             self.q.put_nowait(("end", gen, None))
@@ -165,7 +200,7 @@ class SessionRun:
         while True:
             try:
                 self.decode_id = await svc.admission.admit(self.need, svc.rooms, len(self.o.turn.token_ids),
-                                                           self.arrived, new=not self.admitted)
+                                                           self.arrived, new=not self.admitted, sid=self.sid)
                 break
             except Refused as exc:
                 svc.counters["refused_" + exc.reason] += 1
@@ -183,15 +218,18 @@ class SessionRun:
             r = await self._route_ahead(0, 0, len(req.open.turn.token_ids))
             if r is not None:
                 req.route.CopyFrom(r)
+        req.first_seq = self.seq  # events there are numbered after those seen here
         self.gen += 1
         self.call = svc.stubs.decode(self.info.address, self.info.nixl_agent).Attach(req)
         self.pump = asyncio.create_task(self._pump(self.call, self.gen))
         self.bound, self.opened, self.announce = True, False, True
-        svc.record(self.sid, {"decode_worker": self.decode_id, "round": req.resume.round, "moves": self.log.moves})
+        # the secret: another coordinator reattaches the session with it when this one is lost
+        svc.record(self.sid, {"decode_worker": self.decode_id, "round": req.resume.round, "moves": self.log.moves,
+                              "secret": self.secret})
 
     def _release(self) -> None:
         if self.promised_on:
-            self.svc.admission.release(self.promised_on, self.need)
+            self.svc.admission.release(self.promised_on, self.need, self.sid)
             self.promised_on = ""
 
     def _unbind(self) -> None:
@@ -205,8 +243,18 @@ class SessionRun:
 
     async def _decode_failed(self, exc: grpc.aio.AioRpcError) -> list:
         code = exc.code()
-        if code == grpc.StatusCode.UNAVAILABLE:
+        if self.reattach is not None:  # the reattach failed before the worker's state came
+            if code == grpc.StatusCode.OUT_OF_RANGE:  # it goes on there without its client: end it
+                self._cancel_on_worker("its client missed events the worker no longer keeps")
+            raise SessionEnd(grpc.StatusCode.NOT_FOUND, f"reattach: decode worker {self.decode_id}: {exc.details()}")
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND):
+            # NOT_FOUND: the worker does not hold the session (it restarted, or was fenced meanwhile)
             return await self._move(exc.details())
+        if code == grpc.StatusCode.ABORTED and TAKEN_OVER in (exc.details() or ""):
+            # another coordinator serves it now: it is not cancelled from here, and its record and KV
+            # promise are that coordinator's
+            self.bound, self.taken_over, self.promised_on = False, True, ""
+            raise SessionEnd(grpc.StatusCode.UNAVAILABLE, f"the session moved to another coordinator: {exc.details()}")
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             raise SessionEnd(code, exc.details())
         raise SessionEnd(code if code != grpc.StatusCode.UNKNOWN else grpc.StatusCode.INTERNAL,
@@ -242,7 +290,7 @@ class SessionRun:
 
     # ------------------------------------------------------------------------ client messages
     async def _client(self, msg) -> list:
-        if self.bound and not self.opened:
+        if (self.bound and not self.opened) or self.reattach is not None:  # (its state first)
             self.held.append(msg)
             return []
         kind = "close" if msg is None else msg.WhichOneof("msg")
@@ -262,7 +310,7 @@ class SessionRun:
             more = turn_kv_tokens(msg.turn, self.o.limits.max_output_tokens)
             self.need += more  # accepted sessions are not refused: their later turns are promised too
             if self.promised_on:
-                self.svc.admission.add(self.promised_on, more)
+                self.svc.admission.add(self.promised_on, more, self.sid)
             if not self.bound:
                 return await self._resume_with(msg.turn)
             r = await self._route_ahead(self.log.next_round, *self.log.expected_sizes(msg.turn))
@@ -276,7 +324,12 @@ class SessionRun:
                 return [self._done(common_pb2.SessionDone())]
             ok = await self._control(decode_pb2.ControlRequest(close=decode_pb2.CloseRequest(
                 session_id=self.sid, session_secret=self.secret)), ignore=grpc.StatusCode.FAILED_PRECONDITION)
-            return [] if ok else await self._move("its control stream failed")
+            if ok:
+                return []
+            outs = await self._move("its control stream failed")
+            if not self.bound and not self.finished:  # it was between turns: nothing more comes
+                outs.append(self._done(common_pb2.SessionDone()))
+            return outs
         if kind == "stop":  # the current turn's decoding ends at its next token; nothing between turns
             if self.bound:
                 await self._control(decode_pb2.ControlRequest(stop=decode_pb2.StopRoundRequest(
@@ -306,7 +359,9 @@ class SessionRun:
             await self.control.call(req, timeout_s=self.svc.call_timeout_s)
         except grpc.aio.AioRpcError as exc:
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                              grpc.StatusCode.CANCELLED):
+                              grpc.StatusCode.CANCELLED, grpc.StatusCode.NOT_FOUND):
+                # NOT_FOUND: the session is not open on the worker (it restarted, or dropped it when
+                # fenced): the session moves, as when the worker is unreachable
                 return False
             if exc.code() != ignore:
                 raise SessionEnd(exc.code(), exc.details()) from None
@@ -317,8 +372,74 @@ class SessionRun:
         out = coordinator_pb2.SessionEvent(session_id=self.sid, **event)
         if self.announce:
             out.decode_worker = self.decode_id
+            out.reattach_token = reattach_token(self.secret)
             self.announce = False
         return out
+
+    # ------------------------------------------------------------------------------ reattaching
+    async def _reattach(self, r: coordinator_pb2.ReattachSession) -> None:
+        """Takes the session over from its lost coordinator (coordinator.proto ReattachSession): its
+        decode worker and secret from its record in Redis, its state from the worker (Reattach)."""
+        svc = self.svc
+        try:
+            rec = await asyncio.wait_for(svc.store.session_record(self.sid), svc.call_timeout_s)
+        except (asyncio.TimeoutError, *REDIS_ERRORS) as exc:
+            raise SessionEnd(grpc.StatusCode.UNAVAILABLE, f"reattach: the session's record is out of reach: "
+                                                          f"{exc or type(exc).__name__}") from None
+        self.rec = rec
+        secret, wid = rec.get("secret", ""), rec.get("decode_worker", "")
+        if not secret or not wid:
+            raise SessionEnd(grpc.StatusCode.NOT_FOUND, f"reattach: no session {self.sid!r} to reattach")
+        if not token_matches(reattach_token(secret), r.reattach_token):
+            raise SessionEnd(grpc.StatusCode.PERMISSION_DENIED, "reattach.reattach_token: not the session's")
+        info = svc.cluster.infos.get(wid)
+        if info is None:
+            raise SessionEnd(grpc.StatusCode.NOT_FOUND, f"reattach: its decode worker {wid} is gone")
+        svc.counters["sessions_reattached"] += 1
+        self.secret, self.decode_id, self.info = secret, wid, info
+        self.control = svc.stubs.control(info.address, info.nixl_agent)
+        self.gen += 1
+        self.call = svc.stubs.decode(info.address, info.nixl_agent).Reattach(decode_pb2.ReattachRequest(
+            session_id=self.sid, session_secret=secret, after_seq=r.after_seq,
+            attach_token=attach_token(bytes.fromhex(info.task_key), self.sid, wid, secret)))
+        self.pump = asyncio.create_task(self._pump(self.call, self.gen))
+        self.bound, self.opened, self.announce = True, False, True
+        svc.record(self.sid, {"decode_worker": wid})  # this coordinator's now
+        log.info("session reattached", session=self.sid, decode_worker=wid, after_seq=r.after_seq)
+
+    async def _adopt(self, st: decode_pb2.SessionState) -> list:
+        """The reattached session's state from its decode worker: this coordinator's record of it,
+        its KV promised here, and what its lost coordinator may not have passed on done now."""
+        r, self.reattach = self.reattach, None
+        svc = self.svc
+        self.log = SessionLog.from_state(self.sid, st)
+        self.o = common_pb2.OpenSession(session_id=self.sid, limits=st.limits)
+        self.replayed = self.seq = st.seq
+        self.admitted = True
+        # the promise its lost coordinator made stays (it is in the session's record), else a new one
+        promised = int(self.rec.get("promised", 0) or 0)
+        self.need = promised or len(st.history) + svc.block_tokens() + (
+            turn_kv_tokens(st.turn, st.limits.max_output_tokens) if st.HasField("turn") else 0)
+        svc.admission.add(self.decode_id, self.need, self.sid, shared=not promised)
+        self.promised_on = self.decode_id
+        # the client's last turn, which its lost coordinator never passed on; then what it sent after
+        if r.turns > st.turns and r.HasField("turn"):
+            self.held.insert(0, coordinator_pb2.ClientMessage(turn=r.turn))
+        if st.HasField("unrouted"):  # its prefill_task may never have been routed: route it now
+            self.log.on_prefill_task(st.unrouted)
+            await self._route(st.unrouted)
+        return []
+
+    def _replay(self, ev: decode_pb2.DecodeEvent) -> list:
+        """An event the reattached state already holds, which the client may not have seen."""
+        kind = ev.WhichOneof("event")
+        if kind == "prefill_task" or kind is None:
+            return []
+        if kind == "done":
+            return [self._done(ev.done)]
+        if kind == "round_end":
+            self._annotate(ev.round_end.timing)
+        return [self._out(**{kind: getattr(ev, kind)})]
 
     def _done(self, done: common_pb2.SessionDone) -> coordinator_pb2.SessionEvent:
         del done.rounds[:]
@@ -451,10 +572,9 @@ class SessionRun:
 
     def _routed(self, rnd: int, decision, decide_ms: float) -> None:
         """Round ``rnd``'s prefill went where ``decision`` says (after fallbacks)."""
-        svc = self.svc
         self.routes[rnd] = (decision.target, decision.reason, decision.local)
-        # the record after the prefill's request: its Redis write would run first and delay it
-        svc.record(self.sid, {"round": rnd, "route": decision.reason, "prefill_worker": decision.target})
+        # (no Redis write a round: the session's record holds what a move or a reattach needs, its
+        # binding; a write a round took ~5% of the coordinator's CPU, benchmarks/coordinator_capacity.py)
         log.info("route", session=self.sid, round=rnd, target=decision.target, local=decision.local,
                  reason=decision.reason, decide_ms=round(decide_ms, 3),
                  **{k: round(v, 4) for k, v in decision.estimates.items()})

@@ -14,7 +14,6 @@ from ampd.grpcserver import SESSION_OPEN, RpcFailure, abort_on_failure, serve_ca
 from ampd.chat.template import ChatFormat
 from ampd.chat.tokenizer import tokenizer_for
 from ampd.engine import check_available, make_engine, use_threads
-from ampd.events import merge_tokens
 from ampd.perf import load_profile
 from ampd.policy import SLO, make_queue, policy_spec
 from ampd.state import StateStore, connect
@@ -24,7 +23,7 @@ from ampd.runtime import WorkerRuntime, add_worker_args, config_from_args, pool_
 from ampd.trust import attach_token, token_matches
 from ampd.worker import DecodeCore
 from ampd.validate import InvalidArgument, validate_attach, validate_reason, validate_turn
-from services.decode.worker import DecodeWorker, InvalidTurn, NotPermitted, SessionError, SessionFailed
+from services.decode.worker import (DecodeWorker, EventsGone, InvalidTurn, NotOpen, NotPermitted, SessionError)
 
 log = structlog.get_logger()
 
@@ -53,27 +52,64 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         except SessionError as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        async for out in self._stream(s, context, request.first_seq, None):
+            yield out
+
+    async def Reattach(self, request: decode_pb2.ReattachRequest, context: grpc.aio.ServicerContext):
+        """A coordinator takes over a session whose own was lost (decode.proto Reattach)."""
+        core = self.core
+        sid, wid = request.session_id, core.rt.cfg.worker_id
+        try:
+            if not request.session_secret:
+                raise InvalidArgument("session_secret: required")
+            if not token_matches(attach_token(core.rt.task_key, sid, wid, request.session_secret),
+                                 request.attach_token):
+                raise NotPermitted(f"attach_token: not minted for session {sid!r} on {wid!r}")
+            s, state = core.reattach(sid, request.session_secret, request.after_seq)
+        except InvalidArgument as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except NotPermitted as exc:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        except NotOpen as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except EventsGone as exc:
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(exc))
+        log.info("session reattached", session=sid, after_seq=request.after_seq, seq=state.seq)
+        async for out in self._stream(s, context, request.after_seq, state):
+            yield out
+
+    async def _stream(self, s, context: grpc.aio.ServicerContext, after: int, state):
+        """The session's events after number ``after`` until it ends (or another stream takes it
+        over), those ready together in one message; ``state`` goes with the first (Reattach)."""
+        core = self.core
+        me = core.attached(s)
         try:
             # the session is open: the coordinator sends its Control requests only after this
             await context.send_initial_metadata((SESSION_OPEN,))
             while True:
-                ev = await s.events.get()
-                if isinstance(ev, SessionFailed):
-                    await context.abort(grpc.StatusCode[ev.code], ev.error)
-                # The events queued behind it go in the same message (none is waited for): a
-                # failure after them ends the stream once they are out.
-                batch = [ev]
-                queued = s.events._queue  # peek: asyncio.Queue keeps a deque
-                while queued and not isinstance(queued[0], SessionFailed) and not batch[-1].HasField("done"):
-                    nxt = s.events.get_nowait()
-                    if not merge_tokens(batch[-1], nxt):
-                        batch.append(nxt)
-                yield decode_pb2.DecodeEvents(events=batch)
-                if batch[-1].HasField("done"):
-                    return
+                if s.owner is not me:
+                    await context.abort(grpc.StatusCode.ABORTED, f"session {s.session_id!r} was reattached "
+                                                                 "through another coordinator")
+                batch, seq, failed = core.take_events(s, after)
+                if batch or state is not None:
+                    out = decode_pb2.DecodeEvents(events=batch)
+                    if state is not None:
+                        out.state.CopyFrom(state)
+                        state = None
+                    yield out
+                    after = seq
+                    if seq > s.sent:
+                        s.sent = seq
+                    if batch and batch[-1].HasField("done"):
+                        return
+                if failed is not None:
+                    s.sent = seq
+                    await context.abort(grpc.StatusCode[failed.code], failed.error)
+                if not batch:
+                    s.notify.clear()
+                    await s.notify.wait()
         finally:
-            if not s.closed:  # the coordinator went away mid-session
-                core.cancel(s.session_id, "attach stream closed", s.secret)
+            core.detached(s, me)
 
     # LocalPrefill, Turn, Close and Cancel: one body each, served on Control (and some as unary calls).
     def _local_prefill(self, request: decode_pb2.RouteInfo) -> None:
@@ -87,7 +123,7 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
                 if self.core.stopping:  # it ended its sessions just now: the coordinator moves this one too
                     raise RpcFailure(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.core.rt.cfg.worker_id} "
                                                                   "shutting down")
-                raise InvalidTurn(f"session_id: {request.session_id!r} is not open on this worker")
+                raise NotOpen(f"session_id: {request.session_id!r} is not open on this worker")
             self.core.turn(request.session_id, request.turn, request.session_secret,
                            request.route if request.HasField("route") else None)
 
@@ -144,6 +180,8 @@ def _statuses():
         yield
     except (InvalidArgument, InvalidTurn) as exc:
         raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+    except NotOpen as exc:  # the worker lost it (restarted, fenced): the coordinator moves it
+        raise RpcFailure(grpc.StatusCode.NOT_FOUND, str(exc)) from None
     except NotPermitted as exc:
         raise RpcFailure(grpc.StatusCode.PERMISSION_DENIED, str(exc)) from None
     except SessionError as exc:
@@ -186,6 +224,7 @@ async def amain(args: argparse.Namespace) -> None:
                       window_s=cfg.window_s, chunk_tokens=chunk, kv_admission=cfg.kv_admission,
                       kv_evict=cfg.kv_evict)
     service.core = DecodeWorker(rt, engine, core, sidecar, chat_format(cfg))
+    service.core.reattach_grace_s = args.reattach_grace
     service.core.start()
     await rt.start(sidecar=cfg.sidecar)
     metrics_port = metrics.serve(args.host, args.metrics_port,

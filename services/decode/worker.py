@@ -17,6 +17,7 @@ decode token the pool cannot hold fail the session ("KV exhausted"): a real pool
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -69,6 +70,19 @@ FINISH_STOP_REQUESTED = "stop_requested"  # the client's StopRound ended the tur
 # the prefill worker to report it wrote them (it normally does within the round's TTFT).
 REMOTE_HOLD_S = 60.0
 ABORTED, SHUTDOWN = "ABORTED", "UNAVAILABLE"  # the status a failed session's Attach stream ends with
+# A session keeps its events already sent, beyond those not yet sent, up to this many: a coordinator
+# that reattaches it (Reattach) sends again those its client missed. One that missed more opens the
+# session again (ampd/coordinators.py).
+SENT_KEEP = 512
+ENDED_KEEP = 16  # of an ended session, kept for reattach_grace: its last events (SessionDone) may be lost
+
+
+class NotOpen(SessionError):
+    """The session is not open on this worker (NOT_FOUND: the coordinator moves it, or opens it again)."""
+
+
+class EventsGone(SessionError):
+    """A reattach asked for events this worker no longer keeps (OUT_OF_RANGE)."""
 
 
 @dataclass(eq=False)
@@ -83,7 +97,23 @@ class Session:
     core: DecodeSession
     secret: str = ""  # the session's credential (AttachRequest.session_secret)
     task_token: str = ""  # the current round's prefill task's (ampd.trust)
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    # Its events, numbered (DecodeEvent.seq): those no stream sent yet and the last SENT_KEEP sent,
+    # so that a coordinator that reattaches it sends again what its client missed.
+    log: deque = field(default_factory=deque)  # (seq, DecodeEvent or SessionFailed)
+    seq: int = 0  # the last event's number
+    sent: int = 0  # the last event's number a stream sent
+    notify: asyncio.Event = field(default_factory=asyncio.Event)  # an event was added (or a stream took over)
+    owner: object = None  # the stream that sends its events (None: none; its coordinator went away)
+    attachments: int = 0  # streams it had (a detached session expires unless another came)
+    # What a reattaching coordinator rebuilds its record of the session from (decode.proto SessionState)
+    limits: common_pb2.SessionLimits | None = None
+    turns: int = 0  # the client's turns received (the open's counts)
+    turn_round: int = 0  # the first round of the turn being answered
+    round_begun: int = -1  # its round in progress or last begun (-1: none yet)
+    round_ended: bool = False
+    server_calls: list = field(default_factory=list)  # the ended round's server-side calls, running
+    unrouted: common_pb2.PrefillTask | None = None  # the round's prefill_task sent to the coordinator
+    moves: int = 0
     # Every token of the session, inputs and outputs. The KV covers tokens[:kv.tokens]; the rest (the
     # last output token, then a turn's new input) is the next prefill's input.
     tokens: list[int] = field(default_factory=list)
@@ -168,6 +198,9 @@ class DecodeWorker:
         self.core = core
         self.sidecar = sidecar_stub
         self.sessions: dict[str, Session] = {}
+        # sessions ended in the last reattach_grace seconds: a reattach still finds their last events
+        self.ended: dict[str, Session] = {}
+        self.reattach_grace_s = 30.0  # the server sets --reattach-grace
         self.awaiting_remote: dict[tuple[str, int], Session] = {}
         self.wake = asyncio.Event()
         self._stepping = False  # a decode step is in flight: the core forgets sessions after it
@@ -184,7 +217,7 @@ class DecodeWorker:
             "kv_bytes_verified": 0, "kv_bytes_mismatched": 0, "tool_calls": 0, "prefill_chunks": 0,
             "kv_waits": 0, "prefills_rerouted": 0, "local_prefill_tokens": 0, "sessions_resumed": 0,
             "kv_held_for_remote": 0, "kv_evictions": 0, "kv_recomputed_tokens": 0,
-            "prefills_overdue": 0,
+            "prefills_overdue": 0, "sessions_detached": 0, "sessions_reattached": 0, "sessions_replaced": 0,
         }
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()  # submits of routed prefills in flight
@@ -254,14 +287,119 @@ class DecodeWorker:
         return core.view(now), (core.busy_until if core.state == PREFILLING else 0.0)
 
     # ----------------------------------------------------------------------------- session events
-    def emit(self, s: Session, event: decode_pb2.DecodeEvent) -> None:
-        if not s.closed:
-            s.events.put_nowait(event)
+    def emit(self, s: Session, event) -> None:
+        """Adds ``event`` (a DecodeEvent, or SessionFailed) to the session's log for its stream."""
+        if s.closed:
+            return
+        s.seq += 1
+        if type(event) is not SessionFailed:
+            event.seq = s.seq
+        log = s.log
+        log.append((s.seq, event))
+        if len(log) > SENT_KEEP and log[0][0] <= s.sent:
+            log.popleft()
+        s.notify.set()
+
+    # ------------------------------------------------------------------------------- streams
+    def take_events(self, s: Session, after: int) -> tuple[list, int, "SessionFailed | None"]:
+        """The session's events after number ``after``, those ready together in one list (a
+        round's consecutive Tokens merged into one; SessionDone last), the last one's number, and
+        the failure that ends the stream after them if there is one."""
+        log = s.log
+        if not log or log[-1][0] <= after:
+            return [], after, None
+        out: list = []
+        copied = False
+        for seq, ev in itertools.islice(log, max(0, after - log[0][0] + 1), None):
+            if type(ev) is SessionFailed:
+                return out, seq, ev
+            last = out[-1] if out else None
+            if last is not None and ev.HasField("tokens") and last.HasField("tokens") \
+                    and last.tokens.round == ev.tokens.round:
+                if not copied:  # the log's own event stays as it is (a reattach may send it again)
+                    last = decode_pb2.DecodeEvent()
+                    last.CopyFrom(out[-1])
+                    out[-1], copied = last, True
+                last.tokens.token_ids.extend(ev.tokens.token_ids)
+                last.tokens.times.extend(ev.tokens.times)
+                last.seq = seq
+            else:
+                out.append(ev)
+                copied = False
+            after = seq
+            if ev.HasField("done"):
+                break
+        return out, after, None
+
+    def attached(self, s: Session) -> object:
+        """A stream takes the session's events over (an earlier one ends: it sees it is not the owner)."""
+        me = object()
+        s.owner = me
+        s.attachments += 1
+        s.notify.set()
+        return me
+
+    def detached(self, s: Session, me: object) -> None:
+        """The stream ``me`` ended. Its coordinator went away without cancelling the session (it
+        died, or stopped): the session goes on here, its events kept, for ``reattach_grace``
+        seconds for its client to reattach it through another coordinator; then it is cancelled."""
+        if s.owner is not me:
+            return
+        s.owner = None
+        if s.closed:
+            return
+        n = s.attachments
+        log.info("session detached: its coordinator went away", session=s.session_id,
+                 grace_s=self.reattach_grace_s)
+        self.metrics["sessions_detached"] += 1
+
+        def expire() -> None:
+            if not s.closed and s.owner is None and s.attachments == n:
+                self.fail(s, f"not reattached within {self.reattach_grace_s:g} s of its coordinator's loss")
+        asyncio.get_running_loop().call_later(self.reattach_grace_s, expire)
+
+    def reattach(self, session_id: str, secret: str, after_seq: int) -> tuple[Session, decode_pb2.SessionState]:
+        """A coordinator takes over the session (Reattach): its state for that coordinator's record."""
+        s = self.sessions.get(session_id) or self.ended.get(session_id)
+        if s is None or (s.closed and s.log and type(s.log[-1][1]) is SessionFailed):
+            # (one that ended failing, e.g. cancelled by a coordinator that lost its client, is not
+            # taken over: its client opens it again)
+            raise NotOpen(f"session_id: {session_id!r} is not open on this worker")
+        self._check_secret(s, secret)
+        first = s.log[0][0] if s.log else s.seq + 1
+        if after_seq + 1 < first:
+            raise EventsGone(f"after_seq: the events after {after_seq} are gone (kept from {first})")
+        self.metrics["sessions_reattached"] += 1
+        return s, self.state_of(s)
+
+    def state_of(self, s: Session) -> decode_pb2.SessionState:
+        st = decode_pb2.SessionState(
+            seq=s.seq, history=s.tokens, turn_round=s.turn_round, next_round=s.next_round, round=s.round_begun,
+            round_ended=s.round_ended, server_calls=s.server_calls, client_calls=s.pending_calls,
+            rounds=s.rounds_done, input_ready=s.input_ready, turns=s.turns, closing=s.closing, moves=s.moves)
+        if s.limits is not None:
+            st.limits.CopyFrom(s.limits)
+        if s.turn is not None:
+            st.turn.CopyFrom(s.turn)
+        t = s.timing
+        if t is not None and t.round == s.round_begun and s.round_begun >= 0:
+            st.round_tokens = t.tokens + s.carried
+            st.first_token_at = t.first_token
+        u = s.unrouted
+        if u is not None and (s.session_id, u.round) in self.awaiting_remote and not s.closed:
+            st.unrouted.CopyFrom(u)
+        return st
 
     def open(self, req: decode_pb2.AttachRequest) -> Session:
         o = req.open
-        if o.session_id in self.sessions:
-            raise SessionError(f"session {o.session_id!r} is already open on this worker")
+        old = self.sessions.get(o.session_id)
+        if old is not None:
+            if old.owner is not None:
+                raise SessionError(f"session {o.session_id!r} is already open on this worker")
+            # Left here by a lost coordinator and opened again (its client could not reattach it):
+            # the open, with its attach token, replaces it.
+            self.metrics["sessions_replaced"] += 1
+            self.fail(old, "opened again through another coordinator")
         check_turn(o.turn, self.engine, 0, "open.turn", self.chat is not None)
         s = Session(
             session_id=o.session_id,
@@ -270,7 +408,9 @@ class DecodeWorker:
             kv=SessionKV(self.rt.pool.block_tokens),
             core=DecodeSession(o.session_id),
             secret=req.session_secret,
+            seq=req.first_seq, sent=req.first_seq, limits=o.limits, turns=1,
         )
+        self.ended.pop(s.session_id, None)
         self.sessions[s.session_id] = s
         self.rt.active_sessions = len(self.sessions)
         self.metrics["sessions_opened"] += 1
@@ -290,13 +430,16 @@ class DecodeWorker:
         log.info("session moved here", session=s.session_id, round=r.round, attempt=r.attempt,
                  history=len(t.token_ids), rerun_tools=r.rerun_tools)
         self.metrics["sessions_resumed"] += 1
-        s.next_round, s.recovering = r.round, True
+        s.next_round, s.recovering, s.moves = r.round, True, r.attempt
+        s.turns = r.turns or 1
         if not r.rerun_tools:
             s.carried = r.round_tokens
             self._start_turn(s, t, time.time())
             return
         # the previous round ended with server-side calls whose results never came: run them again
         s.turn, s.script = t, deque(t.script)
+        s.turn_round = s.round_begun = r.round - 1
+        s.round_ended = True
         s.tokens.extend(t.token_ids)
         scripted = s.script.popleft() if s.script else None
         calls = [(scripted.tool.name or "replay", scripted.tool.arguments, False)] if scripted \
@@ -315,6 +458,7 @@ class DecodeWorker:
             raise InvalidTurn(f"turn.tool_call_id: {t.tool_call_id!r} is not a pending call of the session "
                               f"({len(s.pending_calls)} pending)")
         s.pending_calls.clear()
+        s.turns += 1
         self._start_turn(s, t, time.time(), route)
 
     def _start_turn(self, s: Session, t: common_pb2.Turn, now: float, route: decode_pb2.Route | None = None) -> None:
@@ -325,6 +469,7 @@ class DecodeWorker:
             self.core.rewind(s.core, t.keep_tokens)
         s.turn = t
         s.script = deque(t.script)
+        s.turn_round, s.round_begun = s.next_round, -1
         s.stop_requested = False
         s.tokens.extend(t.token_ids)
         # the route holds only while the round starts now (its KV admitted at once, in begin_round)
@@ -352,6 +497,7 @@ class DecodeWorker:
         if s.recovering:
             new = len(s.tokens) - s.kv.tokens
         c.round, c.l_incr, c.out = s.next_round, new, s.max_tokens()
+        s.round_begun, s.round_ended, s.server_calls, s.unrouted = s.next_round, False, [], None
         s.next_round += 1
         s.input_ready = input_ready
         bt = self.rt.pool.block_tokens
@@ -413,6 +559,7 @@ class DecodeWorker:
                 if info is not None else None
             self._spawn(self._submitted(s, task, target, reply))
         else:
+            s.unrouted = task
             self.emit(s, decode_pb2.DecodeEvent(prefill_task=task))
 
     async def _submitted(self, s: Session, task: common_pb2.PrefillTask, target: str, reply) -> None:
@@ -428,6 +575,7 @@ class DecodeWorker:
                         round=task.round, target=target, error=exc.details() if isinstance(exc, grpc.aio.AioRpcError)
                         else str(exc))
             if not s.closed and self.awaiting_remote.get((s.session_id, task.round)) is s:
+                s.unrouted = task
                 self.emit(s, decode_pb2.DecodeEvent(prefill_task=task))
 
     def _remote_overdue(self, s: Session, rnd: int, waited_s: float) -> None:
@@ -530,7 +678,7 @@ class DecodeWorker:
     def _session(self, session_id: str, secret: str) -> Session:
         s = self.sessions.get(session_id)
         if s is None:
-            raise SessionError(f"session {session_id!r} is not open on this worker")
+            raise NotOpen(f"session_id: {session_id!r} is not open on this worker")
         self._check_secret(s, secret)
         return s
 
@@ -544,7 +692,16 @@ class DecodeWorker:
         if s.closed:
             return
         s.closed = True
-        self.sessions.pop(s.session_id, None)
+        if self.sessions.get(s.session_id) is s:
+            del self.sessions[s.session_id]
+        # Its last events stay for a reattach (its coordinator may be lost before it sent them).
+        while len(s.log) > ENDED_KEEP:
+            s.log.popleft()
+        self.ended[s.session_id] = s
+        try:
+            asyncio.get_running_loop().call_later(self.reattach_grace_s, self._forget_ended, s)
+        except RuntimeError:  # no loop (a core driven by hand): nothing to wait for
+            self.ended.pop(s.session_id, None)
         remote = self.awaiting_remote.pop((s.session_id, s.round), None) is not None
         if self._stepping:
             self._after_step.append((s, ""))
@@ -573,6 +730,10 @@ class DecodeWorker:
         self.rt.changed()
         if not self._stepping:
             self._admit_waiting()
+
+    def _forget_ended(self, s: Session) -> None:
+        if self.ended.get(s.session_id) is s:
+            del self.ended[s.session_id]
 
     def _release_held(self, key: tuple[str, int]) -> None:
         s = self._held.pop(key, None)
@@ -634,6 +795,7 @@ class DecodeWorker:
         if scripted is not None or parsed:
             reason = FINISH_TOOL
         s.timing.finish_reason = reason
+        s.round_ended = True
         s.rounds_done.append(s.timing)
         if tracing.on:
             _round_spans(s, self.rt.cfg.worker_id)
@@ -643,8 +805,11 @@ class DecodeWorker:
         client = any(side for _, _, side in calls)
         for i, (name, arguments, _) in enumerate(calls):
             call_id = new_call_id()  # unguessable: the next turn answers a client-side call by it
-            self.emit(s, decode_pb2.DecodeEvent(tool_call=common_pb2.ToolCall(
-                round=s.round, call_id=call_id, name=name, arguments=arguments, client_side=client)))
+            tc = common_pb2.ToolCall(round=s.round, call_id=call_id, name=name, arguments=arguments,
+                                     client_side=client)
+            self.emit(s, decode_pb2.DecodeEvent(tool_call=tc))
+            if not client:
+                s.server_calls.append(tc)
             self.metrics["tool_calls"] += 1
             if client:
                 s.pending_calls.add(call_id)

@@ -40,7 +40,8 @@ from ampd.front.tenants import KeyRing, Tenant, load_api_keys
 from ampd.metrics import TTFT_BUCKETS
 from ampd.validate import MAX_ID as MAX_SESSION_ID
 from ampd.state import connect
-from ampd.v1 import common_pb2, coordinator_pb2_grpc
+from ampd.coordinators import Coordinators, parse_addresses
+from ampd.v1 import common_pb2
 from services.frontend.sessions import LiveSession, SessionTable
 from services.frontend.turn import DONE, FAILED, RETRY_AFTER_S, TEXT, TurnRun
 
@@ -722,10 +723,10 @@ def build_app(front: Front) -> Starlette:
 async def amain(args: argparse.Namespace) -> None:
     logs.configure("frontend")
     fmt = ChatFormat(tokenizer_for(args.engine, args.model))
-    # the deployment's shared token goes to the coordinator with every call (ampd.grpcserver)
-    channel = grpcserver.channel(args.coordinator_address, token=args.auth_token,
-                                 max_message=grpcserver.CLIENT_MAX_MESSAGE)
-    coordinator = coordinator_pb2_grpc.CoordinatorStub(channel)
+    # the deployment's shared token goes to the coordinators with every call (ampd.grpcserver)
+    coordinator = Coordinators(parse_addresses(args.coordinator_address, "--coordinator-address"),
+                               token=args.auth_token, max_message=grpcserver.CLIENT_MAX_MESSAGE)
+    await _reach(coordinator)
     redis = await connect(args.redis_url)
     index = SessionIndex(redis, args.namespace, args.session_ttl)
     front = Front(args, fmt, coordinator, index, "")
@@ -753,9 +754,25 @@ async def amain(args: argparse.Namespace) -> None:
         await front.table.stop()
         await front.http.aclose()
         front.work.shutdown(wait=False, cancel_futures=True)
-        await channel.close()
+        await coordinator.close()
         await redis.aclose()
         tracing.shutdown()  # the spans still batched go before the process ends
+
+
+COORDINATOR_WAIT_S = 30.0  # at start-up, for the coordinators to answer (one may still be starting)
+
+
+async def _reach(coordinators: Coordinators) -> None:
+    """Every coordinator answers, or the front exits naming the first that does not."""
+    deadline = time.monotonic() + COORDINATOR_WAIT_S
+    while True:
+        try:
+            await coordinators.check(timeout_s=2.0)
+            return
+        except ConnectionError as exc:
+            if time.monotonic() > deadline:
+                sys.exit(f"ampd-frontend: error: --coordinator-address: {exc}")
+        await asyncio.sleep(0.5)
 
 
 class _Server(uvicorn.Server):
@@ -780,6 +797,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         args = build_parser().parse_args(argv)
         require(args, "redis_url", "coordinator_address")
+        parse_addresses(args.coordinator_address, "--coordinator-address")
         tokenizer_for(args.engine, args.model)
         if args.api_keys:
             load_api_keys(args.api_keys)

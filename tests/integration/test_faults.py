@@ -70,8 +70,10 @@ def _wait_registered(r: redis.Redis, workers: set[str], timeout_s: float = 60.0,
 
 
 def test_replay_survives_killed_workers_and_a_redis_restart(tmp_path):
+    # reattach_grace: the killed coordinator's sessions (no other coordinator to reattach them
+    # through) are freed, and their records swept, within the checks' bounds
     opts = Options(prefill="tp1*2", decode="tp1*2", profile="qwen3-32b@h20", policy="remote", namespace=NS,
-                   ttft_slo=2.0, itl_slo=0.1, run_dir=str(tmp_path))
+                   ttft_slo=2.0, itl_slo=0.1, run_dir=str(tmp_path), reattach_grace=3.0)
     sessions = _trace()
     with Deployment(opts) as dep:
         r = redis.Redis.from_url(dep.redis_url)

@@ -194,14 +194,15 @@ def test_call_streams_answer_like_the_unary_calls(deployment, redis_url):
             return grpc.StatusCode.OK
 
         ctl = decode_pb2.ControlRequest
+        # a session the worker does not hold: NOT_FOUND (the coordinator moves it, docs/deploy.md)
         assert await status(control, ctl(turn=decode_pb2.TurnRequest(
-            session_id="nobody", turn=_turn(3, 2)))) == grpc.StatusCode.INVALID_ARGUMENT
+            session_id="nobody", turn=_turn(3, 2)))) == grpc.StatusCode.NOT_FOUND
         assert await status(control, ctl(turn=decode_pb2.TurnRequest(
             session_id="nobody"))) == grpc.StatusCode.INVALID_ARGUMENT
         assert await status(control, ctl(close=decode_pb2.CloseRequest(
-            session_id="nobody"))) == grpc.StatusCode.FAILED_PRECONDITION
+            session_id="nobody"))) == grpc.StatusCode.NOT_FOUND
         assert await status(control, ctl(local_prefill=decode_pb2.RouteInfo(
-            session_id="nobody", round=0))) == grpc.StatusCode.FAILED_PRECONDITION
+            session_id="nobody", round=0))) == grpc.StatusCode.NOT_FOUND
         assert await status(control, ctl()) == grpc.StatusCode.INVALID_ARGUMENT
         assert await status(control, ctl(cancel=decode_pb2.CancelRequest(session_id="nobody"))) == grpc.StatusCode.OK
         assert await status(submit, prefill_pb2.SubmitRequest(task=common_pb2.PrefillTask(

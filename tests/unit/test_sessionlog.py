@@ -117,3 +117,25 @@ def test_a_round_started_with_its_turn_resumes_like_one_started_by_its_prefill_t
     assert by_task.history == by_turn.history == [1, 2, 3, 50]
     assert by_task.resume() == by_turn.resume()
     assert by_task.carry == by_turn.carry == (0, 1, 11.0, 10.0)
+
+
+def test_a_log_rebuilt_from_the_workers_state_moves_the_session_like_the_original():
+    """A session reattached through another coordinator (decode.proto SessionState): when its decode
+    worker dies later, the rebuilt log builds the same Resume as the lost coordinator's would have."""
+    from ampd.v1 import decode_pb2
+
+    lg = _log()
+    lg.on_prefill_task(_task(0, 0, [1, 2, 3]))
+    lg.on_tokens(_tokens(0, 3, [50, 51]))
+    st = decode_pb2.SessionState(seq=7, history=lg.history, turn=lg.turn, turn_round=0, next_round=1, round=0,
+                                 round_tokens=2, round_ended=False, turns=1, first_token_at=11.0, input_ready=10.0)
+    again = SessionLog.from_state("s", st)
+    assert again.lost() == lg.lost() == "turn"
+    assert again.resume() == lg.resume()
+    # between turns, with a client-side call pending: idle, and the call's answer resumes it
+    idle = decode_pb2.SessionState(history=[1, 2, 3, 50], next_round=1, round=0, round_ended=True,
+                                   client_calls=["call_x"], turns=1)
+    lg2 = SessionLog.from_state("s", idle)
+    assert lg2.lost() == "idle"
+    req = lg2.resume(common_pb2.Turn(token_ids=[9], sampling=_sampling(2), tool_call_id="call_x"))
+    assert list(req.open.turn.token_ids) == [1, 2, 3, 50, 9] and req.resume.round == 1 and req.resume.turns == 2

@@ -1,0 +1,222 @@
+"""Two coordinators sharing one Redis (`ampd up --coordinators 2`), the torch engine: a replay of
+multi-round sessions (server-side tools) through both, first undisturbed, then with one coordinator
+SIGKILLed mid-replay. Its sessions go on through the other, reattached to the decode workers that
+hold their KV (ampd.coordinators, decode.proto Reattach): every session completes, with greedy
+tokens identical to the undisturbed run, and afterwards nothing is double-booked or left behind:
+no session record, no KV promise or block, no queued prefill. Then the other coordinator is killed
+mid-round and, once a session went on through the restarted one, that session's decode worker too:
+the session moves and still gives the undisturbed tokens.
+
+Also: a client given an unreachable coordinator address fails at once with one error naming it.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import grpc
+import pytest
+import redis
+
+from ampd.coordinators import Coordinators
+from ampd.launcher import Deployment, Options
+from ampd.v1 import common_pb2, coordinator_pb2
+from ampd.workload.ids import filler_ids
+from tests.integration.rpc_metrics import service_metrics, worker_metrics
+
+pytestmark = pytest.mark.timeout(120)
+
+NS = "twocoord"
+VOCAB = 512  # the tiny random Llama's
+LONG = 240  # output tokens of a long round
+
+
+def _sampling(n: int) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def _turn(i: int) -> common_pb2.Turn:
+    """Session ``i``'s one turn: a prompt, then two server-side tool calls (three rounds); one of
+    four kinds (``i % 4``), so that four undisturbed sessions give every expected output."""
+    k = i % 4
+    return common_pb2.Turn(
+        token_ids=filler_ids(40 + 8 * k, 7 * k, VOCAB), sampling=_sampling(12 + k),
+        script=[common_pb2.ScriptedCall(tool=common_pb2.ToolSpec(name="replay", latency_s=0.4), result_tokens=10 + k,
+                                        sampling=_sampling(10)) for _ in range(2)])
+
+
+def _long_turn() -> common_pb2.Turn:
+    """A long first round (its decode worker can be killed mid-round), then one tool call."""
+    return common_pb2.Turn(
+        token_ids=filler_ids(48, 3, VOCAB), sampling=_sampling(LONG),
+        script=[common_pb2.ScriptedCall(tool=common_pb2.ToolSpec(name="replay", latency_s=0.3), result_tokens=9,
+                                        sampling=_sampling(8))])
+
+
+async def _session(coords: Coordinators, sid: str, i: int, delay: float, out: dict, turn=None,
+                   seen: dict | None = None) -> None:
+    await asyncio.sleep(delay)
+    outbox: asyncio.Queue = asyncio.Queue()
+    outbox.put_nowait(coordinator_pb2.ClientMessage(open=common_pb2.OpenSession(
+        session_id=sid, turn=turn if turn is not None else _turn(i))))
+
+    async def requests():
+        while (m := await outbox.get()) is not None:
+            yield m
+
+    tokens: dict[int, int] = {}  # position -> token
+    call = coords.Session(requests(), timeout=90)
+    try:
+        async for ev in call:
+            if seen is not None:  # (tokens so far, its decode worker, its stream) for the test to act on
+                seen[i] = (len(tokens), ev.decode_worker or (seen[i][1] if i in seen else ""), call)
+            kind = ev.WhichOneof("event")
+            if kind == "tokens":
+                for j, tok in enumerate(ev.tokens.token_ids):
+                    assert ev.tokens.position + j not in tokens, (sid, "a token twice")
+                    tokens[ev.tokens.position + j] = tok
+            elif kind == "turn_end":
+                outbox.put_nowait(None)  # its only turn: half-close, SessionDone follows
+            elif kind == "done":
+                out[i] = ("", [tokens[p] for p in sorted(tokens)], len(ev.done.rounds), call.failovers,
+                          call.restarts, sum(t.recovered for t in ev.done.rounds))
+                return
+        out[i] = ("stream ended without SessionDone", [], 0, call.failovers, call.restarts, 0)
+    except grpc.aio.AioRpcError as exc:
+        out[i] = (f"{exc.code().name}: {exc.details()}", [], 0, call.failovers, call.restarts, 0)
+    finally:
+        call.cancel()
+
+
+async def _replay(coords: Coordinators, prefix: str, n: int, kill=None) -> dict:
+    out: dict = {}
+    tasks = [asyncio.create_task(_session(coords, f"{prefix}{i}", i, 0.12 * i, out)) for i in range(n)]
+    if kill is not None:
+        await kill()
+    await asyncio.gather(*tasks)
+    return out
+
+
+def test_a_killed_coordinators_sessions_go_on_through_the_other(tmp_path):
+    from ampd.engine.torch_models import save_tiny_llama
+
+    tiny = save_tiny_llama(tmp_path / "tiny", vocab_size=VOCAB, layers=2)
+    opts = Options(prefill="tp1*1", decode="tp1*2", coordinators=2, engine="torch", model=str(tiny),
+                   policy="ampd", profile="qwen3-32b@h20", namespace=NS, ttft_slo=5.0, itl_slo=1.0,
+                   run_dir=str(tmp_path / "run"))
+    n = 24
+    t0 = time.monotonic()
+    with Deployment(opts) as dep:
+        print(f"\ndeployment up in {time.monotonic() - t0:.1f} s")
+        assert len(dep.coordinators) == 2 and dep.coordinator == ",".join(dep.coordinators)
+        r = redis.Redis.from_url(dep.redis_url)
+
+        async def both():
+            coords = Coordinators(dep.coordinators)
+            await coords.check()
+            plain = await _replay(coords, "plain-", 4)
+
+            async def kill():
+                # mid-replay: a third of the sessions opened, tokens flowing
+                while len(r.keys(f"{NS}:session:*")) < n // 3:
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(0.3)
+                proc = dep.child("coordinator-0").proc
+                os.kill(proc.pid, signal.SIGKILL)
+                await asyncio.get_running_loop().run_in_executor(None, proc.wait, 10)
+
+            t = time.monotonic()
+            killed = await _replay(coords, "killed-", n, kill)
+            wall = time.monotonic() - t
+            await coords.close()
+            return plain, killed, wall
+
+        plain, killed, wall = asyncio.run(both())
+        failed = {i: e for i, (e, *_) in killed.items() if e}
+        failovers = sum(x[3] for x in killed.values())
+        restarts = sum(x[4] for x in killed.values())
+        print(f"\ntwo coordinators: {n - len(failed)}/{n} sessions completed after a kill, {failovers} failed "
+              f"over, {restarts} opened again; replay {wall:.1f} s; supervisor: {dep.events}")
+        assert all(not e for e, *_ in plain.values()), plain
+        assert not failed, failed
+        assert failovers >= 1  # the killed coordinator held sessions
+        for i in range(n):
+            assert killed[i][1] == plain[i % 4][1], f"session {i}: tokens differ from the undisturbed run"
+            assert killed[i][2] == 3 and len(killed[i][1]) == 12 + i % 4 + 20
+
+        t1 = time.monotonic()
+        # Nothing double-booked or left behind: no session record or KV promise (ampd.state.promises:
+        # both coordinators admitted against the same totals), every decode worker's
+        # KV free and no session on it, every prefill queue empty.
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            left = [k.decode() for k in r.keys(f"{NS}:session:*")] + \
+                [k.decode() for k in r.keys(f"{NS}:promise*")]
+            workers = asyncio.run(worker_metrics(dep.redis_url, NS))
+            busy = {w: m for w, (kind, m) in workers.items()
+                    if m["kv_free_tokens"] != m["kv_capacity_tokens"] or m.get("active_sessions", 0)
+                    or m.get("queue_length", 0)}
+            if not left and not busy:
+                break
+            time.sleep(0.3)
+        print(f"clean in {time.monotonic() - t1:.1f} s")
+        assert not left, left
+        assert not busy, busy
+        for w, (kind, m) in workers.items():
+            assert m.get("kv_overcommits", 0) == 0, w
+        coord = asyncio.run(service_metrics(dep.coordinators[1], "coordinator"))
+        assert coord["sessions_reattached"] >= 1 and coord["sessions_live"] == 0
+
+        # A session that went on through the other coordinator, whose decode worker dies later: that
+        # coordinator moves it (its record of the session was rebuilt from the worker's state), and it
+        # completes with the undisturbed tokens.
+        dep.wait_serving()
+
+        async def later():
+            coords = Coordinators(dep.coordinators)
+            await coords.check()
+            ref: dict = {}
+            await _session(coords, "ref-long", 0, 0.0, ref, _long_turn())
+            out, seen = {}, {}
+            tasks = [asyncio.create_task(_session(coords, f"long-{j}", j, 0.0, out, _long_turn(), seen))
+                     for j in range(4)]
+            while len(seen) < 4 or min(t for t, _, _ in seen.values()) < 3:
+                await asyncio.sleep(0.02)
+            os.kill(dep.child("coordinator-1").proc.pid, signal.SIGKILL)  # the one that served the others
+            # the decode worker of a session that went on through the restarted coordinator (tokens
+            # came through it), mid-round
+            marks: dict = {}
+            while True:
+                for j, (t, w, c) in list(seen.items()):
+                    if c.failovers:
+                        marks.setdefault(j, t)
+                mid = [seen[j][1] for j, t0 in marks.items() if t0 + 4 <= seen[j][0] < LONG // 2]
+                if mid:
+                    break
+                assert not all(j in out for j in range(4)), "no session went on mid-round"
+                await asyncio.sleep(0.005)
+            victim = mid[0]
+            os.kill(dep.child(victim).proc.pid, signal.SIGKILL)
+            await asyncio.gather(*tasks)
+            await coords.close()
+            return ref[0], out, victim
+
+        ref, out, victim = asyncio.run(later())
+        print(f"after {victim} was killed: {[(e, f, rec) for e, _, _, f, _, rec in out.values()]}")
+        assert all(not e for e, *_ in out.values()), out
+        assert all(toks == ref[1] for _, toks, *_ in out.values())
+        assert any(f and rec for _, _, _, f, _, rec in out.values())  # failed over, then moved (recovered)
+
+
+def test_an_unreachable_coordinator_is_named_at_start_up():
+    async def check():
+        coords = Coordinators(["127.0.0.1:1"])
+        try:
+            await coords.check(timeout_s=3)
+        finally:
+            await coords.close()
+
+    with pytest.raises(ConnectionError, match=r"cannot reach the coordinator at 127\.0\.0\.1:1"):
+        asyncio.run(check())
