@@ -23,9 +23,15 @@ class StepLog:
     ``old[s]``: sessions whose previous token came from the step before the segment; ``n[s]``: batch;
     ``prev[s]``: end of the step before the segment (its first gap includes any prefill pause)."""
 
-    __slots__ = ("lo", "t0", "A", "g", "k", "n", "old", "prev")
+    __slots__ = ("lo", "t0", "A", "g", "k", "n", "old", "prev", "rows")
+
+    # field order of a row of ``rows`` (``add``); the integer fields are exact in a double (< 2**53)
+    FIELDS = ("lo", "t0", "A", "g", "k", "n", "old", "prev")
 
     def __init__(self):
+        # a running simulation appends each segment as one row of 8 doubles (one C call per
+        # segment instead of 8); ``finish`` splits the rows into the per-field arrays below
+        self.rows = array("d")
         self.lo = array("q")
         self.t0 = array("d")
         self.A = array("d")
@@ -34,6 +40,19 @@ class StepLog:
         self.n = array("q")
         self.old = array("q")
         self.prev = array("d")
+
+    def finish(self) -> None:
+        """Move the rows appended so far into the per-field arrays (idempotent)."""
+        if not self.rows:
+            return
+        import numpy as np
+
+        m = np.frombuffer(self.rows, dtype=np.float64).reshape(-1, 8)
+        for i, name in enumerate(self.FIELDS):
+            a = getattr(self, name)
+            col = m[:, i]
+            a.frombytes((col.astype(np.int64) if a.typecode == "q" else np.ascontiguousarray(col)).tobytes())
+        self.rows = array("d")
 
     def step_end(self, idx: int) -> float:
         s = bisect_right(self.lo, idx) - 1

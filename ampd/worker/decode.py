@@ -467,8 +467,32 @@ class DecodeCore(CachedWindowMean):
             self.busy_until = now + dur
             self.busy_s += dur
             return LocalPrefill(s, task.l_incr, dur, now + dur, True)
-        if self.pending:
-            self._join()
+        pend = self.pending
+        if pend:
+            # _join, inlined (once per run that a session joins): the sessions with a first
+            # token join the batch at the run about to start
+            k = self.step_idx
+            exit_at = self.exit_at
+            ft = 0.0
+            cs = self.ctx_sum
+            for s in pend:
+                s.lo = k
+                c = s.l_hist + s.l_incr + 1
+                s.ctx_join = c
+                cs += c
+                ex = k + s.out - 2  # index of the session's last step
+                b = exit_at.get(ex)
+                if b is None:
+                    exit_at[ex] = [s]
+                    heapq.heappush(self.exit_heap, ex)
+                else:
+                    b.append(s)
+                ft += s.first
+            self.ctx_sum = cs
+            self.step_new = len(pend)
+            self.step_ft = ft
+            self.batch_n += len(pend)
+            pend.clear()
         else:
             self.step_new = 0
             self.step_ft = 0.0
@@ -496,30 +520,6 @@ class DecodeCore(CachedWindowMean):
         self.run_cut = False
         self.run_ver += 1
         return DecodeRun(m, A, g, n, now + m * A + g * m * (m - 1) * 0.5)
-
-    def _join(self) -> None:
-        """The sessions with a first token join the batch at the run about to start."""
-        pend = self.pending
-        k = self.step_idx
-        exit_at = self.exit_at
-        ft = 0.0
-        for s in pend:
-            s.lo = k
-            c = s.l_hist + s.l_incr + 1
-            s.ctx_join = c
-            self.ctx_sum += c
-            ex = k + s.out - 2  # index of the session's last step
-            b = exit_at.get(ex)
-            if b is None:
-                exit_at[ex] = [s]
-                heapq.heappush(self.exit_heap, ex)
-            else:
-                b.append(s)
-            ft += s.first
-        self.step_new = len(pend)
-        self.step_ft = ft
-        self.batch_n += len(pend)
-        pend.clear()
 
     def cut(self, now: float) -> float | None:
         """Something for this worker arrived mid-run: end the run at the next step boundary.
@@ -681,7 +681,11 @@ class DecodeCore(CachedWindowMean):
         (the queued prefills plus the remaining time of the one in service). The same object is
         returned while nothing in it changed."""
         if self.state == STEPPING:
-            self.flush(steps_done(now - self.run_t0, self.run_A, self.run_g, self.run_m))
+            # steps_done is 0 before the first step ends and flush has nothing to add once the run
+            # is flushed whole: skip both calls then (a view is read per routing decision)
+            x = now - self.run_t0
+            if x >= self.run_A and self.run_flushed < self.run_m:
+                self.flush(steps_done(x, self.run_A, self.run_g, self.run_m))
         mean = self.window_mean(now)
         free = self.kv_cap - self.kv_used - self.wait_need
         v = self.view_
