@@ -688,16 +688,20 @@ class DecodeCore(CachedWindowMean):
                 self.flush(steps_done(x, self.run_A, self.run_g, self.run_m))
         mean = self.window_mean(now)
         free = self.kv_cap - self.kv_used - self.wait_need
-        v = self.view_
         residual = self.busy_until - now if self.state == PREFILLING and self.busy_until > now else 0.0
         if self.vq_ver != self.qver:
             self.vq = self.queue.tasks()
             self.vpred = self.queue.predicted_total()
             self.vq_ver = self.qver
-        elif v is not None and mean == self.v_mean and free == self.v_free and not residual:
+        pred = self.vpred + residual
+        v = self.view_
+        # the last view holds while everything it shows is unchanged, its predicted queue included
+        # (a view cached during a local prefill must not outlive the prefill's residual time)
+        if (v is not None and v.queue is self.vq and mean == self.v_mean and free == self.v_free
+                and pred == v.queue_predicted_s):
             return v
         # positional: the field order of WorkerView (cheaper than keywords; a view per routing decision)
-        v = WorkerView(self.worker_id, "decode", self.tp, mean, self.vq, free, self.vpred + residual)
+        v = WorkerView(self.worker_id, "decode", self.tp, mean, self.vq, free, pred)
         self.view_ = v
         self.v_mean = mean
         self.v_free = free
