@@ -83,12 +83,18 @@ class _Views:
     that read expires old samples, and the window's float sum depends on when they leave, so every
     worker's window moves exactly as when every view was built."""
 
-    __slots__ = ("ps", "now", "vs")
+    __slots__ = ("ps", "now", "vs", "blank")
 
     def __init__(self, ps: list, now: float):
         self.ps = ps
         self.now = now
-        self.vs = [None] * len(ps)
+        self.blank = [None] * len(ps)
+        self.vs = self.blank[:]
+
+    def reset(self, now: float) -> None:
+        """Ready for the next routing decision (one object per run, reset per decision)."""
+        self.now = now
+        self.vs = self.blank[:]
 
     def __len__(self) -> int:
         return len(self.ps)
@@ -220,7 +226,7 @@ class _Run:
 
     __slots__ = ("sim", "heap", "seq", "live", "outcomes", "reasons", "n_local", "n_remote", "n_failed",
                  "book", "block_tokens", "refused", "n_waited",
-                 "decodes", "prefills", "by_id", "router", "pviews_static", "pin_ttl", "kv_evict", "open_s", "dispatch_s",
+                 "decodes", "prefills", "by_id", "router", "pviews_static", "pviews", "route_fn", "pin_ttl", "kv_evict", "open_s", "dispatch_s",
                  "handoff_s", "tool_rpc_s", "busy_extra", "contention", "dispatch")
 
     def __init__(self, sim: Simulator):
@@ -241,6 +247,8 @@ class _Run:
         self.by_id = sim.by_id
         self.router = sim.router
         self.pviews_static = not sim.prefills
+        self.pviews = _Views(sim.prefills, 0.0)
+        self.route_fn = sim.router.route
         self.pin_ttl = sim.kv_pin_ttl_s
         self.kv_evict = cfg.kv_evict
         path = cfg.path or PathLatency()
@@ -455,8 +463,9 @@ class _Run:
         if self.pviews_static:
             dec = self.router.route(task, dview, (), now)
         else:
-            pviews = _Views(self.prefills, now)
-            dec = self.router.route(task, dview, pviews, now)
+            pviews = self.pviews
+            pviews.reset(now)
+            dec = self.route_fn(task, dview, pviews, now)
             pviews.settle()
         reasons = self.reasons
         reasons[dec.reason] = reasons.get(dec.reason, 0) + 1
