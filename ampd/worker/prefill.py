@@ -180,7 +180,15 @@ class PrefillCore(CachedWindowMean):
             raise RuntimeError(f"{self.worker_id}: finish() with no task in service")
         self.current = None
         self.computing = False
-        self.window.add(now, now - task.enqueued_at, 1)
+        # WindowedMean.add(now, now - task.enqueued_at, 1), inlined (once per remote prefill)
+        ttft = now - task.enqueued_at
+        w = self.window
+        smp = w._samples
+        smp.append((now, ttft, 1))
+        w._sum += ttft
+        w._count += 1
+        if smp[0][0] < now - w.window_s:
+            w._expire(now)
         self.wadds += 1
         return task
 
