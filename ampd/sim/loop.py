@@ -290,7 +290,8 @@ class _Run:
                 break
             n_events += 1
             if code == _STEP_DONE:
-                step_done(obj, now)
+                if obj[1] == obj[0].run_ver:  # else a run that was cut short (~0.6 a round)
+                    step_done(obj, now)
             elif code == _REMOTE_DONE:
                 remote_done(obj, now)
             elif code == _ROUND_READY:
@@ -511,9 +512,7 @@ class _Run:
             self.push(end, _STEP_DONE, (d, d.run_ver))
 
     def step_done(self, obj, now: float) -> None:
-        d, ver = obj
-        if ver != d.run_ver:
-            return  # a run that was cut short
+        d = obj[0]  # the loop dropped the runs that were cut short
         k = d.run_m
         n = d.batch_n
         # one row per run of steps (StepLog.FIELDS order)
