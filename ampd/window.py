@@ -57,11 +57,15 @@ class CachedWindowMean:
 
     def window_mean(self, now: float) -> float | None:
         """The windowed mean (TTFT on a prefill worker, ITL on a decode worker), cached."""
-        if self.m_adds == self.wadds and self.m_t0 >= now - self.window.window_s:
-            return self.m_mean
         w = self.window
-        mean = w.mean(now)
+        horizon = now - w.window_s
+        if self.m_adds == self.wadds and self.m_t0 >= horizon:
+            return self.m_mean
+        # WindowedMean.mean, inlined (a view per routing decision reads it)
         smp = w._samples
+        if smp and smp[0][0] < horizon:
+            w._expire(now)
+        mean = w._sum / w._count if w._count else None
         self.m_t0 = smp[0][0] if smp else math.inf
         self.m_adds = self.wadds
         self.m_mean = mean

@@ -21,7 +21,7 @@ import time
 from ampd.bench.report import SLO
 from ampd.deployment import worker_shape
 from ampd.perf import load_profile
-from ampd.sim import Simulator, SimConfig, sim_report
+from ampd.sim import Simulator, SimConfig, gc_paused, sim_report
 from ampd.workload import generate
 from benchmarks import write_json
 
@@ -36,9 +36,11 @@ def deployment_shape(a, prof):
 
 
 def one_run(a, prof, rate: float) -> dict:
+    load0 = os.getloadavg()
     t = time.perf_counter()
     c = time.process_time()
-    sessions = generate("gaia", rate, a.sessions / rate, 1)
+    with gc_paused():  # as Simulator.run and sim_report do (and `ampd simulate` around its trace load)
+        sessions = generate("gaia", rate, a.sessions / rate, 1)
     gen_cpu_s = time.process_time() - c
     gen_s = time.perf_counter() - t
     shape = deployment_shape(a, prof)
@@ -74,6 +76,10 @@ def one_run(a, prof, rate: float) -> dict:
         "admission_refused": st["admission_refused"], "admission_waited": st["admission_waited"],
         "slo_attainment": rep["slo_attainment"], "local_fraction": rep["local_fraction"],
         "ttft_p50_s": rep["ttft_s"]["p50"], "ttft_p99_s": rep["ttft_s"]["p99"], "itl_p50_s": rep["itl_s"]["p50"],
+        "itl_p99_s": rep["itl_s"]["p99"],
+        # the box's 1-minute load average before and after the run (2 cores shared: wall seconds
+        # carry the other jobs, CPU seconds much less so)
+        "loadavg_1m": [round(load0[0], 2), round(os.getloadavg()[0], 2)],
     }
 
 

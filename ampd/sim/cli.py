@@ -29,6 +29,8 @@ def run(args) -> int:
     from ampd.slo import SLO
     from ampd.workload import TraceError, load_trace
 
+    from .gcpause import gc_paused
+
     from .config import PathLatency, SimConfig
     from .loop import Simulator
     from .records import sim_report
@@ -46,7 +48,8 @@ def run(args) -> int:
     except ValueError as exc:  # a bad SPEC or an unknown policy
         raise CliError(str(exc).replace("is not in the profile", f"is not in profile {profile.name}")) from None
     try:
-        sessions = load_trace(args.trace)
+        with gc_paused():  # ~1M rounds at paper scale: see gc_paused
+            sessions = load_trace(args.trace)
     except TraceError as exc:
         raise CliError(str(exc)) from None
     except OSError as exc:

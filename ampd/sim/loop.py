@@ -42,6 +42,9 @@ _HANDOFF = 8  # a remote prefill's KV notification reaches the decode worker
 _COMPUTE_START = 9  # a remote prefill's history read ended: its compute starts (KV overlap)
 _ADMIT_CHECK = 10  # a session waiting for admission is judged again (its wait or TTFT budget ends)
 
+# SimRound(...) without its Python-level __new__ (a named tuple): one C call per round
+_new_round = tuple.__new__
+
 # How often the head of the admission queue looks again without a release (the coordinator's
 # poll, services/coordinator/admission.py); only the slo rule's verdict can change meanwhile.
 _HEAD_POLL_S = 0.5
@@ -50,16 +53,15 @@ _HEAD_POLL_S = 0.5
 class _Decode(DecodeCore):
     """A decode worker in the simulator: the core plus its step log and NIC."""
 
-    __slots__ = ("idx", "log", "nic", "log_add")
+    __slots__ = ("idx", "log", "nic", "log_row")
 
     def __init__(self, idx: int, *args, **kw):
         super().__init__(*args, **kw)
         self.idx = idx
         lg = self.log = StepLog()
         self.nic = 0.0  # when its NIC is free (kv_contention)
-        # the step log's appends, bound once (step_done runs per run of steps)
-        self.log_add = (lg.lo.append, lg.t0.append, lg.A.append, lg.g.append, lg.k.append, lg.n.append,
-                        lg.old.append, lg.prev.append)
+        # the step log's row append, bound once (step_done runs per run of steps)
+        self.log_row = lg.rows.extend
 
 
 class _Prefill(PrefillCore):
@@ -81,12 +83,18 @@ class _Views:
     that read expires old samples, and the window's float sum depends on when they leave, so every
     worker's window moves exactly as when every view was built."""
 
-    __slots__ = ("ps", "now", "vs")
+    __slots__ = ("ps", "now", "vs", "blank")
 
     def __init__(self, ps: list, now: float):
         self.ps = ps
         self.now = now
-        self.vs = [None] * len(ps)
+        self.blank = [None] * len(ps)
+        self.vs = self.blank[:]
+
+    def reset(self, now: float) -> None:
+        """Ready for the next routing decision (one object per run, reset per decision)."""
+        self.now = now
+        self.vs = self.blank[:]
 
     def __len__(self) -> int:
         return len(self.ps)
@@ -218,7 +226,7 @@ class _Run:
 
     __slots__ = ("sim", "heap", "seq", "live", "outcomes", "reasons", "n_local", "n_remote", "n_failed",
                  "book", "block_tokens", "refused", "n_waited",
-                 "decodes", "prefills", "by_id", "router", "pviews_static", "pin_ttl", "kv_evict", "open_s", "dispatch_s",
+                 "decodes", "prefills", "by_id", "router", "pviews_static", "pviews", "route_fn", "pin_ttl", "kv_evict", "open_s", "dispatch_s",
                  "handoff_s", "tool_rpc_s", "busy_extra", "contention", "dispatch")
 
     def __init__(self, sim: Simulator):
@@ -239,6 +247,8 @@ class _Run:
         self.by_id = sim.by_id
         self.router = sim.router
         self.pviews_static = not sim.prefills
+        self.pviews = _Views(sim.prefills, 0.0)
+        self.route_fn = sim.router.route
         self.pin_ttl = sim.kv_pin_ttl_s
         self.kv_evict = cfg.kv_evict
         path = cfg.path or PathLatency()
@@ -263,13 +273,15 @@ class _Run:
         na = len(order)
         next_arr = float(sessions[order[0]].arrival) if na else math.inf
         now = 0.0
+        # handlers bound once (a paper-scale run dispatches ~5M events)
         step_done, prefill_done, remote_done = self.step_done, self.prefill_done, self.remote_done
+        round_ready, route, first_token, arrive = self.round_ready, self.route, self.first_token, self.arrive
         while True:
             if heap and heap[0][0] <= next_arr:
                 now, _, code, obj = pop(heap)
             elif ai < na:
                 now = next_arr
-                self.arrive(sessions[order[ai]], now, ids_seen)
+                arrive(sessions[order[ai]], now, ids_seen)
                 ai += 1
                 next_arr = float(sessions[order[ai]].arrival) if ai < na else math.inf
                 n_events += 1
@@ -278,17 +290,18 @@ class _Run:
                 break
             n_events += 1
             if code == _STEP_DONE:
-                step_done(obj, now)
+                if obj[1] == obj[0].run_ver:  # else a run that was cut short (~0.6 a round)
+                    step_done(obj, now)
             elif code == _REMOTE_DONE:
                 remote_done(obj, now)
+            elif code == _ROUND_READY:
+                round_ready(obj, now)
             elif code == _PREFILL_DONE:
                 prefill_done(obj, now)
-            elif code == _ROUND_READY:
-                self.round_ready(obj, now)
             elif code == _DISPATCH:
-                self.route(obj, now)
+                route(obj, now)
             elif code == _HANDOFF:
-                self.first_token(obj, now)
+                first_token(obj, now)
             elif code == _PIN_EXPIRED:
                 d = obj.dw
                 if d.pin_expired(obj):
@@ -402,8 +415,8 @@ class _Run:
     def round_end(self, st: _Sess, now: float, last: float) -> None:
         d = st.dw
         out = st.out
-        st.rec.rounds.append(SimRound(st.round, st.ready, st.first, last, out, st.local, d.idx,
-                                      st.lo if out > 1 else 0, st.target))
+        st.rec.rounds.append(_new_round(SimRound, (st.round, st.ready, st.first, last, out, st.local, d.idx,
+                                                   st.lo if out > 1 else 0, st.target)))
         rounds = st.rounds
         final = st.round + 1 >= len(rounds)
         d.round_end(st, final)
@@ -451,8 +464,9 @@ class _Run:
         if self.pviews_static:
             dec = self.router.route(task, dview, (), now)
         else:
-            pviews = _Views(self.prefills, now)
-            dec = self.router.route(task, dview, pviews, now)
+            pviews = self.pviews
+            pviews.reset(now)
+            dec = self.route_fn(task, dview, pviews, now)
             pviews.settle()
         reasons = self.reasons
         reasons[dec.reason] = reasons.get(dec.reason, 0) + 1
@@ -498,23 +512,23 @@ class _Run:
             self.push(end, _STEP_DONE, (d, d.run_ver))
 
     def step_done(self, obj, now: float) -> None:
-        d, ver = obj
-        if ver != d.run_ver:
-            return  # a run that was cut short
+        d = obj[0]  # the loop dropped the runs that were cut short
         k = d.run_m
         n = d.batch_n
-        lo, t0, A, g, kk, nn, old, prev = d.log_add  # one entry per run of steps (StepLog)
-        lo(d.step_idx)
-        t0(d.run_t0)
-        A(d.run_A)
-        g(d.run_g)
-        kk(k)
-        nn(n)
-        old(n - d.step_new)
-        prev(d.last_end)
-        for st in d.run_done(k, now):
-            self.round_end(st, now, now)
-        self.decode_next(d, now)
+        # one row per run of steps (StepLog.FIELDS order)
+        d.log_row((d.step_idx, d.run_t0, d.run_A, d.run_g, k, n, n - d.step_new, d.last_end))
+        exits = d.run_done(k, now)
+        if exits:
+            round_end = self.round_end
+            for st in exits:
+                round_end(st, now, now)
+        act = d.schedule(now)  # decode_next, inlined: once per run of steps
+        if act is not None:
+            self.seq += 1
+            if type(act) is DecodeRun:
+                heappush(self.heap, (act.end, self.seq, _STEP_DONE, (d, d.run_ver)))
+            else:
+                heappush(self.heap, (act.end, self.seq, _PREFILL_DONE, d))
 
     def prefill_done(self, d: _Decode, now: float) -> None:
         st = d.prefill_done(now)
@@ -615,6 +629,8 @@ class _Run:
     def result(self, now: float, n_events: int, wall: float, n_sessions: int) -> SimResult:
         sim = self.sim
         decodes, prefills = self.decodes, self.prefills
+        for d in decodes:
+            d.log.finish()
         for st in self.live.values():
             st.rec.completed = False
         for w in self.book.waiting:

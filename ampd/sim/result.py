@@ -3,28 +3,22 @@ that hold the token times (``ampd.sim.steplog``)."""
 from __future__ import annotations
 
 import math
+from collections import namedtuple
 
 from .steplog import StepLog, itl_samples
 
 __all__ = ["SimRound", "SimSession", "SimResult"]
 
 
-class SimRound:
-    """One round as the simulator saw it (compact: token times live in the worker's step log)."""
+class SimRound(namedtuple("SimRound", ("round", "input_ready", "first_token", "last_token", "n_tokens", "local",
+                                        "worker", "step_lo", "target"))):
+    """One round as the simulator saw it (compact: token times live in the worker's step log).
 
-    __slots__ = ("round", "input_ready", "first_token", "last_token", "n_tokens", "local",
-                 "worker", "step_lo", "target")
+    ``worker`` is the index of the decode worker (its step log holds the token times), ``target``
+    the worker id the prefill ran on. A named tuple: a paper-scale run records ~1.1M rounds, and
+    one C call builds each (``tuple.__new__``), where a class's ``__init__`` runs a line per field."""
 
-    def __init__(self, rnd, input_ready, first_token, last_token, n_tokens, local, worker, step_lo, target):
-        self.round = rnd
-        self.input_ready = input_ready
-        self.first_token = first_token
-        self.last_token = last_token
-        self.n_tokens = n_tokens
-        self.local = local
-        self.worker = worker  # index of the decode worker (its step log holds the token times)
-        self.step_lo = step_lo
-        self.target = target  # worker id the prefill ran on
+    __slots__ = ()
 
     @property
     def ttft(self) -> float:

@@ -23,9 +23,15 @@ class StepLog:
     ``old[s]``: sessions whose previous token came from the step before the segment; ``n[s]``: batch;
     ``prev[s]``: end of the step before the segment (its first gap includes any prefill pause)."""
 
-    __slots__ = ("lo", "t0", "A", "g", "k", "n", "old", "prev")
+    __slots__ = ("lo", "t0", "A", "g", "k", "n", "old", "prev", "rows")
+
+    # field order of a row of ``rows`` (``add``); the integer fields are exact in a double (< 2**53)
+    FIELDS = ("lo", "t0", "A", "g", "k", "n", "old", "prev")
 
     def __init__(self):
+        # a running simulation appends each segment as one row of 8 doubles (one C call per
+        # segment instead of 8); ``finish`` splits the rows into the per-field arrays below
+        self.rows = array("d")
         self.lo = array("q")
         self.t0 = array("d")
         self.A = array("d")
@@ -34,6 +40,19 @@ class StepLog:
         self.n = array("q")
         self.old = array("q")
         self.prev = array("d")
+
+    def finish(self) -> None:
+        """Move the rows appended so far into the per-field arrays (idempotent)."""
+        if not self.rows:
+            return
+        import numpy as np
+
+        m = np.frombuffer(self.rows, dtype=np.float64).reshape(-1, 8)
+        for i, name in enumerate(self.FIELDS):
+            a = getattr(self, name)
+            col = m[:, i]
+            a.frombytes((col.astype(np.int64) if a.typecode == "q" else np.ascontiguousarray(col)).tobytes())
+        self.rows = array("d")
 
     def step_end(self, idx: int) -> float:
         s = bisect_right(self.lo, idx) - 1
@@ -72,51 +91,69 @@ def itl_samples(step_logs, sessions):
     equal weight); a round's first gap (first token -> its first step) is its own sample.
     Vectorised with numpy (the same samples as a per-segment loop)."""
     import numpy as np
+    from operator import attrgetter
 
     P = SERIES_POINTS
-    vals: list = []
-    wts: list = []
-    logs = step_logs
-    for lg in logs:
+    # pass 1: per log, the segments of each part; the output is allocated once and filled in
+    # place (31M samples at paper scale: no temporaries of that size, no final concatenation)
+    plan = []
+    size = 0
+    for lg in step_logs:
         if not len(lg.lo):
             continue
+        k = np.frombuffer(lg.k, dtype=np.int64)
+        old = np.frombuffer(lg.old, dtype=np.int64)
+        m = np.nonzero(old)[0]
+        sh = np.nonzero((k > 1) & (k - 1 <= P))[0]  # short runs: every step j = 1 .. k-1
+        c = k[sh] - 1
+        lo_ = np.nonzero(k - 1 > P)[0]  # long runs: P evenly spaced points of the series
+        nsh = int(c.sum())
+        plan.append((lg, k, old, m, sh, c, lo_, size))
+        size += m.size + nsh + lo_.size * P
+    rounds = [r for sess in sessions for r in sess.rounds if r.n_tokens > 1]
+    vals = np.empty(size + len(rounds))
+    wts = np.empty(size + len(rounds))
+    for lg, k, old, m, sh, c, lo_, at in plan:
         t0 = np.frombuffer(lg.t0, dtype=np.float64)
         A = np.frombuffer(lg.A, dtype=np.float64)
         g = np.frombuffer(lg.g, dtype=np.float64)
-        k = np.frombuffer(lg.k, dtype=np.int64)
         n = np.frombuffer(lg.n, dtype=np.int64).astype(np.float64)
-        old = np.frombuffer(lg.old, dtype=np.int64)
         prev = np.frombuffer(lg.prev, dtype=np.float64)
-        m = old != 0
-        vals.append((t0[m] + A[m]) - prev[m])
-        wts.append(old[m].astype(np.float64))
-        # short runs: every step j = 1 .. k-1
-        sh = np.nonzero((k > 1) & (k - 1 <= P))[0]
+        # the first step of a run: one gap shared by the ``old`` sessions (any prefill pause in it)
+        e = at + m.size
+        np.subtract(t0[m] + A[m], prev[m], out=vals[at:e])
+        wts[at:e] = old[m]
+        at = e
         if sh.size:
-            c = k[sh] - 1
             idx = np.repeat(sh, c)
             starts = np.cumsum(c) - c
             j = (np.arange(idx.size) - np.repeat(starts, c) + 1).astype(np.float64)
-            vals.append(A[idx] + g[idx] * j)
-            wts.append(n[idx])
-        # long runs: P evenly spaced points of the series
-        lo_ = np.nonzero(k - 1 > P)[0]
+            e = at + idx.size
+            np.add(A[idx], g[idx] * j, out=vals[at:e])
+            wts[at:e] = n[idx]
+            at = e
         if lo_.size:
             kk = k[lo_].astype(np.float64)[:, None]
             i = (np.arange(P, dtype=np.float64) + 0.5)[None, :]
-            j = 1 + (kk - 2) * i / P
-            vals.append((A[lo_][:, None] + g[lo_][:, None] * j).ravel())
-            wts.append(np.repeat(n[lo_] * (k[lo_] - 1) / P, P))
+            e = at + lo_.size * P
+            out = vals[at:e].reshape(lo_.size, P)
+            # A + g * (1 + (k - 2) * i / P), the same operations in place
+            np.multiply(kk - 2, i, out=out)
+            out /= P
+            out += 1
+            out *= g[lo_][:, None]
+            out += A[lo_][:, None]
+            wts[at:e] = np.repeat(n[lo_] * (k[lo_] - 1) / P, P)
     # each round's first gap: first token -> end of its first step
-    rounds = [r for sess in sessions for r in sess.rounds if r.n_tokens > 1]
     if rounds:
-        wk_a = np.fromiter([r.worker for r in rounds], dtype=np.int64, count=len(rounds))
-        lo_a = np.fromiter([r.step_lo for r in rounds], dtype=np.int64, count=len(rounds))
-        ft_a = np.fromiter([r.first_token for r in rounds], dtype=np.float64, count=len(rounds))
-        first = np.empty(ft_a.size)
+        cnt = len(rounds)
+        wk_a = np.fromiter(map(attrgetter("worker"), rounds), dtype=np.int64, count=cnt)
+        lo_a = np.fromiter(map(attrgetter("step_lo"), rounds), dtype=np.int64, count=cnt)
+        ft_a = np.fromiter(map(attrgetter("first_token"), rounds), dtype=np.float64, count=cnt)
+        first = np.empty(cnt)
         for w in np.unique(wk_a):
             sel = wk_a == w
-            lg = logs[int(w)]
+            lg = step_logs[int(w)]
             LO = np.frombuffer(lg.lo, dtype=np.int64)
             s = np.searchsorted(LO, lo_a[sel], side="right") - 1
             jj = (lo_a[sel] - LO[s]).astype(np.float64)
@@ -124,9 +161,6 @@ def itl_samples(step_logs, sessions):
             AA = np.frombuffer(lg.A, dtype=np.float64)[s]
             GG = np.frombuffer(lg.g, dtype=np.float64)[s]
             first[sel] = T0 + (jj + 1) * AA + GG * jj * (jj + 1) * 0.5
-        vals.append(first - ft_a)
-        wts.append(np.ones(ft_a.size))
-    if not vals:
-        return np.empty(0), np.empty(0)
-    # (every part is float64 already: no copy)
-    return np.concatenate(vals).astype(np.float64, copy=False), np.concatenate(wts).astype(np.float64, copy=False)
+        np.subtract(first, ft_a, out=vals[size:])
+        wts[size:] = 1.0
+    return vals, wts

@@ -467,8 +467,32 @@ class DecodeCore(CachedWindowMean):
             self.busy_until = now + dur
             self.busy_s += dur
             return LocalPrefill(s, task.l_incr, dur, now + dur, True)
-        if self.pending:
-            self._join()
+        pend = self.pending
+        if pend:
+            # _join, inlined (once per run that a session joins): the sessions with a first
+            # token join the batch at the run about to start
+            k = self.step_idx
+            exit_at = self.exit_at
+            ft = 0.0
+            cs = self.ctx_sum
+            for s in pend:
+                s.lo = k
+                c = s.l_hist + s.l_incr + 1
+                s.ctx_join = c
+                cs += c
+                ex = k + s.out - 2  # index of the session's last step
+                b = exit_at.get(ex)
+                if b is None:
+                    exit_at[ex] = [s]
+                    heapq.heappush(self.exit_heap, ex)
+                else:
+                    b.append(s)
+                ft += s.first
+            self.ctx_sum = cs
+            self.step_new = len(pend)
+            self.step_ft = ft
+            self.batch_n += len(pend)
+            pend.clear()
         else:
             self.step_new = 0
             self.step_ft = 0.0
@@ -496,30 +520,6 @@ class DecodeCore(CachedWindowMean):
         self.run_cut = False
         self.run_ver += 1
         return DecodeRun(m, A, g, n, now + m * A + g * m * (m - 1) * 0.5)
-
-    def _join(self) -> None:
-        """The sessions with a first token join the batch at the run about to start."""
-        pend = self.pending
-        k = self.step_idx
-        exit_at = self.exit_at
-        ft = 0.0
-        for s in pend:
-            s.lo = k
-            c = s.l_hist + s.l_incr + 1
-            s.ctx_join = c
-            self.ctx_sum += c
-            ex = k + s.out - 2  # index of the session's last step
-            b = exit_at.get(ex)
-            if b is None:
-                exit_at[ex] = [s]
-                heapq.heappush(self.exit_heap, ex)
-            else:
-                b.append(s)
-            ft += s.first
-        self.step_new = len(pend)
-        self.step_ft = ft
-        self.batch_n += len(pend)
-        pend.clear()
 
     def cut(self, now: float) -> float | None:
         """Something for this worker arrived mid-run: end the run at the next step boundary.
@@ -681,19 +681,27 @@ class DecodeCore(CachedWindowMean):
         (the queued prefills plus the remaining time of the one in service). The same object is
         returned while nothing in it changed."""
         if self.state == STEPPING:
-            self.flush(steps_done(now - self.run_t0, self.run_A, self.run_g, self.run_m))
+            # steps_done is 0 before the first step ends and flush has nothing to add once the run
+            # is flushed whole: skip both calls then (a view is read per routing decision)
+            x = now - self.run_t0
+            if x >= self.run_A and self.run_flushed < self.run_m:
+                self.flush(steps_done(x, self.run_A, self.run_g, self.run_m))
         mean = self.window_mean(now)
         free = self.kv_cap - self.kv_used - self.wait_need
-        v = self.view_
         residual = self.busy_until - now if self.state == PREFILLING and self.busy_until > now else 0.0
         if self.vq_ver != self.qver:
             self.vq = self.queue.tasks()
             self.vpred = self.queue.predicted_total()
             self.vq_ver = self.qver
-        elif v is not None and mean == self.v_mean and free == self.v_free and not residual:
+        pred = self.vpred + residual
+        v = self.view_
+        # the last view holds while everything it shows is unchanged, its predicted queue included
+        # (a view cached during a local prefill must not outlive the prefill's residual time)
+        if (v is not None and v.queue is self.vq and mean == self.v_mean and free == self.v_free
+                and pred == v.queue_predicted_s):
             return v
         # positional: the field order of WorkerView (cheaper than keywords; a view per routing decision)
-        v = WorkerView(self.worker_id, "decode", self.tp, mean, self.vq, free, self.vpred + residual)
+        v = WorkerView(self.worker_id, "decode", self.tp, mean, self.vq, free, pred)
         self.view_ = v
         self.v_mean = mean
         self.v_free = free

@@ -180,7 +180,15 @@ class PrefillCore(CachedWindowMean):
             raise RuntimeError(f"{self.worker_id}: finish() with no task in service")
         self.current = None
         self.computing = False
-        self.window.add(now, now - task.enqueued_at, 1)
+        # WindowedMean.add(now, now - task.enqueued_at, 1), inlined (once per remote prefill)
+        ttft = now - task.enqueued_at
+        w = self.window
+        smp = w._samples
+        smp.append((now, ttft, 1))
+        w._sum += ttft
+        w._count += 1
+        if smp[0][0] < now - w.window_s:
+            w._expire(now)
         self.wadds += 1
         return task
 
@@ -224,20 +232,21 @@ class PrefillCore(CachedWindowMean):
         """The published view: windowed TTFT, the queue, and ``queue_predicted_s`` (the module
         docstring says what it counts). The same object is returned while nothing in it changed."""
         mean = self.window_mean(now)
-        v = self.view_
         residual = self.busy_until - now if self.current is not None and self.busy_until > now else 0.0
-        ahead = self.ahead
         if self.vq_ver != self.qver:  # the queue changed: copy it once, not per view
             self.vq = self.queue.tasks()
             self.vpred = self.queue.predicted_total()
             self.vq_ver = self.qver
-        elif v is not None and mean == self.v_mean and not residual and ahead is None:
-            return v
         pred = self.vpred + residual
-        if ahead is not None:
+        if self.ahead is not None:
             _, comp, write = self.ahead_parts
             late = self.ahead_read_end - (self.busy_until if self.current is not None else now)
             pred += comp + write + (late if late > 0.0 else 0.0)
+        v = self.view_
+        # the last view holds while everything it shows is unchanged, its predicted queue included
+        # (a view cached during a service must not outlive the service's residual time)
+        if v is not None and v.queue is self.vq and mean == self.v_mean and pred == v.queue_predicted_s:
+            return v
         # positional (worker_id, kind, tp, window_mean_s, queue, kv_free_tokens, queue_predicted_s):
         # cheaper than keywords, and a view is built per routing decision
         v = WorkerView(self.worker_id, "prefill", self.tp, mean, self.vq, self.kv_capacity_tokens, pred)

@@ -207,3 +207,20 @@ def test_weighted_itl_samples_match_repeated_samples():
     r = build_report("p", s, SLOS, 1.0, itl_samples=(v, w))
     assert r["itl_s"] == got
     assert r["slo_attainment"] == 1.0  # verdicts use the session's own gaps, not the samples
+
+
+def test_weighted_summary_selects_the_percentiles_of_a_large_sample():
+    # above _SORT_WHOLE the percentiles are selected bucket by bucket: the same numbers as the
+    # repeated sample's np.percentile (integer weights, ties and zero weights included)
+    import numpy as np
+
+    from ampd.bench import report
+
+    rng = np.random.default_rng(5)
+    n = report._SORT_WHOLE + 30_000
+    v = np.round(rng.lognormal(-4, 0.5, n), 5)
+    w = rng.integers(0, 4, n).astype(float)
+    got = report.weighted_latency_summary(v, w)
+    want = report.latency_summary(np.repeat(v, w.astype(int)))
+    for k in ("p50", "p90", "p99"):
+        assert got[k] == pytest.approx(want[k], rel=1e-12, abs=0)

@@ -295,3 +295,15 @@ def test_stop_early_takes_a_session_out_of_the_batch():
     assert core.kv_used == 200 + 1 + 1  # a released 100 + 2 tokens; b holds input, first token, 1 step
     r2 = core.schedule(r.first_s)
     assert r2.batch == 1 and r2.steps == 3  # b's remaining steps
+
+
+def test_view_cached_during_a_local_prefill_does_not_outlive_its_residual():
+    # live: a local prefill running past its predicted end keeps the worker PREFILLING; a view
+    # read then shows no residual, not the one cached mid-prefill
+    core = _core()
+    s = _sess("s", 500, 4)
+    core.round_ready(s, 0.0)
+    _local(core, s, 0.0)
+    core.schedule(0.0)  # prefill until 0.06
+    assert core.view(0.02).queue_predicted_s == pytest.approx(0.04)
+    assert core.state == PREFILLING and core.view(0.07).queue_predicted_s == 0.0

@@ -188,3 +188,16 @@ def test_algorithm_2_scores_from_when_the_next_task_can_start(overlap):
     assert list(ttft) == ["y", "x"]
     assert ttft["y"] == pytest.approx(1.9011, abs=1e-6) and ttft["x"] == pytest.approx(1.6016, abs=1e-6)
     assert max(ttft.values()) <= 2.0
+
+
+def test_view_cached_during_service_does_not_outlive_its_residual():
+    # a view read mid-service counts the residual; read again once the service's predicted end
+    # passed (a live task running late: finish not called yet) with nothing else changed, it must
+    # show no residual, not the cached one
+    core = _core(False)
+    core.submit(A, 0.0)
+    core.next(0.0)  # A in service until 0.0645
+    assert core.view(0.03).queue_predicted_s == pytest.approx(0.0345)
+    assert core.view(0.1).queue_predicted_s == 0.0
+    v = core.view(0.2)
+    assert v is core.view(0.3)  # nothing changed: the same object
