@@ -73,7 +73,7 @@ def tiny_llama(tmp_path_factory):
     return str(save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), vocab_size=512, layers=2, hidden_size=64))
 
 
-def test_a_real_torch_engine_profiles_and_its_profile_round_trips(tiny_llama):
+def test_a_real_torch_engine_profiles_and_its_profile_round_trips(tiny_llama, tmp_path, capsys):
     run = profile_engine("torch", model=tiny_llama, grid=TINY, kv_pool_mb=4)
     doc = json.loads(json.dumps(run.document))
     got = profile_from_dict(doc, "profiled")
@@ -102,6 +102,15 @@ def test_a_real_torch_engine_profiles_and_its_profile_round_trips(tiny_llama):
     assert merged.samples == {q: [tuple(x) for x in v] for q, v in run.samples.items()}
     assert merged.profile.to_json() == run.profile.to_json() and merged.problems == run.problems
     assert len(merged.document["profiling"]["merged_from"]) == 2
+    # `ampd profile --report FILE`: the saved file's held-out errors, recomputed from its own samples
+    from ampd.profiler.cli import report
+
+    saved = tmp_path / "p.json"
+    saved.write_text(json.dumps(run.document))
+    assert report(str(saved)) == 0
+    out = capsys.readouterr().out
+    for q, e in run.held_out.items():
+        assert f"{q:<12} {e.max_rel:>13.1%} {e.mean_rel:>8.1%} {e.points:>7}" in out, out
 
 
 def _profile_cli(*flags):
