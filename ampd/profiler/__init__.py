@@ -15,7 +15,12 @@ installed; ``mock``, timed by ``--profile``). Per TP degree it times, through th
 
 Each point is the median over ``reps`` passes for a computing engine, the minimum for the mock (its
 time is a sleep; timer and scheduling noise only add to it); passes go over every point in turn, so a
-burst of contention spoils one pass of a point. Held-out points (``ampd.profiler.checks``) are
+burst of contention spoils one pass of a point. Every prefill gets new token ids (no prefix-cache
+hit); an engine that keeps a round's KV resident is timed at a round's steady state (the step after
+an untimed first one). The engine computes with the threads the process was given (recorded, never
+changed): a profile holds for workers that compute with as many. A computing engine is fitted with
+continuous, non-decreasing pieces for relative error (``ampd.perf.fit``); ``merge_runs`` averages
+runs taken before and after a comparison, to cancel a machine's drift. Held-out points (``ampd.profiler.checks``) are
 timed the same way but never fitted; their error is the profile's ``held_out_error``, and a profile
 whose error or shape fails the checks is refused (``ProfileRun.problems``).
 """
