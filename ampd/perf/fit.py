@@ -144,10 +144,14 @@ def _monotone_lstsq(rows, bps, shared_cols):
     t = np.array([r[2] for r in rows], dtype=float)
     if (t <= 0).any():
         raise ValueError("a monotone fit needs every measured time > 0")
+    # the part of x in piece i: 0 before it, its width after it (the last is open). The first piece
+    # starts at 0, not at the first measured x: the function is then >= 0 down to 0 (a Piecewise
+    # extrapolates its first piece below its first breakpoint, as for one token of a KV read)
+    starts = [0.0, *bps[1:-1]]
     cols = [np.ones_like(x)]
-    for i in range(k):  # the part of x in piece i: 0 before it, its width after it (the last is open)
-        hi = np.inf if i == k - 1 else bps[i + 1] - bps[i]
-        cols.append(np.clip(x - bps[i], 0.0, hi))
+    for i in range(k):
+        hi = np.inf if i == k - 1 else bps[i + 1] - starts[i]
+        cols.append(np.clip(x - starts[i], 0.0, hi))
     cols += [ex[:, j] for j in range(shared_cols)]
     a = np.column_stack(cols) / t[:, None]
     norm = np.linalg.norm(a, axis=0)
@@ -157,9 +161,9 @@ def _monotone_lstsq(rows, bps, shared_cols):
     alpha, beta, at = [], [], base  # at: the value at the start of piece i
     for i in range(k):
         beta.append(float(slopes[i]))
-        alpha.append(float(at - slopes[i] * bps[i]))
+        alpha.append(float(at - slopes[i] * starts[i]))
         if i < k - 1:
-            at += slopes[i] * (bps[i + 1] - bps[i])
+            at += slopes[i] * (bps[i + 1] - starts[i])
     return tuple(alpha), tuple(beta), tuple(float(v) for v in shared)
 
 
