@@ -234,8 +234,8 @@ def _earlier(run: dict) -> list[dict]:
     return ([headline(last)] + last.get("earlier_runs", []))[:KEPT_RUNS]
 
 
-CAL_SEED = 7            # the calibration trace: another draw of the same shape, never the compared one
-CAL_DURATION_S = 30.0
+CAL_SEED = 8            # the calibration trace: another draw of the same shape, never the compared one
+CAL_DURATION_S = 60.0
 
 
 def _renamed(sessions: list[Session], prefix: str) -> list[Session]:
@@ -246,23 +246,19 @@ def _renamed(sessions: list[Session], prefix: str) -> list[Session]:
 def calibrate_path(live_records, sim_records) -> PathLatency:
     """What the live path adds to a round beyond the profile, from the calibration replay (never the
     compared one): the median per-round excess of live TTFT over the simulated twin's (the coordinator's
-    routing, the queue and KV-written notifications, the gRPC hops: ``dispatch``), and the median excess
-    of a round's mean live token gap (the decode worker's per-step Python, one event per token to the
-    coordinator: ``step``). Both >= 0."""
+    routing, the queue and KV-written notifications, the gRPC hops, and the decode worker computing
+    beside the prefill worker on the shared cores, which the simulator's engines never do), as
+    ``dispatch``, >= 0. Per-token costs are not calibrated: the profile times the decode step as the
+    worker runs it (a round's steady state), the step's own Python work is under a millisecond
+    (``live_overhead.json``: 0.5 ms on the mock), and a per-token residual taken from a few rounds on a
+    shared box is mostly that moment's load (it came out at 67 ms on one run whose compared replay
+    needed none)."""
     live, sim = _rounds(live_records), _rounds(sim_records)
-    ttft, gap = [], []
-    for key, lv in live.items():
-        sv = sim.get(key)
-        if not sv:
-            continue
-        if lv["ttft_s"] and sv["ttft_s"]:
-            ttft.append(lv["ttft_s"] - sv["ttft_s"])
-        if lv["gap_s"] and sv["gap_s"]:
-            gap.append(lv["gap_s"] - sv["gap_s"])
-    if not ttft or not gap:
+    ttft = [lv["ttft_s"] - sim[key]["ttft_s"] for key, lv in live.items()
+            if key in sim and lv["ttft_s"] and sim[key]["ttft_s"]]
+    if not ttft:
         raise RuntimeError("calibration: no round was paired with its simulated twin")
-    return PathLatency(dispatch_s=round(max(0.0, statistics.median(ttft)), 5),
-                       step_s=round(max(0.0, statistics.median(gap)), 5))
+    return PathLatency(dispatch_s=round(max(0.0, statistics.median(ttft)), 5))
 
 
 def compute_threads() -> int:
