@@ -217,20 +217,10 @@ class Timed(float):
 async def _time_each(calls, reps: int, stat, overhead: float, tick) -> list[float]:
     """``stat`` (median or min) of each call's time over ``reps`` passes, less ``overhead``. Passes go
     over every call in turn, so a burst of contention on a shared machine spoils one run of a point.
-    A call that returns a :class:`Timed` is taken at its word. Each pass after the first visits the
-    calls in its own shuffled order (seeded): in a fixed order a point always follows the same
-    neighbour at the same offset into the pass, so whatever that carries over (a large prefill's freed
-    buffers, a periodic burst of other work) would bias the same points in every pass."""
-    import random
-
+    A call that returns a :class:`Timed` is taken at its word."""
     runs: list[list[float]] = [[] for _ in calls]
-    order = list(range(len(calls)))
-    shuffle = random.Random(len(calls)).shuffle
-    for rep in range(reps):
-        if rep:
-            shuffle(order)
-        for i in order:
-            fn = calls[i]
+    for _ in range(reps):
+        for i, fn in enumerate(calls):
             t0 = time.perf_counter()
             got = await fn()
             runs[i].append(float(got) if isinstance(got, Timed) else time.perf_counter() - t0)
