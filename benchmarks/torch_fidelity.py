@@ -1,22 +1,17 @@
 """Simulator fidelity on a real engine: `ampd profile --engine torch`, then the simulator run with that
 profile against a live `ampd up --engine torch` on a short trace the profile never saw.
 
-1. Profiles the torch engine (SmolLM2-135M on this machine's CPU) with ``ampd.profiler`` on the
-   ``full`` CPU grid, in this process, and writes the profile to
-   benchmarks/results/torch_profile.json (with its held-out error and whether it passed its checks).
+1. Computes with cores/2 torch threads, as each of the deployment's two workers (OMP_NUM_THREADS
+   for them), in a session of its own as every worker (autogroup scheduling). Profiles the torch
+   engine (SmolLM2-135M) with ``ampd.profiler`` on the ``full`` CPU grid.
 2. Starts a live deployment with that profile: torch engines, 1 prefill + 1 decode worker, policy
-   ``remote`` (every prefill on the prefill worker: prefill, the history's KV read over NIXL, the
-   write-back and decode are all exercised, and placement does not depend on timing), and replays
-   the trace with ``ampd.bench.client.replay`` after two warm-up sessions.
-3. Simulates the same trace on the same shape with the fitted profile, once with no path latency (the
-   paper's model) and once with the control path's latency measured on mock engines
-   (benchmarks/results/live_overhead.json, ``benchmarks.fidelity.measured_path``).
-4. Compares median TTFT and ITL live vs simulated (goal: within 20 %), and, to say where a gap comes
-   from: sets each live round beside its simulated twin (``live_vs_model``); splits live token gaps
-   and TTFTs by whether the other worker was computing at the time (``contention_split``: the two
-   workers share the cores, the simulated ones do not); and times one decode step of the engine alone
-   in this process just before and after the replay (``engine_step_probe``), against the profile's,
-   to tell a machine that got busier since profiling from what the live path adds.
+   ``remote``; replays a calibration trace (another seed), then the compared trace ``--runs`` times.
+3. Profiles again and merges the two profile runs (``merge_runs``: drift cancels to first order);
+   writes the merged profile to benchmarks/results/torch_profile.json with the per-round path
+   latency calibrated on the calibration replay (``calibrate_path``).
+4. Simulates the compared trace with the merged profile, with and without that path latency, and
+   compares median TTFT and ITL with the median of the live runs (goal: within 20 %); diagnostics:
+   ``live_vs_model``, ``contention_split``, ``engine_step_probe``.
 
 The trace: ToolBench-shaped sessions (``toolbench`` preset, its arrivals and tool times) with the
 inputs divided by 4 and the outputs capped at 32 tokens, at most 4 rounds, so that a 135M model on
