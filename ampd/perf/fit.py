@@ -12,6 +12,18 @@ pieces' alphas and betas plus the shared coefficients), so the shared terms are 
 sample. A shared coefficient that comes out negative (noise on a term that is ~0) is fixed at 0 and
 the rest refitted: the profile format requires it >= 0.
 
+Two ways to fit, by what produced the times (``monotone``):
+
+* exact (default): pieces fitted independently, in absolute seconds. Right for the mock engine, whose
+  times are a profile of this very form (pieces may jump at a breakpoint); the fit recovers it.
+* ``monotone=True``: for an engine that computes. Its time cannot fall as tokens or sequences grow,
+  and on a shared CPU each point carries a few % of noise; fitted independently, two noisy points per
+  piece give pieces that jump down at a breakpoint or slope down (a profile the checks must refuse).
+  So ``P``, ``D`` and ``K`` are fitted continuous and non-decreasing (an intercept and one slope per
+  piece, all >= 0: non-negative least squares over hinge columns), with the shared terms >= 0 in the
+  same problem, and each row weighted by 1 / measured: the fit minimises relative error, the error
+  the held-out check judges, so a 10 ms point counts as much as a 1 s one.
+
 Breakpoints (``breakpoints_for``): every other distinct measured x, so each piece holds two measured
 x values (three at the end when their count is odd). With powers of two on the grid, a piece spans a
 factor of four; a kink between two measured x values is followed to within the grid's resolution.
@@ -23,7 +35,7 @@ from typing import Sequence
 
 from .piecewise import Piecewise, fit_piecewise
 
-__all__ = ["breakpoints_for", "fit_prefill", "fit_decode", "fit_kv", "FitError", "rel_errors"]
+__all__ = ["breakpoints_for", "fit_prefill", "fit_decode", "fit_kv", "FitError", "rel_errors", "nnls"]
 
 
 @dataclass(frozen=True)
@@ -90,22 +102,91 @@ def _joint_lstsq(rows, bps, shared_cols):
     return alpha, beta, tuple(float(shared.get(j, 0.0)) for j in range(shared_cols))
 
 
-def fit_prefill(samples: Sequence[tuple[int, int, float]]):
+def nnls(a, b, max_iter: int = 0):
+    """argmin ||a x - b|| subject to x >= 0 (Lawson and Hanson's active-set method; the problems here
+    have a few dozen columns at most)."""
+    import numpy as np
+
+    a = np.asarray(a, dtype=float)
+    b = np.asarray(b, dtype=float)
+    n = a.shape[1]
+    x = np.zeros(n)
+    passive = np.zeros(n, dtype=bool)
+    tol = 1e-12 * max(1.0, float(np.abs(a).max(initial=0.0))) * max(a.shape)
+    for _ in range(max_iter or 3 * n + 10):
+        w = a.T @ (b - a @ x)
+        free = ~passive & (w > tol)
+        if not free.any():
+            break
+        passive[int(np.argmax(np.where(free, w, -np.inf)))] = True
+        while True:
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if (z[passive] > 0).all():
+                x = z
+                break
+            neg = passive & (z <= 0)
+            step = np.min(x[neg] / (x[neg] - z[neg]))
+            x = x + step * (z - x)
+            passive &= x > tol
+            x[~passive] = 0.0
+    return x
+
+
+def _monotone_lstsq(rows, bps, shared_cols):
+    """Continuous, non-decreasing piecewise function of x plus ``shared_cols`` terms >= 0, fitted for
+    relative error. ``rows``: (x, extras tuple, t > 0). Returns (alpha, beta, shared) per piece."""
+    import numpy as np
+
+    k = len(bps) - 1
+    x = np.array([r[0] for r in rows], dtype=float)
+    ex = np.array([r[1] for r in rows], dtype=float).reshape(len(rows), shared_cols)
+    t = np.array([r[2] for r in rows], dtype=float)
+    if (t <= 0).any():
+        raise ValueError("a monotone fit needs every measured time > 0")
+    # the part of x in piece i: 0 before it, its width after it (the last is open). The first piece
+    # starts at 0, not at the first measured x: the function is then >= 0 down to 0 (a Piecewise
+    # extrapolates its first piece below its first breakpoint, as for one token of a KV read)
+    starts = [0.0, *bps[1:-1]]
+    cols = [np.ones_like(x)]
+    for i in range(k):
+        hi = np.inf if i == k - 1 else bps[i + 1] - starts[i]
+        cols.append(np.clip(x - starts[i], 0.0, hi))
+    cols += [ex[:, j] for j in range(shared_cols)]
+    a = np.column_stack(cols) / t[:, None]
+    norm = np.linalg.norm(a, axis=0)
+    norm[norm == 0] = 1.0
+    coef = nnls(a / norm, np.ones_like(t)) / norm  # unit columns: the active set is chosen by scale-free gains
+    base, slopes, shared = coef[0], coef[1:1 + k], coef[1 + k:]
+    alpha, beta, at = [], [], base  # at: the value at the start of piece i
+    for i in range(k):
+        beta.append(float(slopes[i]))
+        alpha.append(float(at - slopes[i] * starts[i]))
+        if i < k - 1:
+            at += slopes[i] * (bps[i + 1] - starts[i])
+    return tuple(alpha), tuple(beta), tuple(float(v) for v in shared)
+
+
+def fit_prefill(samples: Sequence[tuple[int, int, float]], *, monotone: bool = False):
     """(l_hist, l_incr, seconds) samples -> (P, hist_s_per_token, attn_s_per_token2)."""
     bps = breakpoints_for([li for _, li, _ in samples])
     rows = [(li, (lh, li * (lh + li / 2)), t) for lh, li, t in samples]
-    alpha, beta, (hist, attn) = _joint_lstsq(rows, bps, 2)
+    alpha, beta, (hist, attn) = (_monotone_lstsq if monotone else _joint_lstsq)(rows, bps, 2)
     return Piecewise(bps, alpha, beta), hist, attn
 
 
-def fit_decode(samples: Sequence[tuple[int, int, float]]):
+def fit_decode(samples: Sequence[tuple[int, int, float]], *, monotone: bool = False):
     """(batch, context_tokens, seconds) samples -> (D, ctx_s_per_token)."""
     bps = breakpoints_for([b for b, _, _ in samples])
     rows = [(b, (ctx,), t) for b, ctx, t in samples]
-    alpha, beta, (ctx,) = _joint_lstsq(rows, bps, 1)
+    alpha, beta, (ctx,) = (_monotone_lstsq if monotone else _joint_lstsq)(rows, bps, 1)
     return Piecewise(bps, alpha, beta), ctx
 
 
-def fit_kv(samples: Sequence[tuple[float, float]]) -> Piecewise:
+def fit_kv(samples: Sequence[tuple[float, float]], *, monotone: bool = False) -> Piecewise:
     """(bytes per link, seconds) samples -> K."""
-    return fit_piecewise(samples, breakpoints_for([x for x, _ in samples]))
+    bps = breakpoints_for([x for x, _ in samples])
+    if monotone:
+        alpha, beta, _ = _monotone_lstsq([(x, (), t) for x, t in samples], bps, 0)
+        return Piecewise(bps, alpha, beta)
+    return fit_piecewise(samples, bps)

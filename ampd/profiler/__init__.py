@@ -15,7 +15,12 @@ installed; ``mock``, timed by ``--profile``). Per TP degree it times, through th
 
 Each point is the median over ``reps`` passes for a computing engine, the minimum for the mock (its
 time is a sleep; timer and scheduling noise only add to it); passes go over every point in turn, so a
-burst of contention spoils one pass of a point. Held-out points (``ampd.profiler.checks``) are
+burst of contention spoils one pass of a point. Every prefill gets new token ids (no prefix-cache
+hit); an engine that keeps a round's KV resident is timed at a round's steady state (the step after
+an untimed first one). The engine computes with the threads the process was given (recorded, never
+changed): a profile holds for workers that compute with as many. A computing engine is fitted with
+continuous, non-decreasing pieces for relative error (``ampd.perf.fit``); ``merge_runs`` averages
+runs taken before and after a comparison, to cancel a machine's drift. Held-out points (``ampd.profiler.checks``) are
 timed the same way but never fitted; their error is the profile's ``held_out_error``, and a profile
 whose error or shape fails the checks is refused (``ProfileRun.problems``).
 """
@@ -28,7 +33,7 @@ import platform
 import selectors
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -36,7 +41,8 @@ from ampd.perf.fit import fit_decode, fit_kv, fit_prefill
 from ampd.perf.profile import LINK_RULES, KVTransfer, Profile, TPModel
 from ampd.profiler.checks import HeldOut, error_problems, geo_midpoints, held_out, plan_points, shape_problems
 
-__all__ = ["Grid", "GRIDS", "EngineSetup", "ProfileRun", "profile_engine", "wakeup_latency"]
+__all__ = ["Grid", "GRIDS", "EngineSetup", "FitContext", "ProfileRun", "Timed", "compute_threads", "merge_runs",
+           "profile_engine", "wakeup_latency"]
 
 
 def _powers(lo: int, hi: int) -> tuple[int, ...]:
@@ -204,15 +210,20 @@ def _ids(engine, n: int, start: int = 0) -> list[int]:
     return filler_ids(n, start, vocab=int(getattr(engine, "vocab_size", 32_000)))
 
 
+class Timed(float):
+    """Seconds a call timed itself (only part of what it did counts), returned instead of its result."""
+
+
 async def _time_each(calls, reps: int, stat, overhead: float, tick) -> list[float]:
     """``stat`` (median or min) of each call's time over ``reps`` passes, less ``overhead``. Passes go
-    over every call in turn, so a burst of contention on a shared machine spoils one run of a point."""
+    over every call in turn, so a burst of contention on a shared machine spoils one run of a point.
+    A call that returns a :class:`Timed` is taken at its word."""
     runs: list[list[float]] = [[] for _ in calls]
     for _ in range(reps):
         for i, fn in enumerate(calls):
             t0 = time.perf_counter()
-            await fn()
-            runs[i].append(time.perf_counter() - t0)
+            got = await fn()
+            runs[i].append(float(got) if isinstance(got, Timed) else time.perf_counter() - t0)
             tick()
     return [max(stat(r) - overhead, 0.0) for r in runs]
 
@@ -240,44 +251,76 @@ async def _prefill_samples(setup, engine, points, bt, timing):
         if lh:
             await engine.prefill(f"profile-h{lh}", 0, lh, reg.pool, reg.segments(0, lh), token_ids=_ids(engine, lh))
 
+    fresh = [1 << 20]  # where the next call's new tokens start in the filler sequence
+
     def call(lh, li):
-        kw = dict(token_ids=_ids(engine, li, lh), history_kv=reg.segments(0, lh))
-        new = reg.segments(lh, li)
-        return lambda: engine.prefill(f"profile-h{lh}", lh, li, reg.pool, new, **kw)
+        hist, new = reg.segments(0, lh), reg.segments(lh, li)
+
+        def one():
+            # new ids at every call: an engine with a prefix cache (SGLang) must compute them each time,
+            # as for a real round, rather than find the previous pass's tokens cached
+            fresh[0] += li
+            return engine.prefill(f"profile-h{lh}", lh, li, reg.pool, new, token_ids=_ids(engine, li, fresh[0]),
+                                  history_kv=hist)
+        return one
     times = await _time_each([call(lh, li) for lh, li in points], *timing)
     return [(lh, li, t) for (lh, li), t in zip(points, times)]
 
 
 async def _decode_samples(setup, engine, points, bt, timing):
     """(batch, context tokens in the batch, s). The sequences of a step share one history region (the
-    engine gathers each one's rows all the same) and write their new token to slots of their own."""
+    engine gathers each one's rows all the same) and write their new tokens to slots of their own.
+
+    An engine that keeps a decoding round's KV resident (``keeps_round_kv``: the torch engine reads a
+    round's history from the pool at its first step only) is timed as a round's steady state: each
+    timed step follows an untimed first step of the same sequences, after ``forget`` (the first step
+    of a round is the decode worker's, once per round, not per token)."""
     from ampd.engine.base import DecodeSeq
 
     if not points:
         return []
     top = max(c for _, c in points)
     base = math.ceil(top / bt) * bt
-    reg = _Region(setup, engine, base + max(b for b, _ in points), bt)
+    reg = _Region(setup, engine, base + 2 * max(b for b, _ in points), bt)
     own_kv = bool(getattr(engine, "needs_token_ids", False))  # it attends to its own cache: fill it
-    seqs_of: dict[tuple[int, int], list] = {}
+    rounds = bool(getattr(engine, "keeps_round_kv", False))
+    steps_of: dict[tuple[int, int], tuple[list, list]] = {}
     prefilled: set[str] = set()
     for b, c in points:
-        ids = _ids(engine, c)
-        seqs = []
+        ids = _ids(engine, c + 1)
+        first, second = [], []
         for i in range(b):
-            sid = f"profile-d{c}-{i}"
+            sid = f"profile-d{b}x{c}-{i}" if rounds else f"profile-d{c}-{i}"
             if own_kv and sid not in prefilled:
                 prefilled.add(sid)
-                await engine.prefill(sid, 0, c - 1, reg.pool, reg.segments(0, c - 1), token_ids=ids[:-1])
-            seqs.append(DecodeSeq(sid, c - 1, ids[-1], reg.segments(base + i, 1), c,
-                                  history_kv=reg.segments(0, c - 1), token_ids=ids))
-        seqs_of[(b, c)] = seqs
-    await engine.decode_step(reg.pool, seqs_of[points[0]])  # warm-up: first-step allocations
+                await engine.prefill(sid, 0, c - 1, reg.pool, reg.segments(0, c - 1), token_ids=ids[:c - 1])
+            hist = reg.segments(0, c - 1)
+            mine = reg.segments(base + 2 * i, 1)
+            first.append(DecodeSeq(sid, c - 1, ids[c - 1], mine, c, history_kv=hist, token_ids=ids[:c]))
+            second.append(DecodeSeq(sid, c, ids[c], reg.segments(base + 2 * i + 1, 1), c + 1,
+                                    history_kv=hist + mine, token_ids=ids[:c + 1]))
+        steps_of[(b, c)] = (first, second)
+    await engine.decode_step(reg.pool, steps_of[points[0]][0])  # warm-up: first-step allocations
 
     def call(b, c):
-        return lambda: engine.decode_step(reg.pool, seqs_of[(b, c)])
+        first, second = steps_of[(b, c)]
+        if not rounds:
+            return lambda: engine.decode_step(reg.pool, first)
+
+        async def one():
+            for s in first:
+                engine.forget(s.session_id)
+            await engine.decode_step(reg.pool, first)
+            t0 = time.perf_counter()
+            await engine.decode_step(reg.pool, second)
+            return Timed(time.perf_counter() - t0)
+        return one
     times = await _time_each([call(b, c) for b, c in points], *timing)
-    return [(b, b * c, t) for (b, c), t in zip(points, times)]
+    for b, c in points if rounds else ():
+        for s in steps_of[(b, c)][0]:
+            engine.forget(s.session_id)
+    # the timed step of a round engine is at context c + 1 per sequence
+    return [(b, b * (c + 1 if rounds else c), t) for (b, c), t in zip(points, times)]
 
 
 async def _kv_samples(setup, make, pairs, sizes, bt, timing):
@@ -314,6 +357,25 @@ async def _kv_samples(setup, make, pairs, sizes, bt, timing):
 
 # ---- the run ------------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class FitContext:
+    """What fitting measured samples into a Profile needs besides the samples (kept with a run, so runs
+    of one engine can be merged and refitted: ``merge_runs``)."""
+
+    name: str
+    engine: str
+    model: str
+    hardware: str
+    source: str
+    kv_bytes_per_token: int
+    kv_links: str
+    link: str
+    kv_capacity_tokens: dict[int, int]
+    prefill_chunk_tokens: dict[int, int]
+    monotone: bool       # a computing engine: continuous, non-decreasing pieces (ampd.perf.fit)
+    max_error: float
+
+
 @dataclass
 class ProfileRun:
     profile: Profile
@@ -323,6 +385,85 @@ class ProfileRun:
     held_out_samples: dict[str, list] = field(default_factory=dict)
     seconds: float = 0.0
     document: dict = field(default_factory=dict)
+    context: FitContext | None = None
+
+
+def _fit(ctx: FitContext, samples: dict[str, list], hsamples: dict[str, list]):
+    """(Profile, held-out errors, problems) of measured samples."""
+    tp_models, held, problems = {}, {}, []
+    tol = ctx.max_error
+    for tp in sorted(ctx.kv_capacity_tokens):
+        qp, qd = f"tp.{tp}.t_pre", f"tp.{tp}.t_dec"
+        ps, ds = samples[qp], samples[qd]
+        try:
+            P, hist, attn = fit_prefill(ps, monotone=ctx.monotone)
+            D, cty = fit_decode(ds, monotone=ctx.monotone)
+        except ValueError as exc:
+            raise ValueError(f"grid: {exc} (each piece needs two measured values; widen the grid)") from None
+        if tp in ctx.prefill_chunk_tokens:
+            chunk = ctx.prefill_chunk_tokens[tp]
+        else:
+            from ampd.perf.derive import Assumptions, chunk_tokens
+
+            chunk = chunk_tokens(P, attn, Assumptions())
+        m = TPModel(kv_capacity_tokens=ctx.kv_capacity_tokens[tp], prefill_chunk_tokens=chunk,
+                    pre=P, pre_hist_s_per_token=hist, pre_attn_s_per_token2=attn, dec=D, dec_ctx_s_per_token=cty)
+        tp_models[tp] = m
+
+        def t_pre(lh, li, m=m):
+            return m.pre(li) + m.pre_hist_s_per_token * lh + m.pre_attn_s_per_token2 * li * (lh + li / 2)
+
+        def t_dec(b, c, m=m):
+            return m.dec(b) + m.dec_ctx_s_per_token * c
+        held[qp], held[qd] = held_out(hsamples[qp], t_pre), held_out(hsamples[qd], t_dec)
+        problems += error_problems(qp, held[qp], ("l_hist", "l_incr"), tol)
+        problems += error_problems(qd, held[qd], ("batch", "context_tokens"), tol)
+        problems += shape_problems(f"{qp} P(l_incr)", "tokens", P, 1, tol,
+                                   [(li, t - t_pre(lh, li) + P(li)) for lh, li, t in ps])
+        problems += shape_problems(f"{qd} D(batch)", "sequences", D, 1, tol,
+                                   [(b, t - cty * c) for b, c, t in ds])
+    rule = LINK_RULES[ctx.kv_links]
+
+    def per_link(s, d, n):
+        return n * ctx.kv_bytes_per_token / rule(s, d)
+    ks, hks = samples["t_kv"], hsamples["t_kv"]
+    try:
+        K = fit_kv([(per_link(s, d, n), t) for s, d, n, t in ks], monotone=ctx.monotone)
+    except ValueError as exc:
+        raise ValueError(f"grid: KV transfer: {exc} (widen the grid's KV sizes)") from None
+    held["t_kv"] = held_out(hks, lambda s, d, n: K(per_link(s, d, n)))
+    problems += error_problems("t_kv", held["t_kv"], ("src_tp", "dst_tp", "tokens"), tol)
+    problems += shape_problems("t_kv K(bytes per link)", "bytes", K,
+                               min(per_link(s, d, 1) for s, d, *_ in ks), tol,
+                               [(per_link(s, d, n), t) for s, d, n, t in ks])
+    prof = Profile(name=ctx.name, model=ctx.model, hardware=ctx.hardware, kv_bytes_per_token=ctx.kv_bytes_per_token,
+                   tp_models=tp_models, kv_transfer=KVTransfer(K, ctx.kv_links, ctx.link),
+                   description=f"Measured by `ampd profile --engine {ctx.engine}`"
+                               + (f" ({ctx.source})" if ctx.source else "") + "; see docs/planner.md.")
+    return prof, held, problems
+
+
+def _document(prof: Profile, ctx: FitContext, held, samples, hsamples, profiling: dict) -> dict:
+    doc = prof.to_json()
+    doc["profiling"] = {
+        "engine": ctx.engine, "source": ctx.source, **profiling,
+        "fit": "continuous non-decreasing pieces, relative least squares" if ctx.monotone
+               else "independent pieces, least squares",
+        "max_held_out_error": ctx.max_error,
+        "held_out_error": {k: v.to_json() for k, v in held.items()},
+        "samples": {k: [list(x) for x in v] for k, v in samples.items()},
+        "held_out_samples": {k: [list(x) for x in v] for k, v in hsamples.items()}}
+    return doc
+
+
+def compute_threads() -> int | None:
+    """The intra-op threads the engine computes with in this process (torch's, as OMP_NUM_THREADS or
+    torch.set_num_threads left them); None without torch. A profile is only valid for workers that
+    compute with as many threads: the profiler records it and does not change it."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    return int(torch.get_num_threads()) if torch is not None else None
 
 
 async def _run(setup: EngineSetup, grid: Grid, name: str, block_tokens: int, max_error: float,
@@ -342,8 +483,10 @@ async def _run(setup: EngineSetup, grid: Grid, name: str, block_tokens: int, max
                                 setup.kv_capacity_tokens[tp], ctx_limit)
     kv_held = geo_midpoints(grid.kv_tokens)
     pairs = [(tp, tp) for tp in setup.tps]
-    total = grid.reps * (sum(len(p.pre) + len(p.dec) + len(p.hpre) + len(p.hdec) for p in plans.values())
-                         + len(pairs) * (len(grid.kv_tokens) + len(kv_held)))
+    # a KV read is short next to a prefill: more passes for it cost little and steady its median
+    kv_reps = grid.reps if setup.sleeps else 2 * grid.reps
+    total = grid.reps * sum(len(p.pre) + len(p.dec) + len(p.hpre) + len(p.hdec) for p in plans.values()) \
+        + kv_reps * len(pairs) * (len(grid.kv_tokens) + len(kv_held))
     done = 0
 
     def tick():
@@ -354,79 +497,75 @@ async def _run(setup: EngineSetup, grid: Grid, name: str, block_tokens: int, max
 
     oh = await wakeup_latency() if setup.sleeps else 0.0
     timing = (grid.reps, min if setup.sleeps else statistics.median, oh, tick)
-    tp_models, held, samples, hsamples, problems = {}, {}, {}, {}, []
+    samples, hsamples = {}, {}
     for tp in setup.tps:
         engine, plan = make(tp), plans[tp]
         # Fitted and held-out points are timed together, in the same passes on the same pool, so a drift
         # of the machine between two phases cannot show as a held-out error.
         both = await _prefill_samples(setup, engine, plan.pre + plan.hpre, block_tokens, timing)
-        ps, hps = both[:len(plan.pre)], both[len(plan.pre):]
-        both = await _decode_samples(setup, engine, plan.dec + plan.hdec, block_tokens, timing)
-        ds, hds = both[:len(plan.dec)], both[len(plan.dec):]
         qp, qd = f"tp.{tp}.t_pre", f"tp.{tp}.t_dec"
-        samples[qp], samples[qd], hsamples[qp], hsamples[qd] = ps, ds, hps, hds
-        try:
-            P, hist, attn = fit_prefill(ps)
-            D, ctx = fit_decode(ds)
-        except ValueError as exc:
-            raise ValueError(f"grid: {exc} (each piece needs two measured values; widen the grid)") from None
-        if tp in setup.prefill_chunk_tokens:
-            chunk = setup.prefill_chunk_tokens[tp]
-        else:
-            from ampd.perf.derive import Assumptions, chunk_tokens
-
-            chunk = chunk_tokens(P, attn, Assumptions())
-        m = TPModel(kv_capacity_tokens=setup.kv_capacity_tokens[tp], prefill_chunk_tokens=chunk,
-                    pre=P, pre_hist_s_per_token=hist, pre_attn_s_per_token2=attn, dec=D, dec_ctx_s_per_token=ctx)
-        tp_models[tp] = m
-
-        def t_pre(lh, li, m=m):
-            return m.pre(li) + m.pre_hist_s_per_token * lh + m.pre_attn_s_per_token2 * li * (lh + li / 2)
-
-        def t_dec(b, c, m=m):
-            return m.dec(b) + m.dec_ctx_s_per_token * c
-        held[qp], held[qd] = held_out(hps, t_pre), held_out(hds, t_dec)
-        problems += error_problems(qp, held[qp], ("l_hist", "l_incr"), max_error)
-        problems += error_problems(qd, held[qd], ("batch", "context_tokens"), max_error)
-        problems += shape_problems(f"{qp} P(l_incr)", "tokens", P, 1, max_error,
-                                   [(li, t - t_pre(lh, li) + P(li)) for lh, li, t in ps])
-        problems += shape_problems(f"{qd} D(batch)", "sequences", D, 1, max_error,
-                                   [(b, t - ctx * c) for b, c, t in ds])
-    rule = LINK_RULES[setup.kv_links]
-
-    def per_link(s, d, n):
-        return n * setup.kv_bytes_per_token / rule(s, d)
-    sizes = list(grid.kv_tokens) + kv_held
-    both = await _kv_samples(setup, make, pairs, sizes, block_tokens, timing)
-    ks = [k for k in both if k[2] in grid.kv_tokens]
-    hks = [k for k in both if k[2] not in grid.kv_tokens]
-    samples["t_kv"], hsamples["t_kv"] = ks, hks
-    try:
-        K = fit_kv([(per_link(s, d, n), t) for s, d, n, t in ks])
-    except ValueError as exc:
-        raise ValueError(f"grid: KV transfer: {exc} (widen the grid's KV sizes)") from None
-    held["t_kv"] = held_out(hks, lambda s, d, n: K(per_link(s, d, n)))
-    problems += error_problems("t_kv", held["t_kv"], ("src_tp", "dst_tp", "tokens"), max_error)
-    problems += shape_problems("t_kv K(bytes per link)", "bytes", K, min(per_link(s, d, 1) for s, d in pairs),
-                               max_error, [(per_link(s, d, n), t) for s, d, n, t in ks])
-    prof = Profile(name=name, model=setup.model, hardware=setup.hardware, kv_bytes_per_token=setup.kv_bytes_per_token,
-                   tp_models=tp_models, kv_transfer=KVTransfer(K, setup.kv_links, setup.link),
-                   description=f"Measured by `ampd profile --engine {setup.engine}`"
-                               + (f" ({setup.source})" if setup.source else "") + "; see docs/planner.md.")
+        samples[qp], hsamples[qp] = both[:len(plan.pre)], both[len(plan.pre):]
+        both = await _decode_samples(setup, engine, plan.dec + plan.hdec, block_tokens, timing)
+        samples[qd], hsamples[qd] = both[:len(plan.dec)], both[len(plan.dec):]
+    both = await _kv_samples(setup, make, pairs, list(grid.kv_tokens) + kv_held, block_tokens,
+                             (kv_reps, *timing[1:]))
+    samples["t_kv"] = [k for k in both if k[2] in grid.kv_tokens]
+    hsamples["t_kv"] = [k for k in both if k[2] not in grid.kv_tokens]
+    ctx = FitContext(name=name, engine=setup.engine, model=setup.model, hardware=setup.hardware,
+                     source=setup.source, kv_bytes_per_token=setup.kv_bytes_per_token, kv_links=setup.kv_links,
+                     link=setup.link, kv_capacity_tokens=dict(setup.kv_capacity_tokens),
+                     prefill_chunk_tokens=dict(setup.prefill_chunk_tokens), monotone=not setup.sleeps,
+                     max_error=max_error)
+    prof, held, problems = _fit(ctx, samples, hsamples)
     seconds = time.monotonic() - t0
-    doc = prof.to_json()
-    doc["profiling"] = {
-        "engine": setup.engine, "source": setup.source, "machine": f"{platform.machine()} {os.cpu_count()} cores",
+    doc = _document(prof, ctx, held, samples, hsamples, {
+        "machine": f"{platform.machine()} {os.cpu_count()} cores", "compute_threads": compute_threads(),
         "when": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": round(seconds, 2),
         # timings on a machine shared with other work are only as good as its load let them be
         "loadavg_1m": {"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2)},
         "wakeup_latency_subtracted_s": oh, "block_tokens": block_tokens, "grid": asdict(grid),
-        "samples_are": f"{'min' if setup.sleeps else 'median'} over {grid.reps} runs",
-        "max_held_out_error": max_error,
-        "held_out_error": {k: v.to_json() for k, v in held.items()},
-        "samples": {k: [list(x) for x in v] for k, v in samples.items()},
-        "held_out_samples": {k: [list(x) for x in v] for k, v in hsamples.items()}}
-    return ProfileRun(prof, held, problems, samples, hsamples, seconds, doc)
+        "samples_are": f"{'min' if setup.sleeps else 'median'} over {grid.reps} runs"
+                       + ("" if kv_reps == grid.reps else f" ({kv_reps} for t_kv)")})
+    return ProfileRun(prof, held, problems, samples, hsamples, seconds, doc, ctx)
+
+
+def merge_runs(runs: list[ProfileRun], max_error: float | None = None) -> ProfileRun:
+    """One profile from several runs of the same engine and grid: each point's time is the mean of the
+    runs' times for it, then the fit and its checks are redone. Runs taken before and after what the
+    profile is compared with (a live replay) cancel a machine that drifted in between to first order;
+    the document lists the runs merged (``merged_from``)."""
+    if not runs:
+        raise ValueError("runs: nothing to merge")
+    ctx = runs[0].context
+    if ctx is None or any(r.context is None for r in runs):
+        raise ValueError("runs: only runs of this profiler (with their fit context) can be merged")
+    if max_error is not None:
+        ctx = replace(ctx, max_error=max_error)
+
+    def mean_of(which: str) -> dict[str, list]:
+        out = {}
+        for q, first in getattr(runs[0], which).items():
+            keys = [tuple(x[:-1]) for x in first]
+            times = {k: [] for k in keys}
+            for r in runs:
+                got = {tuple(x[:-1]): x[-1] for x in getattr(r, which).get(q, [])}
+                if set(got) != set(keys):
+                    raise ValueError(f"runs: {q} was measured at other points in another run (same grid needed)")
+                for k in keys:
+                    times[k].append(got[k])
+            out[q] = [(*k, statistics.fmean(times[k])) for k in keys]
+        return out
+    samples, hsamples = mean_of("samples"), mean_of("held_out_samples")
+    prof, held, problems = _fit(ctx, samples, hsamples)
+    first = runs[0].document.get("profiling", {})
+    doc = _document(prof, ctx, held, samples, hsamples, {
+        **{k: first[k] for k in ("machine", "compute_threads", "block_tokens", "grid", "samples_are") if k in first},
+        "when": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": round(sum(r.seconds for r in runs), 2),
+        "samples_merged": f"mean over {len(runs)} runs of each point's time",
+        "merged_from": [{k: r.document.get("profiling", {}).get(k) for k in ("when", "loadavg_1m")}
+                        | {"held_out_max": {q: round(e.max_rel, 4) for q, e in r.held_out.items()}}
+                        for r in runs]})
+    return ProfileRun(prof, held, problems, samples, hsamples, sum(r.seconds for r in runs), doc, ctx)
 
 
 def profile_engine(engine: str, *, profile: str | None = None, tps: tuple[int, ...] | None = None,
@@ -447,8 +586,6 @@ def profile_engine(engine: str, *, profile: str | None = None, tps: tuple[int, .
     setup = ENGINES[engine](profile, tps, model, kv_pool_mb)
     g = GRIDS[setup.scale][grid] if isinstance(grid, str) else grid
     if reps is not None:
-        from dataclasses import replace
-
         g = replace(g, reps=reps)
     # select(2) takes its timeout in microseconds; asyncio's default epoll selector rounds every wait
     # up to the next millisecond, which would add up to 1 ms to each timed sleep of the mock engine.

@@ -19,13 +19,16 @@ def register(subparsers) -> None:
                     "KV transfer over sizes through NIXL, through the engine's own Engine protocol; fits the "
                     "piecewise alpha-beta model; measures its error on held-out points that were not fitted "
                     "and writes the profile only if that error and the pieces' shapes pass (docs/planner.md).")
-    p.add_argument("--engine", required=True, metavar="E",
+    p.add_argument("--report", metavar="F",
+                   help="print the held-out errors of the saved profile F (measured by this command) against its "
+                        "own fit, and how it was measured; times nothing")
+    p.add_argument("--engine", metavar="E",
                    help="engine to time: torch (the model of --model on this machine's CPU), sglang (where "
                         "its extra is installed) or mock (timed by --profile)")
     p.add_argument("--profile", metavar="P", help="for --engine mock: the profile that times it (name or file)")
     p.add_argument("--tp", metavar="N[,N...]", help="TP degrees to profile (default: 1; mock: every degree of "
                                                      "its profile)")
-    p.add_argument("--out", required=True, metavar="F",
+    p.add_argument("--out", metavar="F",
                    help="profile file to write (JSON); a refused profile leaves an existing F as it was")
     p.add_argument("--name", metavar="MODEL@HARDWARE", help="name of the new profile (default MODEL@HARDWARE-ENGINE)")
     p.add_argument("--grid", default="full", choices=("tiny", "small", "full"),
@@ -88,9 +91,59 @@ FLAGS = {"engine": "--engine", "--engine": "--engine", "profile": "--profile", "
          "grid": "--grid"}
 
 
+def report(path: str) -> int:
+    """The saved profile's held-out errors, recomputed from its held-out samples and its own pieces (an
+    edited file is judged as it now is), beside what the profiler recorded."""
+    from ampd.perf import profile_from_dict
+    from ampd.profiler.checks import held_out
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            doc = json.load(fh)
+        prof = profile_from_dict(doc, path)
+    except OSError as exc:
+        raise CliError(f"--report: cannot read {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise CliError(f"--report: {exc}") from None
+    meta = doc.get("profiling") if isinstance(doc, dict) else None
+    if not isinstance(meta, dict) or "held_out_samples" not in meta:
+        raise CliError(f"--report: {path} holds no held-out samples (a shipped or hand-written profile, not "
+                       "one `ampd profile` measured)")
+    print(f"{prof.name}: engine {meta.get('engine')}, {meta.get('machine')}, compute threads "
+          f"{meta.get('compute_threads')}, measured {meta.get('when')}, load {meta.get('loadavg_1m')}")
+    for m in meta.get("merged_from", []):
+        print(f"  merged run of {m.get('when')}, load {m.get('loadavg_1m')}, held-out max {m.get('held_out_max')}")
+    model = {}
+    for tp in prof.tps:
+        model[f"tp.{tp}.t_pre"] = lambda lh, li, tp=tp: prof.t_pre(tp, lh, li)
+        model[f"tp.{tp}.t_dec"] = lambda b, c, tp=tp: prof.t_dec(tp, b, c)
+    model["t_kv"] = lambda s, d, n: prof.t_kv(n, s, d)
+    limit = float(meta.get("max_held_out_error", 0.15))
+    print(f"{'quantity':<12} {'held-out max':>13} {'mean':>8} {'points':>7}  worst point (measured / model)")
+    worst = 0.0
+    for q, pts in meta["held_out_samples"].items():
+        if q not in model:
+            continue
+        e = held_out([tuple(x) for x in pts], model[q])
+        worst = max(worst, e.max_rel)
+        w = e.worst[0] if e.worst else None
+        where = (f"{tuple(w[:-3])}: {w[-3] * 1e3:.2f} / {w[-2] * 1e3:.2f} ms" if w else "-")
+        print(f"{q:<12} {e.max_rel:>13.1%} {e.mean_rel:>8.1%} {e.points:>7}  {where}")
+    path_latency = meta.get("path_latency")
+    if path_latency:
+        print(f"path latency measured on the live deployment: {path_latency}")
+    print(f"{'within' if worst <= limit else 'OUTSIDE'} the limit {limit:g} the profile was written under")
+    return 0
+
+
 def run(args) -> int:
     from ampd.profiler import profile_engine
 
+    if args.report:
+        return report(args.report)
+    missing = [f for f, v in (("--engine", args.engine), ("--out", args.out)) if not v]
+    if missing:
+        raise CliError(f"{' and '.join(missing)}: required to profile (or give --report FILE to read a saved profile)")
     if args.reps is not None and args.reps < 1:
         raise CliError(f"--reps: must be >= 1, got {args.reps}")
     if os.path.isdir(args.out):

@@ -12,9 +12,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from ampd.perf import load_profile, profile_from_dict
-from ampd.profiler import Grid, profile_engine
+from ampd.profiler import Grid, merge_runs, profile_engine
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -72,7 +73,7 @@ def tiny_llama(tmp_path_factory):
     return str(save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), vocab_size=512, layers=2, hidden_size=64))
 
 
-def test_a_real_torch_engine_profiles_and_its_profile_round_trips(tiny_llama):
+def test_a_real_torch_engine_profiles_and_its_profile_round_trips(tiny_llama, tmp_path, capsys):
     run = profile_engine("torch", model=tiny_llama, grid=TINY, kv_pool_mb=4)
     doc = json.loads(json.dumps(run.document))
     got = profile_from_dict(doc, "profiled")
@@ -81,7 +82,13 @@ def test_a_real_torch_engine_profiles_and_its_profile_round_trips(tiny_llama):
     assert got.kv_bytes_per_token == 2 * 2 * 16 * 2 * 4 and got.tps == (1,)
     assert got.kv_capacity_tokens(1) == 4 * 2**20 // got.kv_bytes_per_token
     prof = doc["profiling"]
-    assert prof["engine"] == "torch" and prof["samples_are"] == "median over 1 runs"
+    assert prof["engine"] == "torch" and prof["samples_are"] == "median over 1 runs (2 for t_kv)"
+    assert prof["compute_threads"] == torch.get_num_threads()  # recorded as given, never changed
+    # a computing engine is fitted continuous and non-decreasing: no piece of it can be refused for shape
+    for fn in (got.tp_models[1].pre, got.tp_models[1].dec, got.kv_transfer.bytes_per_link):
+        assert all(b >= 0 for b in fn.beta) and all(abs(j) < 1e-9 for j in fn.discontinuities())
+    # decode is timed as a round's steady state: the step after a round's first, at context + 1
+    assert {(b, x) for b, x, _ in run.samples["tp.1.t_dec"]} == {(b, b * (c + 1)) for c in (16, 64) for b in (1, 2, 4)}
     assert set(prof["held_out_error"]) == {"tp.1.t_pre", "tp.1.t_dec", "t_kv"}
     for q, err in prof["held_out_error"].items():
         fitted = {tuple(s[:-1]) for s in prof["samples"][q]}
@@ -90,6 +97,20 @@ def test_a_real_torch_engine_profiles_and_its_profile_round_trips(tiny_llama):
         assert all(s[-1] > 0 for s in prof["samples"][q] + prof["held_out_samples"][q]), q
     assert {(lh, li) for lh, li, _ in run.samples["tp.1.t_pre"]} == {(lh, li) for lh in (0, 64) for li in (1, 4, 16, 64)}
     assert got.t_pre(1, 64, 64) > 0 and got.t_dec(1, 4, 256) > 0 and got.t_kv(256, 1, 1) > 0
+    # two runs merged: each point's mean, refitted and checked again
+    merged = merge_runs([run, run])
+    assert merged.samples == {q: [tuple(x) for x in v] for q, v in run.samples.items()}
+    assert merged.profile.to_json() == run.profile.to_json() and merged.problems == run.problems
+    assert len(merged.document["profiling"]["merged_from"]) == 2
+    # `ampd profile --report FILE`: the saved file's held-out errors, recomputed from its own samples
+    from ampd.profiler.cli import report
+
+    saved = tmp_path / "p.json"
+    saved.write_text(json.dumps(run.document))
+    assert report(str(saved)) == 0
+    out = capsys.readouterr().out
+    for q, e in run.held_out.items():
+        assert f"{q:<12} {e.max_rel:>13.1%} {e.mean_rel:>8.1%} {e.points:>7}" in out, out
 
 
 def _profile_cli(*flags):

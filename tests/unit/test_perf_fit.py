@@ -42,3 +42,32 @@ def test_negative_shared_term_is_fixed_at_zero():
 def test_rel_errors():
     e = rel_errors([(1.1, 1.0), (1.0, 1.0)])
     assert e.max_rel == pytest.approx(0.1) and e.mean_rel == pytest.approx(0.05) and e.points == 2
+
+
+def test_nnls_matches_the_unconstrained_answer_when_it_is_nonnegative_and_clamps_otherwise():
+    import numpy as np
+
+    from ampd.perf.fit import nnls
+
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=(40, 5))
+    x = nnls(a, a @ np.array([1.0, 0.5, 2.0, 0.25, 3.0]))
+    assert np.allclose(x, [1.0, 0.5, 2.0, 0.25, 3.0], atol=1e-9)
+    x = nnls(a, a @ np.array([1.0, -2.0, 2.0, 0.0, 3.0]))
+    assert (x >= 0).all() and x[1] == 0.0
+
+
+def test_monotone_fit_of_noisy_flat_then_linear_times_is_continuous_nondecreasing_and_close():
+    import random
+
+    rnd = random.Random(3)
+    true = lambda lh, li: 0.02 + 1e-3 * max(0, li - 16) + 2e-5 * lh  # noqa: E731 - flat up to a knee
+    pts = [(lh, li) for lh in (0, 512, 1024) for li in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)]
+    samples = [(lh, li, true(lh, li) * (1 + 0.06 * (rnd.random() - 0.5))) for lh, li in pts]
+    P, hist, attn = fit_prefill(samples, monotone=True)
+    assert all(b >= 0 for b in P.beta) and all(abs(j) < 1e-12 for j in P.discontinuities())
+    assert hist >= 0 and attn >= 0
+    for lh, li in [(256, 3), (768, 11), (768, 181)]:  # between grid points: relative error small
+        assert P(li) + hist * lh + attn * li * (lh + li / 2) == pytest.approx(true(lh, li), rel=0.08)
+    K = fit_kv([(x, 0.001 + 1e-9 * x) for x in (1e3, 1e4, 1e5, 1e6, 1e7)], monotone=True)
+    assert K(3e5) == pytest.approx(0.001 + 3e-4, rel=1e-6)
