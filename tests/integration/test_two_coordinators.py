@@ -174,13 +174,13 @@ def test_a_killed_coordinators_sessions_go_on_through_the_other(tmp_path):
         # completes with the undisturbed tokens.
         dep.wait_serving()
 
-        async def later():
+        async def later(attempt: int):
             coords = Coordinators(dep.coordinators)
             await coords.check()
             ref: dict = {}
-            await _session(coords, "ref-long", 0, 0.0, ref, _long_turn())
+            await _session(coords, f"ref-long-{attempt}", 0, 0.0, ref, _long_turn())
             out, seen = {}, {}
-            tasks = [asyncio.create_task(_session(coords, f"long-{j}", j, 0.0, out, _long_turn(), seen))
+            tasks = [asyncio.create_task(_session(coords, f"long-{attempt}-{j}", j, 0.0, out, _long_turn(), seen))
                      for j in range(4)]
             while len(seen) < 4 or min(t for t, _, _ in seen.values()) < 3:
                 await asyncio.sleep(0.02)
@@ -193,20 +193,32 @@ def test_a_killed_coordinators_sessions_go_on_through_the_other(tmp_path):
                     if c.failovers:
                         marks.setdefault(j, t)
                 mid = [seen[j][1] for j, t0 in marks.items() if t0 + 4 <= seen[j][0] < LONG // 2]
-                if mid:
+                if mid or all(j in out for j in range(4)):
                     break
-                assert not all(j in out for j in range(4)), "no session went on mid-round"
                 await asyncio.sleep(0.005)
+            if not mid:  # the rounds ended before a failover landed mid-round (a loaded box): again
+                await asyncio.gather(*tasks)
+                await coords.close()
+                assert all(not e for e, *_ in out.values()), out
+                return None
             victim = mid[0]
             os.kill(dep.child(victim).proc.pid, signal.SIGKILL)
             await asyncio.gather(*tasks)
             await coords.close()
             return ref[0], out, victim
 
-        ref, out, victim = asyncio.run(later())
+        for attempt in range(3):  # bounded: the precondition is timing, the property is what follows
+            got = asyncio.run(later(attempt))
+            if got is not None:
+                break
+            dep.wait_serving()
+        assert got is not None, "no session went on mid-round in 3 attempts"
+        ref, out, victim = got
         print(f"after {victim} was killed: {[(e, f, rec) for e, _, _, f, _, rec in out.values()]}")
         assert all(not e for e, *_ in out.values()), out
-        assert all(toks == ref[1] for _, toks, *_ in out.values())
+        for j, (_, toks, *_) in out.items():
+            first = next((k for k, (a, b) in enumerate(zip(toks, ref[1])) if a != b), min(len(toks), len(ref[1])))
+            assert toks == ref[1], f"long-{j}: {len(toks)} tokens against {len(ref[1])}, first differs at {first}"
         assert any(f and rec for _, _, _, f, _, rec in out.values())  # failed over, then moved (recovered)
 
 
