@@ -85,6 +85,10 @@ class SessionRun:
         # worker's state comes; events up to ``replayed`` were in that state (sent, not logged again)
         self.reattach = reattach
         self.replayed = 0
+        # Reattached: tokens before this position were in the worker's state, logged from it. The
+        # first events after that state can carry some of them again, merged with new ones into one
+        # Tokens (the worker's take_events, or _coalesce here): the log counts them once.
+        self.logged_to = 0
         self.seq = 0  # the last decode event's number seen (a moved session numbers on after it)
         self.taken_over = False  # another coordinator reattached it: its record is not deleted from here
 
@@ -415,6 +419,7 @@ class SessionRun:
         self.log = SessionLog.from_state(self.sid, st)
         self.o = common_pb2.OpenSession(session_id=self.sid, limits=st.limits)
         self.replayed = self.seq = st.seq
+        self.logged_to = len(st.history)
         self.admitted = True
         # the promise its lost coordinator made stays (it is in the session's record), else a new one
         promised = int(self.rec.get("promised", 0) or 0)
@@ -468,7 +473,7 @@ class SessionRun:
                 counters[f"route_{ahead[1].reason}"] += 1
                 counters["prefills_local" if ahead[1].local else "prefills_remote"] += 1
                 counters["prefills_routed_with_turn"] += 1
-            lg.on_tokens(ev.tokens)
+            lg.on_tokens(self._unlogged(ev.tokens))
             self.svc.forget_remote(self, ev.tokens.round)
             return [self._out(tokens=ev.tokens)]
         if kind == "tool_call":
@@ -488,6 +493,22 @@ class SessionRun:
         if kind == "done":
             return [self._done(ev.done)]
         return []
+
+    def _unlogged(self, t: common_pb2.Tokens) -> common_pb2.Tokens:
+        """``t`` less its tokens that the reattached state held (logged already; the client still
+        gets them all): counted twice, the round's count would run ahead of its tokens, and a
+        move would resume the round that many tokens short."""
+        end = min(self.logged_to, len(self.log.history))
+        self.logged_to = 0  # only the first Tokens after the state can carry such tokens
+        if t.position >= end:
+            return t
+        skip = min(end - t.position, len(t.token_ids))
+        rest = common_pb2.Tokens()
+        rest.CopyFrom(t)
+        del rest.token_ids[:skip]
+        del rest.times[:skip]
+        rest.position = t.position + skip
+        return rest
 
     def _annotate(self, t: common_pb2.RoundTiming) -> None:
         if t.round in self.routes:

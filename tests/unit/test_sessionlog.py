@@ -139,3 +139,26 @@ def test_a_log_rebuilt_from_the_workers_state_moves_the_session_like_the_origina
     assert lg2.lost() == "idle"
     req = lg2.resume(common_pb2.Turn(token_ids=[9], sampling=_sampling(2), tool_call_id="call_x"))
     assert list(req.open.turn.token_ids) == [1, 2, 3, 50, 9] and req.resume.round == 1 and req.resume.turns == 2
+
+
+def test_tokens_the_reattached_state_held_are_logged_once():
+    """The first Tokens after a reattach can carry tokens the worker's state already held, merged
+    with new ones (services/coordinator/session.py, SessionRun._unlogged): the round's count takes
+    only the new ones, so a later move resumes the round where it stopped."""
+    from ampd.v1 import decode_pb2
+    from services.coordinator.session import SessionRun
+
+    lg = _log()
+    lg.on_prefill_task(_task(0, 0, [1, 2, 3]))
+    lg.on_tokens(_tokens(0, 3, [50, 51]))
+    st = decode_pb2.SessionState(seq=7, history=lg.history, turn=lg.turn, turn_round=0, next_round=1, round=0,
+                                 round_tokens=2, round_ended=False, turns=1, first_token_at=11.0, input_ready=10.0)
+    run = SessionRun.__new__(SessionRun)  # (only its log and what the state logged)
+    run.log, run.logged_to = SessionLog.from_state("s", st), len(st.history)
+    merged = _tokens(0, 4, [51, 52])  # 51 was in the state; 52 is new
+    run.log.on_tokens(run._unlogged(merged))
+    assert list(merged.token_ids) == [51, 52]  # the client's event is left whole
+    assert run.log.history == [1, 2, 3, 50, 51, 52] and run.log.round_tokens == 3
+    assert run.log.resume().resume.round_tokens == 3
+    later = _tokens(0, 6, [53])
+    assert run._unlogged(later) is later
