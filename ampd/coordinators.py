@@ -76,7 +76,8 @@ class Coordinators:
                 err = exc
         raise err
 
-    def Session(self, requests, timeout: float | None = None) -> "FailoverSession":  # noqa: N802
+    def Session(self, requests, timeout: float | None = None,  # noqa: N802 (the stub's name)
+                metadata=None) -> "FailoverSession":
         n, now = len(self.stubs), time.monotonic()
         start = self._next % n
         for i in range(n):  # the next one in turn that was not found down just now
@@ -84,7 +85,7 @@ class Coordinators:
                 start = (self._next + i) % n
                 break
         self._next = start + 1
-        return FailoverSession(self, requests, start, timeout)
+        return FailoverSession(self, requests, start, timeout, metadata)
 
     def down(self, index: int) -> None:
         self._down[index % len(self.stubs)] = time.monotonic() + DOWN_S
@@ -102,8 +103,10 @@ class FailoverSession:
     """One session's stream, as the stub's call looks (iterate its events; ``cancel()``), going on
     through the next coordinator when its own is lost (the module doc)."""
 
-    def __init__(self, coords: Coordinators, requests, start: int, timeout: float | None) -> None:
+    def __init__(self, coords: Coordinators, requests, start: int, timeout: float | None,
+                 metadata=None) -> None:
         self.coords = coords
+        self._metadata = metadata  # sent on every stream it opens (a trace's W3C traceparent)
         self._requests = requests
         self._index = start
         self._deadline = None if timeout is None else time.monotonic() + timeout
@@ -162,7 +165,7 @@ class FailoverSession:
     def _open_call(self, queue: asyncio.Queue) -> None:
         timeout = None if self._deadline is None else max(0.1, self._deadline - time.monotonic())
         self._call = self.coords.stubs[self._index % len(self.coords.stubs)].Session(
-            self._messages(queue), timeout=timeout)
+            self._messages(queue), timeout=timeout, metadata=self._metadata)
         self._header = asyncio.ensure_future(self._note_token(self._call))
 
     async def _note_token(self, call) -> None:
