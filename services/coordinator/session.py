@@ -75,6 +75,7 @@ class SessionRun:
         self.announce = True  # the next event to the client names the binding
         self.secret = new_secret()  # the session's credential on its decode worker (every request)
         self.closing = False  # the client sent Close: only stop or cancel may follow
+        self.cancelled = False  # the client sent Cancel: the worker ends the session, nothing else goes
         # The KV the session may hold (its turns' inputs, outputs and scripted results, one block
         # more): promised to its decode worker by admission while it is bound there.
         self.need = turn_kv_tokens(o.turn, o.limits.max_output_tokens) + svc.block_tokens()
@@ -310,6 +311,8 @@ class SessionRun:
             except InvalidArgument as exc:
                 code = grpc.StatusCode.FAILED_PRECONDITION if self.closing else grpc.StatusCode.INVALID_ARGUMENT
                 raise SessionEnd(code, str(exc)) from None
+        if self.cancelled:  # (a Close or Stop after it would find the session gone there and move it)
+            return []
         if kind == "turn":
             more = turn_kv_tokens(msg.turn, self.o.limits.max_output_tokens)
             self.need += more  # accepted sessions are not refused: their later turns are promised too
@@ -343,6 +346,7 @@ class SessionRun:
             if not self.bound:
                 raise SessionEnd(grpc.StatusCode.CANCELLED, f"cancelled: {msg.cancel.reason}" if msg.cancel.reason
                                  else "cancelled")
+            self.cancelled = True
             await self._control(decode_pb2.ControlRequest(cancel=decode_pb2.CancelRequest(
                 session_id=self.sid, reason=msg.cancel.reason, session_secret=self.secret)))
             return []

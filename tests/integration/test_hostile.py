@@ -657,3 +657,17 @@ def test_nothing_is_left_behind(dep, redis_url):
     assert_nothing_left(dep, redis_url)
     if OUTCOMES:  # the fuzzed sessions were not all refused up front
         assert OUTCOMES["OK"] >= 1 and OUTCOMES["INVALID_ARGUMENT"] >= 1, OUTCOMES
+
+
+def test_a_cancel_then_half_close_ends_the_session_at_once(dep):
+    # The Close that a half-close sends after a Cancel must not find the session gone on its worker
+    # and move it (which left the stream open until the client's deadline).
+    for i in range(3):
+        o = common_pb2.OpenSession(session_id=f"cancel-then-close-{i}")
+        o.turn.token_ids.append(1)
+        o.turn.sampling.max_tokens = 1
+        msgs = [coordinator_pb2.ClientMessage(open=o), coordinator_pb2.ClientMessage(cancel=coordinator_pb2.Cancel())]
+        t = time.monotonic()
+        code, details, _ = sync_session(dep.coordinator, msgs, False, timeout=8)
+        assert code == grpc.StatusCode.ABORTED and "cancelled" in details, (code, details)
+        assert time.monotonic() - t < 5
