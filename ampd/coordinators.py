@@ -1,6 +1,6 @@
 """A client's coordinators: one address, or several sharing one Redis ("HOST:PORT,HOST:PORT").
 
-``Coordinators`` stands in for the gRPC stub (``Session``, ``Metrics``) for the bench client and the
+``Coordinators`` answers the coordinator stub's two calls (``Session``, ``Metrics``) for the bench client and the
 front. With two or more addresses, new sessions go to them in turn, and a session whose coordinator
 is lost (its stream fails UNAVAILABLE, as when that process is killed) goes on through the next one:
 the client sends ``ReattachSession`` (coordinator.proto) with the last event number it got, and the
