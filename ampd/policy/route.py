@@ -24,7 +24,8 @@ __all__ = [
     "ThresholdRouter",
     "MarginRouter",
     "ROUTERS",
-    "make_router",
+    "SLACK_RULES",
+    "build_router",
     # reason strings
     "PREFILL_SLACK",
     "DECODE_SLACK",
@@ -374,8 +375,8 @@ _ROUTER_BUILDERS = {
 ROUTERS: tuple[str, ...] = tuple(_ROUTER_BUILDERS)
 
 
-def make_router(
-    name: str,
+def build_router(
+    kind: str,
     cost: CostModel,
     slo: SLO,
     *,
@@ -384,24 +385,7 @@ def make_router(
     beta: float = BETA,
     threshold_tokens: int = THRESHOLD_TOKENS,
     slack: str | None = None,
-    **opts: object,
 ) -> Router:
-    """Build a router by router name (``ROUTERS``) or by policy name (``POLICIES``, resolved
-    through the policy registry; the policy also sets the default ``slack`` rule).
-    Unknown names or options raise ``ValueError``."""
-    if opts:
-        raise ValueError(f"make_router: unknown option(s) {', '.join(sorted(opts))}")
-    kind = name
-    if kind not in _ROUTER_BUILDERS:
-        from .spec import POLICIES, policy_spec
-
-        if kind not in POLICIES:
-            raise ValueError(
-                f"unknown router {name!r}; valid routers: {', '.join(ROUTERS)}; "
-                f"valid policies: {', '.join(POLICIES)}"
-            )
-        spec = policy_spec(kind)
-        kind = spec.router
-        if slack is None:
-            slack = spec.slack
+    """Build a router by router name (``ROUTERS``). Policy names resolve to a router in
+    ``ampd.policy.spec.make_router``, the entry point the tools use."""
     return _ROUTER_BUILDERS[kind](cost, slo, seed, alpha, beta, threshold_tokens, slack)
