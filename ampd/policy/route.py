@@ -60,8 +60,11 @@ ALPHA = 0.9
 BETA = 0.85
 THRESHOLD_TOKENS = 1000  # the threshold baseline's limit (Dynamo's default)
 # The margin router spreads a local prefill's decode stall over this many seconds of decoding when it
-# predicts the decode worker's ITL: the span of the ITL window it compares against (the default
-# stats window, ampd.config `stats_window`).
+# predicts the decode worker's ITL (a stall of s seconds raises the mean ITL over a span of H seconds
+# by the factor 1 + s / H). It equals the default span of the workers' ITL window (ampd.config
+# `stats_window`, 10 s) but is a constant of the router: the coordinator does not read
+# `--stats-window` (a worker setting), so a deployment that changes the window still predicts over
+# 10 s. `MarginRouter(horizon_s=)` sets it explicitly.
 MARGIN_HORIZON_S = 10.0
 
 
