@@ -13,6 +13,7 @@ from ampd.config import WorkerSettings
 from ampd.policy import CostModel, PrefillTask, RouteDecision, Router, WorkerView, bind, in_worker_order
 from ampd.state.liveness import Liveness
 from ampd.state.store import REDIS_ERRORS, StateStore, WorkerInfo, WorkerStats, age_view
+from ampd.tasks import BackgroundTasks
 
 __all__ = ["Cluster", "ClusterView", "choose_decode_worker", "route"]
 
@@ -69,8 +70,7 @@ class Cluster:
         self.cost = cost
         self._routed: dict[tuple[str, int], tuple[str, float, float]] = {}  # (session, round) -> (wid, at, s)
         self.lag_s: list[float] = []  # recent delivery lags (push mode), bounded
-        self._follower: asyncio.Task | None = None
-        self._watcher: asyncio.Task | None = None
+        self._tasks = BackgroundTasks()  # the stats follower (push mode) and the liveness watch
         self.on_poll = None  # optional coroutine function run after each liveness poll (the coordinator's)
         self.liveness = Liveness(fence_after)
         self.on_fenced = None  # optional function (the WorkerInfo fenced) called after a worker was fenced
@@ -134,14 +134,11 @@ class Cluster:
             await ps.subscribe(self.store.k_stats)  # subscribe first, then snapshot: no gap
             for st in (await self.store.stats()).values():
                 await self._ingest(st)
-            self._follower = asyncio.create_task(self._follow(ps), name="stats-follower")
-        self._watcher = asyncio.create_task(self._watch(), name="liveness-watch")
+            self._tasks.spawn(self._follow(ps), name="stats-follower")
+        self._tasks.spawn(self._watch(), name="liveness-watch")
 
     async def stop(self) -> None:
-        for t in (self._follower, self._watcher):
-            if t:
-                t.cancel()
-                await asyncio.gather(t, return_exceptions=True)
+        await self._tasks.close()
 
     async def _watch(self) -> None:
         while True:

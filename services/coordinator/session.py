@@ -37,6 +37,14 @@ BIND_WAIT_S = 15.0  # a moving session waits this long for a live decode worker 
 OPEN_WAIT_S = 3.0  # a new session waits this long for one (then UNAVAILABLE: none is serving)
 
 
+async def _ignore_failure(reply) -> None:
+    """Awaits a request's reply whose failure leaves nothing to do."""
+    try:
+        await reply
+    except Exception:  # noqa: BLE001 - retrieved, so that asyncio does not log it
+        pass
+
+
 class SessionEnd(Exception):
     """The session ends with this gRPC status."""
 
@@ -103,7 +111,7 @@ class SessionRun:
             await self._bind(decode_pb2.AttachRequest(open=self.o, arrival=time.time()), wait_s=OPEN_WAIT_S)
         if self.on_open is not None:
             await self.on_open()
-        reader = asyncio.create_task(self._read_client())
+        reader = self.svc.tasks.spawn(self._read_client())
         try:
             while not self.finished:
                 kind, gen, item = await self.q.get()
@@ -153,8 +161,7 @@ class SessionRun:
     def _cancel_on_worker(self, why: str) -> None:
         reply = self.control.send(decode_pb2.ControlRequest(cancel=decode_pb2.CancelRequest(
             session_id=self.sid, reason=why, session_secret=self.secret)), timeout_s=self.svc.call_timeout_s)
-        task = asyncio.ensure_future(reply)
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # nothing to do on a failure
+        self.svc.tasks.spawn(_ignore_failure(reply))
 
     def fenced(self, why: str) -> None:
         """The bound decode worker was fenced: the session moves (in order, after the events in hand;
@@ -226,7 +233,7 @@ class SessionRun:
         req.first_seq = self.seq  # events there are numbered after those seen here
         self.gen += 1
         self.call = svc.stubs.decode(self.info.address, self.info.nixl_agent).Attach(req)
-        self.pump = asyncio.create_task(self._pump(self.call, self.gen))
+        self.pump = self.svc.tasks.spawn(self._pump(self.call, self.gen))
         self.bound, self.opened, self.announce = True, False, True
         # the secret: another coordinator reattaches the session with it when this one is lost
         svc.record(self.sid, {"decode_worker": self.decode_id, "round": req.resume.round, "moves": self.log.moves,
@@ -410,7 +417,7 @@ class SessionRun:
         self.call = svc.stubs.decode(info.address, info.nixl_agent).Reattach(decode_pb2.ReattachRequest(
             session_id=self.sid, session_secret=secret, after_seq=r.after_seq,
             attach_token=attach_token(bytes.fromhex(info.task_key), self.sid, wid, secret)))
-        self.pump = asyncio.create_task(self._pump(self.call, self.gen))
+        self.pump = self.svc.tasks.spawn(self._pump(self.call, self.gen))
         self.bound, self.opened, self.announce = True, False, True
         svc.record(self.sid, {"decode_worker": wid})  # this coordinator's now
         log.info("session reattached", session=self.sid, decode_worker=wid, after_seq=r.after_seq)

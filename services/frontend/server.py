@@ -41,6 +41,7 @@ from ampd.metrics import TTFT_BUCKETS
 from ampd.validate import MAX_ID as MAX_SESSION_ID
 from ampd.state import connect
 from ampd.coordinators import Coordinators, parse_addresses
+from ampd.tasks import BackgroundTasks
 from ampd.v1 import common_pb2
 from services.frontend.sessions import LiveSession, SessionTable
 from services.frontend.turn import DONE, FAILED, RETRY_AFTER_S, TEXT, TurnRun
@@ -737,12 +738,13 @@ async def amain(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, server.exit)
-    serving = asyncio.create_task(server.serve())
-    while not server.started:
-        if serving.done():
-            await serving  # raises the bind error
-            raise RuntimeError(f"cannot bind {args.host}:{args.port}")
-        await asyncio.sleep(0.01)
+    background = BackgroundTasks()  # uvicorn's serve()
+    serving = background.spawn(server.serve())
+    try:
+        await _started(server, serving, args)
+    except BaseException:
+        await background.close()
+        raise
     port = server.servers[0].sockets[0].getsockname()[1]
     front.table.me = f"http://{args.host}:{port}"
     front.table.start()
@@ -751,12 +753,22 @@ async def amain(args: argparse.Namespace) -> None:
     try:
         await serving
     finally:
+        await background.close()  # (serve() has ended, unless this task was cancelled)
         await front.table.stop()
         await front.http.aclose()
         front.work.shutdown(wait=False, cancel_futures=True)
         await coordinator.close()
         await redis.aclose()
         tracing.shutdown()  # the spans still batched go before the process ends
+
+
+async def _started(server: uvicorn.Server, serving: asyncio.Task, args: argparse.Namespace) -> None:
+    """Until uvicorn listens; its bind error (or a RuntimeError) if it ends first."""
+    while not server.started:
+        if serving.done():
+            await serving  # raises the bind error
+            raise RuntimeError(f"cannot bind {args.host}:{args.port}")
+        await asyncio.sleep(0.01)
 
 
 COORDINATOR_WAIT_S = 30.0  # at start-up, for the coordinators to answer (one may still be starting)
