@@ -28,7 +28,8 @@ from ampd.grpcserver import REATTACH_HEADER, SESSION_OPEN, write_ready_file
 from ampd.trust import reattach_token
 from services.coordinator.core import Cluster, InvalidArgument, validate_open
 from services.coordinator.admission import Admission
-from services.coordinator.session import SessionEnd, SessionRun
+from services.coordinator.errors import SessionEnd
+from services.coordinator.session import SessionRun
 
 log = structlog.get_logger()
 
@@ -234,7 +235,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.remote.setdefault(worker, {})[(run.sid, rnd)] = run
 
     def forget_remote(self, run: SessionRun, rnd: int | None = None) -> None:
-        for worker in list(run.remote.values()) if rnd is None else [run.remote.get(rnd)]:
+        for worker in list(run.routing.remote.values()) if rnd is None else [run.routing.remote.get(rnd)]:
             if worker is None:
                 continue
             tasks = self.remote.get(worker, {})
@@ -243,13 +244,13 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             if not tasks:
                 self.remote.pop(worker, None)
         if rnd is not None:
-            run.remote.pop(rnd, None)
+            run.routing.remote.pop(rnd, None)
 
     def _prefill_lost(self, worker: str) -> None:
         """Every round submitted to ``worker`` and not answered runs on its decode worker instead."""
         tasks = self.remote.pop(worker, {})
         for (sid, rnd), run in tasks.items():
-            self.tasks.spawn(run.reroute(rnd, worker))
+            self.tasks.spawn(run.routing.reroute(rnd, worker))
 
     async def Metrics(self, request, context) -> common_pb2.MetricsReply:
         values = {k: float(v) for k, v in self.counters.items()}
