@@ -17,7 +17,7 @@ from ampd.state.liveness import Liveness
 from ampd.state.store import REDIS_ERRORS, StateStore, WorkerInfo, WorkerStats, age_view
 from ampd.tasks import BackgroundTasks
 
-__all__ = ["Cluster", "ClusterView", "choose_decode_worker", "route"]
+__all__ = ["Cluster", "ClusterView", "StatsEntry", "RoutedTask", "choose_decode_worker", "route"]
 
 log = structlog.get_logger()
 
@@ -26,7 +26,7 @@ log = structlog.get_logger()
 ROUTED_TTL_S = 0.25
 
 
-class _Entry(NamedTuple):
+class StatsEntry(NamedTuple):
     """A worker's latest statistics, as the view is assembled from them."""
     ts: float  # when the worker published them
     kind: str  # "decode" or "prefill"
@@ -35,7 +35,7 @@ class _Entry(NamedTuple):
     accepted: tuple  # the (session, round) tasks the worker counts (WorkerStats.accepted)
 
 
-class _Routed(NamedTuple):
+class RoutedTask(NamedTuple):
     """A task routed to a worker whose statistics do not show it yet."""
     worker_id: str
     at: float  # when it was routed
@@ -83,9 +83,9 @@ class Cluster:
         self.lost: dict[str, float] = {}  # worker_id -> when a call to it failed on the connection
         self.infos: dict[str, WorkerInfo] = {}
         self._infos_at = 0.0
-        self._views: dict[str, _Entry] = {}  # worker id -> its latest statistics
+        self._views: dict[str, StatsEntry] = {}  # worker id -> its latest statistics
         self.cost = cost
-        self._routed: dict[tuple[str, int], _Routed] = {}  # (session, round) -> where it was routed
+        self._routed: dict[tuple[str, int], RoutedTask] = {}  # (session, round) -> where it was routed
         self.lag_s: list[float] = []  # recent delivery lags (push mode), bounded
         self._tasks = BackgroundTasks()  # the stats follower (push mode) and the liveness watch
         self.on_poll = None  # optional coroutine function run after each liveness poll (the coordinator's)
@@ -205,7 +205,7 @@ class Cluster:
                 return
         prev = self._views.get(st.worker_id)
         if prev is None or st.ts >= prev.ts:
-            self._views[st.worker_id] = _Entry(st.ts, info.kind, st.view(info.kind, info.tp), st.busy_until,
+            self._views[st.worker_id] = StatsEntry(st.ts, info.kind, st.view(info.kind, info.tp), st.busy_until,
                                                st.accepted)
         self._alive_again(st.worker_id, st.ts)
 
@@ -226,7 +226,7 @@ class Cluster:
         for wid, st in stats.items():
             info = self.infos.get(wid)
             if info is not None:
-                entries.append(_Entry(st.ts, info.kind, st.view(info.kind, info.tp), st.busy_until, st.accepted))
+                entries.append(StatsEntry(st.ts, info.kind, st.view(info.kind, info.tp), st.busy_until, st.accepted))
                 self._alive_again(wid, st.ts)
         return self._assemble(entries, read_s)
 
@@ -239,10 +239,10 @@ class Cluster:
         else:
             target = next((p for p in view.prefill if p.worker_id == decision.target), None)
         if target is not None:
-            self._routed[(req.session_id, req.round)] = _Routed(
+            self._routed[(req.session_id, req.round)] = RoutedTask(
                 target.worker_id, now, self.cost.t_pre(target.tp, req.l_hist, req.l_incr))
 
-    def _not_yet_taken(self, entries: list[_Entry], now: float) -> dict[str, float]:
+    def _not_yet_taken(self, entries: list[StatsEntry], now: float) -> dict[str, float]:
         """worker id -> the compute of the tasks routed there that its statistics do not show yet."""
         accepted = {e.view.worker_id: e.accepted for e in entries}
         out: dict[str, float] = {}
@@ -253,7 +253,7 @@ class Cluster:
                 out[wid] = out.get(wid, 0.0) + s
         return out
 
-    def _assemble(self, entries: Iterable[_Entry], read_s: float) -> ClusterView:
+    def _assemble(self, entries: Iterable[StatsEntry], read_s: float) -> ClusterView:
         now = time.time()
         decode: dict[str, WorkerView] = {}
         prefill: list[WorkerView] = []
