@@ -163,17 +163,22 @@ class AdaptiveRouter:
         if req.decode_worker != decode.worker_id:
             _check_binding(req, decode)
         est: dict[str, float] = {}
-        n = len(prefills)
-        if n == 0:
+        if not prefills:
             return RouteDecision(decode.worker_id, True, NO_PREFILL_WORKERS, est)
+        base: dict[int, float] = {}  # prefill tp -> Eq. (2) less its queue term (rungs 1 and 3 share it)
+        return (self._prefill_slack(req, decode, prefills, est, base)
+                or self._decode_slack(req, decode, est)
+                or self._cost_model(req, decode, prefills, est, base))
 
-        # Rung 1: first prefill worker with TTFT slack, in a seeded random visiting order.
+    def _prefill_slack(self, req: PrefillTask, decode: WorkerView, prefills: Sequence[WorkerView],
+                       est: dict[str, float], base: dict[int, float]) -> RouteDecision | None:
+        """Rung 1: the first prefill worker with TTFT slack, in a seeded random visiting order."""
+        n = len(prefills)
         limit = self._ttft_limit
         queue_rule = self.slack == "queue"
         est["ttft_limit"] = limit
         rand = self._rng.random
         pos = list(range(n))
-        base: dict[int, float] = {}  # prefill tp -> Eq. (2) less its queue term (rungs 1 and 3 share it)
         for i in range(n):
             j = i + int(rand() * (n - i))
             if j != i:
@@ -197,25 +202,27 @@ class AdaptiveRouter:
                 est[keys[1]] = t
                 if t <= limit:
                     return RouteDecision(p.worker_id, False, PREFILL_SLACK, est)
+        return None
 
-        # Rung 2: the bound decode worker has ITL slack.
-        cost = self.cost
-        l_hist = req.l_hist
-        l_incr = req.l_incr
-        dtp = decode.tp
+    def _decode_slack(self, req: PrefillTask, decode: WorkerView, est: dict[str, float]) -> RouteDecision | None:
+        """Rung 2: the bound decode worker has ITL slack."""
         est["itl_limit"] = self._itl_limit
         w = decode.window_mean_s
         if w is not None:
             est["itl_window"] = w
         if w is None or w <= self._itl_limit:
-            if not queue_rule:
+            if self.slack != "queue":
                 return RouteDecision(decode.worker_id, True, DECODE_SLACK, est)
-            t_loc = t_local(cost, l_hist, l_incr, dtp, decode.queue_predicted_s)
+            t_loc = t_local(self.cost, req.l_hist, req.l_incr, decode.tp, decode.queue_predicted_s)
             est["t_local"] = t_loc
-            if t_loc <= limit:
+            if t_loc <= self._ttft_limit:
                 return RouteDecision(decode.worker_id, True, DECODE_SLACK, est)
+        return None
 
-        # Rung 3: cost model, Eq. (1) against Eq. (2) for every prefill worker.
+    def _cost_model(self, req: PrefillTask, decode: WorkerView, prefills: Sequence[WorkerView],
+                    est: dict[str, float], base: dict[int, float]) -> RouteDecision:
+        """Rung 3: the cost model, Eq. (1) against Eq. (2) for every prefill worker."""
+        cost, l_hist, l_incr, dtp = self.cost, req.l_hist, req.l_incr, decode.tp
         t_loc = t_local(cost, l_hist, l_incr, dtp, decode.queue_predicted_s)
         est["t_local"] = t_loc
         best_t = t_loc
