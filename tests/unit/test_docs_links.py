@@ -146,3 +146,19 @@ def test_every_make_target_named_in_the_docs_exists():
 ])
 def test_the_path_pattern(text, paths):
     assert [q for m in _PATH.finditer(text) for q in _expand(m.group(0))] == paths
+
+
+def test_every_module_the_docs_run_exists():
+    """`python -m MODULE` and `make bench BENCH=NAME` name modules of the repo."""
+    bad = []
+    for name, text in SOURCES[:len(DOCS)]:
+        for m in re.finditer(r"python3? -m ((?:ampd|services|benchmarks|tests)(?:\.\w+)*)", text):
+            path = m.group(1).replace(".", "/")
+            if path != path.lower():  # a placeholder: services.SERVICE
+                continue
+            if not ((ROOT / f"{path}.py").exists() or (ROOT / path / "__main__.py").exists()):
+                bad.append(f"{name}: python -m {m.group(1)}")
+        for m in re.finditer(r"BENCH=(\w+)", text):
+            if not (ROOT / "benchmarks" / f"{m.group(1)}.py").exists():
+                bad.append(f"{name}: BENCH={m.group(1)}")
+    assert not bad, "modules not in the repo:\n" + "\n".join(bad)
