@@ -1,4 +1,4 @@
-"""`ampd plan`: the planner on a profile and a trace (DESIGN section 8)."""
+"""`ampd plan`: the planner on a profile and a trace (docs/planner.md)."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""The session trace: data types and the JSON Lines file format (DESIGN.md section 5).
+"""The session trace: data types and the JSON Lines file format (docs/workload.md).
 
 One session per line::
 
