@@ -2,7 +2,8 @@
 same full token blocks hold the same device blocks.
 
 A block is named by a chained hash (``block_hashes``): block i's hash covers block i's tokens and
-block i-1's hash, so equal hashes mean equal whole prefixes, never merely equal blocks. Imported
+block i-1's hash, so equal hashes mean equal whole prefixes, never merely equal blocks (the function
+lives with the binding policy: the coordinator hashes a new session's prompt to match it). Imported
 traces name blocks by their own hash ids (Mooncake's ``hash_ids``); the index takes any int.
 
 Life of a session's prompt blocks::
@@ -21,30 +22,13 @@ released (``empty``).
 """
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Iterable, Protocol
 
+from ampd.policy.prefixbind import block_hashes
+
 __all__ = ["block_hashes", "BlockSource", "PrefixIndex", "Grant", "CopyOp"]
-
-_HASH = struct.Struct("<Q")
-
-
-def block_hashes(tokens: Sequence[int], block_tokens: int, seed: int = 0) -> list[int]:
-    """Chained 64-bit hashes of the full ``block_tokens``-token blocks of ``tokens`` (a partial last
-    block has none: it is never shared). ``seed`` names what else the KV depends on (the model)."""
-    if block_tokens <= 0:
-        raise ValueError(f"block_tokens must be > 0, got {block_tokens}")
-    out: list[int] = []
-    prev = seed & 0xFFFFFFFFFFFFFFFF
-    for start in range(0, len(tokens) - block_tokens + 1, block_tokens):
-        h = hashlib.blake2b(_HASH.pack(prev), digest_size=8)
-        h.update(struct.pack(f"<{block_tokens}I", *tokens[start:start + block_tokens]))
-        prev = int.from_bytes(h.digest(), "little")
-        out.append(prev)
-    return out
 
 
 class BlockSource(Protocol):

@@ -75,7 +75,7 @@ def resolve(h: Hints, cfg: HintConfig, *, enqueued_at: float, max_tokens: int,
             est_output_tokens: float | None, est_tool_s: float | None, tool_start: float) -> HintedValues:
     """Every hinted value of one round at once, each falling back to its windowed estimate."""
     kv = cfg.kv or KVTierConfig()
-    hint_tool = effective_tool_s(None, h.expected_tool_s, kv) if h.expected_tool_s is not None else None
+    hint_tool = effective_tool_s(None, h.expected_tool_s, kv)  # clamped like the decision's
     return HintedValues(shared_output_tokens(h.expected_output_tokens, est_output_tokens, max_tokens),
                         queue_enqueued_at(enqueued_at, h.priority, cfg),
                         effective_tool_s(est_tool_s, h.expected_tool_s, kv),

@@ -6,6 +6,7 @@ time is passed in.
 """
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -46,7 +47,7 @@ class ToolDurations:
     def observe(self, tool: str, now: float, duration_s: float) -> None:
         """A call to ``tool`` that took ``duration_s`` seconds ended at ``now``. Negative or
         non-finite durations (a clock step) are ignored."""
-        if not duration_s >= 0 or duration_s == float("inf"):
+        if not (math.isfinite(duration_s) and duration_s >= 0):
             return
         name = tool or REPLAY
         entry = self._tools.get(name)
