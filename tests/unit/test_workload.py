@@ -192,3 +192,15 @@ def test_trace_stats_hand_computed():
 def test_trace_stats_empty():
     st = trace_stats([])
     assert st["sessions"] == 0 and st["mean_rounds"] is None and st["arrival_rate_rps"] is None
+    assert st["first_round_hash_blocks"] == 0 and st["prefix_shared_frac"] is None
+
+
+def test_trace_stats_prefix_sharing_from_hash_ids():
+    ss = [Session("a", 0.0, (Round(1500, 10, 1.0, None, (1, 2, 3)), Round(600, 5, None, None, (1, 2, 3, 4, 5)))),
+          Session("b", 1.0, (Round(1100, 10, None, None, (1, 2, 9)),)),   # shares 1, 2
+          Session("c", 2.0, (Round(2600, 10, None, None, (1, 2, 3, 4, 5, 6)),)),  # 1..5 (5 from a's round 1)
+          Session("d", 3.0, (Round(900, 10, None, None, (7, 1)),)),       # 7 is new: nothing
+          Session("e", 4.0, (Round(100, 10),))]                           # no ids
+    st = trace_stats(ss)
+    assert st["first_round_hash_blocks"] == 3 + 3 + 6 + 2
+    assert st["prefix_shared_frac"] == (0 + 2 + 5 + 0) / 14
