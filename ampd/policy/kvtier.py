@@ -233,8 +233,8 @@ class Eviction:
     reason: str
 
 
-def plan_evictions(idle: Sequence[IdleKV], need: int, host_free: int, state: KVState = KVState.RESIDENT,
-                   ) -> tuple[list[Eviction], int]:
+def plan_evictions(idle: Sequence[IdleKV], need: int, host_free: int,
+                   state: KVState = KVState.RESIDENT) -> tuple[list[Eviction], int]:
     """Evictions that free ``need`` blocks of ``state`` (the device pool for RESIDENT, the host pool
     for HOST), in ``eviction_order``, and the blocks they free (< ``need`` when all idle KV of that
     state is not enough: the caller then waits or overcommits as without a tier). A device victim is
