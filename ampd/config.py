@@ -31,7 +31,7 @@ __all__ = [
     "DeploymentConfig", "PolicyConfig", "WorkerSettings", "CoordinatorSettings", "FrontendSettings", "ProcessConfig",
     "SimulatorSettings", "ProfilerSettings", "Config", "ConfigError", "SETTINGS", "SERVICE_SETTINGS", "UP_SETTINGS",
     "SIMULATE_SETTINGS", "PROFILE_SETTINGS", "PLACEMENT", "SECRET_SETTINGS", "flag_name", "env_name", "add_flags", "to_argv", "env_names", "pick",
-    "config_from_args", "check",
+    "config_from_args", "check", "inherit", "default_of",
 ]
 
 # ------------------------------------------------------------------------------------- defaults
@@ -296,6 +296,23 @@ def _index() -> dict[str, tuple[type, Field]]:
 SETTINGS: dict[str, tuple[type, Field]] = _index()
 
 
+def default_of(name: str) -> Any:
+    """Setting ``name``'s default, as declared above."""
+    return _default(SETTINGS[name][1])
+
+
+def inherit(name: str) -> Any:
+    """A field of a dataclass elsewhere (``ampd.runtime.WorkerConfig``, ``ampd.sim.SimConfig``) that holds
+    setting ``name``: its default is the one declared here, and its metadata names the setting (how
+    ``pick`` fills it from parsed flags, and how tests/unit/test_settings_one_home.py checks that no
+    setting's default is written twice)."""
+    f = SETTINGS[name][1]
+    meta = {"setting": name}
+    if f.default is MISSING:
+        return field(default_factory=f.default_factory, metadata=meta)
+    return field(default=f.default, metadata=meta)
+
+
 @dataclass(frozen=True)
 class Config:
     """Every group together (`ampd up` and tests use the whole; each service reads its part)."""
@@ -558,7 +575,7 @@ def pick(args: argparse.Namespace | Mapping[str, Any], cls: type) -> Any:
     get = args.get if isinstance(args, Mapping) else (lambda k, d=None: getattr(args, k, d))
     values = {}
     for f in fields(cls):
-        v = get(f.name, MISSING)
+        v = get(f.metadata.get("setting", f.name), MISSING)
         if v is not MISSING:
             values[f.name] = tuple(v) if isinstance(v, list) else v
     return cls(**values)
