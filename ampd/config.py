@@ -23,8 +23,11 @@ from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from typing import Any
 
 from ampd.policy.admit import ADMISSION_RULES
-from ampd.policy.route import ALPHA, BETA, THRESHOLD_TOKENS
+from ampd.policy.reorder import REORDER_WINDOW
+from ampd.policy.route import ALPHA, BETA, SLACK_RULES, THRESHOLD_TOKENS
 from ampd.policy.spec import POLICIES
+from ampd.window import STATS_WINDOW_S
+from ampd.worker.decode import KV_ADMISSION
 
 __all__ = [
     "DEFAULT_PROFILE", "ALPHA", "BETA", "THRESHOLD_TOKENS", "SLACK_CHOICES", "KV_ADMISSION",
@@ -37,9 +40,10 @@ __all__ = [
 # ------------------------------------------------------------------------------------- defaults
 DEFAULT_PROFILE = "qwen3-32b@h20"  # the shipped profile `ampd up` and the services use unless told
 # ALPHA, BETA (Algorithm 1's slack factors) and THRESHOLD_TOKENS live beside Algorithm 1 in
-# ampd.policy.route, which the pure cores may import; the flags below take their defaults from there.
-SLACK_CHOICES = ("", "window", "queue")  # "" = the policy's own rule (ampd.policy.route.SLACK_RULES)
-KV_ADMISSION = ("wait", "fail")
+# ampd.policy.route, REORDER_WINDOW beside Algorithm 2 (ampd.policy.reorder), STATS_WINDOW_S beside the
+# windowed mean (ampd.window) and KV_ADMISSION beside the decode core (ampd.worker.decode): the pure cores
+# may import those, not this module; the flags below take their defaults and choices from there.
+SLACK_CHOICES = ("", *SLACK_RULES)  # "" = the policy's own rule
 
 
 class ConfigError(ValueError):
@@ -124,7 +128,7 @@ class PolicyConfig:
                              "also checks the task's predicted TTFT; empty = the policy's own", choices=SLACK_CHOICES)
     ttft_slo: float = setting(2.0, "TTFT threshold, seconds", metavar="S", positive=True)
     itl_slo: float = setting(0.1, "mean ITL threshold, seconds", metavar="S", positive=True)
-    reorder_window: int = setting(3, "lookahead window w of the TTFT-aware queue (Algorithm 2)", metavar="W",
+    reorder_window: int = setting(REORDER_WINDOW, "lookahead window w of the TTFT-aware queue (Algorithm 2)", metavar="W",
                                   minimum=1)
     chunked_prefill: bool = setting(False, "decode workers split local prefills into chunks interleaved with "
                                            "decode steps (beyond the paper)")
@@ -150,7 +154,7 @@ class WorkerSettings:
     """How one worker runs (both kinds)."""
 
     tp: int = setting(1, "tensor-parallel degree of this worker", minimum=1)
-    stats_window: float = setting(10.0, "window of the workers' windowed TTFT/ITL means, seconds", metavar="S",
+    stats_window: float = setting(STATS_WINDOW_S, "window of the workers' windowed TTFT/ITL means, seconds", metavar="S",
                                   positive=True)
     heartbeat: float = setting(0.5, "longest gap between a worker's statistics publications, seconds",
                                metavar="S", positive=True)
