@@ -32,7 +32,7 @@ from ampd.worker.decode import KV_ADMISSION
 __all__ = [
     "DEFAULT_PROFILE", "ALPHA", "BETA", "THRESHOLD_TOKENS", "SLACK_CHOICES", "KV_ADMISSION",
     "DeploymentConfig", "PolicyConfig", "WorkerSettings", "CoordinatorSettings", "FrontendSettings", "ProcessConfig",
-    "SimulatorSettings", "ProfilerSettings", "Config", "ConfigError", "SETTINGS", "SERVICE_SETTINGS", "UP_SETTINGS",
+    "SimulatorSettings", "ProfilerSettings", "CommandSettings", "Config", "ConfigError", "SETTINGS", "SERVICE_SETTINGS", "UP_SETTINGS",
     "SIMULATE_SETTINGS", "PROFILE_SETTINGS", "PLACEMENT", "SECRET_SETTINGS", "flag_name", "env_name", "add_flags", "to_argv", "env_names", "pick",
     "config_from_args", "check", "inherit", "default_of",
 ]
@@ -274,6 +274,19 @@ class SimulatorSettings:
 
 
 @dataclass(frozen=True)
+class CommandSettings:
+    """What one run of a command reads besides the deployment (`ampd up --plan`, `ampd simulate`)."""
+
+    trace: str = setting("", "session trace (JSON Lines): the workload `ampd simulate` replays, or with "
+                             "`ampd up --plan` the one to plan for", metavar="F")
+    json: str = setting("", "write the JSON report here ('-' for stdout)", metavar="OUT")
+    plan: bool = setting(False, "deploy what the planner chooses for --trace (docs/planner.md) instead of "
+                                "--prefill/--decode; prints the chosen split")
+    gpus: int | None = setting(None, "with --plan: GPUs to plan for (default: as many as --prefill and --decode "
+                                     "hold)", metavar="N")
+
+
+@dataclass(frozen=True)
 class ProfilerSettings:
     """What `ampd profile` accepts (docs/planner.md, "The profiler")."""
 
@@ -284,7 +297,7 @@ class ProfilerSettings:
 
 
 GROUPS = (DeploymentConfig, PolicyConfig, WorkerSettings, CoordinatorSettings, FrontendSettings, ProcessConfig,
-          SimulatorSettings, ProfilerSettings)
+          SimulatorSettings, ProfilerSettings, CommandSettings)
 
 
 def _index() -> dict[str, tuple[type, Field]]:
@@ -411,11 +424,11 @@ UP_SETTINGS: tuple[str, ...] = (
     *(f.name for f in fields(WorkerSettings) if f.name != "tp"),
     *(f.name for f in fields(CoordinatorSettings)),
     *(f.name for f in fields(FrontendSettings) if f.name != "coordinator_address"), "auth_token", "internal_token",
-    "otlp_endpoint",
+    "otlp_endpoint", "plan", "trace", "gpus",
 )
 # `ampd simulate`: the deployment shape, the policy and what the simulator models.
 SIMULATE_SETTINGS: tuple[str, ...] = (
-    "prefill", "decode", "profile", *(f.name for f in fields(PolicyConfig)), "stats_window",
+    "trace", "json", "prefill", "decode", "profile", *(f.name for f in fields(PolicyConfig)), "stats_window",
     "admission", "admission_wait", "admission_queue", "block_tokens",
     *(f.name for f in fields(SimulatorSettings)),
 )
@@ -446,7 +459,7 @@ def env_names(service: str) -> tuple[str, ...]:
 
 def _kind(f: Field) -> type:
     t = f.type if isinstance(f.type, type) else {"str": str, "int": int, "float": float, "bool": bool}.get(
-        str(f.type))
+        str(f.type).removesuffix(" | None"))
     if t is None:
         return tuple  # tuple[str, ...]
     return t
@@ -551,7 +564,7 @@ def add_flags(parser: argparse.ArgumentParser, names: Iterable[str], *, env: boo
         else:
             kw["default"] = default
             if kind is not bool:
-                kw["help"] += " (default: %(default)s)" if default not in ("", ()) else ""
+                kw["help"] += " (default: %(default)s)" if default not in ("", (), None) else ""
         if kind is bool:
             if "default" in kw:
                 kw["help"] += f" (default: {'on' if kw['default'] else 'off'})"

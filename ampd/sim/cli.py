@@ -16,9 +16,7 @@ def register(subparsers) -> None:
                     "Prints the report of `ampd bench` (same keys, same code). A co-located policy "
                     "(colocated, continuum) runs no prefill workers: the --prefill GPUs become "
                     "co-located workers, as in `ampd up`.")
-    p.add_argument("--trace", required=True, metavar="F", help="session trace (JSON Lines)")
-    p.add_argument("--json", metavar="OUT", help="write the JSON report here ('-' for stdout)")
-    add_flags(p, SIMULATE_SETTINGS, required=("profile", "decode", "policy", "ttft_slo", "itl_slo"))
+    add_flags(p, SIMULATE_SETTINGS, required=("trace", "profile", "decode", "policy", "ttft_slo", "itl_slo"))
     p.set_defaults(func=run)
 
 
