@@ -275,15 +275,16 @@ class SimulatorSettings:
 
 @dataclass(frozen=True)
 class CommandSettings:
-    """What one run of a command reads besides the deployment (`ampd up --plan`, `ampd simulate`)."""
+    """What one run of a command reads and writes besides the deployment (`ampd up --plan`, `ampd simulate`,
+    `ampd plan`, `ampd bench`)."""
 
-    trace: str = setting("", "session trace (JSON Lines): the workload `ampd simulate` replays, or with "
-                             "`ampd up --plan` the one to plan for", metavar="F")
+    trace: str = setting("", "session trace (JSON Lines): the workload replayed (`ampd simulate`, `ampd bench`) "
+                             "or planned for (`ampd plan`, `ampd up --plan`)", metavar="F")
     json: str = setting("", "write the JSON report here ('-' for stdout)", metavar="OUT")
     plan: bool = setting(False, "deploy what the planner chooses for --trace (docs/planner.md) instead of "
                                 "--prefill/--decode; prints the chosen split")
-    gpus: int | None = setting(None, "with --plan: GPUs to plan for (default: as many as --prefill and --decode "
-                                     "hold)", metavar="N")
+    gpus: int | None = setting(None, "GPUs to plan for (`ampd up --plan`: by default as many as --prefill and "
+                                     "--decode hold)", metavar="N")
 
 
 @dataclass(frozen=True)

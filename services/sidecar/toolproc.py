@@ -49,10 +49,14 @@ def answer(registry: ToolRegistry, request: dict, loop: asyncio.AbstractEventLoo
     return {"result_tokens": out.result_tokens, "content": out.content}
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ampd-toolproc")
     add_flags(parser, ARGV_SETTINGS, required=("tool_cpu_s", "tool_memory_mb"))
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     # The protocol keeps stdout's pipe; a tool's own prints go to stderr (the sidecar's log).
     replies = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)
