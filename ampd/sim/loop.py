@@ -19,7 +19,7 @@ import time as _time
 from typing import Sequence
 
 from ampd.policy import SLO, PrefillTask, WorkerView, in_worker_order, make_queue, make_router, policy_spec
-from ampd.policy.admit import AdmissionBook
+from ampd.policy.admit import HEAD_POLL_S, AdmissionBook
 from ampd.worker import (ADMITTED, FAILED, IDLE, STEPPING, DecodeCore, DecodeRun, DecodeSession, PrefillCore)
 
 from .config import PathLatency, SimConfig
@@ -46,8 +46,8 @@ _ADMIT_CHECK = 10  # a session waiting for admission is judged again (its wait o
 _new_round = tuple.__new__
 
 # How often the head of the admission queue looks again without a release (the coordinator's
-# poll, services/coordinator/admission.py); only the slo rule's verdict can change meanwhile.
-_HEAD_POLL_S = 0.5
+# poll); only the slo rule's verdict can change meanwhile.
+_HEAD_POLL_S = HEAD_POLL_S
 
 
 class _Decode(DecodeCore):
