@@ -34,7 +34,7 @@ __all__ = [
     "DeploymentConfig", "PolicyConfig", "WorkerSettings", "CoordinatorSettings", "FrontendSettings", "ProcessConfig",
     "SimulatorSettings", "ProfilerSettings", "CommandSettings", "Config", "ConfigError", "SETTINGS", "SERVICE_SETTINGS", "UP_SETTINGS",
     "SIMULATE_SETTINGS", "PROFILE_SETTINGS", "PLACEMENT", "SECRET_SETTINGS", "flag_name", "env_name", "add_flags", "to_argv", "env_names", "pick",
-    "config_from_args", "check", "inherit", "default_of",
+    "config_from_args", "check", "inherit", "inherited", "default_of",
 ]
 
 # ------------------------------------------------------------------------------------- defaults
@@ -593,10 +593,23 @@ def pick(args: argparse.Namespace | Mapping[str, Any], cls: type) -> Any:
     get = args.get if isinstance(args, Mapping) else (lambda k, d=None: getattr(args, k, d))
     values = {}
     for f in fields(cls):
-        v = get(f.metadata.get("setting", f.name), MISSING)
+        v = get(f.name, MISSING)
         if v is not MISSING:
             values[f.name] = tuple(v) if isinstance(v, list) else v
     return cls(**values)
+
+
+def inherited(args: argparse.Namespace | Mapping[str, Any], cls: type) -> dict[str, Any]:
+    """The values of ``cls``'s ``inherit`` fields from parsed flags, by field name (a setting absent
+    from ``args`` is left out: the field keeps its default)."""
+    get = args.get if isinstance(args, Mapping) else (lambda k, d=None: getattr(args, k, d))
+    values = {}
+    for f in fields(cls):
+        name = f.metadata.get("setting")
+        v = MISSING if name is None else get(name, MISSING)
+        if v is not MISSING:
+            values[f.name] = tuple(v) if isinstance(v, list) else v
+    return values
 
 
 def config_from_args(args: argparse.Namespace | Mapping[str, Any]) -> Config:

@@ -7,12 +7,12 @@ import collections
 import contextlib
 import os
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 import structlog
 
-from ampd.config import SERVICE_SETTINGS, ConfigError, add_flags, inherit, require
+from ampd.config import SERVICE_SETTINGS, ConfigError, add_flags, inherit, inherited, require
 from ampd.deployment import check_names
 from ampd.engine.base import Sampling
 from ampd.kv import KVPool, PoolLayout
@@ -358,8 +358,7 @@ def worker_config(args, kind: str, port: int) -> WorkerConfig:
         raise ConfigError("--worker-id: required")
     require(args, "redis_url")
     check_names(args)
-    values = {f.name: getattr(args, f.metadata["setting"]) for f in fields(WorkerConfig)
-              if "setting" in f.metadata and hasattr(args, f.metadata["setting"])}
+    values = inherited(args, WorkerConfig)
     values["advertise"] = args.advertise or f"{args.host}:{port}"
     return WorkerConfig(kind=kind, port=port, **values)
 

@@ -5,7 +5,7 @@ import json
 import os
 
 from ampd.cli import CliError
-from ampd.config import SIMULATE_SETTINGS, add_flags
+from ampd.config import SIMULATE_SETTINGS, add_flags, inherited
 
 
 def register(subparsers) -> None:
@@ -56,14 +56,9 @@ def run(args) -> int:
         raise CliError(f"{args.trace}: the trace has no sessions")
     router = {"slack": args.slack or None, "alpha": args.alpha, "beta": args.beta,
               "threshold_tokens": args.threshold_tokens}
-    cfg = SimConfig(profile=profile, policy=args.policy, prefill=shape.prefill, decode=shape.decode,
-                      ttft_slo_s=args.ttft_slo, itl_slo_s=args.itl_slo, seed=args.seed,
-                      window_s=args.stats_window, kv_contention=args.kv_contention,
-                      reorder_window=args.reorder_window, chunked_prefill=args.chunked_prefill,
-                      kv_overlap=args.kv_overlap, kv_admission=args.kv_admission,
-                      kv_evict=args.kv_evict, admission=args.admission, admission_wait=args.admission_wait,
-                      admission_queue=args.admission_queue, block_tokens=args.block_tokens,
-                      router_options=router, path=path)
+    settings = {**inherited(args, SimConfig), "decode": shape.decode}  # the SPECs resolved
+    cfg = SimConfig(profile=profile, policy=args.policy, prefill=shape.prefill, router_options=router, path=path,
+                    **settings)
     try:
         sim = Simulator(cfg)
         res = sim.run(sessions)
