@@ -429,12 +429,6 @@ def register(sub) -> None:
                                    "policy (colocated, continuum) runs no prefill workers: the --prefill GPUs "
                                    "become co-located workers, as in `ampd simulate`.")
     add_flags(p, UP_SETTINGS)
-    p.add_argument("--plan", action="store_true",
-                   help="deploy what the planner chooses for --trace (docs/planner.md) instead of --prefill/--decode; "
-                        "prints the chosen split")
-    p.add_argument("--trace", metavar="F", help="with --plan: the workload to plan for (a session trace, JSON Lines)")
-    p.add_argument("--gpus", type=int, metavar="N",
-                   help="with --plan: GPUs to plan for (default: as many as --prefill and --decode hold)")
     p.set_defaults(func=cmd_up)
     d = sub.add_parser("demo", help="launch a deployment, replay a short trace, print the SLO report")
     d.add_argument("--preset", default="toolbench", help="workload preset of the demo trace")

@@ -7,13 +7,17 @@ from __future__ import annotations
 import math
 from collections import deque
 
+# The default window of the workers' windowed TTFT/ITL means, seconds: ampd.config's `stats_window`
+# (--stats-window) takes it from here, and so do the cores built without one.
+STATS_WINDOW_S = 10.0
+
 
 class WindowedMean:
     """Mean of the samples added in the last `window_s` seconds; None when there are none."""
 
     __slots__ = ("window_s", "_samples", "_sum", "_count")
 
-    def __init__(self, window_s: float = 10.0) -> None:
+    def __init__(self, window_s: float = STATS_WINDOW_S) -> None:
         if window_s <= 0:
             raise ValueError(f"window_s must be > 0, got {window_s}")
         self.window_s = window_s

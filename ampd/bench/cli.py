@@ -64,7 +64,7 @@ def register(sub) -> None:
                         "coordinator is lost goes on through another) or the front's URL (openai)")
     p.add_argument("--model", default="", help="--api openai: the model to ask for (default: the front's first)")
     p.add_argument("--api-key", default="", help="--api openai: the front's key (its --auth-token), if it has one")
-    p.add_argument("--trace", required=True, help="trace file (JSON Lines)")
+    add_flags(p, ("trace",), required=("trace",))
     add_flags(p, ("ttft_slo", "itl_slo"), required=("ttft_slo", "itl_slo"))
     p.add_argument("--json", default="", help="write the report (docs/report.md keys) here")
     p.add_argument("--verify-tokens", action="store_true",

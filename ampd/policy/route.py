@@ -12,6 +12,8 @@ import random
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
+from ampd.window import STATS_WINDOW_S
+
 from .cost import remote_prefill_s, t_local
 from .order import before
 from .types import SLO, CostModel, PrefillTask, RouteDecision, WorkerView
@@ -61,7 +63,7 @@ THRESHOLD_TOKENS = 1000  # the threshold baseline's limit (Dynamo's default)
 # The margin router spreads a local prefill's decode stall over this many seconds of decoding when it
 # predicts the decode worker's ITL: the span of the ITL window it compares against (the default
 # stats window, ampd.config `stats_window`).
-MARGIN_HORIZON_S = 10.0
+MARGIN_HORIZON_S = STATS_WINDOW_S
 
 
 @runtime_checkable

@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
+from ampd.config import ProfilerSettings, WorkerSettings
 from ampd.perf.fit import fit_decode, fit_kv, fit_prefill
 from ampd.perf.profile import LINK_RULES, KVTransfer, Profile, TPModel
 from ampd.profiler.checks import HeldOut, error_problems, geo_midpoints, held_out, plan_points, shape_problems
@@ -570,7 +571,8 @@ def merge_runs(runs: list[ProfileRun], max_error: float | None = None) -> Profil
 
 def profile_engine(engine: str, *, profile: str | None = None, tps: tuple[int, ...] | None = None,
                    grid: Grid | str = "full", reps: int | None = None, name: str | None = None,
-                   model: str = "", block_tokens: int = 32, kv_pool_mb: int = 256, max_error: float = 0.15,
+                   model: str = "", block_tokens: int = WorkerSettings.block_tokens,
+                   kv_pool_mb: int = WorkerSettings.kv_pool_mb, max_error: float = ProfilerSettings.max_held_out_error,
                    progress: Callable[[int, int], None] | None = None) -> ProfileRun:
     """Profile ``engine`` and fit a :class:`Profile`; ``grid`` is a Grid or a size name of ``GRIDS``.
     ValueError names the bad option (``engine``, ``profile``, ``tp``, ``model``, ``grid``). The run's

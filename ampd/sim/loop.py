@@ -19,7 +19,7 @@ import time as _time
 from typing import Sequence
 
 from ampd.policy import SLO, PrefillTask, WorkerView, in_worker_order, make_queue, make_router, policy_spec
-from ampd.policy.admit import AdmissionBook
+from ampd.policy.admit import HEAD_POLL_S, AdmissionBook
 from ampd.worker import (ADMITTED, FAILED, IDLE, STEPPING, DecodeCore, DecodeRun, DecodeSession, PrefillCore)
 
 from .config import PathLatency, SimConfig
@@ -46,8 +46,8 @@ _ADMIT_CHECK = 10  # a session waiting for admission is judged again (its wait o
 _new_round = tuple.__new__
 
 # How often the head of the admission queue looks again without a release (the coordinator's
-# poll, services/coordinator/admission.py); only the slo rule's verdict can change meanwhile.
-_HEAD_POLL_S = 0.5
+# poll); only the slo rule's verdict can change meanwhile.
+_HEAD_POLL_S = HEAD_POLL_S
 
 
 class _Decode(DecodeCore):
@@ -670,10 +670,12 @@ class _Run:
                          [d.worker_id for d in decodes])
 
 
-def simulate(sessions, profile, *, policy: str, prefill="none", decode="tp1*1",
-             ttft_slo_s: float = 1.0, itl_slo_s: float = 0.1, seed: int = 0, window_s: float = 10.0,
-             kv_contention: bool = False, reorder_window: int = 3, chunked_prefill: bool = False,
-             kv_admission: str = "wait", kv_evict: bool = False, kv_overlap: bool = True,
+def simulate(sessions, profile, *, policy: str, prefill="none", decode=SimConfig.decode,
+             ttft_slo_s: float = SimConfig.ttft_slo_s, itl_slo_s: float = SimConfig.itl_slo_s,
+             seed: int = SimConfig.seed, window_s: float = SimConfig.window_s,
+             kv_contention: bool = SimConfig.kv_contention, reorder_window: int = SimConfig.reorder_window,
+             chunked_prefill: bool = SimConfig.chunked_prefill, kv_admission: str = SimConfig.kv_admission,
+             kv_evict: bool = SimConfig.kv_evict, kv_overlap: bool = SimConfig.kv_overlap,
              path: PathLatency | None = None, admission: str = SimConfig.admission,
              admission_wait: float = SimConfig.admission_wait, admission_queue: int = SimConfig.admission_queue,
              block_tokens: int = SimConfig.block_tokens, **router_options) -> SimResult:

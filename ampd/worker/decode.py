@@ -65,7 +65,7 @@ from dataclasses import dataclass
 
 from ampd.policy.reorder import PrefillQueue
 from ampd.policy.types import CostModel, PrefillTask, WorkerView
-from ampd.window import CachedWindowMean, WindowedMean
+from ampd.window import STATS_WINDOW_S, CachedWindowMean, WindowedMean
 
 __all__ = ["DecodeCore", "DecodeSession", "LocalPrefill", "DecodeRun", "steps_done", "affine_ctx_coef",
            "IDLE", "STEPPING", "PREFILLING", "ADMITTED", "WAITING", "FAILED", "KV_ADMISSION", "KV_EXHAUSTED"]
@@ -189,7 +189,7 @@ class DecodeCore(CachedWindowMean):
                  "wadds", "m_adds", "m_t0", "m_mean", "vq_ver", "vq", "vpred", "view_", "v_mean", "v_free")
 
     def __init__(self, worker_id: str, tp: int, cost: CostModel, queue: PrefillQueue, *,
-                 kv_capacity_tokens: int, window_s: float = 10.0, chunk_tokens: int = 0,
+                 kv_capacity_tokens: int, window_s: float = STATS_WINDOW_S, chunk_tokens: int = 0,
                  kv_admission: str = "wait", kv_evict: bool = False):
         if kv_admission not in KV_ADMISSION:
             raise ValueError(f"kv_admission must be one of {', '.join(KV_ADMISSION)}, got {kv_admission!r}")

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from ampd.policy.cost import remote_parts
 from ampd.policy.reorder import PrefillQueue
 from ampd.policy.types import CostModel, PrefillTask, WorkerView
-from ampd.window import CachedWindowMean, WindowedMean
+from ampd.window import STATS_WINDOW_S, CachedWindowMean, WindowedMean
 
 __all__ = ["PrefillCore", "PrefillWork", "KvRead"]
 
@@ -80,7 +80,7 @@ class PrefillCore(CachedWindowMean):
                  "wadds", "m_adds", "m_t0", "m_mean", "vq_ver", "vq", "vpred", "view_", "v_mean")
 
     def __init__(self, worker_id: str, tp: int, cost: CostModel, queue: PrefillQueue, *,
-                 window_s: float = 10.0, kv_overlap: bool = True, kv_capacity_tokens: int = 0):
+                 window_s: float = STATS_WINDOW_S, kv_overlap: bool = True, kv_capacity_tokens: int = 0):
         self.worker_id = worker_id
         self.tp = tp
         self.cost = cost

@@ -19,7 +19,7 @@ from ampd.policy import SLO, make_queue, policy_spec
 from ampd.state import StateStore, connect
 from ampd.v1 import common_pb2, decode_pb2, decode_pb2_grpc, sidecar_pb2_grpc
 from ampd.grpcserver import write_ready_file
-from ampd.runtime import WorkerRuntime, add_worker_args, config_from_args, pool_for
+from ampd.runtime import WorkerRuntime, add_worker_args, pool_for, worker_config
 from ampd.trust import attach_token, token_matches
 from ampd.worker import DecodeCore
 from ampd.validate import InvalidArgument, validate_attach, validate_reason, validate_turn
@@ -212,7 +212,7 @@ async def amain(args: argparse.Namespace) -> None:
         lambda s: decode_pb2_grpc.add_DecodeWorkerServicer_to_server(service, s),
         [decode_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name],
     )
-    cfg = config_from_args(args, "decode", port)
+    cfg = worker_config(args, "decode", port)
     store = StateStore(await connect(cfg.redis_url), cfg.namespace)
     queue = make_queue(spec.decode_queue, profile, SLO(cfg.ttft_slo_s, cfg.itl_slo_s), cfg.tp,
                        window=cfg.reorder_window)
@@ -250,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     try:
         args = build_parser().parse_args(argv)
-        config_from_args(args, "decode", args.port)  # bad settings fail before a port is bound
+        worker_config(args, "decode", args.port)  # bad settings fail before a port is bound
         use_threads(args.worker_threads)
         check_available(args.engine, args.model)
         tracing.setup("decode", args.otlp_endpoint, instance=args.worker_id)

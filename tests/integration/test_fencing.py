@@ -159,7 +159,7 @@ def test_a_remote_prefill_that_never_reports_runs_on_the_decode_worker(redis_url
     from ampd.engine import make_engine
     from ampd.perf import load_profile
     from ampd.policy import SLO, make_queue, policy_spec
-    from ampd.runtime import WorkerRuntime, config_from_args, pool_for
+    from ampd.runtime import WorkerRuntime, pool_for, worker_config
     from ampd.v1 import common_pb2, decode_pb2
     from ampd.worker import DecodeCore
     from services.decode.server import build_parser
@@ -168,7 +168,7 @@ def test_a_remote_prefill_that_never_reports_runs_on_the_decode_worker(redis_url
     async def go():
         args = build_parser().parse_args(["--worker-id", "d-overdue", "--redis-url", redis_url, "--namespace",
                                           "overdue", "--fence-after", "0.25", "--engine", "mock"])
-        cfg = config_from_args(args, "decode", 1)
+        cfg = worker_config(args, "decode", 1)
         profile = load_profile(cfg.profile)
         queue = make_queue(policy_spec(cfg.policy).decode_queue, profile, SLO(cfg.ttft_slo_s, cfg.itl_slo_s), 1)
         engine = make_engine("mock", profile, 1, "")
