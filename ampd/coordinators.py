@@ -22,6 +22,7 @@ import time
 import grpc
 
 from ampd import grpcserver
+from ampd.tasks import BackgroundTasks
 from ampd.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 __all__ = ["Coordinators", "parse_addresses"]
@@ -54,6 +55,7 @@ class Coordinators:
         self._down: dict[int, float] = {}  # coordinator index -> until when it gets no new session
         self.failovers = 0  # sessions that went on through another coordinator
         self.restarts = 0  # sessions opened again from their start after events had come
+        self.tasks = BackgroundTasks()  # its sessions' request readers and header watches
 
     async def check(self, timeout_s: float = 10.0) -> common_pb2.MetricsReply:
         """Every coordinator answers (its Metrics), or ConnectionError naming the first that does not."""
@@ -95,6 +97,7 @@ class Coordinators:
         return [self.stubs[(start + i) % n] for i in range(n)]
 
     async def close(self) -> None:
+        await self.tasks.close()
         for ch in self.channels:
             await ch.close()
 
@@ -166,7 +169,7 @@ class FailoverSession:
         timeout = None if self._deadline is None else max(0.1, self._deadline - time.monotonic())
         self._call = self.coords.stubs[self._index % len(self.coords.stubs)].Session(
             self._messages(queue), timeout=timeout, metadata=self._metadata)
-        self._header = asyncio.ensure_future(self._note_token(self._call))
+        self._header = self.coords.tasks.spawn(self._note_token(self._call))
 
     async def _note_token(self, call) -> None:
         """The reattach token from the session's headers (sent once it is bound, before any event)."""
@@ -183,7 +186,7 @@ class FailoverSession:
 
     async def _events(self):
         self._queue = asyncio.Queue()
-        self._reader = asyncio.create_task(self._read_requests())
+        self._reader = self.coords.tasks.spawn(self._read_requests())
         self._open_call(self._queue)
         tries = 0
         try:

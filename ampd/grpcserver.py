@@ -189,6 +189,7 @@ async def serve_until_signal(
         await on_stop()
     await server.stop(grace_s)
     stopper.cancel()
+    await asyncio.gather(waiter, stopper, return_exceptions=True)
     tracing.shutdown()  # the spans still batched go before the process ends (bounded: tracing.EXPORT_TIMEOUT_S)
 
 
@@ -364,6 +365,7 @@ class CallStream:
         self._outbox: asyncio.Queue | None = None
         self._pending: dict[int, asyncio.Future] = {}
         self._next_id = 0
+        self._reader: asyncio.Task | None = None  # reads the current stream's replies
 
     async def call(self, request, timeout_s: float = RPC_TIMEOUT_S) -> None:
         await self.send(request, timeout_s)
@@ -404,7 +406,12 @@ class CallStream:
 
         call = self._open(requests())
         self._call, self._outbox = call, outbox
-        asyncio.get_running_loop().create_task(self._read(call))
+        self._reader = asyncio.get_running_loop().create_task(self._read(call))
+
+    async def wait_closed(self) -> None:
+        """After ``close()``: until its reader has failed the calls still in flight and ended."""
+        if self._reader is not None:
+            await asyncio.gather(self._reader, return_exceptions=True)
 
     async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
         err = _rpc_error(grpc.StatusCode.UNAVAILABLE, "call stream ended")

@@ -1,11 +1,10 @@
 """Channels, stubs and call streams to AMPD's workers, kept per worker address."""
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 
 from ampd import grpcserver
+from ampd.tasks import BackgroundTasks
 from ampd.v1 import decode_pb2_grpc, prefill_pb2_grpc
 
 __all__ = ["Stubs"]
@@ -50,6 +49,7 @@ class Stubs:
         self._prefill: dict[str, prefill_pb2_grpc.PrefillWorkerStub] = {}
         self._control: dict[str, grpcserver.CallStream] = {}
         self._submit: dict[str, grpcserver.CallStream] = {}
+        self._closing = BackgroundTasks()  # the channels (and their call streams) being closed
 
     def _channel(self, address: str, incarnation: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
@@ -79,11 +79,22 @@ class Stubs:
         ch = self._channels.pop(address)
         self._decode.pop(address, None)
         self._prefill.pop(address, None)
-        for streams in (self._control, self._submit):
-            stream = streams.pop(address, None)
-            if stream is not None:
-                stream.close()
-        asyncio.get_running_loop().create_task(ch.close())
+        streams = [s for s in (self._control.pop(address, None), self._submit.pop(address, None)) if s is not None]
+        for stream in streams:
+            stream.close()
+        self._closing.spawn(self._close(ch, streams))
+
+    @staticmethod
+    async def _close(ch: grpc.aio.Channel, streams: list[grpcserver.CallStream]) -> None:
+        await ch.close()
+        for stream in streams:
+            await stream.wait_closed()
+
+    async def close(self) -> None:
+        """Closes every channel and call stream (at shutdown) and awaits them."""
+        for address in list(self._channels):
+            self._forget(address)
+        await self._closing.close(cancel=False)
 
     def control(self, address: str, incarnation: str = "") -> grpcserver.CallStream:
         """DecodeWorker.Control of the worker at `address`: send decode_pb2.ControlRequest."""

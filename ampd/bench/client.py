@@ -62,6 +62,49 @@ class ReplayStats:
     restarts: dict[str, int] = field(default_factory=dict)  # session id -> times it was opened again
 
 
+def _first_token_positions(s: Session) -> dict[int, int]:
+    """The expected position of each round's first token: all earlier inputs and outputs, plus this input."""
+    expect_pos, pos = {}, 0
+    for i, r in enumerate(s.rounds):
+        pos += r.input
+        expect_pos[i] = pos
+        pos += r.output
+    return expect_pos
+
+
+def _on_tokens(t: common_pb2.Tokens, s: Session, stats: ReplayStats, tokens: dict[int, list[float]],
+               sent_at: dict[int, float], expect_pos: dict[int, int] | None) -> None:
+    """A Tokens event: its times noted, its round's client latency at its first; with ``expect_pos``,
+    each token checked against the one the mock engine makes at its position."""
+    if t.round not in tokens:
+        tokens[t.round] = []
+        if t.round in sent_at:
+            stats.client_latency.append(time.time() - sent_at[t.round])
+    tokens[t.round].extend(t.times)
+    stats.tokens += len(t.token_ids)
+    if expect_pos is not None:
+        start = expect_pos.get(t.round, -1) + len(tokens[t.round]) - len(t.token_ids)
+        for i, tok in enumerate(t.token_ids):
+            if t.position + i != start + i or tok != token_at(s.id, t.position + i):
+                stats.token_mismatches += 1
+
+
+def _round_records(sid: str, timings: dict[int, common_pb2.RoundTiming], tokens: dict[int, list[float]],
+                   arrival: float) -> list[RoundRecord]:
+    """A record of each round seen: its server timing where it came, else what the client saw."""
+    rounds = []
+    for rnd in sorted(set(timings) | set(tokens)):
+        t = timings.get(rnd)
+        times = tuple(tokens.get(rnd, ()))
+        rounds.append(RoundRecord(
+            session_id=sid, round=rnd,
+            input_ready=t.input_ready if t else (arrival if rnd == 0 else times[0] if times else arrival),
+            first_token=(t.first_token if t else (times[0] if times else None)),
+            token_times=times, local=(t.local if t else None),
+            l_hist=t.l_hist if t else 0, l_incr=t.l_incr if t else 0))
+    return rounds
+
+
 async def run_session(coordinator, s: Session, stats: ReplayStats, *, verify_tokens: bool = False,
                       client_tools: bool = False, timeout_s: float = 600.0) -> SessionRecord:
     """Runs one session to its end and returns what happened to it."""
@@ -81,12 +124,7 @@ async def run_session(coordinator, s: Session, stats: ReplayStats, *, verify_tok
     arrival = time.time()
     stats.started_at[s.id] = arrival
     completed, error = False, ""
-    # Expected position of each round's first token: all earlier inputs and outputs, plus this input.
-    expect_pos, pos = {}, 0
-    for i, r in enumerate(s.rounds):
-        pos += r.input
-        expect_pos[i] = pos
-        pos += r.output
+    expect_pos = _first_token_positions(s)
     call = coordinator.Session(requests(), timeout=timeout_s)
     try:
         async for ev in call:
@@ -94,18 +132,7 @@ async def run_session(coordinator, s: Session, stats: ReplayStats, *, verify_tok
                 stats.bound_to[s.id] = ev.decode_worker
             kind = ev.WhichOneof("event")
             if kind == "tokens":
-                t = ev.tokens
-                if t.round not in tokens:
-                    tokens[t.round] = []
-                    if t.round in sent_at:
-                        stats.client_latency.append(time.time() - sent_at[t.round])
-                tokens[t.round].extend(t.times)
-                stats.tokens += len(t.token_ids)
-                if verify_tokens:
-                    start = expect_pos.get(t.round, -1) + len(tokens[t.round]) - len(t.token_ids)
-                    for i, tok in enumerate(t.token_ids):
-                        if t.position + i != start + i or tok != token_at(s.id, t.position + i):
-                            stats.token_mismatches += 1
+                _on_tokens(ev.tokens, s, stats, tokens, sent_at, expect_pos if verify_tokens else None)
             elif kind == "round_end":
                 timings[ev.round_end.timing.round] = ev.round_end.timing
             elif kind == "tool_call" and ev.tool_call.client_side:
@@ -132,16 +159,7 @@ async def run_session(coordinator, s: Session, stats: ReplayStats, *, verify_tok
         stats.restarts[s.id] = getattr(call, "restarts", 0)
         await outbox.put(None)
         call.cancel()
-    rounds = []
-    for rnd in sorted(set(timings) | set(tokens)):
-        t = timings.get(rnd)
-        times = tuple(tokens.get(rnd, ()))
-        rounds.append(RoundRecord(
-            session_id=s.id, round=rnd,
-            input_ready=t.input_ready if t else (arrival if rnd == 0 else times[0] if times else arrival),
-            first_token=(t.first_token if t else (times[0] if times else None)),
-            token_times=times, local=(t.local if t else None),
-            l_hist=t.l_hist if t else 0, l_incr=t.l_incr if t else 0))
+    rounds = _round_records(s.id, timings, tokens, arrival)
     if completed and (len(rounds) != len(s.rounds)):
         completed, error = False, f"expected {len(s.rounds)} rounds, got {len(rounds)}"
     arrival_server = rounds[0].input_ready if rounds else arrival

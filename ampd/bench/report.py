@@ -225,73 +225,95 @@ def build_report(policy: str, sessions: Sequence[SessionRecord], slo: SLO, durat
     failed; ``e2e_s`` (last token of the last round minus arrival) only from completed sessions.
     ``slo_attainment`` and ``goodput_rps`` count attaining sessions over all sessions and over
     ``duration_s`` respectively."""
-    import numpy as np  # imported here: a planner run does not pay for it
-
     if not (isinstance(duration_s, (int, float)) and math.isfinite(duration_s) and duration_s > 0):
         raise ValueError(f"duration_s must be a finite number > 0, got {duration_s!r}")
-    n = len(sessions)
-    completed = sum(1 for s in sessions if s.completed)
-    ttft_all: list[float] = []
-    ttft_init: list[float] = []
-    ttft_incr: list[float] = []
-    itl_parts: list[np.ndarray] = []
-    compact_vals: list[float] = []
-    compact_wts: list[int] = []
-    want_gaps = itl_samples is None
-    e2e: list[float] = []
-    attained = ttft_ok = itl_ok = 0
-    local = remote = 0
-    rounds_total = rounds_done = 0
-    tokens = 0
-    errors: Counter[str] = Counter()
+    t = _Tally(want_gaps=itl_samples is None)
     for s in sessions:
-        v = judge_session(s, slo)
-        attained += v.attained
-        ttft_ok += v.ttft_ok
-        itl_ok += v.itl_ok
-        if not s.completed:
-            errors[s.error or "incomplete"] += 1
-        for r in s.rounds:
-            rounds_total += 1
-            if r.local is True:
-                local += 1
-            elif r.local is False:
-                remote += 1
-            if r.first_token is not None:
-                t = r.first_token - r.input_ready
-                ttft_all.append(t)
-                (ttft_init if r.round == 0 else ttft_incr).append(t)
-                rounds_done += 1
-            tt = r.token_times
-            if tt:
-                tokens += len(tt)
-                if want_gaps and len(tt) >= 2:
-                    itl_parts.append(np.diff(np.asarray(tt, dtype=float)))
-            else:
-                tokens += r.n_tokens or 0
-                if want_gaps:
-                    a, k = r.gaps()
-                    if k:
-                        compact_vals.append(a / k)
-                        compact_wts.append(k)
-        if s.completed and s.rounds:
-            end = s.rounds[-1].end
-            if end is not None:
-                e2e.append(end - s.arrival)
+        t.session(s, slo)
     if itl_samples is not None:
         values, weights = itl_samples
         itl_summary = weighted_latency_summary(values, weights)
     else:
-        itl = np.concatenate(itl_parts) if itl_parts else np.empty(0)
-        if compact_vals:
-            itl_summary = weighted_latency_summary(np.concatenate([itl, compact_vals]),
-                                                   np.concatenate([np.ones(itl.size), compact_wts]))
+        itl_summary = t.itl_summary()
+    return assemble_report(policy, slo, duration_s, n=len(sessions), completed=t.completed, attained=t.attained,
+                           ttft_ok=t.ttft_ok, itl_ok=t.itl_ok, local=t.local, remote=t.remote, ttft_all=t.ttft_all,
+                           ttft_init=t.ttft_init, ttft_incr=t.ttft_incr, itl_summary=itl_summary, e2e=t.e2e,
+                           rounds_total=t.rounds_total, rounds_done=t.rounds_done, tokens=t.tokens, errors=t.errors)
+
+
+class _Tally:
+    """What ``build_report`` counts over the sessions and their rounds. ``want_gaps``: collect the
+    rounds' token gaps for the ITL percentiles (not when the caller gives its own samples)."""
+
+    __slots__ = ("np", "want_gaps", "completed", "attained", "ttft_ok", "itl_ok", "local", "remote", "ttft_all",
+                 "ttft_init", "ttft_incr", "itl_parts", "compact_vals", "compact_wts", "e2e", "rounds_total",
+                 "rounds_done", "tokens", "errors")
+
+    def __init__(self, want_gaps: bool) -> None:
+        import numpy  # imported here: a planner run does not pay for it
+
+        self.np = numpy
+        self.want_gaps = want_gaps
+        self.completed = self.attained = self.ttft_ok = self.itl_ok = 0
+        self.local = self.remote = 0
+        self.rounds_total = self.rounds_done = self.tokens = 0
+        self.ttft_all: list[float] = []
+        self.ttft_init: list[float] = []
+        self.ttft_incr: list[float] = []
+        self.itl_parts: list = []  # numpy arrays of token gaps
+        self.compact_vals: list[float] = []
+        self.compact_wts: list[int] = []
+        self.e2e: list[float] = []
+        self.errors: Counter[str] = Counter()
+
+    def session(self, s: SessionRecord, slo: SLO) -> None:
+        v = judge_session(s, slo)
+        self.completed += bool(s.completed)
+        self.attained += v.attained
+        self.ttft_ok += v.ttft_ok
+        self.itl_ok += v.itl_ok
+        if not s.completed:
+            self.errors[s.error or "incomplete"] += 1
+        for r in s.rounds:
+            self.round(r)
+        if s.completed and s.rounds:
+            end = s.rounds[-1].end
+            if end is not None:
+                self.e2e.append(end - s.arrival)
+
+    def round(self, r) -> None:
+        self.rounds_total += 1
+        if r.local is True:
+            self.local += 1
+        elif r.local is False:
+            self.remote += 1
+        if r.first_token is not None:
+            t = r.first_token - r.input_ready
+            self.ttft_all.append(t)
+            (self.ttft_init if r.round == 0 else self.ttft_incr).append(t)
+            self.rounds_done += 1
+        tt = r.token_times
+        if tt:
+            self.tokens += len(tt)
+            if self.want_gaps and len(tt) >= 2:
+                self.itl_parts.append(self.np.diff(self.np.asarray(tt, dtype=float)))
         else:
-            itl_summary = latency_summary(itl)
-    return assemble_report(policy, slo, duration_s, n=n, completed=completed, attained=attained,
-                           ttft_ok=ttft_ok, itl_ok=itl_ok, local=local, remote=remote, ttft_all=ttft_all,
-                           ttft_init=ttft_init, ttft_incr=ttft_incr, itl_summary=itl_summary, e2e=e2e,
-                           rounds_total=rounds_total, rounds_done=rounds_done, tokens=tokens, errors=errors)
+            self.tokens += r.n_tokens or 0
+            if self.want_gaps:
+                a, k = r.gaps()
+                if k:
+                    self.compact_vals.append(a / k)
+                    self.compact_wts.append(k)
+
+    def itl_summary(self) -> dict:
+        """The ITL percentiles and mean of the gaps collected (a compact round's mean gap weighted
+        by its gap count)."""
+        np = self.np
+        itl = np.concatenate(self.itl_parts) if self.itl_parts else np.empty(0)
+        if self.compact_vals:
+            return weighted_latency_summary(np.concatenate([itl, self.compact_vals]),
+                                            np.concatenate([np.ones(itl.size), self.compact_wts]))
+        return latency_summary(itl)
 
 
 def assemble_report(policy: str, slo: SLO, duration_s: float, *, n: int, completed: int, attained: int,

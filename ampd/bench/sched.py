@@ -26,6 +26,7 @@ from ampd.policy import PrefillTask, make_queue, make_router
 from ampd.slo import SLO
 from ampd.state import StateStore, WorkerInfo, WorkerStats, connect
 from ampd.state.cluster import Cluster, route
+from ampd.tasks import BackgroundTasks
 
 
 def _pct(xs: list[float]) -> tuple[float, float]:
@@ -78,7 +79,8 @@ async def _routing(store: StateStore, n: int, mode: str, iters: int) -> dict:
             k += 1
             await asyncio.sleep(0.0025)
 
-    churner = asyncio.create_task(churn())
+    background = BackgroundTasks()
+    background.spawn(churn())
     lat, reasons = [], {}
     for k in range(iters + 200):
         req = PrefillTask(f"r{k}", 1, rng.randrange(0, 8000), rng.randrange(50, 3000), decode_worker=rng.choice(decode_ids))
@@ -91,7 +93,7 @@ async def _routing(store: StateStore, n: int, mode: str, iters: int) -> dict:
             reasons[d.reason] = reasons.get(d.reason, 0) + 1
         await asyncio.sleep(0)  # let the follower ingest updates between decisions
     stop.set()
-    await churner
+    await background.close(cancel=False)
     await cluster.stop()
     p50, p99 = _pct(lat)
     out = {"prefill_workers": n, "decode_workers": n, "mode": mode, "p50_ms": p50, "p99_ms": p99,

@@ -112,8 +112,9 @@ def finalists(est: Estimates, gpus: int, degrees: Sequence[int], k: int, *, disa
     return found
 
 
-def _model(est, gpus, degrees, disaggregated, colocated, mixed, all_gpus):
-    from pyscipopt import SCIP_PARAMSETTING, Model, quicksum
+def _scip():
+    """An empty SCIP model, set for these small models."""
+    from pyscipopt import SCIP_PARAMSETTING, Model
 
     m = Model("ampd-plan")
     m.hideOutput()
@@ -129,6 +130,13 @@ def _model(est, gpus, degrees, disaggregated, colocated, mixed, all_gpus):
     m.setParam("timing/enabled", False)
     m.setParam("limits/gap", 0.0)
     m.setParam("limits/absgap", 0.0)
+    return m
+
+
+def _model(est, gpus, degrees, disaggregated, colocated, mixed, all_gpus):
+    from pyscipopt import quicksum
+
+    m = _scip()
     kinds = [kd for kd in KINDS if (kd == "colocated" and colocated) or (kd != "colocated" and disaggregated)]
     co = m.addVar("co", vtype="B", lb=1 if not disaggregated else 0, ub=0 if not colocated else 1)
     z = m.addVar("Z", vtype="C", lb=0.0)
@@ -166,35 +174,45 @@ def _model(est, gpus, degrees, disaggregated, colocated, mixed, all_gpus):
         else:  # sum_l u_l / rho_l: the aggregated form, tighter than a big-M row per level
             need = quicksum(u[l] / rho for l, rho in enumerate(est.levels) if not math.isinf(rho))
             m.addCons(cap * (1.0 / rate) >= need)
-        if kd == "decode":
-            v = {j: m.addVar(f"v_{j}", vtype="B") for j in range(len(est.spills))}
-            m.addCons(quicksum(v.values()) == on)
-            local = quicksum(cnt[kd, n] * est.capacity["prefill"][n] for n in degrees)
-            for j, f in enumerate(est.spills):
-                if spill:
-                    m.addCons(s <= f * local + rate * (1 - v[j]))
-                for n in degrees:  # u selects one level: the sum is tau at that level and share j
-                    taus = est.tau[kd][n]
-                    big = max(max(t) for t in taus)
-                    m.addCons(w[kd] >= quicksum(taus[l][j] * u[l] for l in range(len(taus)))
-                              - big * (2 - act[kd, n] - v[j]))
-        elif kd == "prefill":
-            for n in degrees:  # g[i] on: the group holds at least POOLS[i] replicas; one g per active degree
-                taus = est.tau[kd][n]
-                big = max(max(t) for t in taus)
-                g = {i: m.addVar(f"g_{n}_{i}", vtype="B") for i, c in enumerate(est.pools) if c <= gpus // n}
-                m.addCons(quicksum(g.values()) == act[kd, n])
-                for i, gi in g.items():
-                    m.addCons(cnt[kd, n] >= est.pools[i] * gi)
-                    m.addCons(w[kd] >= quicksum(taus[l][i] * u[l] for l in range(len(taus))) - big * (1 - gi))
-        else:
-            for n in degrees:  # u selects one level, so the sum is tau at that level (tighter than big-M per level)
-                taus = est.tau[kd][n]
-                m.addCons(w[kd] >= quicksum(t * u[l] for l, t in enumerate(taus)) - max(taus) * (1 - act[kd, n]))
+        _worst_tau_rows(m, est, kd, gpus, degrees, cnt, act, w[kd], u, on, s, spill)
     used = quicksum(n * v for (kd, n), v in cnt.items())
     m.addCons(used == gpus) if all_gpus else m.addCons(used <= gpus)
     m.setObjective(z + EPS_BALANCE * quicksum(w.values()) + EPS_UNUSED * (gpus - used) / gpus, "minimize")
     return m, cnt, co
+
+
+def _worst_tau_rows(m, est, kd, gpus, degrees, cnt, act, wk, u, on, s, spill):
+    """The rows that hold ``wk`` (the W of kind ``kd``) at least at the tau of each of its active
+    degrees at the load level ``u`` selects: for decode workers at the share ``v`` of the spilled
+    prefills they run too, for prefill workers at the replica pool ``g`` of each active degree."""
+    from pyscipopt import quicksum
+
+    rate = est.rate
+    if kd == "decode":
+        v = {j: m.addVar(f"v_{j}", vtype="B") for j in range(len(est.spills))}
+        m.addCons(quicksum(v.values()) == on)
+        local = quicksum(cnt[kd, n] * est.capacity["prefill"][n] for n in degrees)
+        for j, f in enumerate(est.spills):
+            if spill:
+                m.addCons(s <= f * local + rate * (1 - v[j]))
+            for n in degrees:  # u selects one level: the sum is tau at that level and share j
+                taus = est.tau[kd][n]
+                big = max(max(t) for t in taus)
+                m.addCons(wk >= quicksum(taus[l][j] * u[l] for l in range(len(taus)))
+                          - big * (2 - act[kd, n] - v[j]))
+    elif kd == "prefill":
+        for n in degrees:  # g[i] on: the group holds at least POOLS[i] replicas; one g per active degree
+            taus = est.tau[kd][n]
+            big = max(max(t) for t in taus)
+            g = {i: m.addVar(f"g_{n}_{i}", vtype="B") for i, c in enumerate(est.pools) if c <= gpus // n}
+            m.addCons(quicksum(g.values()) == act[kd, n])
+            for i, gi in g.items():
+                m.addCons(cnt[kd, n] >= est.pools[i] * gi)
+                m.addCons(wk >= quicksum(taus[l][i] * u[l] for l in range(len(taus))) - big * (1 - gi))
+    else:
+        for n in degrees:  # u selects one level, so the sum is tau at that level (tighter than big-M per level)
+            taus = est.tau[kd][n]
+            m.addCons(wk >= quicksum(t * u[l] for l, t in enumerate(taus)) - max(taus) * (1 - act[kd, n]))
 
 
 def _top(m, cnt, k: int, found: list, family: str, log: list | None) -> list[tuple[float, Deployment]]:

@@ -23,9 +23,8 @@ from .route import (
     RemoteRouter,
     Router,
     ThresholdRouter,
-    make_router,
 )
-from .spec import POLICIES, PolicySpec, policy_spec, register_policy
+from .spec import POLICIES, PolicySpec, make_router, policy_spec, register_policy
 from .cost import remote_parts, t_local, t_remote
 from .types import SLO, CostModel, PrefillTask, RouteDecision, WorkerView
 

@@ -26,7 +26,8 @@ __all__ = [
     "ThresholdRouter",
     "MarginRouter",
     "ROUTERS",
-    "make_router",
+    "SLACK_RULES",
+    "build_router",
     # reason strings
     "PREFILL_SLACK",
     "DECODE_SLACK",
@@ -61,8 +62,11 @@ ALPHA = 0.9
 BETA = 0.85
 THRESHOLD_TOKENS = 1000  # the threshold baseline's limit (Dynamo's default)
 # The margin router spreads a local prefill's decode stall over this many seconds of decoding when it
-# predicts the decode worker's ITL: the span of the ITL window it compares against (the default
-# stats window, ampd.config `stats_window`).
+# predicts the decode worker's ITL (a stall of s seconds raises the mean ITL over a span of H seconds
+# by the factor 1 + s / H). It equals the default span of the workers' ITL window (ampd.config
+# `stats_window`) but is a constant of the router: the coordinator does not read
+# `--stats-window` (a worker setting), so a deployment that changes the window still predicts over
+# the default span. `MarginRouter(horizon_s=)` sets it explicitly.
 MARGIN_HORIZON_S = STATS_WINDOW_S
 
 
@@ -161,17 +165,22 @@ class AdaptiveRouter:
         if req.decode_worker != decode.worker_id:
             _check_binding(req, decode)
         est: dict[str, float] = {}
-        n = len(prefills)
-        if n == 0:
+        if not prefills:
             return RouteDecision(decode.worker_id, True, NO_PREFILL_WORKERS, est)
+        base: dict[int, float] = {}  # prefill tp -> Eq. (2) less its queue term (rungs 1 and 3 share it)
+        return (self._prefill_slack(req, decode, prefills, est, base)
+                or self._decode_slack(req, decode, est)
+                or self._cost_model(req, decode, prefills, est, base))
 
-        # Rung 1: first prefill worker with TTFT slack, in a seeded random visiting order.
+    def _prefill_slack(self, req: PrefillTask, decode: WorkerView, prefills: Sequence[WorkerView],
+                       est: dict[str, float], base: dict[int, float]) -> RouteDecision | None:
+        """Rung 1: the first prefill worker with TTFT slack, in a seeded random visiting order."""
+        n = len(prefills)
         limit = self._ttft_limit
         queue_rule = self.slack == "queue"
         est["ttft_limit"] = limit
         rand = self._rng.random
         pos = list(range(n))
-        base: dict[int, float] = {}  # prefill tp -> Eq. (2) less its queue term (rungs 1 and 3 share it)
         for i in range(n):
             j = i + int(rand() * (n - i))
             if j != i:
@@ -195,25 +204,27 @@ class AdaptiveRouter:
                 est[keys[1]] = t
                 if t <= limit:
                     return RouteDecision(p.worker_id, False, PREFILL_SLACK, est)
+        return None
 
-        # Rung 2: the bound decode worker has ITL slack.
-        cost = self.cost
-        l_hist = req.l_hist
-        l_incr = req.l_incr
-        dtp = decode.tp
+    def _decode_slack(self, req: PrefillTask, decode: WorkerView, est: dict[str, float]) -> RouteDecision | None:
+        """Rung 2: the bound decode worker has ITL slack."""
         est["itl_limit"] = self._itl_limit
         w = decode.window_mean_s
         if w is not None:
             est["itl_window"] = w
         if w is None or w <= self._itl_limit:
-            if not queue_rule:
+            if self.slack != "queue":
                 return RouteDecision(decode.worker_id, True, DECODE_SLACK, est)
-            t_loc = t_local(cost, l_hist, l_incr, dtp, decode.queue_predicted_s)
+            t_loc = t_local(self.cost, req.l_hist, req.l_incr, decode.tp, decode.queue_predicted_s)
             est["t_local"] = t_loc
-            if t_loc <= limit:
+            if t_loc <= self._ttft_limit:
                 return RouteDecision(decode.worker_id, True, DECODE_SLACK, est)
+        return None
 
-        # Rung 3: cost model, Eq. (1) against Eq. (2) for every prefill worker.
+    def _cost_model(self, req: PrefillTask, decode: WorkerView, prefills: Sequence[WorkerView],
+                    est: dict[str, float], base: dict[int, float]) -> RouteDecision:
+        """Rung 3: the cost model, Eq. (1) against Eq. (2) for every prefill worker."""
+        cost, l_hist, l_incr, dtp = self.cost, req.l_hist, req.l_incr, decode.tp
         t_loc = t_local(cost, l_hist, l_incr, dtp, decode.queue_predicted_s)
         est["t_local"] = t_loc
         best_t = t_loc
@@ -376,8 +387,8 @@ _ROUTER_BUILDERS = {
 ROUTERS: tuple[str, ...] = tuple(_ROUTER_BUILDERS)
 
 
-def make_router(
-    name: str,
+def build_router(
+    kind: str,
     cost: CostModel,
     slo: SLO,
     *,
@@ -386,24 +397,7 @@ def make_router(
     beta: float = BETA,
     threshold_tokens: int = THRESHOLD_TOKENS,
     slack: str | None = None,
-    **opts: object,
 ) -> Router:
-    """Build a router by router name (``ROUTERS``) or by policy name (``POLICIES``, resolved
-    through the policy registry; the policy also sets the default ``slack`` rule).
-    Unknown names or options raise ``ValueError``."""
-    if opts:
-        raise ValueError(f"make_router: unknown option(s) {', '.join(sorted(opts))}")
-    kind = name
-    if kind not in _ROUTER_BUILDERS:
-        from .spec import POLICIES, policy_spec
-
-        if kind not in POLICIES:
-            raise ValueError(
-                f"unknown router {name!r}; valid routers: {', '.join(ROUTERS)}; "
-                f"valid policies: {', '.join(POLICIES)}"
-            )
-        spec = policy_spec(kind)
-        kind = spec.router
-        if slack is None:
-            slack = spec.slack
+    """Build a router by router name (``ROUTERS``). Policy names resolve to a router in
+    ``ampd.policy.spec.make_router``, the entry point the tools use."""
     return _ROUTER_BUILDERS[kind](cost, slo, seed, alpha, beta, threshold_tokens, slack)

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-__all__ = ["PolicySpec", "POLICIES", "policy_spec", "register_policy", "CONTINUUM_KV_PIN_TTL_S"]
+from .reorder import QUEUES
+from .route import ALPHA, BETA, ROUTERS, SLACK_RULES, THRESHOLD_TOKENS, Router, build_router
+from .types import SLO, CostModel
+
+__all__ = ["PolicySpec", "POLICIES", "policy_spec", "register_policy", "make_router", "CONTINUUM_KV_PIN_TTL_S"]
 
 # How long Continuum keeps a session's KV pinned on its worker after a round ends, waiting for
 # the tool result. Continuum derives its TTL from the tool-call latency distribution; 5 s covers
@@ -61,9 +65,6 @@ _SPECS: dict[str, PolicySpec] = {}
 
 def register_policy(spec: PolicySpec) -> PolicySpec:
     """Adds ``spec`` to the registry; its router, queues and slack rule must exist."""
-    from .reorder import QUEUES
-    from .route import ROUTERS, SLACK_RULES
-
     problems = []
     if spec.router not in ROUTERS:
         problems.append(f"router {spec.router!r} (valid: {', '.join(ROUTERS)})")
@@ -136,3 +137,35 @@ def policy_spec(name: str, *, kv_pin_ttl_s: float | None = None) -> PolicySpec:
             raise ValueError(f"kv_pin_ttl_s must be >= 0, got {kv_pin_ttl_s!r}")
         spec = replace(spec, kv_pin_ttl_s=float(kv_pin_ttl_s))
     return spec
+
+
+def make_router(
+    name: str,
+    cost: CostModel,
+    slo: SLO,
+    *,
+    seed: int = 0,
+    alpha: float = ALPHA,
+    beta: float = BETA,
+    threshold_tokens: int = THRESHOLD_TOKENS,
+    slack: str | None = None,
+    **opts: object,
+) -> Router:
+    """Build a router by router name (``ROUTERS``) or by policy name (``POLICIES``, resolved
+    through the policy registry; the policy also sets the default ``slack`` rule).
+    Unknown names or options raise ``ValueError``."""
+    if opts:
+        raise ValueError(f"make_router: unknown option(s) {', '.join(sorted(opts))}")
+    kind = name
+    if kind not in ROUTERS:
+        if kind not in POLICIES:
+            raise ValueError(
+                f"unknown router {name!r}; valid routers: {', '.join(ROUTERS)}; "
+                f"valid policies: {', '.join(POLICIES)}"
+            )
+        spec = policy_spec(kind)
+        kind = spec.router
+        if slack is None:
+            slack = spec.slack
+    return build_router(kind, cost, slo, seed=seed, alpha=alpha, beta=beta, threshold_tokens=threshold_tokens,
+                        slack=slack)

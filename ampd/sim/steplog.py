@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from array import array
 from bisect import bisect_right
+from operator import attrgetter
 
 __all__ = ["StepLog", "itl_samples", "SERIES_POINTS"]
 
@@ -91,7 +92,6 @@ def itl_samples(step_logs, sessions):
     equal weight); a round's first gap (first token -> its first step) is its own sample.
     Vectorised with numpy (the same samples as a per-segment loop)."""
     import numpy as np
-    from operator import attrgetter
 
     P = SERIES_POINTS
     # pass 1: per log, the segments of each part; the output is allocated once and filled in
@@ -114,53 +114,65 @@ def itl_samples(step_logs, sessions):
     vals = np.empty(size + len(rounds))
     wts = np.empty(size + len(rounds))
     for lg, k, old, m, sh, c, lo_, at in plan:
-        t0 = np.frombuffer(lg.t0, dtype=np.float64)
-        A = np.frombuffer(lg.A, dtype=np.float64)
-        g = np.frombuffer(lg.g, dtype=np.float64)
-        n = np.frombuffer(lg.n, dtype=np.int64).astype(np.float64)
-        prev = np.frombuffer(lg.prev, dtype=np.float64)
-        # the first step of a run: one gap shared by the ``old`` sessions (any prefill pause in it)
-        e = at + m.size
-        np.subtract(t0[m] + A[m], prev[m], out=vals[at:e])
-        wts[at:e] = old[m]
-        at = e
-        if sh.size:
-            idx = np.repeat(sh, c)
-            starts = np.cumsum(c) - c
-            j = (np.arange(idx.size) - np.repeat(starts, c) + 1).astype(np.float64)
-            e = at + idx.size
-            np.add(A[idx], g[idx] * j, out=vals[at:e])
-            wts[at:e] = n[idx]
-            at = e
-        if lo_.size:
-            kk = k[lo_].astype(np.float64)[:, None]
-            i = (np.arange(P, dtype=np.float64) + 0.5)[None, :]
-            e = at + lo_.size * P
-            out = vals[at:e].reshape(lo_.size, P)
-            # A + g * (1 + (k - 2) * i / P), the same operations in place
-            np.multiply(kk - 2, i, out=out)
-            out /= P
-            out += 1
-            out *= g[lo_][:, None]
-            out += A[lo_][:, None]
-            wts[at:e] = np.repeat(n[lo_] * (k[lo_] - 1) / P, P)
-    # each round's first gap: first token -> end of its first step
-    if rounds:
-        cnt = len(rounds)
-        wk_a = np.fromiter(map(attrgetter("worker"), rounds), dtype=np.int64, count=cnt)
-        lo_a = np.fromiter(map(attrgetter("step_lo"), rounds), dtype=np.int64, count=cnt)
-        ft_a = np.fromiter(map(attrgetter("first_token"), rounds), dtype=np.float64, count=cnt)
-        first = np.empty(cnt)
-        for w in np.unique(wk_a):
-            sel = wk_a == w
-            lg = step_logs[int(w)]
-            LO = np.frombuffer(lg.lo, dtype=np.int64)
-            s = np.searchsorted(LO, lo_a[sel], side="right") - 1
-            jj = (lo_a[sel] - LO[s]).astype(np.float64)
-            T0 = np.frombuffer(lg.t0, dtype=np.float64)[s]
-            AA = np.frombuffer(lg.A, dtype=np.float64)[s]
-            GG = np.frombuffer(lg.g, dtype=np.float64)[s]
-            first[sel] = T0 + (jj + 1) * AA + GG * jj * (jj + 1) * 0.5
-        np.subtract(first, ft_a, out=vals[size:])
+        _run_gaps(np, lg, k, old, m, sh, c, lo_, vals, wts, at)
+    if rounds:  # each round's first gap: first token -> end of its first step
+        ft_a = np.fromiter(map(attrgetter("first_token"), rounds), dtype=np.float64, count=len(rounds))
+        np.subtract(_first_steps_end(np, step_logs, rounds), ft_a, out=vals[size:])
         wts[size:] = 1.0
     return vals, wts
+
+
+def _run_gaps(np, lg, k, old, m, sh, c, lo_, vals, wts, at: int) -> None:
+    """One step log's run gaps, written into ``vals``/``wts`` from ``at`` (see itl_samples): ``m``
+    the runs with ``old`` sessions, ``sh`` the short runs (``c`` steps after the first), ``lo_``
+    the long ones."""
+    P = SERIES_POINTS
+    t0 = np.frombuffer(lg.t0, dtype=np.float64)
+    A = np.frombuffer(lg.A, dtype=np.float64)
+    g = np.frombuffer(lg.g, dtype=np.float64)
+    n = np.frombuffer(lg.n, dtype=np.int64).astype(np.float64)
+    prev = np.frombuffer(lg.prev, dtype=np.float64)
+    # the first step of a run: one gap shared by the ``old`` sessions (any prefill pause in it)
+    e = at + m.size
+    np.subtract(t0[m] + A[m], prev[m], out=vals[at:e])
+    wts[at:e] = old[m]
+    at = e
+    if sh.size:
+        idx = np.repeat(sh, c)
+        starts = np.cumsum(c) - c
+        j = (np.arange(idx.size) - np.repeat(starts, c) + 1).astype(np.float64)
+        e = at + idx.size
+        np.add(A[idx], g[idx] * j, out=vals[at:e])
+        wts[at:e] = n[idx]
+        at = e
+    if lo_.size:
+        kk = k[lo_].astype(np.float64)[:, None]
+        i = (np.arange(P, dtype=np.float64) + 0.5)[None, :]
+        e = at + lo_.size * P
+        out = vals[at:e].reshape(lo_.size, P)
+        # A + g * (1 + (k - 2) * i / P), the same operations in place
+        np.multiply(kk - 2, i, out=out)
+        out /= P
+        out += 1
+        out *= g[lo_][:, None]
+        out += A[lo_][:, None]
+        wts[at:e] = np.repeat(n[lo_] * (k[lo_] - 1) / P, P)
+
+
+def _first_steps_end(np, step_logs, rounds):
+    """When each round's first decode step ended, by its worker's step log."""
+    cnt = len(rounds)
+    wk_a = np.fromiter(map(attrgetter("worker"), rounds), dtype=np.int64, count=cnt)
+    lo_a = np.fromiter(map(attrgetter("step_lo"), rounds), dtype=np.int64, count=cnt)
+    first = np.empty(cnt)
+    for w in np.unique(wk_a):
+        sel = wk_a == w
+        lg = step_logs[int(w)]
+        LO = np.frombuffer(lg.lo, dtype=np.int64)
+        s = np.searchsorted(LO, lo_a[sel], side="right") - 1
+        jj = (lo_a[sel] - LO[s]).astype(np.float64)
+        T0 = np.frombuffer(lg.t0, dtype=np.float64)[s]
+        AA = np.frombuffer(lg.A, dtype=np.float64)[s]
+        GG = np.frombuffer(lg.g, dtype=np.float64)[s]
+        first[sel] = T0 + (jj + 1) * AA + GG * jj * (jj + 1) * 0.5
+    return first

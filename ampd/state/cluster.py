@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import structlog
 
@@ -13,14 +15,31 @@ from ampd.config import WorkerSettings
 from ampd.policy import CostModel, PrefillTask, RouteDecision, Router, WorkerView, bind, in_worker_order
 from ampd.state.liveness import Liveness
 from ampd.state.store import REDIS_ERRORS, StateStore, WorkerInfo, WorkerStats, age_view
+from ampd.tasks import BackgroundTasks
 
-__all__ = ["Cluster", "ClusterView", "choose_decode_worker", "route"]
+__all__ = ["Cluster", "ClusterView", "StatsEntry", "RoutedTask", "choose_decode_worker", "route"]
 
 log = structlog.get_logger()
 
 # How long a routed task counts in the view of its worker without the worker naming it (a route that
 # did not hold, a task lost with its worker). Workers publish within a few ms of taking a task.
 ROUTED_TTL_S = 0.25
+
+
+class StatsEntry(NamedTuple):
+    """A worker's latest statistics, as the view is assembled from them."""
+    ts: float  # when the worker published them
+    kind: str  # "decode" or "prefill"
+    view: WorkerView
+    busy_until: float
+    accepted: tuple  # the (session, round) tasks the worker counts (WorkerStats.accepted)
+
+
+class RoutedTask(NamedTuple):
+    """A task routed to a worker whose statistics do not show it yet."""
+    worker_id: str
+    at: float  # when it was routed
+    compute_s: float  # its prefill's compute at the worker's TP
 
 
 @dataclass(frozen=True)
@@ -64,13 +83,11 @@ class Cluster:
         self.lost: dict[str, float] = {}  # worker_id -> when a call to it failed on the connection
         self.infos: dict[str, WorkerInfo] = {}
         self._infos_at = 0.0
-        # wid -> (ts, kind, view, busy_until, accepted)
-        self._views: dict[str, tuple[float, str, WorkerView, float, tuple]] = {}
+        self._views: dict[str, StatsEntry] = {}  # worker id -> its latest statistics
         self.cost = cost
-        self._routed: dict[tuple[str, int], tuple[str, float, float]] = {}  # (session, round) -> (wid, at, s)
+        self._routed: dict[tuple[str, int], RoutedTask] = {}  # (session, round) -> where it was routed
         self.lag_s: list[float] = []  # recent delivery lags (push mode), bounded
-        self._follower: asyncio.Task | None = None
-        self._watcher: asyncio.Task | None = None
+        self._tasks = BackgroundTasks()  # the stats follower (push mode) and the liveness watch
         self.on_poll = None  # optional coroutine function run after each liveness poll (the coordinator's)
         self.liveness = Liveness(fence_after)
         self.on_fenced = None  # optional function (the WorkerInfo fenced) called after a worker was fenced
@@ -134,14 +151,11 @@ class Cluster:
             await ps.subscribe(self.store.k_stats)  # subscribe first, then snapshot: no gap
             for st in (await self.store.stats()).values():
                 await self._ingest(st)
-            self._follower = asyncio.create_task(self._follow(ps), name="stats-follower")
-        self._watcher = asyncio.create_task(self._watch(), name="liveness-watch")
+            self._tasks.spawn(self._follow(ps), name="stats-follower")
+        self._tasks.spawn(self._watch(), name="liveness-watch")
 
     async def stop(self) -> None:
-        for t in (self._follower, self._watcher):
-            if t:
-                t.cancel()
-                await asyncio.gather(t, return_exceptions=True)
+        await self._tasks.close()
 
     async def _watch(self) -> None:
         while True:
@@ -190,8 +204,9 @@ class Cluster:
             if info is None:
                 return
         prev = self._views.get(st.worker_id)
-        if prev is None or st.ts >= prev[0]:
-            self._views[st.worker_id] = (st.ts, info.kind, st.view(info.kind, info.tp), st.busy_until, st.accepted)
+        if prev is None or st.ts >= prev.ts:
+            self._views[st.worker_id] = StatsEntry(st.ts, info.kind, st.view(info.kind, info.tp), st.busy_until,
+                                               st.accepted)
         self._alive_again(st.worker_id, st.ts)
 
     def _alive_again(self, worker_id: str, ts: float) -> None:
@@ -211,7 +226,7 @@ class Cluster:
         for wid, st in stats.items():
             info = self.infos.get(wid)
             if info is not None:
-                entries.append((st.ts, info.kind, st.view(info.kind, info.tp), st.busy_until, st.accepted))
+                entries.append(StatsEntry(st.ts, info.kind, st.view(info.kind, info.tp), st.busy_until, st.accepted))
                 self._alive_again(wid, st.ts)
         return self._assemble(entries, read_s)
 
@@ -224,12 +239,12 @@ class Cluster:
         else:
             target = next((p for p in view.prefill if p.worker_id == decision.target), None)
         if target is not None:
-            self._routed[(req.session_id, req.round)] = (
+            self._routed[(req.session_id, req.round)] = RoutedTask(
                 target.worker_id, now, self.cost.t_pre(target.tp, req.l_hist, req.l_incr))
 
-    def _not_yet_taken(self, entries, now: float) -> dict[str, float]:
+    def _not_yet_taken(self, entries: list[StatsEntry], now: float) -> dict[str, float]:
         """worker id -> the compute of the tasks routed there that its statistics do not show yet."""
-        accepted = {e[2].worker_id: e[4] for e in entries}
+        accepted = {e.view.worker_id: e.accepted for e in entries}
         out: dict[str, float] = {}
         for key, (wid, at, s) in list(self._routed.items()):
             if now - at > ROUTED_TTL_S or key in accepted.get(wid, ()):
@@ -238,7 +253,7 @@ class Cluster:
                 out[wid] = out.get(wid, 0.0) + s
         return out
 
-    def _assemble(self, entries, read_s: float) -> ClusterView:
+    def _assemble(self, entries: Iterable[StatsEntry], read_s: float) -> ClusterView:
         now = time.time()
         decode: dict[str, WorkerView] = {}
         prefill: list[WorkerView] = []

@@ -22,6 +22,7 @@ from ampd.policy import SLO, WorkerView
 from ampd.policy.admit import HEAD_POLL_S, AdmissionBook, AdmissionCost
 from ampd.state.promises import Promises
 from ampd.state.store import REDIS_ERRORS
+from ampd.tasks import BackgroundTasks
 
 log = structlog.get_logger()
 
@@ -49,7 +50,7 @@ class Admission:
         self.book = AdmissionBook(rule, wait_s, queue_max, cost, slo)
         self.rule = rule
         self.promises = promises
-        self._background: set[asyncio.Task] = set()
+        self._background = BackgroundTasks()  # the promise writes to Redis in flight
         # a session's release in flight: its next promise (a move's) lands after it
         self._releasing: dict[str, asyncio.Task] = {}
         self.promised = self.book.promised  # decode worker -> KV tokens promised to its live sessions
@@ -154,10 +155,11 @@ class Admission:
                 await asyncio.wait_for(op, 2.0)
             except (asyncio.TimeoutError, *REDIS_ERRORS) as exc:
                 log.warning("KV promise not shared", error=str(exc) or type(exc).__name__)
-        task = asyncio.ensure_future(run())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        return task
+        return self._background.spawn(run())
+
+    async def close(self) -> None:
+        """Cancels and awaits the promise writes still in flight (at shutdown)."""
+        await self._background.close()
 
     def _wake(self) -> None:
         head = self.book.head

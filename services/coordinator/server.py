@@ -22,12 +22,14 @@ from ampd.state import StateStore, connect
 from ampd.state.promises import Promises
 from ampd.state.store import REDIS_ERRORS
 from ampd.stubs import Stubs
+from ampd.tasks import BackgroundTasks
 from ampd.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from ampd.grpcserver import REATTACH_HEADER, SESSION_OPEN, write_ready_file
 from ampd.trust import reattach_token
 from services.coordinator.core import Cluster, InvalidArgument, validate_open
 from services.coordinator.admission import Admission
-from services.coordinator.session import SessionEnd, SessionRun
+from services.coordinator.errors import SessionEnd
+from services.coordinator.session import SessionRun
 
 log = structlog.get_logger()
 
@@ -63,7 +65,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         # prefill worker -> the sessions with a round submitted there and not yet answered
         self.remote: dict[str, dict[tuple[str, int], SessionRun]] = {}
         self._unrecorded: set[str] = set()  # session records whose delete failed (Redis was away)
-        self._writes: set[asyncio.Task] = set()
+        self._writes = BackgroundTasks()  # session record writes in flight
+        # the sessions' decode-stream pumps and client readers, their cancels' replies, the re-routes
+        # of a lost prefill worker's rounds: cancelled and awaited at shutdown (close)
+        self.tasks = BackgroundTasks()
         # This coordinator's id on its session records; a record whose coordinator's liveness key
         # is gone (it died serving the session) is deleted by the next coordinator's sweep.
         self.instance = f"{os.getpid()}-{int(time.time() * 1000) % 10**9}"
@@ -146,9 +151,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     # ------------------------------------------------------------------- session records (Redis)
     def record(self, sid: str, fields: dict) -> None:
         """Writes the session's record in the background: a Redis outage must not stall a session."""
-        task = asyncio.create_task(self._write(self.store.update_session(sid, {**fields, "coordinator": self.instance})))
-        self._writes.add(task)
-        task.add_done_callback(self._writes.discard)
+        self._writes.spawn(self._write(self.store.update_session(sid, {**fields, "coordinator": self.instance})))
 
     async def _write(self, op) -> bool:
         try:
@@ -160,7 +163,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def forget_record(self, sid: str) -> None:
         # the record's writes in flight land first, then the delete (it must not be rewritten after)
-        await asyncio.gather(*self._writes, return_exceptions=True)
+        await self._writes.wait()
         if not await self._write(self.store.delete_session(sid)):
             self._unrecorded.add(sid)  # deleted on a later liveness poll, once Redis answers
 
@@ -170,6 +173,14 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         # The key goes now, not at its TTL: nothing of a stopped coordinator stays in Redis, and the
         # records of sessions it still served are orphans at once for the next coordinator's sweep.
         await self._write(self.store.coordinator_gone(self.instance))
+
+    async def close(self) -> None:
+        """After the server stopped: cancels and awaits what still runs in the background, and
+        closes the channels to the workers."""
+        await self.tasks.close()
+        await self.admission.close()
+        await self._writes.close()
+        await self.stubs.close()
 
     async def _on_poll(self) -> None:
         await self.store.coordinator_alive(self.instance, ORPHAN_SWEEP_S)
@@ -224,7 +235,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.remote.setdefault(worker, {})[(run.sid, rnd)] = run
 
     def forget_remote(self, run: SessionRun, rnd: int | None = None) -> None:
-        for worker in list(run.remote.values()) if rnd is None else [run.remote.get(rnd)]:
+        for worker in list(run.routing.remote.values()) if rnd is None else [run.routing.remote.get(rnd)]:
             if worker is None:
                 continue
             tasks = self.remote.get(worker, {})
@@ -233,13 +244,13 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             if not tasks:
                 self.remote.pop(worker, None)
         if rnd is not None:
-            run.remote.pop(rnd, None)
+            run.routing.remote.pop(rnd, None)
 
     def _prefill_lost(self, worker: str) -> None:
         """Every round submitted to ``worker`` and not answered runs on its decode worker instead."""
         tasks = self.remote.pop(worker, {})
         for (sid, rnd), run in tasks.items():
-            asyncio.get_running_loop().create_task(run.reroute(rnd, worker))
+            self.tasks.spawn(run.routing.reroute(rnd, worker))
 
     async def Metrics(self, request, context) -> common_pb2.MetricsReply:
         values = {k: float(v) for k, v in self.counters.items()}
@@ -286,7 +297,10 @@ async def amain(args: argparse.Namespace) -> None:
     write_ready_file(args.ready_file, port, metrics_port)
     log.info("coordinator serving", address=f"{args.host}:{port}", metrics_port=metrics_port, policy=args.policy,
              profile=profile.name, ttft_slo=slo.ttft_s, itl_slo=slo.itl_s)
-    await grpcserver.serve_until_signal(server, health, service.stop)
+    try:
+        await grpcserver.serve_until_signal(server, health, service.stop)
+    finally:
+        await service.close()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,7 +10,6 @@ import sys
 import time
 import uuid
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 import grpc
@@ -27,34 +26,28 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from ampd import grpcserver, logs, tracing
-from ampd.chat.conversation import answer_digest, render_conversation
 from ampd.chat.template import ChatFormat
 from ampd.chat.tokenizer import tokenizer_for
 from ampd.config import SERVICE_SETTINGS, ConfigError, add_flags, require
-from ampd.front.answer import FORCED_STOP, Answer, forced_prefix
-from ampd.front.api import (ApiError, ChatRequest, CompletionRequest, RequestLimits, Sampling, check_depth, error_body,
-                            parse_chat, parse_completion)
+from ampd.front.answer import Answer
+from ampd.front.api import (ApiError, ChatRequest, CompletionRequest, error_body,
+                            parse_completion)
 from ampd.front.evict import Held, grace_ends, kv_victims, tenant_victims
 from ampd.front.index import Match, SessionIndex
-from ampd.front.tenants import KeyRing, Tenant, load_api_keys
+from ampd.front.tenants import Tenant, load_api_keys
 from ampd.metrics import TTFT_BUCKETS
-from ampd.validate import MAX_ID as MAX_SESSION_ID
 from ampd.state import connect
 from ampd.coordinators import Coordinators, parse_addresses
+from ampd.tasks import BackgroundTasks
 from ampd.v1 import common_pb2
+from services.frontend.reading import MAX_BODY as MAX_BODY  # (the hostile-input tests import it from here)
+from services.frontend.reading import RequestReader
 from services.frontend.sessions import LiveSession, SessionTable
 from services.frontend.turn import DONE, FAILED, RETRY_AFTER_S, TEXT, TurnRun
 
 log = structlog.get_logger()
 
-# Session headers, in the order they are read: ours, then llm-d's session-affinity header.
-SESSION_HEADERS = ("x-session-id", "x-session-token")
 FORWARDED = "x-ampd-forwarded"  # set on a request one front passes to the front that holds its session
-MAX_BODY = 32 << 20  # bytes of one request body
-# Threads that parse, template and tokenize request bodies, off the event loop (a 10 MB message
-# tokenized on the loop held /health for 8 s, issue 24). Bounded: a burst queues here instead of
-# growing threads; the tokenizer is shared, read only (same padding and truncation on every call).
-WORK_THREADS = 4
 # An agent's connection idles through its tool calls: keep it open longer than uvicorn's 5 s, so a
 # client does not send its next turn on a connection the server is closing.
 KEEP_ALIVE_S = 75
@@ -132,114 +125,22 @@ KV_SHORT_S = 10.0
 
 
 class Front:
+    """The front's requests: each placed as a turn of a live session (continued, new, or forwarded to
+    the front that holds it) and answered from its events; ``read`` turns a request into the turn."""
+
     def __init__(self, args: argparse.Namespace, fmt: ChatFormat, coordinator, index: SessionIndex, me: str) -> None:
+        self.read = RequestReader(args, fmt)
         self.model = args.model
-        self.engine = args.engine
-        self.default_max_tokens = args.default_max_tokens
-        # API keys name tenants; else the shared token is one tenant; else the front is open
-        self.keys = KeyRing(load_api_keys(args.api_keys) if args.api_keys else None, args.auth_token)
         self.idle_grace = args.idle_grace
         self.tenant_sessions, self.tenant_kv_tokens = args.tenant_sessions, args.tenant_kv_tokens
         self.kv_short_until, self.kv_short_need = 0.0, 0  # KV was short lately for this need (KV_SHORT_S)
-        self.fmt = fmt
-        self.tok = fmt.tokenizer
-        self.eos_ids = (self.tok.eos_token_id,) if self.tok.eos_token_id is not None else ()
         self.coordinator = coordinator  # the coordinator's Session API (a gRPC client)
         self.index = index
         self.table = SessionTable(index, me, args.session_ttl, args.max_sessions)
         self.metrics = FrontMetrics(self.table)
         self.created = int(time.time())
         self.http = httpx2.AsyncClient(timeout=None)  # to the other fronts (forwarding)
-        self.limits = RequestLimits(args.max_messages, args.max_prompt_chars)
         self.max_inflight = args.max_inflight_requests
-        self.work = ThreadPoolExecutor(WORK_THREADS, thread_name_prefix="front-work")
-
-    # ---------------------------------------------------------------------------------- helpers
-    def _detok(self, ids: Sequence[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=False)
-
-    def _check_auth(self, request: Request) -> Tenant:
-        """The request's tenant (request.state.tenant), or 401."""
-        tenant = self.keys.tenant(request.headers.get("authorization", ""))
-        if tenant is None:
-            raise ApiError(401, "authorization: missing or wrong API key (Authorization: Bearer KEY)",
-                           code="invalid_api_key", type="authentication_error")
-        request.state.tenant = tenant
-        return tenant
-
-    def _check_model(self, model: str) -> None:
-        if model != self.model:
-            raise ApiError(404, f"model: {model!r} is not served here (served: {self.model!r})", param="model",
-                           code="model_not_found")
-
-    async def _raw_body(self, request: Request) -> bytes:
-        """The body, refused (413) as soon as it is known to pass MAX_BODY: by its Content-Length before
-        any of it is read, or while a chunked one streams in, without buffering more."""
-        declared = request.headers.get("content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > MAX_BODY):
-            raise _too_large()
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > MAX_BODY:
-                raise _too_large()
-            chunks.append(chunk)
-        raw = b"".join(chunks)
-        request.state.raw = raw
-        return raw
-
-    async def _off_loop(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.work, fn, *args)
-
-    def _parse(self, raw: bytes, parse) -> Any:
-        """Runs in the work pool: decoding, the nesting check (before anything walks the body
-        recursively) and the field checks of a body that may be 32 MiB."""
-        try:
-            body = orjson.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"body: malformed JSON ({exc})", code="malformed_json") from None
-        check_depth(body)
-        return parse(body, self.limits)
-
-    def _parse_chat(self, raw: bytes) -> tuple[ChatRequest, list[str]]:
-        req = self._parse(raw, parse_chat)
-        return req, [answer_digest(m.get("content"), m.get("tool_calls")) for m in req.messages
-                     if m.get("role") == "assistant"]
-
-    def _render(self, req: ChatRequest, known: dict) -> tuple[list[int], list[int]]:
-        """Runs in the work pool: the conversation's ids and the forced call's prefix."""
-        try:
-            rendered = render_conversation(self.fmt, req.messages, req.tools or None, known.get)
-        except ValueError as exc:
-            param = str(exc).split(":", 1)[0]
-            raise ApiError(400, str(exc), param=param if param.startswith("messages") else "messages") from None
-        prefix = self.fmt.encode(forced_prefix(req.forced_tool)) if req.forced_tool else []
-        return rendered.ids + prefix, prefix
-
-    @staticmethod
-    def _header_session(request: Request) -> str:
-        for h in SESSION_HEADERS:
-            v = request.headers.get(h)
-            if v:
-                if len(v) > MAX_SESSION_ID or not v.isprintable():
-                    raise ApiError(400, f"{h}: at most {MAX_SESSION_ID} printable characters", param=h)
-                return v
-        return ""
-
-    def _sampling(self, s: Sampling, forced: bool) -> common_pb2.SamplingParams:
-        stop = list(s.stop)
-        if forced and self.engine != "mock":  # the mock's decode worker has no text to find it in
-            stop.append(FORCED_STOP)
-        p = common_pb2.SamplingParams(max_tokens=s.max_tokens or self.default_max_tokens, temperature=s.temperature,
-                                      top_p=s.top_p, stop=stop, stop_token_ids=s.stop_token_ids,
-                                      ignore_eos=s.ignore_eos)
-        if s.seed is not None:
-            p.seed = s.seed
-        return p
-
-    def _answer(self, p: common_pb2.SamplingParams, forced: str | None, hold: bool) -> Answer:
-        return Answer(p.max_tokens, self._detok, self.eos_ids, tuple(p.stop_token_ids), tuple(p.stop), p.ignore_eos,
-                      forced, hold)
 
     # ------------------------------------------------------------------------------ placing a turn
     async def _place(self, tenant: Tenant, ids: list[int], header: str, how: list[str], forwarded: bool
@@ -420,22 +321,22 @@ class Front:
     # ------------------------------------------------------------------------------- endpoints
     async def chat(self, request: Request) -> Response:
         t0 = time.monotonic()
-        self._check_auth(request)
-        req, digests = await self._off_loop(self._parse_chat, await self._raw_body(request))
-        self._check_model(req.model)
-        header = self._header_session(request)
+        self.read.tenant(request)
+        req, digests = await self.read.off_loop(self.read.parse_chat, await self.read.body(request))
+        self.read.check_model(req.model)
+        header = self.read.session_header(request)
         scope = request.state.tenant.scope
         local = self.table.local.answers
         known = {d: local[(scope, d)] for d in digests if (scope, d) in local}
         if len(known) < len(digests):  # answers another front gave
             known.update((await self.index.prefetch(scope, [d for d in digests if d not in known]))[1])
         request.state.known = known  # a new session's history holds them
-        ids, prefix = await self._off_loop(self._render, req, known)
-        p = self._sampling(req.sampling, req.forced_tool is not None)
+        ids, prefix = await self.read.off_loop(self.read.render, req, known)
+        p = self.read.sampling(req.sampling, req.forced_tool is not None)
         answered = [m.get("tool_call_id") for m in req.messages[_last_answer(req.messages) + 1:]
                     if m.get("role") == "tool"]
         s, turn = await self._begin(request, ids, header, p, answered)
-        answer = self._answer(p, req.forced_tool, bool(req.tools) and req.forced_tool is None)
+        answer = self.read.answer(p, req.forced_tool, bool(req.tools) and req.forced_tool is None)
         run, first = await self._run(s, turn, answer, prefix, t0)
         run.stop_when(_client_gone(request))
         cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
@@ -487,15 +388,15 @@ class Front:
 
     async def completions(self, request: Request) -> Response:
         t0 = time.monotonic()
-        self._check_auth(request)
-        req: CompletionRequest = await self._off_loop(self._parse, await self._raw_body(request), parse_completion)
-        self._check_model(req.model)
-        header = self._header_session(request)
-        ids = list(req.prompt) if isinstance(req.prompt, list) else await self._off_loop(self.fmt.encode, req.prompt)
-        p = self._sampling(req.sampling, False)
+        self.read.tenant(request)
+        req: CompletionRequest = await self.read.off_loop(self.read.parse, await self.read.body(request), parse_completion)
+        self.read.check_model(req.model)
+        header = self.read.session_header(request)
+        ids = list(req.prompt) if isinstance(req.prompt, list) else await self.read.off_loop(self.read.fmt.encode, req.prompt)
+        p = self.read.sampling(req.sampling, False)
         s, turn = await self._begin(request, ids, header, p, ())
         try:
-            run, first = await self._run(s, turn, self._answer(p, None, False), [], t0)
+            run, first = await self._run(s, turn, self.read.answer(p, None, False), [], t0)
         except ApiError as e:
             if e.param == "messages":  # the session API's input is this endpoint's prompt
                 e.param = "prompt"
@@ -542,7 +443,7 @@ class Front:
         yield b"".join(out)
 
     async def models(self, request: Request) -> Response:
-        self._check_auth(request)
+        self.read.tenant(request)
         return JSONResponse({"object": "list", "data": [
             {"id": self.model, "object": "model", "created": self.created, "owned_by": "ampd"}]})
 
@@ -556,10 +457,6 @@ class Front:
 class _Forward(Exception):
     def __init__(self, match: Match) -> None:
         self.match = match
-
-
-def _too_large() -> ApiError:
-    return ApiError(413, f"body: over {MAX_BODY} bytes", code="body_too_large")
 
 
 def error_response(e: ApiError) -> Response:
@@ -737,12 +634,13 @@ async def amain(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, server.exit)
-    serving = asyncio.create_task(server.serve())
-    while not server.started:
-        if serving.done():
-            await serving  # raises the bind error
-            raise RuntimeError(f"cannot bind {args.host}:{args.port}")
-        await asyncio.sleep(0.01)
+    background = BackgroundTasks()  # uvicorn's serve()
+    serving = background.spawn(server.serve())
+    try:
+        await _started(server, serving, args)
+    except BaseException:
+        await background.close()
+        raise
     port = server.servers[0].sockets[0].getsockname()[1]
     front.table.me = f"http://{args.host}:{port}"
     front.table.start()
@@ -751,12 +649,22 @@ async def amain(args: argparse.Namespace) -> None:
     try:
         await serving
     finally:
+        await background.close()  # (serve() has ended, unless this task was cancelled)
         await front.table.stop()
         await front.http.aclose()
-        front.work.shutdown(wait=False, cancel_futures=True)
+        front.read.work.shutdown(wait=False, cancel_futures=True)
         await coordinator.close()
         await redis.aclose()
         tracing.shutdown()  # the spans still batched go before the process ends
+
+
+async def _started(server: uvicorn.Server, serving: asyncio.Task, args: argparse.Namespace) -> None:
+    """Until uvicorn listens; its bind error (or a RuntimeError) if it ends first."""
+    while not server.started:
+        if serving.done():
+            await serving  # raises the bind error
+            raise RuntimeError(f"cannot bind {args.host}:{args.port}")
+        await asyncio.sleep(0.01)
 
 
 COORDINATOR_WAIT_S = 30.0  # at start-up, for the coordinators to answer (one may still be starting)

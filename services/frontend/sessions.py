@@ -25,6 +25,7 @@ import structlog
 from ampd import tracing
 from ampd.front.index import LocalIndex, SessionIndex
 from ampd.front.tenants import OPEN, Tenant
+from ampd.tasks import BackgroundTasks
 from ampd.v1 import common_pb2, coordinator_pb2
 
 log = structlog.get_logger()
@@ -137,18 +138,18 @@ class SessionTable:
         self.local = LocalIndex()
         self.closed_by_ttl = 0
         self.evictions: dict[str, int] = dict.fromkeys(EVICTION_REASONS, 0)
-        self._closing: set[asyncio.Task] = set()
-        self._reaper: asyncio.Task | None = None
+        self._closing = BackgroundTasks()  # evicted sessions' streams being closed, their records released
+        self._reaper = BackgroundTasks()
 
     def new_id(self) -> str:
         return f"fe-{uuid.uuid4().hex[:20]}"
 
     def start(self) -> None:
-        self._reaper = asyncio.create_task(self._reap_loop(), name="session-reaper")
+        self._reaper.spawn(self._reap_loop(), name="session-reaper")
 
     async def stop(self) -> None:
-        if self._reaper is not None:
-            self._reaper.cancel()
+        await self._reaper.close()
+        await self._closing.close(cancel=False)  # (they end by themselves: bounded Redis and gRPC calls)
         for s in list(self.live.values()):
             await self.drop(s)
         await self._forget_evicted([self._release_evicted(sid) for sid in list(self.evicted)])
@@ -196,10 +197,7 @@ class SessionTable:
         return self._later(self._close(s, *self._detach(s)))
 
     def _later(self, coro) -> asyncio.Task:
-        task = asyncio.create_task(coro)
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
-        return task
+        return self._closing.spawn(coro)
 
     async def drop(self, s: LiveSession) -> None:
         """Closes the session and forgets it (its index entry, record and answers too)."""

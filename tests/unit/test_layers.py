@@ -217,3 +217,77 @@ def test_services_do_not_import_each_other(service):
     for mod in _modules(service):
         for target, line in imports(mod):
             assert not _within(target, others), f"{_where(mod, line)}: {mod} imports {target}"
+
+
+# ------------------------------------------------------------------------------------------ cycles
+def import_cycles(packages=("ampd", "services")) -> list[list[str]]:
+    """Every strongly connected set of two or more of our modules in the import graph (Tarjan), each
+    as a list of modules. Function-level (lazy) imports count: they close a cycle when their function
+    runs. A package's ``__init__`` and the submodules it imports are separate nodes, and importing
+    ``a.b`` is an edge to ``a.b`` only (its parents run first but are not part of the edge)."""
+    mods = {m for p in packages for m in _modules(p) if not _within(m, ("ampd.v1",))}
+    graph = {m: sorted({t for t, _ in imports(m) if t in mods and t != m}) for m in mods}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+    for root in sorted(graph):  # iterative Tarjan: the graph is deep enough to hit the recursion limit
+        if root in index:
+            continue
+        work = [(root, iter(graph[root]))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, edges = work[-1]
+            for w in edges:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(graph[w])))
+                    break
+                if w in on_stack:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    comp = []
+                    while True:
+                        w = stack.pop()
+                        on_stack.discard(w)
+                        comp.append(w)
+                        if w == v:
+                            break
+                    if len(comp) > 1:
+                        out.append(sorted(comp))
+    return out
+
+
+def _cycle_text(comp: list[str]) -> str:
+    members = set(comp)
+    lines = [f"{_where(m, line)}: {m} imports {t}" for m in comp for t, line in imports(m) if t in members and t != m]
+    return "import cycle among " + ", ".join(comp) + ":\n  " + "\n  ".join(lines)
+
+
+def test_the_cycle_finder_sees_a_cycle(tmp_path, monkeypatch):
+    """A lazy two-module cycle (the shape route.py and spec.py once had) is found."""
+    pkg = tmp_path / "cyc"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from .b import x\n")
+    (pkg / "b.py").write_text("x = 1\n\ndef f():\n    from .a import x\n    return x\n")
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    imports.cache_clear()
+    try:
+        assert import_cycles(("cyc",)) == [["cyc.a", "cyc.b"]]
+    finally:
+        imports.cache_clear()
+
+
+def test_no_import_cycles():
+    cycles = import_cycles()
+    assert not cycles, "\n".join(_cycle_text(c) for c in cycles)

@@ -7,7 +7,7 @@ import pytest
 
 from ampd.state import WorkerStats
 from ampd.state.store import age_view
-from ampd.state.cluster import Cluster
+from ampd.state.cluster import Cluster, StatsEntry, RoutedTask
 
 
 def stats(ts: float, predicted: float, busy_until: float) -> WorkerStats:
@@ -46,7 +46,7 @@ def test_age_view_without_a_prefill_in_service_is_the_published_view():
 def test_cluster_view_ages_pushed_stats():
     now = time.time()
     st = stats(now - 0.3, 2.5, now + 1.2)  # published 0.3 s ago with 1.5 s in service
-    entries = [(st.ts, "prefill", st.view("prefill", 1), st.busy_until, st.accepted)]
+    entries = [StatsEntry(st.ts, "prefill", st.view("prefill", 1), st.busy_until, st.accepted)]
     view = Cluster(store=None)._assemble(entries, 0.0)
     (p,) = view.prefill
     assert p.queue_predicted_s == pytest.approx(2.2, abs=0.05)
@@ -79,8 +79,8 @@ def test_a_routed_task_counts_until_its_worker_names_it():
     dec = WorkerStats("decode-0", now, None, (), 0.0, 1000)
 
     def entries(p=pre, d=dec):
-        return [(p.ts, "prefill", p.view("prefill", 2), p.busy_until, p.accepted),
-                (d.ts, "decode", d.view("decode", 1), d.busy_until, d.accepted)]
+        return [StatsEntry(p.ts, "prefill", p.view("prefill", 2), p.busy_until, p.accepted),
+                StatsEntry(d.ts, "decode", d.view("decode", 1), d.busy_until, d.accepted)]
 
     view = c._assemble(entries(), 0.0)
     a = PrefillTask("a", 0, 0, 400, now, "decode-0", 1)
@@ -102,7 +102,7 @@ def test_a_routed_task_counts_until_its_worker_names_it():
     # A route that never reached its worker stops counting after ROUTED_TTL_S.
     from ampd.state.cluster import ROUTED_TTL_S
 
-    c._routed[("b", 3)] = ("decode-0", now - ROUTED_TTL_S - 0.01, 0.3)
+    c._routed[("b", 3)] = RoutedTask("decode-0", now - ROUTED_TTL_S - 0.01, 0.3)
     assert c._assemble(entries(pre3), 0.0).decode["decode-0"].queue_predicted_s == 0.0
     assert not c._routed
 
@@ -112,6 +112,6 @@ def test_without_a_cost_model_nothing_is_noted():
 
     c = Cluster(store=None)
     st = WorkerStats("decode-0", time.time(), None, (), 0.0, 1000)
-    view = c._assemble([(st.ts, "decode", st.view("decode", 1), 0.0, ())], 0.0)
+    view = c._assemble([StatsEntry(st.ts, "decode", st.view("decode", 1), 0.0, ())], 0.0)
     c.routed(view, PrefillTask("a", 0, 0, 10, 0.0, "decode-0", 1), RouteDecision("decode-0", True, "x"), 0.0)
     assert not c._routed

@@ -1,0 +1,189 @@
+"""One session's prefill routing on the coordinator: each round's prefill placed by the router
+(Algorithm 1) on the cluster's view, run locally or submitted to a prefill worker, and run locally
+instead when that worker is lost.
+
+A client's turn goes to the decode worker with its first round already routed (decode.proto Route,
+``route_ahead``); a round the worker asks about (its prefill_task) is routed then (``route``)."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING, NamedTuple
+
+import grpc
+import structlog
+
+from ampd import tracing
+from ampd.policy import PrefillTask, RouteDecision
+from ampd.v1 import common_pb2, decode_pb2, prefill_pb2
+from services.coordinator.core import route
+
+if TYPE_CHECKING:
+    from services.coordinator.session import SessionRun
+
+log = structlog.get_logger()
+
+
+class RouteAhead(NamedTuple):
+    """The route sent with the client's last turn: its round's first Tokens show it held."""
+    round: int
+    decision: RouteDecision
+    decide_ms: float
+    input_ready: float  # when the turn went (the round's input was ready)
+
+
+class RoundRoute(NamedTuple):
+    """Where a round's prefill ran, after fallbacks (its RoundTiming's route_reason)."""
+    target: str
+    reason: str
+    local: bool
+
+
+class SessionRoutes:
+    """The session's routed rounds (``routes``), those submitted to a prefill worker and not yet
+    answered (``remote``: round -> prefill worker), and the route sent ahead with the last turn."""
+
+    __slots__ = ("run", "routes", "remote", "ahead")
+
+    def __init__(self, run: SessionRun) -> None:
+        self.run = run
+        self.routes: dict[int, RoundRoute] = {}
+        self.remote: dict[int, str] = {}
+        self.ahead: RouteAhead | None = None
+
+    def reason(self, rnd: int) -> str | None:
+        r = self.routes.get(rnd)
+        return None if r is None else r.reason
+
+    async def decide(self, rnd: int, l_hist: int, l_incr: int, input_ready: float):
+        """(Algorithm 1's decision or None, ms it took) for the round on the cluster's view now."""
+        run = self.run
+        svc = run.svc
+        t0 = time.perf_counter()
+        view = await svc.cluster.view()
+        svc.route_read_ms_total += view.read_s * 1e3
+        req = PrefillTask(run.sid, rnd, l_hist, l_incr, input_ready, run.decode_id, run.info.tp)
+        try:
+            now = time.time()
+            decision = route(svc.router, view, req, now)
+            svc.cluster.routed(view, req, decision, now)
+        except LookupError:  # the bound worker left routing meanwhile: its stream says what happened
+            decision = None
+        took = time.perf_counter() - t0
+        if tracing.on and decision is not None:
+            end = time.time()
+            tracing.route_span(run.sid, rnd, decision, end - took, end, l_hist, l_incr)
+        return decision, took * 1e3
+
+    async def route_ahead(self, rnd: int, l_hist: int, l_incr: int) -> decode_pb2.Route | None:
+        """Routes the first round of a client's turn as the turn goes to the decode worker, for the
+        sizes it will have there if it holds the session's KV (decode.proto Route): the worker then
+        starts a local prefill, or submits a remote one to its prefill worker, without a round trip
+        through here. The decision is Algorithm 1's on the view it would read a moment later, when
+        the worker's prefill_task came."""
+        self.drop_ahead()
+        now = time.time()
+        decision, decide_ms = await self.decide(rnd, l_hist, l_incr, now)
+        if decision is None:
+            return None
+        self.ahead = RouteAhead(rnd, decision, decide_ms, now)
+        if not decision.local:  # the decode worker submits it: a lost prefill worker's rounds re-route
+            self.remote[rnd] = decision.target
+            self.run.svc.remember_remote(self.run, decision.target, rnd)
+        return decode_pb2.Route(l_hist=l_hist, l_incr=l_incr,
+                                prefill_worker="" if decision.local else decision.target)
+
+    def drop_ahead(self) -> None:
+        """The route sent with the turn did not hold (the worker asked with a prefill_task)."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and not ahead.decision.local:
+            self.run.svc.forget_remote(self.run, ahead.round)
+
+    def held(self, rnd: int) -> RouteAhead | None:
+        """Round ``rnd``'s first tokens came: the route sent ahead for it, if it held (no
+        prefill_task came), counted as routed; None otherwise."""
+        ahead = self.ahead
+        if ahead is None or ahead.round != rnd:
+            return None
+        self.ahead = None
+        counters = self.run.svc.counters
+        counters[f"route_{ahead.decision.reason}"] += 1
+        counters["prefills_local" if ahead.decision.local else "prefills_remote"] += 1
+        counters["prefills_routed_with_turn"] += 1
+        return ahead
+
+    async def route(self, need: common_pb2.PrefillTask) -> None:
+        """Routes the round the decode worker asked about, and runs it where the decision says."""
+        run = self.run
+        svc = run.svc
+        self.drop_ahead()
+        decision, decide_ms = await self.decide(need.round, need.l_hist, need.l_incr, need.input_ready)
+        if decision is None:
+            await self.local(need.round, "fallback-local")
+            return
+        svc.counters[f"route_{decision.reason}"] += 1  # the decision's own reason, a fallback's too
+        if not decision.local and not await self._submit(need, decision.target):
+            svc.counters["route_fallback-local"] += 1
+            decision = dataclasses.replace(decision, target=run.decode_id, local=True, reason="fallback-local")
+        if decision.local:
+            await self.local(need.round, decision.reason)
+        self.routed(need.round, decision, decide_ms)
+
+    async def _submit(self, need: common_pb2.PrefillTask, worker: str) -> bool:
+        """Submits the round's prefill to prefill worker ``worker``; False if that failed (it runs
+        locally then: a prefill worker that vanished must not lose the round)."""
+        run = self.run
+        svc = run.svc
+        target = svc.cluster.infos.get(worker)
+        try:
+            # The task goes on as the decode worker sent it, bound to the worker this
+            # coordinator bound the session to.
+            need.session_id, need.decode_worker, need.decode_tp = run.sid, run.decode_id, run.info.tp
+            self.remote[need.round] = worker
+            svc.remember_remote(run, worker, need.round)
+            await svc.stubs.submit(target.address, target.nixl_agent).call(prefill_pb2.SubmitRequest(task=need),
+                                                                           timeout_s=svc.call_timeout_s)
+            svc.counters["prefills_remote"] += 1
+            return True
+        except (grpc.aio.AioRpcError, AttributeError) as exc:
+            log.warning("remote prefill submit failed; running locally", session=run.sid,
+                        target=worker, error=str(exc))
+            svc.forget_remote(run, need.round)
+            if isinstance(exc, grpc.aio.AioRpcError) and exc.code() in (grpc.StatusCode.UNAVAILABLE,
+                                                                         grpc.StatusCode.DEADLINE_EXCEEDED):
+                svc.cluster.mark_lost(worker)
+            return False
+
+    def routed(self, rnd: int, decision: RouteDecision, decide_ms: float) -> None:
+        """Round ``rnd``'s prefill went where ``decision`` says (after fallbacks)."""
+        self.routes[rnd] = RoundRoute(decision.target, decision.reason, decision.local)
+        # (no Redis write a round: the session's record holds what a move or a reattach needs, its
+        # binding; a write a round took ~5% of the coordinator's CPU, benchmarks/coordinator_capacity.py)
+        log.info("route", session=self.run.sid, round=rnd, target=decision.target, local=decision.local,
+                 reason=decision.reason, decide_ms=round(decide_ms, 3),
+                 **{k: round(v, 4) for k, v in decision.estimates.items()})
+
+    async def local(self, rnd: int, reason: str) -> None:
+        """The round's prefill runs on the bound decode worker."""
+        run = self.run
+        try:
+            await run.control.call(decode_pb2.ControlRequest(local_prefill=decode_pb2.RouteInfo(
+                session_id=run.sid, round=rnd, reason=reason, session_secret=run.secret)),
+                timeout_s=run.svc.call_timeout_s)
+            run.svc.counters["prefills_local"] += 1
+        except grpc.aio.AioRpcError as exc:  # the worker is gone (its stream says so) or the round is
+            log.warning("local prefill refused", session=run.sid, round=rnd, error=exc.details())
+
+    async def reroute(self, rnd: int, lost: str) -> None:
+        """The prefill worker running round ``rnd``'s prefill is lost: the decode worker, which still
+        holds the KV it reserved for it, runs it instead (refused if it got the result meanwhile)."""
+        run = self.run
+        if self.remote.get(rnd) != lost or run.control is None:
+            return
+        del self.remote[rnd]
+        run.svc.counters["prefills_rerouted"] += 1
+        log.warning("prefill worker lost; running the prefill on the decode worker", session=run.sid,
+                    round=rnd, prefill_worker=lost)
+        await self.local(rnd, "rerouted")
+        if rnd in self.routes:
+            self.routes[rnd] = RoundRoute(run.decode_id, "rerouted", True)
