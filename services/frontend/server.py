@@ -30,6 +30,7 @@ from ampd import grpcserver, logs, tracing
 from ampd.chat.conversation import answer_digest, render_conversation
 from ampd.chat.template import ChatFormat
 from ampd.chat.tokenizer import tokenizer_for
+from ampd.engine import capabilities_of
 from ampd.config import SERVICE_SETTINGS, ConfigError, add_flags, require
 from ampd.front.answer import FORCED_STOP, Answer, forced_prefix
 from ampd.front.api import (ApiError, ChatRequest, CompletionRequest, RequestLimits, Sampling, check_depth, error_body,
@@ -228,7 +229,7 @@ class Front:
 
     def _sampling(self, s: Sampling, forced: bool) -> common_pb2.SamplingParams:
         stop = list(s.stop)
-        if forced and self.engine != "mock":  # the mock's decode worker has no text to find it in
+        if forced and capabilities_of(self.engine).text_output:  # the mock's decode worker has no text to find it in
             stop.append(FORCED_STOP)
         p = common_pb2.SamplingParams(max_tokens=s.max_tokens or self.default_max_tokens, temperature=s.temperature,
                                       top_p=s.top_p, stop=stop, stop_token_ids=s.stop_token_ids,
