@@ -337,7 +337,7 @@ class WorkerRuntime:
 
     async def stop(self) -> None:
         await self.leave()
-        self.transport.close()
+        await self.transport.aclose()  # its warm-up tasks cancelled and awaited
 
 
 def _log_redis_retry(state) -> None:
