@@ -223,7 +223,7 @@ class DecodeWorker:
         self._background: set[asyncio.Task] = set()  # submits of routed prefills in flight
         self.stubs = Stubs()  # to the prefill workers routed prefills go to
         caps = engine.capabilities  # ampd.engine.capabilities
-        # A real engine attends to the history in the pool; the mock needs none (and its KV is checkable).
+        # An engine that attends to the history in the pool (torch) is given where it lies; the others none.
         self._history_kv = caps.reads_history_kv
         # An engine that keeps the KV itself (sglang) needs every session's token ids instead.
         self._token_ids = caps.needs_token_ids
