@@ -84,11 +84,12 @@ class WorkerConfig:
 
 def pool_for(profile: Profile, cfg: WorkerConfig, engine=None) -> KVPool:
     """A pool sized like the profile's KV capacity, capped by the memory this process may use. A real
-    engine (one with ``make_pool``) cuts it in its model's KV layout; the mock keeps
+    engine (capability ``cuts_pool``) cuts it in its model's KV layout; the mock keeps
     ``kv_bytes_per_token`` bytes a token."""
-    bpt = getattr(engine, "kv_bytes_per_token", cfg.kv_bytes_per_token)
+    caps = engine.capabilities if engine is not None else None  # ampd.engine.capabilities
+    bpt = engine.kv_bytes_per_token if caps and caps.model_kv_bytes else cfg.kv_bytes_per_token
     tokens = max(cfg.block_tokens, min(profile.kv_capacity_tokens(cfg.tp), cfg.kv_pool_mb * 2**20 // bpt))
-    if hasattr(engine, "make_pool"):
+    if caps and caps.cuts_pool:
         return engine.make_pool(tokens, cfg.block_tokens)
     return KVPool(max(1, tokens // cfg.block_tokens), cfg.block_tokens, bpt)
 
@@ -337,7 +338,7 @@ class WorkerRuntime:
 
     async def stop(self) -> None:
         await self.leave()
-        self.transport.close()
+        await self.transport.aclose()  # its warm-up tasks cancelled and awaited
 
 
 def _log_redis_retry(state) -> None:

@@ -13,7 +13,7 @@ from ampd.config import ConfigError, DeploymentConfig
 from ampd.grpcserver import SESSION_OPEN, RpcFailure, abort_on_failure, serve_calls
 from ampd.chat.template import ChatFormat
 from ampd.chat.tokenizer import tokenizer_for
-from ampd.engine import check_available, make_engine, use_threads
+from ampd.engine import capabilities_of, check_available, make_engine, use_threads
 from ampd.perf import load_profile
 from ampd.policy import SLO, make_queue, policy_spec
 from ampd.state import StateStore, connect
@@ -191,7 +191,7 @@ def _statuses():
 def chat_format(cfg) -> ChatFormat | None:
     """Text for a real engine whose model has a tokenizer: stop strings and tool calls in the output.
     The mock's ids are not text; a model folder without a tokenizer serves ids only."""
-    if cfg.engine == "mock":
+    if not capabilities_of(cfg.engine).text_output:
         return None
     try:
         return ChatFormat(tokenizer_for(cfg.engine, cfg.model))

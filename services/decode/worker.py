@@ -222,13 +222,14 @@ class DecodeWorker:
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()  # submits of routed prefills in flight
         self.stubs = Stubs()  # to the prefill workers routed prefills go to
-        # A real engine attends to the history in the pool; the mock needs none (and its KV is checkable).
-        self._history_kv = engine.name != "mock"
+        caps = engine.capabilities  # ampd.engine.capabilities
+        # An engine that attends to the history in the pool (torch) is given where it lies; the others none.
+        self._history_kv = caps.reads_history_kv
         # An engine that keeps the KV itself (sglang) needs every session's token ids instead.
-        self._token_ids = bool(getattr(engine, "needs_token_ids", False))
+        self._token_ids = caps.needs_token_ids
         # An engine that keeps a decoding round's KV beside the pool (torch) drops it when the round
         # ends: what a later prefill writes into the pool is then read from there.
-        self._round_kv = bool(getattr(engine, "keeps_round_kv", False))
+        self._round_kv = caps.keeps_round_kv
         # An engine that decodes each round as one request of its own (services/decode/streamed.py).
         self._streams = streams_rounds(engine)
         rt.published = self.published
@@ -712,7 +713,7 @@ class DecodeWorker:
             # Its local prefill is running: stop it now (an engine whose prefill can be cancelled,
             # like the mock, stops at once; another finishes its pass). The engine may still write
             # the session's blocks until then, so _prefill frees them when it lets go.
-            if getattr(self.engine, "cancellable_prefill", False):
+            if self.engine.capabilities.cancellable_prefill:
                 running[1].cancel()
         elif (remote and s.task_token) or s.overdue is not None:
             key = (s.session_id, s.round) if remote else s.overdue[0]
@@ -1018,7 +1019,7 @@ class DecodeWorker:
             self.awaiting_remote[(done.session_id, done.round)] = s
             self.local_prefill(done.session_id, done.round, s.secret)
             return
-        if not self._history_kv:  # the mock's KV content is a function of (session, position): check it
+        if self.engine.capabilities.patterned_kv:  # the mock's KV is a function of (session, position): check it
             data = self.rt.pool.read(s.dest, copy=False)  # only compared: a view when it is one run
             bad = verify_pattern(s.session_id, s.l_hist, data, self.rt.pool.layout.bytes_per_token)
             self.metrics["kv_bytes_verified"] += data.size

@@ -189,7 +189,7 @@ class PrefillWorker:
             if task.l_hist:
                 started = time.monotonic()
                 await rt.transport.read(job.peer, task.history, local_hist)
-                if self.engine.name == "mock":  # the mock's KV is a function of (session, position): check it
+                if self.engine.capabilities.patterned_kv:  # the mock's KV is a function of (session, position): check it
                     data = rt.pool.read(local_hist, copy=False)
                     bad = self.patterns.verify(task.session_id, data, rt.pool.layout.bytes_per_token)
                     self.metrics["kv_bytes_verified"] += data.size
