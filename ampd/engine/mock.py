@@ -14,7 +14,7 @@ import time
 from functools import lru_cache
 from typing import Sequence
 
-from ampd.engine import capabilities
+from ampd.engine.capabilities import MOCK
 from ampd.engine.base import DecodeSeq, Sampling
 from ampd.kv import KVPool, Segment, kv_pattern
 from ampd.perf import Profile
@@ -45,7 +45,7 @@ async def sleep_until(deadline: float) -> None:
 
 class MockEngine:
     name = "mock"
-    capabilities = capabilities.MOCK  # a prefill is a sleep after the KV write: cancelling it stops it at once
+    capabilities = MOCK  # a prefill is a sleep after the KV write: cancelling it stops it at once
     eos_token_ids: tuple[int, ...] = ()
     vocab_size = INPUT_VOCAB_SIZE
 

@@ -17,8 +17,6 @@ ALLOWED: frozenset[str] = frozenset({
     "ampd/worker/decode.py:DecodeCore",  # the decode core's schedule()/update() shape
     "services/decode/worker.py:DecodeWorker",  # the decode worker's pieces
     "ampd/sim/loop.py:_Run",  # the simulator's event handlers
-    "ampd/engine/sglang_linker.py:_build_class",  # the sglang engine's class builder
-    "ampd/kv/bench.py:_measure",  # the KV transfer measurement
 })
 
 
