@@ -32,7 +32,8 @@ from ampd.worker.decode import KV_ADMISSION
 __all__ = [
     "DEFAULT_PROFILE", "ALPHA", "BETA", "THRESHOLD_TOKENS", "SLACK_CHOICES", "KV_ADMISSION",
     "DeploymentConfig", "PolicyConfig", "WorkerSettings", "CoordinatorSettings", "FrontendSettings", "ProcessConfig",
-    "SimulatorSettings", "ProfilerSettings", "CommandSettings", "Config", "ConfigError", "SETTINGS", "SERVICE_SETTINGS", "UP_SETTINGS",
+    "SimulatorSettings", "ProfilerSettings", "CommandSettings", "Config", "ConfigError", "SETTINGS",
+    "SERVICE_SETTINGS", "UP_SETTINGS",
     "SIMULATE_SETTINGS", "PROFILE_SETTINGS", "PLACEMENT", "SECRET_SETTINGS", "flag_name", "env_name", "add_flags", "to_argv", "env_names", "pick",
     "config_from_args", "check", "inherit", "inherited", "default_of",
 ]
@@ -128,8 +129,8 @@ class PolicyConfig:
                              "also checks the task's predicted TTFT; empty = the policy's own", choices=SLACK_CHOICES)
     ttft_slo: float = setting(2.0, "TTFT threshold, seconds", metavar="S", positive=True)
     itl_slo: float = setting(0.1, "mean ITL threshold, seconds", metavar="S", positive=True)
-    reorder_window: int = setting(REORDER_WINDOW, "lookahead window w of the TTFT-aware queue (Algorithm 2)", metavar="W",
-                                  minimum=1)
+    reorder_window: int = setting(REORDER_WINDOW, "lookahead window w of the TTFT-aware queue (Algorithm 2)",
+                                  metavar="W", minimum=1)
     chunked_prefill: bool = setting(False, "decode workers split local prefills into chunks interleaved with "
                                            "decode steps (beyond the paper)")
     kv_overlap: bool = setting(True, "a prefill worker reads the next task's history KV while the current "
@@ -154,8 +155,8 @@ class WorkerSettings:
     """How one worker runs (both kinds)."""
 
     tp: int = setting(1, "tensor-parallel degree of this worker", minimum=1)
-    stats_window: float = setting(STATS_WINDOW_S, "window of the workers' windowed TTFT/ITL means, seconds", metavar="S",
-                                  positive=True)
+    stats_window: float = setting(STATS_WINDOW_S, "window of the workers' windowed TTFT/ITL means, seconds",
+                                  metavar="S", positive=True)
     heartbeat: float = setting(0.5, "longest gap between a worker's statistics publications, seconds",
                                metavar="S", positive=True)
     # Each heartbeat renews the worker's liveness key; it expires this long after the last one. A
@@ -322,7 +323,7 @@ def default_of(name: str) -> Any:
 def inherit(name: str) -> Any:
     """A field of a dataclass elsewhere (``ampd.runtime.WorkerConfig``, ``ampd.sim.SimConfig``) that holds
     setting ``name``: its default is the one declared here, and its metadata names the setting (how
-    ``pick`` fills it from parsed flags, and how tests/unit/test_settings_one_home.py checks that no
+    ``inherited`` fills it from parsed flags, and how tests/unit/test_settings_one_home.py checks that no
     setting's default is written twice)."""
     f = SETTINGS[name][1]
     meta = {"setting": name}

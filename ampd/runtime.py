@@ -70,7 +70,7 @@ class WorkerConfig:
     window_s: float = inherit("stats_window")
     reorder_window: int = inherit("reorder_window")
     block_tokens: int = inherit("block_tokens")
-    kv_bytes_per_token: int = inherit("kv_bytes_per_token")  # bytes the mock keeps per token (the profile's are for timing)
+    kv_bytes_per_token: int = inherit("kv_bytes_per_token")  # the mock's (the profile's are for timing)
     kv_pool_mb: int = inherit("kv_pool_mb")
     heartbeat_s: float = inherit("heartbeat")
     liveness_ttl_s: float = inherit("liveness_ttl")

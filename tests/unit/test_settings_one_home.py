@@ -155,6 +155,10 @@ def test_worker_and_simulator_configs_take_every_default_from_ampd_config():
             assert name in config.SETTINGS, f"{cls.__name__}.{f.name} names no setting"
             default = f.default if f.default is not MISSING else f.default_factory()
             assert default == config.default_of(name), f"{cls.__name__}.{f.name}"
+    # every setting they hold comes in on their parser: the decode worker's, `ampd simulate`'s
+    for cls, names in ((WorkerConfig, config.SERVICE_SETTINGS["decode"]), (SimConfig, config.SIMULATE_SETTINGS)):
+        held = {f.metadata["setting"] for f in fields(cls) if "setting" in f.metadata}
+        assert held <= set(names), f"{cls.__name__}: {sorted(held - set(names))} on no parser"
     # the drift issue 28 found: one TTFT SLO and one model default
     assert SimConfig.ttft_slo_s == WorkerConfig.ttft_slo_s == config.PolicyConfig.ttft_slo
     assert WorkerConfig.model == config.DeploymentConfig.model
