@@ -20,7 +20,8 @@ from typing import Sequence
 
 from ampd.policy import SLO, PrefillTask, WorkerView, in_worker_order, make_queue, make_router, policy_spec
 from ampd.policy.admit import AdmissionBook
-from ampd.worker import (ADMITTED, FAILED, IDLE, STEPPING, DecodeCore, DecodeRun, DecodeSession, PrefillCore)
+from ampd.worker import (ADMITTED, FAILED, IDLE, STEPPING, DecodeCore, DecodeRun, DecodeSession, KvRead, LocalPrefill,
+                         PrefillCore, PrefillWork)
 
 from .config import PathLatency, SimConfig
 from .gcpause import gc_paused
@@ -65,13 +66,14 @@ class _Decode(DecodeCore):
 
 
 class _Prefill(PrefillCore):
-    """A prefill worker in the simulator: the core plus its NIC."""
+    """A prefill worker in the simulator: the core plus its NIC and busy time."""
 
-    __slots__ = ("nic", "cs_event")
+    __slots__ = ("nic", "cs_event", "busy_s")
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self.nic = 0.0
+        self.busy_s = 0.0  # the simulator knows the real durations (NIC contention, PathLatency)
         self.cs_event = False  # a _COMPUTE_START event is scheduled for the task in service
 
 
@@ -113,7 +115,7 @@ class _Views:
         vs, now = self.vs, self.now
         for i, p in enumerate(self.ps):
             if vs[i] is None:
-                p.window_mean(now)
+                p.window.mean(now)
 
 
 class _Waiting:
@@ -134,7 +136,7 @@ class _Sess(DecodeSession):
     """A session on its decode worker, plus its script (rounds), where its record goes and the KV
     admission promised it."""
 
-    __slots__ = ("rounds", "rec", "dw", "ready", "local", "pw", "write_s", "target", "need")
+    __slots__ = ("rounds", "rec", "dw", "ready", "local", "pw", "pwork", "write_s", "target", "need")
 
     def __init__(self, sid: str, rounds, rec: SimSession, dw: _Decode, need: int):
         super().__init__(sid)
@@ -145,6 +147,7 @@ class _Sess(DecodeSession):
         self.ready = 0.0  # the current round's input-ready time
         self.local = False
         self.pw: _Prefill | None = None  # the prefill worker running its remote prefill
+        self.pwork: PrefillWork | None = None  # ... and what it runs
         self.write_s = 0.0
         self.target = ""
 
@@ -343,8 +346,8 @@ class _Run:
         decode = []
         for d in self.decodes:  # every worker's view, as the coordinator reads them (windows move)
             v = d.view(now)
-            decode.append(WorkerView(v.worker_id, "decode", v.tp, v.window_mean_s, v.queue, d.kv_cap,
-                                     v.queue_predicted_s))
+            decode.append(WorkerView(worker_id=v.worker_id, kind="decode", tp=v.tp, window_mean_s=v.window_mean_s,
+                                     queue=v.queue, kv_free_tokens=d.kv_cap, queue_predicted_s=v.queue_predicted_s))
         prefills = [p.view(now) for p in self.prefills] if book.rule == "slo" else ()
         v = book.judge(w, w.need, int(w.s.rounds[0].input), now - w.at, decode, prefills)
         if v.worker is None and not v.reason:
@@ -488,7 +491,7 @@ class _Run:
         self.n_remote += 1
         r = p.submit(task, now)
         if r is not None:
-            self.read_ahead(p, r.task, now)
+            self.read_ahead(p, r, now)
         elif p.kv_overlap and p.current is not None and not p.cs_event and now < p.compute_at:
             self.push(p.compute_at, _COMPUTE_START, (p, p.current))  # queued during a read
             p.cs_event = True
@@ -503,7 +506,7 @@ class _Run:
         if type(act) is DecodeRun:
             heappush(self.heap, (act.end, self.seq, _STEP_DONE, (d, d.run_ver)))
         else:
-            heappush(self.heap, (act.end, self.seq, _PREFILL_DONE, d))
+            heappush(self.heap, (act.end, self.seq, _PREFILL_DONE, act))
 
     def interrupt(self, d: _Decode, now: float) -> None:
         """Something for this worker arrived mid-run: end the run at the next step boundary."""
@@ -513,11 +516,11 @@ class _Run:
 
     def step_done(self, obj, now: float) -> None:
         d = obj[0]  # the loop dropped the runs that were cut short
-        k = d.run_m
-        n = d.batch_n
+        n = d.batch_size
         # one row per run of steps (StepLog.FIELDS order)
-        d.log_row((d.step_idx, d.run_t0, d.run_A, d.run_g, k, n, n - d.step_new, d.last_end))
-        exits = d.run_done(k, now)
+        d.log_row((d.step_idx, d.run_t0, d.run_first_s, d.run_growth_s, d.run_steps, n, n - d.run_joined,
+                   d.last_end))
+        exits = d.update(d.run, now)
         if exits:
             round_end = self.round_end
             for st in exits:
@@ -528,23 +531,24 @@ class _Run:
             if type(act) is DecodeRun:
                 heappush(self.heap, (act.end, self.seq, _STEP_DONE, (d, d.run_ver)))
             else:
-                heappush(self.heap, (act.end, self.seq, _PREFILL_DONE, d))
+                heappush(self.heap, (act.end, self.seq, _PREFILL_DONE, act))
 
-    def prefill_done(self, d: _Decode, now: float) -> None:
-        st = d.prefill_done(now)
-        if st is not None:
+    def prefill_done(self, work: LocalPrefill, now: float) -> None:
+        d = work.session.dw
+        for st in d.update(work, now):
             self.first_token(st, now)
         if d.state == IDLE:
             self.decode_next(d, now)
 
     # -------------------------------------------------------------------------- prefill workers
     def prefill_next(self, p: _Prefill, now: float) -> None:
-        if p.current is not None or (not p.qlen and p.ahead is None):
+        if p.current is not None or (not p.queue_len and p.ahead is None):
             return
-        w = p.next(now)
+        w = p.schedule(now)
         st = self.live[w.task.session_id]
         d = st.dw
         st.pw = p
+        st.pwork = w
         st.write_s = w.write_s
         extra = self.busy_extra
         if p.kv_overlap:
@@ -554,8 +558,7 @@ class _Run:
                 d.nic = p.nic = rend
             else:
                 rend = now + w.read_s
-            p.busy_until = rend + w.compute_s + w.write_s
-            p.compute_at = rend
+            p.replan(rend, rend + w.compute_s + w.write_s)
             p.busy_s += rend - now
             # the task computes right after its read, then writes back (over the NICs under contention)
             if self.contention:
@@ -567,7 +570,7 @@ class _Run:
             p.cs_event = False
             if rend <= now:
                 self.compute_start((p, w.task), now)
-            elif p.qlen:  # a queued task's read starts when this one computes
+            elif p.queue_len:  # a queued task's read starts when this one computes
                 self.push(rend, _COMPUTE_START, (p, w.task))
                 p.cs_event = True
         elif self.contention:
@@ -577,7 +580,7 @@ class _Run:
                 d.nic = p.nic = rend
             else:
                 rend = now
-            p.busy_until = rend + w.compute_s + w.write_s
+            p.replan(p.compute_at, rend + w.compute_s + w.write_s)
             p.busy_s += rend - now + w.compute_s + extra
             self.push(rend + w.compute_s + extra, _COMPUTE_DONE, st)
         else:
@@ -586,13 +589,13 @@ class _Run:
             self.seq += 1
             heappush(self.heap, (now + dur + extra, self.seq, _REMOTE_DONE, st))
 
-    def read_ahead(self, p: _Prefill, task: PrefillTask, now: float) -> None:
+    def read_ahead(self, p: _Prefill, r: KvRead, now: float) -> None:
         """KV overlap: the next task's history read starts now (sharing NICs under contention)."""
-        if self.contention and task.l_hist:
-            d = self.live[task.session_id].dw
-            start = max(now, d.nic, p.nic)
-            p.ahead_read_end = start + p.ahead_parts[0]
-            d.nic = p.nic = p.ahead_read_end
+        if self.contention and r.task.l_hist:
+            d = self.live[r.task.session_id].dw
+            end = max(now, d.nic, p.nic) + r.seconds
+            p.read_ahead_until(end)
+            d.nic = p.nic = end
 
     def compute_start(self, obj, now: float) -> None:
         """KV overlap: the task in service has its history and computes; the next task leaves the
@@ -603,7 +606,7 @@ class _Run:
             return  # that task already ended (zero compute and write-back)
         r = p.compute_started(now)
         if r is not None:
-            self.read_ahead(p, r.task, now)
+            self.read_ahead(p, r, now)
 
     def compute_done(self, st: _Sess, now: float) -> None:
         """NIC contention: the new KV's write-back waits for both workers' NICs."""
@@ -618,7 +621,8 @@ class _Run:
     def remote_done(self, st: _Sess, now: float) -> None:
         p = st.pw
         st.pw = None
-        p.finish(now)
+        p.update(st.pwork, now)
+        st.pwork = None
         if self.handoff_s:
             self.push(now + self.handoff_s, _HANDOFF, st)
         else:

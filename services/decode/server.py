@@ -222,7 +222,7 @@ async def amain(args: argparse.Namespace) -> None:
     chunk = profile.prefill_chunk_tokens(cfg.tp) if cfg.chunked_prefill else 0
     core = DecodeCore(cfg.worker_id, cfg.tp, profile, queue, kv_capacity_tokens=rt.pool.capacity_tokens,
                       window_s=cfg.window_s, chunk_tokens=chunk, kv_admission=cfg.kv_admission,
-                      kv_evict=cfg.kv_evict)
+                      kv_evict=cfg.kv_evict, step_by_step=True)
     service.core = DecodeWorker(rt, engine, core, sidecar, chat_format(cfg))
     service.core.reattach_grace_s = args.reattach_grace
     service.core.start()

@@ -4,7 +4,7 @@ the KV pool, NIXL notifications, the session streams (gRPC) and the tool sidecar
 The core decides: KV admission (``kv_admission``), what runs next (a local prefill or one chunk of
 it, or decode steps; prefill has priority), the local queue (Algorithm 2), the windowed ITL and the
 published view. This module does the I/O and runs what the core says. A decode run is executed one
-step at a time (each reported with ``DecodeCore.step_done`` at its measured end), so work that
+step at a time (each reported with ``DecodeCore.update`` at its measured end), so work that
 arrives during a step is seen at the next ``schedule``: the run is cut there. See
 docs/architecture.md "Timing semantics".
 
@@ -39,7 +39,7 @@ from ampd.trust import new_call_id, task_token, token_matches
 from ampd.validate import MAX_ROUNDS
 from ampd.workload.ids import filler_ids
 from ampd.v1 import common_pb2, decode_pb2, prefill_pb2, sidecar_pb2
-from ampd.worker import ADMITTED, FAILED, PREFILLING, DecodeCore, DecodeSession, LocalPrefill
+from ampd.worker import ADMITTED, FAILED, PREFILLING, DecodeCore, DecodeRun, DecodeSession, LocalPrefill
 from services.decode.streamed import continue_remote_round, stops_of, streams_rounds
 
 log = structlog.get_logger()
@@ -195,6 +195,8 @@ class DecodeWorker:
         self.stopping = False  # set by stop(), before it ends the sessions
         self.engine = engine
         self.chat = chat  # text: stop strings and tool calls in the output (an engine with a tokenizer)
+        if not core.step_by_step:
+            raise ValueError("a live decode worker runs its core step by step (DecodeCore(step_by_step=True))")
         self.core = core
         self.sidecar = sidecar_stub
         self.sessions: dict[str, Session] = {}
@@ -279,7 +281,7 @@ class DecodeWorker:
     def _sync_kv(self, room: int = 0) -> None:
         """The core admits by the pool's free space (``room``: what the deciding session's partial
         last block still holds)."""
-        self.core.kv_cap = self.core.kv_used + self.rt.pool.free_tokens + room
+        self.core.sync_kv_free(self.rt.pool.free_tokens + room)
 
     def published(self, now: float) -> tuple[WorkerView, float]:
         self._sync_kv()
@@ -605,11 +607,12 @@ class DecodeWorker:
             self._start_round(self.sessions[c.session_id])
 
     # ------------------------------------------------------------------------ KV eviction
-    def _free_evicted(self) -> None:
+    def _free_evicted(self) -> int:
         """The core evicted these idle sessions' KV (--kv-evict): their blocks go back to the pool.
         Each keeps its tokens (``s.tokens``), so its next round prefills the whole history again, as
-        a session moved here from a lost worker does (l_hist 0), routed like any prefill."""
-        victims = self.core.victims
+        a session moved here from a lost worker does (l_hist 0), routed like any prefill. Returns
+        how many the core evicted."""
+        victims = self.core.take_victims()
         for c in victims:
             s = self.sessions.get(c.session_id)
             if s is None or s.core is not c:
@@ -618,7 +621,7 @@ class DecodeWorker:
             s.kv.release(self.rt.pool)
             self.metrics["kv_evictions"] += 1
             log.info("KV evicted", session=s.session_id, tokens=s.recompute)
-        victims.clear()
+        return len(victims)
 
     def _room_for(self, s: Session) -> None:
         """Right before a round reserves its KV: evict more idle sessions while the pool itself lacks
@@ -630,9 +633,8 @@ class DecodeWorker:
         while pool.free_tokens + room < s.l_incr:
             self._sync_kv(room)
             self.core.make_room(s.l_incr)
-            if not self.core.victims:
+            if not self._free_evicted():
                 return  # nothing left to evict: the reservation fails the session
-            self._free_evicted()
 
     def local_prefill(self, session_id: str, rnd: int, secret: str) -> None:
         s = self._session(session_id, secret)
@@ -871,14 +873,13 @@ class DecodeWorker:
             elif isinstance(work, LocalPrefill):
                 await self._prefill(work)
             else:
-                self.core.cut(self.core.run_t0)  # a plan of one step: views count no step not run
-                await self._step()
+                await self._step(work)  # the core plans one step (step_by_step)
 
     async def _prefill(self, work: LocalPrefill) -> None:
         """One local prefill, or one chunk of it (the core chose it)."""
         s = self.sessions.get(work.session.session_id)
         if s is None or s.core is not work.session:  # cannot happen: drop() unqueues a closed session
-            self.core.prefill_done(time.time())
+            self.core.update(work, time.time())
             return
         self.rt.changed()  # the queue and busy_until moved
         start = s.l_hist + s.prefilled
@@ -907,7 +908,7 @@ class DecodeWorker:
             if s.closed:  # the blocks close() left to the prefill
                 s.kv.release(self.rt.pool)
         if s.closed:
-            self.core.prefill_done(time.time())
+            self.core.update(work, time.time())
             self.rt.changed()
             self._admit_waiting()
             return
@@ -915,13 +916,13 @@ class DecodeWorker:
         self.metrics["local_prefill_tokens"] += n
         if chunk:
             self.metrics["prefill_chunks"] += 1
-        done = self.core.prefill_done(time.time())
+        done = self.core.update(work, time.time())
         self.rt.changed()
-        if done is not None and not s.closed:
+        if done and not s.closed:
             self.metrics["prefills_local"] += 1
             self.first_token(s, token, time.time(), True, self.rt.cfg.worker_id)
 
-    async def _step(self) -> None:
+    async def _step(self, work: DecodeRun) -> None:
         """One decode step of the core's batch."""
         pool = self.rt.pool
         seqs = []
@@ -944,7 +945,7 @@ class DecodeWorker:
         finally:
             self._stepping = False
         now = time.time()
-        ended = {id(c) for c in self.core.step_done(now)}
+        ended = {id(c) for c in self.core.update(work, now)}
         live = 0
         finished: list[tuple[Session, str]] = []
         for (s, _), tok in zip(seqs, tokens):

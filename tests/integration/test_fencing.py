@@ -173,7 +173,8 @@ def test_a_remote_prefill_that_never_reports_runs_on_the_decode_worker(redis_url
         queue = make_queue(policy_spec(cfg.policy).decode_queue, profile, SLO(cfg.ttft_slo_s, cfg.itl_slo_s), 1)
         engine = make_engine("mock", profile, 1, "")
         rt = WorkerRuntime(cfg, StateStore(await connect(redis_url), "overdue"), pool_for(profile, cfg, engine))
-        core = DecodeCore(cfg.worker_id, 1, profile, queue, kv_capacity_tokens=rt.pool.capacity_tokens)
+        core = DecodeCore(cfg.worker_id, 1, profile, queue, kv_capacity_tokens=rt.pool.capacity_tokens,
+                          step_by_step=True)
         dw = DecodeWorker(rt, engine, core)
         dw.start()
         try:
