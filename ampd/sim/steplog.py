@@ -91,7 +91,6 @@ def itl_samples(step_logs, sessions):
     equal weight); a round's first gap (first token -> its first step) is its own sample.
     Vectorised with numpy (the same samples as a per-segment loop)."""
     import numpy as np
-    from operator import attrgetter
 
     P = SERIES_POINTS
     # pass 1: per log, the segments of each part; the output is allocated once and filled in
@@ -144,23 +143,30 @@ def itl_samples(step_logs, sessions):
             out *= g[lo_][:, None]
             out += A[lo_][:, None]
             wts[at:e] = np.repeat(n[lo_] * (k[lo_] - 1) / P, P)
-    # each round's first gap: first token -> end of its first step
     if rounds:
-        cnt = len(rounds)
-        wk_a = np.fromiter(map(attrgetter("worker"), rounds), dtype=np.int64, count=cnt)
-        lo_a = np.fromiter(map(attrgetter("step_lo"), rounds), dtype=np.int64, count=cnt)
-        ft_a = np.fromiter(map(attrgetter("first_token"), rounds), dtype=np.float64, count=cnt)
-        first = np.empty(cnt)
-        for w in np.unique(wk_a):
-            sel = wk_a == w
-            lg = step_logs[int(w)]
-            LO = np.frombuffer(lg.lo, dtype=np.int64)
-            s = np.searchsorted(LO, lo_a[sel], side="right") - 1
-            jj = (lo_a[sel] - LO[s]).astype(np.float64)
-            T0 = np.frombuffer(lg.t0, dtype=np.float64)[s]
-            AA = np.frombuffer(lg.A, dtype=np.float64)[s]
-            GG = np.frombuffer(lg.g, dtype=np.float64)[s]
-            first[sel] = T0 + (jj + 1) * AA + GG * jj * (jj + 1) * 0.5
-        np.subtract(first, ft_a, out=vals[size:])
-        wts[size:] = 1.0
+        _first_gaps(step_logs, rounds, vals[size:], wts[size:])
     return vals, wts
+
+
+def _first_gaps(step_logs, rounds, vals, wts) -> None:
+    """Each round's first gap (first token -> end of its first step) into ``vals`` (weights 1)."""
+    import numpy as np
+    from operator import attrgetter
+
+    cnt = len(rounds)
+    wk_a = np.fromiter(map(attrgetter("worker"), rounds), dtype=np.int64, count=cnt)
+    lo_a = np.fromiter(map(attrgetter("step_lo"), rounds), dtype=np.int64, count=cnt)
+    ft_a = np.fromiter(map(attrgetter("first_token"), rounds), dtype=np.float64, count=cnt)
+    first = np.empty(cnt)
+    for w in np.unique(wk_a):
+        sel = wk_a == w
+        lg = step_logs[int(w)]
+        LO = np.frombuffer(lg.lo, dtype=np.int64)
+        s = np.searchsorted(LO, lo_a[sel], side="right") - 1
+        jj = (lo_a[sel] - LO[s]).astype(np.float64)
+        T0 = np.frombuffer(lg.t0, dtype=np.float64)[s]
+        AA = np.frombuffer(lg.A, dtype=np.float64)[s]
+        GG = np.frombuffer(lg.g, dtype=np.float64)[s]
+        first[sel] = T0 + (jj + 1) * AA + GG * jj * (jj + 1) * 0.5
+    np.subtract(first, ft_a, out=vals)
+    wts[:] = 1.0
