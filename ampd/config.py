@@ -23,23 +23,28 @@ from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from typing import Any
 
 from ampd.policy.admit import ADMISSION_RULES
-from ampd.policy.route import ALPHA, BETA, THRESHOLD_TOKENS
+from ampd.policy.reorder import REORDER_WINDOW
+from ampd.policy.route import ALPHA, BETA, SLACK_RULES, THRESHOLD_TOKENS
 from ampd.policy.spec import POLICIES
+from ampd.window import STATS_WINDOW_S
+from ampd.worker.decode import KV_ADMISSION
 
 __all__ = [
     "DEFAULT_PROFILE", "ALPHA", "BETA", "THRESHOLD_TOKENS", "SLACK_CHOICES", "KV_ADMISSION",
     "DeploymentConfig", "PolicyConfig", "WorkerSettings", "CoordinatorSettings", "FrontendSettings", "ProcessConfig",
-    "SimulatorSettings", "ProfilerSettings", "Config", "ConfigError", "SETTINGS", "SERVICE_SETTINGS", "UP_SETTINGS",
+    "SimulatorSettings", "ProfilerSettings", "CommandSettings", "Config", "ConfigError", "SETTINGS",
+    "SERVICE_SETTINGS", "UP_SETTINGS",
     "SIMULATE_SETTINGS", "PROFILE_SETTINGS", "PLACEMENT", "SECRET_SETTINGS", "flag_name", "env_name", "add_flags", "to_argv", "env_names", "pick",
-    "config_from_args", "check",
+    "config_from_args", "check", "inherit", "inherited", "default_of",
 ]
 
 # ------------------------------------------------------------------------------------- defaults
 DEFAULT_PROFILE = "qwen3-32b@h20"  # the shipped profile `ampd up` and the services use unless told
 # ALPHA, BETA (Algorithm 1's slack factors) and THRESHOLD_TOKENS live beside Algorithm 1 in
-# ampd.policy.route, which the pure cores may import; the flags below take their defaults from there.
-SLACK_CHOICES = ("", "window", "queue")  # "" = the policy's own rule (ampd.policy.route.SLACK_RULES)
-KV_ADMISSION = ("wait", "fail")
+# ampd.policy.route, REORDER_WINDOW beside Algorithm 2 (ampd.policy.reorder), STATS_WINDOW_S beside the
+# windowed mean (ampd.window) and KV_ADMISSION beside the decode core (ampd.worker.decode): the pure cores
+# may import those, not this module; the flags below take their defaults and choices from there.
+SLACK_CHOICES = ("", *SLACK_RULES)  # "" = the policy's own rule
 
 
 class ConfigError(ValueError):
@@ -124,8 +129,8 @@ class PolicyConfig:
                              "also checks the task's predicted TTFT; empty = the policy's own", choices=SLACK_CHOICES)
     ttft_slo: float = setting(2.0, "TTFT threshold, seconds", metavar="S", positive=True)
     itl_slo: float = setting(0.1, "mean ITL threshold, seconds", metavar="S", positive=True)
-    reorder_window: int = setting(3, "lookahead window w of the TTFT-aware queue (Algorithm 2)", metavar="W",
-                                  minimum=1)
+    reorder_window: int = setting(REORDER_WINDOW, "lookahead window w of the TTFT-aware queue (Algorithm 2)",
+                                  metavar="W", minimum=1)
     chunked_prefill: bool = setting(False, "decode workers split local prefills into chunks interleaved with "
                                            "decode steps (beyond the paper)")
     kv_overlap: bool = setting(True, "a prefill worker reads the next task's history KV while the current "
@@ -150,8 +155,8 @@ class WorkerSettings:
     """How one worker runs (both kinds)."""
 
     tp: int = setting(1, "tensor-parallel degree of this worker", minimum=1)
-    stats_window: float = setting(10.0, "window of the workers' windowed TTFT/ITL means, seconds", metavar="S",
-                                  positive=True)
+    stats_window: float = setting(STATS_WINDOW_S, "window of the workers' windowed TTFT/ITL means, seconds",
+                                  metavar="S", positive=True)
     heartbeat: float = setting(0.5, "longest gap between a worker's statistics publications, seconds",
                                metavar="S", positive=True)
     # Each heartbeat renews the worker's liveness key; it expires this long after the last one. A
@@ -270,6 +275,20 @@ class SimulatorSettings:
 
 
 @dataclass(frozen=True)
+class CommandSettings:
+    """What one run of a command reads and writes besides the deployment (`ampd up --plan`, `ampd simulate`,
+    `ampd plan`, `ampd bench`)."""
+
+    trace: str = setting("", "session trace (JSON Lines): the workload replayed (`ampd simulate`, `ampd bench`) "
+                             "or planned for (`ampd plan`, `ampd up --plan`)", metavar="F")
+    json: str = setting("", "write the JSON report here ('-' for stdout)", metavar="OUT")
+    plan: bool = setting(False, "deploy what the planner chooses for --trace (docs/planner.md) instead of "
+                                "--prefill/--decode; prints the chosen split")
+    gpus: int | None = setting(None, "GPUs to plan for (`ampd up --plan`: by default as many as --prefill and "
+                                     "--decode hold)", metavar="N")
+
+
+@dataclass(frozen=True)
 class ProfilerSettings:
     """What `ampd profile` accepts (docs/planner.md, "The profiler")."""
 
@@ -280,7 +299,7 @@ class ProfilerSettings:
 
 
 GROUPS = (DeploymentConfig, PolicyConfig, WorkerSettings, CoordinatorSettings, FrontendSettings, ProcessConfig,
-          SimulatorSettings, ProfilerSettings)
+          SimulatorSettings, ProfilerSettings, CommandSettings)
 
 
 def _index() -> dict[str, tuple[type, Field]]:
@@ -294,6 +313,23 @@ def _index() -> dict[str, tuple[type, Field]]:
 
 
 SETTINGS: dict[str, tuple[type, Field]] = _index()
+
+
+def default_of(name: str) -> Any:
+    """Setting ``name``'s default, as declared above."""
+    return _default(SETTINGS[name][1])
+
+
+def inherit(name: str) -> Any:
+    """A field of a dataclass elsewhere (``ampd.runtime.WorkerConfig``, ``ampd.sim.SimConfig``) that holds
+    setting ``name``: its default is the one declared here, and its metadata names the setting (how
+    ``inherited`` fills it from parsed flags, and how tests/unit/test_settings_one_home.py checks that no
+    setting's default is written twice)."""
+    f = SETTINGS[name][1]
+    meta = {"setting": name}
+    if f.default is MISSING:
+        return field(default_factory=f.default_factory, metadata=meta)
+    return field(default=f.default, metadata=meta)
 
 
 @dataclass(frozen=True)
@@ -390,11 +426,11 @@ UP_SETTINGS: tuple[str, ...] = (
     *(f.name for f in fields(WorkerSettings) if f.name != "tp"),
     *(f.name for f in fields(CoordinatorSettings)),
     *(f.name for f in fields(FrontendSettings) if f.name != "coordinator_address"), "auth_token", "internal_token",
-    "otlp_endpoint",
+    "otlp_endpoint", "plan", "trace", "gpus",
 )
 # `ampd simulate`: the deployment shape, the policy and what the simulator models.
 SIMULATE_SETTINGS: tuple[str, ...] = (
-    "prefill", "decode", "profile", *(f.name for f in fields(PolicyConfig)), "stats_window",
+    "trace", "json", "prefill", "decode", "profile", *(f.name for f in fields(PolicyConfig)), "stats_window",
     "admission", "admission_wait", "admission_queue", "block_tokens",
     *(f.name for f in fields(SimulatorSettings)),
 )
@@ -425,7 +461,7 @@ def env_names(service: str) -> tuple[str, ...]:
 
 def _kind(f: Field) -> type:
     t = f.type if isinstance(f.type, type) else {"str": str, "int": int, "float": float, "bool": bool}.get(
-        str(f.type))
+        str(f.type).removesuffix(" | None"))
     if t is None:
         return tuple  # tuple[str, ...]
     return t
@@ -530,7 +566,7 @@ def add_flags(parser: argparse.ArgumentParser, names: Iterable[str], *, env: boo
         else:
             kw["default"] = default
             if kind is not bool:
-                kw["help"] += " (default: %(default)s)" if default not in ("", ()) else ""
+                kw["help"] += " (default: %(default)s)" if default not in ("", (), None) else ""
         if kind is bool:
             if "default" in kw:
                 kw["help"] += f" (default: {'on' if kw['default'] else 'off'})"
@@ -562,6 +598,19 @@ def pick(args: argparse.Namespace | Mapping[str, Any], cls: type) -> Any:
         if v is not MISSING:
             values[f.name] = tuple(v) if isinstance(v, list) else v
     return cls(**values)
+
+
+def inherited(args: argparse.Namespace | Mapping[str, Any], cls: type) -> dict[str, Any]:
+    """The values of ``cls``'s ``inherit`` fields from parsed flags, by field name (a setting absent
+    from ``args`` is left out: the field keeps its default)."""
+    get = args.get if isinstance(args, Mapping) else (lambda k, d=None: getattr(args, k, d))
+    values = {}
+    for f in fields(cls):
+        name = f.metadata.get("setting")
+        v = MISSING if name is None else get(name, MISSING)
+        if v is not MISSING:
+            values[f.name] = tuple(v) if isinstance(v, list) else v
+    return values
 
 
 def config_from_args(args: argparse.Namespace | Mapping[str, Any]) -> Config:

@@ -1,6 +1,6 @@
 """Deployment shapes: SPEC strings and the co-located rule, shared by `ampd up` and `ampd simulate`.
 
-A SPEC lists replica groups ``tpN*R``, comma-separated (DESIGN section 8): ``tp4*2`` is two
+A SPEC lists replica groups ``tpN*R``, comma-separated (README.md, "The command line"): ``tp4*2`` is two
 replicas of TP 4; ``tp4*1,tp2*2`` mixes degrees; ``tp8`` is short for ``tp8*1``. An empty string,
 ``none``, ``-`` or ``0`` is the empty deployment (no workers of that kind). A bare count ``N`` is
 ``tp1*N``. Pure.

@@ -63,7 +63,7 @@ class Deployment:
 
     def __init__(self, cfg: Config, supervise: bool = True, ready_timeout_s: float | None = None,
                  frontend: bool = False) -> None:
-        from ampd.engine import check_available
+        from ampd.engine import check_available, engine_spec
 
         try:
             cfg.validate()
@@ -83,7 +83,7 @@ class Deployment:
         self.cfg = cfg = cfg.with_(internal_token=self.internal_token)
         # per group of children: a real model loads for a while, an SGLang instance starts in ~1 min
         # on 2 busy cores (two of them at once take twice that)
-        self.ready_timeout_s = ready_timeout_s or {"mock": 90.0, "torch": 90.0}.get(cfg.deployment.engine, 600.0)
+        self.ready_timeout_s = ready_timeout_s or engine_spec(cfg.deployment.engine).ready_timeout_s
         self.supervise = supervise
         self.events: list[str] = []  # what supervision did, in order ("decode-0 exited with -9; restarted")
         self._stopping = threading.Event()
@@ -429,12 +429,6 @@ def register(sub) -> None:
                                    "policy (colocated, continuum) runs no prefill workers: the --prefill GPUs "
                                    "become co-located workers, as in `ampd simulate`.")
     add_flags(p, UP_SETTINGS)
-    p.add_argument("--plan", action="store_true",
-                   help="deploy what the planner chooses for --trace (docs/planner.md) instead of --prefill/--decode; "
-                        "prints the chosen split")
-    p.add_argument("--trace", metavar="F", help="with --plan: the workload to plan for (a session trace, JSON Lines)")
-    p.add_argument("--gpus", type=int, metavar="N",
-                   help="with --plan: GPUs to plan for (default: as many as --prefill and --decode hold)")
     p.set_defaults(func=cmd_up)
     d = sub.add_parser("demo", help="launch a deployment, replay a short trace, print the SLO report")
     d.add_argument("--preset", default="toolbench", help="workload preset of the demo trace")

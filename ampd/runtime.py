@@ -12,7 +12,7 @@ from typing import Awaitable, Callable
 
 import structlog
 
-from ampd.config import SERVICE_SETTINGS, ConfigError, add_flags, require
+from ampd.config import SERVICE_SETTINGS, ConfigError, add_flags, inherit, inherited, require
 from ampd.deployment import check_names
 from ampd.engine.base import Sampling
 from ampd.kv import KVPool, PoolLayout
@@ -49,45 +49,47 @@ ACCEPTED_KEPT = 8
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    """One worker's settings, resolved (kind and bound port known). Built by ``config_from_args``
-    from the flags ampd.config derives; the defaults are ampd.config's."""
+    """One worker's settings, resolved (kind and bound port known). Built by ``worker_config`` from
+    the flags ampd.config derives; every field but ``kind`` and ``port`` holds the ampd.config
+    setting its ``inherit`` names, with that setting's default (the ``_s`` fields are in seconds)."""
 
-    worker_id: str
-    kind: str
-    host: str
-    port: int
-    advertise: str  # address other services dial
-    redis_url: str
-    namespace: str
-    profile: str
-    tp: int
-    engine: str
-    policy: str
-    ttft_slo_s: float
-    itl_slo_s: float
-    window_s: float  # the statistics window (--stats-window)
-    reorder_window: int
-    block_tokens: int
-    kv_bytes_per_token: int  # bytes the mock keeps per token (the profile's are for timing)
-    kv_pool_mb: int
-    heartbeat_s: float
-    liveness_ttl_s: float
-    fence_after_s: float
-    kv_overlap: bool
-    kv_admission: str  # "wait" | "fail"
-    model: str = ""  # a real engine's model (ampd.config)
-    chunked_prefill: bool = False  # decode workers only
-    kv_evict: bool = False  # decode workers only
-    sidecar: str = ""  # decode workers only
+    kind: str  # "prefill" | "decode"
+    port: int  # the port bound (--port may be 0)
+    worker_id: str = inherit("worker_id")
+    host: str = inherit("host")
+    advertise: str = inherit("advertise")  # address other services dial (worker_config: HOST:PORT when empty)
+    redis_url: str = inherit("redis_url")
+    namespace: str = inherit("namespace")
+    profile: str = inherit("profile")
+    tp: int = inherit("tp")
+    engine: str = inherit("engine")
+    model: str = inherit("model")  # a real engine's model
+    policy: str = inherit("policy")
+    ttft_slo_s: float = inherit("ttft_slo")
+    itl_slo_s: float = inherit("itl_slo")
+    window_s: float = inherit("stats_window")
+    reorder_window: int = inherit("reorder_window")
+    block_tokens: int = inherit("block_tokens")
+    kv_bytes_per_token: int = inherit("kv_bytes_per_token")  # the mock's (the profile's are for timing)
+    kv_pool_mb: int = inherit("kv_pool_mb")
+    heartbeat_s: float = inherit("heartbeat")
+    liveness_ttl_s: float = inherit("liveness_ttl")
+    fence_after_s: float = inherit("fence_after")
+    kv_overlap: bool = inherit("kv_overlap")
+    kv_admission: str = inherit("kv_admission")  # "wait" | "fail"
+    chunked_prefill: bool = inherit("chunked_prefill")  # decode workers only
+    kv_evict: bool = inherit("kv_evict")  # decode workers only
+    sidecar: str = inherit("sidecar")  # decode workers only
 
 
 def pool_for(profile: Profile, cfg: WorkerConfig, engine=None) -> KVPool:
     """A pool sized like the profile's KV capacity, capped by the memory this process may use. A real
-    engine (one with ``make_pool``) cuts it in its model's KV layout; the mock keeps
+    engine (capability ``cuts_pool``) cuts it in its model's KV layout; the mock keeps
     ``kv_bytes_per_token`` bytes a token."""
-    bpt = getattr(engine, "kv_bytes_per_token", cfg.kv_bytes_per_token)
+    caps = engine.capabilities if engine is not None else None  # ampd.engine.capabilities
+    bpt = engine.kv_bytes_per_token if caps and caps.model_kv_bytes else cfg.kv_bytes_per_token
     tokens = max(cfg.block_tokens, min(profile.kv_capacity_tokens(cfg.tp), cfg.kv_pool_mb * 2**20 // bpt))
-    if hasattr(engine, "make_pool"):
+    if caps and caps.cuts_pool:
         return engine.make_pool(tokens, cfg.block_tokens)
     return KVPool(max(1, tokens // cfg.block_tokens), cfg.block_tokens, bpt)
 
@@ -336,7 +338,7 @@ class WorkerRuntime:
 
     async def stop(self) -> None:
         await self.leave()
-        self.transport.close()
+        await self.transport.aclose()  # its warm-up tasks cancelled and awaited
 
 
 def _log_redis_retry(state) -> None:
@@ -350,40 +352,16 @@ def add_worker_args(parser, kind: str) -> None:
     add_flags(parser, SERVICE_SETTINGS[kind], env=True)
 
 
-def config_from_args(args, kind: str, port: int) -> WorkerConfig:
+def worker_config(args, kind: str, port: int) -> WorkerConfig:
+    """A ``kind`` worker's config from its parsed flags (``add_worker_args``), bound to ``port``;
+    a setting the parser did not take (a prefill worker's ``sidecar``) keeps its default."""
     if not args.worker_id:
         raise ConfigError("--worker-id: required")
     require(args, "redis_url")
     check_names(args)
-    return WorkerConfig(
-        worker_id=args.worker_id,
-        kind=kind,
-        host=args.host,
-        port=port,
-        advertise=args.advertise or f"{args.host}:{port}",
-        redis_url=args.redis_url,
-        namespace=args.namespace,
-        profile=args.profile,
-        tp=args.tp,
-        engine=args.engine,
-        model=args.model,
-        policy=args.policy,
-        ttft_slo_s=args.ttft_slo,
-        itl_slo_s=args.itl_slo,
-        window_s=args.stats_window,
-        reorder_window=args.reorder_window,
-        block_tokens=args.block_tokens,
-        kv_bytes_per_token=args.kv_bytes_per_token,
-        kv_pool_mb=args.kv_pool_mb,
-        heartbeat_s=args.heartbeat,
-        liveness_ttl_s=args.liveness_ttl,
-        fence_after_s=args.fence_after,
-        kv_overlap=args.kv_overlap,
-        kv_admission=args.kv_admission,
-        chunked_prefill=getattr(args, "chunked_prefill", False),
-        kv_evict=getattr(args, "kv_evict", False),
-        sidecar=getattr(args, "sidecar", ""),
-    )
+    values = inherited(args, WorkerConfig)
+    values["advertise"] = args.advertise or f"{args.host}:{port}"
+    return WorkerConfig(kind=kind, port=port, **values)
 
 
 def sampling_of(p) -> Sampling:

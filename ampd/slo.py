@@ -1,4 +1,4 @@
-"""The SLO a deployment is judged by (DESIGN.md section 5): one type for the policies, the
+"""The SLO a deployment is judged by (docs/report.md "The rule"): one type for the policies, the
 simulator and the reports. Pure; its own module so that the policy cores and the report module both
 import it without importing each other."""
 from __future__ import annotations

@@ -33,6 +33,7 @@ MAX_REASON = 256  # a cancel's reason
 MAX_TP = 64
 MAX_CONTEXT = 1 << 22  # tokens of one session's context (history + new input)
 MAX_SEGMENTS = 1 << 16  # segments of one prefill task (a 1M-token context in 16-token blocks)
+MAX_PRIORITY = 100  # |Turn.hints.priority|
 
 
 class InvalidArgument(ValueError):
@@ -135,6 +136,32 @@ def validate_turn(t: common_pb2.Turn, path: str = "turn", script_tools: Collecti
             raise InvalidArgument(f"{p}.result_tokens: a server-side call's result needs 1 to {MAX_TURN_TOKENS} "
                                   f"tokens, got {c.result_tokens if c.HasField('result_tokens') else 'none'}")
         validate_sampling(c.sampling, f"{p}.sampling")
+    if t.HasField("hints"):
+        validate_hints(t.hints, f"{path}.hints")
+
+
+def check_hints(priority: int | None, expected_output_tokens: int | None, expected_tool_s: float | None,
+                path: str) -> None:
+    """A turn's hints (``TurnHints``, or the OpenAI front's ``ampd_hints``), each None when absent."""
+    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)
+                                 or not -MAX_PRIORITY <= priority <= MAX_PRIORITY):
+        raise InvalidArgument(f"{path}.priority: must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}], "
+                              f"got {priority!r}")
+    if expected_output_tokens is not None and (
+            isinstance(expected_output_tokens, bool) or not isinstance(expected_output_tokens, int)
+            or not 1 <= expected_output_tokens <= MAX_OUTPUT_TOKENS):
+        raise InvalidArgument(f"{path}.expected_output_tokens: must be an integer in [1, {MAX_OUTPUT_TOKENS}], "
+                              f"got {expected_output_tokens!r}")
+    if expected_tool_s is not None:
+        if isinstance(expected_tool_s, bool) or not isinstance(expected_tool_s, (int, float)):
+            raise InvalidArgument(f"{path}.expected_tool_s: must be a number, got {expected_tool_s!r}")
+        _finite(float(expected_tool_s), f"{path}.expected_tool_s", 0.0, MAX_TOOL_LATENCY_S)
+
+
+def validate_hints(h: common_pb2.TurnHints, path: str) -> None:
+    check_hints(h.priority if h.HasField("priority") else None,
+                h.expected_output_tokens if h.HasField("expected_output_tokens") else None,
+                h.expected_tool_s if h.HasField("expected_tool_s") else None, path)
 
 
 def stream_message_error(kind: str | None, closing: bool) -> str:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from ampd.bench.client import replay
 from ampd.bench.report import SLO, build_report
+from ampd.config import add_flags
 from ampd.launcher import Deployment, Options
 from ampd.perf import load_profile
 from ampd.sim import PathLatency, sim_report, simulate
@@ -320,7 +321,7 @@ if __name__ == "__main__":
                     help="instead of the full benchmark: replay one case N times live against one simulation "
                          "(writes fidelity_repeat.json)")
     ap.add_argument("--case", default="medium", help="with --repeat: light, medium or heavy")
-    ap.add_argument("--policy", default="ampd", help="with --repeat: ampd or remote")
+    add_flags(ap, ("policy",))  # with --repeat: ampd or remote
     a = ap.parse_args()
     if a.repeat:
         repeat_live(a.case, a.policy, a.repeat)

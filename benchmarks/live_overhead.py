@@ -165,7 +165,7 @@ def live_and_sim(profile: str, policy: str, trace: list[Session], namespace: str
         asyncio.run(measure(dep.coordinator, 3, 2))
         records, stats, _, _ = asyncio.run(replay(dep.coordinator, trace, progress=False, timeout_s=600))
     assert not stats.errors, stats.errors[:3]
-    sim = simulate(trace, load_profile(profile), policy=policy, prefill="tp1*1", decode="tp1*1")
+    sim = simulate(trace, load_profile(profile), policy=policy, prefill="tp1*1", decode="tp1*1", ttft_slo_s=1.0)
     return records, sim, {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2)}
 
 
@@ -252,7 +252,8 @@ def burst_trace(n: int, profile: str, gap_s: float = 0.025, seed: int = 11) -> l
     sizes = [(rng.randint(128, 1024), rng.randint(128, 1024)) for _ in range(n)]
     first = [Session(id=f"burst-{i:03d}", arrival=gap_s * i, rounds=(Round(input=sizes[i][0], output=1),))
              for i in range(n)]
-    sim = simulate(first, load_profile(profile), policy="remote", prefill="tp1*1", decode="tp1*1")
+    sim = simulate(first, load_profile(profile), policy="remote", prefill="tp1*1", decode="tp1*1",
+                   ttft_slo_s=1.0)
     end0 = {s.session_id: s.rounds[0].last_token for s in sim.sessions}
     t1 = max(end0.values()) + 1.0
     return [Session(id=s.id, arrival=s.arrival,

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ampd.bench.client import replay
 from ampd.bench.report import SLO, build_report
-from ampd.config import DEFAULT_PROFILE
+from ampd.config import add_flags
 from ampd.launcher import Deployment, Options
 from ampd.perf import load_profile
 from ampd.policy import policy_spec
@@ -43,12 +43,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rate", type=float, default=0.6, help="sessions per second (Poisson)")
     p.add_argument("--duration", type=float, default=60.0, help="arrival window of the trace, seconds")
     p.add_argument("--seed", type=int, default=7, help="trace seed")
-    p.add_argument("--profile", default=DEFAULT_PROFILE)
-    p.add_argument("--tp", type=int, default=2, help="TP degree of every worker")
+    add_flags(p, ("profile", "tp", "ttft_slo", "itl_slo"))
+    p.set_defaults(tp=2, ttft_slo=4.0, itl_slo=0.03)  # this benchmark's: TP 2 workers, its SLOs
     p.add_argument("--prefill", type=int, default=2, help="prefill workers")
     p.add_argument("--decode", type=int, default=2, help="decode workers")
-    p.add_argument("--ttft-slo", type=float, default=4.0, help="seconds")
-    p.add_argument("--itl-slo", type=float, default=0.03, help="seconds (session mean ITL)")
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                    help="comma-separated; also ampd-noreorder, threshold, continuum")
     p.add_argument("--router-seed", type=int, default=0, help="seed of the adaptive router")

@@ -35,7 +35,7 @@ from ampd.bench.client import replay
 from ampd.bench.report import build_report
 from ampd.launcher import Deployment, Options
 from ampd.policy import SLO
-from ampd.policy.admit import ADMISSION_RULES
+from ampd.config import add_flags
 from ampd.workload.trace import Round, Session
 
 RESULTS = Path(__file__).parent / "results"
@@ -153,11 +153,8 @@ def main() -> int:
     p.add_argument("--output", type=int, default=16)
     p.add_argument("--result", type=int, default=200)
     p.add_argument("--tool-s", type=float, default=2.0)
-    p.add_argument("--admission", choices=ADMISSION_RULES, default="slo", help="the coordinator's admission rule")
-    p.add_argument("--admission-wait", type=float, default=2.0)
-    p.add_argument("--admission-queue", type=int, default=256)
-    p.add_argument("--ttft-slo", type=float, default=2.0)
-    p.add_argument("--itl-slo", type=float, default=0.1)
+    add_flags(p, ("admission", "admission_wait", "admission_queue", "ttft_slo", "itl_slo"))
+    p.set_defaults(admission="slo", admission_wait=2.0)  # this benchmark's: SLO admission, a shorter wait
     p.add_argument("--out", default=str(RESULTS / "overload.json"))
     a = p.parse_args()
     t0 = time.monotonic()

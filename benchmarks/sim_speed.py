@@ -19,6 +19,7 @@ import sys
 import time
 
 from ampd.bench.report import SLO
+from ampd.config import add_flags
 from ampd.deployment import worker_shape
 from ampd.perf import load_profile
 from ampd.sim import Simulator, SimConfig, gc_paused, sim_report
@@ -88,13 +89,9 @@ def main() -> int:
     ap.add_argument("--sessions", type=int, default=100_000)
     ap.add_argument("--rates", default="0.04,0.3",
                     help="comma-separated Poisson arrival rates, sessions/s (one run each)")
-    ap.add_argument("--policy", default="ampd")
-    ap.add_argument("--profile", default="llama3.1-70b@h20")
-    ap.add_argument("--prefill", default="tp8*2", help="prefill SPEC; may be left out ('auto') under a co-located "
-                                                       "policy, whose GPUs given here become co-located workers")
-    ap.add_argument("--decode", default="tp8*2")
-    ap.add_argument("--ttft-slo", type=float, default=5.0)
-    ap.add_argument("--itl-slo", type=float, default=0.1)
+    add_flags(ap, ("policy", "profile", "prefill", "decode", "ttft_slo", "itl_slo"))
+    # this benchmark's deployment (the paper's 70B on 32 GPUs) and TTFT SLO
+    ap.set_defaults(profile="llama3.1-70b@h20", prefill="tp8*2", decode="tp8*2", ttft_slo=5.0)
     ap.add_argument("--note", default="", help="free text stored with the results (load on the box, ...)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "sim_speed.json"))
     a = ap.parse_args()

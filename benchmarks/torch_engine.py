@@ -45,9 +45,9 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from ampd.config import add_flags  # noqa: E402
 from ampd.engine.torch_engine import TorchEngine  # noqa: E402
 from ampd.engine.torch_models import (  # noqa: E402
-    DEFAULT_MODEL,
     load_model,
     resolve_model,
 )
@@ -248,7 +248,7 @@ async def _kv_transfer(engine: TorchEngine, tokens: int, reps: int) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=DEFAULT_MODEL, help="smollm2-135m-instruct or a folder")
+    add_flags(ap, ("model",))
     ap.add_argument("--prompt", type=int, default=300, help="prompt tokens of the batch-1 requests")
     ap.add_argument("--new", type=int, default=64, help="generated tokens per request")
     ap.add_argument("--reps", type=int, default=5, help="batch-1 requests (and generate runs)")

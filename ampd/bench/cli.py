@@ -49,7 +49,7 @@ def _sched(args: argparse.Namespace) -> int:
 
 def register(sub) -> None:
     s = sub.add_parser("bench-sched", help="routing and reordering decision latency")
-    s.add_argument("--json", default="", help="write the results (DESIGN section 8 keys) here")
+    s.add_argument("--json", default="", help="write the results (docs/report.md keys) here")
     add_flags(s, ("redis_url",))
     s.add_argument("--decisions", type=int, default=3000)
     s.set_defaults(func=_sched)
@@ -64,9 +64,9 @@ def register(sub) -> None:
                         "coordinator is lost goes on through another) or the front's URL (openai)")
     p.add_argument("--model", default="", help="--api openai: the model to ask for (default: the front's first)")
     p.add_argument("--api-key", default="", help="--api openai: the front's key (its --auth-token), if it has one")
-    p.add_argument("--trace", required=True, help="trace file (JSON Lines)")
+    add_flags(p, ("trace",), required=("trace",))
     add_flags(p, ("ttft_slo", "itl_slo"), required=("ttft_slo", "itl_slo"))
-    p.add_argument("--json", default="", help="write the report (DESIGN section 8 keys) here")
+    p.add_argument("--json", default="", help="write the report (docs/report.md keys) here")
     p.add_argument("--verify-tokens", action="store_true",
                    help="check every token against the mock engine's deterministic output")
     p.add_argument("--client-tools", action="store_true",

@@ -1,4 +1,4 @@
-"""SLO accounting shared by the live `ampd bench` and `ampd simulate` (pure; DESIGN.md sections 5, 8).
+"""SLO accounting shared by the live `ampd bench` and `ampd simulate` (pure; docs/report.md).
 
 Callers record what happened to every session as ``SessionRecord``s (times in seconds on one
 clock) and call ``build_report``; both commands therefore judge SLOs by the same rule.
@@ -107,7 +107,7 @@ class SessionVerdict:
 
 
 def judge_session(s: SessionRecord, slo: SLO) -> SessionVerdict:
-    """DESIGN.md section 5: a session attains the SLO when it completed, every round's TTFT
+    """docs/report.md "The rule": a session attains the SLO when it completed, every round's TTFT
     (first_token - input_ready) <= ttft_s and its mean ITL (all gaps between consecutive tokens
     within rounds, across its rounds) <= itl_s."""
     ttft_ok = bool(s.rounds) and all(
@@ -213,7 +213,7 @@ def _first_reaching(v, w, ranks) -> list[float]:
 
 def build_report(policy: str, sessions: Sequence[SessionRecord], slo: SLO, duration_s: float,
                  *, itl_samples=None) -> dict:
-    """The report of DESIGN.md section 8 (its keys first, then extras).
+    """The report of docs/report.md (its keys first, then extras).
 
     ``itl_s`` comes from the gaps of every round's ``token_times``; a compact round (no token
     times, ``itl_count``/``n_tokens`` gaps) contributes its mean gap weighted by its gap count.

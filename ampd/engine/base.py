@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
+from ampd.engine.capabilities import EngineCapabilities
 from ampd.kv import KVPool, Segment
 
 
@@ -45,12 +46,12 @@ class DecodeSeq:
     last_token: int
     kv_segments: list[Segment]  # where the KV of `position` goes (reserved by the worker)
     context_tokens: int  # tokens whose KV the step reads (position + 1)
-    # Where the KV of positions [0, position) lies in the pool. An engine that computes attention
-    # (torch) reads it; the mock needs none, so workers that only drive the mock may leave it empty.
+    # Where the KV of positions [0, position) lies in the pool. An engine with capability
+    # `reads_history_kv` (torch) reads it; workers leave it empty for the others.
     history_kv: list[Segment] = field(default_factory=list)
     sampling: Sampling | None = None  # None: greedy
     # The session's token ids, at least up to `position` (the worker's own list, not a copy). Only an
-    # engine that sets `needs_token_ids` (sglang: it resends the context, its prefix cache matches) reads
+    # engine with capability `needs_token_ids` (sglang: it resends the context, its prefix cache matches) reads
     # them; workers leave it empty for the others.
     token_ids: Sequence[int] = ()
 
@@ -76,20 +77,23 @@ def round_stops(max_tokens: int, stop_token_ids: Sequence[int], ignore_eos: bool
 
 
 class Engine(Protocol):
+    """What the workers drive. The calls below every engine has; ``capabilities`` declares the rest
+    (ampd.engine.capabilities.EngineCapabilities), and with it the calls an engine adds:
+    ``forget(session_id)`` (needs_token_ids, keeps_round_kv), ``open_round`` / ``end_round``
+    (streams_rounds: the decode worker gives a local prefill the round's `RoundStops`
+    (`prefill(..., stops=...)`), calls `open_round` after a remote prefill's first token and
+    `end_round` when it ends a round; `decode_step` hands out each round's next token;
+    services/decode/streamed.py), ``make_pool`` (cuts_pool) and ``kv_bytes_per_token``
+    (model_kv_bytes). Callers read the declaration, never the engine's name."""
+
     name: str
+    capabilities: EngineCapabilities
     tp: int
     # Token ids that end a round by themselves (the model's end of turn); empty for the mock,
     # whose rounds end only at max_tokens or a stop the client set.
     eos_token_ids: tuple[int, ...]
     vocab_size: int  # input ids must lie in [0, vocab_size)
     max_context: int  # the most positions one session may hold
-    # Capabilities an engine may declare (read with getattr, default False):
-    # - needs_token_ids: it keeps the KV itself and needs every session's token ids from the workers.
-    # - streams_rounds: it decodes a whole round as one request of its own and batches the rounds
-    #   itself (sglang). The decode worker then gives a local prefill the round's `RoundStops`
-    #   (`prefill(..., stops=...)`), calls `open_round` after a remote prefill's first token and
-    #   `end_round` when it ends a round; `decode_step` hands out each round's next token
-    #   (ampd.worker.streamed).
 
     async def prefill(
         self,

@@ -14,6 +14,7 @@ import time
 from functools import lru_cache
 from typing import Sequence
 
+from ampd.engine.capabilities import MOCK
 from ampd.engine.base import DecodeSeq, Sampling
 from ampd.kv import KVPool, Segment, kv_pattern
 from ampd.perf import Profile
@@ -44,6 +45,7 @@ async def sleep_until(deadline: float) -> None:
 
 class MockEngine:
     name = "mock"
+    capabilities = MOCK  # a prefill is a sleep after the KV write: cancelling it stops it at once
     eos_token_ids: tuple[int, ...] = ()
     vocab_size = INPUT_VOCAB_SIZE
 
@@ -53,10 +55,6 @@ class MockEngine:
         self.profile = profile
         self.tp = tp
         self.max_context = profile.kv_capacity_tokens(tp)  # one session may fill a replica's KV
-
-    # A prefill is a sleep after the KV write: cancelling it stops it at once (a cancelled session's
-    # local prefill frees its decode worker).
-    cancellable_prefill = True
 
     async def prefill(
         self, session_id: str, l_hist: int, l_incr: int, pool: KVPool, new_kv: Sequence[Segment],

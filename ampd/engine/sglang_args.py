@@ -2,7 +2,7 @@
 importable without SGLang, so unit tests check the mapping anywhere.
 
 Every worker runs its instance in SGLang's ordinary mode (no PD disaggregation: it needs CUDA, and
-a prefill instance would recompute the history anyway; shared/reference/engines-on-cpu.md). A local
+a prefill instance would recompute the history anyway; docs/engines.md "sglang"). A local
 prefill is the round's request on the decode worker's instance, whose radix cache holds the
 history. KV moves between instances through SGLang's unified cache external linker, AMPD's
 `ampd.engine.sglang_linker` (pages over NIXL), when `linker` is set.

@@ -30,6 +30,7 @@ from typing import Any, Sequence
 
 import structlog
 
+from ampd.engine.capabilities import SGLANG
 from ampd.engine.base import DecodeSeq, RoundStops, Sampling
 from ampd.engine.sglang_args import SGLangOptions, launch_env, require_sglang, sampling_params, server_args
 from ampd.kv import KVPool, Segment
@@ -53,8 +54,9 @@ class _Round:
 
 class SGLangEngine:
     name = "sglang"
-    needs_token_ids = True  # workers pass every session's ids (DecodeSeq.token_ids, history_ids)
-    streams_rounds = True  # one request per round (module doc)
+    # needs_token_ids: workers pass every session's ids (DecodeSeq.token_ids, history_ids);
+    # streams_rounds: one request per round (module doc)
+    capabilities = SGLANG
 
     def __init__(self, runtime: Any, *, tp: int, vocab_size: int, max_context: int,
                  eos_token_ids: tuple[int, ...], kv_bytes_per_token: int) -> None:

@@ -27,6 +27,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from ampd.engine.capabilities import TORCH
 from ampd.engine.base import DecodeSeq, Sampling
 from ampd.engine.sampling import next_tokens
 from ampd.engine.torch_fast import Resident, decode_forward, fuse, supports
@@ -60,7 +61,7 @@ class TorchEngine:
     """Engine protocol over one loaded model. `tp` is always 1 (one CPU process)."""
 
     name = "torch"
-    keeps_round_kv = True  # a decoding round's resident KV (torch_fast); the worker calls forget
+    capabilities = TORCH  # keeps_round_kv: a decoding round's resident KV (torch_fast)
 
     def __init__(self, model: Any, *, tp: int = 1) -> None:
         if tp != 1:

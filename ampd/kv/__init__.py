@@ -1,7 +1,8 @@
-"""KV pool, session block maps, verifiable KV content, and the NIXL transport.
+"""KV pool, session block maps, verifiable KV content, and the KV transports.
 
-`NixlTransport` and `KVTransferError` are imported lazily, so that importing `ampd.kv` for the pool
-alone does not load NIXL.
+`KVTransport` (ampd.kv.protocol) is what a transport offers; `NixlTransport` (ampd.kv.transport) is
+the one the services use, imported lazily so that importing `ampd.kv` for the pool alone does not
+load NIXL; `LoopbackTransport` (ampd.kv.loopback) copies between pools of one process (unit tests).
 """
 
 from .pattern import PatternCache, kv_pattern, session_seed, verify_pattern
@@ -14,6 +15,7 @@ from .pool import (
     segments_to_arrays,
     segments_tokens,
 )
+from .protocol import KVTransferError, KVTransport
 from .ranges import pair_ranges
 
 __all__ = [
@@ -30,12 +32,13 @@ __all__ = [
     "verify_pattern",
     "session_seed",
     "KVTransferError",
+    "KVTransport",
     "NixlTransport",
 ]
 
 
 def __getattr__(name: str):
-    if name in ("NixlTransport", "KVTransferError"):
+    if name == "NixlTransport":
         from . import transport
 
         return getattr(transport, name)

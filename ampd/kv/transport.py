@@ -1,4 +1,5 @@
-"""NixlTransport: one NIXL agent (UCX backend) with a KVPool's buffer registered.
+"""NixlTransport: one NIXL agent (UCX backend) with a KVPool's buffer registered; the KVTransport
+(ampd.kv.protocol) the services use.
 
 All calls on one transport must come from one thread (the event loop's): the agent is created
 without NIXL's listener thread, so NIXL does no locking of its own.
@@ -12,7 +13,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -22,7 +23,9 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 from nixl._api import nixl_agent, nixl_agent_config  # noqa: E402
 
 from .finetimer import fine_sleep  # noqa: E402
+from .notifs import NotifListener  # noqa: E402
 from .pool import KVPool, PoolLayout, Segment  # noqa: E402
+from .protocol import KVTransferError, KVTransport  # noqa: E402
 from .ranges import pair_ranges  # noqa: E402
 
 __all__ = ["KVTransferError", "NixlTransport", "NotifListener", "bind_ucx_to", "interface_of"]
@@ -116,10 +119,6 @@ def bind_ucx_to(host: str) -> None:
         os.environ.setdefault("UCX_NET_DEVICES", dev)
 
 
-class KVTransferError(Exception):
-    """A KV transfer could not be made: unknown peer, NIXL refusal, error state or timeout."""
-
-
 def _xfer_poll_delay(waited_s: float) -> float:
     """The sleep before the next completion poll of a transfer that has run ``waited_s``."""
     return min(XFER_POLL_MAX_S, max(XFER_POLL_MIN_S, waited_s / XFER_POLL_RATIO))
@@ -133,10 +132,13 @@ class _Peer:
     warm_task: asyncio.Task | None = None
 
 
-class NixlTransport:
+class NixlTransport(KVTransport):
     """READ/WRITE of KV segments between this process's pool and peers' pools over NIXL. A segment
     here is anything with ``block``, ``offset`` and ``tokens``: a task's repeated Segment field goes
-    in as it came (building ``ampd.kv.Segment``s of it costs more than the transfer's walk over it)."""
+    in as it came (building ``ampd.kv.Segment``s of it costs more than the transfer's walk over it).
+
+    Its background tasks are the peers' warm-up reads (add_peer): it keeps them (``_warming``),
+    and ``aclose`` cancels and awaits them before the pool is deregistered."""
 
     def __init__(
         self,
@@ -154,6 +156,7 @@ class NixlTransport:
         self.transfers = 0
         self.notifs_sent = 0
         self._peers: dict[str, _Peer] = {}
+        self._warming: set[asyncio.Task] = set()  # warm-up reads running, a removed peer's included
         self._closed = False
         self._agent = _make_agent(agent_name, list(backends))
         if not self._agent.backends:
@@ -223,7 +226,9 @@ class NixlTransport:
         except RuntimeError:
             self._warm_blocking(peer, warm_s)
         else:
-            peer.warm_task = asyncio.create_task(self._warm_async(peer, warm_s))
+            peer.warm_task = task = asyncio.create_task(self._warm_async(peer, warm_s), name=f"nixl-warm-{name}")
+            self._warming.add(task)
+            task.add_done_callback(self._warming.discard)
 
     async def warm_peer(self, name: str) -> None:
         """Wait for the background warm-up started by add_peer (no-op when there is none)."""
@@ -416,29 +421,23 @@ class NixlTransport:
             raise KVTransferError(f"send_notif to peer {peer!r}: {e!r}") from e
         self.notifs_sent += 1
 
-    def listen(self, callback: Callable[[str, bytes], None], pending: Callable[[], bool]) -> "NotifListener":
-        """Starts a NotifListener that calls ``callback(peer, msg)`` on the running event loop for
-        every notification; it polls only while ``pending()`` is true (see NotifListener)."""
-        self._check_open()
-        return NotifListener(self, callback, pending)
-
-    async def watch_notifs(
-        self,
-        callback: Callable[[str, bytes], Awaitable[None] | None],
-        *,
-        interval_s: float = 200e-6,
-    ) -> None:
-        """Poll forever (until cancelled or closed), calling `callback(peer, notif)` per notification."""
-        while not self._closed:
-            for peer, msg in self.poll_notifs():
-                r = callback(peer, msg)
-                if asyncio.iscoroutine(r):
-                    await r
-            await fine_sleep(interval_s)
-
     # --- lifetime -------------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def aclose(self) -> None:
+        """close(), after the warm-up reads still running were cancelled and have ended (each
+        releases its NIXL handle before the pool is deregistered)."""
+        tasks = list(self._warming)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self.close()
+
     def close(self) -> None:
-        """Forget all peers and deregister the pool. Idempotent."""
+        """Forget all peers and deregister the pool. Idempotent. Warm-up reads still running are
+        cancelled (``aclose`` also awaits them)."""
         if self._closed:
             return
         self._closed = True
@@ -450,89 +449,5 @@ class NixlTransport:
         except Exception as e:
             log.warning("deregister_memory: %r", e)
 
-    def counters(self) -> dict[str, int]:
-        return {
-            "bytes_read": self.bytes_read,
-            "bytes_written": self.bytes_written,
-            "transfers": self.transfers,
-            "notifs_sent": self.notifs_sent,
-        }
-
-    def __enter__(self) -> "NixlTransport":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         return f"NixlTransport({self.name!r}, peers={sorted(self._peers)}, closed={self._closed})"
-
-
-
-
-# NotifListener polling: the first poll POLL_FIRST_S after a wait begins, then every POLL_MIN_S;
-# once a wait has lasted longer, every 1/POLL_RATIO of the time waited so far, at most every
-# POLL_MAX_S. Each poll is a wake-up of the event loop (~30 us of CPU here, measured), so a 100 ms
-# wait polls ~115 times (~3.5 % of a core; 1/100 capped at 1 ms polled ~260 times) and a
-# notification is seen at most 1/POLL_RATIO of the wait late. No notification can come sooner
-# than POLL_FIRST_S after a decode worker asks for a prefill (the coordinator routes it, the
-# prefill worker reads and writes KV: three hops of ~0.3 ms or more), and a prefill routed to the
-# decode worker itself comes back as LocalPrefill within about that time, with no poll at all. A
-# remote round's notification comes ~1.5-3 ms after the wait begins, where polls are POLL_MIN_S
-# apart: between two processes a notification was seen ~190 us after its WRITE was posted with
-# polls every 200 us and ~110 us with polls every 50 us (NIXL's progress thread, which takes it
-# in, passes every PROGRESS_DELAY_US: the rest).
-POLL_FIRST_S = 1e-3
-POLL_MIN_S = 100e-6
-POLL_MAX_S = 2e-3
-POLL_RATIO = 25
-
-
-class NotifListener:
-    """Hands a transport's NIXL notifications to ``callback`` on the event loop, promptly.
-
-    NIXL offers no file descriptor to wait on, so someone must poll. This used to be
-    ``asyncio.sleep(0.0005)`` between polls, which under uvloop (1 ms timers) returns at once: it
-    spun a core whenever a prefill was outstanding, and polled 100 times a second otherwise. This
-    task polls with ``fine_sleep`` only while ``pending()`` says a notification is expected
-    (``arm()`` wakes it when a wait begins) and sleeps on an event otherwise. Notifications that
-    arrive while it sleeps wait in NIXL until the next poll.
-    """
-
-    def __init__(self, transport: NixlTransport, callback: Callable[[str, bytes], None],
-                 pending: Callable[[], bool]) -> None:
-        self._transport = transport
-        self._callback = callback
-        self._pending = pending
-        self._armed = asyncio.Event()
-        self.polls = 0
-        self._task = asyncio.create_task(self._run(), name=f"nixl-notifs-{transport.name}")
-
-    def arm(self) -> None:
-        """A notification is now expected: poll until ``pending()`` turns false."""
-        self._armed.set()
-
-    async def stop(self) -> None:
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
-
-    async def _run(self) -> None:
-        while True:
-            await self._armed.wait()
-            since = time.monotonic()
-            await fine_sleep(POLL_FIRST_S)
-            while True:
-                self._armed.clear()
-                got = self._transport.poll_notifs()
-                self.polls += 1
-                for peer, msg in got:
-                    try:
-                        self._callback(peer, msg)
-                    except Exception:  # one bad notification must not stop the others
-                        log.exception("notification callback failed (peer %s)", peer)
-                now = time.monotonic()
-                if got:
-                    since = now
-                if not self._pending() and not self._armed.is_set():
-                    break
-                await fine_sleep(min(POLL_MAX_S, max(POLL_MIN_S, (now - since) / POLL_RATIO)))

@@ -1,4 +1,4 @@
-"""`ampd plan`: the planner on a profile and a trace (DESIGN section 8)."""
+"""`ampd plan`: the planner on a profile and a trace (docs/planner.md)."""
 from __future__ import annotations
 
 import json
@@ -10,23 +10,22 @@ from ampd.cli import CliError
 
 
 def register(subparsers) -> None:
+    from ampd.config import add_flags  # run() imports it anyway (through the simulator)
+
     p = subparsers.add_parser(
         "plan", help="choose how many prefill and decode GPUs at which TP degree (ILP on SCIP)",
         description="Plan a deployment for a trace on N GPUs: the ILP of docs/planner.md picks the best "
                     "candidates by estimated worst P95, each candidate is simulated whole, and the top K "
                     "by simulated SLO attainment are printed (and written as JSON with --json).")
-    p.add_argument("--profile", required=True, metavar="P",
-                   help="performance profile: shipped name (MODEL@HARDWARE) or a JSON file")
-    p.add_argument("--trace", required=True, metavar="F", help="session trace (JSON Lines)")
-    p.add_argument("--gpus", required=True, type=int, metavar="N", help="GPUs to plan for")
+    add_flags(p, ("profile",), required=("profile",))
+    add_flags(p, ("trace", "gpus"), required=("trace", "gpus"))
     p.add_argument("--top", type=int, default=3, metavar="K", help="deployments to return (default 3)")
-    p.add_argument("--json", metavar="OUT", help="write the plan as JSON here ('-' for stdout)")
+    add_flags(p, ("json",))  # the plan
     p.add_argument("--ttft-slo", type=float, metavar="S",
                    help="TTFT threshold, seconds (default: 3 x P90 standalone prefill; docs/planner.md)")
     p.add_argument("--itl-slo", type=float, metavar="S",
                    help="mean ITL threshold, seconds (default: 3 x a batch-32 decode step; docs/planner.md)")
-    p.add_argument("--policy", default="ampd", metavar="NAME",
-                   help="policy the candidates are simulated with (default ampd)")
+    add_flags(p, ("policy",))  # the candidates are simulated with it
     p.add_argument("--no-colocated", action="store_true",
                    help="leave co-located deployments (no prefill workers) out of the search")
     p.add_argument("--one-degree", action="store_true",
@@ -37,7 +36,7 @@ def register(subparsers) -> None:
                    help="ILP finalists to check by simulation (default --top + 1)")
     p.add_argument("--check-sessions", type=int, default=None, metavar="M",
                    help="simulate only the first M sessions of the trace in each check (default 250; 0: all)")
-    p.add_argument("--seed", type=int, default=0, metavar="K", help="seed of the router's random order")
+    add_flags(p, ("seed",))
     p.add_argument("--estimates-cache", metavar="F",
                    help="keep the check simulations in this file: a later plan of the same trace, profile, "
                         "SLO and policy (any GPU count or top K) reuses them")

@@ -34,10 +34,11 @@ from typing import Protocol
 from .bind import bind
 from .cost import t_local, t_remote
 from .order import worker_key
+from .route import ALPHA
 from .types import SLO, WorkerView
 
 __all__ = ["AdmissionBook", "ADMISSION_RULES", "REFUSAL_REASONS", "KV_SIZE", "KV_FULL", "QUEUE_FULL", "TTFT", "ITL",
-           "TTFT_FRACTION", "Verdict", "decide", "predicted_itl", "predicted_ttft"]
+           "TTFT_FRACTION", "HEAD_POLL_S", "Verdict", "decide", "predicted_itl", "predicted_ttft"]
 
 ADMISSION_RULES = ("kv", "slo", "none")
 
@@ -52,7 +53,10 @@ REFUSAL_REASONS = (KV_SIZE, KV_FULL, QUEUE_FULL, TTFT, ITL)
 # The share of the TTFT SLO a new session's predicted TTFT may take: the router's slack factor
 # (Algorithm 1's alpha), leaving room for what the prediction does not see (sessions admitted an
 # instant ago whose prefill is not yet queued, the hops between services).
-TTFT_FRACTION = 0.9
+TTFT_FRACTION = ALPHA
+# How often the head of the admission queue looks again without a release (a new worker may have
+# joined, the slo rule's verdict may change): the coordinator's poll, and the simulator's.
+HEAD_POLL_S = 0.5
 
 _WAIT_EPS_S = 1e-9  # a wait this short is over
 

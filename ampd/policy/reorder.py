@@ -20,6 +20,9 @@ from itertools import permutations
 
 from .types import SLO, CostModel, PrefillTask
 
+# Algorithm 2's default lookahead w: ampd.config's `reorder_window` (--reorder-window) takes it from here.
+REORDER_WINDOW = 3
+
 __all__ = [
     "PrefillQueue",
     "FCFSQueue",
@@ -176,7 +179,7 @@ class TTFTAwareQueue(PrefillQueue):
 
     __slots__ = ("window", "pops_on_time", "_plans")
 
-    def __init__(self, cost: CostModel, slo: SLO, tp: int, *, window: int = 3):
+    def __init__(self, cost: CostModel, slo: SLO, tp: int, *, window: int = REORDER_WINDOW):
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window!r}")
         super().__init__(cost, slo, tp)
@@ -313,7 +316,7 @@ _QUEUE_BUILDERS = {
 QUEUES: tuple[str, ...] = tuple(_QUEUE_BUILDERS)
 
 
-def make_queue(name: str, cost: CostModel, slo: SLO, tp: int, *, window: int = 3) -> PrefillQueue:
+def make_queue(name: str, cost: CostModel, slo: SLO, tp: int, *, window: int = REORDER_WINDOW) -> PrefillQueue:
     """Build a prefill queue for a worker of degree ``tp``: ``"fcfs"``, ``"ttft-aware"``
     (Algorithm 2 with lookahead ``window``) or ``"continuum"``. Unknown names raise ``ValueError``."""
     build = _QUEUE_BUILDERS.get(name)

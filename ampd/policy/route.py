@@ -12,6 +12,8 @@ import random
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
+from ampd.window import STATS_WINDOW_S
+
 from .cost import remote_prefill_s, t_local
 from .order import before
 from .types import SLO, CostModel, PrefillTask, RouteDecision, WorkerView
@@ -62,10 +64,10 @@ THRESHOLD_TOKENS = 1000  # the threshold baseline's limit (Dynamo's default)
 # The margin router spreads a local prefill's decode stall over this many seconds of decoding when it
 # predicts the decode worker's ITL (a stall of s seconds raises the mean ITL over a span of H seconds
 # by the factor 1 + s / H). It equals the default span of the workers' ITL window (ampd.config
-# `stats_window`, 10 s) but is a constant of the router: the coordinator does not read
+# `stats_window`) but is a constant of the router: the coordinator does not read
 # `--stats-window` (a worker setting), so a deployment that changes the window still predicts over
-# 10 s. `MarginRouter(horizon_s=)` sets it explicitly.
-MARGIN_HORIZON_S = 10.0
+# the default span. `MarginRouter(horizon_s=)` sets it explicitly.
+MARGIN_HORIZON_S = STATS_WINDOW_S
 
 
 @runtime_checkable

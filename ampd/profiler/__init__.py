@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
+from ampd.config import ProfilerSettings, WorkerSettings
 from ampd.perf.fit import fit_decode, fit_kv, fit_prefill
 from ampd.perf.profile import LINK_RULES, KVTransfer, Profile, TPModel
 from ampd.profiler.checks import HeldOut, error_problems, geo_midpoints, held_out, plan_points, shape_problems
@@ -134,7 +135,7 @@ def _hardware(engine) -> tuple[str, str]:
     try:
         import torch
 
-        if torch.cuda.is_available() and engine.name != "torch":  # the torch engine runs on the CPU
+        if torch.cuda.is_available() and not engine.capabilities.cpu_only:  # the torch engine runs on the CPU
             return torch.cuda.get_device_name(0).lower().replace("nvidia ", "").replace(" ", "-"), "gpu"
     except ImportError:
         pass
@@ -170,12 +171,16 @@ def _real_setup(name: str, profile_name: str | None, tps, model: str, kv_pool_mb
                        source=f"{name} engine, model {model}")
 
 
-# name -> factory(profile name or None, TP degrees or None, model, kv_pool_mb)
-ENGINES: dict[str, Callable[..., EngineSetup]] = {
-    "mock": _mock_setup,
-    "torch": lambda *a: _real_setup("torch", *a),
-    "sglang": lambda *a: _real_setup("sglang", *a),
-}
+def _setup_of(engine: str) -> Callable[..., EngineSetup]:
+    """factory(profile name or None, TP degrees or None, model, kv_pool_mb) of a registered engine
+    (ampd.engine): one timed by a profile (the mock) takes its times from it, any other is measured."""
+    from ampd.engine import ENGINES, capabilities_of
+
+    if engine not in ENGINES:
+        raise ValueError(f"engine: {engine!r} cannot be profiled (available: {', '.join(ENGINES)})")
+    if capabilities_of(engine).timed_by_profile:
+        return _mock_setup
+    return lambda *a: _real_setup(engine, *a)
 
 
 # ---- measuring ----------------------------------------------------------------------------------
@@ -187,7 +192,7 @@ class _Region:
         from ampd.kv import KVPool
 
         self.bt = block_tokens
-        if hasattr(engine, "make_pool"):
+        if engine.capabilities.cuts_pool:
             self.pool = engine.make_pool(tokens, block_tokens)
         else:
             self.pool = KVPool(max(1, math.ceil(tokens / block_tokens)), block_tokens, setup.pool_bytes_per_token)
@@ -207,7 +212,7 @@ class _Region:
 def _ids(engine, n: int, start: int = 0) -> list[int]:
     from ampd.workload import filler_ids
 
-    return filler_ids(n, start, vocab=int(getattr(engine, "vocab_size", 32_000)))
+    return filler_ids(n, start, vocab=int(engine.vocab_size))
 
 
 class Timed(float):
@@ -282,8 +287,8 @@ async def _decode_samples(setup, engine, points, bt, timing):
     top = max(c for _, c in points)
     base = math.ceil(top / bt) * bt
     reg = _Region(setup, engine, base + 2 * max(b for b, _ in points), bt)
-    own_kv = bool(getattr(engine, "needs_token_ids", False))  # it attends to its own cache: fill it
-    rounds = bool(getattr(engine, "keeps_round_kv", False))
+    own_kv = engine.capabilities.needs_token_ids  # it attends to its own cache: fill it
+    rounds = engine.capabilities.keeps_round_kv
     steps_of: dict[tuple[int, int], tuple[list, list]] = {}
     prefilled: set[str] = set()
     for b, c in points:
@@ -478,7 +483,7 @@ async def _run(setup: EngineSetup, grid: Grid, name: str, block_tokens: int, max
         return cache[tp]
     plans = {}
     for tp in setup.tps:
-        ctx_limit = int(getattr(make(tp), "max_context", 1 << 30))
+        ctx_limit = int(make(tp).max_context)
         plans[tp] = plan_points(grid.l_hist, grid.l_incr, grid.batch, grid.context,
                                 setup.kv_capacity_tokens[tp], ctx_limit)
     kv_held = geo_midpoints(grid.kv_tokens)
@@ -570,20 +575,20 @@ def merge_runs(runs: list[ProfileRun], max_error: float | None = None) -> Profil
 
 def profile_engine(engine: str, *, profile: str | None = None, tps: tuple[int, ...] | None = None,
                    grid: Grid | str = "full", reps: int | None = None, name: str | None = None,
-                   model: str = "", block_tokens: int = 32, kv_pool_mb: int = 256, max_error: float = 0.15,
+                   model: str = "", block_tokens: int = WorkerSettings.block_tokens,
+                   kv_pool_mb: int = WorkerSettings.kv_pool_mb, max_error: float = ProfilerSettings.max_held_out_error,
                    progress: Callable[[int, int], None] | None = None) -> ProfileRun:
     """Profile ``engine`` and fit a :class:`Profile`; ``grid`` is a Grid or a size name of ``GRIDS``.
     ValueError names the bad option (``engine``, ``profile``, ``tp``, ``model``, ``grid``). The run's
     ``problems`` say why the profile must not be used (empty when it passed its checks)."""
-    if engine not in ENGINES:
-        raise ValueError(f"engine: {engine!r} cannot be profiled (available: {', '.join(ENGINES)})")
+    make_setup = _setup_of(engine)
     if isinstance(grid, str) and grid not in GRIDS["cpu"]:
         raise ValueError(f"grid: {grid!r} is not one of {', '.join(GRIDS['cpu'])}")
     if not model:
         from ampd.config import DeploymentConfig
 
         model = DeploymentConfig().model
-    setup = ENGINES[engine](profile, tps, model, kv_pool_mb)
+    setup = make_setup(profile, tps, model, kv_pool_mb)
     g = GRIDS[setup.scale][grid] if isinstance(grid, str) else grid
     if reps is not None:
         g = replace(g, reps=reps)

@@ -5,7 +5,7 @@ import json
 import os
 
 from ampd.cli import CliError
-from ampd.config import SIMULATE_SETTINGS, add_flags
+from ampd.config import SIMULATE_SETTINGS, add_flags, inherited
 
 
 def register(subparsers) -> None:
@@ -16,9 +16,7 @@ def register(subparsers) -> None:
                     "Prints the report of `ampd bench` (same keys, same code). A co-located policy "
                     "(colocated, continuum) runs no prefill workers: the --prefill GPUs become "
                     "co-located workers, as in `ampd up`.")
-    p.add_argument("--trace", required=True, metavar="F", help="session trace (JSON Lines)")
-    p.add_argument("--json", metavar="OUT", help="write the JSON report here ('-' for stdout)")
-    add_flags(p, SIMULATE_SETTINGS, required=("profile", "decode", "policy", "ttft_slo", "itl_slo"))
+    add_flags(p, SIMULATE_SETTINGS, required=("trace", "profile", "decode", "policy", "ttft_slo", "itl_slo"))
     p.set_defaults(func=run)
 
 
@@ -58,14 +56,9 @@ def run(args) -> int:
         raise CliError(f"{args.trace}: the trace has no sessions")
     router = {"slack": args.slack or None, "alpha": args.alpha, "beta": args.beta,
               "threshold_tokens": args.threshold_tokens}
-    cfg = SimConfig(profile=profile, policy=args.policy, prefill=shape.prefill, decode=shape.decode,
-                      ttft_slo_s=args.ttft_slo, itl_slo_s=args.itl_slo, seed=args.seed,
-                      window_s=args.stats_window, kv_contention=args.kv_contention,
-                      reorder_window=args.reorder_window, chunked_prefill=args.chunked_prefill,
-                      kv_overlap=args.kv_overlap, kv_admission=args.kv_admission,
-                      kv_evict=args.kv_evict, admission=args.admission, admission_wait=args.admission_wait,
-                      admission_queue=args.admission_queue, block_tokens=args.block_tokens,
-                      router_options=router, path=path)
+    settings = {**inherited(args, SimConfig), "decode": shape.decode}  # the SPECs resolved
+    cfg = SimConfig(profile=profile, policy=args.policy, prefill=shape.prefill, router_options=router, path=path,
+                    **settings)
     try:
         sim = Simulator(cfg)
         res = sim.run(sessions)

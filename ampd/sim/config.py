@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ampd.config import CoordinatorSettings, WorkerSettings
+from ampd.config import inherit
 
 __all__ = ["PathLatency", "SimConfig"]
 
@@ -87,25 +87,28 @@ class SimConfig:
     ``admission``, ``admission_wait``, ``admission_queue``: the coordinator's admission of new
     sessions (``ampd.policy.admit.AdmissionBook``, the same core): a session is bound where its
     whole KV (every round's input and output, plus ``block_tokens`` for a partly filled last block)
-    is promised, or waits, or is refused."""
+    is promised, or waits, or is refused.
 
-    profile: Any
+    Each field that holds an ampd.config setting names it (``inherit``) and takes its default from
+    there; the ``_s`` fields are in seconds (``window_s``: ``--stats-window``)."""
+
+    profile: Any  # a loaded ampd.perf.Profile
     policy: str
-    prefill: Any = ()
-    decode: Any = "tp1*1"
-    ttft_slo_s: float = 1.0
-    itl_slo_s: float = 0.1
-    seed: int = 0
-    window_s: float = 10.0
-    kv_contention: bool = False
-    reorder_window: int = 3
-    chunked_prefill: bool = False
-    kv_admission: str = "wait"
-    kv_evict: bool = False
-    kv_overlap: bool = True
-    admission: str = CoordinatorSettings.admission
-    admission_wait: float = CoordinatorSettings.admission_wait
-    admission_queue: int = CoordinatorSettings.admission_queue
-    block_tokens: int = WorkerSettings.block_tokens
+    prefill: Any = ()  # resolved (ampd.deployment.worker_shape): no 'auto' here
+    decode: Any = inherit("decode")
+    ttft_slo_s: float = inherit("ttft_slo")
+    itl_slo_s: float = inherit("itl_slo")
+    seed: int = inherit("seed")
+    window_s: float = inherit("stats_window")
+    kv_contention: bool = inherit("kv_contention")
+    reorder_window: int = inherit("reorder_window")
+    chunked_prefill: bool = inherit("chunked_prefill")
+    kv_admission: str = inherit("kv_admission")
+    kv_evict: bool = inherit("kv_evict")
+    kv_overlap: bool = inherit("kv_overlap")
+    admission: str = inherit("admission")
+    admission_wait: float = inherit("admission_wait")
+    admission_queue: int = inherit("admission_queue")
+    block_tokens: int = inherit("block_tokens")
     router_options: dict = field(default_factory=dict)
     path: PathLatency = field(default_factory=PathLatency)  # live control-path latencies (default none)

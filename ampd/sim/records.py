@@ -1,4 +1,4 @@
-"""From a simulation run to the report of DESIGN section 8, through ``ampd.bench.report``.
+"""From a simulation run to the report of docs/report.md, through ``ampd.bench.report``.
 
 There is one report code path: every run becomes ``SessionRecord``/``RoundRecord``s handed to
 ``build_report``, the same code that judges live runs. Small runs keep every token time. Runs
@@ -64,7 +64,7 @@ def to_compact_session_records(res: SimResult) -> list:
 
 def sim_report(res: SimResult, slo, *, max_full_tokens: int = DEFAULT_MAX_FULL_TOKENS,
                extras: bool = True) -> dict:
-    """The DESIGN section 8 report of a run (plus a ``"simulation"`` block of run statistics)."""
+    """The docs/report.md report of a run (plus a ``"simulation"`` block of run statistics)."""
     with gc_paused():  # ~1M records at paper scale: see gc_paused
         return _sim_report(res, slo, max_full_tokens, extras)
 

@@ -38,6 +38,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from ampd.policy import PrefillTask, WorkerView
@@ -177,6 +179,9 @@ def age_view(v: WorkerView, ts: float, busy_until: float, now: float) -> WorkerV
 # chats turned into HTTP 500s (issue 24).
 POOL_CONNECTIONS = 64
 POOL_WAIT_S = 5.0
+# Two more tries, on fresh connections, of a call that met a closed one (timeouts are not retried:
+# a Redis that does not answer fails the call within socket_timeout).
+RECONNECT = Retry(ExponentialBackoff(cap=0.2, base=0.02), 2)
 
 
 async def connect(url: str, timeout_s: float = 10.0) -> aioredis.Redis:
@@ -185,10 +190,13 @@ async def connect(url: str, timeout_s: float = 10.0) -> aioredis.Redis:
     the address, when ``url`` is malformed or nothing answers within ``timeout_s``."""
     target = parse_redis_url(url)
     # Timeouts: a Redis that stops answering must fail a call (and let the caller's backoff run),
-    # never hang it.
+    # never hang it. A connection error is retried on a fresh connection: after a Redis restart
+    # (or a Sentinel failover) every pooled connection is closed by the server, and without this
+    # each of them failed one call (a coordinator lost a session record that way).
     client = aioredis.Redis.from_pool(redis_pool(target, max_connections=POOL_CONNECTIONS, wait_s=POOL_WAIT_S,
                                                  decode_responses=False, socket_timeout=5.0,
-                                                 socket_connect_timeout=2.0))
+                                                 socket_connect_timeout=2.0, retry=RECONNECT,
+                                                 retry_on_error=[aioredis.ConnectionError]))
     try:
         async for attempt in AsyncRetrying(
             retry=retry_if_exception_type(REDIS_ERRORS),

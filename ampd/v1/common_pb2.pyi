@@ -56,21 +56,33 @@ class ScriptedCall(_message.Message):
     sampling: SamplingParams
     def __init__(self, tool: _Optional[_Union[ToolSpec, _Mapping]] = ..., result_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
+class TurnHints(_message.Message):
+    __slots__ = ("priority", "expected_output_tokens", "expected_tool_s")
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_TOOL_S_FIELD_NUMBER: _ClassVar[int]
+    priority: int
+    expected_output_tokens: int
+    expected_tool_s: float
+    def __init__(self, priority: _Optional[int] = ..., expected_output_tokens: _Optional[int] = ..., expected_tool_s: _Optional[float] = ...) -> None: ...
+
 class Turn(_message.Message):
-    __slots__ = ("token_ids", "sampling", "server_tools", "script", "keep_tokens", "tool_call_id")
+    __slots__ = ("token_ids", "sampling", "server_tools", "script", "keep_tokens", "tool_call_id", "hints")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SERVER_TOOLS_FIELD_NUMBER: _ClassVar[int]
     SCRIPT_FIELD_NUMBER: _ClassVar[int]
     KEEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    HINTS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     server_tools: _containers.RepeatedScalarFieldContainer[str]
     script: _containers.RepeatedCompositeFieldContainer[ScriptedCall]
     keep_tokens: int
     tool_call_id: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., server_tools: _Optional[_Iterable[str]] = ..., script: _Optional[_Iterable[_Union[ScriptedCall, _Mapping]]] = ..., keep_tokens: _Optional[int] = ..., tool_call_id: _Optional[str] = ...) -> None: ...
+    hints: TurnHints
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., server_tools: _Optional[_Iterable[str]] = ..., script: _Optional[_Iterable[_Union[ScriptedCall, _Mapping]]] = ..., keep_tokens: _Optional[int] = ..., tool_call_id: _Optional[str] = ..., hints: _Optional[_Union[TurnHints, _Mapping]] = ...) -> None: ...
 
 class SessionLimits(_message.Message):
     __slots__ = ("max_rounds", "max_output_tokens")

@@ -1,7 +1,8 @@
 """Import Mooncake-style request traces (JSON Lines of requests) as sessions.
 
 A row is one request: ``timestamp`` (ms), ``input_length`` and ``output_length`` (tokens), optional
-``hash_ids`` (prefix-cache block hashes; checked to be a list, otherwise unused) and optionally a
+``hash_ids`` (prefix-cache block hashes of the request's whole input, one per 512-token block; kept
+on the round, so the simulator sees the sharing) and optionally a
 session key: ``session_id``, ``session`` or ``conversation_id`` (first present wins). Rows with
 the same session key are the rounds of one session; a row without one is a single-round session.
 The rules that turn requests into rounds are documented in docs/workload.md.
@@ -13,11 +14,12 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from .trace import Round, Session, TraceError, _show, check_int, iter_json_lines
+from .trace import Round, Session, TraceError, _show, check_hash_ids, check_int, iter_json_lines
 
-__all__ = ["import_mooncake", "SESSION_KEYS"]
+__all__ = ["import_mooncake", "SESSION_KEYS", "HASH_BLOCK_TOKENS"]
 
 SESSION_KEYS = ("session_id", "session", "conversation_id")
+HASH_BLOCK_TOKENS = 512  # tokens a Mooncake hash id covers
 
 
 @dataclass(slots=True)
@@ -26,6 +28,7 @@ class _Row:
     ts_ms: float
     input_length: int
     output_length: int
+    hash_ids: tuple[int, ...] | None
 
 
 def _check_ts(v: Any, where: str) -> float:
@@ -45,7 +48,8 @@ def import_mooncake(path: str | os.PathLike) -> list[Session]:
     - tool_s after round k: the gap between row k's and row k+1's timestamps (seconds, >= 0).
       It includes the time the original system spent serving row k, so it is an upper bound on
       the real tool/think time;
-    - output: ``output_length``.
+    - output: ``output_length``;
+    - hash_ids: the row's ``hash_ids`` (the blocks of its whole input), when present.
     Raises TraceError naming the line and field of the first bad row."""
     groups: dict[str, list[_Row]] = {}
     singles: list[tuple[str, _Row]] = []
@@ -56,12 +60,11 @@ def import_mooncake(path: str | os.PathLike) -> list[Session]:
         for key in ("timestamp", "input_length", "output_length"):
             if key not in obj:
                 raise TraceError(f"{where}: field '{key}': missing")
+        hashes = obj.get("hash_ids")
         row = _Row(lineno, _check_ts(obj["timestamp"], where),
                    check_int(obj["input_length"], "input_length", 1, where),
-                   check_int(obj["output_length"], "output_length", 1, where))
-        hashes = obj.get("hash_ids")
-        if hashes is not None and not isinstance(hashes, list):
-            raise TraceError(f"{where}: field 'hash_ids': must be a list, got {_show(hashes)}")
+                   check_int(obj["output_length"], "output_length", 1, where),
+                   None if hashes is None else check_hash_ids(hashes, "hash_ids", where))
         key = next((k for k in SESSION_KEYS if obj.get(k) is not None), None)
         if key is None:
             singles.append((f"row-{lineno:06d}", row))
@@ -102,5 +105,5 @@ def _to_session(sid: str, rows: list[_Row], t0_ms: float) -> Session:
         tool_s = None
         if k + 1 < len(rows):
             tool_s = round(max(0.0, rows[k + 1].ts_ms - row.ts_ms) / 1000.0, 6)
-        rounds.append(Round(inp, row.output_length, tool_s))
+        rounds.append(Round(inp, row.output_length, tool_s, None, row.hash_ids))
     return Session(sid, round((rows[0].ts_ms - t0_ms) / 1000.0, 6), tuple(rounds))

@@ -7,7 +7,7 @@ import numpy as np
 
 from .trace import Session
 
-__all__ = ["trace_stats", "format_stats"]
+__all__ = ["trace_stats", "format_stats", "prefix_sharing"]
 
 
 def _mean(xs) -> float | None:
@@ -16,6 +16,25 @@ def _mean(xs) -> float | None:
 
 def _pct(xs, q: float) -> float | None:
     return float(np.percentile(xs, q)) if len(xs) else None
+
+
+def prefix_sharing(sessions: Sequence[Session]) -> tuple[int, int]:
+    """(round-0 hash blocks, those a session could share): a session, in arrival order, shares the
+    leading hash ids of its first round that any earlier session's rounds named. An upper bound on
+    cross-session prefix sharing (an unbounded cache, every earlier session's blocks still held);
+    a session's later rounds reuse its own history anyway. (0, 0) without ``hash_ids``."""
+    seen: set[int] = set()
+    total = shared = 0
+    for s in sorted(sessions, key=lambda s: s.arrival):
+        ids = s.rounds[0].hash_ids or ()
+        total += len(ids)
+        for h in ids:
+            if h not in seen:
+                break
+            shared += 1
+        for r in s.rounds:
+            seen.update(r.hash_ids or ())
+    return total, shared
 
 
 def trace_stats(sessions: Sequence[Session]) -> dict:
@@ -30,6 +49,7 @@ def trace_stats(sessions: Sequence[Session]) -> dict:
     ctx = np.array([s.context_tokens for s in sessions], dtype=float)
     arr = np.array([s.arrival for s in sessions], dtype=float)
     span = float(arr.max() - arr.min()) if len(arr) > 1 else 0.0
+    hash_blocks, shared_blocks = prefix_sharing(sessions)
     return {
         "sessions": len(sessions),
         "rounds": int(nr.sum()),
@@ -48,6 +68,8 @@ def trace_stats(sessions: Sequence[Session]) -> dict:
         "first_arrival_s": float(arr.min()) if len(arr) else None,
         "last_arrival_s": float(arr.max()) if len(arr) else None,
         "arrival_rate_rps": (len(arr) - 1) / span if span > 0 else None,
+        "first_round_hash_blocks": hash_blocks,
+        "prefix_shared_frac": shared_blocks / hash_blocks if hash_blocks else None,
     }
 
 
@@ -69,6 +91,7 @@ _ROWS = (
     ("first_arrival_s", "first arrival (s)", "{:.3f}"),
     ("last_arrival_s", "last arrival (s)", "{:.3f}"),
     ("arrival_rate_rps", "arrival rate (sessions/s)", "{:.3f}"),
+    ("prefix_shared_frac", "round-0 blocks shareable (frac)", "{:.3f}"),
 )
 
 

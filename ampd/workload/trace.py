@@ -1,4 +1,4 @@
-"""The session trace: data types and the JSON Lines file format (DESIGN.md section 5).
+"""The session trace: data types and the JSON Lines file format (docs/workload.md).
 
 One session per line::
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, TextIO
 
 __all__ = ["Round", "Session", "TraceError", "load_trace", "dump_trace", "session_from_obj",
-           "session_to_obj"]
+           "session_to_obj", "check_hash_ids"]
 
 
 class TraceError(ValueError):
@@ -30,12 +30,16 @@ class Round:
     """One round of a session: ``input`` new tokens to prefill, then ``output`` tokens to decode,
     then (unless it is the last round) an environment/tool interaction of ``tool_s`` seconds whose
     result is the next round's input. ``tool_s`` None means 0; ``tool`` optionally names a sidecar
-    tool (None: the built-in replay tool, which sleeps ``tool_s``)."""
+    tool (None: the built-in replay tool, which sleeps ``tool_s``). ``hash_ids`` optionally names
+    the blocks of the round's whole prompt (history and input) by prefix hashes, as Mooncake's
+    traces do (512-token blocks): rounds, of any session, with equal leading ids share that prefix's
+    KV under prefix sharing (None: unknown, nothing shared)."""
 
     input: int
     output: int
     tool_s: float | None = None
     tool: str | None = None
+    hash_ids: tuple[int, ...] | None = None
 
     @property
     def tool_delay_s(self) -> float:
@@ -86,6 +90,19 @@ def check_time(v: Any, field: str, where: str) -> float:
     raise TraceError(f"{where}: field '{field}': must be a finite number >= 0, got {_show(v)}")
 
 
+MAX_HASH_ID = (1 << 64) - 1
+
+
+def check_hash_ids(v: Any, field: str, where: str) -> tuple[int, ...]:
+    """A list of integers in [0, 2^64) (block hashes), as a tuple."""
+    if not isinstance(v, list):
+        raise TraceError(f"{where}: field '{field}': must be a list, got {_show(v)}")
+    for i, h in enumerate(v):
+        if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h <= MAX_HASH_ID:
+            raise TraceError(f"{where}: field '{field}[{i}]': must be an integer in [0, 2^64), got {_show(h)}")
+    return tuple(v)
+
+
 def _show(v: Any) -> str:
     try:
         text = json.dumps(v)
@@ -127,7 +144,10 @@ def session_from_obj(obj: Any, where: str) -> Session:
         tool = r.get("tool")
         if tool is not None and (not isinstance(tool, str) or not tool):
             raise TraceError(f"{where}: field '{f}.tool': must be a non-empty string, got {_show(tool)}")
-        rounds.append(Round(inp, out, tool_s, tool))
+        hash_ids = r.get("hash_ids")
+        if hash_ids is not None:
+            hash_ids = check_hash_ids(hash_ids, f"{f}.hash_ids", where)
+        rounds.append(Round(inp, out, tool_s, tool, hash_ids))
     return Session(sid, arrival, tuple(rounds))
 
 
@@ -139,6 +159,8 @@ def session_to_obj(s: Session) -> dict:
             d["tool_s"] = r.tool_s
         if r.tool is not None:
             d["tool"] = r.tool
+        if r.hash_ids is not None:
+            d["hash_ids"] = list(r.hash_ids)
         rounds.append(d)
     return {"id": s.id, "arrival": s.arrival, "rounds": rounds}
 

@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import structlog
 
 from ampd.policy import SLO, WorkerView
-from ampd.policy.admit import AdmissionBook, AdmissionCost
+from ampd.policy.admit import HEAD_POLL_S, AdmissionBook, AdmissionCost
 from ampd.state.promises import Promises
 from ampd.state.store import REDIS_ERRORS
 from ampd.tasks import BackgroundTasks
@@ -94,7 +94,7 @@ class Admission:
                 # again twice a second (a new worker may have joined): many waiters must not poll.
                 # None waits past its admission wait or its TTFT budget (slo): judged again, refused.
                 try:
-                    await asyncio.wait_for(me.wait(), min(v.wait_s, 0.5) if book.head is me else v.wait_s)
+                    await asyncio.wait_for(me.wait(), min(v.wait_s, HEAD_POLL_S) if book.head is me else v.wait_s)
                 except asyncio.TimeoutError:
                     pass
         finally:

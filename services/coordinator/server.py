@@ -39,7 +39,7 @@ ORPHAN_SWEEP_S = 3.0  # the coordinator's liveness key's TTL
 
 
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
-    def __init__(self, store: StateStore, router, policy: str, stats_mode: str = "push",
+    def __init__(self, store: StateStore, router, policy: str, stats_mode: str = CoordinatorSettings.stats_mode,
                  migration_limit: int = CoordinatorSettings().migration_limit, cost=None,
                  fence_after: float = WorkerSettings.fence_after) -> None:
         self.store = store

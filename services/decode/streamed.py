@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 
 def streams_rounds(engine: Any) -> bool:
-    return bool(getattr(engine, "streams_rounds", False))
+    return engine.capabilities.streams_rounds
 
 
 def stops_of(s: "Session", engine: Any) -> RoundStops:

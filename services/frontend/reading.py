@@ -13,6 +13,7 @@ from starlette.requests import Request
 
 from ampd.chat.conversation import answer_digest, render_conversation
 from ampd.chat.template import ChatFormat
+from ampd.engine import capabilities_of
 from ampd.front.answer import FORCED_STOP, Answer, forced_prefix
 from ampd.front.api import ApiError, ChatRequest, RequestLimits, Sampling, check_depth, parse_chat
 from ampd.front.tenants import KeyRing, Tenant, load_api_keys
@@ -121,7 +122,7 @@ class RequestReader:
 
     def sampling(self, s: Sampling, forced: bool) -> common_pb2.SamplingParams:
         stop = list(s.stop)
-        if forced and self.engine != "mock":  # the mock's decode worker has no text to find it in
+        if forced and capabilities_of(self.engine).text_output:  # the mock's decode worker has no text to find it in
             stop.append(FORCED_STOP)
         p = common_pb2.SamplingParams(max_tokens=s.max_tokens or self.default_max_tokens, temperature=s.temperature,
                                       top_p=s.top_p, stop=stop, stop_token_ids=s.stop_token_ids,

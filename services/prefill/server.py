@@ -17,7 +17,7 @@ from ampd.policy import SLO, make_queue, policy_spec
 from ampd.state import StateStore, connect
 from ampd.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from ampd.grpcserver import write_ready_file
-from ampd.runtime import WorkerRuntime, add_worker_args, config_from_args, pool_for
+from ampd.runtime import WorkerRuntime, add_worker_args, pool_for, worker_config
 from ampd.worker import PrefillCore
 from ampd.trust import task_token, token_matches
 from ampd.validate import InvalidArgument, TaskTarget, validate_prefill_task
@@ -99,7 +99,7 @@ async def amain(args: argparse.Namespace) -> None:
         lambda s: prefill_pb2_grpc.add_PrefillWorkerServicer_to_server(service, s),
         [prefill_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name],
     )
-    cfg = config_from_args(args, "prefill", port)
+    cfg = worker_config(args, "prefill", port)
     store = StateStore(await connect(cfg.redis_url), cfg.namespace)
     queue = make_queue(spec.prefill_queue or "fcfs", profile, SLO(cfg.ttft_slo_s, cfg.itl_slo_s), cfg.tp,
                        window=cfg.reorder_window)
@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     try:
         args = build_parser().parse_args(argv)
-        config_from_args(args, "prefill", args.port)  # bad settings fail before a port is bound
+        worker_config(args, "prefill", args.port)  # bad settings fail before a port is bound
         use_threads(args.worker_threads)
         check_available(args.engine, args.model)
         tracing.setup("prefill", args.otlp_endpoint, instance=args.worker_id)

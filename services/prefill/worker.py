@@ -149,7 +149,7 @@ class PrefillWorker:
     # ------------------------------------------------------------------------------- the loop
     async def _loop(self) -> None:
         while True:
-            work = self.core.next(time.time())
+            work = self.core.schedule(time.time())
             if work is None:
                 self.wake.clear()
                 await self.wake.wait()
@@ -189,7 +189,7 @@ class PrefillWorker:
             if task.l_hist:
                 started = time.monotonic()
                 await rt.transport.read(job.peer, task.history, local_hist)
-                if self.engine.name == "mock":  # the mock's KV is a function of (session, position): check it
+                if self.engine.capabilities.patterned_kv:  # the mock's KV is a function of (session, position): check it
                     data = rt.pool.read(local_hist, copy=False)
                     bad = self.patterns.verify(task.session_id, data, rt.pool.layout.bytes_per_token)
                     self.metrics["kv_bytes_verified"] += data.size
@@ -240,7 +240,7 @@ class PrefillWorker:
             self.metrics["new_tokens_written"] += task.l_incr
             self.metrics["tasks_done"] += 1
             written = time.time()
-            self.core.finish(written)
+            self.core.update(work, written)
             if tracing.on:
                 _task_spans(rt.cfg.worker_id, task, self.enqueued.pop(self._key(task), done.started), job,
                             computing, done.finished, written)

@@ -17,7 +17,9 @@ from dataclasses import asdict, dataclass
 import structlog
 
 from ampd import deathsig
+from ampd.config import to_argv
 from ampd.tools import ToolInput, ToolLimits, ToolOutput, stopped_reason
+from services.sidecar.toolproc import ARGV_SETTINGS
 
 log = structlog.get_logger()
 
@@ -49,10 +51,9 @@ class ToolProcesses:
         self._closed = False
 
     def _argv(self) -> list[str]:
-        tools = [a for spec in self.specs for a in ("--tool", spec)]
+        values = {"tool_cpu_s": self.limits.cpu_s, "tool_memory_mb": self.limits.memory_mb, "tool": self.specs}
         # deathsig: a tool process ends with its sidecar, however the sidecar ends
-        return deathsig.wrap([sys.executable, "-m", "services.sidecar.toolproc", "--cpu-s", str(self.limits.cpu_s),
-                              "--memory-mb", str(self.limits.memory_mb), *tools])
+        return deathsig.wrap([sys.executable, "-m", "services.sidecar.toolproc", *to_argv(values, ARGV_SETTINGS)])
 
     async def _start_one(self) -> _Proc:
         # subprocess.Popen spawns with vfork, which runs no fork handlers: uvloop's own subprocesses

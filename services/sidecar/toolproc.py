@@ -1,4 +1,4 @@
-"""A tool process: ``python -m services.sidecar.toolproc --cpu-s N --memory-mb M --tool SPEC ...``.
+"""A tool process: ``python -m services.sidecar.toolproc --tool-cpu-s N --tool-memory-mb M --tool SPEC ...``.
 
 The sidecar starts a few (services/sidecar/pool.py) and sends each one call at a time: one JSON
 line on stdin ``{"name", "session_id", "round", "arguments", "latency_s", "result_tokens"}``, one
@@ -17,9 +17,12 @@ import resource
 import sys
 import time
 
+from ampd.config import add_flags
 from ampd.tools import ToolInput, ToolRegistry, cpu_limit
 
 MAX_ERROR = 1000  # characters of an exception's message the model gets back
+# The sidecar's settings a tool process takes on its command line (services/sidecar/pool.py).
+ARGV_SETTINGS = ("tool_cpu_s", "tool_memory_mb", "tool")
 
 
 def _limit_memory(memory_mb: int) -> None:
@@ -46,16 +49,18 @@ def answer(registry: ToolRegistry, request: dict, loop: asyncio.AbstractEventLoo
     return {"result_tokens": out.result_tokens, "content": out.content}
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ampd-toolproc")
-    parser.add_argument("--cpu-s", type=int, required=True)
-    parser.add_argument("--memory-mb", type=int, required=True)
-    parser.add_argument("--tool", action="append", default=[])
-    args = parser.parse_args(argv)
+    add_flags(parser, ARGV_SETTINGS, required=("tool_cpu_s", "tool_memory_mb"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     # The protocol keeps stdout's pipe; a tool's own prints go to stderr (the sidecar's log).
     replies = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)
-    _limit_memory(args.memory_mb)
+    _limit_memory(args.tool_memory_mb)
     registry = ToolRegistry()
     for spec in args.tool:
         registry.load(spec)
@@ -64,9 +69,9 @@ def main(argv: list[str] | None = None) -> None:
     replies.flush()
     for line in sys.stdin.buffer:
         request = json.loads(line)
-        _limit_cpu(args.cpu_s)
+        _limit_cpu(args.tool_cpu_s)
         try:
-            reply = json.dumps(answer(registry, request, loop, args.memory_mb))
+            reply = json.dumps(answer(registry, request, loop, args.tool_memory_mb))
         except (TypeError, ValueError):  # content that is not text
             reply = json.dumps({"error": "the tool's result is not text"})
         replies.write(reply + "\n")

@@ -69,6 +69,15 @@ def _wait_registered(r: redis.Redis, workers: set[str], timeout_s: float = 60.0,
     raise AssertionError(f"workers not all back: registered {have}, alive {alive}")
 
 
+async def _records_written(r, n: int, run: asyncio.Task) -> None:
+    """Waits until the coordinator has written ``n`` session records; fails, naming the count, when
+    the replay ends first or they do not appear (a lost record used to make this wait forever)."""
+    deadline = time.monotonic() + 30
+    while (have := len(r.keys(f"{NS}:session:*"))) < n:
+        assert not run.done() and time.monotonic() < deadline, f"{have} of {n} session records written"
+        await asyncio.sleep(0.1)
+
+
 def test_replay_survives_killed_workers_and_a_redis_restart(tmp_path):
     # reattach_grace: the killed coordinator's sessions (no other coordinator to reattach them
     # through) are freed, and their records swept, within the checks' bounds
@@ -125,8 +134,7 @@ def test_replay_survives_killed_workers_and_a_redis_restart(tmp_path):
         async def coordinator_killed():
             slow = [Session(f"c{i}", 0.0, (Round(100, 5, 30.0), Round(20, 5))) for i in range(4)]
             run = asyncio.create_task(replay(dep.coordinator, slow, progress=False, timeout_s=60))
-            while len(r.keys(f"{NS}:session:*")) < len(slow):
-                await asyncio.sleep(0.1)
+            await _records_written(r, len(slow), run)
             await asyncio.sleep(0.5)  # their first rounds are in their tool calls
             t = time.monotonic()
             _kill(dep, "coordinator")
@@ -149,8 +157,7 @@ def test_replay_survives_killed_workers_and_a_redis_restart(tmp_path):
         async def decode_stopped():
             slow = [Session(f"t{i}", 0.0, (Round(100, 5, 2.0), Round(20, 5))) for i in range(6)]
             run = asyncio.create_task(replay(dep.coordinator, slow, progress=False, timeout_s=60))
-            while len(r.keys(f"{NS}:session:*")) < len(slow):
-                await asyncio.sleep(0.1)
+            await _records_written(r, len(slow), run)
             await asyncio.sleep(0.5)
             proc = dep.child("decode-1").proc
             t = time.monotonic()

@@ -420,5 +420,27 @@ async def test_notif_listener_polls_only_while_pending(pair):
         await listener.stop()
 
 
+@pytest.mark.timeout(60)
+async def test_aclose_cancels_and_awaits_the_warm_up_reads():
+    """add_peer in a running loop warms the connection in a task the transport keeps; a removed
+    peer's warm-up is kept until it ends, and aclose cancels and awaits every one before the pool
+    is deregistered."""
+    pa, pb, pc = KVPool(8, 4, BPT), KVPool(8, 4, BPT), KVPool(8, 4, BPT)
+    a, b, c = NixlTransport("warm-a", pa), NixlTransport("warm-b", pb), NixlTransport("warm-c", pc)
+    try:
+        a.add_peer("warm-b", b.metadata(), b.layout)
+        a.add_peer("warm-c", c.metadata(), c.layout)
+        tasks = set(a._warming)
+        assert len(tasks) == 2 and all(not t.done() for t in tasks)
+        a.remove_peer("warm-c")  # cancelled, still owned until it has ended
+        assert a._warming and not a.has_peer("warm-c")
+        await a.aclose()
+        assert a.closed and not a._warming and all(t.done() for t in tasks)
+        await a.aclose()  # idempotent
+    finally:
+        for t in (a, b, c):
+            t.close()
+
+
 if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == "peer":
     asyncio.run(_peer_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))

@@ -1,4 +1,4 @@
-"""Imports run downward: services -> library shells -> pure cores (DESIGN.md section 3).
+"""Imports run downward: services -> library shells -> pure cores (docs/architecture.md "Layers").
 
 The rules are read off the source with `ast` (no module is imported), over every import statement,
 including the ones inside functions: a lazy import still runs when its function does. Imports under
@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# The pure cores: decisions, models and accounting. No I/O, time passed in (DESIGN.md section 3).
+# The pure cores: decisions, models and accounting. No I/O, time passed in (docs/architecture.md "Layers").
 PURE = ("ampd.policy", "ampd.perf", "ampd.workload", "ampd.worker", "ampd.planner", "ampd.sim", "ampd.bench.report",
         "ampd.window", "ampd.slo", "ampd.deployment")
 # What a pure core may not reach: transports, shared state, services, the launcher, the trace-replay

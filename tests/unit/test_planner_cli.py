@@ -1,4 +1,4 @@
-"""`ampd plan` as a user runs it: the JSON of DESIGN section 8, errors naming the flag."""
+"""`ampd plan` as a user runs it: the JSON of docs/report.md, errors naming the flag."""
 from __future__ import annotations
 
 import json

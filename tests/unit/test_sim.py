@@ -226,7 +226,7 @@ def test_format_spec_roundtrip():
 
 def test_unknown_tp_in_spec():
     with pytest.raises(ValueError, match="TP 8"):
-        Simulator(SimConfig(profile=P, policy="ampd", prefill="tp8*1", decode="tp1*1"))
+        Simulator(SimConfig(profile=P, policy="ampd", prefill="tp8*1", decode="tp1*1", ttft_slo_s=1.0))
 
 
 # ------------------------------------------------------------------------------------------ CLI
@@ -441,7 +441,7 @@ def test_kv_admission_fail_fails_the_session_that_does_not_fit():
     rep = sim_report(fail, policy.SLO(5, 1))
     assert rep["completed"] == 1 and rep["failed"] == 1
     with pytest.raises(ValueError, match="kv_admission"):
-        simulate([a], prof, policy="colocated", decode="tp1*1", kv_admission="drop")
+        simulate([a], prof, policy="colocated", decode="tp1*1", ttft_slo_s=1.0, kv_admission="drop")
 
 
 def test_kv_evict_lets_a_new_session_in_and_the_idle_one_re_prefills_its_history():

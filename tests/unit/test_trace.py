@@ -114,6 +114,32 @@ def test_dump_omits_absent_fields(tmp_path):
         {"input": 3, "output": 4, "tool_s": 0.5, "tool": "web"}, {"input": 5, "output": 6}]}
 
 
+def test_hash_ids_kept_and_old_traces_load(tmp_path):
+    old = load_trace(_write(tmp_path, [GOOD]))
+    assert [r.hash_ids for r in old[0].rounds] == [None, None]
+    s = Session("a", 0.0, (Round(3, 4, 1.0, None, (7, 2**64 - 1)), Round(5, 6, None, None, ())))
+    p = tmp_path / "h.jsonl"
+    dump_trace([s], p)
+    assert json.loads(p.read_text())["rounds"] == [
+        {"input": 3, "output": 4, "tool_s": 1.0, "hash_ids": [7, 2**64 - 1]},
+        {"input": 5, "output": 6, "hash_ids": []}]
+    assert load_trace(p) == [s]
+
+
+@pytest.mark.parametrize("value, text", [
+    (3, "field 'rounds[0].hash_ids': must be a list, got 3"),
+    ([1, -1], "field 'rounds[0].hash_ids[1]': must be an integer in [0, 2^64), got -1"),
+    ([1.5], "field 'rounds[0].hash_ids[0]'"),
+    ([True], "field 'rounds[0].hash_ids[0]'"),
+    ([2**64], "field 'rounds[0].hash_ids[0]'"),
+])
+def test_bad_hash_ids(tmp_path, value, text):
+    p = _write(tmp_path, [{"id": "s", "arrival": 0, "rounds": [{"input": 1, "output": 1, "hash_ids": value}]}])
+    with pytest.raises(TraceError) as e:
+        load_trace(p)
+    assert str(e.value).startswith(f"{p} line 1: {text}")
+
+
 def test_gzip_roundtrip(tmp_path):
     s = [Session("a", 0.0, (Round(3, 4),)), Session("b", 1.0, (Round(1, 1, 2.0), Round(2, 2)))]
     p = tmp_path / "t.jsonl.gz"
@@ -123,7 +149,8 @@ def test_gzip_roundtrip(tmp_path):
 
 _round = st.builds(Round, st.integers(1, 10**6), st.integers(1, 10**5),
                    st.one_of(st.none(), st.floats(0, 1e4, allow_nan=False)),
-                   st.one_of(st.none(), st.text(min_size=1, max_size=8)))
+                   st.one_of(st.none(), st.text(min_size=1, max_size=8)),
+                   st.one_of(st.none(), st.lists(st.integers(0, 2**64 - 1), max_size=4).map(tuple)))
 _session = st.builds(Session, st.text(min_size=1, max_size=12),
                      st.floats(0, 1e6, allow_nan=False),
                      st.lists(_round, min_size=1, max_size=5).map(tuple))

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from ampd import trust
 from ampd.v1 import common_pb2
 from ampd.validate import (
-    MAX_ROUNDS, InvalidArgument, TaskTarget, stream_message_error, validate_attach, validate_open,
+    MAX_ROUNDS, InvalidArgument, TaskTarget, check_hints, stream_message_error, validate_attach, validate_open,
     validate_prefill_task, validate_tool_call,
 )
 
@@ -45,6 +45,13 @@ def test_a_good_open_passes():
     validate_open(opening(limits=common_pb2.SessionLimits(max_rounds=MAX_ROUNDS, max_output_tokens=100)))
     validate_open(opening(turn=turn(server_tools=["search", "calc"], script=[replay_call(latency_s=0.5)],
                                     tool_call_id="call_1")))
+    validate_open(opening(turn=turn(hints=common_pb2.TurnHints(priority=-100, expected_output_tokens=1,
+                                                                expected_tool_s=86400.0))))
+    validate_open(opening(turn=turn(hints=common_pb2.TurnHints())))  # every hint absent
+
+
+def hints(**kw) -> common_pb2.Turn:
+    return turn(hints=common_pb2.TurnHints(**kw))
 
 
 @pytest.mark.parametrize("o, field", [
@@ -73,9 +80,29 @@ def test_a_good_open_passes():
     (opening(turn=turn(script=[replay_call()] * (MAX_ROUNDS + 1))), "open.turn.script"),
     (opening(turn=turn(script=[common_pb2.ScriptedCall(tool=common_pb2.ToolSpec())])),
      "open.turn.script[0].result_tokens"),
+    (opening(turn=hints(priority=101)), "open.turn.hints.priority"),
+    (opening(turn=hints(priority=-101)), "open.turn.hints.priority"),
+    (opening(turn=hints(expected_output_tokens=0)), "open.turn.hints.expected_output_tokens"),
+    (opening(turn=hints(expected_output_tokens=2**31)), "open.turn.hints.expected_output_tokens"),
+    (opening(turn=hints(expected_tool_s=-0.5)), "open.turn.hints.expected_tool_s"),
+    (opening(turn=hints(expected_tool_s=float("nan"))), "open.turn.hints.expected_tool_s"),
+    (opening(turn=hints(expected_tool_s=float("inf"))), "open.turn.hints.expected_tool_s"),
+    (opening(turn=hints(expected_tool_s=1e9)), "open.turn.hints.expected_tool_s"),
 ])
 def test_each_bad_field_is_named(o, field):
     refused(validate_open, o, field=field)
+
+
+@pytest.mark.parametrize("args, field", [
+    (("high", None, None), "ampd_hints.priority"),
+    ((True, None, None), "ampd_hints.priority"),
+    ((None, 2.5, None), "ampd_hints.expected_output_tokens"),
+    ((None, None, "3"), "ampd_hints.expected_tool_s"),
+    ((None, None, False), "ampd_hints.expected_tool_s"),
+])
+def test_hint_values_from_json_are_checked_by_type(args, field):
+    refused(check_hints, *args, "ampd_hints", field=field)
+    check_hints(-3, 200, 2, "ampd_hints")  # an integral number of seconds is fine
 
 
 def test_a_script_names_only_the_tools_allowed_for_scripting():
@@ -210,6 +237,10 @@ def turns(draw):
         if draw(st.booleans()):
             c.result_tokens = draw(ints)
         c.sampling.CopyFrom(draw(sampling_params()))
+    if draw(st.booleans()):
+        t.hints.priority = draw(ints)
+        t.hints.expected_output_tokens = draw(u32)
+        t.hints.expected_tool_s = draw(floats)
     return t
 
 

@@ -37,7 +37,7 @@ def test_live_view_and_simulator_list_prefill_workers_alike():
     entries = [(0.0, "prefill", pv(w), 0.0, ()) for w in reversed(ids)]
     live = [v.worker_id for v in cluster._assemble(entries, 0.0).prefill]
     sim = Simulator(SimConfig(profile=load_profile("llama3.1-70b@h20"), policy="ampd", prefill=f"tp4*{n}",
-                              decode="tp4*1"))
+                              decode="tp4*1", ttft_slo_s=1.0))
     assert live == [p.worker_id for p in sim.prefills] == ids
     assert [v.worker_id for v in in_worker_order(pv(w) for w in sorted(ids))] == ids
 

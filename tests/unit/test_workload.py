@@ -6,7 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from ampd.workload import PRESETS, Round, Session, TraceError, generate, import_mooncake, trace_stats
+from ampd.workload import (PRESETS, Round, Session, TraceError, dump_trace, generate, import_mooncake, load_trace,
+                           trace_stats)
 
 TABLE1 = {
     "toolbench": (3.96, 703.79, 50.39),
@@ -116,13 +117,32 @@ def test_import_mooncake_groups_sessions(tmp_path):
     a = ss[0]
     assert a.arrival == 0.0
     assert a.rounds == (
-        Round(500, 20, 1.5),            # ts 1000 -> 2500
+        Round(500, 20, 1.5, hash_ids=(1, 2)),  # ts 1000 -> 2500; its hash ids kept
         Round(80, 10, 1.5),             # 600 - (500 + 20); 2500 -> 4000
         Round(290, 30, 5.0),            # 900 - (600 + 10); 4000 -> 9000
         Round(100, 5, None),            # 100 - 930 <= 0 -> whole input
     )
     assert ss[1] == Session("row-000002", 0.5, (Round(300, 7),))
     assert ss[2] == Session("17", 2.0, (Round(40, 4),))
+
+
+def test_import_mooncake_keeps_hash_ids_through_a_trace_file(tmp_path):
+    # two conversations sharing a 2-block system prompt (ids 1, 2); the second round of "a" resends
+    # its history, so its ids extend the first round's
+    p = _rows(tmp_path, [
+        {"timestamp": 0, "input_length": 1100, "output_length": 10, "hash_ids": [1, 2, 3], "session_id": "a"},
+        {"timestamp": 100, "input_length": 1030, "output_length": 5, "hash_ids": [1, 2, 4], "session_id": "b"},
+        {"timestamp": 2000, "input_length": 1600, "output_length": 8, "hash_ids": [1, 2, 3, 5],
+         "session_id": "a"},
+    ])
+    ss = import_mooncake(p)
+    assert [[r.hash_ids for r in s.rounds] for s in ss] == [[(1, 2, 3), (1, 2, 3, 5)], [(1, 2, 4)]]
+    out = tmp_path / "t.jsonl"
+    dump_trace(ss, out)
+    assert load_trace(out) == ss
+    with pytest.raises(TraceError, match=r"field 'hash_ids\[0\]'"):
+        import_mooncake(_rows(tmp_path, [{"timestamp": 0, "input_length": 1, "output_length": 1,
+                                          "hash_ids": ["x"]}], "bad.jsonl"))
 
 
 def test_import_mooncake_without_sessions(tmp_path):
@@ -172,3 +192,15 @@ def test_trace_stats_hand_computed():
 def test_trace_stats_empty():
     st = trace_stats([])
     assert st["sessions"] == 0 and st["mean_rounds"] is None and st["arrival_rate_rps"] is None
+    assert st["first_round_hash_blocks"] == 0 and st["prefix_shared_frac"] is None
+
+
+def test_trace_stats_prefix_sharing_from_hash_ids():
+    ss = [Session("a", 0.0, (Round(1500, 10, 1.0, None, (1, 2, 3)), Round(600, 5, None, None, (1, 2, 3, 4, 5)))),
+          Session("b", 1.0, (Round(1100, 10, None, None, (1, 2, 9)),)),   # shares 1, 2
+          Session("c", 2.0, (Round(2600, 10, None, None, (1, 2, 3, 4, 5, 6)),)),  # 1..5 (5 from a's round 1)
+          Session("d", 3.0, (Round(900, 10, None, None, (7, 1)),)),       # 7 is new: nothing
+          Session("e", 4.0, (Round(100, 10),))]                           # no ids
+    st = trace_stats(ss)
+    assert st["first_round_hash_blocks"] == 3 + 3 + 6 + 2
+    assert st["prefix_shared_frac"] == (0 + 2 + 5 + 0) / 14

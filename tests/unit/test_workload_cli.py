@@ -36,6 +36,16 @@ def test_import_mooncake_cli(tmp_path, capsys):
     assert [(r.input, r.tool_s) for r in s.rounds] == [(10, 1.0), (8, None)]
 
 
+def test_import_mooncake_cli_keeps_hash_ids(tmp_path, capsys):
+    src = tmp_path / "mc.jsonl"
+    src.write_text('{"timestamp": 0, "input_length": 600, "output_length": 2, "hash_ids": [46, 47]}\n')
+    out = tmp_path / "t.jsonl"
+    assert main(["trace", "import-mooncake", str(src), "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["rounds"][0]["hash_ids"] == [46, 47]
+    (s,) = load_trace(out)
+    assert s.rounds[0].hash_ids == (46, 47)
+
+
 @pytest.mark.parametrize("argv, text", [
     (["trace", "gen", "--preset", "nope", "--rate", "1", "--duration", "1", "--out", "X"], "unknown preset 'nope'"),
     (["trace", "gen", "--preset", "gaia", "--rate", "0", "--duration", "1", "--out", "X"], "--rate must be"),

@@ -1,0 +1,82 @@
+"""Agent hints (``Turn.hints``, the OpenAI front's ``ampd_hints`` body field) turned into the values
+routing, admission, the queue order and the KV tier policy use, with the windowed estimates as the
+fallback when a hint is absent.
+
+A hint is advice from the client, and the client may be wrong or hostile. Each value is bounded so a
+hint can only cost its own session:
+
+- ``priority``: only a yield counts. A negative priority enqueues the turn's prefill as if it arrived
+  ``-priority * yield_s`` later; a positive one counts as 0. Queues order by arrival, so a hint can
+  push its own task back, never another's.
+- ``expected_output_tokens``: decisions shared with other sessions (routing's decode estimate,
+  KV admission) take the *larger* of the hint and the windowed estimate, capped by the round's
+  ``max_tokens``: over-claiming makes its own round look costlier (it may wait or be placed
+  elsewhere); under-claiming cannot make it look cheaper than without the hint.
+- ``expected_tool_s``: the KV tier policy uses it as given (clamped to [0, max_hint_s]) to keep,
+  offload or prefetch the session's own KV; the eviction order ranks the session by the later of
+  hint and estimate (``kvtier.rank_end``), so a short hint cannot shield its KV from eviction.
+Correctness never depends on a hint: they move time, not tokens.
+
+Pure: no I/O, no clock. ``ampd.agenthints`` reads hints off the wire.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .kvtier import KVTierConfig, effective_tool_s, rank_end
+
+__all__ = ["Hints", "HintConfig", "HintedValues", "shared_output_tokens", "queue_enqueued_at", "resolve"]
+
+
+@dataclass(slots=True)
+class Hints:
+    """A turn's hints; None (priority: 0) when absent."""
+
+    priority: int = 0
+    expected_output_tokens: int | None = None
+    expected_tool_s: float | None = None
+
+
+@dataclass(slots=True)
+class HintConfig:
+    """``yield_s``: how much later each step of negative priority enqueues a turn."""
+
+    yield_s: float = 1.0
+    kv: KVTierConfig | None = None
+
+
+def shared_output_tokens(hint: int | None, estimate: float | None, max_tokens: int) -> float | None:
+    """Expected output tokens of a round for decisions shared with other sessions (routing's decode
+    estimate, KV admission): the larger of hint and estimate, at most ``max_tokens``; None when
+    neither is known."""
+    known = [x for x in (hint, estimate) if x is not None and math.isfinite(x)]
+    return min(max(known), float(max_tokens)) if known else None
+
+
+def queue_enqueued_at(enqueued_at: float, priority: int, cfg: HintConfig) -> float:
+    """The arrival time a prefill queue orders the turn's task by: later by ``-priority * yield_s``
+    for a negative priority; a positive priority changes nothing."""
+    return enqueued_at + max(0, -priority) * cfg.yield_s
+
+
+@dataclass(slots=True)
+class HintedValues:
+    """What the consumers read: ``output_tokens`` (routing, admission), ``enqueued_at`` (queue
+    order), ``tool_s`` (the KV tier's decide and prefetch plan), ``tool_rank_end`` (eviction)."""
+
+    output_tokens: float | None
+    enqueued_at: float
+    tool_s: float | None
+    tool_rank_end: float | None
+
+
+def resolve(h: Hints, cfg: HintConfig, *, enqueued_at: float, max_tokens: int,
+            est_output_tokens: float | None, est_tool_s: float | None, tool_start: float) -> HintedValues:
+    """Every hinted value of one round at once, each falling back to its windowed estimate."""
+    kv = cfg.kv or KVTierConfig()
+    hint_tool = effective_tool_s(None, h.expected_tool_s, kv)  # clamped like the decision's
+    return HintedValues(shared_output_tokens(h.expected_output_tokens, est_output_tokens, max_tokens),
+                        queue_enqueued_at(enqueued_at, h.priority, cfg),
+                        effective_tool_s(est_tool_s, h.expected_tool_s, kv),
+                        rank_end(tool_start, est_tool_s, hint_tool))

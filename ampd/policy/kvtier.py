@@ -1,0 +1,266 @@
+"""Tool-aware KV tier policy: when a round ends in a tool call, keep the session's KV on the device,
+offload it to the host pool, or drop it; when to bring it back; and which idle KV goes first when
+the pool runs short.
+
+Pure: no I/O, no clock; times are passed in (wall clock live, virtual clock in the simulator). The
+decode core owns each session's ``KVState`` and asks these functions; the driver moves the bytes.
+
+Units: ``blocks`` are the device pool's blocks (the host pool uses the same block size); every
+``*_s`` is seconds. Transfer times come from the performance profile (``host_transfer_s``).
+
+Hints: an agent's expected tool duration (``Turn.hints``) replaces the windowed estimate in
+``decide`` and ``prefetch_plan``, clamped to [0, ``max_hint_s``]. A wrong hint cannot cost another
+session, because of three rules stated here and tested:
+
+- eviction ranks a session by the *later* of its hinted and estimated end (``rank_end``): a hint
+  can only make its own KV a likelier victim, never shield it;
+- a speculative prefetch (before the result arrived) only takes blocks nobody is waiting for
+  (``should_prefetch``), and KV brought back early is idle, so it is evictable again;
+- kept KV is evictable (``plan_evictions``): keeping on a short hint holds nothing another round
+  needs.
+So a lying hint moves its own session's KV at the wrong time: it costs that session a transfer or a
+re-prefill, never another session's room.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from .types import CostModel
+
+__all__ = ["KVState", "KEEP", "OFFLOAD", "DROP", "KVTierConfig", "ToolPause", "PoolState", "TierDecision",
+           "Prefetch", "IdleKV", "Eviction", "decide", "prefetch_plan", "should_prefetch", "effective_tool_s",
+           "rank_end", "eviction_order", "plan_evictions", "host_transfer_s", "transfer_fn"]
+
+
+class KVState(enum.Enum):
+    """Where a session's KV is: on the device pool, only in the host pool, or nowhere (its next
+    round prefills the whole history again)."""
+
+    RESIDENT = "resident"
+    HOST = "host"
+    GONE = "gone"
+
+
+KEEP = "keep"
+OFFLOAD = "offload"
+DROP = "drop"
+
+
+@dataclass(slots=True)
+class KVTierConfig:
+    """The policy's knobs (defaults here; the flags that set them live in the settings).
+
+    ``offload_pressure``: the device pool's use, (used + waiting) / capacity, below which idle KV
+    stays: with room to spare, moving KV buys nothing. ``margin_s``: a prefetch starts this long
+    before the expected end beyond its transfer time, and a tool must outlast the round trip by it
+    to be worth an offload. ``max_hint_s``: the longest tool duration a hint may claim (the API's
+    limit on a tool's latency)."""
+
+    offload_pressure: float = 0.7
+    margin_s: float = 0.05
+    max_hint_s: float = 24 * 3600.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.offload_pressure <= 1.0:
+            raise ValueError(f"offload_pressure must be in [0, 1], got {self.offload_pressure}")
+        if not (math.isfinite(self.margin_s) and self.margin_s >= 0):
+            raise ValueError(f"margin_s must be a finite number >= 0, got {self.margin_s}")
+        if not self.max_hint_s > 0:
+            raise ValueError(f"max_hint_s must be > 0, got {self.max_hint_s}")
+
+
+@dataclass(slots=True)
+class ToolPause:
+    """A session whose round just ended in a tool call. ``expected_s``: the tool's expected duration
+    (``effective_tool_s``; None: never observed, no hint). ``offload_s`` / ``prefetch_s``: moving its
+    KV to the host and back; ``reprefill_s``: prefilling its whole history again."""
+
+    session_id: str
+    tool: str
+    expected_s: float | None
+    kv_blocks: int
+    offload_s: float
+    prefetch_s: float
+    reprefill_s: float
+
+
+@dataclass(slots=True)
+class PoolState:
+    """The worker's pools in blocks: the device pool's capacity and use, what rounds waiting for KV
+    need, and the host pool's free blocks (0 when the host tier is off)."""
+
+    device_blocks: int
+    device_used: int
+    waiting: int = 0
+    host_free: int = 0
+
+    @property
+    def pressure(self) -> float:
+        return (self.device_used + self.waiting) / self.device_blocks if self.device_blocks > 0 else 1.0
+
+    @property
+    def spare(self) -> int:
+        """Device blocks free that no waiting round needs."""
+        return self.device_blocks - self.device_used - self.waiting
+
+
+@dataclass(slots=True)
+class TierDecision:
+    """KEEP, OFFLOAD or DROP, why (a reason string for logs and metrics), and the numbers compared."""
+
+    action: str
+    reason: str
+    estimates: dict[str, float] = field(default_factory=dict)
+
+
+def effective_tool_s(estimate_s: float | None, hint_s: float | None, cfg: KVTierConfig) -> float | None:
+    """The hint when given (clamped to [0, max_hint_s]; a non-finite one is ignored), else the
+    windowed estimate."""
+    if hint_s is not None and not math.isnan(hint_s):
+        return min(max(hint_s, 0.0), cfg.max_hint_s)
+    return estimate_s
+
+
+def decide(p: ToolPause, pool: PoolState, cfg: KVTierConfig) -> TierDecision:
+    """Keep, offload or drop the KV of a session entering a tool call. In order:
+
+    1. no KV, or the device pool under ``offload_pressure``: keep (``no-kv``, ``no-pressure``);
+    2. unknown duration: offload when the host has room (it is undone by a prefetch), else keep and
+       leave it to the eviction order (``unknown-tool``, ``unknown-tool-host-full``);
+    3. a tool shorter than offload + prefetch + margin: keep, moving would delay its next round
+       (``short-tool``);
+    4. re-prefilling the history is no slower than fetching it back: drop (``reprefill-cheaper``);
+    5. the host has room: offload (``long-tool``);
+    6. host full: drop when rounds wait for device blocks (``host-full-demand``), else keep
+       (``host-full``; still evictable)."""
+    est = {"pressure": pool.pressure, "kv_blocks": float(p.kv_blocks), "host_free": float(pool.host_free),
+           "offload_s": p.offload_s, "prefetch_s": p.prefetch_s, "reprefill_s": p.reprefill_s}
+    if p.expected_s is not None:
+        est["expected_s"] = p.expected_s
+    if p.kv_blocks <= 0:
+        return TierDecision(KEEP, "no-kv", est)
+    if pool.pressure < cfg.offload_pressure:
+        return TierDecision(KEEP, "no-pressure", est)
+    host_fits = pool.host_free >= p.kv_blocks
+    if p.expected_s is None:
+        return TierDecision(OFFLOAD, "unknown-tool", est) if host_fits else \
+            TierDecision(KEEP, "unknown-tool-host-full", est)
+    round_trip = p.offload_s + p.prefetch_s + cfg.margin_s
+    est["round_trip_s"] = round_trip
+    if p.expected_s < round_trip:
+        return TierDecision(KEEP, "short-tool", est)
+    if p.reprefill_s <= p.prefetch_s:
+        return TierDecision(DROP, "reprefill-cheaper", est)
+    if host_fits:
+        return TierDecision(OFFLOAD, "long-tool", est)
+    if pool.waiting > 0:
+        return TierDecision(DROP, "host-full-demand", est)
+    return TierDecision(KEEP, "host-full", est)
+
+
+@dataclass(slots=True)
+class Prefetch:
+    """When to start bringing offloaded KV back: ``at`` (None: when the result arrives)."""
+
+    at: float | None
+    reason: str
+
+
+def prefetch_plan(tool_start: float, expected_s: float | None, prefetch_s: float, cfg: KVTierConfig) -> Prefetch:
+    """Start at the expected end minus the transfer minus the margin (not before the tool started):
+    ``expected-end``; with no expected duration, wait for the result: ``on-result``."""
+    if expected_s is None:
+        return Prefetch(None, "on-result")
+    return Prefetch(max(tool_start, tool_start + expected_s - prefetch_s - cfg.margin_s), "expected-end")
+
+
+def should_prefetch(now: float, plan: Prefetch, result_ready: bool, kv_blocks: int, pool: PoolState) -> str:
+    """The reason to start the prefetch now, or "" to wait. A ready result starts it at once
+    (``result-arrived``: it then goes through KV admission like any round). Before the result, it
+    starts at ``plan.at`` only into blocks no waiting round needs (``expected-end``): a speculative
+    prefetch never takes room from another session."""
+    if result_ready:
+        return "result-arrived"
+    if plan.at is None or now < plan.at or pool.spare < kv_blocks:
+        return ""
+    return "expected-end"
+
+
+# ------------------------------------------------------------------------------------ eviction
+def rank_end(tool_start: float, estimate_s: float | None, hint_s: float | None) -> float | None:
+    """The expected end eviction ranks a session by: the later of its hinted and estimated ends, so
+    a hint can push its own session forward in the eviction order but never back."""
+    known = [x for x in (estimate_s, hint_s) if x is not None and math.isfinite(x) and x >= 0]
+    return tool_start + max(known) if known else None
+
+
+@dataclass(slots=True)
+class IdleKV:
+    """A session idle in a tool call (or waiting for its client) whose KV is RESIDENT or on HOST.
+    ``end``: its ``rank_end`` (None: unknown)."""
+
+    session_id: str
+    state: KVState
+    blocks: int
+    tool_start: float
+    end: float | None
+
+
+def _order_key(v: IdleKV) -> tuple[int, float, float, str]:
+    if v.end is None:  # unknown end first, least recently used first (the eviction order without a tier)
+        return (0, v.tool_start, 0.0, v.session_id)
+    return (1, -v.end, v.tool_start, v.session_id)  # then the one needed last first
+
+
+def eviction_order(idle: Sequence[IdleKV]) -> list[IdleKV]:
+    """The order idle KV is evicted in: sessions whose tool end is unknown first (oldest tool call
+    first), then those expected back last first (ties: oldest tool call, then session id). Every idle
+    session is in it, whatever its hint or state: no KV is pinned, so a pool filled with idle
+    sessions can always make room (never a deadlock)."""
+    return sorted(idle, key=_order_key)
+
+
+@dataclass(slots=True)
+class Eviction:
+    """Free ``blocks`` of ``session_id``: OFFLOAD (device -> host) or DROP (the copy is gone)."""
+
+    session_id: str
+    action: str
+    blocks: int
+    reason: str
+
+
+def plan_evictions(idle: Sequence[IdleKV], need: int, host_free: int,
+                   state: KVState = KVState.RESIDENT) -> tuple[list[Eviction], int]:
+    """Evictions that free ``need`` blocks of ``state`` (the device pool for RESIDENT, the host pool
+    for HOST), in ``eviction_order``, and the blocks they free (< ``need`` when all idle KV of that
+    state is not enough: the caller then waits or overcommits as without a tier). A device victim is
+    offloaded while the host has room, else dropped; a host victim is dropped."""
+    out: list[Eviction] = []
+    freed = 0
+    for v in eviction_order([v for v in idle if v.state is state and v.blocks > 0]):
+        if freed >= need:
+            break
+        if state is KVState.RESIDENT and host_free >= v.blocks:
+            host_free -= v.blocks
+            out.append(Eviction(v.session_id, OFFLOAD, v.blocks, "pressure-offload"))
+        else:
+            out.append(Eviction(v.session_id, DROP, v.blocks,
+                                "host-evict" if state is KVState.HOST else "pressure-drop"))
+        freed += v.blocks
+    return out, freed
+
+
+def host_transfer_s(cost: CostModel, tokens: int, tp: int) -> float:
+    """Seconds to move ``tokens`` tokens of KV between a ``tp`` worker's device pool and its host
+    pool, either way. The profile has no host-link term yet; the KV transport moves host copies
+    over the same NIXL path as worker-to-worker copies, so its ``t_kv`` at (tp, tp) stands in."""
+    return cost.t_kv(tokens, tp, tp) if tokens > 0 else 0.0
+
+
+def transfer_fn(cost: CostModel, tp: int, block_tokens: int) -> Callable[[int], float]:
+    """``host_transfer_s`` for a block count."""
+    return lambda blocks: host_transfer_s(cost, blocks * block_tokens, tp)

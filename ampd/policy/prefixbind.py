@@ -1,0 +1,63 @@
+"""Binding with prefix sharing: prefer the decode worker that holds the longest prefix of a new
+session's prompt, when that does not cost the SLO; otherwise the plain binding (``bind``).
+
+Pure. ``block_hashes`` names a prompt's blocks; ``matched`` maps a worker id to how many leading prompt blocks it holds
+(``ampd.kv.prefix.PrefixIndex.match`` there, as published in its view).
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Mapping, Sequence
+
+from .bind import bind
+from .order import before
+from .types import WorkerView
+
+__all__ = ["bind_prefix", "block_hashes"]
+
+_HASH = struct.Struct("<Q")
+
+
+def block_hashes(tokens: Sequence[int], block_tokens: int, seed: int = 0) -> list[int]:
+    """Chained 64-bit hashes of the full ``block_tokens``-token blocks of ``tokens``: block i's hash
+    covers its tokens and block i-1's hash, so equal hashes mean equal whole prefixes. A partial last
+    block has none (it is never shared). ``seed`` names what else the KV depends on (the model)."""
+    if block_tokens <= 0:
+        raise ValueError(f"block_tokens must be > 0, got {block_tokens}")
+    out: list[int] = []
+    prev = seed & 0xFFFFFFFFFFFFFFFF
+    for start in range(0, len(tokens) - block_tokens + 1, block_tokens):
+        h = hashlib.blake2b(_HASH.pack(prev), digest_size=8)
+        h.update(struct.pack(f"<{block_tokens}I", *tokens[start:start + block_tokens]))
+        prev = int.from_bytes(h.digest(), "little")
+        out.append(prev)
+    return out
+
+
+def bind_prefix(decode_workers: Sequence[WorkerView], matched: Mapping[str, int], block_tokens: int,
+                promised: Mapping[str, int] | None = None, need: int = 0,
+                itl_slo_s: float | None = None) -> tuple[str | None, int]:
+    """(worker id, shared blocks there). The worker with the most matched blocks wins among those
+    where the session fits (free KV net of ``promised`` >= ``need`` less the shared tokens, which
+    it does not allocate again) and whose windowed ITL is under ``itl_slo_s`` (a worker missing its
+    ITL SLO gains no session for a cache hit). Ties go to the most free KV, then the worker order.
+    With no match anywhere, ``bind``'s choice and 0."""
+    promised = promised or {}
+    best: WorkerView | None = None
+    best_key: tuple[int, int] = (0, 0)
+    for w in decode_workers:
+        m = matched.get(w.worker_id, 0)
+        if m <= 0:
+            continue
+        free = w.kv_free_tokens - promised.get(w.worker_id, 0)
+        if need > 0 and free < need - m * block_tokens:
+            continue
+        if itl_slo_s is not None and w.window_mean_s is not None and w.window_mean_s >= itl_slo_s:
+            continue
+        key = (m, free)
+        if best is None or key > best_key or (key == best_key and before(w.worker_id, best.worker_id)):
+            best, best_key = w, key
+    if best is not None:
+        return best.worker_id, best_key[0]
+    return bind(decode_workers, promised, need), 0
