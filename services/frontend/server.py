@@ -141,6 +141,7 @@ class Front:
         self.created = int(time.time())
         self.http = httpx2.AsyncClient(timeout=None)  # to the other fronts (forwarding)
         self.max_inflight = args.max_inflight_requests
+        self.turns = BackgroundTasks()  # the turns' drivers (services/frontend/turn.py)
 
     # ------------------------------------------------------------------------------ placing a turn
     async def _place(self, tenant: Tenant, ids: list[int], header: str, how: list[str], forwarded: bool
@@ -302,7 +303,7 @@ class Front:
             run = TurnRun(self.table, s, answer, prefix, self._ended)
             if tracing.on:
                 run.traced_at = time.time()
-            run.start(turn)
+            run.start(turn, self.turns)
             first = await run.out.get()
             if first[0] != FAILED:
                 s.open_msg, s.opened_with = None, {}  # opened: nothing to open again
@@ -650,6 +651,7 @@ async def amain(args: argparse.Namespace) -> None:
         await serving
     finally:
         await background.close()  # (serve() has ended, unless this task was cancelled)
+        await front.turns.close()  # a turn still running drops its session
         await front.table.stop()
         await front.http.aclose()
         front.read.work.shutdown(wait=False, cancel_futures=True)
