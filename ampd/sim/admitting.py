@@ -6,6 +6,7 @@ import math
 
 from ampd.policy import WorkerView
 from ampd.policy.admit import HEAD_POLL_S
+from ampd.policy.hints import HintConfig, queue_enqueued_at
 
 from .events import ADMIT_CHECK
 from .result import SimSession
@@ -14,6 +15,7 @@ from .workers import Sess, Waiting
 # How often the head of the admission queue looks again without a release (the coordinator's
 # poll); only the slo rule's verdict can change meanwhile.
 _HEAD_POLL_S = HEAD_POLL_S
+_HINTS = HintConfig()  # the coordinator's (services/coordinator/session.py HINTS)
 
 
 class Admitting:
@@ -54,7 +56,9 @@ class Admitting:
             decode.append(WorkerView(worker_id=v.worker_id, kind="decode", tp=v.tp, window_mean_s=v.window_mean_s,
                                      queue=v.queue, kv_free_tokens=d.kv_cap, queue_predicted_s=v.queue_predicted_s))
         prefills = [p.view(now) for p in self.prefills] if book.rule == "slo" else ()
-        v = book.judge(w, w.need, int(w.s.rounds[0].input), now - w.at, decode, prefills)
+        h = w.s.rounds[0].hints  # a yielding hint (trace rounds' hints): admission orders it later
+        order_at = queue_enqueued_at(w.at, h.priority, _HINTS) if h is not None and h.priority < 0 else None
+        v = book.judge(w, w.need, int(w.s.rounds[0].input), now - w.at, decode, prefills, order_at=order_at)
         if v.worker is None and not v.reason:
             if not queued:
                 self.n_waited += 1

@@ -46,7 +46,8 @@ _PERMANENT_REFUSALS = ("kv-size",)
 # session-API field paths (after "open.turn." / "turn.") -> the OpenAI request field they come from
 _PARAMS = {"sampling.max_tokens": "max_tokens", "sampling.stop": "stop", "sampling.stop_token_ids": "stop_token_ids",
            "sampling.temperature": "temperature", "sampling.top_p": "top_p", "sampling.seed": "seed",
-           "token_ids": "messages", "keep_tokens": "messages", "tool_call_id": "messages"}
+           "token_ids": "messages", "keep_tokens": "messages", "tool_call_id": "messages",
+           **{f"hints.{k}": f"ampd_hints.{k}" for k in ("priority", "expected_output_tokens", "expected_tool_s")}}
 
 
 def _param(details: str) -> str | None:
