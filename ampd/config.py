@@ -152,6 +152,9 @@ class PolicyConfig:
     kv_offload_pressure: float = setting(0.7, "host KV tier: the decode KV pool's use (used + waiting) / capacity "
                                               "below which a session's KV stays on the device during its tool call",
                                          metavar="F", minimum=0)
+    kv_prefetch_early: bool = setting(False, "host KV tier: start bringing offloaded KV back at the tool's expected "
+                                             "end (less the transfer), into blocks no waiting round needs, instead "
+                                             "of when the result arrives")
     seed: int = setting(0, "seed of the router's random visiting order", metavar="K")
     alpha: float = setting(ALPHA, "Algorithm 1 TTFT slack factor (alpha * TTFT SLO)", positive=True)
     beta: float = setting(BETA, "Algorithm 1 ITL slack factor (beta * ITL SLO)", positive=True)

@@ -14,7 +14,9 @@ Variants, same trace and deployment:
 - ``drop``: admission ``none`` and ``--kv-evict`` (idle KV dropped under pressure, re-prefilled);
 - ``host``: admission ``none`` and ``--kv-host-mb`` (``ampd.worker.decode_tier``: each tool call's
   keep / offload / drop decision, idle KV offloaded to host under pressure, fetched back with the
-  profile's ``t_kv`` when the result arrives).
+  profile's ``t_kv`` when the result arrives);
+- ``host+early``: the same, and offloaded KV starts coming back at the tool's expected end
+  (``--kv-prefetch-early``) into blocks no waiting round needs.
 
 The admission ``kv`` rule promises a session's whole KV up front, so neither eviction nor the tier
 can admit more sessions under it: they need admission ``none`` (or an admission that counts
@@ -48,6 +50,7 @@ VARIANTS = {
     "admit-all": {"admission": "none"},
     "drop": {"admission": "none", "kv_evict": True},
     "host": {"admission": "none", "kv_host_mb": HOST_MB},
+    "host+early": {"admission": "none", "kv_host_mb": HOST_MB, "kv_prefetch_early": True},
 }
 
 
@@ -89,7 +92,7 @@ def main(argv=None) -> int:
         for name in VARIANTS:
             r = one(sessions, prof, rate, name)
             rows.append(r)
-            print(f"rate {rate:.3f} {name:9s}: admitted {r['admitted']}/{r['sessions']} completed {r['completed']} "
+            print(f"rate {rate:.3f} {name:10s}: admitted {r['admitted']}/{r['sessions']} completed {r['completed']} "
                   f"attainment {r['slo_attainment']:.3f} TTFT p90 {r['ttft_p90_s']:.2f} s e2e p50 "
                   f"{r['e2e_p50_s']:.0f} s refused {r['refused']} evictions {r['kv_evictions']} recomputed "
                   f"{r['kv_recomputed_tokens']} to host {r['bytes_to_host'] / 2**30:.1f} GiB from host "

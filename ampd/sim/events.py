@@ -13,3 +13,4 @@ COMPUTE_START = 9  # a remote prefill's history read ended: its compute starts (
 ADMIT_CHECK = 10  # a session waiting for admission is judged again (its wait or TTFT budget ends)
 
 TIER_READY = 11  # a round whose KV came back from the host tier (or whose room a move freed) is routed
+TIER_PREFETCH = 12  # an offloaded session's prefetch time (its tool's expected end, less the transfer)

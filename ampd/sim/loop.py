@@ -31,7 +31,7 @@ from ampd.deployment import expand_spec, format_spec, parse_spec
 from .admitting import Admitting
 from .config import PathLatency, SimConfig
 from .events import (ADMIT_CHECK, COMPUTE_DONE, COMPUTE_START, DISPATCH, HANDOFF, PIN_EXPIRED, PREFILL_DONE,
-                     REMOTE_DONE, ROUND_READY, STEP_DONE, TIER_READY)
+                     REMOTE_DONE, ROUND_READY, STEP_DONE, TIER_PREFETCH, TIER_READY)
 from .gcpause import gc_paused
 from .remote import RemotePrefilling
 from .result import SimResult, SimRound, SimSession
@@ -81,7 +81,8 @@ class Simulator:
                     chunk_tokens=int(prof.prefill_chunk_tokens(tp)) if cfg.chunked_prefill else 0,
                     kv_admission=cfg.kv_admission, kv_evict=cfg.kv_evict,
                     tier=HostTier.from_mb(cfg.kv_host_mb, cfg.block_tokens, prof.kv_bytes_per_token, cfg.block_tokens,
-                                          KVTierConfig(offload_pressure=cfg.kv_offload_pressure)))
+                                          KVTierConfig(offload_pressure=cfg.kv_offload_pressure),
+                                          prefetch_early=cfg.kv_prefetch_early))
             for i, tp in enumerate(expand_spec(dec_groups))
         ]
         # the coordinator's order (ampd.policy.order): Algorithm 1's seeded visits and every tie agree
@@ -204,6 +205,8 @@ class _Run(Admitting, RemotePrefilling, Tiering):
                     self.admit(obj, now)
             elif code == TIER_READY:
                 self.dispatch0(obj, now)
+            elif code == TIER_PREFETCH:
+                self.tier_prefetch(obj, now)
         return self.result(now, n_events, _time.perf_counter() - wall0, len(sessions))
 
     def round_ready(self, st: Sess, now: float, ready: float = -1.0) -> None:
@@ -421,7 +424,8 @@ def simulate(sessions, profile, *, policy: str, prefill="none", decode=SimConfig
              path: PathLatency | None = None, admission: str = SimConfig.admission,
              admission_wait: float = SimConfig.admission_wait, admission_queue: int = SimConfig.admission_queue,
              block_tokens: int = SimConfig.block_tokens, kv_host_mb: float = SimConfig.kv_host_mb,
-             kv_offload_pressure: float = SimConfig.kv_offload_pressure, **router_options) -> SimResult:
+             kv_offload_pressure: float = SimConfig.kv_offload_pressure,
+             kv_prefetch_early: bool = SimConfig.kv_prefetch_early, **router_options) -> SimResult:
     """Run ``sessions`` (``ampd.workload.Session``s) on a deployment; see ``SimConfig``."""
     cfg = SimConfig(profile=profile, policy=policy, prefill=prefill, decode=decode,
                     ttft_slo_s=ttft_slo_s, itl_slo_s=itl_slo_s, seed=seed, window_s=window_s,
@@ -429,5 +433,5 @@ def simulate(sessions, profile, *, policy: str, prefill="none", decode=SimConfig
                     chunked_prefill=chunked_prefill, kv_admission=kv_admission, kv_evict=kv_evict,
                     kv_overlap=kv_overlap, admission=admission, admission_wait=admission_wait,
                     admission_queue=admission_queue, block_tokens=block_tokens, kv_host_mb=kv_host_mb,
-                    kv_offload_pressure=kv_offload_pressure, router_options=router_options, path=path or PathLatency())
+                    kv_offload_pressure=kv_offload_pressure, kv_prefetch_early=kv_prefetch_early, router_options=router_options, path=path or PathLatency())
     return Simulator(cfg).run(list(sessions))

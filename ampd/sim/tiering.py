@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ampd.worker import TO_HOST
 
-from .events import TIER_READY
+from .events import TIER_PREFETCH, TIER_READY
 
 __all__ = ["Tiering"]
 
@@ -43,6 +43,15 @@ class Tiering:
             self.tier_moves(d, now)
             self.drain(d, now)
         else:
+            self.tier_moves(d, now)
+        at = d.tier_prefetch_at(st)
+        if at is not None:
+            self.push(at, TIER_PREFETCH, st)
+
+    def tier_prefetch(self, st, now: float) -> None:
+        """The expected end of the tool call of ``st`` nears: its KV comes back if there is room."""
+        d = st.dw
+        if d.tier_prefetch(st, now):
             self.tier_moves(d, now)
 
     def tier_stats(self, stats: dict) -> None:

@@ -26,8 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ampd.policy.hostpool import HostBlocks
-from ampd.policy.kvtier import (DROP, OFFLOAD, KVState, KVTierConfig, PoolState, TierDecision, ToolPause, decide,
-                                effective_tool_s, host_transfer_s)
+from ampd.policy.kvtier import (DROP, OFFLOAD, KVState, KVTierConfig, PoolState, Prefetch, TierDecision, ToolPause,
+                                decide, effective_tool_s, host_transfer_s, prefetch_plan, should_prefetch)
 from ampd.policy.tooldur import ToolDurations
 
 __all__ = ["HostTier", "KVMove", "TierMixin", "TO_HOST", "FROM_HOST"]
@@ -58,17 +58,20 @@ class HostTier:
     durations: ToolDurations = field(default_factory=ToolDurations)
     moves: list[KVMove] = field(default_factory=list)
     decisions: dict[str, int] = field(default_factory=dict)  # "action:reason" -> count
+    plans: dict[str, Prefetch] = field(default_factory=dict)  # session id -> when its KV comes back
+    prefetch_early: bool = False  # bring offloaded KV back before the result (at the tool's expected end)
     tokens_to_host: int = 0
     tokens_from_host: int = 0
 
     @classmethod
     def from_mb(cls, host_mb: float, block_tokens: int, bytes_per_token: int, session_tokens: int,
-                cfg: KVTierConfig | None = None) -> "HostTier | None":
+                cfg: KVTierConfig | None = None, prefetch_early: bool = False) -> "HostTier | None":
         """The tier of ``--kv-host-mb`` MiB (None when 0: off); HostPoolTooSmall when it cannot hold
         one session's KV of ``session_tokens`` tokens."""
         if host_mb == 0:
             return None
-        return cls(HostBlocks.from_mb(host_mb, block_tokens, bytes_per_token, session_tokens), cfg or KVTierConfig())
+        return cls(HostBlocks.from_mb(host_mb, block_tokens, bytes_per_token, session_tokens), cfg or KVTierConfig(),
+                   prefetch_early=prefetch_early)
 
     def count(self, action: str, reason: str) -> None:
         k = f"{action}:{reason}"
@@ -102,6 +105,8 @@ class TierMixin:
         t.count(d.action, d.reason)
         if d.action == OFFLOAD:
             self._tier_offload(s, d.reason)
+            if t.prefetch_early and pause.expected_s is not None:
+                t.plans[s.session_id] = prefetch_plan(now, pause.expected_s, move_s, t.cfg)
         elif d.action == DROP:
             self._tier_drop(s)
         else:
@@ -136,16 +141,43 @@ class TierMixin:
         v.evicted = True
         return False
 
-    def _tier_fetched(self, s) -> None:
-        """The round of ``s``, whose KV is on host, was admitted (its history's blocks reserved with
-        its input's): the prefetch move."""
+    def tier_prefetch_at(self, s) -> float | None:
+        """When the KV of ``s``, offloaded for its tool call, should start coming back before the
+        result (``kvtier.prefetch_plan``: the expected end less the transfer and a margin); None:
+        on the result only. The driver calls ``tier_prefetch`` then."""
+        p = self.tier.plans.get(s.session_id) if self.tier is not None else None
+        return None if p is None else p.at
+
+    def tier_prefetch(self, s, now: float) -> bool:
+        """The prefetch time of ``s`` came: bring its KV back now if it is still on host and the
+        device has blocks no waiting round needs (``kvtier.should_prefetch``: a speculative prefetch
+        never takes another session's room). The KV is then idle on the device, evictable again.
+        True when it started (a move for the driver)."""
         t = self.tier
+        plan = t.plans.get(s.session_id)
+        if plan is None or not (s.in_tool and s.fetch):
+            return False
+        pool = PoolState(self.kv_cap, self.kv_used, self.wait_need, t.host_free_tokens)
+        why = should_prefetch(now, plan, False, s.fetch, pool)
+        if not why:
+            return False
+        self.kv_used += s.fetch
+        t.count("prefetch", why)
+        self._tier_fetched(s, why)
+        self._evictable(s)
+        return True
+
+    def _tier_fetched(self, s, reason: str = "result-arrived") -> None:
+        """The round of ``s``, whose KV is on host, was admitted (its history's blocks reserved with
+        its input's), or its prefetch time came: the prefetch move."""
+        t = self.tier
+        t.plans.pop(s.session_id, None)
         n = s.fetch
         s.fetch = 0
         t.host.prefetch_begin(s.session_id)
         t.host.prefetch_done(s.session_id)
         t.tokens_from_host += n
-        t.moves.append(KVMove(s.session_id, FROM_HOST, n, host_transfer_s(self.cost, n, self.tp), "result-arrived"))
+        t.moves.append(KVMove(s.session_id, FROM_HOST, n, host_transfer_s(self.cost, n, self.tp), reason))
 
     def _tier_reprefilled(self, s) -> None:
         if self.tier.host.state(s.session_id) is KVState.GONE:
@@ -155,6 +187,7 @@ class TierMixin:
         """The session ended or left: forget its host copy."""
         if self.tier is not None:
             self.tier.host.release(s.session_id)
+            self.tier.plans.pop(s.session_id, None)
 
     def take_moves(self) -> list[KVMove]:
         """The transfers the driver must perform (each returned once); [] with the tier off."""

@@ -137,3 +137,26 @@ def test_simulator_tier_off_by_default_and_a_host_pool_too_small_is_refused():
     assert "kv_tier" not in simulate(s, prof, **kw).stats
     with pytest.raises(HostPoolTooSmall, match="kv-host-mb 0.5"):
         simulate(s, prof, kv_host_mb=0.5, **kw)  # 0.5 MiB < 1104 tokens x 1000 bytes
+
+
+def test_prefetch_starts_before_the_expected_end_only_into_spare_blocks():
+    core = _core(cap=1200, host_tokens=1008)
+    core.tier.prefetch_early = True
+    core.tier.durations.observe("search", 0.0, 60.0)
+    s = DecodeSession("s")
+    assert core.round_ready(_ready(s, 0, 1000), 0.0) == ADMITTED
+    _round(core, s, 0.1, last=False)
+    core.tier_pause(s, 0.1, "search")
+    core.take_moves()
+    at = core.tier_prefetch_at(s)
+    assert at == pytest.approx(0.1 + 60.0 - P.t_kv(1001, 1, 1) - core.tier.cfg.margin_s)
+    other = DecodeSession("o")
+    assert core.round_ready(_ready(other, 0, 1100), 1.0) == ADMITTED  # 100 blocks left: not enough
+    assert core.tier_prefetch(s, at - 1.0) is False and core.tier_prefetch(s, at) is False
+    _round(core, other, 2.0, last=True)
+    assert core.tier_prefetch(s, at) is True and s.fetch == 0 and core.kv_used == 1001 and s in core.evictable
+    assert [(m.direction, m.reason) for m in core.take_moves()] == [(FROM_HOST, "expected-end")]
+    assert core.tier.decisions["prefetch:expected-end"] == 1 and core.tier_prefetch_at(s) is None
+    assert core.round_ready(_ready(s, 1, 50), at + 0.2) == ADMITTED and core.take_moves() == []  # already back
+    _round(core, s, at + 0.3, last=True)
+    assert core.kv_used == 0 and core.tier.host.empty
