@@ -80,7 +80,7 @@ class Simulator:
                     kv_capacity_tokens=int(prof.kv_capacity_tokens(tp)), window_s=w,
                     chunk_tokens=int(prof.prefill_chunk_tokens(tp)) if cfg.chunked_prefill else 0,
                     kv_admission=cfg.kv_admission, kv_evict=cfg.kv_evict,
-                    tier=HostTier.from_mb(cfg.kv_host_mb, cfg.block_tokens, prof.kv_bytes_per_token, cfg.block_tokens,
+                    tier=HostTier.from_mb(cfg.kv_host_mb, cfg.block_tokens, prof.kv_bytes_per_token, 0,  # run() checks
                                           KVTierConfig(offload_pressure=cfg.kv_offload_pressure),
                                           prefetch_early=cfg.kv_prefetch_early))
             for i, tp in enumerate(expand_spec(dec_groups))
