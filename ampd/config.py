@@ -143,6 +143,18 @@ class PolicyConfig:
     kv_evict: bool = setting(False, "a decode worker whose KV pool is full evicts the KV of sessions idle in tool "
                                     "calls (least recently used first) before a round waits or fails; their next "
                                     "round prefills the whole history again")
+    # Off by default until measured to help (benchmarks/kv_tier.py); the simulator models it, the live
+    # decode worker does not read it yet.
+    kv_host_mb: float = setting(0.0, "host-memory KV tier of each decode worker, MiB (0 = off): when a round ends "
+                                     "in a tool call the worker keeps, offloads to host or drops the session's KV "
+                                     "(ampd.policy.kvtier) and brings it back when the result arrives",
+                                metavar="MB", minimum=0)
+    kv_offload_pressure: float = setting(0.7, "host KV tier: the decode KV pool's use (used + waiting) / capacity "
+                                              "below which a session's KV stays on the device during its tool call",
+                                         metavar="F", minimum=0)
+    kv_prefetch_early: bool = setting(False, "host KV tier: start bringing offloaded KV back at the tool's expected "
+                                             "end (less the transfer), into blocks no waiting round needs, instead "
+                                             "of when the result arrives")
     seed: int = setting(0, "seed of the router's random visiting order", metavar="K")
     alpha: float = setting(ALPHA, "Algorithm 1 TTFT slack factor (alpha * TTFT SLO)", positive=True)
     beta: float = setting(BETA, "Algorithm 1 ITL slack factor (beta * ITL SLO)", positive=True)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ["benchmarks.live_overhead", "benchmarks.sched", "benchmarks.sim_speed", "benchmarks.tracing_overhead"]
+BENCHMARKS = ["benchmarks.live_overhead", "benchmarks.sched", "benchmarks.sim_speed", "benchmarks.tracing_overhead",
+              "benchmarks.kv_tier"]
 
 
 def main(argv: list[str]) -> int:

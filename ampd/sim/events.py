@@ -12,3 +12,5 @@ HANDOFF = 8  # a remote prefill's KV notification reaches the decode worker
 COMPUTE_START = 9  # a remote prefill's history read ended: its compute starts (KV overlap)
 ADMIT_CHECK = 10  # a session waiting for admission is judged again (its wait or TTFT budget ends)
 
+TIER_READY = 11  # a round whose KV came back from the host tier (or whose room a move freed) is routed
+TIER_PREFETCH = 12  # an offloaded session's prefetch time (its tool's expected end, less the transfer)

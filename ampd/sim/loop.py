@@ -22,17 +22,20 @@ from typing import Sequence
 
 from ampd.policy import SLO, PrefillTask, in_worker_order, make_queue, make_router, policy_spec
 from ampd.policy.admit import AdmissionBook
-from ampd.worker import (ADMITTED, FAILED, IDLE, STEPPING, DecodeRun, LocalPrefill)
+from ampd.policy.hostpool import check_host_pool
+from ampd.policy.kvtier import KVTierConfig
+from ampd.worker import (ADMITTED, FAILED, IDLE, STEPPING, DecodeRun, HostTier, LocalPrefill)
 
 from ampd.deployment import expand_spec, format_spec, parse_spec
 
 from .admitting import Admitting
 from .config import PathLatency, SimConfig
 from .events import (ADMIT_CHECK, COMPUTE_DONE, COMPUTE_START, DISPATCH, HANDOFF, PIN_EXPIRED, PREFILL_DONE,
-                     REMOTE_DONE, ROUND_READY, STEP_DONE)
+                     REMOTE_DONE, ROUND_READY, STEP_DONE, TIER_PREFETCH, TIER_READY)
 from .gcpause import gc_paused
 from .remote import RemotePrefilling
 from .result import SimResult, SimRound, SimSession
+from .tiering import Tiering
 from .workers import Decode, Prefill, Sess, SlowerSteps, Views
 
 __all__ = ["Simulator", "simulate"]
@@ -76,7 +79,10 @@ class Simulator:
             Decode(i, f"decode-{i}", tp, dprof, make_queue(spec.decode_queue, prof, slo, tp, window=rw),
                     kv_capacity_tokens=int(prof.kv_capacity_tokens(tp)), window_s=w,
                     chunk_tokens=int(prof.prefill_chunk_tokens(tp)) if cfg.chunked_prefill else 0,
-                    kv_admission=cfg.kv_admission, kv_evict=cfg.kv_evict)
+                    kv_admission=cfg.kv_admission, kv_evict=cfg.kv_evict,
+                    tier=HostTier.from_mb(cfg.kv_host_mb, cfg.block_tokens, prof.kv_bytes_per_token, 0,  # run() checks
+                                          KVTierConfig(offload_pressure=cfg.kv_offload_pressure),
+                                          prefetch_early=cfg.kv_prefetch_early))
             for i, tp in enumerate(expand_spec(dec_groups))
         ]
         # the coordinator's order (ampd.policy.order): Algorithm 1's seeded visits and every tie agree
@@ -91,17 +97,21 @@ class Simulator:
         AdmissionBook(cfg.admission, cfg.admission_wait, cfg.admission_queue, prof, slo)  # checks the rule
 
     def run(self, sessions: Sequence) -> SimResult:
+        if self.cfg.kv_host_mb and sessions:  # HostPoolTooSmall when one session's KV cannot fit
+            longest = max(sum(int(r.input) + int(r.output) for r in s.rounds) for s in sessions)
+            check_host_pool(self.cfg.kv_host_mb, self.cfg.block_tokens, self.profile.kv_bytes_per_token, longest)
         with gc_paused():
             return _Run(self).go(sessions)
 
 
-class _Run(Admitting, RemotePrefilling):
+class _Run(Admitting, RemotePrefilling, Tiering):
     """One simulation run: the event heap, the sessions in flight and the handlers."""
 
     __slots__ = ("sim", "heap", "seq", "live", "outcomes", "reasons", "n_local", "n_remote", "n_failed",
                  "book", "block_tokens", "refused", "n_waited",
                  "decodes", "prefills", "by_id", "router", "pviews_static", "pviews", "route_fn", "pin_ttl", "kv_evict", "open_s", "dispatch_s",
-                 "handoff_s", "tool_rpc_s", "busy_extra", "contention", "dispatch")
+                 "handoff_s", "tool_rpc_s", "busy_extra", "contention", "dispatch", "tier", "dispatch0", "tier_to",
+                 "tier_from")
 
     def __init__(self, sim: Simulator):
         cfg = sim.cfg
@@ -130,6 +140,11 @@ class _Run(Admitting, RemotePrefilling):
         self.tool_rpc_s, self.busy_extra = path.tool_s, path.prefill_busy_s
         self.contention = cfg.kv_contention
         self.dispatch = self.route if not (self.open_s or self.dispatch_s) else self.dispatch_later
+        self.tier = bool(cfg.kv_host_mb)
+        self.dispatch0 = self.dispatch
+        self.tier_to = self.tier_from = 0  # tokens moved to and from the host tier
+        if self.tier:
+            self.dispatch = self.tier_dispatch
 
     def push(self, t: float, code: int, obj) -> None:
         self.seq += 1
@@ -188,11 +203,18 @@ class _Run(Admitting, RemotePrefilling):
                 if not obj.done:
                     obj.check_at = math.inf
                     self.admit(obj, now)
+            elif code == TIER_READY:
+                self.dispatch0(obj, now)
+            elif code == TIER_PREFETCH:
+                self.tier_prefetch(obj, now)
         return self.result(now, n_events, _time.perf_counter() - wall0, len(sessions))
 
     def round_ready(self, st: Sess, now: float, ready: float = -1.0) -> None:
         """The round's input is ready at ``ready`` (default ``now``; a first round: the arrival)."""
         rnd = st.rounds[st.round]
+        if self.tier and st.round:
+            prev = st.rounds[st.round - 1]
+            st.dw.tier.durations.observe(prev.tool or "", now, (prev.tool_s or 0.0) + self.tool_rpc_s)
         st.ready = now if ready < 0.0 else ready
         st.l_incr = int(rnd.input)
         st.out = int(rnd.output)
@@ -227,7 +249,8 @@ class _Run(Admitting, RemotePrefilling):
         final = st.round + 1 >= len(rounds)
         d.round_end(st, final)
         if not final:
-            tool = rounds[st.round].tool_s
+            rnd = rounds[st.round]
+            tool = rnd.tool_s
             tool = (tool if tool and tool > 0 else 0.0) + self.tool_rpc_s
             st.round += 1
             self.seq += 1
@@ -236,6 +259,8 @@ class _Run(Admitting, RemotePrefilling):
                 if tool > self.pin_ttl:  # the policy pins the KV for its TTL (kv_evict or not)
                     d.tool_call(st, pin=True)
                     self.push(now + self.pin_ttl, PIN_EXPIRED, st)
+            elif self.tier:
+                self.tier_pause(st, now, rnd.tool)
             elif self.kv_evict and d.tool_call(st):
                 self.drain(d, now)
         else:
@@ -382,6 +407,8 @@ class _Run(Admitting, RemotePrefilling):
         }
         if sim.cfg.kv_admission == "fail":
             stats["kv_failed_sessions"] = self.n_failed
+        if self.tier:
+            self.tier_stats(stats)
         if sim.cfg.kv_evict:
             stats["kv_recomputed_tokens"] = sum(d.kv_recomputed_tokens for d in decodes)
         return SimResult(sim.cfg.policy, self.outcomes, [d.log for d in decodes], now, stats,
@@ -396,13 +423,15 @@ def simulate(sessions, profile, *, policy: str, prefill="none", decode=SimConfig
              kv_evict: bool = SimConfig.kv_evict, kv_overlap: bool = SimConfig.kv_overlap,
              path: PathLatency | None = None, admission: str = SimConfig.admission,
              admission_wait: float = SimConfig.admission_wait, admission_queue: int = SimConfig.admission_queue,
-             block_tokens: int = SimConfig.block_tokens, **router_options) -> SimResult:
+             block_tokens: int = SimConfig.block_tokens, kv_host_mb: float = SimConfig.kv_host_mb,
+             kv_offload_pressure: float = SimConfig.kv_offload_pressure,
+             kv_prefetch_early: bool = SimConfig.kv_prefetch_early, **router_options) -> SimResult:
     """Run ``sessions`` (``ampd.workload.Session``s) on a deployment; see ``SimConfig``."""
     cfg = SimConfig(profile=profile, policy=policy, prefill=prefill, decode=decode,
                     ttft_slo_s=ttft_slo_s, itl_slo_s=itl_slo_s, seed=seed, window_s=window_s,
                     kv_contention=kv_contention, reorder_window=reorder_window,
                     chunked_prefill=chunked_prefill, kv_admission=kv_admission, kv_evict=kv_evict,
                     kv_overlap=kv_overlap, admission=admission, admission_wait=admission_wait,
-                    admission_queue=admission_queue, block_tokens=block_tokens,
-                    router_options=router_options, path=path or PathLatency())
+                    admission_queue=admission_queue, block_tokens=block_tokens, kv_host_mb=kv_host_mb,
+                    kv_offload_pressure=kv_offload_pressure, kv_prefetch_early=kv_prefetch_early, router_options=router_options, path=path or PathLatency())
     return Simulator(cfg).run(list(sessions))

@@ -16,13 +16,14 @@ __all__ = ["Decode", "Prefill", "Views", "Waiting", "Sess", "SlowerSteps"]
 class Decode(DecodeCore):
     """A decode worker in the simulator: the core plus its step log and NIC."""
 
-    __slots__ = ("idx", "log", "nic", "log_row")
+    __slots__ = ("idx", "log", "nic", "log_row", "link")
 
     def __init__(self, idx: int, *args, **kw):
         super().__init__(*args, **kw)
         self.idx = idx
         lg = self.log = StepLog()
         self.nic = 0.0  # when its NIC is free (kv_contention)
+        self.link = 0.0  # when its device-host link is free (the host KV tier)
         # the step log's row append, bound once (step_done runs per run of steps)
         self.log_row = lg.rows.extend
 

@@ -10,8 +10,9 @@ model.
 """
 from .decode import (ADMITTED, FAILED, IDLE, KV_ADMISSION, KV_EXHAUSTED, PREFILLING, STEPPING, WAITING, DecodeCore,
                      DecodeRun, DecodeSession, LocalPrefill, affine_ctx_coef, steps_done)
+from .decode_tier import FROM_HOST, TO_HOST, HostTier, KVMove
 from .prefill import KvRead, PrefillCore, PrefillWork
 
 __all__ = ["DecodeCore", "DecodeSession", "DecodeRun", "LocalPrefill", "PrefillCore", "PrefillWork", "KvRead",
            "steps_done", "affine_ctx_coef", "IDLE", "STEPPING", "PREFILLING", "ADMITTED", "WAITING", "FAILED",
-           "KV_ADMISSION", "KV_EXHAUSTED"]
+           "KV_ADMISSION", "KV_EXHAUSTED", "HostTier", "KVMove", "TO_HOST", "FROM_HOST"]

@@ -68,6 +68,7 @@ from ampd.policy.types import CostModel, PrefillTask, WorkerView
 from ampd.window import STATS_WINDOW_S, WindowedMean
 
 from .decode_kv import ADMITTED, FAILED, KV_ADMISSION, KV_EXHAUSTED, WAITING, DecodeSession, KvAdmission
+from .decode_tier import HostTier, TierMixin
 from .decode_run import (IDLE, PREFILLING, STEPPING, DecodeRun, LocalPrefill, RunWindow, affine_ctx_coef,
                          steps_done)
 
@@ -76,7 +77,7 @@ __all__ = ["DecodeCore", "DecodeSession", "LocalPrefill", "DecodeRun", "steps_do
 
 
 
-class DecodeCore(KvAdmission, RunWindow):
+class DecodeCore(KvAdmission, TierMixin, RunWindow):
     """State of one decode worker (see the module docstring for the protocol).
 
     ``cost`` needs ``t_pre`` and ``t_dec`` (``ampd.perf.Profile``). ``chunk_tokens`` > 0 splits a
@@ -93,11 +94,12 @@ class DecodeCore(KvAdmission, RunWindow):
                  "new_wait", "wait_need", "evictable", "window", "busy_s", "in_prefill", "chunk_session",
                  "chunk_done", "chunk_step_due", "busy_until", "kv_overcommits", "kv_evictions", "kv_evict",
                  "kv_recomputed_tokens", "victims", "evictable_kv", "queue_ver", "queue_len",
-                 "view_queue_ver", "view_queue", "view_queue_s", "last_view")
+                 "view_queue_ver", "view_queue", "view_queue_s", "last_view", "tier")
 
     def __init__(self, worker_id: str, tp: int, cost: CostModel, queue: PrefillQueue, *,
                  kv_capacity_tokens: int, window_s: float = STATS_WINDOW_S, chunk_tokens: int = 0,
-                 kv_admission: str = "wait", kv_evict: bool = False, step_by_step: bool = False):
+                 kv_admission: str = "wait", kv_evict: bool = False, step_by_step: bool = False,
+                 tier: HostTier | None = None):
         if kv_admission not in KV_ADMISSION:
             raise ValueError(f"kv_admission must be one of {', '.join(KV_ADMISSION)}, got {kv_admission!r}")
         self.worker_id = worker_id
@@ -156,6 +158,7 @@ class DecodeCore(KvAdmission, RunWindow):
         self.view_queue: tuple = ()
         self.view_queue_s = 0.0  # the copied queue's predicted total
         self.last_view: WorkerView | None = None
+        self.tier = tier  # the host KV tier (ampd.worker.decode_tier); None: off
 
     # -------------------------------------------------------------------------- local prefills
     def submit_local(self, task: PrefillTask) -> None:
@@ -377,7 +380,7 @@ class DecodeCore(KvAdmission, RunWindow):
         for w in (self.new_wait, self.kv_wait):
             if s in w:
                 w.remove(s)
-                self.wait_need -= s.l_incr
+                self.wait_need -= s.l_incr + s.fetch
                 if w is self.new_wait:
                     return False  # not admitted: nothing charged
                 in_round = False  # its round was never admitted
@@ -386,7 +389,8 @@ class DecodeCore(KvAdmission, RunWindow):
             return False
         del self.sessions[s.session_id]
         self.admitted -= 1
-        kv = 0 if s.evicted else s.l_hist
+        kv = 0 if s.evicted else s.l_hist - s.fetch
+        self.tier_release(s)
         ex = s.lo + s.out - 2
         if in_round:
             kv += s.l_incr

@@ -20,7 +20,7 @@ class DecodeSession:
     makes; live: its upper bound) before ``round_ready``. The core keeps the rest."""
 
     __slots__ = ("session_id", "round", "l_hist", "l_incr", "out", "first", "lo", "ctx_join", "in_tool",
-                 "evicted", "error")
+                 "evicted", "error", "fetch")
 
     def __init__(self, session_id: str):
         self.session_id = session_id
@@ -34,6 +34,7 @@ class DecodeSession:
         self.in_tool = False
         self.evicted = False
         self.error = ""
+        self.fetch = 0  # host tier: history tokens whose KV is on host, not on the device
 
 
 class KvAdmission:
@@ -52,10 +53,12 @@ class KvAdmission:
             self._not_evictable(s)
         if s.evicted:
             s.evicted = False
+            if self.tier is not None:
+                self._tier_reprefilled(s)
             self.kv_recomputed_tokens += s.l_hist
             s.l_incr += s.l_hist
             s.l_hist = 0
-        need = s.l_incr
+        need = s.l_incr + s.fetch  # a host copy comes back into blocks reserved with the input's
         if self.kv_admission == "fail":
             if self.kv_cap - self.kv_used < need and not self._make_room(need):
                 return self._fail(s)
@@ -76,14 +79,17 @@ class KvAdmission:
             self.wait_need += need
             return WAITING
         self.kv_used += need
+        if s.fetch:
+            self._tier_fetched(s)
         return ADMITTED
 
     def _fail(self, s: DecodeSession) -> int:
         s.error = f"{KV_EXHAUSTED} on {self.worker_id}: {s.l_incr} tokens needed, {self.kv_cap - self.kv_used} free"
         if s.session_id in self.sessions:
-            self.kv_used -= s.l_hist
+            self.kv_used -= s.l_hist - s.fetch
             self.admitted -= 1
             self.sessions.pop(s.session_id, None)
+        self.tier_release(s)
         return FAILED
 
     def admit_next(self, now: float) -> DecodeSession | None:
@@ -92,15 +98,18 @@ class KvAdmission:
         w = self.kv_wait
         if w:
             s = w[0]
-            if not self._make_room(s.l_incr):
+            need = s.l_incr + s.fetch
+            if not self._make_room(need):
                 if len(w) < self.admitted:
                     return None
                 # every running session on this worker waits for KV: nobody will free any, so the
                 # head goes ahead over capacity rather than deadlock
                 self.kv_overcommits += 1
             w.popleft()
-            self.wait_need -= s.l_incr
-            self.kv_used += s.l_incr
+            self.wait_need -= need
+            self.kv_used += need
+            if s.fetch:
+                self._tier_fetched(s)
             return s
         nw = self.new_wait
         if nw:
@@ -120,7 +129,7 @@ class KvAdmission:
     def _make_room(self, need: int) -> bool:
         if self.victims:
             self.victims.clear()
-        if self.kv_cap - self.kv_used + self.evictable_kv < need and self.kv_evict:
+        if self.kv_cap - self.kv_used + self.evictable_kv < need and (self.kv_evict or self.tier is not None):
             # evicting every idle session would not make the room: none loses its KV (vLLM's block
             # allocator checks the same before it evicts cached blocks). Without kv_evict (the
             # simulator's Continuum pins alone) expired pins go anyway, as they always have there:
@@ -131,9 +140,11 @@ class KvAdmission:
             # the least recently used idle session loses its KV (its next round re-prefills the
             # whole context)
             v = ev.popitem(last=False)[0]
-            v.evicted = True
             self.kv_used -= v.l_hist
             self.evictable_kv -= v.l_hist
+            if self.tier is not None and self._tier_victim(v):
+                continue  # moved to the host (a move for the driver), not a victim
+            v.evicted = True
             self.kv_evictions += 1
             self.victims.append(v)
         return self.kv_cap - self.kv_used >= need
@@ -175,6 +186,7 @@ class KvAdmission:
             self.kv_used -= s.l_hist
             self.admitted -= 1
             del self.sessions[s.session_id]
+            self.tier_release(s)
 
     def tool_call(self, s: DecodeSession, pin: bool = False) -> bool:
         """The session waits for a tool result (or its client's next turn). ``pin``: its KV stays
@@ -193,7 +205,9 @@ class KvAdmission:
             raise ValueError(f"{self.worker_id}: session {s.session_id!r} is in a round")
         drop = s.l_hist - tokens
         if drop > 0:
-            if not s.evicted:
+            if s.fetch:  # on host: the host copy keeps the prefix
+                s.fetch = tokens
+            elif not s.evicted:
                 self.kv_used -= drop
                 if s in self.evictable:
                     self.evictable_kv -= drop

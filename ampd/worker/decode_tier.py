@@ -1,0 +1,198 @@
+"""The host-memory KV tier of a decode worker (``--kv-host-mb``): the half of ``DecodeCore`` that
+decides, when a round ends in a tool call, whether the session's KV stays on the device, moves to the
+host pool, or is dropped (``ampd.policy.kvtier.decide``), and brings it back when the next round's
+input is ready.
+
+Off (``DecodeCore(tier=None)``, the default) nothing here runs and the core behaves as before.
+
+State: each session's KV is RESIDENT, on HOST or GONE; the host pool (``ampd.policy.hostpool.HostBlocks``)
+keeps that state and the host blocks. The core counts tokens; a session whose KV is on host has
+``s.fetch`` = the history tokens that are not on the device (0 otherwise), so the device KV charged to
+a session between rounds is ``l_hist - fetch`` (0 when ``evicted``).
+
+Moves: the core does the accounting at once and lists each move the driver must perform as a
+``KVMove`` (``take_moves``): an offload (device -> host; the device blocks are the driver's to free
+once the copy checked out) or a prefetch (host -> device, into blocks the round's admission reserved;
+the round runs once it is done). The simulator times them with the profile's ``t_kv``
+(``kvtier.host_transfer_s``); a live driver runs them through the KV transport.
+
+Eviction: with the tier on, every session idle in a tool call whose KV is on the device is evictable
+(no KV is pinned, so a pool full of idle sessions always makes room: never a deadlock), least recently
+used first; a victim goes to the host while it has room (``pressure-offload``), else it is dropped
+(``pressure-drop``) and its next round prefills its history again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ampd.policy.hostpool import HostBlocks
+from ampd.policy.kvtier import (DROP, OFFLOAD, KVState, KVTierConfig, PoolState, Prefetch, TierDecision, ToolPause,
+                                decide, effective_tool_s, host_transfer_s, prefetch_plan, should_prefetch)
+from ampd.policy.tooldur import ToolDurations
+
+__all__ = ["HostTier", "KVMove", "TierMixin", "TO_HOST", "FROM_HOST"]
+
+TO_HOST = "to_host"
+FROM_HOST = "from_host"
+
+
+@dataclass(slots=True)
+class KVMove:
+    """A transfer the driver performs: ``tokens`` of ``session_id``'s KV, ``direction`` TO_HOST or
+    FROM_HOST, taking ``seconds`` (the profile's estimate); ``reason`` is the decision's."""
+
+    session_id: str
+    direction: str
+    tokens: int
+    seconds: float
+    reason: str
+
+
+@dataclass
+class HostTier:
+    """A decode worker's host tier: its pool, the policy's knobs, the per-tool duration estimates
+    (fed by the driver: ``durations.observe``), the moves not yet taken and the counters."""
+
+    host: HostBlocks
+    cfg: KVTierConfig = field(default_factory=KVTierConfig)
+    durations: ToolDurations = field(default_factory=ToolDurations)
+    moves: list[KVMove] = field(default_factory=list)
+    decisions: dict[str, int] = field(default_factory=dict)  # "action:reason" -> count
+    plans: dict[str, Prefetch] = field(default_factory=dict)  # session id -> when its KV comes back
+    prefetch_early: bool = False  # bring offloaded KV back before the result (at the tool's expected end)
+    tokens_to_host: int = 0
+    tokens_from_host: int = 0
+
+    @classmethod
+    def from_mb(cls, host_mb: float, block_tokens: int, bytes_per_token: int, session_tokens: int,
+                cfg: KVTierConfig | None = None, prefetch_early: bool = False) -> "HostTier | None":
+        """The tier of ``--kv-host-mb`` MiB (None when 0: off); HostPoolTooSmall when it cannot hold
+        one session's KV of ``session_tokens`` tokens."""
+        if host_mb == 0:
+            return None
+        return cls(HostBlocks.from_mb(host_mb, block_tokens, bytes_per_token, session_tokens), cfg or KVTierConfig(),
+                   prefetch_early=prefetch_early)
+
+    def count(self, action: str, reason: str) -> None:
+        k = f"{action}:{reason}"
+        self.decisions[k] = self.decisions.get(k, 0) + 1
+
+    @property
+    def host_free_tokens(self) -> int:
+        return self.host.free_blocks * self.host.block_tokens
+
+
+class TierMixin:
+    """The tier's calls on ``DecodeCore`` (which declares the ``tier`` slot and ``KvAdmission``'s)."""
+
+    __slots__ = ()
+
+    def tier_pause(self, s, now: float, tool: str | None = None, hint_s: float | None = None) -> bool:
+        """The session's round ended in a call to ``tool`` (instead of ``tool_call``): keep, offload or
+        drop its KV (``kvtier.decide``); kept KV is evictable. True when KV freed or became evictable
+        while rounds wait for KV (loop on ``admit_next``)."""
+        t = self.tier
+        s.in_tool = True
+        if s.evicted or s.fetch:
+            return False
+        kv = s.l_hist
+        move_s = host_transfer_s(self.cost, kv, self.tp)
+        pause = ToolPause(s.session_id, tool or "", effective_tool_s(t.durations.expected_s(tool or "", now), hint_s,
+                                                                   t.cfg),
+                          kv, move_s, move_s, self.cost.t_pre(self.tp, 0, kv) if kv > 0 else 0.0)
+        pool = PoolState(self.kv_cap, self.kv_used, self.wait_need, t.host_free_tokens)
+        d: TierDecision = decide(pause, pool, t.cfg)
+        t.count(d.action, d.reason)
+        if d.action == OFFLOAD:
+            self._tier_offload(s, d.reason)
+            if t.prefetch_early and pause.expected_s is not None:
+                t.plans[s.session_id] = prefetch_plan(now, pause.expected_s, move_s, t.cfg)
+        elif d.action == DROP:
+            self._tier_drop(s)
+        else:
+            self._evictable(s)
+        return bool(self.kv_wait or self.new_wait)
+
+    def _tier_offload(self, s, reason: str) -> None:
+        t = self.tier
+        t.host.offload_begin(s.session_id, s.l_hist)
+        t.host.offload_done(s.session_id)
+        t.tokens_to_host += s.l_hist
+        s.fetch = s.l_hist
+        self.kv_used -= s.l_hist
+        t.moves.append(KVMove(s.session_id, TO_HOST, s.l_hist, host_transfer_s(self.cost, s.l_hist, self.tp), reason))
+
+    def _tier_drop(self, s) -> None:
+        self.tier.host.drop(s.session_id)
+        s.evicted = True
+        self.kv_used -= s.l_hist
+
+    def _tier_victim(self, v) -> bool:
+        """``_make_room`` evicts ``v`` (its KV already uncharged): to the host while it has room, else
+        dropped (``v.evicted``; False: the driver frees it as a victim)."""
+        t = self.tier
+        if t.host_free_tokens >= v.l_hist > 0:
+            t.count(OFFLOAD, "pressure-offload")
+            self.kv_used += v.l_hist  # _tier_offload uncharges it again
+            self._tier_offload(v, "pressure-offload")
+            return True
+        t.count(DROP, "pressure-drop")
+        t.host.drop(v.session_id)
+        v.evicted = True
+        return False
+
+    def tier_prefetch_at(self, s) -> float | None:
+        """When the KV of ``s``, offloaded for its tool call, should start coming back before the
+        result (``kvtier.prefetch_plan``: the expected end less the transfer and a margin); None:
+        on the result only. The driver calls ``tier_prefetch`` then."""
+        p = self.tier.plans.get(s.session_id) if self.tier is not None else None
+        return None if p is None else p.at
+
+    def tier_prefetch(self, s, now: float) -> bool:
+        """The prefetch time of ``s`` came: bring its KV back now if it is still on host and the
+        device has blocks no waiting round needs (``kvtier.should_prefetch``: a speculative prefetch
+        never takes another session's room). The KV is then idle on the device, evictable again.
+        True when it started (a move for the driver)."""
+        t = self.tier
+        plan = t.plans.get(s.session_id)
+        if plan is None or not (s.in_tool and s.fetch):
+            return False
+        pool = PoolState(self.kv_cap, self.kv_used, self.wait_need, t.host_free_tokens)
+        why = should_prefetch(now, plan, False, s.fetch, pool)
+        if not why:
+            return False
+        self.kv_used += s.fetch
+        t.count("prefetch", why)
+        self._tier_fetched(s, why)
+        self._evictable(s)
+        return True
+
+    def _tier_fetched(self, s, reason: str = "result-arrived") -> None:
+        """The round of ``s``, whose KV is on host, was admitted (its history's blocks reserved with
+        its input's), or its prefetch time came: the prefetch move."""
+        t = self.tier
+        t.plans.pop(s.session_id, None)
+        n = s.fetch
+        s.fetch = 0
+        t.host.prefetch_begin(s.session_id)
+        t.host.prefetch_done(s.session_id)
+        t.tokens_from_host += n
+        t.moves.append(KVMove(s.session_id, FROM_HOST, n, host_transfer_s(self.cost, n, self.tp), reason))
+
+    def _tier_reprefilled(self, s) -> None:
+        if self.tier.host.state(s.session_id) is KVState.GONE:
+            self.tier.host.reprefilled(s.session_id)
+
+    def tier_release(self, s) -> None:
+        """The session ended or left: forget its host copy."""
+        if self.tier is not None:
+            self.tier.host.release(s.session_id)
+            self.tier.plans.pop(s.session_id, None)
+
+    def take_moves(self) -> list[KVMove]:
+        """The transfers the driver must perform (each returned once); [] with the tier off."""
+        t = self.tier
+        if t is None or not t.moves:
+            return []
+        m, t.moves = t.moves, []
+        return m

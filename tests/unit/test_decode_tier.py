@@ -1,0 +1,162 @@
+"""The host KV tier in the decode core (ampd/worker/decode_tier.py) and the simulator: a pool filled
+with sessions idle in tool calls still admits new sessions, every idle session completes (from the
+host, or by re-prefill), each decision is counted with its reason, the moves are listed for the
+driver, and the accounting (device tokens, host blocks) returns to empty."""
+from __future__ import annotations
+
+import pytest
+
+from ampd.kv.hostpool import HostPool, HostPoolTooSmall
+from ampd.policy import SLO, make_queue
+from ampd.policy.kvtier import KVState
+from ampd.sim import simulate
+from ampd.worker import ADMITTED, FROM_HOST, TO_HOST, WAITING, DecodeCore, DecodeSession, HostTier
+from ampd.workload.trace import Round, Session
+from tests.unit.test_worker_prefill import P
+
+BT = 16
+
+
+def _core(cap: int, host_tokens: int) -> DecodeCore:
+    tier = HostTier(HostPool(host_tokens // BT, BT, P.kv_bytes_per_token))
+    return DecodeCore("decode-0", 1, P, make_queue("fcfs", P, SLO(1.0, 0.1), 1), kv_capacity_tokens=cap, tier=tier)
+
+
+def _round(core: DecodeCore, s: DecodeSession, now: float, last: bool) -> None:
+    """The admitted round of ``s`` makes its one output token and ends."""
+    assert core.first_token(s, now) is False
+    core.round_end(s, last)
+
+
+def _ready(s: DecodeSession, rnd: int, l_incr: int) -> DecodeSession:
+    s.round, s.l_incr, s.out = rnd, l_incr, 1
+    return s
+
+
+def test_a_pool_full_of_idle_sessions_admits_new_ones_and_every_idle_one_completes():
+    core = _core(cap=5000, host_tokens=2 * 1008)  # the host holds two sessions' KV of 1001 tokens
+    core.tier.durations.observe("search", 0.0, 60.0)  # a long tool
+    idle = [DecodeSession(f"idle-{i}") for i in range(4)]
+    for s in idle:
+        assert core.round_ready(_ready(s, 0, 1000), 0.0) == ADMITTED
+    for s in idle:
+        _round(core, s, 0.1, last=False)
+        core.tier_pause(s, 0.1, "search")
+    # the first pause saw 4004 / 5000 used: a long tool under pressure goes to the host; then the
+    # pool is under the pressure threshold and the others keep their KV (evictable)
+    assert core.tier.decisions == {"offload:long-tool": 1, "keep:no-pressure": 3}
+    assert core.kv_used == 3003 and core.tier.host.state("idle-0") is KVState.HOST and idle[0].fetch == 1001
+    moves = core.take_moves()
+    assert [(m.session_id, m.direction, m.tokens) for m in moves] == [("idle-0", TO_HOST, 1001)]
+    assert moves[0].seconds == pytest.approx(P.t_kv(1001, 1, 1)) and core.take_moves() == []
+    # new sessions: each makes room by evicting idle KV, to the host while it has room, then dropped
+    new = [DecodeSession(f"new-{i}") for i in range(2)]
+    assert core.round_ready(_ready(new[0], 0, 3000), 1.0) == ADMITTED  # 1997 free: two victims
+    assert core.tier.decisions["offload:pressure-offload"] == 1 and core.tier.decisions["drop:pressure-drop"] == 1
+    assert idle[1].fetch == 1001 and idle[2].evicted and core.kv_evictions == 1 and core.victims == [idle[2]]
+    assert core.round_ready(_ready(new[1], 0, 1500), 1.0) == ADMITTED  # the host is full: dropped
+    assert idle[3].evicted and core.kv_evictions == 2 and core.kv_used == 4500
+    assert [m.direction for m in core.take_moves()] == [TO_HOST]
+    # the idle sessions' results arrive while the new sessions hold the pool: they wait, none is lost
+    waits = [core.round_ready(_ready(s, 1, 100), 2.0) for s in idle]
+    assert waits == [WAITING] * 4
+    for s in new:
+        _round(core, s, 2.5, last=True)
+    done = []
+    while (s := core.admit_next(2.5)) is not None:
+        done.append(s)
+    assert done == idle and core.kv_used == 4 * 1101
+    assert idle[2].l_hist == idle[3].l_hist == 0 and idle[3].l_incr == 1101  # dropped: prefilled again
+    assert idle[0].l_hist == 1001 and idle[0].fetch == 0  # from the host
+    moves = core.take_moves()
+    assert [(m.session_id, m.direction, m.tokens) for m in moves] == [("idle-0", FROM_HOST, 1001),
+                                                                       ("idle-1", FROM_HOST, 1001)]
+    for s in done:
+        _round(core, s, 3.0, last=True)
+    assert core.kv_recomputed_tokens == 2002 and core.tier.tokens_to_host == core.tier.tokens_from_host == 2002
+    assert core.kv_used == 0 and core.admitted == 0 and not core.sessions and core.tier.host.empty
+
+
+def test_tier_off_keeps_the_core_as_before_and_a_short_tool_keeps_its_kv():
+    core = _core(cap=2000, host_tokens=1008)
+    core.tier.durations.observe("calc", 0.0, 0.001)  # shorter than the round trip
+    s = DecodeSession("s")
+    assert core.round_ready(_ready(s, 0, 1500), 0.0) == ADMITTED
+    _round(core, s, 0.1, last=False)
+    core.tier_pause(s, 0.1, "calc")
+    assert core.tier.decisions == {"keep:short-tool": 1} and core.kv_used == 1501 and s in core.evictable
+    assert core.round_ready(_ready(s, 1, 10), 0.2) == ADMITTED and not core.evictable
+    _round(core, s, 0.3, last=True)
+    assert core.kv_used == 0 and core.tier.host.empty and core.take_moves() == []
+    off = DecodeCore("decode-0", 1, P, make_queue("fcfs", P, SLO(1.0, 0.1), 1), kv_capacity_tokens=10)
+    assert off.tier is None and off.take_moves() == []
+
+
+def test_a_session_dropped_while_on_host_releases_its_host_blocks():
+    core = _core(cap=1200, host_tokens=1008)
+    core.tier.durations.observe("search", 0.0, 60.0)
+    s = DecodeSession("s")
+    assert core.round_ready(_ready(s, 0, 1000), 0.0) == ADMITTED
+    _round(core, s, 0.1, last=False)
+    core.tier_pause(s, 0.1, "search")
+    assert core.kv_used == 0 and core.tier.host.used_blocks == 63
+    assert core.drop(s) is False and core.tier.host.empty and core.kv_used == 0 and not core.sessions
+
+
+def _sim_profile(cap: int):
+    from tests.unit.test_sim import _profile
+    return _profile(cap=cap)
+
+
+def test_simulator_fills_the_pool_with_idle_sessions_and_every_one_completes():
+    """Item 5 through the simulator: 4 sessions idle in 30 s tool calls fill a 5000-token pool; 3 new
+    ones arriving together meanwhile are admitted at once (idle KV goes to the host or is dropped), and
+    every idle session completes afterwards."""
+    prof = _sim_profile(cap=5000)
+    idle = [Session(f"idle-{i}", 0.01 * i, (Round(1100, 2, 30.0, "search"), Round(100, 2))) for i in range(4)]
+    new = [Session(f"new-{i}", 5.0, (Round(1200, 2),)) for i in range(3)]
+    kw = dict(policy="colocated", decode="tp1*1", ttft_slo_s=5, itl_slo_s=1, admission="none", block_tokens=BT)
+    off = simulate(idle + new, prof, **kw)
+    assert all(s.completed for s in off.sessions)
+    assert min(s.rounds[0].first_token for s in off.sessions[4:]) > 30.0  # today: the new ones wait for KV
+    on = simulate(idle + new, prof, kv_host_mb=3, **kw)  # 3 MiB: 98 blocks, 1568 tokens: one session
+    assert all(s.completed for s in on.sessions) and on.stats["unfinished_sessions"] == 0
+    for s in on.sessions[4:]:
+        assert s.rounds[0].first_token - s.rounds[0].input_ready < 1.0  # admitted at once
+    t = on.stats["kv_tier"]
+    assert t["decisions"]["drop:pressure-drop"] >= 1 and t["tokens_to_host"] > 0
+    assert t["tokens_from_host"] == t["tokens_to_host"] and t["bytes_to_host"] == t["tokens_to_host"] * 1000
+    assert on.stats["kv_used_end"] == [0] and t["host_used_end"] == [0]
+    assert on.stats["kv_recomputed_tokens"] > 0
+
+
+def test_simulator_tier_off_by_default_and_a_host_pool_too_small_is_refused():
+    prof = _sim_profile(cap=5000)
+    s = [Session("a", 0.0, (Round(1000, 2, 1.0), Round(100, 2)))]
+    kw = dict(policy="colocated", decode="tp1*1", ttft_slo_s=5, itl_slo_s=1)
+    assert "kv_tier" not in simulate(s, prof, **kw).stats
+    with pytest.raises(HostPoolTooSmall, match="kv-host-mb 0.5"):
+        simulate(s, prof, kv_host_mb=0.5, **kw)  # 0.5 MiB < 1104 tokens x 1000 bytes
+
+
+def test_prefetch_starts_before_the_expected_end_only_into_spare_blocks():
+    core = _core(cap=1200, host_tokens=1008)
+    core.tier.prefetch_early = True
+    core.tier.durations.observe("search", 0.0, 60.0)
+    s = DecodeSession("s")
+    assert core.round_ready(_ready(s, 0, 1000), 0.0) == ADMITTED
+    _round(core, s, 0.1, last=False)
+    core.tier_pause(s, 0.1, "search")
+    core.take_moves()
+    at = core.tier_prefetch_at(s)
+    assert at == pytest.approx(0.1 + 60.0 - P.t_kv(1001, 1, 1) - core.tier.cfg.margin_s)
+    other = DecodeSession("o")
+    assert core.round_ready(_ready(other, 0, 1100), 1.0) == ADMITTED  # 100 blocks left: not enough
+    assert core.tier_prefetch(s, at - 1.0) is False and core.tier_prefetch(s, at) is False
+    _round(core, other, 2.0, last=True)
+    assert core.tier_prefetch(s, at) is True and s.fetch == 0 and core.kv_used == 1001 and s in core.evictable
+    assert [(m.direction, m.reason) for m in core.take_moves()] == [(FROM_HOST, "expected-end")]
+    assert core.tier.decisions["prefetch:expected-end"] == 1 and core.tier_prefetch_at(s) is None
+    assert core.round_ready(_ready(s, 1, 50), at + 0.2) == ADMITTED and core.take_moves() == []  # already back
+    _round(core, s, at + 0.3, last=True)
+    assert core.kv_used == 0 and core.tier.host.empty
