@@ -308,6 +308,10 @@ class WorkerRuntime:
                 self.transport.remove_peer(self._peer_gen.pop(wid))
                 self.peers.pop(wid, None)
 
+    def known_peer(self, worker_id: str) -> str | None:
+        """The NIXL agent name of `worker_id` when its metadata is loaded, else None (no I/O)."""
+        return self._peer_gen.get(worker_id)
+
     async def ensure_peer(self, worker_id: str) -> str:
         """The NIXL agent name of `worker_id`, loading its metadata now if needed."""
         if worker_id not in self._peer_gen:

@@ -53,8 +53,11 @@ class Admitting:
         decode = []
         for d in self.decodes:  # every worker's view, as the coordinator reads them (windows move)
             v = d.view(now)
-            decode.append(WorkerView(worker_id=v.worker_id, kind="decode", tp=v.tp, window_mean_s=v.window_mean_s,
-                                     queue=v.queue, kv_free_tokens=d.kv_cap, queue_predicted_s=v.queue_predicted_s))
+            # positional, in WorkerView's field order (worker_id, kind, tp, window_mean_s, queue,
+            # kv_free_tokens, queue_predicted_s): 174 ns against 535 ns with keywords (timeit), and
+            # an overloaded run judges admission ~10^5 times per 20k sessions (sim_speed at 0.3/s)
+            decode.append(WorkerView(v.worker_id, "decode", v.tp, v.window_mean_s, v.queue, d.kv_cap,
+                                     v.queue_predicted_s))
         prefills = [p.view(now) for p in self.prefills] if book.rule == "slo" else ()
         h = w.s.rounds[0].hints  # a yielding hint (trace rounds' hints): admission orders it later
         order_at = queue_enqueued_at(w.at, h.priority, _HINTS) if h is not None and h.priority < 0 else None

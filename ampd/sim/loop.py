@@ -40,7 +40,9 @@ from .workers import Decode, Prefill, Sess, SlowerSteps, Views
 
 __all__ = ["Simulator", "simulate"]
 
-# SimRound(...) without its Python-level __new__ (a named tuple): one C call per round
+# SimRound(...) without its Python-level __new__ (a named tuple): one C call per round, used by
+# _Run.round_end only (timeit, Python 3.11: 128 ns against 326 ns; ~0.2 s of a paper-scale run's
+# ~1.1M rounds)
 _new_round = tuple.__new__
 
 

@@ -134,6 +134,8 @@ class RunWindow:
         if (v is not None and v.queue is self.view_queue and mean == v.window_mean_s and free == v.kv_free_tokens
                 and pred == v.queue_predicted_s):
             return v
-        v = self.last_view = WorkerView(worker_id=self.worker_id, kind="decode", tp=self.tp, window_mean_s=mean,
-                                        queue=self.view_queue, kv_free_tokens=free, queue_predicted_s=pred)
+        # positional, in WorkerView's field order (worker_id, kind, tp, window_mean_s, queue,
+        # kv_free_tokens, queue_predicted_s): 174 ns against 535 ns with keywords (timeit); a view
+        # is built per run of steps and read per routing decision
+        v = self.last_view = WorkerView(self.worker_id, "decode", self.tp, mean, self.view_queue, free, pred)
         return v

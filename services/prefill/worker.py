@@ -59,6 +59,7 @@ class PrefillWorker:
             "kv_reads_ahead": 0, "kv_read_hidden_s": 0.0,
         }
         self._task: asyncio.Task | None = None
+        self._background: set[asyncio.Task] = set()  # hand-backs in flight (cancelled on stop)
         self.patterns = PatternCache()  # the mock's KV of sessions' first positions, for the check
         # tasks taken before a coordinator fenced this worker out: handed back, never written
         self.dropped: set[tuple[str, int]] = set()
@@ -73,6 +74,12 @@ class PrefillWorker:
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="prefill-loop")
 
+    def _spawn(self, coro) -> None:
+        """Runs ``coro`` in the background; ``stop`` cancels and awaits it."""
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     async def stop(self) -> None:
         """Stops at once; every task queued or running here is handed back to its decode worker
         (a PrefillDone with an error: the decode worker runs the round locally)."""
@@ -80,6 +87,10 @@ class PrefillWorker:
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        background = list(self._background)  # hand-backs in flight (a lost one is bounded: _hand_back)
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
         unfinished = list(self.tasks.values()) + ([running.task] if running is not None else [])
         self.tasks.clear()
         job, self.ahead = self.ahead, None
@@ -99,7 +110,7 @@ class PrefillWorker:
         done = prefill_pb2.PrefillDone(session_id=task.session_id, round=task.round, task_token=task.task_token,
                                        prefill_worker=self.rt.cfg.worker_id, error=error)
         try:
-            peer = peer or self.rt._peer_gen.get(task.decode_worker) or await asyncio.wait_for(
+            peer = peer or self.rt.known_peer(task.decode_worker) or await asyncio.wait_for(
                 self.rt.ensure_peer(task.decode_worker), 2.0)
             await self.rt.transport.send_notif(peer, done.SerializeToString())
         except Exception as exc:  # noqa: BLE001 - the coordinator re-routes it when this worker is gone
@@ -129,7 +140,7 @@ class PrefillWorker:
             # the decode worker meanwhile, so it is never run here, only handed back.
             log.warning("task sent while this worker was stopped; handed back", session=task.session_id,
                         round=task.round)
-            asyncio.get_running_loop().create_task(self._hand_back(task, "sent while the prefill worker was stopped"))
+            self._spawn(self._hand_back(task, "sent while the prefill worker was stopped"))
             return
         self.tasks[key] = task
         if tracing.on:

@@ -143,7 +143,9 @@ class ToolProcesses:
 
     async def close(self) -> None:
         self._closed = True
-        for task in list(self._refills):
+        refills = list(self._refills)
+        for task in refills:
             task.cancel()
+        await asyncio.gather(*refills, return_exceptions=True)
         for proc in list(self.procs):
             await self._kill(proc)
