@@ -196,7 +196,7 @@ def profile_sglang(root: Path, grid: str) -> dict:
     except subprocess.TimeoutExpired:
         fail(f"ampd profile --engine sglang --grid {grid} did not end within 900 s")
     text = r.stdout + r.stderr
-    rows = {m.group(1): {"max_rel": float(m.group(2)) / 100, "mean_rel": float(m.group(3)) / 100,
+    rows = {m.group(1): {"max_rel": round(float(m.group(2)) / 100, 4), "mean_rel": round(float(m.group(3)) / 100, 4),
                          "points": int(m.group(4))}
             for m in re.finditer(r"^(\S+)\s+([\d.]+)%\s+([\d.]+)%\s+(\d+)$", r.stdout, re.M)}
     if "Traceback" in text or set(rows) != set(QUANTITIES):
