@@ -7,7 +7,9 @@ output token ids in the answer, what a replay client needs to resend the history
 
 Bounds (issue 24): a body nests at most `MAX_JSON_DEPTH` levels (`check_depth`, run before any
 recursive walk); numeric fields are checked against the session API's ranges (ampd.validate), so
-nothing reaches the wire that its proto type cannot hold; a request's text and message count are
+nothing reaches the wire that its proto type cannot hold; `ampd_hints` (agent hints, ampd.agenthints:
+advice only) is checked by the session API's rule and a bad one is a 400 naming it
+(`ampd_hints.expected_tool_s`); a request's text and message count are
 checked against the front's `RequestLimits` before anything tokenizes it; OpenAI parameters AMPD does
 not implement are refused by name (`UNSUPPORTED`), except at their harmless defaults.
 """
@@ -19,7 +21,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ampd.validate import MAX_OUTPUT_TOKENS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_STOPS, MAX_TURN_TOKENS
+from ampd.agenthints import hints_from_body
+from ampd.policy.hints import Hints
+from ampd.validate import InvalidArgument, MAX_OUTPUT_TOKENS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_STOPS, MAX_TURN_TOKENS
 
 __all__ = ["ApiError", "Sampling", "ChatRequest", "CompletionRequest", "RequestLimits", "parse_chat",
            "parse_completion", "check_depth", "text_chars", "error_body", "MAX_JSON_DEPTH", "ROLES", "UNSUPPORTED"]
@@ -141,6 +145,7 @@ class ChatRequest:
     include_usage: bool = False
     tools: list[dict] = field(default_factory=list)
     forced_tool: str | None = None  # tool_choice naming a function (or "required" with one tool)
+    hints: Hints = field(default_factory=Hints)  # the body's ampd_hints (none: no hints)
 
 
 @dataclass(frozen=True)
@@ -151,6 +156,7 @@ class CompletionRequest:
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False
+    hints: Hints = field(default_factory=Hints)
 
 
 # ------------------------------------------------------------------------------------- fields
@@ -249,6 +255,15 @@ def _sampling(body: Mapping) -> Sampling:
     stop_ids = tuple(_int(t, f"stop_token_ids[{i}]", 0, MAX_TOKEN_ID) for i, t in enumerate(ids))
     return Sampling(max_tokens, _number(body, "temperature", 1.0, 0.0, 2.0), _number(body, "top_p", 1.0, 0.0, 1.0),
                     seed, stops, stop_ids, _bool(body, "ignore_eos"))
+
+
+def _hints(body: Mapping) -> Hints:
+    """The body's ``ampd_hints``; a bad one is a 400 whose ``param`` names the hint."""
+    try:
+        return hints_from_body(body)
+    except InvalidArgument as exc:
+        msg = str(exc)
+        raise ApiError(400, msg, param=msg.split(":", 1)[0], code="invalid_hint") from None
 
 
 def _stream(body: Mapping) -> tuple[bool, bool]:
@@ -384,7 +399,8 @@ def parse_chat(body: Any, limits: RequestLimits | None = None) -> ChatRequest:
             raise _too_long("tools", chars, limits)
     stream, usage = _stream(body)
     _unsupported(body, UNSUPPORTED)
-    return ChatRequest(model, messages, _sampling(body), stream, usage, tools, _tool_choice(body, tools))
+    return ChatRequest(model, messages, _sampling(body), stream, usage, tools, _tool_choice(body, tools),
+                       _hints(body))
 
 
 # ------------------------------------------------------------------------------- completions
@@ -412,4 +428,5 @@ def parse_completion(body: Any, limits: RequestLimits | None = None) -> Completi
         raise bad("prompt", "required: a string or a list of token ids (one prompt per request)")
     _unsupported(body, {**UNSUPPORTED, **_COMPLETION_ONLY})
     stream, usage = _stream(body)
-    return CompletionRequest(model, prompt, _sampling(body), stream, usage, _bool(body, "return_token_ids"))
+    return CompletionRequest(model, prompt, _sampling(body), stream, usage, _bool(body, "return_token_ids"),
+                             _hints(body))

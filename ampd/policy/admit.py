@@ -172,7 +172,13 @@ class AdmissionBook:
     hashable the driver picks); after a final verdict (admitted or refused), or when it gives up,
     the driver calls ``leave``. When KV frees (``release``) or the head leaves, the driver judges the
     head again (``head``). A session accepted is never refused later: ``new=False`` (a later binding
-    of it) applies the KV rule only (``none``: none), and ``add`` promises its later turns."""
+    of it) applies the KV rule only (``none``: none), and ``add`` promises its later turns.
+
+    Agent hints (``ampd.policy.hints``): a session whose turn yields (a negative priority) passes
+    ``order_at``, its arrival made later (``queue_enqueued_at``). It waits behind every session that
+    does not yield, and behind the yielding ones of an earlier ``order_at``; it is not admitted at
+    once while any other session waits. A session that does not yield is judged exactly as without
+    hints (yielding ones never stand ahead of it), so a hint can only cost its own session."""
 
     def __init__(self, rule: str = "kv", wait_s: float = 5.0, queue_max: int = 256,
                  cost: AdmissionCost | None = None, slo: SLO | None = None) -> None:
@@ -184,21 +190,28 @@ class AdmissionBook:
         self.promised: Counter[str] = Counter()  # decode worker -> KV tokens promised to its live sessions
         self.sessions: Counter[str] = Counter()  # decode worker -> sessions admitted there, live
         self.waiting: deque = deque()  # tickets, the head first
+        self.yielded: dict[Hashable, float] = {}  # waiting tickets that yield (hints) -> their order_at
 
     @property
     def head(self) -> Hashable | None:
         return self.waiting[0] if self.waiting else None
 
     def judge(self, ticket: Hashable, need: int, l_incr: int, waited_s: float, decode: Sequence[WorkerView],
-              prefills: Sequence[WorkerView], new: bool = True) -> Verdict:
+              prefills: Sequence[WorkerView], new: bool = True, order_at: float | None = None) -> Verdict:
         """The verdict for ``ticket``, a session that may need ``need`` KV tokens and has waited
         ``waited_s`` seconds since it arrived: admitted (``worker``, ``need`` promised there),
         refused (``reason``), or waiting (``wait_s``: judge it again by then at the latest; it is in
         ``waiting`` now). ``decode``: the decode workers, each with its KV capacity as
-        ``kv_free_tokens``. Raises ValueError on an empty ``decode``."""
+        ``kv_free_tokens``; ``order_at``: set when the session yields (see the class doc). Raises
+        ValueError on an empty ``decode``."""
         queued = ticket in self.waiting
         # a waiting session ahead of this one takes what frees first (slo: a new one goes ahead)
-        ahead = bool(self.waiting) and self.waiting[0] is not ticket and not (self.rule == "slo" and not queued)
+        if queued or (order_at is None and not self.yielded):
+            ahead = bool(self.waiting) and self.waiting[0] is not ticket and not (self.rule == "slo" and not queued)
+        elif order_at is None:  # yielding sessions wait behind it
+            ahead = self.rule != "slo" and any(t not in self.yielded for t in self.waiting)
+        else:
+            ahead = bool(self.waiting)  # a yielding session goes after every waiting one
         v = decide(self.rule if new or self.rule == "none" else "kv", decode, prefills, self.promised, self.sessions, need, l_incr,
                    waited_s, self.cost, self.slo)
         if v.reason:
@@ -213,18 +226,32 @@ class AdmissionBook:
                                detail=f"no decode worker has KV for {need} tokens now, and "
                                       + ("admission does not wait" if self.wait_s <= 0 else
                                          f"{self.queue_max} sessions already wait"))
-            if self.rule == "slo":
-                self.waiting.appendleft(ticket)
-            else:
-                self.waiting.append(ticket)
+            self._enqueue(ticket, order_at)
         left = self.wait_s - waited_s
         if left <= _WAIT_EPS_S:  # (a float deadline: "now + left" may round back to now)
             return Verdict(reason=KV_FULL, detail=f"no decode worker had KV for {need} tokens within "
                                                   f"{self.wait_s:g} s")
         return Verdict(wait_s=min(left, v.wait_s), ttft_s=v.ttft_s)
 
+    def _enqueue(self, ticket: Hashable, order_at: float | None) -> None:
+        """Into ``waiting``: ``kv`` last, ``slo`` first, but ahead of every yielding session; a yielding
+        one (``order_at``) among the yielding ones by ``order_at``, after those of the same."""
+        w = self.waiting
+        if order_at is None:
+            if not self.yielded:  # (no hints: the rule's own order)
+                w.appendleft(ticket) if self.rule == "slo" else w.append(ticket)
+                return
+            w.insert(0 if self.rule == "slo" else next(i for i, t in enumerate(w) if t in self.yielded), ticket)
+            return
+        i = len(w)
+        while i > 0 and w[i - 1] in self.yielded and self.yielded[w[i - 1]] > order_at:
+            i -= 1
+        w.insert(i, ticket)
+        self.yielded[ticket] = order_at
+
     def leave(self, ticket: Hashable) -> bool:
         """``ticket`` no longer waits; True when it was the head (the next one is judged then)."""
+        self.yielded.pop(ticket, None)
         if not self.waiting:
             return False
         head = self.waiting[0] is ticket

@@ -26,16 +26,41 @@ from dataclasses import dataclass
 
 from .kvtier import KVTierConfig, effective_tool_s, rank_end
 
-__all__ = ["Hints", "HintConfig", "HintedValues", "shared_output_tokens", "queue_enqueued_at", "resolve"]
+__all__ = ["Hints", "HintConfig", "HintedValues", "shared_output_tokens", "queue_enqueued_at", "resolve",
+           "hints_from_obj", "HINT_KEYS"]
+
+HINT_KEYS = ("priority", "expected_output_tokens", "expected_tool_s")
+# The session API's ranges (ampd.validate: MAX_PRIORITY, MAX_OUTPUT_TOKENS, MAX_TOOL_LATENCY_S; a unit
+# test holds them equal): a pure core may not import the wire's module.
+_MAX_PRIORITY, _MAX_OUTPUT, _MAX_TOOL_S = 100, 1 << 20, 24 * 3600.0
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Hints:
-    """A turn's hints; None (priority: 0) when absent."""
+    """A turn's hints; None (priority: 0) when absent. A value (frozen): a trace's rounds hold them."""
 
     priority: int = 0
     expected_output_tokens: int | None = None
     expected_tool_s: float | None = None
+
+
+def hints_from_obj(obj: object, field: str) -> Hints:
+    """A decoded JSON hints object (a trace round's ``hints``) as Hints; raises ValueError naming
+    the bad key by its path (``FIELD.priority: ...``). The same ranges as the session API's."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"{field}: must be an object with {', '.join(HINT_KEYS)}")
+    for key in obj:
+        if key not in HINT_KEYS:
+            raise ValueError(f"{field}.{key}: unknown hint (known: {', '.join(HINT_KEYS)})")
+    p, out, tool = (obj.get(k) for k in HINT_KEYS)
+    for name, v, lo, hi in (("priority", p, -_MAX_PRIORITY, _MAX_PRIORITY),
+                            ("expected_output_tokens", out, 1, _MAX_OUTPUT)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi):
+            raise ValueError(f"{field}.{name}: must be an integer in [{lo}, {hi}], got {v!r}")
+    if tool is not None and (isinstance(tool, bool) or not isinstance(tool, (int, float))
+                             or not math.isfinite(tool) or not 0 <= tool <= _MAX_TOOL_S):
+        raise ValueError(f"{field}.expected_tool_s: must be a finite number in [0, {_MAX_TOOL_S:g}], got {tool!r}")
+    return Hints(p or 0, out, None if tool is None else float(tool))
 
 
 @dataclass(slots=True)

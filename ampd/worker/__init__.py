@@ -2,10 +2,11 @@
 
 No I/O, no clock reads (time is an argument), no asyncio, gRPC or Redis: the live services drive
 these cores with an engine, NIXL and gRPC, and the simulator (``ampd.sim``) drives the same cores on
-its virtual clock. The shape follows a scheduler's two calls: ask what runs next
-(``DecodeCore.schedule``, ``PrefillCore.next``), run it, report it back (``run_done``,
-``prefill_done``, ``finish``). Each module's docstring gives its protocol; docs/simulator.md the
-timing model.
+its virtual clock. Both cores have a scheduler's shape: ``schedule(now)`` says what runs next (a
+dataclass: ``LocalPrefill``, ``DecodeRun``, ``PrefillWork``, or None), the driver runs it, and
+``update(work, now)`` applies its end; the rest of their calls are events (a round is ready, a task
+arrives, a session ends). Each module's docstring gives its protocol; docs/simulator.md the timing
+model.
 """
 from .decode import (ADMITTED, FAILED, IDLE, KV_ADMISSION, KV_EXHAUSTED, PREFILLING, STEPPING, WAITING, DecodeCore,
                      DecodeRun, DecodeSession, LocalPrefill, affine_ctx_coef, steps_done)

@@ -3,13 +3,20 @@
 Pure: no I/O, no clock; every call takes the time. A driver (the live prefill service, the simulator)
 runs what the core says and reports back::
 
+    core.schedule(now)            -> PrefillWork | None   idle: the task to run now, or None
+    core.update(work, now)        -> PrefillTask     ``work`` ended: its new KV is written back (the
+                                                     TTFT sample)
+
+and events::
+
     core.submit(task, now)        -> KvRead | None   queue a task (with the overlap, a read may start)
-    core.next(now)                -> PrefillWork | None   idle: the task to run now, or None
     core.compute_started(now)     -> KvRead | None   its compute begins (after its history read):
                                                      with the overlap, the next task is popped and its
                                                      history KV read starts now
-    core.finish(now)              -> PrefillTask     its new KV is written back: the TTFT sample
     core.abort(now)               -> PrefillTask     live: it failed (no sample)
+    core.replan(compute_at, busy_until)              a driver that knows better (the simulator's NIC
+                                                     contention) moves the task's compute and end
+    core.read_ahead_until(end)                       ... and the end of the read ahead
     core.view(now)                -> WorkerView      what the coordinator sees
 
 A task's life: history KV in (``read_s``), compute (``compute_s``), new KV back (``write_s``),
@@ -30,13 +37,12 @@ Without the overlap, a queued task counts its compute only (the paper's Eq. 2 qu
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from ampd.policy.cost import remote_parts
 from ampd.policy.reorder import PrefillQueue
 from ampd.policy.types import CostModel, PrefillTask, WorkerView
-from ampd.window import STATS_WINDOW_S, CachedWindowMean, WindowedMean
+from ampd.window import STATS_WINDOW_S, WindowedMean
 
 __all__ = ["PrefillCore", "PrefillWork", "KvRead"]
 
@@ -64,20 +70,19 @@ class KvRead:
     seconds: float
 
 
-class PrefillCore(CachedWindowMean):
+class PrefillCore:
     """State of one prefill worker (see the module docstring for the protocol).
 
     ``busy_until`` is the predicted end of the task in service and ``compute_at`` when its compute
-    starts; a driver that knows better (the simulator's NIC contention) may set them.
-    ``ahead_read_end`` likewise for the read ahead. A task submitted once ``compute_at`` has passed
-    starts its read ahead even if ``compute_started`` was not called (it only matters when tasks
-    wait in the queue at that moment).
-    ``busy_s`` is left to the driver to accumulate (it knows the real durations)."""
+    starts; a driver that knows better (the simulator's NIC contention) moves them with ``replan``,
+    and ``ahead_read_end`` (the read ahead's end) with ``read_ahead_until``. A task submitted once
+    ``compute_at`` has passed starts its read ahead even if ``compute_started`` was not called (it
+    only matters when tasks wait in the queue at that moment)."""
 
     __slots__ = ("worker_id", "tp", "cost", "queue", "window", "kv_overlap", "kv_capacity_tokens",
                  "current", "computing", "compute_at", "busy_until", "ahead", "ahead_parts", "ahead_read_end",
-                 "_tail_cw", "_parts", "busy_s", "tasks", "qver", "qlen",
-                 "wadds", "m_adds", "m_t0", "m_mean", "vq_ver", "vq", "vpred", "view_", "v_mean")
+                 "_tail_cw", "_parts", "tasks", "queue_ver", "queue_len",
+                 "view_queue_ver", "view_queue", "view_queue_s", "last_view")
 
     def __init__(self, worker_id: str, tp: int, cost: CostModel, queue: PrefillQueue, *,
                  window_s: float = STATS_WINDOW_S, kv_overlap: bool = True, kv_capacity_tokens: int = 0):
@@ -97,21 +102,14 @@ class PrefillCore(CachedWindowMean):
         self.ahead_read_end = 0.0
         self._tail_cw = 0.0  # compute + write of the last queued task (what hides the next read)
         self._parts: dict[int, tuple[float, float, float]] = {}  # id(queued task) -> its Eq. (2) terms
-        self.busy_s = 0.0
         self.tasks = 0
-        self.qver = 0  # pushes + pops of the queue (the view's queue copy is rebuilt when it moves)
-        self.qlen = 0
-        # view cache: the windowed mean last read holds while no sample was added (wadds) and the
-        # oldest sample has not expired (m_t0); the view object holds while nothing it shows changed
-        self.wadds = 0
-        self.m_adds = -1
-        self.m_t0 = math.inf
-        self.m_mean: float | None = None
-        self.vq_ver = -1
-        self.vq: tuple = ()
-        self.vpred = 0.0
-        self.view_: WorkerView | None = None
-        self.v_mean: float | None = None
+        self.queue_ver = 0  # pushes + pops of the queue (the view's queue copy is rebuilt when it moves)
+        self.queue_len = 0
+        # the view's cache: the queue copy (rebuilt when queue_ver moved) and the last view
+        self.view_queue_ver = -1
+        self.view_queue: tuple = ()
+        self.view_queue_s = 0.0  # the copied queue's predicted total
+        self.last_view: WorkerView | None = None
 
     # ----------------------------------------------------------------------------- the protocol
     def submit(self, task: PrefillTask, now: float) -> KvRead | None:
@@ -123,7 +121,7 @@ class PrefillCore(CachedWindowMean):
             parts = remote_parts(self.cost, task.l_hist, task.l_incr, task.decode_tp, self.tp)
             self._parts[id(task)] = parts  # a queued task is alive, so its id is unique meanwhile
             read, comp, write = parts
-            if self.qlen:
+            if self.queue_len:
                 hide = self._tail_cw
             elif self.ahead is not None:
                 hide = self.ahead_parts[1] + self.ahead_parts[2]
@@ -132,14 +130,14 @@ class PrefillCore(CachedWindowMean):
             exposed = read - hide if read > hide else 0.0
             self._tail_cw = comp + write
             self.queue.push(task, comp + write + exposed)
-        self.qver += 1
-        self.qlen += 1
+        self.queue_ver += 1
+        self.queue_len += 1
         if self.kv_overlap and self.ahead is None and self.current is not None and (
                 self.computing or now >= self.compute_at):
             return self._read_ahead(now)
         return None
 
-    def next(self, now: float) -> PrefillWork | None:
+    def schedule(self, now: float) -> PrefillWork | None:
         """When idle: the task to run now (the one read ahead, else Algorithm 2's pick), or None."""
         if self.current is not None:
             return None
@@ -149,10 +147,10 @@ class PrefillCore(CachedWindowMean):
             read = self.ahead_read_end - now if self.ahead_read_end > now else 0.0
             self.ahead = None
             was_ahead = True
-        elif self.qlen:
+        elif self.queue_len:
             task = self.queue.pop(now)
-            self.qver += 1
-            self.qlen -= 1
+            self.queue_ver += 1
+            self.queue_len -= 1
             read, comp, write = self._parts_of(task)
             was_ahead = False
         else:
@@ -163,34 +161,38 @@ class PrefillCore(CachedWindowMean):
         total = comp + read + write  # remote_prefill_s's order: the same float as Eq. (2)
         self.busy_until = now + total
         self.compute_at = now + read
-        return PrefillWork(task, read, comp, write, total, was_ahead)
+        return PrefillWork(task=task, read_s=read, compute_s=comp, write_s=write, total_s=total, was_ahead=was_ahead)
 
     def compute_started(self, now: float) -> KvRead | None:
         """The task in service has its history: with the overlap, the next task leaves the queue
         and its history read starts now (returned)."""
         self.computing = True
-        if self.kv_overlap and self.ahead is None and self.qlen:
+        if self.kv_overlap and self.ahead is None and self.queue_len:
             return self._read_ahead(now)
         return None
 
-    def finish(self, now: float) -> PrefillTask:
-        """The task in service wrote its new KV back: its TTFT (from ``enqueued_at``) is sampled."""
+    def update(self, work: PrefillWork, now: float) -> PrefillTask:
+        """``work`` (the task in service) wrote its new KV back: its TTFT (from ``enqueued_at``) is
+        sampled."""
         task = self.current
         if task is None:
-            raise RuntimeError(f"{self.worker_id}: finish() with no task in service")
+            raise RuntimeError(f"{self.worker_id}: update() with no task in service")
+        if task is not work.task:
+            raise RuntimeError(f"{self.worker_id}: update() of {work.task.session_id!r}, not the task in service")
         self.current = None
         self.computing = False
-        # WindowedMean.add(now, now - task.enqueued_at, 1), inlined (once per remote prefill)
-        ttft = now - task.enqueued_at
-        w = self.window
-        smp = w._samples
-        smp.append((now, ttft, 1))
-        w._sum += ttft
-        w._count += 1
-        if smp[0][0] < now - w.window_s:
-            w._expire(now)
-        self.wadds += 1
+        self.window.add(now, now - task.enqueued_at, 1)
         return task
+
+    def replan(self, compute_at: float, busy_until: float) -> None:
+        """The task in service computes from ``compute_at`` and ends at ``busy_until`` (a driver
+        that times its transfers itself: the simulator's NIC contention)."""
+        self.compute_at = compute_at
+        self.busy_until = busy_until
+
+    def read_ahead_until(self, end: float) -> None:
+        """The read ahead ends at ``end`` (a driver that times its transfers itself)."""
+        self.ahead_read_end = end
 
     def abort(self, now: float) -> PrefillTask:
         """The task in service failed (live: a transfer or the engine): it leaves service with no
@@ -208,13 +210,13 @@ class PrefillCore(CachedWindowMean):
         # task go before one that had waited, and the waiting one missed its TTFT)
         start_in = self.busy_until - now if self.current is not None and self.busy_until > now else 0.0
         task = self.queue.pop(now, start_in)
-        self.qver += 1
-        self.qlen -= 1
+        self.queue_ver += 1
+        self.queue_len -= 1
         parts = self._parts_of(task)
         self.ahead = task
         self.ahead_parts = parts
         self.ahead_read_end = now + parts[0]
-        return KvRead(task, parts[0])
+        return KvRead(task=task, seconds=parts[0])
 
     def _parts_of(self, task: PrefillTask) -> tuple[float, float, float]:
         """Eq. (2)'s terms of a task leaving the queue (computed at submit with the overlap)."""
@@ -231,25 +233,23 @@ class PrefillCore(CachedWindowMean):
     def view(self, now: float) -> WorkerView:
         """The published view: windowed TTFT, the queue, and ``queue_predicted_s`` (the module
         docstring says what it counts). The same object is returned while nothing in it changed."""
-        mean = self.window_mean(now)
+        mean = self.window.mean(now)
         residual = self.busy_until - now if self.current is not None and self.busy_until > now else 0.0
-        if self.vq_ver != self.qver:  # the queue changed: copy it once, not per view
-            self.vq = self.queue.tasks()
-            self.vpred = self.queue.predicted_total()
-            self.vq_ver = self.qver
-        pred = self.vpred + residual
+        if self.view_queue_ver != self.queue_ver:  # the queue changed: copy it once, not per view
+            self.view_queue = self.queue.tasks()
+            self.view_queue_s = self.queue.predicted_total()
+            self.view_queue_ver = self.queue_ver
+        pred = self.view_queue_s + residual
         if self.ahead is not None:
             _, comp, write = self.ahead_parts
             late = self.ahead_read_end - (self.busy_until if self.current is not None else now)
             pred += comp + write + (late if late > 0.0 else 0.0)
-        v = self.view_
+        v = self.last_view
         # the last view holds while everything it shows is unchanged, its predicted queue included
         # (a view cached during a service must not outlive the service's residual time)
-        if v is not None and v.queue is self.vq and mean == self.v_mean and pred == v.queue_predicted_s:
+        if v is not None and v.queue is self.view_queue and mean == v.window_mean_s and pred == v.queue_predicted_s:
             return v
-        # positional (worker_id, kind, tp, window_mean_s, queue, kv_free_tokens, queue_predicted_s):
-        # cheaper than keywords, and a view is built per routing decision
-        v = WorkerView(self.worker_id, "prefill", self.tp, mean, self.vq, self.kv_capacity_tokens, pred)
-        self.view_ = v
-        self.v_mean = mean
+        v = self.last_view = WorkerView(worker_id=self.worker_id, kind="prefill", tp=self.tp, window_mean_s=mean,
+                                        queue=self.view_queue, kv_free_tokens=self.kv_capacity_tokens,
+                                        queue_predicted_s=pred)
         return v

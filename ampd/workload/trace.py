@@ -17,6 +17,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, TextIO
 
+from ampd.policy.hints import Hints, hints_from_obj
+
 __all__ = ["Round", "Session", "TraceError", "load_trace", "dump_trace", "session_from_obj",
            "session_to_obj", "check_hash_ids"]
 
@@ -33,13 +35,15 @@ class Round:
     tool (None: the built-in replay tool, which sleeps ``tool_s``). ``hash_ids`` optionally names
     the blocks of the round's whole prompt (history and input) by prefix hashes, as Mooncake's
     traces do (512-token blocks): rounds, of any session, with equal leading ids share that prefix's
-    KV under prefix sharing (None: unknown, nothing shared)."""
+    KV under prefix sharing (None: unknown, nothing shared). ``hints`` optionally carries the agent
+    hints the round's turn is sent with (``ampd.policy.hints``; the session API's ``Turn.hints``)."""
 
     input: int
     output: int
     tool_s: float | None = None
     tool: str | None = None
     hash_ids: tuple[int, ...] | None = None
+    hints: Hints | None = None
 
     @property
     def tool_delay_s(self) -> float:
@@ -147,7 +151,14 @@ def session_from_obj(obj: Any, where: str) -> Session:
         hash_ids = r.get("hash_ids")
         if hash_ids is not None:
             hash_ids = check_hash_ids(hash_ids, f"{f}.hash_ids", where)
-        rounds.append(Round(inp, out, tool_s, tool, hash_ids))
+        hints = r.get("hints")
+        if hints is not None:
+            try:
+                hints = hints_from_obj(hints, f"{f}.hints")
+            except ValueError as exc:
+                raise TraceError(f"{where}: field '{str(exc).split(':', 1)[0]}': {str(exc).split(':', 1)[1].strip()}"
+                                 ) from None
+        rounds.append(Round(inp, out, tool_s, tool, hash_ids, hints))
     return Session(sid, arrival, tuple(rounds))
 
 
@@ -161,6 +172,10 @@ def session_to_obj(s: Session) -> dict:
             d["tool"] = r.tool
         if r.hash_ids is not None:
             d["hash_ids"] = list(r.hash_ids)
+        if r.hints is not None:
+            d["hints"] = {k: v for k, v in (("priority", r.hints.priority or None),
+                                            ("expected_output_tokens", r.hints.expected_output_tokens),
+                                            ("expected_tool_s", r.hints.expected_tool_s)) if v is not None}
         rounds.append(d)
     return {"id": s.id, "arrival": s.arrival, "rounds": rounds}
 

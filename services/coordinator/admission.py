@@ -61,11 +61,12 @@ class Admission:
         return len(self.book.waiting)
 
     async def admit(self, need: int, rooms: Rooms, l_incr: int = 0, since: float | None = None,
-                    new: bool = True, sid: str = "") -> str:
+                    new: bool = True, sid: str = "", order_at: float | None = None) -> str:
         """A decode worker for a session that may need ``need`` KV tokens, with ``need`` promised to
         it. ``l_incr``: its first prefill's tokens; ``since``: when it arrived (time.monotonic());
         ``new``: False for a session already accepted (moved, or bound again for a later turn),
-        which only the KV rule applies to. Raises Refused, or LookupError when no decode worker serves."""
+        which only the KV rule applies to; ``order_at``: its arrival made later by a yielding hint
+        (ampd.policy.admit.AdmissionBook). Raises Refused, or LookupError when no decode worker serves."""
         start = time.monotonic() if since is None else since
         book = self.book
         me = asyncio.Event()
@@ -78,7 +79,7 @@ class Admission:
                 if pending is not None:  # its own release (a move's) lands before the totals are read
                     await asyncio.wait({pending})
                 await self._refresh()
-                v = book.judge(me, need, l_incr, time.monotonic() - start, decode, prefill, new)
+                v = book.judge(me, need, l_incr, time.monotonic() - start, decode, prefill, new, order_at)
                 if v.reason:
                     raise Refused(v.reason, v.detail)
                 if v.worker is not None:

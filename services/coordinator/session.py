@@ -18,8 +18,10 @@ import grpc
 import structlog
 
 from ampd import tracing
+from ampd.agenthints import hints_from_turn
 from ampd.events import merge_tokens
 from ampd.grpcserver import SESSION_OPEN
+from ampd.policy.hints import HintConfig, queue_enqueued_at
 from ampd.sessionlog import CannotResume, SessionLog
 from ampd.trust import attach_token, new_secret, reattach_token
 from ampd.v1 import common_pb2, coordinator_pb2, decode_pb2
@@ -37,6 +39,7 @@ log = structlog.get_logger()
 TAKEN_OVER = "reattached through another coordinator"
 BIND_WAIT_S = 15.0  # a moving session waits this long for a live decode worker (one may be restarting)
 OPEN_WAIT_S = 3.0  # a new session waits this long for one (then UNAVAILABLE: none is serving)
+HINTS = HintConfig()  # how far a yielding hint moves a session back in admission's order
 
 
 async def _ignore_failure(reply) -> None:
@@ -85,6 +88,7 @@ class SessionRun:
         self.promised_on = ""  # the decode worker holding that promise
         self.admitted = False
         self.arrived = time.monotonic()  # what admission's TTFT budget counts from
+        self.hints = hints_from_turn(o.turn)  # the opening turn's agent hints (advice: ampd.policy.hints)
         # Reattached (its coordinator was lost): its ReattachSession, until the decode worker's state
         # comes; events up to ``replayed`` were in that state (sent, not logged again)
         self.reattach = Reattach(self, reattach) if reattach is not None else None
@@ -207,7 +211,8 @@ class SessionRun:
         while True:
             try:
                 self.decode_id = await svc.admission.admit(self.need, svc.rooms, len(self.o.turn.token_ids),
-                                                           self.arrived, new=not self.admitted, sid=self.sid)
+                                                           self.arrived, new=not self.admitted, sid=self.sid,
+                                                           order_at=self._yield_at())
                 break
             except Refused as exc:
                 svc.counters["refused_" + exc.reason] += 1
@@ -230,6 +235,13 @@ class SessionRun:
         # the secret: another coordinator reattaches the session with it when this one is lost
         svc.record(self.sid, {"decode_worker": self.decode_id, "round": req.resume.round, "moves": self.log.moves,
                               "secret": self.secret})
+
+    def _yield_at(self) -> float | None:
+        """Admission's order for a session whose opening turn yields (a negative priority hint):
+        its arrival made later; None (no yield) leaves admission's own order."""
+        if self.admitted or self.hints.priority >= 0:
+            return None
+        return queue_enqueued_at(self.arrived, self.hints.priority, HINTS)
 
     def attach(self, call) -> None:
         """The session's stream from its decode worker is ``call`` (Attach or Reattach) now."""

@@ -23,7 +23,8 @@ from ampd.runtime import WorkerRuntime, add_worker_args, pool_for, worker_config
 from ampd.trust import attach_token, token_matches
 from ampd.worker import DecodeCore
 from ampd.validate import InvalidArgument, validate_attach, validate_reason, validate_turn
-from services.decode.worker import (DecodeWorker, EventsGone, InvalidTurn, NotOpen, NotPermitted, SessionError)
+from services.decode.session import EventsGone, InvalidTurn, NotOpen, NotPermitted, SessionError, take_events
+from services.decode.worker import DecodeWorker
 
 log = structlog.get_logger()
 
@@ -65,7 +66,7 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
             if not token_matches(attach_token(core.rt.task_key, sid, wid, request.session_secret),
                                  request.attach_token):
                 raise NotPermitted(f"attach_token: not minted for session {sid!r} on {wid!r}")
-            s, state = core.reattach(sid, request.session_secret, request.after_seq)
+            s, state = core.attachments.reattach(sid, request.session_secret, request.after_seq)
         except InvalidArgument as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except NotPermitted as exc:
@@ -82,7 +83,7 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
         """The session's events after number ``after`` until it ends (or another stream takes it
         over), those ready together in one message; ``state`` goes with the first (Reattach)."""
         core = self.core
-        me = core.attached(s)
+        me = core.attachments.attached(s)
         try:
             # the session is open: the coordinator sends its Control requests only after this
             await context.send_initial_metadata((SESSION_OPEN,))
@@ -90,7 +91,7 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
                 if s.owner is not me:
                     await context.abort(grpc.StatusCode.ABORTED, f"session {s.session_id!r} was reattached "
                                                                  "through another coordinator")
-                batch, seq, failed = core.take_events(s, after)
+                batch, seq, failed = take_events(s, after)
                 if batch or state is not None:
                     out = decode_pb2.DecodeEvents(events=batch)
                     if state is not None:
@@ -109,7 +110,7 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
                     s.notify.clear()
                     await s.notify.wait()
         finally:
-            core.detached(s, me)
+            core.attachments.detached(s, me)
 
     # LocalPrefill, Turn, Close and Cancel: one body each, served on Control (and some as unary calls).
     def _local_prefill(self, request: decode_pb2.RouteInfo) -> None:
@@ -222,7 +223,7 @@ async def amain(args: argparse.Namespace) -> None:
     chunk = profile.prefill_chunk_tokens(cfg.tp) if cfg.chunked_prefill else 0
     core = DecodeCore(cfg.worker_id, cfg.tp, profile, queue, kv_capacity_tokens=rt.pool.capacity_tokens,
                       window_s=cfg.window_s, chunk_tokens=chunk, kv_admission=cfg.kv_admission,
-                      kv_evict=cfg.kv_evict)
+                      kv_evict=cfg.kv_evict, step_by_step=True)
     service.core = DecodeWorker(rt, engine, core, sidecar, chat_format(cfg))
     service.core.reattach_grace_s = args.reattach_grace
     service.core.start()

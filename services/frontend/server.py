@@ -26,6 +26,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from ampd import grpcserver, logs, tracing
+from ampd.agenthints import hints_to_turn
 from ampd.chat.template import ChatFormat
 from ampd.chat.tokenizer import tokenizer_for
 from ampd.config import SERVICE_SETTINGS, ConfigError, add_flags, require
@@ -36,6 +37,7 @@ from ampd.front.evict import Held, grace_ends, kv_victims, tenant_victims
 from ampd.front.index import Match, SessionIndex
 from ampd.front.tenants import Tenant, load_api_keys
 from ampd.metrics import TTFT_BUCKETS
+from ampd.policy.hints import Hints
 from ampd.state import connect
 from ampd.coordinators import Coordinators, parse_addresses
 from ampd.tasks import BackgroundTasks
@@ -141,6 +143,7 @@ class Front:
         self.created = int(time.time())
         self.http = httpx2.AsyncClient(timeout=None)  # to the other fronts (forwarding)
         self.max_inflight = args.max_inflight_requests
+        self.turns = BackgroundTasks()  # the turns' drivers (services/frontend/turn.py)
 
     # ------------------------------------------------------------------------------ placing a turn
     async def _place(self, tenant: Tenant, ids: list[int], header: str, how: list[str], forwarded: bool
@@ -197,7 +200,8 @@ class Front:
             self.table.evict(self.table.live[sid], "tenant-sessions" if over_sessions else "tenant-kv")
 
     async def _begin(self, request: Request, ids: list[int], header: str, p: common_pb2.SamplingParams,
-                     answered: Sequence[str]) -> tuple[LiveSession, common_pb2.Turn | None]:
+                     answered: Sequence[str], hints: Hints | None = None
+                     ) -> tuple[LiveSession, common_pb2.Turn | None]:
         how: list[str] = []
         tenant: Tenant = request.state.tenant
         forwarded = bool(request.headers.get(FORWARDED)) or getattr(request.state, "no_forward", False)
@@ -218,12 +222,16 @@ class Front:
             s.opened_with = getattr(request.state, "known", {})
             self.table.hold(s, s.opened_with)
             s.open_msg = common_pb2.OpenSession(session_id=s.session_id, turn=common_pb2.Turn(token_ids=ids, sampling=p))
+            if hints is not None:
+                hints_to_turn(hints, s.open_msg.turn)
             if tracing.on:
                 s.caller = tracing.parse_traceparent(request.headers.get(tracing.TRACEPARENT))
             s.start(self.coordinator)
             return s, None
         self.table.take(s)
         turn = common_pb2.Turn(token_ids=ids[len(s.history):], sampling=p)
+        if hints is not None:
+            hints_to_turn(hints, turn)
         s.promised += len(turn.token_ids) + p.max_tokens
         answers = [c for c in answered if c in s.pending_calls]
         if answers:
@@ -302,7 +310,7 @@ class Front:
             run = TurnRun(self.table, s, answer, prefix, self._ended)
             if tracing.on:
                 run.traced_at = time.time()
-            run.start(turn)
+            run.start(turn, self.turns)
             first = await run.out.get()
             if first[0] != FAILED:
                 s.open_msg, s.opened_with = None, {}  # opened: nothing to open again
@@ -335,7 +343,7 @@ class Front:
         p = self.read.sampling(req.sampling, req.forced_tool is not None)
         answered = [m.get("tool_call_id") for m in req.messages[_last_answer(req.messages) + 1:]
                     if m.get("role") == "tool"]
-        s, turn = await self._begin(request, ids, header, p, answered)
+        s, turn = await self._begin(request, ids, header, p, answered, req.hints)
         answer = self.read.answer(p, req.forced_tool, bool(req.tools) and req.forced_tool is None)
         run, first = await self._run(s, turn, answer, prefix, t0)
         run.stop_when(_client_gone(request))
@@ -394,7 +402,7 @@ class Front:
         header = self.read.session_header(request)
         ids = list(req.prompt) if isinstance(req.prompt, list) else await self.read.off_loop(self.read.fmt.encode, req.prompt)
         p = self.read.sampling(req.sampling, False)
-        s, turn = await self._begin(request, ids, header, p, ())
+        s, turn = await self._begin(request, ids, header, p, (), req.hints)
         try:
             run, first = await self._run(s, turn, self.read.answer(p, None, False), [], t0)
         except ApiError as e:
@@ -650,6 +658,7 @@ async def amain(args: argparse.Namespace) -> None:
         await serving
     finally:
         await background.close()  # (serve() has ended, unless this task was cancelled)
+        await front.turns.close()  # a turn still running drops its session
         await front.table.stop()
         await front.http.aclose()
         front.read.work.shutdown(wait=False, cancel_futures=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Awaitable, Callable
+from typing import Callable, Coroutine
 
 import grpc
 import structlog
@@ -17,6 +17,7 @@ from ampd.front.answer import Answer, Call
 from ampd.front.api import ApiError
 from ampd.front.index import history_entry
 from ampd.v1 import common_pb2
+from ampd.tasks import BackgroundTasks
 from services.frontend.sessions import END, LiveSession, SessionTable
 
 log = structlog.get_logger()
@@ -45,7 +46,8 @@ _PERMANENT_REFUSALS = ("kv-size",)
 # session-API field paths (after "open.turn." / "turn.") -> the OpenAI request field they come from
 _PARAMS = {"sampling.max_tokens": "max_tokens", "sampling.stop": "stop", "sampling.stop_token_ids": "stop_token_ids",
            "sampling.temperature": "temperature", "sampling.top_p": "top_p", "sampling.seed": "seed",
-           "token_ids": "messages", "keep_tokens": "messages", "tool_call_id": "messages"}
+           "token_ids": "messages", "keep_tokens": "messages", "tool_call_id": "messages",
+           **{f"hints.{k}": f"ampd_hints.{k}" for k in ("priority", "expected_output_tokens", "expected_tool_s")}}
 
 
 def _param(details: str) -> str | None:
@@ -90,19 +92,22 @@ class TurnRun:
         self.stopped = False  # its client went away: StopRound sent
         self._gone: asyncio.Future | None = None  # completes when its client goes away (`stop_when`)
         self._over = False  # its TurnEnd (or its failure) came
+        self._tasks: BackgroundTasks | None = None  # the owner of its driver and its watch (start)
         s.events = asyncio.Queue()
         if s.closed:  # the stream ended while the session idled
             s.events.put_nowait(s.error or END)
 
-    def start(self, turn: common_pb2.Turn | None) -> asyncio.Task:
+    def start(self, turn: common_pb2.Turn | None, tasks: BackgroundTasks) -> asyncio.Task:
+        """Sends ``turn`` (None: the session's open carries it) and drives it in a task ``tasks`` owns."""
+        self._tasks = tasks
         if turn is not None:
             self.s.send_turn(turn)
-        return asyncio.create_task(self._drive(), name=f"turn-{self.s.session_id}")
+        return tasks.spawn(self._drive(), name=f"turn-{self.s.session_id}")
 
-    def stop_when(self, gone: Awaitable) -> None:
+    def stop_when(self, gone: Coroutine) -> None:
         """Stops the turn once ``gone`` completes (its client went away); ``gone`` is cancelled at the
-        turn's end. One task per turn, nothing per token."""
-        self._gone = asyncio.ensure_future(gone)
+        turn's end. One task per turn (owned with its driver), nothing per token."""
+        self._gone = self._tasks.spawn(gone)
         if self._over:  # it ended before its response was sent
             self._gone.cancel()
             return

@@ -149,7 +149,7 @@ class PrefillWorker:
     # ------------------------------------------------------------------------------- the loop
     async def _loop(self) -> None:
         while True:
-            work = self.core.next(time.time())
+            work = self.core.schedule(time.time())
             if work is None:
                 self.wake.clear()
                 await self.wake.wait()
@@ -240,7 +240,7 @@ class PrefillWorker:
             self.metrics["new_tokens_written"] += task.l_incr
             self.metrics["tasks_done"] += 1
             written = time.time()
-            self.core.finish(written)
+            self.core.update(work, written)
             if tracing.on:
                 _task_spans(rt.cfg.worker_id, task, self.enqueued.pop(self._key(task), done.started), job,
                             computing, done.finished, written)

@@ -163,6 +163,7 @@ def test_a_remote_prefill_that_never_reports_runs_on_the_decode_worker(redis_url
     from ampd.v1 import common_pb2, decode_pb2
     from ampd.worker import DecodeCore
     from services.decode.server import build_parser
+    from services.decode.session import take_events
     from services.decode.worker import DecodeWorker
 
     async def go():
@@ -173,7 +174,8 @@ def test_a_remote_prefill_that_never_reports_runs_on_the_decode_worker(redis_url
         queue = make_queue(policy_spec(cfg.policy).decode_queue, profile, SLO(cfg.ttft_slo_s, cfg.itl_slo_s), 1)
         engine = make_engine("mock", profile, 1, "")
         rt = WorkerRuntime(cfg, StateStore(await connect(redis_url), "overdue"), pool_for(profile, cfg, engine))
-        core = DecodeCore(cfg.worker_id, 1, profile, queue, kv_capacity_tokens=rt.pool.capacity_tokens)
+        core = DecodeCore(cfg.worker_id, 1, profile, queue, kv_capacity_tokens=rt.pool.capacity_tokens,
+                          step_by_step=True)
         dw = DecodeWorker(rt, engine, core)
         dw.start()
         try:
@@ -185,7 +187,7 @@ def test_a_remote_prefill_that_never_reports_runs_on_the_decode_worker(redis_url
             kinds, tokens, after = [], 0, 0
             async with asyncio.timeout(10):  # unbounded before: the round waited for ever
                 while "turn_end" not in kinds:
-                    batch, after, failed = dw.take_events(s, after)
+                    batch, after, failed = take_events(s, after)
                     assert failed is None, failed.error
                     if not batch:
                         s.notify.clear()

@@ -114,3 +114,39 @@ def test_multi_turn_chat_and_tool_round_trip(front, chat_llama):
     assert cached4 >= u3.prompt_tokens
     assert cached4 == u3.prompt_tokens + u3.completion_tokens - 1
     assert _counter(decode_metrics, prefilled) - before == u4.prompt_tokens - cached4
+
+
+def test_agent_hints_are_advice_and_a_bad_one_is_named(front, chat_llama):
+    """`ampd_hints` (issue 29): greedy tokens are the same with hints as without, in a session of
+    their own each, on both endpoints; a bad hint is a 400 whose `param` names it."""
+    client = openai.OpenAI(base_url=f"{front.frontend}/v1", api_key="unused", max_retries=0, timeout=60)
+    model = str(chat_llama)
+    hints = {"priority": -5, "expected_output_tokens": 3, "expected_tool_s": 30.0}
+    prompt = "The capital of France is"
+    kw = dict(model=model, prompt=prompt, max_tokens=8, temperature=0, extra_body={"return_token_ids": True})
+    plain = client.completions.create(extra_headers={"x-session-id": "hints-plain"}, **kw)
+    hinted = client.completions.create(extra_headers={"x-session-id": "hints-hinted"},
+                                       **{**kw, "extra_body": {"return_token_ids": True, "ampd_hints": hints}})
+    assert plain.ampd["session_id"] != hinted.ampd["session_id"]
+    assert hinted.choices[0].token_ids == plain.choices[0].token_ids and len(plain.choices[0].token_ids) >= 1
+    assert hinted.choices[0].text == plain.choices[0].text
+
+    chat = dict(model=model, max_tokens=6, temperature=0)
+    messages = [{"role": "user", "content": "Name a colour."}]
+    a = client.chat.completions.create(messages=messages, extra_headers={"x-session-id": "hints-chat-a"}, **chat)
+    b = client.chat.completions.create(messages=messages, extra_headers={"x-session-id": "hints-chat-b"},
+                                       extra_body={"ampd_hints": {"priority": 7, "expected_tool_s": 0}}, **chat)
+    assert b.choices[0].message.content == a.choices[0].message.content
+    assert b.usage.completion_tokens == a.usage.completion_tokens
+
+    for bad, param in [({"expected_tool_s": -1}, "ampd_hints.expected_tool_s"),
+                       ({"priority": 1000}, "ampd_hints.priority"),
+                       ({"expected_output_tokens": 0}, "ampd_hints.expected_output_tokens"),
+                       ({"speculative_prefill": True}, "ampd_hints.speculative_prefill")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(messages=messages, extra_body={"ampd_hints": bad}, **chat)
+        err = e.value.response.json()["error"]
+        assert e.value.status_code == 400 and err["param"] == param and err["message"].startswith(param + ":"), err
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(**{**kw, "extra_body": {"ampd_hints": bad}})
+        assert e.value.response.json()["error"]["param"] == param

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ampd import grpcserver
+from ampd.engine.mock import token_at
 from ampd.launcher import Deployment, Options
 from ampd.trust import attach_token
 from ampd.v1 import (
@@ -361,6 +362,51 @@ def test_stream_rules_and_limits(dep):
         await coord.close()
 
     asyncio.run(scenario())
+
+
+def test_hostile_hints_are_invalid_argument(dep, redis_url):
+    """Agent hints (issue 29) out of range, NaN or infinite are INVALID_ARGUMENT naming the hint, on the
+    opening turn and on a later one; hints at their extremes are advice only: the session completes
+    with the tokens it has without them, and leaves nothing behind."""
+    def hinted(**h) -> common_pb2.Turn:
+        return turn(5, 4, hints=common_pb2.TurnHints(**h))
+
+    async def scenario():
+        for h, field in [(dict(priority=1000), "priority"), (dict(priority=-101), "priority"),
+                         (dict(expected_output_tokens=0), "expected_output_tokens"),
+                         (dict(expected_output_tokens=2**32 - 1), "expected_output_tokens"),
+                         (dict(expected_tool_s=math.nan), "expected_tool_s"),
+                         (dict(expected_tool_s=math.inf), "expected_tool_s"),
+                         (dict(expected_tool_s=-1.0), "expected_tool_s"),
+                         (dict(expected_tool_s=86_401.0), "expected_tool_s")]:
+            code, details, _ = await session_status(dep.coordinator, opening(hinted(**h)))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, (h, code, details)
+            assert details.startswith(f"open.turn.hints.{field}:"), (h, details)
+        stub = coordinator_pb2_grpc.CoordinatorStub(coord := chan(dep.coordinator, TOKEN))
+        for h in ({}, dict(priority=-100, expected_output_tokens=2**20, expected_tool_s=86_400.0),
+                  dict(priority=100, expected_output_tokens=1, expected_tool_s=0.0)):
+            c = Client(stub)
+            sid = uuid.uuid4().hex
+            c.send(opening(hinted(**h), sid))
+            await c.until("turn_end")
+            c.send(coordinator_pb2.ClientMessage(turn=hinted(**h)))
+            await c.until("turn_end")
+            c.send(None)
+            assert (await c.status())[0] == grpc.StatusCode.OK
+            # the mock's tokens are a function of (session, position): 4 after 5 inputs, 4 after 5 more
+            got = [t for e in c.events if e.HasField("tokens") for t in e.tokens.token_ids]
+            assert got == [token_at(sid, p) for p in (*range(5, 9), *range(14, 18))], h
+        # a hostile hint on a later turn ends the session, naming it
+        c = Client(stub)
+        c.send(opening(turn(5, 2)))
+        await c.until("turn_end")
+        c.send(coordinator_pb2.ClientMessage(turn=hinted(expected_tool_s=math.nan)))
+        code, details = await c.status()
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("turn.hints.expected_tool_s:"), details
+        await coord.close()
+
+    asyncio.run(scenario())
+    assert_nothing_left(dep, redis_url)
 
 
 def test_attach_with_bad_input_is_refused_and_leaves_nothing(dep, redis_url):

@@ -232,3 +232,54 @@ def test_an_unreachable_coordinator_is_named_at_start_up():
 
     with pytest.raises(ConnectionError, match=r"cannot reach the coordinator at 127\.0\.0\.1:1"):
         asyncio.run(check())
+
+
+def test_a_stop_sent_as_its_coordinator_dies_still_stops_the_round(tmp_path):
+    """The client sends StopRound and its coordinator is SIGKILLed at once, before it can be known
+    to have passed the stop on: the failover client sends the stop again through the other
+    coordinator (harmless when it did arrive), so the round ends stopped within seconds instead of
+    decoding its 20,000 tokens, and the session then ends cleanly."""
+    long_ = 20_000  # minutes of decode steps on the profile: only a stop ends it in time
+    opts = Options(prefill="tp1*1", decode="tp1*1", coordinators=2, policy="ampd", profile="qwen3-32b@h20",
+                   namespace=NS + "-stop", ttft_slo=5.0, itl_slo=1.0, run_dir=str(tmp_path / "run"))
+    with Deployment(opts) as dep:
+        async def scenario():
+            coords = Coordinators(dep.coordinators)
+            await coords.check()
+            outbox: asyncio.Queue = asyncio.Queue()
+            outbox.put_nowait(coordinator_pb2.ClientMessage(open=common_pb2.OpenSession(
+                session_id="stop-dying", turn=common_pb2.Turn(token_ids=filler_ids(40, 1, VOCAB),
+                                                              sampling=_sampling(long_)))))
+
+            async def requests():
+                while (m := await outbox.get()) is not None:
+                    yield m
+
+            call = coords.Session(requests(), timeout=60)
+            events, tokens, t_stop = [], 0, None
+            try:
+                async for ev in call:
+                    events.append(ev)
+                    kind = ev.WhichOneof("event")
+                    if kind == "tokens":
+                        tokens += len(ev.tokens.token_ids)
+                        if t_stop is None and tokens >= 5 and call.token:
+                            outbox.put_nowait(coordinator_pb2.ClientMessage(stop=coordinator_pb2.StopRound()))
+                            await asyncio.sleep(0)  # the failover client takes the stop before the kill
+                            t_stop = time.monotonic()
+                            proc = dep.child(f"coordinator-{call._index % 2}").proc
+                            os.kill(proc.pid, signal.SIGKILL)
+                    elif kind == "turn_end":
+                        outbox.put_nowait(None)
+            finally:
+                call.cancel()
+                await coords.close()
+            return events, tokens, time.monotonic() - t_stop, call.failovers
+
+        events, tokens, took, failovers = asyncio.run(scenario())
+        ends = [e.turn_end.finish_reason for e in events if e.HasField("turn_end")]
+        print(f"\nstop to a dying coordinator: {tokens} tokens, turn ends {ends}, {failovers} failover(s), "
+              f"{took:.1f} s from the stop to SessionDone")
+        assert failovers == 1
+        assert ends == ["stop_requested"] and events[-1].HasField("done")
+        assert tokens < long_ and took < 20

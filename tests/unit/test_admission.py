@@ -70,3 +70,30 @@ def test_an_accepted_session_is_bound_again_by_the_kv_rule_only():
 def test_slo_rule_needs_the_model_and_the_slo():
     with pytest.raises(ValueError, match="needs the cost model and the SLO"):
         Admission(1.0, 8, "slo")
+
+
+def test_a_yielding_hint_lets_a_later_session_take_the_freed_kv():
+    """Agent hints on the asyncio driver: A yields (its arrival made later, ``order_at``), B comes
+    0.1 s later without hints: B gets the KV that frees; without A's hint, A gets it (as above)."""
+    async def run() -> list[str]:
+        adm = Admission(0.6, 8)
+        assert await adm.admit(1000, rooms, PROMPT) == "d0"
+        order: list[str] = []
+
+        async def one(name: str, delay: float, order_at: float | None) -> None:
+            await asyncio.sleep(delay)
+            try:
+                await adm.admit(1000, rooms, PROMPT, order_at=order_at)
+                order.append(name)
+            except Refused:
+                pass
+
+        async def release() -> None:
+            await asyncio.sleep(0.2)
+            adm.release("d0", 1000)
+
+        await asyncio.gather(one("A", 0.0, time.monotonic() + 5.0), one("B", 0.1, None), release())
+        assert not adm.book.waiting and not adm.book.yielded
+        return order
+
+    assert asyncio.run(run()) == ["B"]

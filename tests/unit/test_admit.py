@@ -133,3 +133,55 @@ def test_book_rule_none_admits_every_session_on_the_least_promised_worker():
     assert book.judge("a", 5000, 10, 0.0, d, ()).worker == "decode-2"  # over capacity, ties in worker order
     assert book.judge("b", 10, 10, 0.0, d, ()).worker == "decode-10"
     assert book.judge("c", 10, 10, 0.0, d, (), new=False).worker == "decode-10"
+
+
+@pytest.mark.parametrize("rule", ["kv", "slo"])
+def test_book_a_yielding_hint_waits_behind_others_and_never_moves_ahead(rule):
+    """Agent hints (issue 29): a session whose turn yields (negative priority, ``order_at``) waits
+    behind every session that does not, and is not admitted while another waits; a session without
+    hints is judged as if no yielding one waited (it is admitted at once when KV is free)."""
+    from ampd.policy.admit import AdmissionBook
+    from ampd.policy.hints import HintConfig, queue_enqueued_at
+
+    cfg = HintConfig(yield_s=1.0)
+    book = AdmissionBook(rule, wait_s=10.0, queue_max=8, cost=COST, slo=SLO(100.0, 10.0))
+    d = [WorkerView("decode-0", "decode", 8, None, (), 1000, 0.0)]
+    assert book.judge("full", 1000, 10, 0.0, d, ()).worker == "decode-0"
+    # Y yields (priority -3): it waits; Z yields less (-1) and arrives later but orders before it
+    assert book.judge("Y", 100, 10, 0.0, d, (), order_at=queue_enqueued_at(0.0, -3, cfg)).wait_s > 0
+    assert book.judge("Z", 100, 10, 0.0, d, (), order_at=queue_enqueued_at(0.5, -1, cfg)).wait_s > 0
+    assert list(book.waiting) == ["Z", "Y"]
+    # A and B send no hints: they wait ahead of both yielding sessions, in the rule's own order
+    book.judge("A", 100, 10, 0.0, d, ())
+    book.judge("B", 100, 10, 0.0, d, ())
+    assert list(book.waiting) == (["A", "B", "Z", "Y"] if rule == "kv" else ["B", "A", "Z", "Y"])
+    # KV frees: the sessions without hints get it first; a yielding one judged meanwhile waits
+    book.release("decode-0", 1000)
+    assert book.judge("Y", 100, 10, 0.1, d, (), order_at=queue_enqueued_at(0.0, -3, cfg)).worker is None
+    first = book.head
+    assert first in ("A", "B") and book.judge(first, 100, 10, 0.1, d, ()).worker == "decode-0"
+    book.leave(first)
+    second = book.head
+    assert second in ("A", "B") and book.judge(second, 100, 10, 0.1, d, ()).worker == "decode-0"
+    book.leave(second)
+    assert book.head == "Z" and book.judge("Z", 100, 10, 0.1, d, (), order_at=1.5).worker == "decode-0"
+    book.leave("Z")
+    # a new session without hints is admitted at once though Y still waits (Y never stands before it)
+    assert book.judge("C", 100, 10, 0.0, d, ()).worker == "decode-0"
+    # a new yielding session is not admitted at once while another waits
+    assert book.judge("W", 100, 10, 0.0, d, (), order_at=9.0).worker is None
+    assert list(book.waiting) == ["Y", "W"]
+    assert book.leave("Y") and book.leave("W") and not book.yielded
+
+
+def test_book_without_hints_orders_as_before():
+    """No ``order_at`` anywhere: the queue is exactly the rule's (kv: arrival; slo: newest first)."""
+    from ampd.policy.admit import AdmissionBook
+
+    for rule, want in (("kv", ["A", "B", "C"]), ("slo", ["C", "B", "A"])):
+        book = AdmissionBook(rule, wait_s=10.0, queue_max=8, cost=COST, slo=SLO(100.0, 10.0))
+        d = [WorkerView("decode-0", "decode", 8, None, (), 100, 0.0)]
+        book.judge("full", 100, 10, 0.0, d, ())
+        for t in "ABC":
+            book.judge(t, 50, 10, 0.0, d, ())
+        assert list(book.waiting) == want and not book.yielded

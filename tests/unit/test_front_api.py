@@ -192,3 +192,21 @@ def test_a_token_prompt_is_bounded_by_the_wire():
 def test_text_chars_counts_keys_and_strings_without_recursion():
     assert text_chars({"ab": ["cd", {"e": "fgh"}], "i": 3}) == 2 + 2 + 1 + 3 + 1
     assert text_chars(_nested(5000)) > 0
+
+
+def test_agent_hints_are_parsed_and_a_bad_one_is_named():
+    from ampd.policy.hints import Hints
+    assert parse_chat(OK).hints == Hints()
+    r = parse_chat({**OK, "ampd_hints": {"priority": -2, "expected_output_tokens": 40, "expected_tool_s": 1.5}})
+    assert r.hints == Hints(-2, 40, 1.5)
+    comp = {"model": "m", "prompt": "hi"}
+    assert parse_completion({**comp, "ampd_hints": {"expected_tool_s": 0}}).hints == Hints(0, None, 0.0)
+    for hints, param in [({"priority": 101}, "ampd_hints.priority"),
+                         ({"priority": True}, "ampd_hints.priority"),
+                         ({"expected_output_tokens": 0}, "ampd_hints.expected_output_tokens"),
+                         ({"expected_tool_s": -1}, "ampd_hints.expected_tool_s"),
+                         ({"expected_tool_s": "soon"}, "ampd_hints.expected_tool_s"),
+                         ({"deadline": 3}, "ampd_hints.deadline"),
+                         ([1], "ampd_hints")]:
+        assert _param({**OK, "ampd_hints": hints}) == param
+        assert _param({**comp, "ampd_hints": hints}, parse_completion) == param

@@ -78,3 +78,34 @@ def test_resolve_with_hints_and_a_hostile_one():
     far = resolve(Hints(0, None, 1e9), HintConfig(kv=KVTierConfig(max_hint_s=60.0)), enqueued_at=0.0,
                   max_tokens=1, est_output_tokens=None, est_tool_s=None, tool_start=0.0)
     assert (far.tool_s, far.tool_rank_end) == (60.0, 60.0)
+
+
+def test_the_pure_parser_has_the_session_apis_ranges():
+    """A trace round's hints (ampd.policy.hints.hints_from_obj, pure) are checked with the session
+    API's ranges (ampd.validate), and name the bad key alike."""
+    from ampd.policy import hints as ph
+    from ampd.validate import MAX_OUTPUT_TOKENS, MAX_PRIORITY, MAX_TOOL_LATENCY_S
+
+    assert (ph._MAX_PRIORITY, ph._MAX_OUTPUT, ph._MAX_TOOL_S) == (MAX_PRIORITY, MAX_OUTPUT_TOKENS, MAX_TOOL_LATENCY_S)
+    assert ph.hints_from_obj({}, "h") == Hints()
+    assert ph.hints_from_obj({"priority": -3, "expected_output_tokens": 9, "expected_tool_s": 2}, "h") == Hints(-3, 9, 2.0)
+    for obj in ({"priority": 101}, {"priority": 1.5}, {"expected_output_tokens": 0}, {"expected_tool_s": math.inf},
+                {"expected_tool_s": -1}, {"expected_tool_s": True}, {"x": 1}, [1]):
+        with pytest.raises(ValueError) as pure:
+            ph.hints_from_obj(obj, "ampd_hints")
+        with pytest.raises(InvalidArgument) as wire:
+            hints_from_body({"ampd_hints": obj})
+        assert str(pure.value).split(":")[0] == str(wire.value).split(":")[0]
+
+
+def test_a_trace_round_carries_hints_and_a_bad_one_is_named():
+    from ampd.workload.trace import TraceError, session_from_obj, session_to_obj
+
+    obj = {"id": "s", "arrival": 0.0, "rounds": [{"input": 3, "output": 2, "hints": {"priority": -2, "expected_tool_s": 1.5}},
+                                                 {"input": 4, "output": 2}]}
+    s = session_from_obj(obj, "t.jsonl:1")
+    assert s.rounds[0].hints == Hints(-2, None, 1.5) and s.rounds[1].hints is None
+    assert session_to_obj(s) == obj and session_from_obj(session_to_obj(s), "x") == s
+    obj["rounds"][0]["hints"] = {"expected_output_tokens": 0}
+    with pytest.raises(TraceError, match=r"t.jsonl:1: field 'rounds\[0\].hints.expected_output_tokens'"):
+        session_from_obj(obj, "t.jsonl:1")

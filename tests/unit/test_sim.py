@@ -500,3 +500,26 @@ def test_admission_promises_the_whole_session_and_waits_then_refuses_as_live():
     assert short.stats["admission_refused"] == {"kv-full": 1}
     none = simulate([a, b, c], prof, admission="none", **kw)
     assert none.stats["admission_waited"] == 0 and none.sessions[2].decode_worker == "decode-0"
+
+
+def test_a_yielding_hint_in_a_trace_waits_behind_sessions_without_one():
+    """Agent hints in a trace (a round's ``hints``, issue 29): the simulator's admission orders a
+    session whose first turn yields (negative priority) behind a later one without hints, as the
+    coordinator does; without the hint, arrival order; the tokens each session makes are unchanged."""
+    from ampd.policy.hints import Hints
+
+    prof = _profile(cap=3000)
+    a = Session("a", 0.0, (Round(2000, 3, 1.0), Round(100, 3)))  # promises 2138: neither y nor p fits beside it
+    p = Session("p", 0.2, (Round(1500, 3),))  # 1535 each: only one of y and p fits at once
+    kw = dict(policy="colocated", decode="tp1*1", ttft_slo_s=5, itl_slo_s=1, admission_wait=30)
+    firsts = {}
+    for hints in (None, Hints(priority=-5)):
+        y = Session("y", 0.1, (Round(1500, 3, hints=hints),))
+        r = simulate([a, y, p], prof, **kw)
+        assert all(s.completed for s in r.sessions)
+        firsts[hints] = {s.session_id: s.rounds[0].first_token for s in r.sessions}
+        assert [len(s.rounds) for s in r.sessions] == [2, 1, 1]
+    assert firsts[None]["y"] < firsts[None]["p"]  # arrival order
+    yielded = firsts[Hints(priority=-5)]
+    assert yielded["p"] < yielded["y"]  # the yielding session waits behind the later one
+    assert yielded["p"] <= firsts[None]["y"] + 1e-9  # and p gets what y had: no one waits longer for y's hint

@@ -154,11 +154,11 @@ def test_ampd_up_refuses_a_bad_endpoint_before_starting_anything(tmp_path):
 
 
 def test_a_local_rounds_spans_on_the_decode_worker(spans):
-    from services.decode.worker import _round_spans
+    from services.decode.session import round_spans
 
     t = common_pb2.RoundTiming(round=2, input_ready=10.0, first_token=10.5, last_token=11.0, tokens=7, local=True,
                                l_hist=64, l_incr=8, finish_reason="stop")
-    _round_spans(SimpleNamespace(session_id="s", timing=t, admitted_at=10.1, prefill_at=10.2), "decode-3")
+    round_spans(SimpleNamespace(session_id="s", timing=t, admitted_at=10.1, prefill_at=10.2), "decode-3")
     got = {s.name: s for s in spans.get_finished_spans()}
     assert set(got) == {"kv_admit", "prefill", "queue_wait", "compute", "decode"}
     rnd = tracing.round_span_id("s", 2)

@@ -13,9 +13,9 @@ from tests.unit.test_worker_prefill import P  # t_pre = 0.01 + 1e-4 l_incr + 1e-
 SLO_ = SLO(ttft_s=1.0, itl_s=0.1)
 
 
-def _core(cap=10_000, chunk=0, rule="wait", evict=False) -> DecodeCore:
+def _core(cap=10_000, chunk=0, rule="wait", evict=False, step_by_step=False) -> DecodeCore:
     return DecodeCore("decode-0", 1, P, make_queue("fcfs", P, SLO_, 1), kv_capacity_tokens=cap,
-                      chunk_tokens=chunk, kv_admission=rule, kv_evict=evict)
+                      chunk_tokens=chunk, kv_admission=rule, kv_evict=evict, step_by_step=step_by_step)
 
 
 def _sess(sid, l_incr, out, rnd=0) -> DecodeSession:
@@ -43,17 +43,17 @@ def test_local_prefill_then_a_run_of_steps_by_hand():
     assert isinstance(p, LocalPrefill) and p.last and p.tokens == 500
     assert p.seconds == pytest.approx(0.06) and core.state == PREFILLING
     assert core.view(0.02).queue_predicted_s == pytest.approx(0.04)  # the residual of the prefill
-    assert core.prefill_done(0.06) is s
+    assert core.update(p, 0.06) == (s,)
     assert core.first_token(s, 0.06) and core.kv_used == 501
     r = core.schedule(0.06)
     A = 0.02 + 1e-4 + 501e-7  # batch 1, context 501 (input + first token)
     assert isinstance(r, DecodeRun) and r.steps == 3 and r.batch == 1
     assert r.first_s == pytest.approx(A) and r.growth_s == pytest.approx(1e-7)
     assert r.end == pytest.approx(0.06 + 3 * A + 3e-7)  # steps last A, A + g, A + 2g
-    assert core.run_done(3, r.end) == [s]
+    assert core.update(r, r.end) == [s]
     assert core.kv_used == 504
     core.round_end(s, last=True)
-    assert core.kv_used == 0 and core.live == 0
+    assert core.kv_used == 0 and core.admitted == 0
     assert core.schedule(r.end) is None and core.state == IDLE
     # the window holds the run's 3 gaps; the first runs from the first token
     assert core.view(r.end).window_mean_s == pytest.approx((r.end - 0.06) / 3)
@@ -75,7 +75,7 @@ def test_cut_ends_the_run_at_the_next_step_boundary():
     end = core.cut(t)
     assert end == pytest.approx(2 * A + g) and core.run_ver == ver + 1
     assert core.cut(t) is None  # already cut
-    assert not core.run_done(2, end)
+    assert not core.update(r, end)  # its 2 steps
     assert core.step_idx == 2 and core.kv_used == 500 + 1 + 100 + 2
     p = core.schedule(end)
     assert isinstance(p, LocalPrefill) and p.session is o  # prefill priority
@@ -98,20 +98,21 @@ def test_chunked_local_prefill_alternates_with_one_decode_step():
     core.round_ready(b, 0.001)
     _local(core, b, 0.001)
     end = core.cut(0.001)
-    core.run_done(1, end)
+    core.update(run, end)
     c1 = core.schedule(end)
     assert (c1.tokens, c1.last) == (512, False) and c1.seconds == pytest.approx(0.01 + 0.0512)
-    assert core.prefill_done(c1.end) is None
+    assert core.update(c1, c1.end) == ()
     step = core.schedule(c1.end)
     assert isinstance(step, DecodeRun) and step.steps == 1  # one step of the batch between chunks
-    core.run_done(1, step.end)
+    core.update(step, step.end)
     c2 = core.schedule(step.end)
     assert c2.tokens == 512 and c2.seconds == pytest.approx(0.01 + 0.0512 + 512e-6)
-    core.prefill_done(c2.end)
-    core.run_done(1, core.schedule(c2.end).end)
+    core.update(c2, c2.end)
+    step2 = core.schedule(c2.end)
+    core.update(step2, step2.end)
     c3 = core.schedule(core.last_end)
     assert (c3.tokens, c3.last) == (176, True) and c3.seconds == pytest.approx(0.01 + 0.0176 + 1024e-6)
-    assert core.prefill_done(c3.end) is b
+    assert core.update(c3, c3.end) == (b,)
     assert run.steps == 49
 
 
@@ -124,7 +125,7 @@ def test_kv_wait_new_sessions_wait_for_running_ones():
     assert core.admit_next(0.0) is None
     assert core.view(0.0).kv_free_tokens == 1000 - 600 - 600  # waiting rounds count as used
     _one_token_round(core, s1, 0.5, last=True)
-    assert core.admit_next(1.0) is s2 and core.kv_used == 600 and core.live == 1
+    assert core.admit_next(1.0) is s2 and core.kv_used == 600 and core.admitted == 1
     assert core.admit_next(1.0) is None
 
 
@@ -145,11 +146,11 @@ def test_kv_fail_rule_fails_the_session_and_frees_its_kv():
     s2 = _sess("s2", 600, 1)
     assert core.round_ready(s1, 0.0) == ADMITTED
     assert core.round_ready(s2, 0.0) == FAILED and s2.error.startswith("KV exhausted on decode-0")
-    assert core.live == 1 and core.kv_used == 600
+    assert core.admitted == 1 and core.kv_used == 600
     _one_token_round(core, s1, 0.5, last=False)
     s1.round, s1.l_incr = 1, 500
     assert core.round_ready(s1, 1.0) == FAILED
-    assert core.kv_used == 0 and core.live == 0 and not core.sessions
+    assert core.kv_used == 0 and core.admitted == 0 and not core.sessions
 
 
 def test_bad_kv_admission_rule_is_named():
@@ -286,11 +287,12 @@ def test_stop_early_takes_a_session_out_of_the_batch():
         core.first_token(s, 0.0)
     r = core.schedule(0.0)
     assert r.batch == 2 and r.steps == 4  # up to b's exit
-    assert not core.run_done(1, r.first_s)  # live: one step at a time
+    core.cut(0.0)  # live: one step at a time
+    assert not core.update(r, r.first_s)
     with pytest.raises(ValueError, match="not in the batch"):
         core.stop_early(_sess("x", 1, 3), 2)
     core.stop_early(a, 2)  # EOS after its second token
-    assert core.batch_n == 1 and core.ctx_sum == 201 + 1 and a.out == 2
+    assert core.batch_size == 1 and core.ctx_sum == 201 + 1 and a.out == 2
     core.round_end(a, last=True)
     assert core.kv_used == 200 + 1 + 1  # a released 100 + 2 tokens; b holds input, first token, 1 step
     r2 = core.schedule(r.first_s)

@@ -52,18 +52,18 @@ def test_no_overlap_one_task_at_a_time():
     core = _core(False)
     assert core.submit(A, 0.0) is None
     assert core.submit(B, 0.0) is None
-    w = core.next(0.0)
+    w = core.schedule(0.0)
     assert isinstance(w, PrefillWork) and w.task == A
     assert (w.read_s, w.compute_s, w.write_s) == pytest.approx((0.002, 0.061, 0.0015))
     assert w.total_s == pytest.approx(0.0645) and core.busy_until == pytest.approx(0.0645)
-    assert core.next(0.01) is None  # busy
+    assert core.schedule(0.01) is None  # busy
     assert core.compute_started(0.002) is None  # no read ahead without the overlap
-    assert core.qlen == 1
+    assert core.queue_len == 1
     # queue: B's compute only (today's Eq. 2 queue term) + A's remaining time
     assert core.view(0.01).queue_predicted_s == pytest.approx(0.042 + 0.0545)
-    assert core.finish(0.0645) == A
+    assert core.update(w, 0.0645) == A
     assert core.view(0.0645).window_mean_s == pytest.approx(0.0645)
-    w = core.next(0.0645)
+    w = core.schedule(0.0645)
     assert w.task == B and w.read_s == pytest.approx(0.003)  # lazy read: only now
     assert core.busy_until == pytest.approx(0.0645 + 0.003 + 0.042 + 0.0013)
 
@@ -72,17 +72,17 @@ def test_overlap_reads_the_next_task_while_the_current_computes():
     core = _core(True)
     core.submit(A, 0.0)
     core.submit(B, 0.0)
-    w = core.next(0.0)
+    w = core.schedule(0.0)
     assert w.task == A and w.read_s == pytest.approx(0.002)
-    assert core.qlen == 1  # B stays queued while A reads: the lazy-read property
+    assert core.queue_len == 1  # B stays queued while A reads: the lazy-read property
     r = core.compute_started(0.002)
     assert isinstance(r, KvRead) and r.task == B and r.seconds == pytest.approx(0.003)
-    assert core.qlen == 0 and core.ahead == B
+    assert core.queue_len == 0 and core.ahead == B
     assert core.ahead_read_end == pytest.approx(0.005)
     # published queue: A's remainder + B's compute + write-back (its read is hidden)
     assert core.view(0.01).queue_predicted_s == pytest.approx((0.0645 - 0.01) + 0.042 + 0.0013)
-    core.finish(0.0645)
-    w = core.next(0.0645)
+    core.update(w, 0.0645)
+    w = core.schedule(0.0645)
     assert w.task == B and w.read_s == 0.0  # read ahead, done long ago
     assert w.total_s == pytest.approx(0.042 + 0.0013)
     assert core.busy_until == pytest.approx(0.0645 + 0.0433)
@@ -92,13 +92,13 @@ def test_overlap_exposes_the_part_of_a_long_read_that_outlasts_the_current_task(
     core = _core(True)
     core.submit(A, 0.0)
     core.submit(C, 0.0)
-    core.next(0.0)
+    w = core.schedule(0.0)
     r = core.compute_started(0.002)
     assert r.task == C and core.ahead_read_end == pytest.approx(0.103)
     # C's read ends 0.0385 s after A does: that part is not hidden
     assert core.view(0.002).queue_predicted_s == pytest.approx((0.0645 - 0.002) + 0.12 + 0.0011 + 0.0385)
-    core.finish(0.0645)
-    w = core.next(0.0645)
+    core.update(w, 0.0645)
+    w = core.schedule(0.0645)
     assert w.read_s == pytest.approx(0.0385)
     assert core.busy_until == pytest.approx(0.103 + 0.12 + 0.0011)
 
@@ -106,12 +106,12 @@ def test_overlap_exposes_the_part_of_a_long_read_that_outlasts_the_current_task(
 def test_overlap_starts_reading_a_task_that_arrives_while_the_worker_computes():
     core = _core(True)
     core.submit(A, 0.0)
-    core.next(0.0)
+    core.schedule(0.0)
     assert core.submit(B, 0.001) is None  # A still reads its own history: B waits in the queue
     assert core.compute_started(0.002).task == B
     core2 = _core(True)
     core2.submit(A, 0.0)
-    core2.next(0.0)
+    core2.schedule(0.0)
     assert core2.compute_started(0.002) is None  # nothing queued
     r = core2.submit(B, 0.01)
     assert r is not None and r.task == B and core2.ahead_read_end == pytest.approx(0.013)
@@ -134,9 +134,9 @@ def test_overlap_off_queue_estimate_is_compute_only():
     assert core.view(0.0).queue_predicted_s == pytest.approx(0.061 + 0.042 + 0.12)
 
 
-def test_finish_without_a_task_is_an_error():
+def test_update_without_a_task_is_an_error():
     with pytest.raises(RuntimeError, match="no task in service"):
-        _core(True).finish(1.0)
+        _core(True).update(PrefillWork(task=A, read_s=0.0, compute_s=0.0, write_s=0.0, total_s=0.0), 1.0)
 
 
 def test_reordering_queue_pops_by_algorithm_2():
@@ -146,7 +146,7 @@ def test_reordering_queue_pops_by_algorithm_2():
     short = _task("short", 0, 100, 0.0)  # 0.02 s: meets the SLO only if it goes first
     core.submit(long_, 0.0)
     core.submit(short, 0.0)
-    assert core.next(0.0).task == short
+    assert core.schedule(0.0).task == short
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -165,7 +165,7 @@ def test_algorithm_2_scores_from_when_the_next_task_can_start(overlap):
     x = _task("x", 0, 500, 0.0)
     y = _task("y", 0, 100, -0.8)
     assert core.submit(a, -0.001) is None
-    wa = core.next(-0.001)
+    wa = core.schedule(-0.001)
     assert wa.task is a and wa.read_s == pytest.approx(0.001) and wa.compute_s == pytest.approx(1.0)
     assert core.submit(x, -0.0005) is None and core.submit(y, -0.0005) is None  # A still reads
     r = core.compute_started(0.0)
@@ -175,16 +175,16 @@ def test_algorithm_2_scores_from_when_the_next_task_can_start(overlap):
         assert r is None
     end_a = core.busy_until
     assert end_a == pytest.approx(1.001)
-    core.finish(end_a)
+    core.update(wa, end_a)
     ttft = {}
     now = end_a
     for _ in range(2):
-        w = core.next(now)
+        w = core.schedule(now)
         now = now + w.total_s
         core.busy_until = now
         if overlap:
             core.compute_started(now - w.compute_s - w.write_s)
-        ttft[core.finish(now).session_id] = now - w.task.enqueued_at
+        ttft[core.update(w, now).session_id] = now - w.task.enqueued_at
     assert list(ttft) == ["y", "x"]
     assert ttft["y"] == pytest.approx(1.9011, abs=1e-6) and ttft["x"] == pytest.approx(1.6016, abs=1e-6)
     assert max(ttft.values()) <= 2.0
@@ -196,7 +196,7 @@ def test_view_cached_during_service_does_not_outlive_its_residual():
     # show no residual, not the cached one
     core = _core(False)
     core.submit(A, 0.0)
-    core.next(0.0)  # A in service until 0.0645
+    core.schedule(0.0)  # A in service until 0.0645
     assert core.view(0.03).queue_predicted_s == pytest.approx(0.0345)
     assert core.view(0.1).queue_predicted_s == 0.0
     v = core.view(0.2)

@@ -1,0 +1,97 @@
+"""The simulator's admission: sessions arrive and the coordinator's admission core
+(``ampd.policy.admit.AdmissionBook``) binds each to a decode worker, refuses it, or lets it wait."""
+from __future__ import annotations
+
+import math
+
+from ampd.policy import WorkerView
+from ampd.policy.admit import HEAD_POLL_S
+from ampd.policy.hints import HintConfig, queue_enqueued_at
+
+from .events import ADMIT_CHECK
+from .result import SimSession
+from .workers import Sess, Waiting
+
+# How often the head of the admission queue looks again without a release (the coordinator's
+# poll); only the slo rule's verdict can change meanwhile.
+_HEAD_POLL_S = HEAD_POLL_S
+_HINTS = HintConfig()  # the coordinator's (services/coordinator/session.py HINTS)
+
+
+class Admitting:
+    """The admission handlers of ``ampd.sim.loop._Run`` (which declares the slots: ``book``,
+    ``outcomes``, ``refused``, ``n_waited``, ``live``, ``decodes``, ``prefills``, ``by_id``,
+    ``block_tokens``). One object holds every handler: the dispatch loop calls them as its own
+    methods, with no hop through a collaborator per event."""
+
+    __slots__ = ()
+
+    # --------------------------------------------------------------------- sessions and rounds
+    def arrive(self, s, now: float, ids_seen: set) -> None:
+        sid = str(s.id)
+        if sid in ids_seen:
+            raise ValueError(f"duplicate session id {sid!r} in the trace")
+        ids_seen.add(sid)
+        rec = SimSession(sid, float(s.arrival), "")
+        self.outcomes.append(rec)
+        if not s.rounds:
+            rec.completed = True
+            rec.end = now
+            return
+        # what the coordinator promises a replayed session: its whole script (services/coordinator
+        # core.turn_kv_tokens) and a partly filled last block
+        need = sum(int(r.input) + int(r.output) for r in s.rounds) + self.block_tokens
+        self.admit(Waiting(s, rec, need, now), now)
+
+    # ------------------------------------------------------------------------------- admission
+    def admit(self, w: Waiting, now: float) -> None:
+        """Judge ``w`` (ampd.policy.admit.AdmissionBook, the coordinator's core): bind it, refuse it,
+        or let it wait (judged again when KV is released, at the end of its wait, or, as the head
+        under the slo rule, every _HEAD_POLL_S)."""
+        book = self.book
+        queued = w in book.waiting
+        decode = []
+        for d in self.decodes:  # every worker's view, as the coordinator reads them (windows move)
+            v = d.view(now)
+            decode.append(WorkerView(worker_id=v.worker_id, kind="decode", tp=v.tp, window_mean_s=v.window_mean_s,
+                                     queue=v.queue, kv_free_tokens=d.kv_cap, queue_predicted_s=v.queue_predicted_s))
+        prefills = [p.view(now) for p in self.prefills] if book.rule == "slo" else ()
+        h = w.s.rounds[0].hints  # a yielding hint (trace rounds' hints): admission orders it later
+        order_at = queue_enqueued_at(w.at, h.priority, _HINTS) if h is not None and h.priority < 0 else None
+        v = book.judge(w, w.need, int(w.s.rounds[0].input), now - w.at, decode, prefills, order_at=order_at)
+        if v.worker is None and not v.reason:
+            if not queued:
+                self.n_waited += 1
+            at = now + (min(v.wait_s, _HEAD_POLL_S) if book.rule == "slo" and book.head is w else v.wait_s)
+            if at <= now:  # a wait shorter than the clock's resolution: the next instant
+                at = math.nextafter(now, math.inf)
+            if at < w.check_at:
+                w.check_at = at
+                self.push(at, ADMIT_CHECK, w)
+            return
+        w.done = True
+        head_left = book.leave(w)
+        rec = w.rec
+        if v.reason:
+            self.refused[v.reason] = self.refused.get(v.reason, 0) + 1
+            rec.error = f"admission: {v.reason}: {v.detail}"
+            rec.end = now
+        else:
+            d = self.by_id[v.worker]
+            rec.decode_worker = d.worker_id
+            st = Sess(rec.session_id, w.s.rounds, rec, d, w.need)
+            self.live[rec.session_id] = st
+            self.round_ready(st, now, w.at)
+        if head_left:
+            self.admit_head(now)
+
+    def admit_head(self, now: float) -> None:
+        """KV was released or the head left: the new head is judged (and so on while they pass)."""
+        w = self.book.head
+        if w is not None:
+            self.admit(w, now)
+
+    def release(self, st: Sess, now: float) -> None:
+        """The session ended: its promise frees, for the sessions waiting."""
+        self.book.release(st.dw.worker_id, st.need)
+        self.admit_head(now)

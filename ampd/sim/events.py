@@ -1,0 +1,14 @@
+"""The simulator's event codes: a heap entry is ``(time, seq, code, obj)`` (ints: cheap to compare
+in the dispatch loop of ``ampd.sim.loop``)."""
+
+STEP_DONE = 0  # a run of decode steps ended (obj: (worker, run version))
+PREFILL_DONE = 1  # a local prefill or one of its chunks ended
+REMOTE_DONE = 2  # a remote prefill's new KV is written back
+COMPUTE_DONE = 3  # a remote prefill's compute ended (NIC contention: its write-back queues next)
+ROUND_READY = 4  # a round's input is ready at its decode worker
+PIN_EXPIRED = 5  # a session's KV pin expired during its tool call (Continuum)
+DISPATCH = 7  # a round reaches the coordinator and is routed (after PathLatency.dispatch_s)
+HANDOFF = 8  # a remote prefill's KV notification reaches the decode worker
+COMPUTE_START = 9  # a remote prefill's history read ended: its compute starts (KV overlap)
+ADMIT_CHECK = 10  # a session waiting for admission is judged again (its wait or TTFT budget ends)
+

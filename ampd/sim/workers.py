@@ -1,0 +1,132 @@
+"""What the simulator keeps per worker and per session, around the shared worker cores: a decode
+worker's step log and NIC, a prefill worker's NIC and busy time, a session's script and records, the
+prefill views read per routing decision, and the profile as the simulated decode workers run it."""
+from __future__ import annotations
+
+import math
+
+from ampd.worker import DecodeCore, DecodeSession, PrefillCore, PrefillWork
+
+from .result import SimSession
+from .steplog import StepLog
+
+__all__ = ["Decode", "Prefill", "Views", "Waiting", "Sess", "SlowerSteps"]
+
+
+class Decode(DecodeCore):
+    """A decode worker in the simulator: the core plus its step log and NIC."""
+
+    __slots__ = ("idx", "log", "nic", "log_row")
+
+    def __init__(self, idx: int, *args, **kw):
+        super().__init__(*args, **kw)
+        self.idx = idx
+        lg = self.log = StepLog()
+        self.nic = 0.0  # when its NIC is free (kv_contention)
+        # the step log's row append, bound once (step_done runs per run of steps)
+        self.log_row = lg.rows.extend
+
+
+class Prefill(PrefillCore):
+    """A prefill worker in the simulator: the core plus its NIC and busy time."""
+
+    __slots__ = ("nic", "cs_event", "busy_s")
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.nic = 0.0
+        self.busy_s = 0.0  # the simulator knows the real durations (NIC contention, PathLatency)
+        self.cs_event = False  # a COMPUTE_START event is scheduled for the task in service
+
+
+class Views:
+    """The prefill workers' views for one routing decision, each built on first read. Algorithm 1
+    stops at the first prefill worker with slack (most decisions), so most views are never read;
+    the router is pure and nothing changes while it runs, so a view built late equals one built
+    up front. ``settle`` then reads the windowed mean of every worker whose view was not built:
+    that read expires old samples, and the window's float sum depends on when they leave, so every
+    worker's window moves exactly as when every view was built."""
+
+    __slots__ = ("ps", "now", "vs", "blank")
+
+    def __init__(self, ps: list, now: float):
+        self.ps = ps
+        self.now = now
+        self.blank = [None] * len(ps)
+        self.vs = self.blank[:]
+
+    def reset(self, now: float) -> None:
+        """Ready for the next routing decision (one object per run, reset per decision)."""
+        self.now = now
+        self.vs = self.blank[:]
+
+    def __len__(self) -> int:
+        return len(self.ps)
+
+    def __getitem__(self, i: int):
+        v = self.vs[i]
+        if v is None:
+            v = self.vs[i] = self.ps[i].view(self.now)
+        return v
+
+    def __iter__(self):
+        for i in range(len(self.ps)):
+            yield self[i]
+
+    def settle(self) -> None:
+        vs, now = self.vs, self.now
+        for i, p in enumerate(self.ps):
+            if vs[i] is None:
+                p.window.mean(now)
+
+
+class Waiting:
+    """A new session that admission has not bound yet (its ticket in the ``AdmissionBook``)."""
+
+    __slots__ = ("s", "rec", "need", "at", "check_at", "done")
+
+    def __init__(self, s, rec: SimSession, need: int, at: float):
+        self.s = s
+        self.rec = rec
+        self.need = need
+        self.at = at  # arrival: what its wait and its first round's TTFT count from
+        self.check_at = math.inf  # the earliest ADMIT_CHECK pending for it
+        self.done = False
+
+
+class Sess(DecodeSession):
+    """A session on its decode worker, plus its script (rounds), where its record goes and the KV
+    admission promised it."""
+
+    __slots__ = ("rounds", "rec", "dw", "ready", "local", "pw", "pwork", "write_s", "target", "need")
+
+    def __init__(self, sid: str, rounds, rec: SimSession, dw: Decode, need: int):
+        super().__init__(sid)
+        self.rounds = rounds
+        self.rec = rec
+        self.dw = dw
+        self.need = need
+        self.ready = 0.0  # the current round's input-ready time
+        self.local = False
+        self.pw: Prefill | None = None  # the prefill worker running its remote prefill
+        self.pwork: PrefillWork | None = None  # ... and what it runs
+        self.write_s = 0.0
+        self.target = ""
+
+
+class SlowerSteps:
+    """The profile as the simulated decode workers run it: every decode step ``step_s`` longer
+    (PathLatency.step_s). The router and the queues keep the profile itself, as live."""
+
+    __slots__ = ("_profile", "_step_s")
+
+    def __init__(self, profile, step_s: float) -> None:
+        self._profile = profile
+        self._step_s = step_s
+
+    def t_dec(self, tp: int, batch: int, context_tokens: int) -> float:
+        t = self._profile.t_dec(tp, batch, context_tokens)
+        return t + self._step_s if batch > 0 else t
+
+    def __getattr__(self, name: str):
+        return getattr(self._profile, name)

@@ -1,0 +1,208 @@
+"""KV admission and eviction of a decode worker: the half of ``DecodeCore`` that decides whose round
+gets KV, and whose idle KV goes (the module docstring of ``ampd.worker.decode`` gives the rules)."""
+from __future__ import annotations
+
+__all__ = ["KvAdmission", "DecodeSession", "ADMITTED", "WAITING", "FAILED", "KV_ADMISSION", "KV_EXHAUSTED"]
+
+# round_ready outcomes
+ADMITTED = 0
+WAITING = 1
+FAILED = 2
+
+KV_ADMISSION = ("wait", "fail")
+KV_EXHAUSTED = "KV exhausted"
+
+
+class DecodeSession:
+    """What a decode worker keeps of one session: its KV, and its current round's progress.
+
+    A driver sets ``round``, ``l_incr`` (new input tokens) and ``out`` (output tokens the round
+    makes; live: its upper bound) before ``round_ready``. The core keeps the rest."""
+
+    __slots__ = ("session_id", "round", "l_hist", "l_incr", "out", "first", "lo", "ctx_join", "in_tool",
+                 "evicted", "error")
+
+    def __init__(self, session_id: str):
+        self.session_id = session_id
+        self.round = 0
+        self.l_hist = 0  # KV tokens held before this round
+        self.l_incr = 0
+        self.out = 0
+        self.first = 0.0  # first-token time of the current round
+        self.lo = 0  # global index of the round's first decode step on this worker
+        self.ctx_join = 0  # context the session brought into the batch
+        self.in_tool = False
+        self.evicted = False
+        self.error = ""
+
+
+class KvAdmission:
+    """KV admission, eviction and the KV accounting of rounds (a part of ``DecodeCore``, which
+    declares the slots: ``sessions``, ``admitted``, ``kv_cap``, ``kv_used``, ``kv_wait``, ``new_wait``,
+    ``wait_need``, ``evictable``, ``evictable_kv``, ``kv_evict``, ``victims``, ``kv_admission``,
+    ``kv_overcommits``, ``kv_evictions``, ``kv_recomputed_tokens``, ``worker_id``)."""
+
+    __slots__ = ()
+    def round_ready(self, s: DecodeSession, now: float) -> int:
+        """A round's input is ready (``s.round``, ``s.l_incr``, ``s.out`` set): reserve its KV.
+        ADMITTED: route it now. WAITING: it waits (then loop on ``admit_next``). FAILED: the session
+        failed (``s.error``) and released its KV."""
+        if s.in_tool:
+            s.in_tool = False
+            self._not_evictable(s)
+        if s.evicted:
+            s.evicted = False
+            self.kv_recomputed_tokens += s.l_hist
+            s.l_incr += s.l_hist
+            s.l_hist = 0
+        need = s.l_incr
+        if self.kv_admission == "fail":
+            if self.kv_cap - self.kv_used < need and not self._make_room(need):
+                return self._fail(s)
+            if s.session_id not in self.sessions:
+                self.admitted += 1
+                self.sessions[s.session_id] = s
+        elif s.session_id not in self.sessions:
+            # a new session starts only when its first input fits (after evictions); running sessions
+            # go first
+            if self.kv_wait or self.new_wait or (self.kv_cap - self.kv_used < need and not self._make_room(need)):
+                self.new_wait.append(s)
+                self.wait_need += need
+                return WAITING
+            self.admitted += 1
+            self.sessions[s.session_id] = s
+        elif self.kv_wait or (self.kv_cap - self.kv_used < need and not self._make_room(need)):
+            self.kv_wait.append(s)
+            self.wait_need += need
+            return WAITING
+        self.kv_used += need
+        return ADMITTED
+
+    def _fail(self, s: DecodeSession) -> int:
+        s.error = f"{KV_EXHAUSTED} on {self.worker_id}: {s.l_incr} tokens needed, {self.kv_cap - self.kv_used} free"
+        if s.session_id in self.sessions:
+            self.kv_used -= s.l_hist
+            self.admitted -= 1
+            self.sessions.pop(s.session_id, None)
+        return FAILED
+
+    def admit_next(self, now: float) -> DecodeSession | None:
+        """The first waiting round whose KV fits now (evicting expired pins as needed), admitted;
+        None when none fits. Running sessions' rounds go first; see the no-deadlock rule above."""
+        w = self.kv_wait
+        if w:
+            s = w[0]
+            if not self._make_room(s.l_incr):
+                if len(w) < self.admitted:
+                    return None
+                # every running session on this worker waits for KV: nobody will free any, so the
+                # head goes ahead over capacity rather than deadlock
+                self.kv_overcommits += 1
+            w.popleft()
+            self.wait_need -= s.l_incr
+            self.kv_used += s.l_incr
+            return s
+        nw = self.new_wait
+        if nw:
+            s = nw[0]
+            if not self._make_room(s.l_incr):
+                if self.admitted != 0:
+                    return None
+                self.kv_overcommits += 1  # a single session larger than the whole worker
+            nw.popleft()
+            self.wait_need -= s.l_incr
+            self.admitted += 1
+            self.sessions[s.session_id] = s
+            self.kv_used += s.l_incr
+            return s
+        return None
+
+    def _make_room(self, need: int) -> bool:
+        if self.victims:
+            self.victims.clear()
+        if self.kv_cap - self.kv_used + self.evictable_kv < need and self.kv_evict:
+            # evicting every idle session would not make the room: none loses its KV (vLLM's block
+            # allocator checks the same before it evicts cached blocks). Without kv_evict (the
+            # simulator's Continuum pins alone) expired pins go anyway, as they always have there:
+            # its shipped results stay comparable.
+            return False
+        ev = self.evictable
+        while ev and self.kv_cap - self.kv_used < need:
+            # the least recently used idle session loses its KV (its next round re-prefills the
+            # whole context)
+            v = ev.popitem(last=False)[0]
+            v.evicted = True
+            self.kv_used -= v.l_hist
+            self.evictable_kv -= v.l_hist
+            self.kv_evictions += 1
+            self.victims.append(v)
+        return self.kv_cap - self.kv_used >= need
+
+    def _evictable(self, s: DecodeSession) -> None:
+        if s not in self.evictable:
+            self.evictable[s] = None
+            self.evictable_kv += s.l_hist
+
+    def _not_evictable(self, s: DecodeSession) -> None:
+        if self.evictable.pop(s, 0) is None:
+            self.evictable_kv -= s.l_hist
+
+    def make_room(self, tokens: int) -> bool:
+        """Live: evict idle sessions (``take_victims``) until ``tokens`` more fit; False when they do
+        not. A driver whose pool frees a victim's blocks, not the tokens the core charged it, calls
+        it right before reserving, after ``sync_kv_free`` with the pool's real free space."""
+        return self._make_room(tokens)
+
+    def take_victims(self) -> list[DecodeSession]:
+        """The sessions whose KV the last admission (``round_ready``, ``admit_next``, ``make_room``)
+        evicted; a live driver frees their blocks. Each is returned once."""
+        v = self.victims
+        if not v:
+            return []
+        self.victims = []
+        return v
+
+    def sync_kv_free(self, free_tokens: int) -> None:
+        """Live: the pool has ``free_tokens`` free; the core admits by it (its capacity becomes what
+        it has charged plus that)."""
+        self.kv_cap = self.kv_used + free_tokens
+
+    def round_end(self, s: DecodeSession, last: bool) -> None:
+        """The round's last token is made: its input and output join the session's history; the
+        last round releases the session's KV (then loop on ``admit_next``)."""
+        s.l_hist += s.l_incr + s.out
+        if last:
+            self.kv_used -= s.l_hist
+            self.admitted -= 1
+            del self.sessions[s.session_id]
+
+    def tool_call(self, s: DecodeSession, pin: bool = False) -> bool:
+        """The session waits for a tool result (or its client's next turn). ``pin``: its KV stays
+        pinned until ``pin_expired`` (Continuum's TTL starts); else with ``kv_evict`` it is evictable
+        now. True when it is and a round waits for KV (loop on ``admit_next``)."""
+        s.in_tool = True
+        if self.kv_evict and not pin and not s.evicted:
+            self._evictable(s)
+            return bool(self.kv_wait or self.new_wait)
+        return False
+
+    def rewind(self, s: DecodeSession, tokens: int) -> None:
+        """Between rounds: the session keeps only ``tokens`` of its history (an edited conversation);
+        the KV charged for the rest is released (then loop on ``admit_next``)."""
+        if not s.in_tool:
+            raise ValueError(f"{self.worker_id}: session {s.session_id!r} is in a round")
+        drop = s.l_hist - tokens
+        if drop > 0:
+            if not s.evicted:
+                self.kv_used -= drop
+                if s in self.evictable:
+                    self.evictable_kv -= drop
+            s.l_hist = tokens
+
+    def pin_expired(self, s: DecodeSession) -> bool:
+        """The session's KV pin expired during its tool call: its KV may be evicted. True when a
+        waiting round may now fit (loop on ``admit_next``)."""
+        if s.in_tool and not s.evicted:
+            self._evictable(s)
+            return bool(self.kv_wait or self.new_wait)
+        return False

@@ -1,0 +1,78 @@
+"""The decode worker's KV: the core admits by the pool's real free space, and the blocks of sessions
+whose KV the core evicted (--kv-evict) go back to the pool."""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import structlog
+
+from ampd.policy import WorkerView
+from ampd.worker import PREFILLING
+from services.decode.session import Session
+
+if TYPE_CHECKING:
+    from services.decode.worker import DecodeWorker
+
+log = structlog.get_logger()
+
+
+class KvSync:
+    """Between the pool and the core: ``sync`` before each admission decision and each view,
+    ``admit_waiting`` when KV freed, ``room_for`` right before a round reserves its blocks."""
+
+    def __init__(self, w: DecodeWorker) -> None:
+        self.w = w
+        self.core = w.core
+
+    def sync(self, room: int = 0) -> None:
+        """The core admits by the pool's free space (``room``: what the deciding session's partial
+        last block still holds)."""
+        self.core.sync_kv_free(self.w.rt.pool.free_tokens + room)
+
+    def published(self, now: float) -> tuple[WorkerView, float]:
+        """What the worker publishes (``WorkerRuntime.published``): the core's view by the pool's
+        free space, and the end of the local prefill in service (0: none)."""
+        self.sync()
+        core = self.core
+        return core.view(now), (core.busy_until if core.state == PREFILLING else 0.0)
+
+    def admit_waiting(self) -> None:
+        """KV freed: start the waiting rounds that fit now, in the core's order."""
+        while True:
+            self.sync()
+            c = self.core.admit_next(time.time())
+            self.free_evicted()
+            if c is None:
+                return
+            self.w.start_round(self.w.sessions[c.session_id])
+
+    # ------------------------------------------------------------------------ KV eviction
+    def free_evicted(self) -> int:
+        """The core evicted these idle sessions' KV (--kv-evict): their blocks go back to the pool.
+        Each keeps its tokens (``s.tokens``), so its next round prefills the whole history again, as
+        a session moved here from a lost worker does (l_hist 0), routed like any prefill. Returns
+        how many the core evicted."""
+        victims = self.core.take_victims()
+        for c in victims:
+            s = self.w.sessions.get(c.session_id)
+            if s is None or s.core is not c:
+                continue
+            s.recompute = s.kv.tokens
+            s.kv.release(self.w.rt.pool)
+            self.w.metrics["kv_evictions"] += 1
+            log.info("KV evicted", session=s.session_id, tokens=s.recompute)
+        return len(victims)
+
+    def room_for(self, s: Session) -> None:
+        """Right before a round reserves its KV: evict more idle sessions while the pool itself lacks
+        the room. The core admitted the round by its own count, and the pool differs from it by a
+        token or so per session (a victim's blocks hold its history less the last output token, and
+        the round's prefill writes that token too)."""
+        pool = self.w.rt.pool
+        room = len(s.kv.blocks) * pool.block_tokens - s.kv.tokens
+        while pool.free_tokens + room < s.l_incr:
+            self.sync(room)
+            self.core.make_room(s.l_incr)
+            if not self.free_evicted():
+                return  # nothing left to evict: the reservation fails the session

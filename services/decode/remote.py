@@ -1,0 +1,209 @@
+"""The decode worker's remote prefills: a round's prefill task goes to a prefill worker (directly
+when the coordinator's route holds, else through the coordinator), the round waits for its NIXL
+notification, and the blocks of a session that ended meanwhile stay held until the prefill worker
+is done with them."""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+import grpc
+import structlog
+
+from ampd.kv import verify_pattern
+from ampd.stubs import Stubs
+from ampd.trust import task_token, token_matches
+from ampd.v1 import common_pb2, decode_pb2, prefill_pb2
+from services.decode.session import emit, REMOTE_HOLD_S, Session, add_segments
+
+if TYPE_CHECKING:
+    from services.decode.worker import DecodeWorker
+
+log = structlog.get_logger()
+
+
+class RemotePrefills:
+    """The rounds waiting for a remote prefill (``awaiting``), the blocks held for prefill workers
+    of ended sessions (``held``), and the notification listener (``start``/``stop``)."""
+
+    def __init__(self, w: DecodeWorker) -> None:
+        self.w = w
+        self.awaiting: dict[tuple[str, int], Session] = {}
+        # sessions ended while a prefill worker may still write their round's blocks: the blocks
+        # stay reserved until its PrefillDone comes (or REMOTE_HOLD_S passes), so no other session
+        # gets them meanwhile
+        self.held: dict[tuple[str, int], Session] = {}
+        self.stubs = Stubs()  # to the prefill workers routed prefills go to
+        self._submits: set[asyncio.Task] = set()  # submits of routed prefills in flight
+        self.notifs = None
+        # how long a round waits for its remote prefill's notification (beyond the prefill's own
+        # compute time) before it runs here instead
+        self.wait_s = 2 * w.rt.cfg.fence_after_s
+
+    def start(self) -> None:
+        self.notifs = self.w.rt.transport.listen(lambda _peer, msg: self.on_done(msg),
+                                                 pending=lambda: bool(self.awaiting or self.held))
+
+    async def stop(self) -> None:
+        submits = list(self._submits)
+        for t in submits:
+            t.cancel()
+        await asyncio.gather(*submits, return_exceptions=True)
+        if self.notifs is not None:
+            await self.notifs.stop()
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._submits.add(task)
+        task.add_done_callback(self._submits.discard)
+
+    def waiting(self, s: Session, rnd: int) -> bool:
+        """The session's round ``rnd`` waits for its remote prefill."""
+        return self.awaiting.get((s.session_id, rnd)) is s
+
+    def take(self, session_id: str, rnd: int) -> Session | None:
+        """The round stops waiting for its remote prefill (it runs here): its session, or None."""
+        return self.awaiting.pop((session_id, rnd), None)
+
+    def hold(self, s: Session, remote: bool) -> bool:
+        """The session ended (``remote``: while its round waited for a remote prefill): True when a
+        prefill worker may still write its blocks, which then stay held until it reports (or a
+        bound passes), else False (the caller frees them)."""
+        if not ((remote and s.task_token) or s.overdue is not None):
+            return False
+        key = (s.session_id, s.round) if remote else s.overdue[0]
+        if not remote:
+            s.task_token = s.overdue[1]
+        self.held[key] = s
+        self.w.metrics["kv_held_for_remote"] += 1
+        asyncio.get_running_loop().call_later(REMOTE_HOLD_S if remote else self.wait_s, self.release_held, key)
+        return True
+
+    def fenced(self) -> None:
+        """A prefill worker that dropped this worker from its peers while it was out of the registry
+        cannot report on the blocks held for it (nor write them): they go after the remote wait,
+        not REMOTE_HOLD_S."""
+        loop = asyncio.get_running_loop()
+        for key in list(self.held):
+            loop.call_later(self.wait_s, self.release_held, key)
+
+    def send(self, s: Session, rnd: int, routed: bool) -> None:
+        """The round's prefill runs on a prefill worker: its task goes to the one routed (``routed``:
+        the coordinator's route holds), else to the coordinator, which routes it (a prefill_task
+        event). The round waits for its notification (``on_done``), at most ``wait_s`` plus the
+        prefill's own time here (then it runs here: overdue)."""
+        w = self.w
+        task = common_pb2.PrefillTask(
+            session_id=s.session_id, round=rnd, l_hist=s.l_hist, l_incr=s.l_incr, input_ready=s.input_ready,
+            decode_worker=w.rt.cfg.worker_id, decode_tp=w.rt.cfg.tp,
+            token_ids=s.tokens[s.l_hist:], sampling=s.params,
+            history_token_ids=s.tokens[:s.l_hist] if w.token_ids else (),
+        )
+        history = s.kv.segments(0, s.l_hist)
+        add_segments(task.history, history)
+        add_segments(task.dest, s.dest)
+        # the blocks just reserved may be written by a prefill worker with this token only
+        task.task_token = s.task_token = task_token(w.rt.task_key, task, history, s.dest)
+        self.awaiting[(s.session_id, rnd)] = s
+        self.notifs.arm()
+        # its bound: the remote wait, plus what the prefill would take here (a long one is not overdue)
+        wait = self.wait_s + w.core.cost.t_pre(w.core.tp, s.l_hist, s.l_incr)
+        asyncio.get_running_loop().call_later(wait, self._overdue, s, rnd, wait)
+        if routed:  # its remote route holds: the task goes to that prefill worker from here, now
+            target = s.route.prefill_worker
+            info = w.rt.peers.get(target)
+            reply = self.stubs.submit(info.address, info.nixl_agent).send(prefill_pb2.SubmitRequest(task=task)) \
+                if info is not None else None
+            self._spawn(self._submitted(s, task, target, reply))
+        else:
+            s.unrouted = task
+            emit(s, decode_pb2.DecodeEvent(prefill_task=task))
+
+    async def _submitted(self, s: Session, task: common_pb2.PrefillTask, target: str, reply) -> None:
+        """The answer to a routed remote prefill's submit; one that could not be submitted goes to
+        the coordinator as a plain prefill_task, which routes it again (and runs it here if its
+        prefill worker is gone)."""
+        try:
+            if reply is None:
+                raise LookupError(f"prefill worker {target!r} is not known here")
+            await reply
+        except (grpc.aio.AioRpcError, LookupError) as exc:
+            log.warning("routed prefill submit failed; asking the coordinator", session=s.session_id,
+                        round=task.round, target=target, error=exc.details() if isinstance(exc, grpc.aio.AioRpcError)
+                        else str(exc))
+            if not s.closed and self.awaiting.get((s.session_id, task.round)) is s:
+                s.unrouted = task
+                emit(s, decode_pb2.DecodeEvent(prefill_task=task))
+
+    def _overdue(self, s: Session, rnd: int, waited_s: float) -> None:
+        """The round's remote prefill did not report within ``remote_wait_s`` plus its own compute
+        time here (its prefill worker stopped, or its notification was lost): the round runs here,
+        into the KV reserved for it.
+        Should the prefill worker still write it (the same KV), the blocks stay held when the
+        session ends until it reports, at most ``remote_wait_s`` more."""
+        w = self.w
+        key = (s.session_id, rnd)
+        if self.awaiting.get(key) is not s or s.closed:
+            return
+        del self.awaiting[key]
+        s.overdue = (key, s.task_token)
+        log.warning("remote prefill overdue; running it locally", session=s.session_id, round=rnd,
+                    waited_s=round(waited_s, 3))
+        w.metrics["prefills_overdue"] += 1
+        w.queue_local(s)
+
+    def release_held(self, key: tuple[str, int]) -> None:
+        w = self.w
+        s = self.held.pop(key, None)
+        if s is not None:
+            s.kv.release(w.rt.pool)
+            w.rt.changed()
+            w.kv.admit_waiting()
+
+    def on_done(self, msg: bytes) -> None:
+        """A prefill worker's NIXL notification (its PrefillDone): the round's first token, or it
+        runs here (the prefill worker could not do it), or held blocks go."""
+        w = self.w
+        done = prefill_pb2.PrefillDone()
+        try:
+            done.ParseFromString(msg)
+        except Exception:
+            log.warning("unparseable NIXL notification", size=len(msg))
+            return
+        key = (done.session_id, done.round)
+        s = self.awaiting.pop(key, None)
+        if s is None:
+            held = self.held.get(key)
+            live = w.sessions.get(done.session_id)
+            if held is not None and token_matches(held.task_token, done.task_token):
+                self.release_held(key)  # the prefill worker is done with the ended session's blocks
+            elif live is not None and live.overdue is not None and live.overdue[0] == key \
+                    and token_matches(live.overdue[1], done.task_token):
+                live.overdue = None  # the overdue prefill reported after all: its blocks are free to go
+            else:
+                log.warning("prefill done for an unknown session", session=done.session_id, round=done.round)
+            return
+        if not token_matches(s.task_token, done.task_token):
+            self.awaiting[(done.session_id, done.round)] = s  # not its task's: keep waiting
+            log.warning("prefill done with a wrong task token", session=done.session_id, round=done.round)
+            return
+        if done.error:
+            # The prefill worker could not do it (shutting down, a transfer failed): the reserved KV
+            # is still here, so the round runs locally instead of failing the session.
+            log.warning("remote prefill failed; running it locally", session=s.session_id, round=done.round,
+                        prefill_worker=done.prefill_worker, error=done.error)
+            w.metrics["prefills_rerouted"] += 1
+            self.awaiting[(done.session_id, done.round)] = s
+            w.local_prefill(done.session_id, done.round, s.secret)
+            return
+        if w.engine.capabilities.patterned_kv:  # the mock's KV is a function of (session, position): check it
+            data = w.rt.pool.read(s.dest, copy=False)  # only compared: a view when it is one run
+            bad = verify_pattern(s.session_id, s.l_hist, data, w.rt.pool.layout.bytes_per_token)
+            w.metrics["kv_bytes_verified"] += data.size
+            w.metrics["kv_bytes_mismatched"] += bad
+            if bad:
+                w.fail(s, f"KV written by {done.prefill_worker} has {bad} wrong bytes")
+                return
+        w.metrics["prefills_remote"] += 1
+        w.first_token(s, done.first_token, time.time(), False, done.prefill_worker)
