@@ -9,7 +9,8 @@ installed; ``mock``, timed by ``--profile``). Per TP degree it times, through th
 ``prefill`` and ``decode_step`` on a pool the engine cuts (``make_pool``) as a worker's:
 
 - prefill over (l_hist, l_incr), each on top of a history the engine itself prefilled first;
-- decode steps over (batch, context per sequence);
+- decode steps over (batch, context per sequence); an engine that decodes a round as one request of its
+  own (``streams_rounds``: SGLang) in rounds that streaming prefills opened, as a decode worker's;
 - KV transfer over sizes through the real NIXL path (two ``NixlTransport`` agents, a READ of the
   segments, then the engine's ``pace_transfer``), as a prefill worker reads history KV.
 
@@ -284,6 +285,8 @@ async def _decode_samples(setup, engine, points, bt, timing):
 
     if not points:
         return []
+    if engine.capabilities.streams_rounds:
+        return await _streamed_decode_samples(setup, engine, points, bt, timing)
     top = max(c for _, c in points)
     base = math.ceil(top / bt) * bt
     reg = _Region(setup, engine, base + 2 * max(b for b, _ in points), bt)
@@ -326,6 +329,54 @@ async def _decode_samples(setup, engine, points, bt, timing):
             engine.forget(s.session_id)
     # the timed step of a round engine is at context c + 1 per sequence
     return [(b, b * (c + 1 if rounds else c), t) for (b, c), t in zip(points, times)]
+
+
+STREAMED_STEPS = 4  # timed steps per round of an engine that streams rounds
+
+
+async def _streamed_decode_samples(setup, engine, points, bt, timing):
+    """(batch, context tokens in the batch, s) of an engine that decodes a round as one request of its
+    own and batches the rounds itself (``streams_rounds``: SGLang). Its ``decode_step`` hands out the
+    next token of rounds a streaming prefill opened, so each timed pass opens ``batch`` rounds on a
+    context, as a decode worker's local prefills do: they start together (a prefill with the round's
+    ``RoundStops``), one step is taken untimed (every round is then in the engine's running batch), and
+    the mean of the next ``STREAMED_STEPS`` steps is the point's time. The rounds end by their own
+    ``max_tokens``. The context is the same ids at every pass, so after the first pass the engine's
+    prefix cache makes the reopening cheap; the step is timed at the mean context it read."""
+    from ampd.engine.base import DecodeSeq, RoundStops
+
+    steps = STREAMED_STEPS
+    stops = RoundStops(max_tokens=steps + 2)  # the prefill's token, the untimed step, the timed ones
+    reg = _Region(setup, engine, bt, bt)  # the engine keeps the KV: the pool is the protocol's only
+
+    def call(b, c):
+        ids = _ids(engine, c)
+        sids = [f"profile-s{b}x{c}-{i}" for i in range(b)]
+
+        async def one():
+            firsts = await asyncio.gather(*(engine.prefill(s, 0, c, reg.pool, (), token_ids=ids, stops=stops)
+                                            for s in sids))
+            ctx = [[*ids, t] for t in firsts]
+
+            async def step():
+                toks = await engine.decode_step(reg.pool, [
+                    DecodeSeq(s, len(x) - 1, x[-1], [], len(x), token_ids=x) for s, x in zip(sids, ctx)])
+                for x, t in zip(ctx, toks):
+                    x.append(t)
+            try:
+                await step()
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    await step()
+                return Timed((time.perf_counter() - t0) / steps)
+            finally:
+                for s in sids:
+                    engine.forget(s)
+        return one
+    await call(*points[0])()  # warm-up: the engine's first requests and a first batch
+    times = await _time_each([call(b, c) for b, c in points], *timing)
+    # the timed steps read c + 2 ... c + 1 + steps tokens per sequence
+    return [(b, b * (c + 1) + b * (steps + 1) // 2, t) for (b, c), t in zip(points, times)]
 
 
 async def _kv_samples(setup, make, pairs, sizes, bt, timing):

@@ -13,6 +13,12 @@ SGLang on this machine's CPU.
 3. Round decode speed through AMPD against SGLang's own `Engine.generate` (streaming, same model,
    same contexts, same output lengths), one run, alternating round by round while the deployment
    stays up: AMPD must reach 0.8x. Written to benchmarks/results/sglang_cpu.json.
+4. `ampd profile --engine sglang --grid tiny` (after the deployment is down): SGLang timed through the
+   Engine protocol (prefill over history and new lengths, decode steps in rounds a streaming prefill
+   opened, KV over NIXL), fitted and judged on held-out points. On this shared box the timings may
+   fail the held-out check; either outcome is accepted if it is well-formed: a written profile holds
+   every quantity's held-out error, and a refusal names, for each problem, the quantity (and piece)
+   and its measured points, and leaves no file. Which one happened goes to the results file.
 
 Prints one line per check and exits 1 on the first failure. Keep the prompts and outputs short:
 two SGLang instances start on 2 shared cores.
@@ -174,6 +180,47 @@ async def baseline_round(engine, ids: list[int], n: int) -> tuple[list[int], flo
     return toks, first, last
 
 
+# ------------------------------------------------------------------------------------- profile
+QUANTITIES = ("tp.1.t_pre", "tp.1.t_dec", "t_kv")
+
+
+def profile_sglang(root: Path, grid: str) -> dict:
+    """`ampd profile --engine sglang` as a user runs it; what it measured and whether it wrote the
+    profile (fails the test when its output is not well-formed either way)."""
+    out = root / "sglang-profile.json"
+    t = time.time()
+    argv = [sys.executable, "-m", "ampd", "profile", "--engine", "sglang", "--grid", grid, "--out", str(out)]
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=ROOT,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+    except subprocess.TimeoutExpired:
+        fail(f"ampd profile --engine sglang --grid {grid} did not end within 900 s")
+    text = r.stdout + r.stderr
+    rows = {m.group(1): {"max_rel": round(float(m.group(2)) / 100, 4), "mean_rel": round(float(m.group(3)) / 100, 4),
+                         "points": int(m.group(4))}
+            for m in re.finditer(r"^(\S+)\s+([\d.]+)%\s+([\d.]+)%\s+(\d+)$", r.stdout, re.M)}
+    if "Traceback" in text or set(rows) != set(QUANTITIES):
+        fail(f"ampd profile --engine sglang (rc {r.returncode}) printed no held-out error per quantity "
+             f"{QUANTITIES}:\n{text[-3000:]}")
+    res = {"command": " ".join(["ampd", *argv[3:-2]]), "seconds": round(time.time() - t, 1), "held_out_error": rows}
+    if r.returncode == 0:
+        doc = json.loads(out.read_text())
+        prof = doc["profiling"]
+        if prof["engine"] != "sglang" or set(prof["held_out_error"]) != set(QUANTITIES):
+            fail(f"the written profile is not SGLang's or lacks a quantity's held-out error: {prof['held_out_error']}")
+        res |= {"accepted": True, "max_held_out_error": prof["max_held_out_error"]}
+        return res
+    refused = [ln.removeprefix("refused: ") for ln in r.stderr.splitlines() if ln.startswith("refused: ")]
+    if r.returncode != 2 or not refused or out.exists() or "profile refused" not in r.stderr:
+        fail(f"ampd profile --engine sglang failed (rc {r.returncode}) other than by refusing its profile:\n"
+             f"{text[-3000:]}")
+    for p in refused:  # each problem names its quantity and the measured points behind it
+        if not p.startswith(QUANTITIES) or not re.search(r"measured [\d.]+ ms|its points: \(|their points: \(", p):
+            fail(f"a refusal does not name its quantity and points: {p}")
+    res |= {"accepted": False, "refused": refused}
+    return res
+
+
 def rate(rounds: list[tuple[int, float]]) -> float:
     """Decode tokens/s over rounds of (tokens after the first, seconds from first to last)."""
     return sum(n for n, _ in rounds) / max(1e-9, sum(s for _, s in rounds))
@@ -183,6 +230,8 @@ def rate(rounds: list[tuple[int, float]]) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--speed-reps", type=int, default=2, help="AMPD/SGLang alternations of the speed conversation")
+    ap.add_argument("--profile-grid", default="tiny", choices=("tiny", "small", "full", "none"),
+                    help="grid of the `ampd profile --engine sglang` check (none: skip it)")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a CI timeout still stops the deployments
     t_start = time.time()
@@ -308,6 +357,13 @@ def main() -> int:
         print(f"speed: AMPD {a:.2f} tokens/s, SGLang Engine.generate {b:.2f} tokens/s, ratio {a / b:.3f}", flush=True)
     finally:
         up.stop()
+    if args.profile_grid != "none":
+        # 5. the profiler through SGLang, with the deployment down (its instances would share the cores)
+        prof = result["profile"] = profile_sglang(root, args.profile_grid)
+        errs = ", ".join(f"{q} {e['max_rel']:.1%}" for q, e in prof["held_out_error"].items())
+        ok(f"ampd profile --engine sglang --grid {args.profile_grid} in {prof['seconds']} s, held-out max {errs}: "
+           + ("written" if prof["accepted"] else f"refused, naming pieces and points ({len(prof['refused'])} "
+                                                  "problem(s))"))
     result["total_s"] = round(time.time() - t_start, 1)
     OUT.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {OUT.relative_to(ROOT)}", flush=True)

@@ -157,3 +157,34 @@ def test_a_round_is_one_streaming_request_and_prefill_alone_one_token():
     assert len(rt.aborted) == 1 and rt.aborted[0].startswith("a#")
     eng.forget("a")
     assert "a" not in eng._ids
+
+
+def test_the_profiler_times_decode_steps_in_rounds_a_streaming_prefill_opened():
+    """`ampd profile --engine sglang`'s path without SGLang: the engine's decode_step only continues a
+    round a streaming prefill opened, so the profiler opens `batch` rounds on each context, takes one
+    step untimed and times the next ones; prefills send the history the engine prefilled first."""
+    import statistics
+
+    from ampd.profiler import STREAMED_STEPS, EngineSetup, _decode_samples, _prefill_samples
+
+    eng, rt = _engine()
+    setup = EngineSetup(engine="sglang", model="m", hardware="cpu2", tps=(1,), make=lambda tp: eng,
+                        kv_bytes_per_token=8, kv_capacity_tokens={1: 64}, pool_bytes_per_token=8)
+    timing = (2, statistics.median, 0.0, lambda: None)
+
+    async def run():
+        return (await _decode_samples(setup, eng, [(1, 8), (2, 12)], 16, timing),
+                await _prefill_samples(setup, eng, [(0, 4), (16, 4)], 16, timing))
+
+    dec, pre = asyncio.run(run())
+    # the timed steps read c + 2 ... c + 1 + STREAMED_STEPS tokens per sequence
+    assert [(b, n) for b, n, _ in dec] == [(1, 8 + 3), (2, 2 * 13 + 5)]
+    assert all(t >= 0.008 for *_, t in dec), dec  # the recording runtime's step is a 10 ms sleep
+    streamed = [c for c in rt.calls if c[2]]
+    # a warm-up pass, then 2 passes of each point: 1 + 2 * (1 + 2) rounds, each one streaming request
+    assert len(streamed) == 7 and {c[1]["max_new_tokens"] for c in streamed} == {STREAMED_STEPS + 2}
+    assert not eng._rounds  # every round ended
+    assert [(lh, li) for lh, li, _ in pre] == [(0, 4), (16, 4)] and all(t > 0 for *_, t in pre)
+    hist = next(c[0] for c in rt.calls if not c[2] and len(c[0]) == 16)  # the history, prefilled untimed
+    timed = [c[0] for c in rt.calls if len(c[0]) == 20]  # 2 passes, on top of it, new ids each pass
+    assert len(timed) == 2 and all(x[:16] == hist for x in timed) and timed[0][16:] != timed[1][16:]
