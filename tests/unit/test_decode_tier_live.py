@@ -33,3 +33,19 @@ def test_a_host_pool_too_small_for_one_session_is_refused_with_its_sizes():
 def test_a_big_enough_host_pool_is_refused_because_the_moves_are_not_wired():
     with pytest.raises(ConfigError, match="host KV tier is not wired"):
         check_host_tier(8, 16, 1024, 4096)
+
+
+@pytest.mark.parametrize("mb, says", [("1", "set --kv-host-mb to at least"), ("64", "host KV tier is not wired")])
+def test_the_decode_process_refuses_the_tier_at_start_up_before_redis(mb, says):
+    """The real start-up path (the mock engine's pool): the refusal comes before Redis is dialled."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    p = subprocess.run([sys.executable, "-m", "services.decode", *BASE, "--port", "0", "--kv-host-mb", mb],
+                       cwd=root, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
+    assert p.returncode != 0
+    first = p.stderr.splitlines()[0]
+    assert first.startswith("ampd-decode: error: --kv-host-mb") and says in first and "Redis" not in first
