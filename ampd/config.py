@@ -143,8 +143,9 @@ class PolicyConfig:
     kv_evict: bool = setting(False, "a decode worker whose KV pool is full evicts the KV of sessions idle in tool "
                                     "calls (least recently used first) before a round waits or fails; their next "
                                     "round prefills the whole history again")
-    # Off by default until measured to help (benchmarks/kv_tier.py); the simulator models it, the live
-    # decode worker does not read it yet.
+    # Off by default until measured to help (benchmarks/kv_tier.py); the simulator models it. The live
+    # decode worker reads it, checks the host pool's size and refuses to start with it on: its moves
+    # through the KV transport are not wired yet (services/decode/tier.py).
     kv_host_mb: float = setting(0.0, "host-memory KV tier of each decode worker, MiB (0 = off): when a round ends "
                                      "in a tool call the worker keeps, offloads to host or drops the session's KV "
                                      "(ampd.policy.kvtier) and brings it back when the result arrives",
@@ -413,7 +414,8 @@ SERVICE_SETTINGS: dict[str, tuple[str, ...]] = {
                     "fence_after", "admission_wait", "admission_queue", "admission", "auth_token", "internal_token",
                     "script_tools", "otlp_endpoint", "reattach_grace"),
     "prefill": _WORKER,
-    "decode": (*_WORKER, "sidecar", "chunked_prefill", "kv_evict", "script_tools", "reattach_grace"),
+    "decode": (*_WORKER, "sidecar", "chunked_prefill", "kv_evict", "kv_host_mb", "kv_offload_pressure",
+               "kv_prefetch_early", "script_tools", "reattach_grace"),
     "sidecar": ("host", "port", "metrics_port", "name", "tool", "ready_file", "auth_token", "internal_token",
                 "tool_workers", "tool_cpu_s", "tool_wall_s", "tool_memory_mb", "otlp_endpoint"),
     "planner": ("host", "port", "metrics_port", "ready_file", "profiles_dir", "auth_token", "otlp_endpoint"),

@@ -79,6 +79,9 @@ class WorkerConfig:
     kv_admission: str = inherit("kv_admission")  # "wait" | "fail"
     chunked_prefill: bool = inherit("chunked_prefill")  # decode workers only
     kv_evict: bool = inherit("kv_evict")  # decode workers only
+    kv_host_mb: float = inherit("kv_host_mb")  # decode workers only (services/decode/tier.py)
+    kv_offload_pressure: float = inherit("kv_offload_pressure")
+    kv_prefetch_early: bool = inherit("kv_prefetch_early")
     sidecar: str = inherit("sidecar")  # decode workers only
 
 

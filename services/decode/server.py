@@ -20,6 +20,7 @@ from ampd.state import StateStore, connect
 from ampd.v1 import common_pb2, decode_pb2, decode_pb2_grpc, sidecar_pb2_grpc
 from ampd.grpcserver import write_ready_file
 from ampd.runtime import WorkerRuntime, add_worker_args, pool_for, worker_config
+from services.decode.tier import check_host_tier
 from ampd.trust import attach_token, token_matches
 from ampd.worker import DecodeCore
 from ampd.validate import InvalidArgument, validate_attach, validate_reason, validate_turn
@@ -214,11 +215,14 @@ async def amain(args: argparse.Namespace) -> None:
         [decode_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name],
     )
     cfg = worker_config(args, "decode", port)
+    engine = make_engine(cfg.engine, profile, cfg.tp, cfg.model, kv_store={"redis_url": cfg.redis_url, "namespace": cfg.namespace, "worker": cfg.worker_id})
+    pool = pool_for(profile, cfg, engine)
+    check_host_tier(cfg.kv_host_mb, pool.block_tokens, pool.bytes_per_token,
+                    min(engine.max_context, pool.capacity_tokens))  # before Redis: the sizes are the error
     store = StateStore(await connect(cfg.redis_url), cfg.namespace)
     queue = make_queue(spec.decode_queue, profile, SLO(cfg.ttft_slo_s, cfg.itl_slo_s), cfg.tp,
                        window=cfg.reorder_window)
-    engine = make_engine(cfg.engine, profile, cfg.tp, cfg.model, kv_store={"redis_url": cfg.redis_url, "namespace": cfg.namespace, "worker": cfg.worker_id})
-    rt = WorkerRuntime(cfg, store, pool_for(profile, cfg, engine))
+    rt = WorkerRuntime(cfg, store, pool)
     sidecar = sidecar_pb2_grpc.ToolSidecarStub(grpcserver.channel(cfg.sidecar)) if cfg.sidecar else None
     chunk = profile.prefill_chunk_tokens(cfg.tp) if cfg.chunked_prefill else 0
     core = DecodeCore(cfg.worker_id, cfg.tp, profile, queue, kv_capacity_tokens=rt.pool.capacity_tokens,

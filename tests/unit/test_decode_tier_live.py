@@ -1,0 +1,51 @@
+"""The live decode worker's host KV tier settings (services/decode/tier.py): off by default and
+inert; on, a host pool too small for one session's KV is refused with the sizes named, and a big
+enough one is refused because the live tier's moves are not wired (never a half-working tier)."""
+from __future__ import annotations
+
+import pytest
+
+from ampd.config import ConfigError
+from ampd.runtime import worker_config
+from services.decode.server import build_parser
+from services.decode.tier import check_host_tier
+
+BASE = ["--worker-id", "d0", "--redis-url", "redis://127.0.0.1:1"]
+
+
+def test_the_decode_worker_takes_the_tier_settings_off_by_default():
+    cfg = worker_config(build_parser().parse_args(BASE), "decode", 1)
+    assert (cfg.kv_host_mb, cfg.kv_offload_pressure, cfg.kv_prefetch_early) == (0.0, 0.7, False)
+    check_host_tier(cfg.kv_host_mb, cfg.block_tokens, cfg.kv_bytes_per_token, 1 << 20)  # off: nothing
+    cfg = worker_config(build_parser().parse_args(
+        [*BASE, "--kv-host-mb", "64", "--kv-offload-pressure", "0.5", "--kv-prefetch-early"]), "decode", 1)
+    assert (cfg.kv_host_mb, cfg.kv_offload_pressure, cfg.kv_prefetch_early) == (64.0, 0.5, True)
+
+
+def test_a_host_pool_too_small_for_one_session_is_refused_with_its_sizes():
+    # 1 MiB of 16-token blocks at 1024 bytes a token: 64 blocks, 1024 tokens; a session may reach 4096
+    with pytest.raises(ConfigError) as e:
+        check_host_tier(1, 16, 1024, 4096)
+    msg = str(e.value)
+    assert "--kv-host-mb 1" in msg and "1024 tokens" in msg and "4096 tokens" in msg and "at least 4" in msg
+
+
+def test_a_big_enough_host_pool_is_refused_because_the_moves_are_not_wired():
+    with pytest.raises(ConfigError, match="host KV tier is not wired"):
+        check_host_tier(8, 16, 1024, 4096)
+
+
+@pytest.mark.parametrize("mb, says", [("1", "set --kv-host-mb to at least"), ("64", "host KV tier is not wired")])
+def test_the_decode_process_refuses_the_tier_at_start_up_before_redis(mb, says):
+    """The real start-up path (the mock engine's pool): the refusal comes before Redis is dialled."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    p = subprocess.run([sys.executable, "-m", "services.decode", *BASE, "--port", "0", "--kv-host-mb", mb],
+                       cwd=root, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
+    assert p.returncode != 0
+    first = p.stderr.splitlines()[0]
+    assert first.startswith("ampd-decode: error: --kv-host-mb") and says in first and "Redis" not in first
