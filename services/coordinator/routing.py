@@ -158,8 +158,11 @@ class SessionRoutes:
         """Round ``rnd``'s prefill went where ``decision`` says (after fallbacks)."""
         self.routes[rnd] = RoundRoute(decision.target, decision.reason, decision.local)
         # (no Redis write a round: the session's record holds what a move or a reattach needs, its
-        # binding; a write a round took ~5% of the coordinator's CPU, benchmarks/coordinator_capacity.py)
-        log.info("route", session=self.run.sid, round=rnd, target=decision.target, local=decision.local,
+        # binding; a write a round took ~5% of the coordinator's CPU, benchmarks/coordinator_capacity.py).
+        # Its line is at debug (AMPD_LOG_LEVEL=debug): rendered and written every round it cost ~3% of
+        # the coordinator's CPU; the reason stays in the round's RoundTiming.route_reason, the
+        # ampd_route_decisions_total counter and the route span.
+        log.debug("route", session=self.run.sid, round=rnd, target=decision.target, local=decision.local,
                  reason=decision.reason, decide_ms=round(decide_ms, 3),
                  **{k: round(v, 4) for k, v in decision.estimates.items()})
 
