@@ -154,6 +154,7 @@ async def start_server(
     if port == 0:
         raise RuntimeError(f"cannot bind {bind}")
     await server.start()
+    _started.append(server)
     for name in names:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -193,6 +194,21 @@ async def serve_until_signal(
     tracing.shutdown()  # the spans still batched go before the process ends (bounded: tracing.EXPORT_TIMEOUT_S)
 
 
+# The servers this process started: a start-up that fails after its server is up stops them while
+# the loop still runs (else grpc.aio's Server.__del__ meets a closed loop and prints a traceback
+# under the one-line error).
+_started: list[grpc.aio.Server] = []
+
+
+async def _stopping_servers_on_error(main: Awaitable[None]) -> None:
+    try:
+        await main
+    except BaseException:
+        for server in _started:
+            await server.stop(None)
+        raise
+
+
 def run(main: Awaitable[None]) -> None:
     """Runs a service's async main on uvloop. A ConfigError from start-up (e.g. --redis-url that
     nothing answers at) ends the process with its one-line message, not a traceback."""
@@ -201,7 +217,7 @@ def run(main: Awaitable[None]) -> None:
     from ampd.config import ConfigError
 
     try:
-        uvloop.run(main)
+        uvloop.run(_stopping_servers_on_error(main))
     except ConfigError as exc:
         raise SystemExit(f"{_prog()}: error: {exc}") from None
 

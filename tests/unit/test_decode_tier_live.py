@@ -49,3 +49,4 @@ def test_the_decode_process_refuses_the_tier_at_start_up_before_redis(mb, says):
     assert p.returncode != 0
     first = p.stderr.splitlines()[0]
     assert first.startswith("ampd-decode: error: --kv-host-mb") and says in first and "Redis" not in first
+    assert "Traceback" not in p.stderr, p.stderr  # the one line only: the gRPC server started is stopped
