@@ -17,7 +17,12 @@ from ampd.policy.prefixindex import PrefixIndex
 from ampd.policy.prefixbind import bind_prefix
 from ampd.workload.mooncake import HASH_BLOCK_TOKENS
 
-__all__ = ["Prefixing", "CountingPool", "prefix_indexes"]
+__all__ = ["Prefixing", "CountingPool", "prefix_indexes", "MOVE_MIN_BLOCKS"]
+
+# Binding leaves admission's worker for a longer prefix only when it saves this many more blocks
+# there: a short common prefix (a system prompt) is not worth unbalancing the workers for
+# (benchmarks/prefix_sharing.py measured the pull of every session onto one worker).
+MOVE_MIN_BLOCKS = 4
 
 
 class CountingPool:
@@ -68,7 +73,7 @@ class Prefixing:
         if not hashes:
             return bound
         matched = {wid: ix.match(hashes) for wid, ix in self.prefix.items()}
-        if matched[bound] >= max(matched.values()):  # admission's choice holds the longest prefix already
+        if max(matched.values()) - matched[bound] < MOVE_MIN_BLOCKS:  # not worth leaving admission's choice
             return bound
         book = self.book
         book.promised[bound] -= w.need
