@@ -14,6 +14,8 @@ Life of a session's prompt blocks::
     truncate(sid, n)      the history shrinks to n tokens; a shared block the session would write
                           into again is copied first (copy-on-write: a ``CopyOp`` for the driver)
     release(sid)          its references go; a block nobody references goes back to the pool
+                          (``retain``: it stays indexed, cached, until ``evict`` takes it, least
+                          recently released first; sharing it again revives it)
 
 Only full blocks are shared and shared blocks are read-only: a session appends after its prompt in
 blocks of its own, so nothing is written into a block another session reads. Pure accounting: the
@@ -22,6 +24,7 @@ released (``empty``).
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Iterable, Protocol
@@ -71,11 +74,14 @@ class _Held:
 class PrefixIndex:
     """Shared prompt blocks of one worker's pool: hash -> block, and a reference count a block."""
 
-    def __init__(self, pool: BlockSource, block_tokens: int):
+    def __init__(self, pool: BlockSource, block_tokens: int, retain: bool = False):
         if block_tokens <= 0:
             raise ValueError(f"block_tokens must be > 0, got {block_tokens}")
         self.pool = pool
         self.block_tokens = block_tokens
+        self.retain = retain
+        self._cached: OrderedDict[int, None] = OrderedDict()  # retain: indexed blocks nobody references, LRU first
+        self.revived = 0  # cached blocks the last acquire shared again
         self._by_hash: dict[int, int] = {}
         self._hash_of: dict[int, int] = {}
         self._refs: dict[int, int] = {}
@@ -86,7 +92,12 @@ class PrefixIndex:
     @property
     def empty(self) -> bool:
         """No session holds a block and the index is empty (every block went back)."""
-        return not self._held and not self._refs and not self._by_hash
+        return not self._held and not self._refs and not self._by_hash and not self._cached
+
+    @property
+    def cached_blocks(self) -> int:
+        """Indexed blocks nobody references (``retain``), ``evict`` frees them."""
+        return len(self._cached)
 
     @property
     def blocks_held(self) -> int:
@@ -117,8 +128,14 @@ class PrefixIndex:
             raise ValueError(f"acquire {session_id!r}: it holds prompt blocks already")
         shared = [self._by_hash[h] for h in hashes[:self.match(hashes)]]
         fresh = self.pool.alloc(len(hashes) - len(shared))
+        self.revived = 0
         for b in shared:
-            self._refs[b] += 1
+            if b in self._cached:
+                del self._cached[b]
+                self._refs[b] = 1
+                self.revived += 1
+            else:
+                self._refs[b] += 1
         for b in fresh:
             self._refs[b] = 1
         self.shared_blocks += len(shared)
@@ -167,22 +184,41 @@ class PrefixIndex:
         held.blocks[i] = dst
         return CopyOp(last, dst, part)
 
-    def release(self, session_id: str) -> None:
-        """The session ended: drop its references; unreferenced blocks go back to the pool."""
+    def release(self, session_id: str) -> int:
+        """The session ended: drop its references; unreferenced blocks go back to the pool (or, with
+        ``retain``, indexed ones into the cache). Returns how many blocks nobody references now."""
         held = self._held.pop(session_id, None)
         if held is not None:
-            self._unref(held.blocks)
+            return self._unref(held.blocks)
+        return 0
 
-    def _unref(self, blocks: Sequence[int]) -> None:
+    def evict(self, n_blocks: int) -> int:
+        """Free up to ``n_blocks`` cached blocks to the pool, least recently released first."""
         gone = []
+        while self._cached and len(gone) < n_blocks:
+            b, _ = self._cached.popitem(last=False)
+            del self._by_hash[self._hash_of.pop(b)]
+            gone.append(b)
+        if gone:
+            self.pool.free(gone)
+        return len(gone)
+
+    def _unref(self, blocks: Sequence[int]) -> int:
+        gone = []
+        dropped = 0
         for b in blocks:
             r = self._refs[b] - 1
             if r:
                 self._refs[b] = r
                 continue
             del self._refs[b]
+            dropped += 1
+            if self.retain and b in self._hash_of:
+                self._cached[b] = None
+                continue
             h = self._hash_of.pop(b, None)
             if h is not None:
                 del self._by_hash[h]
             gone.append(b)
         self.pool.free(gone)
+        return dropped

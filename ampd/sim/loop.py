@@ -114,7 +114,8 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
                  "book", "block_tokens", "refused", "n_waited",
                  "decodes", "prefills", "by_id", "router", "pviews_static", "pviews", "route_fn", "pin_ttl", "kv_evict", "open_s", "dispatch_s",
                  "handoff_s", "tool_rpc_s", "busy_extra", "contention", "dispatch", "tier", "dispatch0", "tier_to",
-                 "tier_from", "prefix", "prefix_held", "prefix_saved", "prefix_blocks", "prefix_sessions")
+                 "tier_from", "prefix", "prefix_held", "prefix_saved", "prefix_blocks", "prefix_sessions",
+                 "prefix_revived", "prefix_evicted")
 
     def __init__(self, sim: Simulator):
         cfg = sim.cfg
@@ -150,7 +151,7 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
             self.dispatch = self.tier_dispatch
         self.prefix = prefix_indexes(cfg, self.decodes, self.pin_ttl)  # None: prefix sharing off
         self.prefix_held: dict = {}
-        self.prefix_saved = self.prefix_blocks = self.prefix_sessions = 0
+        self.prefix_saved = self.prefix_blocks = self.prefix_sessions = self.prefix_revived = self.prefix_evicted = 0
 
     def push(self, t: float, code: int, obj) -> None:
         self.seq += 1
@@ -228,6 +229,8 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
             self.prefix_first(st)
         d = st.dw
         code = d.round_ready(st, now)
+        if self.prefix is not None:  # the round's KV takes cached blocks' space first
+            self.prefix_trim(d)
         if code == ADMITTED:
             self.dispatch(st, now)
         elif code == FAILED:

@@ -6,8 +6,12 @@ Each decode worker has an ``ampd.policy.prefixindex.PrefixIndex`` over a countin
 ``HASH_BLOCK_TOKENS`` tokens). The decode core is not changed: a sharing session starts its first
 round with ``l_hist`` = the shared tokens (charged to nobody new) and ``l_incr`` = the rest, so the
 core prefills and charges only the rest. When a session ends the core subtracts its whole history;
-the index says which prompt blocks really went back to the pool (a shared block goes when its last
-holder does), and ``kv_used`` is corrected by the difference. Binding (``bind_prefix``) prefers the
+the index says which prompt blocks nobody holds any more (a shared block goes when its last holder
+does), and ``kv_used`` is corrected by the difference. Such blocks stay indexed in the worker's free
+KV (as a prefix cache keeps freed blocks until their space is taken): sharing one again charges it
+again; the cache is cut to the KV free (less what waiting rounds need), least recently released
+first, before each match and whenever a round or a new session takes KV (an approximation: decode
+tokens grow into it between rounds). Binding (``bind_prefix``) prefers the
 worker with the longest prefix when it fits and meets the ITL SLO. Rounds without ``hash_ids``
 behave as without sharing.
 """
@@ -28,12 +32,11 @@ MOVE_MIN_BLOCKS = 4
 class CountingPool:
     """Block ids for one worker's index; the KV itself is counted by the decode core."""
 
-    __slots__ = ("next_id", "held", "last_freed")
+    __slots__ = ("next_id", "held")
 
     def __init__(self) -> None:
         self.next_id = 0
         self.held = 0
-        self.last_freed = 0
 
     def alloc(self, n_blocks: int) -> list[int]:
         out = list(range(self.next_id, self.next_id + n_blocks))
@@ -42,9 +45,7 @@ class CountingPool:
         return out
 
     def free(self, blocks) -> None:
-        n = len(blocks)
-        self.held -= n
-        self.last_freed = n
+        self.held -= len(blocks)
 
 
 def prefix_indexes(cfg, decodes, pin_ttl_s=None) -> dict | None:
@@ -54,13 +55,13 @@ def prefix_indexes(cfg, decodes, pin_ttl_s=None) -> dict | None:
     if cfg.kv_evict or cfg.kv_host_mb or pin_ttl_s is not None:
         raise ValueError("prefix_sharing is not modelled with kv_evict, kv_host_mb or a KV-pinning policy "
                          "(a shared block cannot be evicted or offloaded with one session)")
-    return {d.worker_id: PrefixIndex(CountingPool(), HASH_BLOCK_TOKENS) for d in decodes}
+    return {d.worker_id: PrefixIndex(CountingPool(), HASH_BLOCK_TOKENS, retain=True) for d in decodes}
 
 
 class Prefixing:
     """Prefix-sharing handlers of ``ampd.sim.loop._Run`` (which declares ``prefix``: worker id ->
     index or None, ``prefix_held``: session id -> [prompt blocks, shared tokens, fresh blocks],
-    ``prefix_saved``, ``prefix_blocks``, ``prefix_sessions``)."""
+    ``prefix_saved``, ``prefix_blocks``, ``prefix_sessions``, ``prefix_revived``, ``prefix_evicted``)."""
 
     __slots__ = ()
 
@@ -72,6 +73,8 @@ class Prefixing:
         hashes = w.s.rounds[0].hash_ids
         if not hashes:
             return bound
+        for d in self.decodes:
+            self.prefix_trim(d)
         matched = {wid: ix.match(hashes) for wid, ix in self.prefix.items()}
         if max(matched.values()) - matched[bound] < MOVE_MIN_BLOCKS:  # not worth leaving admission's choice
             return bound
@@ -92,7 +95,11 @@ class Prefixing:
         n = min(len(rnd.hash_ids), (int(rnd.input) - 1) // HASH_BLOCK_TOKENS)
         if n <= 0:
             return
-        g = self.prefix[st.dw.worker_id].acquire(st.session_id, rnd.hash_ids[:n])
+        ix = self.prefix_trim(st.dw)
+        g = ix.acquire(st.session_id, rnd.hash_ids[:n])
+        st.dw.kv_used += ix.revived * HASH_BLOCK_TOKENS  # cached blocks held again: charged to this session
+        self.prefix_revived += ix.revived
+        self.prefix_trim(st.dw)  # its fresh blocks take cached blocks' space first
         shared = g.shared * HASH_BLOCK_TOKENS
         self.prefix_held[st.session_id] = [n, shared, n - g.shared]
         if g.shared:
@@ -118,16 +125,26 @@ class Prefixing:
         h = self.prefix_held.pop(st.session_id, None)
         if h is None:
             return
-        ix = self.prefix[st.dw.worker_id]
-        pool = ix.pool
-        pool.last_freed = 0
-        ix.release(st.session_id)
-        freed = pool.last_freed
+        dropped = self.prefix[st.dw.worker_id].release(st.session_id)  # nobody holds them now (cached)
         bt = HASH_BLOCK_TOKENS
-        st.dw.kv_used += (h[0] - freed) * bt if charged else -(freed - h[2]) * bt
+        st.dw.kv_used += (h[0] - dropped) * bt if charged else -(dropped - h[2]) * bt
+
+    def prefix_trim(self, d) -> PrefixIndex:
+        """Cached blocks (released, still indexed) live in the worker's free KV: those past what is
+        free now (less what waiting rounds need) are evicted, least recently released first."""
+        ix = self.prefix[d.worker_id]
+        if ix.cached_blocks:
+            free = max(d.kv_cap - d.kv_used - d.wait_need, 0)
+            over = ix.cached_blocks * HASH_BLOCK_TOKENS - free
+            if over > 0:
+                self.prefix_evicted += ix.evict(-(-over // HASH_BLOCK_TOKENS))
+        return ix
 
     def prefix_stats(self, stats: dict) -> None:
         stats["prefix_shared_tokens"] = self.prefix_saved  # prefill tokens saved
         stats["prefix_shared_blocks"] = self.prefix_blocks
         stats["prefix_sharing_sessions"] = self.prefix_sessions
         stats["prefix_blocks_held_end"] = sum(ix.blocks_held for ix in self.prefix.values())
+        stats["prefix_blocks_revived"] = self.prefix_revived  # shared again from the cache
+        stats["prefix_blocks_evicted"] = self.prefix_evicted  # cache blocks whose space was needed
+        stats["prefix_blocks_cached_end"] = sum(ix.cached_blocks for ix in self.prefix.values())

@@ -74,3 +74,27 @@ def test_sessions_without_hash_ids_are_unchanged():
 def test_refuses_what_it_does_not_model():
     with pytest.raises(ValueError, match="prefix_sharing"):
         _run(_trace(n=2), True, kv_evict=True)
+
+
+def test_released_blocks_stay_cached_and_are_shared_again():
+    # a ends long before b arrives: b shares a's prefix from the cache (revived, charged again)
+    a = Session("a", 0.0, (Round(4 * BT + 10, 5, None, None, (1, 2, 3, 4)),))
+    b = Session("b", 20.0, (Round(4 * BT + 10, 5, None, None, (1, 2, 3, 9)),))
+    r = _run([a, b], True, decode="tp1*1")
+    st = r.stats
+    assert st["prefix_shared_blocks"] == 3 and st["prefix_blocks_revived"] == 3
+    assert st["kv_used_end"] == [0] and st["prefix_blocks_held_end"] == 0
+    assert st["prefix_blocks_cached_end"] == 5  # a's 4 blocks and b's own; in free KV, charged to nobody
+    assert r.sessions[1].rounds[0].ttft < r.sessions[0].rounds[0].ttft
+
+
+def test_cache_gives_way_to_sessions_that_need_the_kv():
+    # a small pool: the cache is cut to what is free, so nothing waits or overcommits for it
+    prof = _profile(cap=6 * BT)
+    ss = [Session(f"s{i}", i * 10.0, (Round(4 * BT + 10, 5, None, None, tuple(range(10 * i, 10 * i + 4))),))
+          for i in range(4)]
+    r = simulate(ss, prof, policy="colocated", decode="tp1*1", ttft_slo_s=5.0, itl_slo_s=1.0, prefix_sharing=True)
+    st = r.stats
+    assert all(s.completed for s in r.sessions)
+    assert st["prefix_blocks_evicted"] > 0 and st["kv_overcommits"] == 0
+    assert st["kv_used_end"] == [0] and st["prefix_blocks_cached_end"] * BT <= 6 * BT
