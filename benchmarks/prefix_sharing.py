@@ -4,9 +4,10 @@ The trace (FAST25-release/traces/conversation_trace.jsonl of kvcache-ai/Mooncake
 ``--mooncake``, or set AMPD_MOONCAKE_CONVERSATION) is imported with ``ampd trace import-mooncake``'s
 importer (rows without a session id: one single-round session each, with the row's ``hash_ids``).
 A window of WINDOW_S seconds is replayed at two rates (arrivals compressed or stretched), sharing
-off against on, on one deployment. Sharing in the simulator keeps a block only while a live session
-on the same decode worker holds it (no cache retention past the last holder), so a conversation's
-next turn shares its previous turn's blocks only when that turn is still running.
+off against on, on one deployment. In the simulator (ampd/sim/prefixing.py) a decode worker shares
+the blocks its live sessions hold and, once released, keeps them indexed in its free KV until the
+space is needed (least recently released first), so a conversation's next turn finds its previous
+turn's blocks on the worker that served it, and binding goes there when that saves >= 4 blocks.
 
 Writes benchmarks/results/prefix_sharing.json: per rate and variant, SLO attainment, goodput,
 TTFT P50/P90, prefill tokens saved and blocks shared.
@@ -78,7 +79,8 @@ def main() -> None:
         "trace": "Mooncake FAST25-release/traces/conversation_trace.jsonl (ampd.workload.mooncake.import_mooncake)",
         "window_s": args.window, "profile": PROFILE, "policy": "ampd", "prefill": PREFILL, "decode": DECODE,
         "slo": {"ttft_s": TTFT_SLO, "itl_s": ITL_SLO}, "block_tokens": 512,
-        "note": "simulator; a block is shared only while a live session on the same decode worker holds it",
+        "note": "simulator (ampd/sim/prefixing.py): blocks held by live sessions, or released and still cached "
+                "in the worker's free KV, are shared; TTFT percentiles over first rounds",
         "runs": runs})
 
 
