@@ -156,6 +156,12 @@ class PolicyConfig:
     kv_prefetch_early: bool = setting(False, "host KV tier: start bringing offloaded KV back at the tool's expected "
                                              "end (less the transfer), into blocks no waiting round needs, instead "
                                              "of when the result arrives")
+    # Off by default until measured to help (benchmarks/prefix_sharing.py); the simulator models it
+    # (rounds with ``hash_ids``). The live decode worker and the front do not read it yet.
+    prefix_sharing: bool = setting(False, "sessions whose first prompt starts with prefix blocks a live session on "
+                                          "the same decode worker committed share those blocks' KV (refcounted) and "
+                                          "prefill only the rest; binding prefers the worker with the longest prefix "
+                                          "when that does not cost the ITL SLO")
     seed: int = setting(0, "seed of the router's random visiting order", metavar="K")
     alpha: float = setting(ALPHA, "Algorithm 1 TTFT slack factor (alpha * TTFT SLO)", positive=True)
     beta: float = setting(BETA, "Algorithm 1 ITL slack factor (beta * ITL SLO)", positive=True)

@@ -5,7 +5,7 @@ import importlib
 import sys
 
 BENCHMARKS = ["benchmarks.live_overhead", "benchmarks.sched", "benchmarks.sim_speed", "benchmarks.tracing_overhead",
-              "benchmarks.kv_tier"]
+              "benchmarks.kv_tier", "benchmarks.prefix_sharing"]
 
 
 def main(argv: list[str]) -> int:

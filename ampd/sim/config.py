@@ -112,6 +112,7 @@ class SimConfig:
     kv_host_mb: float = inherit("kv_host_mb")
     kv_offload_pressure: float = inherit("kv_offload_pressure")
     kv_prefetch_early: bool = inherit("kv_prefetch_early")
+    prefix_sharing: bool = inherit("prefix_sharing")
     admission: str = inherit("admission")
     admission_wait: float = inherit("admission_wait")
     admission_queue: int = inherit("admission_queue")

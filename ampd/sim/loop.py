@@ -33,6 +33,7 @@ from .config import PathLatency, SimConfig
 from .events import (ADMIT_CHECK, COMPUTE_DONE, COMPUTE_START, DISPATCH, HANDOFF, PIN_EXPIRED, PREFILL_DONE,
                      REMOTE_DONE, ROUND_READY, STEP_DONE, TIER_PREFETCH, TIER_READY)
 from .gcpause import gc_paused
+from .prefixing import Prefixing, prefix_indexes
 from .remote import RemotePrefilling
 from .result import SimResult, SimRound, SimSession
 from .tiering import Tiering
@@ -106,14 +107,15 @@ class Simulator:
             return _Run(self).go(sessions)
 
 
-class _Run(Admitting, RemotePrefilling, Tiering):
+class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
     """One simulation run: the event heap, the sessions in flight and the handlers."""
 
     __slots__ = ("sim", "heap", "seq", "live", "outcomes", "reasons", "n_local", "n_remote", "n_failed",
                  "book", "block_tokens", "refused", "n_waited",
                  "decodes", "prefills", "by_id", "router", "pviews_static", "pviews", "route_fn", "pin_ttl", "kv_evict", "open_s", "dispatch_s",
                  "handoff_s", "tool_rpc_s", "busy_extra", "contention", "dispatch", "tier", "dispatch0", "tier_to",
-                 "tier_from")
+                 "tier_from", "prefix", "prefix_held", "prefix_saved", "prefix_blocks", "prefix_sessions",
+                 "prefix_revived", "prefix_evicted")
 
     def __init__(self, sim: Simulator):
         cfg = sim.cfg
@@ -147,6 +149,9 @@ class _Run(Admitting, RemotePrefilling, Tiering):
         self.tier_to = self.tier_from = 0  # tokens moved to and from the host tier
         if self.tier:
             self.dispatch = self.tier_dispatch
+        self.prefix = prefix_indexes(cfg, self.decodes, self.pin_ttl)  # None: prefix sharing off
+        self.prefix_held: dict = {}
+        self.prefix_saved = self.prefix_blocks = self.prefix_sessions = self.prefix_revived = self.prefix_evicted = 0
 
     def push(self, t: float, code: int, obj) -> None:
         self.seq += 1
@@ -220,8 +225,12 @@ class _Run(Admitting, RemotePrefilling, Tiering):
         st.ready = now if ready < 0.0 else ready
         st.l_incr = int(rnd.input)
         st.out = int(rnd.output)
+        if self.prefix is not None and not st.round:
+            self.prefix_first(st)
         d = st.dw
         code = d.round_ready(st, now)
+        if self.prefix is not None:  # the round's KV takes cached blocks' space first
+            self.prefix_trim(d)
         if code == ADMITTED:
             self.dispatch(st, now)
         elif code == FAILED:
@@ -230,6 +239,8 @@ class _Run(Admitting, RemotePrefilling, Tiering):
             rec.error = st.error
             rec.end = now
             del self.live[st.session_id]
+            if self.prefix is not None:
+                self.prefix_release(st, st.round > 0)
             self.release(st, now)
         else:
             self.drain(d, now)
@@ -269,11 +280,15 @@ class _Run(Admitting, RemotePrefilling, Tiering):
             st.rec.completed = True
             st.rec.end = now
             del self.live[st.session_id]
+            if self.prefix is not None:
+                self.prefix_release(st, True)
             self.drain(d, now)
             self.release(st, now)
 
     def first_token(self, st: Sess, now: float) -> None:
         d = st.dw
+        if self.prefix is not None and not st.round:  # its prefill wrote the prompt's KV
+            self.prefix_commit(st)
         if not d.first_token(st, now):
             self.round_end(st, now, now)
         elif d.state == IDLE:
@@ -411,6 +426,8 @@ class _Run(Admitting, RemotePrefilling, Tiering):
             stats["kv_failed_sessions"] = self.n_failed
         if self.tier:
             self.tier_stats(stats)
+        if self.prefix is not None:
+            self.prefix_stats(stats)
         if sim.cfg.kv_evict:
             stats["kv_recomputed_tokens"] = sum(d.kv_recomputed_tokens for d in decodes)
         return SimResult(sim.cfg.policy, self.outcomes, [d.log for d in decodes], now, stats,
@@ -427,7 +444,8 @@ def simulate(sessions, profile, *, policy: str, prefill="none", decode=SimConfig
              admission_wait: float = SimConfig.admission_wait, admission_queue: int = SimConfig.admission_queue,
              block_tokens: int = SimConfig.block_tokens, kv_host_mb: float = SimConfig.kv_host_mb,
              kv_offload_pressure: float = SimConfig.kv_offload_pressure,
-             kv_prefetch_early: bool = SimConfig.kv_prefetch_early, **router_options) -> SimResult:
+             kv_prefetch_early: bool = SimConfig.kv_prefetch_early,
+             prefix_sharing: bool = SimConfig.prefix_sharing, **router_options) -> SimResult:
     """Run ``sessions`` (``ampd.workload.Session``s) on a deployment; see ``SimConfig``."""
     cfg = SimConfig(profile=profile, policy=policy, prefill=prefill, decode=decode,
                     ttft_slo_s=ttft_slo_s, itl_slo_s=itl_slo_s, seed=seed, window_s=window_s,
@@ -435,5 +453,6 @@ def simulate(sessions, profile, *, policy: str, prefill="none", decode=SimConfig
                     chunked_prefill=chunked_prefill, kv_admission=kv_admission, kv_evict=kv_evict,
                     kv_overlap=kv_overlap, admission=admission, admission_wait=admission_wait,
                     admission_queue=admission_queue, block_tokens=block_tokens, kv_host_mb=kv_host_mb,
-                    kv_offload_pressure=kv_offload_pressure, kv_prefetch_early=kv_prefetch_early, router_options=router_options, path=path or PathLatency())
+                    kv_offload_pressure=kv_offload_pressure, kv_prefetch_early=kv_prefetch_early,
+                    prefix_sharing=prefix_sharing, router_options=router_options, path=path or PathLatency())
     return Simulator(cfg).run(list(sessions))

@@ -143,3 +143,16 @@ def test_bind_prefers_the_longest_prefix():
     assert bind_prefix(ws, {"d1": 3}, 16, itl_slo_s=0.1) == ("d0", 0)
     assert bind_prefix(ws, {"d1": 3}, 16, itl_slo_s=0.5) == ("d1", 3)
     assert bind_prefix(ws, {"d1": 3}, 16, promised={"d0": 2000}, need=900) == (None, 0)
+
+
+def test_retain_keeps_released_blocks_indexed_until_evicted():
+    pool = KVPool(16, BT, 2)
+    idx = PrefixIndex(pool, BT, retain=True)
+    free0 = pool.free_blocks
+    idx.acquire("a", [1, 2, 3])
+    idx.commit("a")
+    assert idx.release("a") == 3 and idx.cached_blocks == 3 and pool.free_blocks == free0 - 3
+    g = idx.acquire("b", [1, 2, 7])
+    assert g.shared == 2 and idx.revived == 2 and idx.cached_blocks == 1
+    assert idx.release("b") == 3 and idx.cached_blocks == 3  # 1, 2 indexed again; 7 never committed
+    assert idx.evict(10) == 3 and idx.empty and pool.free_blocks == free0

@@ -1,0 +1,150 @@
+"""Prefix sharing in the simulator (``--prefix-sharing``): a session's first round whose prompt
+blocks (the trace's ``hash_ids``) a live session on its decode worker committed shares their KV,
+prefills only the rest and holds only its own blocks.
+
+Each decode worker has an ``ampd.policy.prefixindex.PrefixIndex`` over a counting pool (hash blocks of
+``HASH_BLOCK_TOKENS`` tokens). The decode core is not changed: a sharing session starts its first
+round with ``l_hist`` = the shared tokens (charged to nobody new) and ``l_incr`` = the rest, so the
+core prefills and charges only the rest. When a session ends the core subtracts its whole history;
+the index says which prompt blocks nobody holds any more (a shared block goes when its last holder
+does), and ``kv_used`` is corrected by the difference. Such blocks stay indexed in the worker's free
+KV (as a prefix cache keeps freed blocks until their space is taken): sharing one again charges it
+again; the cache is cut to the KV free (less what waiting rounds need), least recently released
+first, before each match and whenever a round or a new session takes KV (an approximation: decode
+tokens grow into it between rounds). Binding (``bind_prefix``) prefers the
+worker with the longest prefix when it fits and meets the ITL SLO. Rounds without ``hash_ids``
+behave as without sharing.
+"""
+from __future__ import annotations
+
+from ampd.policy.prefixindex import PrefixIndex
+from ampd.policy.prefixbind import bind_prefix
+from ampd.workload.mooncake import HASH_BLOCK_TOKENS
+
+__all__ = ["Prefixing", "CountingPool", "prefix_indexes", "MOVE_MIN_BLOCKS"]
+
+# Binding leaves admission's worker for a longer prefix only when it saves this many more blocks
+# there: a short common prefix (a system prompt) is not worth unbalancing the workers for
+# (benchmarks/prefix_sharing.py measured the pull of every session onto one worker).
+MOVE_MIN_BLOCKS = 4
+
+
+class CountingPool:
+    """Block ids for one worker's index; the KV itself is counted by the decode core."""
+
+    __slots__ = ("next_id", "held")
+
+    def __init__(self) -> None:
+        self.next_id = 0
+        self.held = 0
+
+    def alloc(self, n_blocks: int) -> list[int]:
+        out = list(range(self.next_id, self.next_id + n_blocks))
+        self.next_id += n_blocks
+        self.held += n_blocks
+        return out
+
+    def free(self, blocks) -> None:
+        self.held -= len(blocks)
+
+
+def prefix_indexes(cfg, decodes, pin_ttl_s=None) -> dict | None:
+    """worker id -> PrefixIndex with sharing on, else None (checks what it cannot be combined with)."""
+    if not cfg.prefix_sharing:
+        return None
+    if cfg.kv_evict or cfg.kv_host_mb or pin_ttl_s is not None:
+        raise ValueError("prefix_sharing is not modelled with kv_evict, kv_host_mb or a KV-pinning policy "
+                         "(a shared block cannot be evicted or offloaded with one session)")
+    return {d.worker_id: PrefixIndex(CountingPool(), HASH_BLOCK_TOKENS, retain=True) for d in decodes}
+
+
+class Prefixing:
+    """Prefix-sharing handlers of ``ampd.sim.loop._Run`` (which declares ``prefix``: worker id ->
+    index or None, ``prefix_held``: session id -> [prompt blocks, shared tokens, fresh blocks],
+    ``prefix_saved``, ``prefix_blocks``, ``prefix_sessions``, ``prefix_revived``, ``prefix_evicted``)."""
+
+    __slots__ = ()
+
+    def prefix_bind(self, w, bound: str, decode) -> str:
+        """The worker for new session ``w`` that admission bound to ``bound``: the one holding the
+        longest prefix of its prompt when that fits and meets the ITL SLO (the promise moves); the
+        bound worker stays when it holds as long a prefix as any (a prefix every worker holds, such
+        as a system prompt, does not pull every session onto one worker)."""
+        hashes = w.s.rounds[0].hash_ids
+        if not hashes:
+            return bound
+        for d in self.decodes:
+            self.prefix_trim(d)
+        matched = {wid: ix.match(hashes) for wid, ix in self.prefix.items()}
+        if max(matched.values()) - matched[bound] < MOVE_MIN_BLOCKS:  # not worth leaving admission's choice
+            return bound
+        book = self.book
+        book.promised[bound] -= w.need
+        book.sessions[bound] -= 1
+        wid, _ = bind_prefix(decode, matched, HASH_BLOCK_TOKENS, book.promised, w.need, self.sim.slo.itl_s)
+        wid = wid or bound
+        book.promised[wid] += w.need
+        book.sessions[wid] += 1
+        return wid
+
+    def prefix_acquire(self, st) -> None:
+        """The session is bound: its prompt's full blocks (all but the last token's) are held."""
+        rnd = st.rounds[0]
+        if not rnd.hash_ids:
+            return
+        n = min(len(rnd.hash_ids), (int(rnd.input) - 1) // HASH_BLOCK_TOKENS)
+        if n <= 0:
+            return
+        ix = self.prefix_trim(st.dw)
+        g = ix.acquire(st.session_id, rnd.hash_ids[:n])
+        st.dw.kv_used += ix.revived * HASH_BLOCK_TOKENS  # cached blocks held again: charged to this session
+        self.prefix_revived += ix.revived
+        self.prefix_trim(st.dw)  # its fresh blocks take cached blocks' space first
+        shared = g.shared * HASH_BLOCK_TOKENS
+        self.prefix_held[st.session_id] = [n, shared, n - g.shared]
+        if g.shared:
+            self.prefix_saved += shared
+            self.prefix_blocks += g.shared
+            self.prefix_sessions += 1
+
+    def prefix_first(self, st) -> None:
+        """Round 0's input is set: the shared tokens are history already (not prefilled, not charged)."""
+        h = self.prefix_held.get(st.session_id)
+        if h is not None and h[1]:
+            st.l_hist = h[1]
+            st.l_incr -= h[1]
+
+    def prefix_commit(self, st) -> None:
+        """Round 0's prefill is done (its first token): its prompt blocks hold KV, others may share them."""
+        if st.session_id in self.prefix_held:
+            self.prefix[st.dw.worker_id].commit(st.session_id)
+
+    def prefix_release(self, st, charged: bool) -> None:
+        """The session ended (``charged``: the core subtracted its whole history, shared tokens
+        included; else it was never admitted there): its blocks go back as the index says."""
+        h = self.prefix_held.pop(st.session_id, None)
+        if h is None:
+            return
+        dropped = self.prefix[st.dw.worker_id].release(st.session_id)  # nobody holds them now (cached)
+        bt = HASH_BLOCK_TOKENS
+        st.dw.kv_used += (h[0] - dropped) * bt if charged else -(dropped - h[2]) * bt
+
+    def prefix_trim(self, d) -> PrefixIndex:
+        """Cached blocks (released, still indexed) live in the worker's free KV: those past what is
+        free now (less what waiting rounds need) are evicted, least recently released first."""
+        ix = self.prefix[d.worker_id]
+        if ix.cached_blocks:
+            free = max(d.kv_cap - d.kv_used - d.wait_need, 0)
+            over = ix.cached_blocks * HASH_BLOCK_TOKENS - free
+            if over > 0:
+                self.prefix_evicted += ix.evict(-(-over // HASH_BLOCK_TOKENS))
+        return ix
+
+    def prefix_stats(self, stats: dict) -> None:
+        stats["prefix_shared_tokens"] = self.prefix_saved  # prefill tokens saved
+        stats["prefix_shared_blocks"] = self.prefix_blocks
+        stats["prefix_sharing_sessions"] = self.prefix_sessions
+        stats["prefix_blocks_held_end"] = sum(ix.blocks_held for ix in self.prefix.values())
+        stats["prefix_blocks_revived"] = self.prefix_revived  # shared again from the cache
+        stats["prefix_blocks_evicted"] = self.prefix_evicted  # cache blocks whose space was needed
+        stats["prefix_blocks_cached_end"] = sum(ix.cached_blocks for ix in self.prefix.values())
