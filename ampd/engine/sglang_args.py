@@ -34,10 +34,15 @@ def require_sglang() -> Any:
     try:
         import sglang
     except ImportError as exc:
-        raise EngineUnavailable(
-            f"engine sglang needs SGLang {SGLANG_VERSION}, which is not installed here ({exc.msg}); "
-            f"install it: {INSTALL_HINT} (docs/engines.md)") from None
-    return sglang
+        missing = exc.msg
+    else:
+        if getattr(sglang, "__file__", None) is not None:
+            return sglang
+        # a directory named sglang on the path (a namespace package), not SGLang
+        missing = f"'sglang' is only the directory {list(sglang.__path__)[0]}"
+    raise EngineUnavailable(
+        f"engine sglang needs SGLang {SGLANG_VERSION}, which is not installed here ({missing}); "
+        f"install it: {INSTALL_HINT} (docs/engines.md)")
 
 
 @dataclass(frozen=True)

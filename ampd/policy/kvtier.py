@@ -257,7 +257,7 @@ def plan_evictions(idle: Sequence[IdleKV], need: int, host_free: int,
 def host_transfer_s(cost: CostModel, tokens: int, tp: int) -> float:
     """Seconds to move ``tokens`` tokens of KV between a ``tp`` worker's device pool and its host
     pool, either way. The profile has no host-link term yet; the KV transport moves host copies
-    over the same NIXL path as worker-to-worker copies, so its ``t_kv`` at (tp, tp) stands in."""
+    over the same NIXL path as worker-to-worker copies, so its ``t_kv`` at (tp, tp) is used."""
     return cost.t_kv(tokens, tp, tp) if tokens > 0 else 0.0
 
 

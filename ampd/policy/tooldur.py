@@ -30,7 +30,7 @@ class ToolDurationsConfig:
 
 class ToolDurations:
     """Windowed mean duration per tool name. When a tool's window is empty (no call in the last
-    ``window_s``) its last observed duration stands in: an old observation beats none."""
+    ``window_s``) its last observed duration is used: an old observation beats none."""
 
     __slots__ = ("cfg", "_tools")
 

@@ -1,6 +1,6 @@
 """The live decode worker's host KV tier settings (services/decode/tier.py): off by default and
 inert; on, a host pool too small for one session's KV is refused with the sizes named, and a big
-enough one is refused because the live tier's moves are not wired (never a half-working tier)."""
+enough one is refused because the tier is simulated only (never a half-working tier)."""
 from __future__ import annotations
 
 import pytest
@@ -31,11 +31,11 @@ def test_a_host_pool_too_small_for_one_session_is_refused_with_its_sizes():
 
 
 def test_a_big_enough_host_pool_is_refused_because_the_moves_are_not_wired():
-    with pytest.raises(ConfigError, match="host KV tier is not wired"):
+    with pytest.raises(ConfigError, match="host KV tier is simulated only"):
         check_host_tier(8, 16, 1024, 4096)
 
 
-@pytest.mark.parametrize("mb, says", [("1", "set --kv-host-mb to at least"), ("64", "host KV tier is not wired")])
+@pytest.mark.parametrize("mb, says", [("1", "set --kv-host-mb to at least"), ("64", "host KV tier is simulated only")])
 def test_the_decode_process_refuses_the_tier_at_start_up_before_redis(mb, says):
     """The real start-up path (the mock engine's pool): the refusal comes before Redis is dialled."""
     import os

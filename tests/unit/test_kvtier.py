@@ -46,7 +46,7 @@ def test_tool_durations_windowed_mean_per_tool():
     assert td.expected_s("compile", 20.0) == 30.0
     # at 75 the sample at 10 left the window: only the 4.0 one counts
     assert td.expected_s("search", 75.0) == 4.0
-    # at 200 both left: the last observed duration stands in
+    # at 200 both left: the last observed duration is used
     assert td.expected_s("search", 200.0) == 4.0
 
 

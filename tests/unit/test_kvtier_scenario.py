@@ -2,7 +2,7 @@
 tool calls still admits new sessions, every idle session completes (from host, or by re-prefill, also
 after a failed prefetch), every byte brought back is the session's, and both pools end empty.
 
-The driver here stands in for the decode worker of wave 2: it copies bytes between the device pool
+The driver here plays the decode worker's part: it copies bytes between the device pool
 and a host pool's buffer with ``KVPool.read``/``write`` where the live worker uses the KV transport.
 """
 

@@ -4,6 +4,7 @@ here; the real one runs in `make test-sglang`, tests/sglang/live.py)."""
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import importlib.util
 import subprocess
 import sys
@@ -19,8 +20,17 @@ from ampd.engine.sglang_args import (SGLANG_VERSION, EngineUnavailable, SGLangOp
 from ampd.engine.sglang_engine import SGLangEngine
 
 ROOT = Path(__file__).resolve().parents[2]
-needs_no_sglang = pytest.mark.skipif(importlib.util.find_spec("sglang") is not None,
-                                     reason="sglang is installed here")
+def _sglang_installed() -> bool:
+    """SGLang's distribution, not a module spec: pytest puts tests/ on sys.path, where the directory
+    tests/sglang is found as a namespace package named sglang."""
+    try:
+        importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+needs_no_sglang = pytest.mark.skipif(_sglang_installed(), reason="sglang is installed here")
 
 
 def test_server_args_cpu_and_linker():
