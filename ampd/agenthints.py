@@ -1,21 +1,20 @@
 """Agent hints off the wire: a ``common_pb2.Turn``'s ``hints`` and the OpenAI front's ``ampd_hints``
 body field, as ``ampd.policy.hints.Hints`` (which says what each hint may change, and why a wrong one
-costs only its own session). The values are checked by ``ampd.validate.check_hints``, one rule for
-both doors.
+costs only its own session). The values are checked by ``ampd.policy.hints.check_hint_values``, one
+rule for every door.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-from ampd.policy.hints import Hints
+from ampd.policy.hints import Hints, hints_from_obj
 from ampd.v1 import common_pb2
-from ampd.validate import InvalidArgument, check_hints
+from ampd.validate import InvalidArgument
 
 __all__ = ["BODY_FIELD", "hints_from_turn", "hints_from_body", "hints_to_turn"]
 
 BODY_FIELD = "ampd_hints"  # the OpenAI front's extra body field
-_BODY_KEYS = ("priority", "expected_output_tokens", "expected_tool_s")
 
 
 def hints_from_turn(turn: common_pb2.Turn) -> Hints:
@@ -34,14 +33,10 @@ def hints_from_body(body: Mapping[str, Any]) -> Hints:
     obj = body.get(BODY_FIELD)
     if obj is None:
         return Hints()
-    if not isinstance(obj, Mapping):
-        raise InvalidArgument(f"{BODY_FIELD}: must be an object with {', '.join(_BODY_KEYS)}")
-    for key in obj:
-        if key not in _BODY_KEYS:
-            raise InvalidArgument(f"{BODY_FIELD}.{key}: unknown hint (known: {', '.join(_BODY_KEYS)})")
-    p, out, tool = (obj.get(k) for k in _BODY_KEYS)
-    check_hints(p, out, tool, BODY_FIELD)
-    return Hints(0 if p is None else p, out, None if tool is None else float(tool))
+    try:
+        return hints_from_obj(obj, BODY_FIELD)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
 
 
 def hints_to_turn(h: Hints, turn: common_pb2.Turn) -> None:

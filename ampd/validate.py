@@ -15,6 +15,7 @@ import math
 from collections.abc import Collection
 from dataclasses import dataclass
 
+from ampd.policy.hints import check_hint_values
 from ampd.v1 import common_pb2
 
 # Limits of the API. They bound what one request may make a server hold or do; the gRPC message
@@ -142,20 +143,11 @@ def validate_turn(t: common_pb2.Turn, path: str = "turn", script_tools: Collecti
 
 def check_hints(priority: int | None, expected_output_tokens: int | None, expected_tool_s: float | None,
                 path: str) -> None:
-    """A turn's hints (``TurnHints``, or the OpenAI front's ``ampd_hints``), each None when absent."""
-    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)
-                                 or not -MAX_PRIORITY <= priority <= MAX_PRIORITY):
-        raise InvalidArgument(f"{path}.priority: must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}], "
-                              f"got {priority!r}")
-    if expected_output_tokens is not None and (
-            isinstance(expected_output_tokens, bool) or not isinstance(expected_output_tokens, int)
-            or not 1 <= expected_output_tokens <= MAX_OUTPUT_TOKENS):
-        raise InvalidArgument(f"{path}.expected_output_tokens: must be an integer in [1, {MAX_OUTPUT_TOKENS}], "
-                              f"got {expected_output_tokens!r}")
-    if expected_tool_s is not None:
-        if isinstance(expected_tool_s, bool) or not isinstance(expected_tool_s, (int, float)):
-            raise InvalidArgument(f"{path}.expected_tool_s: must be a number, got {expected_tool_s!r}")
-        _finite(float(expected_tool_s), f"{path}.expected_tool_s", 0.0, MAX_TOOL_LATENCY_S)
+    """A turn's hints (``TurnHints``), each None when absent: ``ampd.policy.hints``'s one rule."""
+    try:
+        check_hint_values(priority, expected_output_tokens, expected_tool_s, path)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
 
 
 def validate_hints(h: common_pb2.TurnHints, path: str) -> None:

@@ -22,6 +22,7 @@ Pure: no I/O, no clock. ``ampd.agenthints`` reads hints off the wire.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .kvtier import KVTierConfig, effective_tool_s, rank_end
@@ -44,22 +45,29 @@ class Hints:
     expected_tool_s: float | None = None
 
 
+def check_hint_values(priority: object, expected_output_tokens: object, expected_tool_s: object, field: str) -> None:
+    """The one rule for hint values (the session API, the OpenAI body, a trace round), each None
+    when absent; raises ValueError naming the bad one by its path (``FIELD.priority: ...``)."""
+    for name, v, lo, hi in (("priority", priority, -_MAX_PRIORITY, _MAX_PRIORITY),
+                            ("expected_output_tokens", expected_output_tokens, 1, _MAX_OUTPUT)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi):
+            raise ValueError(f"{field}.{name}: must be an integer in [{lo}, {hi}], got {v!r}")
+    tool = expected_tool_s
+    if tool is not None and (isinstance(tool, bool) or not isinstance(tool, (int, float))
+                             or not math.isfinite(tool) or not 0 <= tool <= _MAX_TOOL_S):
+        raise ValueError(f"{field}.expected_tool_s: must be a finite number in [0, {_MAX_TOOL_S:g}], got {tool!r}")
+
+
 def hints_from_obj(obj: object, field: str) -> Hints:
-    """A decoded JSON hints object (a trace round's ``hints``) as Hints; raises ValueError naming
-    the bad key by its path (``FIELD.priority: ...``). The same ranges as the session API's."""
-    if not isinstance(obj, dict):
+    """A decoded JSON hints object (a trace round's ``hints``, the OpenAI body's ``ampd_hints``) as
+    Hints; raises ValueError naming the bad key by its path (``FIELD.priority: ...``)."""
+    if not isinstance(obj, Mapping):
         raise ValueError(f"{field}: must be an object with {', '.join(HINT_KEYS)}")
     for key in obj:
         if key not in HINT_KEYS:
             raise ValueError(f"{field}.{key}: unknown hint (known: {', '.join(HINT_KEYS)})")
     p, out, tool = (obj.get(k) for k in HINT_KEYS)
-    for name, v, lo, hi in (("priority", p, -_MAX_PRIORITY, _MAX_PRIORITY),
-                            ("expected_output_tokens", out, 1, _MAX_OUTPUT)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi):
-            raise ValueError(f"{field}.{name}: must be an integer in [{lo}, {hi}], got {v!r}")
-    if tool is not None and (isinstance(tool, bool) or not isinstance(tool, (int, float))
-                             or not math.isfinite(tool) or not 0 <= tool <= _MAX_TOOL_S):
-        raise ValueError(f"{field}.expected_tool_s: must be a finite number in [0, {_MAX_TOOL_S:g}], got {tool!r}")
+    check_hint_values(p, out, tool, field)
     return Hints(p or 0, out, None if tool is None else float(tool))
 
 
