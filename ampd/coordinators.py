@@ -1,7 +1,7 @@
 """A client's coordinators: one address, or several sharing one Redis ("HOST:PORT,HOST:PORT").
 
-``Coordinators`` answers the coordinator stub's two calls (``Session``, ``Metrics``) for the bench client and the
-front. With two or more addresses, new sessions go to them in turn, and a session whose coordinator
+``Coordinators`` answers the two calls of the generated gRPC client ``CoordinatorStub`` (``Session``,
+``Metrics``) for the bench client and the front. With two or more addresses, new sessions go to them in turn, and a session whose coordinator
 is lost (its stream fails UNAVAILABLE, as when that process is killed) goes on through the next one:
 the client sends ``ReattachSession`` (coordinator.proto) with the last event number it got, and the
 new coordinator takes the session over on the decode worker that holds its KV; the events the
@@ -68,7 +68,7 @@ class Coordinators:
                 raise r
         return replies[0]
 
-    async def Metrics(self, request, timeout: float | None = None):  # noqa: N802 (the stub's name)
+    async def Metrics(self, request, timeout: float | None = None):  # noqa: N802 (the gRPC method name)
         """The first coordinator that answers."""
         err: grpc.aio.AioRpcError | None = None
         for stub in self._order(self._next):
@@ -78,7 +78,7 @@ class Coordinators:
                 err = exc
         raise err
 
-    def Session(self, requests, timeout: float | None = None,  # noqa: N802 (the stub's name)
+    def Session(self, requests, timeout: float | None = None,  # noqa: N802 (the gRPC method name)
                 metadata=None) -> "FailoverSession":
         n, now = len(self.stubs), time.monotonic()
         start = self._next % n
@@ -103,8 +103,8 @@ class Coordinators:
 
 
 class FailoverSession:
-    """One session's stream, as the stub's call looks (iterate its events; ``cancel()``), going on
-    through the next coordinator when its own is lost (the module doc)."""
+    """One session's stream, as a generated gRPC client's call looks (iterate its events;
+    ``cancel()``), going on through the next coordinator when its own is lost (the module doc)."""
 
     def __init__(self, coords: Coordinators, requests, start: int, timeout: float | None,
                  metadata=None) -> None:
