@@ -35,6 +35,7 @@ from ampd.kv import (  # noqa: E402
 
 nixl = pytest.importorskip("nixl._api") if __name__ != "__main__" else None
 from ampd.kv.transport import KVTransferError, NixlTransport  # noqa: E402
+from tests.kv_helpers import scatter, until  # noqa: E402
 
 BPT = 48  # bytes per token on both sides (not a multiple of 8 on purpose)
 MSG = "@@"  # protocol lines start with this; anything else on stdout (UCX chatter) is ignored
@@ -48,25 +49,6 @@ def _segs_from_json(v):
     return [Segment.from_list(x) for x in v]
 
 
-def _scatter(pool: KVPool, rng: random.Random) -> None:
-    """Leave the pool's free list shuffled so that sessions get scattered, unordered blocks."""
-    blocks = pool.alloc(pool.free_blocks)
-    rng.shuffle(blocks)
-    pool.free(blocks)
-
-
-async def _until(pred, timeout_s: float = 20.0, what: str = "condition"):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while True:
-        r = pred()
-        if r:
-            return r
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.001)
-
-
 # ------------------------------------------------------------------------------------------------
 # peer process
 # ------------------------------------------------------------------------------------------------
@@ -77,7 +59,7 @@ def _emit(obj) -> None:
 
 async def _peer_main(name: str, num_blocks: int, block_tokens: int) -> None:
     pool = KVPool(num_blocks, block_tokens, BPT)
-    _scatter(pool, random.Random(7))
+    scatter(pool, random.Random(7))
     tr = NixlTransport(name, pool)
     _emit({"name": name, "md": base64.b64encode(tr.metadata()).decode(), "layout": tr.layout.to_dict()})
     sessions: dict[str, SessionKV] = {}
@@ -113,7 +95,7 @@ async def _peer_main(name: str, num_blocks: int, block_tokens: int) -> None:
                 await tr.send_notif(cmd["peer"], cmd["notif"].encode())
                 _emit({"ok": True})
             elif op == "notifs":
-                got = await _until(tr.poll_notifs, what="notification")
+                got = await until(tr.poll_notifs, what="notification")
                 _emit({"ok": True, "notifs": [[p, m.decode()] for p, m in got]})
             elif op == "quit":
                 _emit({"ok": True, "counters": tr.counters()})
@@ -175,7 +157,7 @@ async def test_two_processes_read_history_and_write_new_kv_with_notif():
     session = "sess-42"
     # A: the decode worker owning the session's KV, 16-token blocks, scattered
     pool_a = KVPool(num_blocks=64, block_tokens=16, bytes_per_token=BPT)
-    _scatter(pool_a, random.Random(1))
+    scatter(pool_a, random.Random(1))
     tr_a = NixlTransport("dec-a", pool_a)
     peer = await PeerProcess.start("pre-b", num_blocks=128, block_tokens=8)  # B: prefill worker
     try:
@@ -205,7 +187,7 @@ async def test_two_processes_read_history_and_write_new_kv_with_notif():
         r = await peer.call(op="push", peer="dec-a", session=session, start=103, tokens=29,
                             segments=_segs_to_json(new), notif=f"{session}:1:777")
         assert r["bytes"] == 29 * BPT
-        got = await _until(tr_a.poll_notifs, what="write notification")
+        got = await until(tr_a.poll_notifs, what="write notification")
         assert got == [("pre-b", f"{session}:1:777".encode())]
         assert verify_pattern(session, 103, pool_a.read(new), BPT) == 0
         s.commit(29)
@@ -220,7 +202,7 @@ async def test_two_processes_read_history_and_write_new_kv_with_notif():
 
         # Standalone notifications both ways.
         await peer.call(op="notif", peer="dec-a", notif="ping")
-        assert await _until(tr_a.poll_notifs, what="ping") == [("pre-b", b"ping")]
+        assert await until(tr_a.poll_notifs, what="ping") == [("pre-b", b"ping")]
         await tr_a.send_notif("pre-b", b"pong")
         r = await peer.call(op="notifs")
         assert r["notifs"] == [["dec-a", "pong"]]
@@ -244,8 +226,8 @@ def pair():
     """Two transports in this process: a (12-token blocks) and b (5-token blocks), peered both ways."""
     pa = KVPool(40, 12, BPT)
     pb = KVPool(500, 5, BPT)
-    _scatter(pa, random.Random(3))
-    _scatter(pb, random.Random(4))
+    scatter(pa, random.Random(3))
+    scatter(pb, random.Random(4))
     a = NixlTransport("inproc-a", pa)
     b = NixlTransport("inproc-b", pb)
     a.add_peer("inproc-b", b.metadata(), b.layout)
@@ -275,7 +257,7 @@ async def test_in_process_read_write_roundtrip(pair):
     b.pool.write(src, kv_pattern("x", 39, 21, BPT))
     n = await b.write("inproc-a", src, new_a, b"x:1")
     assert n == 21 * BPT and b.bytes_written == n
-    assert await _until(a.poll_notifs, what="notif") == [("inproc-b", b"x:1")]
+    assert await until(a.poll_notifs, what="notif") == [("inproc-b", b"x:1")]
     assert verify_pattern("x", 39, a.pool.read(new_a), BPT) == 0
     # a poll with nothing pending returns at once
     assert a.poll_notifs() == []
@@ -346,7 +328,7 @@ async def test_add_peer_idempotent_and_restarted_peer(pair):
         assert await b.read("inproc-a", segs, local) == 7 * BPT
         assert verify_pattern("r", 0, b.pool.read(local), BPT) == 0
         await b.write("inproc-a", local, [Segment(0, 0, 4), Segment(1, 0, 3)], b"again")
-        assert await _until(a2.poll_notifs, what="notif") == [("inproc-b", b"again")]
+        assert await until(a2.poll_notifs, what="notif") == [("inproc-b", b"again")]
         assert verify_pattern("r", 0, pa2.read([Segment(0, 0, 4), Segment(1, 0, 3)]), BPT) == 0
     finally:
         a2.close()
@@ -387,7 +369,7 @@ async def test_watch_notifs_callback(pair):
     try:
         await b.send_notif("inproc-a", b"one")
         await b.write("inproc-a", [Segment(0, 0, 2)], [Segment(0, 0, 2)], b"two")
-        await _until(lambda: len(got) == 2, what="callbacks")
+        await until(lambda: len(got) == 2, what="callbacks")
         assert sorted(got) == [("inproc-b", b"one"), ("inproc-b", b"two")]
     finally:
         task.cancel()
@@ -402,7 +384,7 @@ async def test_notif_listener_polls_only_while_pending(pair):
     try:
         listener.arm()
         await b.write("inproc-a", [Segment(0, 0, 2)], [Segment(0, 0, 2)], b"n")
-        await _until(lambda: got, what="callback")
+        await until(lambda: got, what="callback")
         assert got == [("inproc-b", b"n")]
         await asyncio.sleep(0.05)  # nothing pending: the listener goes quiet
         polls = listener.polls
@@ -414,7 +396,7 @@ async def test_notif_listener_polls_only_while_pending(pair):
         assert len(got) == 1
         expected.add("late")
         listener.arm()
-        await _until(lambda: len(got) == 2, what="late callback")
+        await until(lambda: len(got) == 2, what="late callback")
         assert got[1] == ("inproc-b", b"late")
     finally:
         await listener.stop()

@@ -13,27 +13,9 @@ import pytest
 from ampd.kv import KVPool, PoolLayout, Segment, SessionKV, kv_pattern, segments_tokens, verify_pattern
 from ampd.kv.loopback import LoopbackHub, LoopbackTransport
 from ampd.kv.protocol import KVTransferError, KVTransport
+from tests.kv_helpers import scatter, until
 
 BPT = 48  # bytes per token on both sides (not a multiple of 8 on purpose)
-
-
-def _scatter(pool: KVPool, rng: random.Random) -> None:
-    """Leave the pool's free list shuffled so that sessions get scattered, unordered blocks."""
-    blocks = pool.alloc(pool.free_blocks)
-    rng.shuffle(blocks)
-    pool.free(blocks)
-
-
-async def _until(pred, timeout_s: float = 5.0, what: str = "condition"):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while True:
-        r = pred()
-        if r:
-            return r
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.001)
 
 
 @pytest.fixture
@@ -45,8 +27,8 @@ def hub():
 def pair(hub):
     """Two transports: a (12-token blocks) and b (5-token blocks), peered both ways."""
     pa, pb = KVPool(40, 12, BPT), KVPool(500, 5, BPT)
-    _scatter(pa, random.Random(3))
-    _scatter(pb, random.Random(4))
+    scatter(pa, random.Random(3))
+    scatter(pb, random.Random(4))
     a, b = LoopbackTransport("a", pa, hub=hub), LoopbackTransport("b", pb, hub=hub)
     a.add_peer("b", b.metadata(), b.layout)
     b.add_peer("a", a.metadata(), a.layout)
@@ -198,7 +180,7 @@ async def test_watch_notifs_callback(pair):
     try:
         await b.send_notif("a", b"one")
         await b.write("a", [Segment(0, 0, 2)], [Segment(0, 0, 2)], b"two")
-        await _until(lambda: len(got) == 2, what="callbacks")
+        await until(lambda: len(got) == 2, what="callbacks")
         assert sorted(got) == [("b", b"one"), ("b", b"two")]
     finally:
         task.cancel()
@@ -213,7 +195,7 @@ async def test_notif_listener_polls_only_while_pending(pair):
     try:
         listener.arm()
         await b.write("a", [Segment(0, 0, 2)], [Segment(0, 0, 2)], b"n")
-        await _until(lambda: got, what="callback")
+        await until(lambda: got, what="callback")
         assert got == [("b", b"n")]
         await asyncio.sleep(0.05)  # nothing pending: the listener goes quiet
         polls = listener.polls
@@ -225,7 +207,7 @@ async def test_notif_listener_polls_only_while_pending(pair):
         assert len(got) == 1
         expected.add("late")
         listener.arm()
-        await _until(lambda: len(got) == 2, what="late callback")
+        await until(lambda: len(got) == 2, what="late callback")
         assert got[1] == ("b", b"late")
     finally:
         await listener.stop()
@@ -244,7 +226,7 @@ async def test_a_failing_callback_does_not_stop_the_listener(pair):
         listener.arm()
         await b.send_notif("a", b"bad")
         await b.send_notif("a", b"good")
-        await _until(lambda: len(got) == 2, what="both callbacks")
+        await until(lambda: len(got) == 2, what="both callbacks")
         assert got == [b"bad", b"good"]
     finally:
         await listener.stop()

@@ -23,6 +23,7 @@ from ampd.engine.torch_engine import TorchEngine
 from ampd.engine.torch_models import load_model, save_tiny_llama
 from ampd.kv import KVPool, KVTransport, SessionKV, segments_tokens
 from ampd.kv.loopback import LoopbackHub, LoopbackTransport
+from tests.kv_helpers import scatter
 
 VOCAB = 512
 
@@ -30,13 +31,6 @@ VOCAB = 512
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), vocab_size=VOCAB, layers=3)
-
-
-def _scattered(pool: KVPool, seed: int) -> KVPool:
-    blocks = pool.alloc(pool.free_blocks)
-    random.Random(seed).shuffle(blocks)
-    pool.free(blocks)
-    return pool
 
 
 def _decode(engine: TorchEngine, pool: KVPool, kv: SessionKV, last: int, n: int) -> list[int]:
@@ -56,8 +50,8 @@ async def rounds_through(tiny_llama, transport: Callable[[str, KVPool], KVTransp
     # two engines as two workers would have them: each its own model object and its own pool
     eng_a = TorchEngine(load_model(tiny_llama))
     eng_b = TorchEngine(load_model(tiny_llama))
-    pool_a = _scattered(eng_a.make_pool(512, 16), 1)
-    pool_b = _scattered(eng_b.make_pool(512, 8), 2)
+    pool_a = scatter(eng_a.make_pool(512, 16), random.Random(1))
+    pool_b = scatter(eng_b.make_pool(512, 8), random.Random(2))
     tr_a, tr_b = transport("torch-dec-a", pool_a), transport("torch-pre-b", pool_b)
     tr_a.add_peer("torch-pre-b", tr_b.metadata(), tr_b.layout)
     tr_b.add_peer("torch-dec-a", tr_a.metadata(), tr_a.layout)
