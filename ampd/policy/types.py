@@ -70,7 +70,9 @@ class WorkerView:
 
     ``window_mean_s`` is the windowed mean TTFT (prefill workers) or ITL (decode workers); ``None``
     means the window holds no samples, which every policy treats as full slack (an idle worker is
-    not congested). ``queue_predicted_s`` is the sum of predicted prefill times of the tasks queued
+    not congested). ``kv_host_tokens``: a decode worker's host KV tier capacity (0: no tier), KV that
+    sessions idle in tool calls can be moved to, which admission may promise beyond the device pool
+    (``ampd.policy.admit``). ``queue_predicted_s`` is the sum of predicted prefill times of the tasks queued
     on that worker at its own ``tp`` (``PrefillQueue.predicted_total()``) plus the remaining time of
     the task in service, published by the worker (``ampd.worker`` cores); with the KV overlap on, a
     prefill worker's queued tasks also count the KV transfers they still pay that the overlap does
@@ -84,6 +86,7 @@ class WorkerView:
     queue: tuple[PrefillTask, ...] = ()
     kv_free_tokens: int = 0
     queue_predicted_s: float = 0.0
+    kv_host_tokens: int = 0
 
 
 @dataclass(slots=True)

@@ -78,6 +78,11 @@ class HostTier:
         self.decisions[k] = self.decisions.get(k, 0) + 1
 
     @property
+    def host_tokens(self) -> int:
+        """The host pool's capacity in tokens (what admission may promise beyond the device)."""
+        return self.host.num_blocks * self.host.block_tokens
+
+    @property
     def host_free_tokens(self) -> int:
         return self.host.free_blocks * self.host.block_tokens
 

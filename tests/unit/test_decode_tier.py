@@ -130,6 +130,23 @@ def test_simulator_fills_the_pool_with_idle_sessions_and_every_one_completes():
     assert on.stats["kv_recomputed_tokens"] > 0
 
 
+def test_kv_admission_counts_the_host_pool_and_never_overcommits_the_device():
+    """Item 2 of the kv admission: with the tier, the default admission (kv, whole sessions promised)
+    promises device + host; sessions idle in long tools go to the host, so sessions that today wait
+    past the admission wait and are refused (kv-full) are admitted, the device pool is never
+    overcommitted, and every admitted session completes."""
+    prof = _sim_profile(cap=5000)
+    sess = [Session(f"s-{i}", 0.5 * i, (Round(1100, 2, 60.0, "search"), Round(100, 2))) for i in range(7)]
+    kw = dict(policy="colocated", decode="tp1*1", ttft_slo_s=5, itl_slo_s=1, block_tokens=BT, admission_wait=5.0)
+    off = simulate(sess, prof, **kw)
+    assert off.stats["admission_refused"].get("kv-full", 0) >= 3  # 4 sessions' promises fill 5000 tokens
+    on = simulate(sess, prof, kv_host_mb=4, **kw)  # 4 MiB: 262 blocks, 4192 tokens: 3 sessions more
+    assert on.stats["admission_refused"] == {}
+    assert all(s.completed for s in on.sessions) and on.stats["unfinished_sessions"] == 0
+    assert on.stats["kv_overcommits"] == 0 and on.stats["kv_used_end"] == [0]
+    assert on.stats["kv_tier"]["host_used_end"] == [0] and on.stats["kv_tier"]["tokens_to_host"] > 0
+
+
 def test_simulator_tier_off_by_default_and_a_host_pool_too_small_is_refused():
     prof = _sim_profile(cap=5000)
     s = [Session("a", 0.0, (Round(1000, 2, 1.0), Round(100, 2)))]
