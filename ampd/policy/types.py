@@ -25,10 +25,18 @@ __all__ = [
     "RouteDecision",
     "PREFILL",
     "DECODE",
+    "KV_RESIDENT",
+    "KV_HOST",
+    "KV_GONE",
 ]
 
 PREFILL = "prefill"
 DECODE = "decode"
+# Where a session's KV is (``PrefillTask.kv_state``): ``ampd.policy.kvtier.KVState``'s values, as strings
+# here so that a task stays a plain value (a unit test holds them equal).
+KV_RESIDENT = "resident"
+KV_HOST = "host"
+KV_GONE = "gone"
 
 
 @runtime_checkable
@@ -53,6 +61,13 @@ class PrefillTask:
     it. ``enqueued_at`` is the time Algorithm 2 measures waiting from (the paper's ``T_enq``); callers
     that want the queue to optimise true TTFT pass the time the round's input became ready.
     ``decode_tp`` is what a prefill worker needs to time the KV transfers (0 when unknown).
+
+    ``kv_state``: where the session's history KV is when the round is routed (the host KV tier,
+    ``ampd.policy.kvtier.KVState``'s values): ``resident`` on the decode worker's device, on ``host``
+    (it is being fetched back), or ``gone`` (dropped: ``l_hist`` is 0 and ``l_incr`` counts the
+    history again). ``kv_fetch_s``: seconds until the decode worker's device holds the history and
+    the room for the new KV (the host fetch, or what is left of a prefetch in flight, and the moves
+    queued before it); 0 without a tier. Routing's Eq. (1) and Eq. (2) count them (``ampd.policy.cost``).
     """
 
     session_id: str
@@ -62,6 +77,8 @@ class PrefillTask:
     enqueued_at: float = 0.0
     decode_worker: str = ""
     decode_tp: int = 0
+    kv_state: str = "resident"
+    kv_fetch_s: float = 0.0
 
 
 @dataclass(slots=True)

@@ -99,7 +99,8 @@ class Sess(DecodeSession):
     """A session on its decode worker, plus its script (rounds), where its record goes and the KV
     admission promised it."""
 
-    __slots__ = ("rounds", "rec", "dw", "ready", "local", "pw", "pwork", "write_s", "target", "need")
+    __slots__ = ("rounds", "rec", "dw", "ready", "local", "pw", "pwork", "write_s", "target", "need", "kv_back",
+                 "kv_ready")
 
     def __init__(self, sid: str, rounds, rec: SimSession, dw: Decode, need: int):
         super().__init__(sid)
@@ -113,6 +114,9 @@ class Sess(DecodeSession):
         self.pwork: PrefillWork | None = None  # ... and what it runs
         self.write_s = 0.0
         self.target = ""
+        self.kv_back = 0.0  # host tier: when the last fetch of its KV from the host ends
+        self.kv_ready = 0.0  # host tier: when its worker's device holds its history (a remote prefill's
+        # first token waits for it)
 
 
 class SlowerSteps:

@@ -147,6 +147,24 @@ def test_kv_admission_counts_the_host_pool_and_never_overcommits_the_device():
     assert on.stats["kv_tier"]["host_used_end"] == [0] and on.stats["kv_tier"]["tokens_to_host"] > 0
 
 
+def test_simulator_routes_with_the_kv_location_and_a_remote_first_token_waits_for_the_fetch():
+    """Rounds whose KV is on host are routed with it (``+kv-host`` reasons, ``PrefillTask.kv_state``):
+    remote, the prefill worker reads the host copy while the fetch runs; every session completes."""
+    prof = _sim_profile(cap=5000)
+    sess = [Session(f"s-{i}", 0.5 * i, (Round(1100, 2, 60.0, "search"), Round(100, 2))) for i in range(7)]
+    kw = dict(policy="ampd", prefill="tp1*1", decode="tp1*1", ttft_slo_s=5, itl_slo_s=1, block_tokens=BT)
+    off = simulate(sess, prof, **kw)
+    assert not any("+kv-" in r for r in off.stats["route_reasons"])  # tier off: the reasons as before
+    on = simulate(sess, prof, kv_host_mb=4, **kw)
+    assert all(s.completed for s in on.sessions) and on.stats["kv_overcommits"] == 0
+    reasons = on.stats["route_reasons"]
+    assert reasons.get("prefill-slack+kv-host", 0) == on.stats["kv_tier"]["decisions"]["offload:unknown-tool"] >= 1
+    # the remote prefill reads the history (t_kv, as long as the fetch) while the fetch runs: no
+    # fetched round takes longer than a resident one would (read + compute + write back)
+    worst = prof.t_kv(1102, 1, 1) + prof.t_pre(1, 1102, 100) + prof.t_kv(100, 1, 1)
+    assert max(s.rounds[1].first_token - s.rounds[1].input_ready for s in on.sessions) == pytest.approx(worst)
+
+
 def test_simulator_tier_off_by_default_and_a_host_pool_too_small_is_refused():
     prof = _sim_profile(cap=5000)
     s = [Session("a", 0.0, (Round(1000, 2, 1.0), Round(100, 2)))]
