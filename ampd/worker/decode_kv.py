@@ -103,8 +103,10 @@ class KvAdmission:
                 if len(w) < self.admitted:
                     return None
                 # every running session on this worker waits for KV: nobody will free any, so the
-                # head goes ahead over capacity rather than deadlock
-                self.kv_overcommits += 1
+                # head goes ahead over capacity rather than deadlock (with the host tier, the other
+                # waiting sessions' KV makes room first: tier_unblock)
+                if self.tier is None or not self._tier_unblock(need):
+                    self.kv_overcommits += 1
             w.popleft()
             self.wait_need -= need
             self.kv_used += need

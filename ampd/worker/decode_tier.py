@@ -146,6 +146,34 @@ class TierMixin:
         v.evicted = True
         return False
 
+    def _tier_unblock(self, need: int) -> bool:
+        """Every running session waits for KV and the head's ``need`` does not fit: the other waiting
+        sessions' resident KV leaves the device, the last in the queue first, to the host while it
+        has room (``waiting-offload``; fetched back when its round is admitted), else dropped
+        (``waiting-drop``; its round prefills the history again). None of them is in a round, so
+        none loses work. True once ``need`` fits: a session whose KV admission promised fits the
+        device alone, so with the tier the device pool is never overcommitted for it."""
+        t = self.tier
+        for s in reversed(self.kv_wait):
+            if self.kv_cap - self.kv_used >= need:
+                break
+            if s is self.kv_wait[0] or s.evicted or s.fetch or s.l_hist <= 0:
+                continue
+            if t.host_free_tokens >= s.l_hist:
+                t.count(OFFLOAD, "waiting-offload")
+                self._tier_offload(s, "waiting-offload")
+                self.wait_need += s.fetch
+            else:
+                t.count(DROP, "waiting-drop")
+                t.host.drop(s.session_id)
+                self.kv_used -= s.l_hist
+                t.host.reprefilled(s.session_id)  # its round, already ready, prefills the history now
+                self.kv_recomputed_tokens += s.l_hist
+                self.wait_need += s.l_hist
+                s.l_incr += s.l_hist
+                s.l_hist = 0
+        return self.kv_cap - self.kv_used >= need
+
     def tier_prefetch_at(self, s) -> float | None:
         """When the KV of ``s``, offloaded for its tool call, should start coming back before the
         result (``kvtier.prefetch_plan``: the expected end less the transfer and a margin); None:

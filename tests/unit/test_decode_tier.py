@@ -77,6 +77,33 @@ def test_a_pool_full_of_idle_sessions_admits_new_ones_and_every_idle_one_complet
     assert core.kv_used == 0 and core.admitted == 0 and not core.sessions and core.tier.host.empty
 
 
+@pytest.mark.parametrize("host_tokens", [1008, 400])
+def test_when_every_session_waits_the_others_kv_makes_room_instead_of_an_overcommit(host_tokens):
+    """Two sessions with resident KV both wait for room for their next round: without a tier the
+    head would go ahead over capacity (an overcommit). With it, the other waiting session's KV goes
+    to the host (room there) or is dropped and prefilled again with its round (no room)."""
+    core = _core(cap=1000, host_tokens=host_tokens)
+    a, b = DecodeSession("a"), DecodeSession("b")
+    for s, n in ((a, 500), (b, 400)):
+        assert core.round_ready(_ready(s, 0, n), 0.0) == ADMITTED
+        _round(core, s, 0.1, last=False)
+    assert core.kv_used == 902
+    assert core.round_ready(_ready(a, 1, 200), 1.0) == WAITING
+    assert core.round_ready(_ready(b, 1, 150), 1.0) == WAITING
+    assert core.admit_next(1.0) is a and core.kv_overcommits == 0
+    if host_tokens >= 401:
+        assert b.fetch == 401 and b.l_hist == 401 and core.tier.decisions == {"offload:waiting-offload": 1}
+        assert [(m.session_id, m.direction) for m in core.take_moves()] == [("b", TO_HOST)]
+    else:
+        assert b.l_hist == 0 and b.l_incr == 551 and core.kv_recomputed_tokens == 401
+        assert core.tier.decisions == {"drop:waiting-drop": 1}
+    assert core.kv_used == 701 and core.wait_need == 551 and core.admit_next(1.0) is None  # a runs first
+    _round(core, a, 2.0, last=True)
+    assert core.admit_next(2.0) is b and core.kv_used == 551 and core.wait_need == 0
+    _round(core, b, 3.0, last=True)
+    assert core.kv_used == 0 and not core.sessions and core.tier.host.empty and core.kv_overcommits == 0
+
+
 def test_tier_off_keeps_the_core_as_before_and_a_short_tool_keeps_its_kv():
     core = _core(cap=2000, host_tokens=1008)
     core.tier.durations.observe("calc", 0.0, 0.001)  # shorter than the round trip
