@@ -192,6 +192,27 @@ def test_simulator_routes_with_the_kv_location_and_a_remote_first_token_waits_fo
     assert max(s.rounds[1].first_token - s.rounds[1].input_ready for s in on.sessions) == pytest.approx(worst)
 
 
+def test_simulator_a_remote_round_behind_a_busy_host_link_gets_its_first_token_when_its_kv_is_back():
+    """x's tool result arrives just after big's 100k-token offload started on the host link: x's own
+    fetch (2k tokens) queues behind it, longer than x's remote prefill. The prefill is put off to end
+    as the KV is back (it does not hold the prefill worker meanwhile) and x's first token comes when
+    the link is done: big's offload end + x's fetch."""
+    prof = _sim_profile(cap=150000)
+    sess = [Session("x", 0.0, (Round(1000, 2, 10.122, "calc"), Round(100, 2))),
+            Session("big", 0.001, (Round(100000, 2, 600.0, "search"), Round(100, 2)))]
+    kw = dict(policy="ampd", prefill="tp1*1", decode="tp1*1", ttft_slo_s=50, itl_slo_s=1, block_tokens=BT,
+              kv_offload_pressure=0.0)
+    on = simulate(sess, prof, kv_host_mb=200, **kw)
+    x, big = on.sessions
+    big_end = big.rounds[1].input_ready - 600.0  # its round 0 ended: its offload starts
+    assert big_end < x.rounds[1].input_ready < big_end + prof.t_kv(100002, 1, 1)
+    remote = prof.t_kv(1002, 1, 1) + prof.t_pre(1, 1002, 100) + prof.t_kv(100, 1, 1)
+    back = big_end + prof.t_kv(100002, 1, 1) + prof.t_kv(1002, 1, 1)
+    assert back - x.rounds[1].input_ready > remote  # the fetch is the longer: the prefill waits
+    assert not x.rounds[1].local and x.rounds[1].first_token == pytest.approx(back)
+    assert on.stats["route_reasons"]["prefill-slack+kv-host"] == 2 and all(s.completed for s in on.sessions)
+
+
 def test_simulator_tier_off_by_default_and_a_host_pool_too_small_is_refused():
     prof = _sim_profile(cap=5000)
     s = [Session("a", 0.0, (Round(1000, 2, 1.0), Round(100, 2)))]
