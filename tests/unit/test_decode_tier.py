@@ -55,7 +55,7 @@ def test_a_pool_full_of_idle_sessions_admits_new_ones_and_every_idle_one_complet
     assert core.tier.decisions["offload:pressure-offload"] == 1 and core.tier.decisions["drop:pressure-drop"] == 1
     assert idle[1].fetch == 1001 and idle[2].evicted and core.kv_evictions == 1 and core.victims == [idle[2]]
     assert core.round_ready(_ready(new[1], 0, 1500), 1.0) == ADMITTED  # the host is full: dropped
-    assert idle[3].evicted and core.kv_evictions == 2 and core.kv_used == 4500
+    assert idle[3].evicted and core.kv_evictions == 2 and core.kv_used == 4502  # each round's output reserved
     assert [m.direction for m in core.take_moves()] == [TO_HOST]
     # the idle sessions' results arrive while the new sessions hold the pool: they wait, none is lost
     waits = [core.round_ready(_ready(s, 1, 100), 2.0) for s in idle]
@@ -65,7 +65,7 @@ def test_a_pool_full_of_idle_sessions_admits_new_ones_and_every_idle_one_complet
     done = []
     while (s := core.admit_next(2.5)) is not None:
         done.append(s)
-    assert done == idle and core.kv_used == 4 * 1101
+    assert done == idle and core.kv_used == 4 * 1102
     assert idle[2].l_hist == idle[3].l_hist == 0 and idle[3].l_incr == 1101  # dropped: prefilled again
     assert idle[0].l_hist == 1001 and idle[0].fetch == 0  # from the host
     moves = core.take_moves()
@@ -97,11 +97,36 @@ def test_when_every_session_waits_the_others_kv_makes_room_instead_of_an_overcom
     else:
         assert b.l_hist == 0 and b.l_incr == 551 and core.kv_recomputed_tokens == 401
         assert core.tier.decisions == {"drop:waiting-drop": 1}
-    assert core.kv_used == 701 and core.wait_need == 551 and core.admit_next(1.0) is None  # a runs first
+    # a's history, input and (reserved) output; b waits for its input, output and history
+    assert core.kv_used == 702 and core.wait_need == 552 and core.admit_next(1.0) is None  # a runs first
     _round(core, a, 2.0, last=True)
-    assert core.admit_next(2.0) is b and core.kv_used == 551 and core.wait_need == 0
+    assert core.admit_next(2.0) is b and core.kv_used == 552 and core.wait_need == 0
     _round(core, b, 3.0, last=True)
     assert core.kv_used == 0 and not core.sessions and core.tier.host.empty and core.kv_overcommits == 0
+
+
+@pytest.mark.parametrize("tier", [False, True])
+def test_with_the_tier_a_round_reserves_its_output_so_decoding_never_overfills_the_device(tier):
+    """Admission promises device + host with the tier, so the rounds running at once may together
+    need more than the device: each round reserves its whole output when it is admitted. Without the
+    tier (promises within the device) output is charged as it is made, as before."""
+    core = _core(cap=1000, host_tokens=1008)
+    if not tier:
+        core.tier = None
+    a, b = DecodeSession("a"), DecodeSession("b")
+    a.round, a.l_incr, a.out = 0, 400, 300
+    b.round, b.l_incr, b.out = 0, 200, 200
+    assert core.round_ready(a, 0.0) == ADMITTED
+    assert core.kv_used == (700 if tier else 400)
+    if tier:  # 300 free: b's 200 input and 200 output do not fit until a's round ends
+        assert core.round_ready(b, 0.0) == WAITING and core.admit_next(0.0) is None
+        assert core.first_token(a, 1.0) and core.kv_used == 700  # made tokens were reserved
+        core.schedule(1.0)
+        core.update(core.run, 99.0)
+        core.round_end(a, last=True)
+        assert core.kv_used == 0 and core.admit_next(99.0) is b and core.kv_used == 400
+    else:  # b fits its input; both outputs made at once would reach 1100 > 1000 (what the tier avoids)
+        assert core.round_ready(b, 0.0) == ADMITTED and core.kv_used == 600
 
 
 def test_tier_off_keeps_the_core_as_before_and_a_short_tool_keeps_its_kv():
