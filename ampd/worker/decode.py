@@ -48,7 +48,8 @@ KV admission (``kv_admission``, ``ampd.worker.decode_kv``): a round needs KV for
 before new sessions, and when every running session on the worker waits (nobody will free any), the
 first goes ahead over capacity rather than deadlock (counted in ``kv_overcommits``). ``"fail"``: the
 round's session fails ("KV exhausted") and releases its KV. Decode tokens are charged as they are made
-(one per step per session; one for the round's first token) and never refused.
+(one per step per session; one for the round's first token) and never refused; with the host tier a
+round reserves its whole output when it is admitted instead (``KvAdmission._round_need``).
 
 Eviction: a session idle between rounds (in a tool call, or waiting for its client's next turn) is
 *evictable* at once with ``kv_evict``, or once its KV pin expires (Continuum's TTL, ``pin_expired``).

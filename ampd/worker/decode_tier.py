@@ -19,7 +19,13 @@ the round runs once it is done). The simulator times them with the profile's ``t
 Eviction: with the tier on, every session idle in a tool call whose KV is on the device is evictable
 (no KV is pinned, so a pool full of idle sessions always makes room: never a deadlock), least recently
 used first; a victim goes to the host while it has room (``pressure-offload``), else it is dropped
-(``pressure-drop``) and its next round prefills its history again.
+(``pressure-drop``) and its next round prefills its history again. When every running session waits
+for KV, the other waiting sessions' resident KV goes the same way (``waiting-offload``,
+``waiting-drop``: ``_tier_unblock``) rather than the head going over capacity.
+
+Admission (``ampd.policy.admit.promise_rooms``) promises the device pool plus the host pool, so each
+round reserves its whole output when it is admitted (``KvAdmission._round_need``): the rounds running
+at once never decode past the device pool.
 """
 from __future__ import annotations
 
