@@ -180,6 +180,8 @@ def test_simulator_fills_the_pool_with_idle_sessions_and_every_one_completes():
     assert t["tokens_from_host"] == t["tokens_to_host"] and t["bytes_to_host"] == t["tokens_to_host"] * 1000
     assert on.stats["kv_used_end"] == [0] and t["host_used_end"] == [0]
     assert on.stats["kv_recomputed_tokens"] > 0
+    # each round was routed with where its KV was: the dropped one re-prefills its history (gone)
+    assert on.stats["route_reasons"] == {"policy-local": 8, "policy-local+kv-host": 2, "policy-local+kv-gone": 1}
 
 
 def test_kv_admission_counts_the_host_pool_and_never_overcommits_the_device():
