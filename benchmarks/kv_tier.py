@@ -18,7 +18,9 @@ same trace and deployment:
   offloads or drops each tool call's KV, offloads idle KV under pressure and fetches it back with the
   profile's ``t_kv``; rounds are routed with their KV's location (``PrefillTask.kv_state``);
 - ``host+early``: the same, and offloaded KV starts coming back at the tool's expected end
-  (``--kv-prefetch-early``) into blocks no waiting round needs.
+  (``--kv-prefetch-early``) into blocks no waiting round needs;
+- ``host-2x``: ``host`` with twice the host pool: admission then promises more than the workers can
+  serve (the host pool is also how many sessions the tier lets in).
 
 Every variant runs on the trace of each seed in ``SEEDS`` (the first is the one reported row by row
 in earlier results). Reports per run: sessions admitted (bound) and completed, SLO attainment (a
@@ -56,6 +58,7 @@ VARIANTS = {
     "host-admit-all": {"admission": "none", "kv_host_mb": HOST_MB},
     "host": {"kv_host_mb": HOST_MB},
     "host+early": {"kv_host_mb": HOST_MB, "kv_prefetch_early": True},
+    "host-2x": {"kv_host_mb": 2 * HOST_MB},
 }
 
 

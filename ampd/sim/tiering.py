@@ -3,11 +3,11 @@
 worker's host link with the profile's ``t_kv`` (one move at a time per worker).
 
 An admitted round is routed at once with its KV's location (``PrefillTask.kv_state``: resident, on
-host, gone) and the time until its worker's link has finished the moves issued so far
-(``kv_fetch_s``: its own fetch back, or the offloads that freed the blocks it was admitted into):
-routed locally, its prefill is queued when they are done; remotely, the prefill worker reads the
-history from the host copy meanwhile, and its first token waits for them. With control-path
-latencies (``PathLatency``) the round is held until they are done and then routed as before."""
+host, gone) and the time until its KV and its blocks are on the device (``kv_fetch_s``: its own fetch
+back, and the offloads in flight whose blocks it was admitted into: ``tier_room_at``): routed
+locally, its prefill is queued then; remotely, the prefill worker reads the history from the host
+copy meanwhile, and its first token waits for it. With control-path latencies (``PathLatency``) the
+round is held until the link has finished every move so far and then routed as before."""
 from __future__ import annotations
 
 from ampd.policy.cost import remote_prefill_s
@@ -31,6 +31,7 @@ class Tiering:
             d.link = start + m.seconds
             if m.direction == TO_HOST:
                 self.tier_to += m.tokens
+                d.offloads.append((d.link, m.tokens))
             else:
                 self.tier_from += m.tokens
                 st = self.live.get(m.session_id)
@@ -47,9 +48,32 @@ class Tiering:
             else:
                 self.dispatch0(st, now)
             return
-        wait = d.link - now if d.link > now else 0.0
+        at = self.tier_room_at(d, now)
+        if st.kv_back > at:  # its own history comes back from the host
+            at = st.kv_back
+        wait = at - now if at > now else 0.0
         state = KV_GONE if st.round and not st.l_hist else KV_HOST if st.kv_back > now else KV_RESIDENT
         self.route(st, now, (state, wait) if wait or state != KV_RESIDENT else None)
+
+    @staticmethod
+    def tier_room_at(d, now: float) -> float:
+        """When the device blocks the core counts as free are free indeed: an offload frees its
+        blocks in the accounting at once, but they hold its KV until the copy ends. While the KV of
+        offloads in flight is no more than what the accounting leaves spare, nobody waits; else the
+        round just admitted waits for the first offloads that cover the difference."""
+        q = d.offloads
+        while q and q[0][0] <= now:
+            q.popleft()
+        if not q:
+            return now
+        short = sum(t for _, t in q) - (d.kv_cap - d.kv_used)  # in-flight KV the rounds admitted need
+        if short <= 0:
+            return now
+        for end, tokens in q:  # (the link is serial: by end)
+            short -= tokens
+            if short <= 0:
+                return end
+        return q[-1][0]
 
     def tier_remote_later(self, st, p, task, now: float, wait: float) -> bool:
         """A round routed to prefill worker ``p`` while its KV comes back (``wait`` seconds): its

@@ -270,3 +270,19 @@ def test_prefetch_starts_before_the_expected_end_only_into_spare_blocks():
     assert core.round_ready(_ready(s, 1, 50), at + 0.2) == ADMITTED and core.take_moves() == []  # already back
     _round(core, s, at + 0.3, last=True)
     assert core.kv_used == 0 and core.tier.host.empty
+
+
+def test_simulator_a_round_waits_only_for_the_offloads_whose_blocks_it_needs():
+    """An offload frees its device blocks in the accounting at once, but they hold its KV until the
+    copy ends: a round admitted while offloads are in flight waits for the first ones that cover what
+    the accounting left spare, and not at all while the spare covers them."""
+    from collections import deque
+    from types import SimpleNamespace
+    from ampd.sim.tiering import Tiering
+    d = SimpleNamespace(kv_cap=1000, kv_used=600, offloads=deque([(1.0, 100), (2.0, 300), (3.0, 200)]))
+    assert Tiering.tier_room_at(d, 0.5) == 2.0  # 600 in flight, 400 spare: the first 200 must land
+    d.kv_used = 400
+    assert Tiering.tier_room_at(d, 0.5) == 0.5  # 600 spare: nobody waits
+    d.kv_used = 900
+    assert Tiering.tier_room_at(d, 1.5) == 3.0 and list(d.offloads) == [(2.0, 300), (3.0, 200)]  # done ones go
+    assert Tiering.tier_room_at(d, 3.0) == 3.0 and not d.offloads
