@@ -8,7 +8,9 @@ Three rules (``ampd.config`` ``admission``; docs/security.md):
   worker's own KV admission use it.
 
 - ``kv``: a session is admitted when some decode worker can hold all the KV it may need, net of what
-  is promised to the sessions in flight there (``bind``); otherwise it waits for KV to free.
+  is promised to the sessions in flight there (``bind``); otherwise it waits for KV to free. A worker
+  with a host KV tier holds its device pool plus its host pool (``promise_rooms``): KV idle in tool
+  calls moves to the host to make room.
 - ``slo``: the ``kv`` rule, and the session must be able to meet its SLO on the worker it would get:
   its predicted TTFT (what it has waited already, plus Eq. (1) on that decode worker or Eq. (2) on the
   best prefill worker, queues included) within ``TTFT_FRACTION`` of the TTFT SLO, and that decode
@@ -28,7 +30,7 @@ from __future__ import annotations
 import math
 from collections import Counter, deque
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from .bind import bind
@@ -38,7 +40,7 @@ from .route import ALPHA
 from .types import SLO, WorkerView
 
 __all__ = ["AdmissionBook", "ADMISSION_RULES", "REFUSAL_REASONS", "KV_SIZE", "KV_FULL", "QUEUE_FULL", "TTFT", "ITL",
-           "TTFT_FRACTION", "HEAD_POLL_S", "Verdict", "decide", "predicted_itl", "predicted_ttft"]
+           "TTFT_FRACTION", "HEAD_POLL_S", "Verdict", "decide", "promise_rooms", "predicted_itl", "predicted_ttft"]
 
 ADMISSION_RULES = ("kv", "slo", "none")
 
@@ -107,6 +109,19 @@ def predicted_itl(cost: AdmissionCost, decode: WorkerView, sessions: int, contex
     return decode.window_mean_s + after - cost.t_dec(decode.tp, sessions, context_tokens)
 
 
+def promise_rooms(decode: Sequence[WorkerView]) -> Sequence[WorkerView]:
+    """Each decode worker's room for promises: its device pool (``kv_free_tokens``) plus its host KV
+    tier (``kv_host_tokens``). With the tier, a session idle in a tool call holds no device KV
+    another round needs: the decode core moves it to the host (or, the host full, drops it to be
+    re-prefilled) before a round waits, so the KV promised on a worker may reach device + host while
+    every round still gets its KV on the device (a session's whole KV must still fit the device:
+    ``kv-size`` counts the device only). Workers without a tier are returned as they are."""
+    if not any(w.kv_host_tokens for w in decode):
+        return decode
+    return [replace(w, kv_free_tokens=w.kv_free_tokens + w.kv_host_tokens, kv_host_tokens=0) if w.kv_host_tokens
+            else w for w in decode]
+
+
 def decide(rule: str, decode: Sequence[WorkerView], prefills: Sequence[WorkerView], promised: Mapping[str, int],
            sessions: Mapping[str, int], need: int, l_incr: int, waited_s: float, cost: AdmissionCost | None,
            slo: SLO | None) -> Verdict:
@@ -125,6 +140,7 @@ def decide(rule: str, decode: Sequence[WorkerView], prefills: Sequence[WorkerVie
     if need > biggest:
         return Verdict(reason=KV_SIZE, detail=f"the session may need {need} KV tokens, more than any decode "
                                               f"worker holds ({biggest})")
+    decode = promise_rooms(decode)
     if rule == "kv":
         chosen = bind(decode, promised, need)
         return Verdict(worker=chosen) if chosen is not None else Verdict()

@@ -16,7 +16,7 @@ from ampd.window import STATS_WINDOW_S
 
 from .cost import remote_prefill_s, t_local
 from .order import before
-from .types import SLO, CostModel, PrefillTask, RouteDecision, WorkerView
+from .types import KV_RESIDENT, SLO, CostModel, PrefillTask, RouteDecision, WorkerView
 
 __all__ = [
     "Router",
@@ -28,6 +28,7 @@ __all__ = [
     "ROUTERS",
     "SLACK_RULES",
     "build_router",
+    "kv_noted",
     # reason strings
     "PREFILL_SLACK",
     "DECODE_SLACK",
@@ -89,6 +90,20 @@ def _check_binding(req: PrefillTask, decode: WorkerView) -> None:
             f"route: request of session {req.session_id!r} is bound to {req.decode_worker!r} "
             f"but the decode view is {decode.worker_id!r}"
         )
+
+
+def kv_noted(dec: RouteDecision, req: PrefillTask) -> RouteDecision:
+    """``dec`` with the task's KV location in its reason when the history is not resident on the
+    decode worker (``cost-model+kv-host``, ``decode-slack+kv-gone``) and the fetch it waited for in
+    its estimates (``kv_fetch_s``); ``dec`` itself when neither applies."""
+    state, f = req.kv_state, req.kv_fetch_s
+    if state == KV_RESIDENT and not f:
+        return dec
+    est = dec.estimates
+    if f:
+        est["kv_fetch_s"] = f
+    return RouteDecision(dec.target, dec.local, dec.reason if state == KV_RESIDENT else f"{dec.reason}+kv-{state}",
+                         est)
 
 
 def _least_loaded(prefills: Sequence[WorkerView], est: dict[str, float]) -> str:
@@ -166,11 +181,15 @@ class AdaptiveRouter:
             _check_binding(req, decode)
         est: dict[str, float] = {}
         if not prefills:
-            return RouteDecision(decode.worker_id, True, NO_PREFILL_WORKERS, est)
-        base: dict[int, float] = {}  # prefill tp -> Eq. (2) less its queue term (rungs 1 and 3 share it)
-        return (self._prefill_slack(req, decode, prefills, est, base)
-                or self._decode_slack(req, decode, est)
-                or self._cost_model(req, decode, prefills, est, base))
+            dec = RouteDecision(decode.worker_id, True, NO_PREFILL_WORKERS, est)
+        else:
+            base: dict[int, float] = {}  # prefill tp -> Eq. (2) less its queue term (rungs 1 and 3 share it)
+            dec = (self._prefill_slack(req, decode, prefills, est, base)
+                   or self._decode_slack(req, decode, est)
+                   or self._cost_model(req, decode, prefills, est, base))
+        if req.kv_fetch_s or req.kv_state != KV_RESIDENT:
+            return kv_noted(dec, req)
+        return dec
 
     def _prefill_slack(self, req: PrefillTask, decode: WorkerView, prefills: Sequence[WorkerView],
                        est: dict[str, float], base: dict[int, float]) -> RouteDecision | None:
@@ -201,6 +220,8 @@ class AdaptiveRouter:
                     b = remote_prefill_s(self.cost, req.l_hist, req.l_incr, decode.tp, ptp)
                     base[ptp] = b
                 t = b + p.queue_predicted_s  # t_remote's sum, the same float
+                if req.kv_fetch_s > t:  # the history reaches the decode worker's device after
+                    t = req.kv_fetch_s
                 est[keys[1]] = t
                 if t <= limit:
                     return RouteDecision(p.worker_id, False, PREFILL_SLACK, est)
@@ -213,9 +234,13 @@ class AdaptiveRouter:
         if w is not None:
             est["itl_window"] = w
         if w is None or w <= self._itl_limit:
-            if self.slack != "queue":
+            f = req.kv_fetch_s
+            if self.slack != "queue" and not f:
                 return RouteDecision(decode.worker_id, True, DECODE_SLACK, est)
-            t_loc = t_local(self.cost, req.l_hist, req.l_incr, decode.tp, decode.queue_predicted_s)
+            # the KV off the device (host tier): a local prefill first waits for its fetch, so the
+            # decode worker's ITL slack holds only if the TTFT does too (else rung 3 weighs a remote
+            # prefill, which reads the history from the host copy while the fetch runs)
+            t_loc = t_local(self.cost, req.l_hist, req.l_incr, decode.tp, decode.queue_predicted_s) + f
             est["t_local"] = t_loc
             if t_loc <= self._ttft_limit:
                 return RouteDecision(decode.worker_id, True, DECODE_SLACK, est)
@@ -225,7 +250,8 @@ class AdaptiveRouter:
                     est: dict[str, float], base: dict[int, float]) -> RouteDecision:
         """Rung 3: the cost model, Eq. (1) against Eq. (2) for every prefill worker."""
         cost, l_hist, l_incr, dtp = self.cost, req.l_hist, req.l_incr, decode.tp
-        t_loc = t_local(cost, l_hist, l_incr, dtp, decode.queue_predicted_s)
+        f = req.kv_fetch_s
+        t_loc = t_local(cost, l_hist, l_incr, dtp, decode.queue_predicted_s) + f  # Eq. (1) after the fetch
         est["t_local"] = t_loc
         best_t = t_loc
         best_id = decode.worker_id
@@ -237,6 +263,8 @@ class AdaptiveRouter:
                 b = remote_prefill_s(cost, l_hist, l_incr, dtp, ptp)  # Eq. (2) less its queue term
                 base[ptp] = b
             t = b + p.queue_predicted_s
+            if f > t:  # Eq. (2) from the host copy: the fetch to the device runs meanwhile
+                t = f
             wid = p.worker_id
             est["t_remote:" + wid] = t
             if t < best_t or (t == best_t and not best_local and before(wid, best_id)):
@@ -261,8 +289,8 @@ class RemoteRouter:
             _check_binding(req, decode)
         est: dict[str, float] = {}
         if not prefills:
-            return RouteDecision(decode.worker_id, True, NO_PREFILL_WORKERS, est)
-        return RouteDecision(_least_loaded(prefills, est), False, POLICY_REMOTE, est)
+            return kv_noted(RouteDecision(decode.worker_id, True, NO_PREFILL_WORKERS, est), req)
+        return kv_noted(RouteDecision(_least_loaded(prefills, est), False, POLICY_REMOTE, est), req)
 
 
 class LocalRouter:
@@ -277,7 +305,7 @@ class LocalRouter:
     def route(self, req, decode, prefills, now) -> RouteDecision:
         if req.decode_worker != decode.worker_id:
             _check_binding(req, decode)
-        return RouteDecision(decode.worker_id, True, POLICY_LOCAL, {})
+        return kv_noted(RouteDecision(decode.worker_id, True, POLICY_LOCAL, {}), req)
 
 
 class ThresholdRouter:
@@ -299,10 +327,10 @@ class ThresholdRouter:
             _check_binding(req, decode)
         est: dict[str, float] = {"l_incr": float(req.l_incr), "threshold_tokens": float(self.threshold_tokens)}
         if req.l_incr < self.threshold_tokens:
-            return RouteDecision(decode.worker_id, True, THRESHOLD_LOCAL, est)
+            return kv_noted(RouteDecision(decode.worker_id, True, THRESHOLD_LOCAL, est), req)
         if not prefills:
-            return RouteDecision(decode.worker_id, True, NO_PREFILL_WORKERS, est)
-        return RouteDecision(_least_loaded(prefills, est), False, THRESHOLD_REMOTE, est)
+            return kv_noted(RouteDecision(decode.worker_id, True, NO_PREFILL_WORKERS, est), req)
+        return kv_noted(RouteDecision(_least_loaded(prefills, est), False, THRESHOLD_REMOTE, est), req)
 
 
 class MarginRouter:
@@ -340,13 +368,18 @@ class MarginRouter:
     def route(self, req, decode, prefills, now) -> RouteDecision:
         if req.decode_worker != decode.worker_id:
             _check_binding(req, decode)
+        dec = self._decide(req, decode, prefills)
+        return kv_noted(dec, req) if req.kv_fetch_s or req.kv_state != KV_RESIDENT else dec
+
+    def _decide(self, req, decode, prefills) -> RouteDecision:
         est: dict[str, float] = {}
         if not prefills:
             return RouteDecision(decode.worker_id, True, NO_PREFILL_WORKERS, est)
         cost, slo = self.cost, self.slo
         l_hist, l_incr, dtp = req.l_hist, req.l_incr, decode.tp
         t_pre = cost.t_pre(dtp, l_hist, l_incr)
-        t_loc = t_pre + decode.queue_predicted_s  # Eq. (1), the same sum as t_local
+        f = req.kv_fetch_s  # the KV off the device: local waits for its fetch, remote overlaps it
+        t_loc = t_pre + decode.queue_predicted_s + f  # Eq. (1), the same sum as t_local
         est["t_local"] = t_loc
         w = decode.window_mean_s
         itl_after = 0.0 if w is None else w * (1.0 + (decode.queue_predicted_s + t_pre) / self.horizon_s)
@@ -357,6 +390,8 @@ class MarginRouter:
             if b is None:
                 b = base[p.tp] = remote_prefill_s(cost, l_hist, l_incr, dtp, p.tp)
             t = b + p.queue_predicted_s
+            if f > t:
+                t = f
             est["t_remote:" + p.worker_id] = t
             if not best_id or t < best_t or (t == best_t and before(p.worker_id, best_id)):
                 best_t, best_id = t, p.worker_id

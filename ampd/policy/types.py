@@ -25,10 +25,18 @@ __all__ = [
     "RouteDecision",
     "PREFILL",
     "DECODE",
+    "KV_RESIDENT",
+    "KV_HOST",
+    "KV_GONE",
 ]
 
 PREFILL = "prefill"
 DECODE = "decode"
+# Where a session's KV is (``PrefillTask.kv_state``): ``ampd.policy.kvtier.KVState``'s values, as strings
+# here so that a task stays a plain value (a unit test holds them equal).
+KV_RESIDENT = "resident"
+KV_HOST = "host"
+KV_GONE = "gone"
 
 
 @runtime_checkable
@@ -53,6 +61,13 @@ class PrefillTask:
     it. ``enqueued_at`` is the time Algorithm 2 measures waiting from (the paper's ``T_enq``); callers
     that want the queue to optimise true TTFT pass the time the round's input became ready.
     ``decode_tp`` is what a prefill worker needs to time the KV transfers (0 when unknown).
+
+    ``kv_state``: where the session's history KV is when the round is routed (the host KV tier,
+    ``ampd.policy.kvtier.KVState``'s values): ``resident`` on the decode worker's device, on ``host``
+    (it is being fetched back), or ``gone`` (dropped: ``l_hist`` is 0 and ``l_incr`` counts the
+    history again). ``kv_fetch_s``: seconds until the decode worker's device holds the history and
+    the room for the new KV (the host fetch, or what is left of a prefetch in flight, and the moves
+    queued before it); 0 without a tier. Routing's Eq. (1) and Eq. (2) count them (``ampd.policy.cost``).
     """
 
     session_id: str
@@ -62,6 +77,8 @@ class PrefillTask:
     enqueued_at: float = 0.0
     decode_worker: str = ""
     decode_tp: int = 0
+    kv_state: str = "resident"
+    kv_fetch_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -70,7 +87,9 @@ class WorkerView:
 
     ``window_mean_s`` is the windowed mean TTFT (prefill workers) or ITL (decode workers); ``None``
     means the window holds no samples, which every policy treats as full slack (an idle worker is
-    not congested). ``queue_predicted_s`` is the sum of predicted prefill times of the tasks queued
+    not congested). ``kv_host_tokens``: a decode worker's host KV tier capacity (0: no tier), KV that
+    sessions idle in tool calls can be moved to, which admission may promise beyond the device pool
+    (``ampd.policy.admit``). ``queue_predicted_s`` is the sum of predicted prefill times of the tasks queued
     on that worker at its own ``tp`` (``PrefillQueue.predicted_total()``) plus the remaining time of
     the task in service, published by the worker (``ampd.worker`` cores); with the KV overlap on, a
     prefill worker's queued tasks also count the KV transfers they still pay that the overlap does
@@ -84,6 +103,7 @@ class WorkerView:
     queue: tuple[PrefillTask, ...] = ()
     kv_free_tokens: int = 0
     queue_predicted_s: float = 0.0
+    kv_host_tokens: int = 0
 
 
 @dataclass(slots=True)

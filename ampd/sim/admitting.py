@@ -54,10 +54,10 @@ class Admitting:
         for d in self.decodes:  # every worker's view, as the coordinator reads them (windows move)
             v = d.view(now)
             # positional, in WorkerView's field order (worker_id, kind, tp, window_mean_s, queue,
-            # kv_free_tokens, queue_predicted_s): 174 ns against 535 ns with keywords (timeit), and
+            # kv_free_tokens, queue_predicted_s, kv_host_tokens): 174 ns against 535 ns with keywords (timeit), and
             # an overloaded run judges admission ~10^5 times per 20k sessions (sim_speed at 0.3/s)
             decode.append(WorkerView(v.worker_id, "decode", v.tp, v.window_mean_s, v.queue, d.kv_cap,
-                                     v.queue_predicted_s))
+                                     v.queue_predicted_s, d.tier.host_tokens if d.tier is not None else 0))
         prefills = [p.view(now) for p in self.prefills] if book.rule == "slo" else ()
         h = w.s.rounds[0].hints  # a yielding hint (trace rounds' hints): admission orders it later
         order_at = queue_enqueued_at(w.at, h.priority, _HINTS) if h is not None and h.priority < 0 else None

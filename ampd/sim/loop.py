@@ -31,7 +31,8 @@ from ampd.deployment import expand_spec, format_spec, parse_spec
 from .admitting import Admitting
 from .config import PathLatency, SimConfig
 from .events import (ADMIT_CHECK, COMPUTE_DONE, COMPUTE_START, DISPATCH, HANDOFF, PIN_EXPIRED, PREFILL_DONE,
-                     REMOTE_DONE, ROUND_READY, STEP_DONE, TIER_PREFETCH, TIER_READY)
+                     REMOTE_DONE, ROUND_READY, STEP_DONE, TIER_LOCAL, TIER_PREFETCH, TIER_READY,
+                     TIER_REMOTE)
 from .gcpause import gc_paused
 from .prefixing import Prefixing, prefix_indexes
 from .remote import RemotePrefilling
@@ -214,6 +215,10 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
                 self.dispatch0(obj, now)
             elif code == TIER_PREFETCH:
                 self.tier_prefetch(obj, now)
+            elif code == TIER_LOCAL:
+                self.tier_local(obj, now)
+            elif code == TIER_REMOTE:
+                self.submit_remote(obj[0], obj[1], now)
         return self.result(now, n_events, _time.perf_counter() - wall0, len(sessions))
 
     def round_ready(self, st: Sess, now: float, ready: float = -1.0) -> None:
@@ -305,9 +310,13 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
         else:
             self.route(st, now)
 
-    def route(self, st: Sess, now: float) -> None:
+    def route(self, st: Sess, now: float, kv: tuple | None = None) -> None:
+        """Route the round (``kv``: the host tier's (KV state, seconds until its KV is on the device))."""
         d = st.dw
-        task = PrefillTask(st.session_id, st.round, st.l_hist, st.l_incr, st.ready, d.worker_id, d.tp)
+        if kv is None:
+            task = PrefillTask(st.session_id, st.round, st.l_hist, st.l_incr, st.ready, d.worker_id, d.tp)
+        else:
+            task = PrefillTask(st.session_id, st.round, st.l_hist, st.l_incr, st.ready, d.worker_id, d.tp, *kv)
         dview = d.view(now)
         if self.pviews_static:
             dec = self.router.route(task, dview, (), now)
@@ -322,6 +331,9 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
             st.local = True
             st.target = d.worker_id
             self.n_local += 1
+            if kv is not None and kv[1]:  # its KV comes back from the host first
+                self.push(now + kv[1], TIER_LOCAL, (st, task))
+                return
             d.submit_local(task)
             if d.state == IDLE:
                 self.decode_next(d, now)
@@ -334,6 +346,11 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
         st.local = False
         st.target = p.worker_id
         self.n_remote += 1
+        if kv is not None and kv[1] and self.tier_remote_later(st, p, task, now, kv[1]):
+            return
+        self.submit_remote(p, task, now)
+
+    def submit_remote(self, p: Prefill, task: PrefillTask, now: float) -> None:
         r = p.submit(task, now)
         if r is not None:
             self.read_ahead(p, r, now)

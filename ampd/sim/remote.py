@@ -100,8 +100,11 @@ class RemotePrefilling:
         st.pw = None
         p.update(st.pwork, now)
         st.pwork = None
-        if self.handoff_s:
-            self.push(now + self.handoff_s, HANDOFF, st)
+        at = now + self.handoff_s
+        if st.kv_ready > at:  # host tier: the history's fetch to the device is not done
+            at = st.kv_ready
+        if at > now:
+            self.push(at, HANDOFF, st)
         else:
             self.first_token(st, now)
         self.prefill_next(p, now)

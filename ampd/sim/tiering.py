@@ -1,13 +1,20 @@
 """The host KV tier in the simulator (``SimConfig.kv_host_mb``): the decode cores decide and account
 (``ampd.worker.decode_tier``); this mixin of ``_Run`` times the moves they list on each decode
-worker's host link with the profile's ``t_kv`` (one move at a time per worker) and holds a round
-back until its worker's link has finished the moves issued so far: its own prefetch, or the offloads
-that freed the blocks it was admitted into."""
+worker's host link with the profile's ``t_kv`` (one move at a time per worker).
+
+An admitted round is routed at once with its KV's location (``PrefillTask.kv_state``: resident, on
+host, gone) and the time until its KV and its blocks are on the device (``kv_fetch_s``: its own fetch
+back, and the offloads in flight whose blocks it was admitted into: ``tier_room_at``): routed
+locally, its prefill is queued then; remotely, the prefill worker reads the history from the host
+copy meanwhile, and its first token waits for it. With control-path latencies (``PathLatency``) the
+round is held until the link has finished every move so far and then routed as before."""
 from __future__ import annotations
 
-from ampd.worker import TO_HOST
+from ampd.policy.cost import remote_prefill_s
+from ampd.policy.types import KV_GONE, KV_HOST, KV_RESIDENT
+from ampd.worker import IDLE, STEPPING, TO_HOST
 
-from .events import TIER_PREFETCH, TIER_READY
+from .events import TIER_PREFETCH, TIER_READY, TIER_REMOTE
 
 __all__ = ["Tiering"]
 
@@ -24,17 +31,71 @@ class Tiering:
             d.link = start + m.seconds
             if m.direction == TO_HOST:
                 self.tier_to += m.tokens
+                d.offloads.append((d.link, m.tokens))
             else:
                 self.tier_from += m.tokens
+                st = self.live.get(m.session_id)
+                if st is not None:
+                    st.kv_back = d.link
 
     def tier_dispatch(self, st, now: float) -> None:
-        """An admitted round: routed once its worker's host link is done with the moves so far."""
+        """An admitted round: routed now with its KV's location (see the module doc)."""
         d = st.dw
         self.tier_moves(d, now)
-        if d.link > now:
-            self.push(d.link, TIER_READY, st)
-        else:
-            self.dispatch0(st, now)
+        if self.open_s or self.dispatch_s:
+            if d.link > now:
+                self.push(d.link, TIER_READY, st)
+            else:
+                self.dispatch0(st, now)
+            return
+        at = self.tier_room_at(d, now)
+        if st.kv_back > at:  # its own history comes back from the host
+            at = st.kv_back
+        wait = at - now if at > now else 0.0
+        state = KV_GONE if st.round and not st.l_hist else KV_HOST if st.kv_back > now else KV_RESIDENT
+        self.route(st, now, (state, wait) if wait or state != KV_RESIDENT else None)
+
+    @staticmethod
+    def tier_room_at(d, now: float) -> float:
+        """When the device blocks the core counts as free are free indeed: an offload frees its
+        blocks in the accounting at once, but they hold its KV until the copy ends. While the KV of
+        offloads in flight is no more than what the accounting leaves spare, nobody waits; else the
+        round just admitted waits for the first offloads that cover the difference."""
+        q = d.offloads
+        while q and q[0][0] <= now:
+            q.popleft()
+        if not q:
+            return now
+        short = sum(t for _, t in q) - (d.kv_cap - d.kv_used)  # in-flight KV the rounds admitted need
+        if short <= 0:
+            return now
+        for end, tokens in q:  # (the link is serial: by end)
+            short -= tokens
+            if short <= 0:
+                return end
+        return q[-1][0]
+
+    def tier_remote_later(self, st, p, task, now: float, wait: float) -> bool:
+        """A round routed to prefill worker ``p`` while its KV comes back (``wait`` seconds): its
+        first token waits for the KV (``kv_ready``), so its prefill is submitted to end then, not
+        earlier (its compute would take the prefill worker's turn from rounds that can use it now).
+        True when it was put off (a TIER_REMOTE event submits it)."""
+        st.kv_ready = now + wait
+        at = st.kv_ready - remote_prefill_s(self.sim.profile, task.l_hist, task.l_incr, task.decode_tp, p.tp)
+        if at <= now:
+            return False
+        self.push(at, TIER_REMOTE, (p, task))
+        return True
+
+    def tier_local(self, obj, now: float) -> None:
+        """A round routed locally while its KV was coming back: its prefill joins the local queue."""
+        st, task = obj
+        d = st.dw
+        d.submit_local(task)
+        if d.state == IDLE:
+            self.decode_next(d, now)
+        elif d.state == STEPPING:
+            self.interrupt(d, now)
 
     def tier_pause(self, st, now: float, tool: str | None) -> None:
         """A round ended in a tool call: the core keeps, offloads or drops the session's KV."""

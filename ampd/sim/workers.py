@@ -4,6 +4,7 @@ prefill views read per routing decision, and the profile as the simulated decode
 from __future__ import annotations
 
 import math
+from collections import deque
 
 from ampd.worker import DecodeCore, DecodeSession, PrefillCore, PrefillWork
 
@@ -16,7 +17,7 @@ __all__ = ["Decode", "Prefill", "Views", "Waiting", "Sess", "SlowerSteps"]
 class Decode(DecodeCore):
     """A decode worker in the simulator: the core plus its step log and NIC."""
 
-    __slots__ = ("idx", "log", "nic", "log_row", "link")
+    __slots__ = ("idx", "log", "nic", "log_row", "link", "offloads")
 
     def __init__(self, idx: int, *args, **kw):
         super().__init__(*args, **kw)
@@ -24,6 +25,7 @@ class Decode(DecodeCore):
         lg = self.log = StepLog()
         self.nic = 0.0  # when its NIC is free (kv_contention)
         self.link = 0.0  # when its device-host link is free (the host KV tier)
+        self.offloads: deque = deque()  # (end, tokens) of its offloads on the link, by end
         # the step log's row append, bound once (step_done runs per run of steps)
         self.log_row = lg.rows.extend
 
@@ -99,7 +101,8 @@ class Sess(DecodeSession):
     """A session on its decode worker, plus its script (rounds), where its record goes and the KV
     admission promised it."""
 
-    __slots__ = ("rounds", "rec", "dw", "ready", "local", "pw", "pwork", "write_s", "target", "need")
+    __slots__ = ("rounds", "rec", "dw", "ready", "local", "pw", "pwork", "write_s", "target", "need", "kv_back",
+                 "kv_ready")
 
     def __init__(self, sid: str, rounds, rec: SimSession, dw: Decode, need: int):
         super().__init__(sid)
@@ -113,6 +116,9 @@ class Sess(DecodeSession):
         self.pwork: PrefillWork | None = None  # ... and what it runs
         self.write_s = 0.0
         self.target = ""
+        self.kv_back = 0.0  # host tier: when the last fetch of its KV from the host ends
+        self.kv_ready = 0.0  # host tier: when its worker's device holds its history (a remote prefill's
+        # first token waits for it)
 
 
 class SlowerSteps:

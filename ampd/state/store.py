@@ -104,6 +104,9 @@ class WorkerInfo:
     # The registration's fencing epoch (microseconds at registration, above any fence of this id):
     # a coordinator's fence names the epoch it revokes (StateStore.fence)
     epoch: int = 0
+    # A decode worker's host KV tier, in tokens (--kv-host-mb; 0: none): admission promises it
+    # beyond kv_capacity_tokens (ampd.policy.admit.promise_rooms)
+    kv_host_tokens: int = 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

@@ -48,7 +48,8 @@ KV admission (``kv_admission``, ``ampd.worker.decode_kv``): a round needs KV for
 before new sessions, and when every running session on the worker waits (nobody will free any), the
 first goes ahead over capacity rather than deadlock (counted in ``kv_overcommits``). ``"fail"``: the
 round's session fails ("KV exhausted") and releases its KV. Decode tokens are charged as they are made
-(one per step per session; one for the round's first token) and never refused.
+(one per step per session; one for the round's first token) and never refused; with the host tier a
+round reserves its whole output when it is admitted instead (``KvAdmission._round_need``).
 
 Eviction: a session idle between rounds (in a tool call, or waiting for its client's next turn) is
 *evictable* at once with ``kv_evict``, or once its KV pin expires (Continuum's TTL, ``pin_expired``).
@@ -198,7 +199,8 @@ class DecodeCore(KvAdmission, TierMixin, RunWindow):
         """The round's first token is made (here or by a remote prefill). False: the round ended
         with it (``round_end`` next); True: the session joins the batch at the next run."""
         s.first = now
-        self.kv_used += 1
+        if self.tier is None:  # (with the tier, the round's output was reserved when it was admitted)
+            self.kv_used += 1
         if s.out <= 1:
             return False
         self.pending.append(s)
@@ -321,7 +323,8 @@ class DecodeCore(KvAdmission, TierMixin, RunWindow):
         self.last_end = now
         self.step_idx = k0 + k
         self.ctx_sum += n * k
-        self.kv_used += n * k
+        if self.tier is None:
+            self.kv_used += n * k
         # state stays STEPPING until the driver calls schedule(): work that arrives while the
         # exits are handled sees a run that has just ended (cut() then changes nothing)
         exits = self.exit_at.pop(k0 + k - 1, None)
@@ -350,6 +353,8 @@ class DecodeCore(KvAdmission, TierMixin, RunWindow):
             heapq.heapify(self.exit_heap)
         self.batch_size -= 1
         self.ctx_sum -= s.ctx_join + (tokens - 1)  # its context after tokens - 1 steps
+        if self.tier is not None:  # the output reserved beyond its last token frees
+            self.kv_used -= s.out - tokens
         s.out = tokens
 
     def _step_measured(self, now: float) -> list[DecodeSession] | tuple[()]:
@@ -380,7 +385,7 @@ class DecodeCore(KvAdmission, TierMixin, RunWindow):
         for w in (self.new_wait, self.kv_wait):
             if s in w:
                 w.remove(s)
-                self.wait_need -= s.l_incr + s.fetch
+                self.wait_need -= self._round_need(s)
                 if w is self.new_wait:
                     return False  # not admitted: nothing charged
                 in_round = False  # its round was never admitted
@@ -414,5 +419,7 @@ class DecodeCore(KvAdmission, TierMixin, RunWindow):
                     del self.exit_at[ex]
                     self.exit_heap.remove(ex)
                     heapq.heapify(self.exit_heap)
+            if self.tier is not None:  # its round's whole output was reserved at admission
+                kv = (0 if s.evicted else s.l_hist - s.fetch) + s.l_incr + s.out
         self.kv_used -= kv
         return kv > 0

@@ -58,7 +58,7 @@ class KvAdmission:
             self.kv_recomputed_tokens += s.l_hist
             s.l_incr += s.l_hist
             s.l_hist = 0
-        need = s.l_incr + s.fetch  # a host copy comes back into blocks reserved with the input's
+        need = self._round_need(s)
         if self.kv_admission == "fail":
             if self.kv_cap - self.kv_used < need and not self._make_room(need):
                 return self._fail(s)
@@ -83,6 +83,17 @@ class KvAdmission:
             self._tier_fetched(s)
         return ADMITTED
 
+    def _round_need(self, s: DecodeSession) -> int:
+        """The KV a round reserves when it is admitted: its input, and a host copy coming back (into
+        blocks reserved with the input's). With the host tier, also its whole output (``s.out``: the
+        simulator's exact length, live its bound): admission may promise more than the device holds
+        (``ampd.policy.admit.promise_rooms``), so the outputs of the rounds running at once must be
+        counted before they are made, or decoding could overfill the device pool. Without the tier
+        output tokens are charged as they are made (promises never exceed the device)."""
+        if self.tier is None:
+            return s.l_incr + s.fetch
+        return s.l_incr + s.fetch + s.out
+
     def _fail(self, s: DecodeSession) -> int:
         s.error = f"{KV_EXHAUSTED} on {self.worker_id}: {s.l_incr} tokens needed, {self.kv_cap - self.kv_used} free"
         if s.session_id in self.sessions:
@@ -98,13 +109,15 @@ class KvAdmission:
         w = self.kv_wait
         if w:
             s = w[0]
-            need = s.l_incr + s.fetch
+            need = self._round_need(s)
             if not self._make_room(need):
                 if len(w) < self.admitted:
                     return None
                 # every running session on this worker waits for KV: nobody will free any, so the
-                # head goes ahead over capacity rather than deadlock
-                self.kv_overcommits += 1
+                # head goes ahead over capacity rather than deadlock (with the host tier, the other
+                # waiting sessions' KV makes room first: tier_unblock)
+                if self.tier is None or not self._tier_unblock(need):
+                    self.kv_overcommits += 1
             w.popleft()
             self.wait_need -= need
             self.kv_used += need
@@ -114,15 +127,16 @@ class KvAdmission:
         nw = self.new_wait
         if nw:
             s = nw[0]
-            if not self._make_room(s.l_incr):
+            need = self._round_need(s)
+            if not self._make_room(need):
                 if self.admitted != 0:
                     return None
                 self.kv_overcommits += 1  # a single session larger than the whole worker
             nw.popleft()
-            self.wait_need -= s.l_incr
+            self.wait_need -= need
             self.admitted += 1
             self.sessions[s.session_id] = s
-            self.kv_used += s.l_incr
+            self.kv_used += need
             return s
         return None
 

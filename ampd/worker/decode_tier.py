@@ -19,7 +19,13 @@ the round runs once it is done). The simulator times them with the profile's ``t
 Eviction: with the tier on, every session idle in a tool call whose KV is on the device is evictable
 (no KV is pinned, so a pool full of idle sessions always makes room: never a deadlock), least recently
 used first; a victim goes to the host while it has room (``pressure-offload``), else it is dropped
-(``pressure-drop``) and its next round prefills its history again.
+(``pressure-drop``) and its next round prefills its history again. When every running session waits
+for KV, the other waiting sessions' resident KV goes the same way (``waiting-offload``,
+``waiting-drop``: ``_tier_unblock``) rather than the head going over capacity.
+
+Admission (``ampd.policy.admit.promise_rooms``) promises the device pool plus the host pool, so each
+round reserves its whole output when it is admitted (``KvAdmission._round_need``): the rounds running
+at once never decode past the device pool.
 """
 from __future__ import annotations
 
@@ -76,6 +82,11 @@ class HostTier:
     def count(self, action: str, reason: str) -> None:
         k = f"{action}:{reason}"
         self.decisions[k] = self.decisions.get(k, 0) + 1
+
+    @property
+    def host_tokens(self) -> int:
+        """The host pool's capacity in tokens (what admission may promise beyond the device)."""
+        return self.host.num_blocks * self.host.block_tokens
 
     @property
     def host_free_tokens(self) -> int:
@@ -140,6 +151,34 @@ class TierMixin:
         t.host.drop(v.session_id)
         v.evicted = True
         return False
+
+    def _tier_unblock(self, need: int) -> bool:
+        """Every running session waits for KV and the head's ``need`` does not fit: the other waiting
+        sessions' resident KV leaves the device, the last in the queue first, to the host while it
+        has room (``waiting-offload``; fetched back when its round is admitted), else dropped
+        (``waiting-drop``; its round prefills the history again). None of them is in a round, so
+        none loses work. True once ``need`` fits: a session whose KV admission promised fits the
+        device alone, so with the tier the device pool is never overcommitted for it."""
+        t = self.tier
+        for s in reversed(self.kv_wait):
+            if self.kv_cap - self.kv_used >= need:
+                break
+            if s is self.kv_wait[0] or s.evicted or s.fetch or s.l_hist <= 0:
+                continue
+            if t.host_free_tokens >= s.l_hist:
+                t.count(OFFLOAD, "waiting-offload")
+                self._tier_offload(s, "waiting-offload")
+                self.wait_need += s.fetch
+            else:
+                t.count(DROP, "waiting-drop")
+                t.host.drop(s.session_id)
+                self.kv_used -= s.l_hist
+                t.host.reprefilled(s.session_id)  # its round, already ready, prefills the history now
+                self.kv_recomputed_tokens += s.l_hist
+                self.wait_need += s.l_hist
+                s.l_incr += s.l_hist
+                s.l_hist = 0
+        return self.kv_cap - self.kv_used >= need
 
     def tier_prefetch_at(self, s) -> float | None:
         """When the KV of ``s``, offloaded for its tool call, should start coming back before the

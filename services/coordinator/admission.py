@@ -83,7 +83,9 @@ class Admission:
                 if v.reason:
                     raise Refused(v.reason, v.detail)
                 if v.worker is not None:
-                    cap = 0 if self.rule == "none" else next(w.kv_free_tokens for w in decode if w.worker_id == v.worker)
+                    # the room the book judged (device + host tier: promise_rooms), for the shared check
+                    cap = 0 if self.rule == "none" else next(w.kv_free_tokens + w.kv_host_tokens for w in decode
+                                                             if w.worker_id == v.worker)
                     if await self._promise(sid, v.worker, need, cap):
                         return v.worker
                     # another coordinator promised that KV meanwhile: judged again on the new totals

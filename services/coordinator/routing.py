@@ -15,6 +15,7 @@ import structlog
 
 from ampd import tracing
 from ampd.policy import PrefillTask, RouteDecision
+from ampd.policy.types import KV_RESIDENT
 from ampd.v1 import common_pb2, decode_pb2, prefill_pb2
 from services.coordinator.core import route
 
@@ -55,14 +56,17 @@ class SessionRoutes:
         r = self.routes.get(rnd)
         return None if r is None else r.reason
 
-    async def decide(self, rnd: int, l_hist: int, l_incr: int, input_ready: float):
-        """(Algorithm 1's decision or None, ms it took) for the round on the cluster's view now."""
+    async def decide(self, rnd: int, l_hist: int, l_incr: int, input_ready: float, kv_state: str = KV_RESIDENT,
+                     kv_fetch_s: float = 0.0):
+        """(Algorithm 1's decision or None, ms it took) for the round on the cluster's view now.
+        ``kv_state``/``kv_fetch_s``: where the session's KV is on its decode worker's host KV tier
+        (``PrefillTask``; resident until live decode workers run the tier and report it)."""
         run = self.run
         svc = run.svc
         t0 = time.perf_counter()
         view = await svc.cluster.view()
         svc.route_read_ms_total += view.read_s * 1e3
-        req = PrefillTask(run.sid, rnd, l_hist, l_incr, input_ready, run.decode_id, run.info.tp)
+        req = PrefillTask(run.sid, rnd, l_hist, l_incr, input_ready, run.decode_id, run.info.tp, kv_state, kv_fetch_s)
         try:
             now = time.time()
             decision = route(svc.router, view, req, now)

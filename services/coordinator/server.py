@@ -137,11 +137,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     # ---------------------------------------------------------------------------- admission
     async def rooms(self) -> tuple[list, tuple]:
-        """For admission: the live decode workers, each with its KV capacity as its room, and the
-        live prefill workers."""
+        """For admission: the live decode workers, each with its KV capacity as its room (and its
+        host KV tier's, which admission promises beyond it), and the live prefill workers."""
         view = await self.cluster.view()
         infos = self.cluster.infos
-        return ([dataclasses.replace(v, kv_free_tokens=infos[wid].kv_capacity_tokens)
+        return ([dataclasses.replace(v, kv_free_tokens=infos[wid].kv_capacity_tokens,
+                                     kv_host_tokens=infos[wid].kv_host_tokens)
                  for wid, v in view.decode.items() if wid in infos], view.prefill)
 
     def block_tokens(self) -> int:

@@ -97,3 +97,20 @@ def test_a_yielding_hint_lets_a_later_session_take_the_freed_kv():
         return order
 
     assert asyncio.run(run()) == ["B"]
+
+
+def test_a_decode_worker_with_a_host_tier_takes_promises_beyond_its_device_pool():
+    async def tiered():
+        return [WorkerView("d0", "decode", 8, None, (), 1000, 0.0, 1000)], []
+
+    async def go():
+        adm = Admission(0.0, 8)
+        assert [await adm.admit(1000, tiered, PROMPT) for _ in range(2)] == ["d0", "d0"]
+        with pytest.raises(Refused) as exc:
+            await adm.admit(1000, tiered, PROMPT)
+        assert exc.value.reason == KV_FULL
+        with pytest.raises(Refused) as exc:  # a session must fit the device alone
+            await adm.admit(1500, tiered, PROMPT)
+        assert exc.value.reason == "kv-size"
+
+    asyncio.run(go())

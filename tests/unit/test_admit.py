@@ -7,7 +7,8 @@ import pytest
 
 from ampd.perf import load_profile
 from ampd.policy import SLO, WorkerView, bind
-from ampd.policy.admit import (ITL, KV_FULL, KV_SIZE, TTFT, TTFT_FRACTION, decide, predicted_itl, predicted_ttft)
+from ampd.policy.admit import (ITL, KV_FULL, KV_SIZE, TTFT, TTFT_FRACTION, decide, predicted_itl, predicted_ttft,
+                              promise_rooms)
 
 COST = load_profile("qwen3-32b@h20")
 SLO_ = SLO(2.0, 0.1)
@@ -185,3 +186,23 @@ def test_book_without_hints_orders_as_before():
         for t in "ABC":
             book.judge(t, 50, 10, 0.0, d, ())
         assert list(book.waiting) == want and not book.yielded
+
+
+def test_host_tier_extends_the_promises_but_not_the_session_size():
+    """A worker with a host KV tier may promise its device pool plus its host pool (idle KV moves
+    there), but a session must still fit the device pool alone (kv-size)."""
+    tiered = WorkerView("d0", "decode", 8, None, (), 4000, 0.0, 6000)
+    plain = dw("d1", 4000)
+    # 7000 promised on d0: only the host makes room for 2000 more; d1 has its own 4000
+    v = decide("kv", [tiered, plain], (), {"d0": 7000, "d1": 3000}, {}, 2000, PROMPT, 0.0, None, None)
+    assert v.worker == "d0"
+    v = decide("kv", [tiered, plain], (), {"d0": 8500, "d1": 3000}, {}, 2000, PROMPT, 0.0, None, None)
+    assert v.worker is None and not v.reason  # 10000 - 8500 < 2000: it waits
+    v = decide("kv", [tiered], (), {}, {}, 5000, PROMPT, 0.0, None, None)
+    assert v.reason == KV_SIZE and "(4000)" in v.detail  # the host does not hold a round's KV
+    v = slo([tiered], promised={"d0": 7000})
+    assert v.worker == "d0"
+    # without a tier, the views are the caller's own
+    ws = [plain]
+    assert promise_rooms(ws) is ws
+    assert [w.kv_free_tokens for w in promise_rooms([tiered, plain])] == [10000, 4000]

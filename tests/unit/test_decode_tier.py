@@ -55,7 +55,7 @@ def test_a_pool_full_of_idle_sessions_admits_new_ones_and_every_idle_one_complet
     assert core.tier.decisions["offload:pressure-offload"] == 1 and core.tier.decisions["drop:pressure-drop"] == 1
     assert idle[1].fetch == 1001 and idle[2].evicted and core.kv_evictions == 1 and core.victims == [idle[2]]
     assert core.round_ready(_ready(new[1], 0, 1500), 1.0) == ADMITTED  # the host is full: dropped
-    assert idle[3].evicted and core.kv_evictions == 2 and core.kv_used == 4500
+    assert idle[3].evicted and core.kv_evictions == 2 and core.kv_used == 4502  # each round's output reserved
     assert [m.direction for m in core.take_moves()] == [TO_HOST]
     # the idle sessions' results arrive while the new sessions hold the pool: they wait, none is lost
     waits = [core.round_ready(_ready(s, 1, 100), 2.0) for s in idle]
@@ -65,7 +65,7 @@ def test_a_pool_full_of_idle_sessions_admits_new_ones_and_every_idle_one_complet
     done = []
     while (s := core.admit_next(2.5)) is not None:
         done.append(s)
-    assert done == idle and core.kv_used == 4 * 1101
+    assert done == idle and core.kv_used == 4 * 1102
     assert idle[2].l_hist == idle[3].l_hist == 0 and idle[3].l_incr == 1101  # dropped: prefilled again
     assert idle[0].l_hist == 1001 and idle[0].fetch == 0  # from the host
     moves = core.take_moves()
@@ -75,6 +75,58 @@ def test_a_pool_full_of_idle_sessions_admits_new_ones_and_every_idle_one_complet
         _round(core, s, 3.0, last=True)
     assert core.kv_recomputed_tokens == 2002 and core.tier.tokens_to_host == core.tier.tokens_from_host == 2002
     assert core.kv_used == 0 and core.admitted == 0 and not core.sessions and core.tier.host.empty
+
+
+@pytest.mark.parametrize("host_tokens", [1008, 400])
+def test_when_every_session_waits_the_others_kv_makes_room_instead_of_an_overcommit(host_tokens):
+    """Two sessions with resident KV both wait for room for their next round: without a tier the
+    head would go ahead over capacity (an overcommit). With it, the other waiting session's KV goes
+    to the host (room there) or is dropped and prefilled again with its round (no room)."""
+    core = _core(cap=1000, host_tokens=host_tokens)
+    a, b = DecodeSession("a"), DecodeSession("b")
+    for s, n in ((a, 500), (b, 400)):
+        assert core.round_ready(_ready(s, 0, n), 0.0) == ADMITTED
+        _round(core, s, 0.1, last=False)
+    assert core.kv_used == 902
+    assert core.round_ready(_ready(a, 1, 200), 1.0) == WAITING
+    assert core.round_ready(_ready(b, 1, 150), 1.0) == WAITING
+    assert core.admit_next(1.0) is a and core.kv_overcommits == 0
+    if host_tokens >= 401:
+        assert b.fetch == 401 and b.l_hist == 401 and core.tier.decisions == {"offload:waiting-offload": 1}
+        assert [(m.session_id, m.direction) for m in core.take_moves()] == [("b", TO_HOST)]
+    else:
+        assert b.l_hist == 0 and b.l_incr == 551 and core.kv_recomputed_tokens == 401
+        assert core.tier.decisions == {"drop:waiting-drop": 1}
+    # a's history, input and (reserved) output; b waits for its input, output and history
+    assert core.kv_used == 702 and core.wait_need == 552 and core.admit_next(1.0) is None  # a runs first
+    _round(core, a, 2.0, last=True)
+    assert core.admit_next(2.0) is b and core.kv_used == 552 and core.wait_need == 0
+    _round(core, b, 3.0, last=True)
+    assert core.kv_used == 0 and not core.sessions and core.tier.host.empty and core.kv_overcommits == 0
+
+
+@pytest.mark.parametrize("tier", [False, True])
+def test_with_the_tier_a_round_reserves_its_output_so_decoding_never_overfills_the_device(tier):
+    """Admission promises device + host with the tier, so the rounds running at once may together
+    need more than the device: each round reserves its whole output when it is admitted. Without the
+    tier (promises within the device) output is charged as it is made, as before."""
+    core = _core(cap=1000, host_tokens=1008)
+    if not tier:
+        core.tier = None
+    a, b = DecodeSession("a"), DecodeSession("b")
+    a.round, a.l_incr, a.out = 0, 400, 300
+    b.round, b.l_incr, b.out = 0, 200, 200
+    assert core.round_ready(a, 0.0) == ADMITTED
+    assert core.kv_used == (700 if tier else 400)
+    if tier:  # 300 free: b's 200 input and 200 output do not fit until a's round ends
+        assert core.round_ready(b, 0.0) == WAITING and core.admit_next(0.0) is None
+        assert core.first_token(a, 1.0) and core.kv_used == 700  # made tokens were reserved
+        core.schedule(1.0)
+        core.update(core.run, 99.0)
+        core.round_end(a, last=True)
+        assert core.kv_used == 0 and core.admit_next(99.0) is b and core.kv_used == 400
+    else:  # b fits its input; both outputs made at once would reach 1100 > 1000 (what the tier avoids)
+        assert core.round_ready(b, 0.0) == ADMITTED and core.kv_used == 600
 
 
 def test_tier_off_keeps_the_core_as_before_and_a_short_tool_keeps_its_kv():
@@ -128,6 +180,64 @@ def test_simulator_fills_the_pool_with_idle_sessions_and_every_one_completes():
     assert t["tokens_from_host"] == t["tokens_to_host"] and t["bytes_to_host"] == t["tokens_to_host"] * 1000
     assert on.stats["kv_used_end"] == [0] and t["host_used_end"] == [0]
     assert on.stats["kv_recomputed_tokens"] > 0
+    # each round was routed with where its KV was: the dropped one re-prefills its history (gone)
+    assert on.stats["route_reasons"] == {"policy-local": 8, "policy-local+kv-host": 2, "policy-local+kv-gone": 1}
+
+
+def test_kv_admission_counts_the_host_pool_and_never_overcommits_the_device():
+    """Item 2 of the kv admission: with the tier, the default admission (kv, whole sessions promised)
+    promises device + host; sessions idle in long tools go to the host, so sessions that today wait
+    past the admission wait and are refused (kv-full) are admitted, the device pool is never
+    overcommitted, and every admitted session completes."""
+    prof = _sim_profile(cap=5000)
+    sess = [Session(f"s-{i}", 0.5 * i, (Round(1100, 2, 60.0, "search"), Round(100, 2))) for i in range(7)]
+    kw = dict(policy="colocated", decode="tp1*1", ttft_slo_s=5, itl_slo_s=1, block_tokens=BT, admission_wait=5.0)
+    off = simulate(sess, prof, **kw)
+    assert off.stats["admission_refused"].get("kv-full", 0) >= 3  # 4 sessions' promises fill 5000 tokens
+    on = simulate(sess, prof, kv_host_mb=4, **kw)  # 4 MiB: 262 blocks, 4192 tokens: 3 sessions more
+    assert on.stats["admission_refused"] == {}
+    assert all(s.completed for s in on.sessions) and on.stats["unfinished_sessions"] == 0
+    assert on.stats["kv_overcommits"] == 0 and on.stats["kv_used_end"] == [0]
+    assert on.stats["kv_tier"]["host_used_end"] == [0] and on.stats["kv_tier"]["tokens_to_host"] > 0
+
+
+def test_simulator_routes_with_the_kv_location_and_a_remote_first_token_waits_for_the_fetch():
+    """Rounds whose KV is on host are routed with it (``+kv-host`` reasons, ``PrefillTask.kv_state``):
+    remote, the prefill worker reads the host copy while the fetch runs; every session completes."""
+    prof = _sim_profile(cap=5000)
+    sess = [Session(f"s-{i}", 0.5 * i, (Round(1100, 2, 60.0, "search"), Round(100, 2))) for i in range(7)]
+    kw = dict(policy="ampd", prefill="tp1*1", decode="tp1*1", ttft_slo_s=5, itl_slo_s=1, block_tokens=BT)
+    off = simulate(sess, prof, **kw)
+    assert not any("+kv-" in r for r in off.stats["route_reasons"])  # tier off: the reasons as before
+    on = simulate(sess, prof, kv_host_mb=4, **kw)
+    assert all(s.completed for s in on.sessions) and on.stats["kv_overcommits"] == 0
+    reasons = on.stats["route_reasons"]
+    assert reasons.get("prefill-slack+kv-host", 0) == on.stats["kv_tier"]["decisions"]["offload:unknown-tool"] >= 1
+    # the remote prefill reads the history (t_kv, as long as the fetch) while the fetch runs: no
+    # fetched round takes longer than a resident one would (read + compute + write back)
+    worst = prof.t_kv(1102, 1, 1) + prof.t_pre(1, 1102, 100) + prof.t_kv(100, 1, 1)
+    assert max(s.rounds[1].first_token - s.rounds[1].input_ready for s in on.sessions) == pytest.approx(worst)
+
+
+def test_simulator_a_remote_round_behind_a_busy_host_link_gets_its_first_token_when_its_kv_is_back():
+    """x's tool result arrives just after big's 100k-token offload started on the host link: x's own
+    fetch (2k tokens) queues behind it, longer than x's remote prefill. The prefill is put off to end
+    as the KV is back (it does not hold the prefill worker meanwhile) and x's first token comes when
+    the link is done: big's offload end + x's fetch."""
+    prof = _sim_profile(cap=150000)
+    sess = [Session("x", 0.0, (Round(1000, 2, 10.122, "calc"), Round(100, 2))),
+            Session("big", 0.001, (Round(100000, 2, 600.0, "search"), Round(100, 2)))]
+    kw = dict(policy="ampd", prefill="tp1*1", decode="tp1*1", ttft_slo_s=50, itl_slo_s=1, block_tokens=BT,
+              kv_offload_pressure=0.0)
+    on = simulate(sess, prof, kv_host_mb=200, **kw)
+    x, big = on.sessions
+    big_end = big.rounds[1].input_ready - 600.0  # its round 0 ended: its offload starts
+    assert big_end < x.rounds[1].input_ready < big_end + prof.t_kv(100002, 1, 1)
+    remote = prof.t_kv(1002, 1, 1) + prof.t_pre(1, 1002, 100) + prof.t_kv(100, 1, 1)
+    back = big_end + prof.t_kv(100002, 1, 1) + prof.t_kv(1002, 1, 1)
+    assert back - x.rounds[1].input_ready > remote  # the fetch is the longer: the prefill waits
+    assert not x.rounds[1].local and x.rounds[1].first_token == pytest.approx(back)
+    assert on.stats["route_reasons"]["prefill-slack+kv-host"] == 2 and all(s.completed for s in on.sessions)
 
 
 def test_simulator_tier_off_by_default_and_a_host_pool_too_small_is_refused():
@@ -160,3 +270,19 @@ def test_prefetch_starts_before_the_expected_end_only_into_spare_blocks():
     assert core.round_ready(_ready(s, 1, 50), at + 0.2) == ADMITTED and core.take_moves() == []  # already back
     _round(core, s, at + 0.3, last=True)
     assert core.kv_used == 0 and core.tier.host.empty
+
+
+def test_simulator_a_round_waits_only_for_the_offloads_whose_blocks_it_needs():
+    """An offload frees its device blocks in the accounting at once, but they hold its KV until the
+    copy ends: a round admitted while offloads are in flight waits for the first ones that cover what
+    the accounting left spare, and not at all while the spare covers them."""
+    from collections import deque
+    from types import SimpleNamespace
+    from ampd.sim.tiering import Tiering
+    d = SimpleNamespace(kv_cap=1000, kv_used=600, offloads=deque([(1.0, 100), (2.0, 300), (3.0, 200)]))
+    assert Tiering.tier_room_at(d, 0.5) == 2.0  # 600 in flight, 400 spare: the first 200 must land
+    d.kv_used = 400
+    assert Tiering.tier_room_at(d, 0.5) == 0.5  # 600 spare: nobody waits
+    d.kv_used = 900
+    assert Tiering.tier_room_at(d, 1.5) == 3.0 and list(d.offloads) == [(2.0, 300), (3.0, 200)]  # done ones go
+    assert Tiering.tier_room_at(d, 3.0) == 3.0 and not d.offloads

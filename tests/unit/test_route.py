@@ -351,3 +351,60 @@ def test_ampd_policy_uses_queue_slack_and_the_paper_rule_stays_available():
     assert make_router("adaptive", LinearCost(), SLO_).slack == "window"
     with pytest.raises(ValueError, match="slack"):
         make_router("ampd", LinearCost(), SLO_, slack="psychic")
+
+
+# ----------------------------------------------------------------- the KV's location (host tier)
+def _kv(state, fetch_s, **kw):
+    from dataclasses import replace
+    return replace(REQ, kv_state=state, kv_fetch_s=fetch_s, **kw)
+
+
+def test_kv_location_constants_are_the_tier_states():
+    from ampd.policy.kvtier import KVState
+    from ampd.policy.types import KV_GONE, KV_HOST, KV_RESIDENT
+    assert (KV_RESIDENT, KV_HOST, KV_GONE) == tuple(s.value for s in KVState)
+    assert REQ.kv_state == KV_RESIDENT and REQ.kv_fetch_s == 0.0  # without a tier: as before
+
+
+def test_kv_on_host_local_pays_the_fetch_remote_overlaps_it():
+    """Rung 3: local Eq. (1) = 0.35 + 0.1 queue; remote Eq. (2) = 0.175 + read 0.02 + write 0.005 + 0.3
+    queue = 0.5. Resident: local. On host with a 0.2 s fetch: local 0.65, remote max(0.5, 0.2): remote."""
+    r = adaptive()
+    d, p = dw(0.5, q=0.1), [pw("p0", 5.0, q=0.3)]
+    assert r.route(REQ, d, p, 0.0).local
+    dec = r.route(_kv("host", 0.2), d, p, 0.0)
+    assert (dec.target, dec.reason) == ("p0", COST_MODEL + "+kv-host")
+    assert dec.estimates["t_local"] == pytest.approx(0.65) and dec.estimates["t_remote:p0"] == pytest.approx(0.5)
+    assert dec.estimates["kv_fetch_s"] == 0.2
+    # a fetch longer than the remote prefill: the remote round waits for it too
+    dec = r.route(_kv("host", 0.6), d, p, 0.0)
+    assert dec.estimates["t_remote:p0"] == 0.6 and dec.target == "p0"
+
+
+def test_kv_on_host_decode_slack_holds_only_if_the_fetch_keeps_the_ttft():
+    r = adaptive()
+    d, p = dw(0.01, q=0.1), [pw("p0", 5.0, q=0.3)]  # ITL slack; no prefill worker has TTFT slack
+    dec = r.route(_kv("host", 0.3), d, p, 0.0)  # local 0.75 <= 1.0 (the TTFT limit): still local
+    assert dec.local and dec.reason == DECODE_SLACK + "+kv-host"
+    dec = r.route(_kv("host", 0.8), d, p, 0.0)  # local 1.25 > 1.0: the cost model, remote 0.8
+    assert not dec.local and dec.reason == COST_MODEL + "+kv-host"
+    dec = r.route(_kv("resident", 0.8), d, p, 0.0)  # room freed by moves still running: no location note
+    assert dec.reason == COST_MODEL and dec.estimates["kv_fetch_s"] == 0.8
+
+
+def test_kv_gone_is_a_full_reprefill_and_says_so():
+    r, d, p = adaptive(), dw(0.5, q=0.1), [pw("p0", 5.0, q=0.3)]
+    gone = _kv("gone", 0.0, l_hist=0, l_incr=2500)
+    plain = PrefillTask("s1", 1, l_hist=0, l_incr=2500, decode_worker="d0")
+    a, b = r.route(gone, d, p, 0.0), r.route(plain, d, p, 0.0)
+    assert (a.target, a.estimates) == (b.target, b.estimates) and a.reason == b.reason + "+kv-gone"
+    for router in (RemoteRouter(), LocalRouter(), ThresholdRouter(1000)):
+        assert router.route(gone, d, p, 0.0).reason.endswith("+kv-gone")
+
+
+def test_margin_router_counts_the_fetch():
+    m = MarginRouter(LinearCost(), SLO_, alpha=0.5, beta=0.5)
+    d, p = dw(None, q=0.1), [pw("p0", None, q=0.3)]  # no ITL cost: the smaller TTFT wins
+    assert m.route(REQ, d, p, 0.0).reason == MARGIN_LOCAL
+    dec = m.route(_kv("host", 0.2), d, p, 0.0)
+    assert dec.reason == MARGIN_REMOTE + "+kv-host" and dec.estimates["t_local"] == pytest.approx(0.65)
