@@ -54,6 +54,8 @@ class KvSync:
         a session moved here from a lost worker does (l_hist 0), routed like any prefill. Returns
         how many the core evicted."""
         victims = self.core.take_victims()
+        if self.w.tier is not None:
+            self.w.tier.take()  # the moves the admission listed (offloads of idle KV, this round's prefetch)
         for c in victims:
             s = self.w.sessions.get(c.session_id)
             if s is None or s.core is not c:
