@@ -131,6 +131,10 @@ class LiveTier:
         self.pending_offloads = 0  # offloads not ended (device blocks the core counts free, still held)
         self.running_offloads = 0  # of them, those whose transfer runs
         self.moved = asyncio.Condition()  # notified whenever an offload ends
+        # what the core has charged but the pool has not reserved yet: the rounds whose start waits
+        # (``defer``) and the early prefetches before their blocks are reserved (``owed``)
+        self.deferred: dict[str, Session] = {}
+        self.fetching: dict[str, int] = {}  # session id -> tokens its prefetch will reserve
         self.paused: dict[str, tuple[str, float]] = {}  # session id -> (tool, when its round ended)
         self.early: dict[str, asyncio.TimerHandle] = {}  # session id -> its early prefetch
         self.counts: dict[str, float] = dict.fromkeys(TIER_METRICS, 0)
@@ -215,6 +219,7 @@ class LiveTier:
                 self.pending_offloads += 1
                 task = self.tasks.spawn(self._offload(s, m, prev), name=f"kv-offload-{m.session_id}")
             else:
+                self.fetching[m.session_id] = m.tokens
                 task = self.tasks.spawn(self._prefetch(s, m, prev), name=f"kv-prefetch-{m.session_id}")
             self.busy[m.session_id] = task
             task.add_done_callback(lambda t, sid=m.session_id: self._ended(sid, t))
@@ -230,19 +235,33 @@ class LiveTier:
         if (task is None or task.done()) and not (self.pending_offloads and self._short(s)):
             return False
         # the coordinator's route goes with it (it holds if the round's KV is what it was told)
+        self.deferred[s.session_id] = s
         self.tasks.spawn(self._start_later(s, s.round, task, s.route), name=f"kv-wait-{s.session_id}")
         return True
 
+    def _missing(self, s: Session) -> int:
+        """Tokens of the session's history and input that no block of it holds yet."""
+        room = len(s.kv.blocks) * self.w.rt.pool.block_tokens - s.kv.tokens
+        return len(s.tokens) - s.kv.tokens - room
+
     def _short(self, s: Session) -> bool:
-        pool = self.w.rt.pool
-        room = len(s.kv.blocks) * pool.block_tokens - s.kv.tokens
-        return pool.free_tokens + room < len(s.tokens) - s.kv.tokens
+        return self.w.rt.pool.free_tokens < self._missing(s)
+
+    def owed(self) -> int:
+        """Tokens the core has charged that the pool has not reserved yet: the core admits by the
+        pool's free space less these (``KvSync.sync``), or it would give them away twice."""
+        n = sum(max(0, self._missing(s)) for s in self.deferred.values())
+        return n + sum(v for sid, v in self.fetching.items() if sid not in self.deferred)
 
     async def _start_later(self, s: Session, rnd: int, task: asyncio.Task | None, route) -> None:
-        if task is not None:
-            await asyncio.wait([task])
-        async with self.moved:
-            await self.moved.wait_for(lambda: not (self.pending_offloads and self._short(s)))
+        try:
+            if task is not None:
+                await asyncio.wait([task])
+            async with self.moved:
+                await self.moved.wait_for(lambda: not (self.pending_offloads and self._short(s)))
+        finally:
+            if self.deferred.get(s.session_id) is s:
+                del self.deferred[s.session_id]
         if not s.closed and s.round == rnd and self.w.sessions.get(s.session_id) is s:
             s.route = route
             try:
@@ -304,6 +323,7 @@ class LiveTier:
                 await asyncio.wait([prev])
             await self._prefetch_now(s, m)
         finally:
+            self.fetching.pop(s.session_id, None)
             self._after_move(s)
 
     async def _prefetch_now(self, s: Session, m: KVMove) -> None:
@@ -311,6 +331,7 @@ class LiveTier:
         w, sid = self.w, s.session_id
         copy = self.copies.pop(sid, None)
         if copy is None or s.closed or s.kv.tokens:  # lost before (counted then), or never left the device
+            self.fetching.pop(sid, None)
             if copy is not None:
                 self.pool.free(copy.blocks)
             return
@@ -325,6 +346,7 @@ class LiveTier:
             async with self.moved:  # the blocks the core counts free may still be leaving
                 await self.moved.wait_for(lambda: pool.free_tokens >= n or not self.running_offloads)
             dest = s.kv.reserve(pool, n)
+            self.fetching.pop(sid, None)  # reserved: the pool counts it now
             await w.rt.transport.read(self.name, _block_segments(copy.blocks, n, bt), dest)
             got = _crcs(pool.read(dest), self.pool.block_bytes)
             if got != copy.crcs[:len(got)]:

@@ -47,14 +47,14 @@ def _profile(tmp_path: Path, kv_tokens: int) -> str:
 
 
 # ------------------------------------------------------------------------------ one process
-def _turn(n: int, seed: int, out: int = 4, answers: str = "", call: bool = True):
+def _turn(n: int, seed: int, out: int = 4, answers: str = "", call: bool = True, tool_s: float = 5.0):
     from ampd.v1 import common_pb2
 
     script = [common_pb2.ScriptedCall(tool=common_pb2.ToolSpec(name="lookup", client_side=True))] if call else []
-    # the agent expects its call to take 5 s: long enough to move the KV (the policy's "long-tool")
+    # the agent expects its call to take tool_s: long enough to move the KV (the policy's "long-tool")
     return common_pb2.Turn(token_ids=filler_ids(n, seed, 512), script=script, tool_call_id=answers,
                            sampling=common_pb2.SamplingParams(max_tokens=out, ignore_eos=True),
-                           hints=common_pb2.TurnHints(expected_tool_s=5.0) if call else None)
+                           hints=common_pb2.TurnHints(expected_tool_s=tool_s) if call else None)
 
 
 async def _answered(s, after: int) -> tuple[int, str, dict[int, int], list]:
@@ -110,8 +110,11 @@ async def _in_process(redis_url: str, profile_path: str) -> None:
     dw.start()
     live = dw.tier
     try:
-        for sid, spoil in (("kept", ""), ("corrupted", "mismatch"), ("unreachable", "transfer")):
-            s = dw.open(decode_pb2.AttachRequest(open=common_pb2.OpenSession(session_id=sid, turn=_turn(100, 1)),
+        for sid, spoil in (("kept", ""), ("corrupted", "mismatch"), ("unreachable", "transfer"), ("early", "")):
+            # "early": --kv-prefetch-early, and a call hinted 0.3 s: its KV comes back at 0.25 s, unasked
+            tier.prefetch_early = sid == "early"
+            first = _turn(100, 1, tool_s=0.3 if sid == "early" else 5.0)
+            s = dw.open(decode_pb2.AttachRequest(open=common_pb2.OpenSession(session_id=sid, turn=first),
                                                  session_secret="secret",
                                                  route=decode_pb2.Route(l_hist=0, l_incr=100)))
             after, call, tokens, _ = await _answered(s, 0)
@@ -123,6 +126,8 @@ async def _in_process(redis_url: str, profile_path: str) -> None:
                 live.pool.buffer[live.copies[sid].blocks[1] * live.pool.block_bytes + 5] ^= 0x5A
             elif spoil == "transfer":  # the worker's agent no longer knows the host pool's
                 rt.transport.remove_peer(live.name)
+            if sid == "early":
+                await until(lambda: s.kv.tokens == 103 and not live.copies, timeout_s=5, what="the early prefetch")
             dw.turn(sid, _turn(20, 2, answers=call, call=False), "secret", decode_pb2.Route(l_hist=103, l_incr=21))
             after, _, more, (timing,) = await _answered(s, after)
             tokens.update(more)
@@ -135,10 +140,11 @@ async def _in_process(redis_url: str, profile_path: str) -> None:
                 rt.transport.add_peer(live.name, live.transport.metadata(), live.pool.layout)
             dw.close_session(sid, "secret")
         m = live.metrics()
-        assert m["kv_tier_move_offload:long-tool"] == 3 and m["kv_tier_move_prefetch:result-arrived"] == 1
+        assert m["kv_tier_move_offload:long-tool"] == 4 and m["kv_tier_move_prefetch:result-arrived"] == 1
+        assert m["kv_tier_move_prefetch:expected-end"] == m["kv_tier_decision_prefetch:expected-end"] == 1
         assert m["kv_tier_failed_prefetch:mismatch"] == 1 and m["kv_tier_failed_prefetch:transfer"] == 1
-        assert m["kv_tier_bytes_from_host"] == 103 * pool.bytes_per_token
-        assert m["kv_tier_decision_offload:long-tool"] == 3
+        assert m["kv_tier_bytes_from_host"] == 2 * 103 * pool.bytes_per_token
+        assert m["kv_tier_decision_offload:long-tool"] == 4
         assert dw.metrics["kv_recomputed_tokens"] == 2 * 103 and dw.metrics["sessions_failed"] == 0
         # no leak: every device and host block is free, and the core charges nothing
         await until(lambda: pool.free_tokens == pool.capacity_tokens, what="device pool empty")
@@ -164,10 +170,10 @@ SESSIONS = [Session(f"s{i}", 0.05 * i, (Round(input=400, output=8, tool_s=1.0), 
                                         Round(input=100, output=8))) for i in range(6)]
 
 
-def _replayed(opts, sessions):
+def _replayed(opts, sessions, timeout_s: float = 120.0):
     with Deployment(opts) as dep:
         records, stats, _, _ = asyncio.run(replay(dep.coordinator, sessions, verify_tokens=True, progress=False,
-                                                  timeout_s=120))
+                                                  timeout_s=timeout_s))
         metrics = {w: m for w, (_, m) in asyncio.run(worker_metrics(opts.deployment.redis_url,
                                                                       opts.deployment.namespace)).items()}
     return records, stats, metrics
@@ -176,10 +182,16 @@ def _replayed(opts, sessions):
 def test_sessions_idle_in_tool_calls_move_to_host_and_every_session_completes(redis_url, tmp_path):
     # admission "none": every session is accepted at once and its rounds wait for KV on the decode
     # worker (the coordinator's own KV rule would hold the later sessions back instead)
-    opts = Options(prefill="none", decode="tp1*1", profile=_profile(tmp_path, KV_TOKENS), policy="local",
-                   admission="none", kv_host_mb=1, redis_url=redis_url, namespace="kvtier-mock",
-                   run_dir=str(tmp_path))
-    records, stats, metrics = _replayed(opts, SESSIONS)
+    def opts(mb: int):
+        return Options(prefill="none", decode="tp1*1", profile=_profile(tmp_path, KV_TOKENS), policy="local",
+                       admission="none", kv_host_mb=mb, redis_url=redis_url, namespace=f"kvtier-mock-{mb}",
+                       run_dir=str(tmp_path / f"run{mb}"))
+
+    # the tier off: the idle histories hold the pool, the rounds that need more KV wait for each
+    # other, and the ones let through over capacity fail ("KV exhausted"); none completes
+    records, _, metrics = _replayed(opts(0), SESSIONS, timeout_s=20)
+    assert not any(r.completed for r in records) and metrics["decode-0"]["sessions_failed"] > 0
+    records, stats, metrics = _replayed(opts(1), SESSIONS)
     m = metrics["decode-0"]
     assert all(r.completed for r in records), [r.error for r in records]
     assert stats.token_mismatches == 0 and stats.tokens == 6 * 3 * 8
