@@ -290,6 +290,9 @@ class LiveTier:
         w, sid, n = self.w, s.session_id, s.kv.tokens
         if s.closed or n == 0 or sid in self.copies:
             return
+        if sid in self.fetching:  # its prefetch is already listed (the result came first): the KV stays
+            log.info("kv offload skipped: the prefetch follows", session=sid, tokens=n, reason=m.reason)
+            return
         pool, bpt = w.rt.pool, self.pool.bytes_per_token
         try:
             blocks = self.pool.alloc(self.pool.blocks_for(n))
