@@ -62,7 +62,8 @@ class KvSync:
             if s is None or s.core is not c:
                 continue
             s.recompute = s.kv.tokens
-            s.kv.release(self.w.rt.pool)
+            if self.w.tier is None or not self.w.tier.evicted(s):  # (else the prefetch in flight lets go)
+                s.kv.release(self.w.rt.pool)
             self.w.metrics["kv_evictions"] += 1
             log.info("KV evicted", session=s.session_id, tokens=s.recompute)
         return len(victims)

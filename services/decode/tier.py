@@ -130,11 +130,12 @@ class LiveTier:
         self.busy: dict[str, asyncio.Task] = {}  # session id -> its latest move (moves chain per session)
         self.pending_offloads = 0  # offloads not ended (device blocks the core counts free, still held)
         self.running_offloads = 0  # of them, those whose transfer runs
-        self.moved = asyncio.Condition()  # notified whenever an offload ends
+        self.moved = asyncio.Condition()  # notified whenever a move ends
         # what the core has charged but the pool has not reserved yet: the rounds whose start waits
         # (``defer``) and the early prefetches before their blocks are reserved (``owed``)
         self.deferred: dict[str, Session] = {}
         self.fetching: dict[str, int] = {}  # session id -> tokens its prefetch will reserve
+        self.dropped: set[str] = set()  # sessions evicted (dropped) while their prefetch ran
         self.paused: dict[str, tuple[str, float]] = {}  # session id -> (tool, when its round ended)
         self.early: dict[str, asyncio.TimerHandle] = {}  # session id -> its early prefetch
         self.counts: dict[str, float] = dict.fromkeys(TIER_METRICS, 0)
@@ -182,6 +183,16 @@ class LiveTier:
         self.w.kv.sync()
         if self.core.tier_prefetch(s.core, time.time()):
             self.take()
+
+    def evicted(self, s: Session) -> bool:
+        """The core dropped the KV of ``s`` for a round that needed the room (an idle session whose
+        early prefetch may still be writing its blocks). True when that prefetch is in flight: it
+        frees the blocks when its transfer ends, instead of committing them."""
+        task = self.busy.get(s.session_id)
+        if task is None or task.done():
+            return False
+        self.dropped.add(s.session_id)
+        return True
 
     def close(self, s: Session) -> bool:
         """The session ended: its host copy goes (now, or when the move in flight ends). True when a
@@ -232,7 +243,7 @@ class LiveTier:
         """Called as the round of ``s`` starts: True when it must wait (its KV is moving, or the
         blocks it needs are still held by offloads the core counts done); it starts when they end."""
         task = self.busy.get(s.session_id)
-        if (task is None or task.done()) and not (self.pending_offloads and self._short(s)):
+        if (task is None or task.done()) and not (self._freeing() and self._short(s)):
             return False
         # the coordinator's route goes with it (it holds if the round's KV is what it was told)
         self.deferred[s.session_id] = s
@@ -243,6 +254,11 @@ class LiveTier:
         """Tokens of the session's history and input that no block of it holds yet."""
         room = len(s.kv.blocks) * self.w.rt.pool.block_tokens - s.kv.tokens
         return len(s.tokens) - s.kv.tokens - room
+
+    def _freeing(self) -> bool:
+        """Moves in flight will free device blocks the core counts free already: offloads, and the
+        prefetches of sessions evicted meanwhile."""
+        return bool(self.pending_offloads or self.dropped)
 
     def _short(self, s: Session) -> bool:
         return self.w.rt.pool.free_tokens < self._missing(s)
@@ -258,7 +274,7 @@ class LiveTier:
             if task is not None:
                 await asyncio.wait([task])
             async with self.moved:
-                await self.moved.wait_for(lambda: not (self.pending_offloads and self._short(s)))
+                await self.moved.wait_for(lambda: not (self._freeing() and self._short(s)))
         finally:
             if self.deferred.get(s.session_id) is s:
                 del self.deferred[s.session_id]
@@ -327,7 +343,12 @@ class LiveTier:
             await self._prefetch_now(s, m)
         finally:
             self.fetching.pop(s.session_id, None)
+            if s.session_id in self.dropped:  # it ended before its transfer: nothing was reserved
+                self.dropped.discard(s.session_id)
+                s.kv.release(self.w.rt.pool)
             self._after_move(s)
+            async with self.moved:  # blocks of an evicted session may have gone: waiting rounds look again
+                self.moved.notify_all()
 
     async def _prefetch_now(self, s: Session, m: KVMove) -> None:
         """Read the session's host copy back into device blocks reserved now, and check it."""
@@ -361,6 +382,11 @@ class LiveTier:
         finally:
             self.pool.free(copy.blocks)  # the transfer has ended either way
         if s.closed:
+            return
+        if sid in self.dropped:  # evicted meanwhile (``evicted``): the blocks go, the history is prefilled again
+            self.dropped.discard(sid)
+            s.kv.release(pool)
+            s.recompute = keep
             return
         if err:
             s.kv.release(pool)
