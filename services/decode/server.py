@@ -222,7 +222,7 @@ async def amain(args: argparse.Namespace) -> None:
     pool = pool_for(profile, cfg, engine)
     session_tokens = min(engine.max_context, pool.capacity_tokens)
     check_host_tier(cfg.kv_host_mb, pool.block_tokens, pool.bytes_per_token, session_tokens, cfg.engine,
-                    not engine.capabilities.needs_token_ids)  # before Redis: the sizes are the error
+                    not engine.capabilities.needs_token_ids, cfg.kv_offload_pressure)  # before Redis
     store = StateStore(await connect(cfg.redis_url), cfg.namespace)
     queue = make_queue(spec.decode_queue, profile, SLO(cfg.ttft_slo_s, cfg.itl_slo_s), cfg.tp,
                        window=cfg.reorder_window)

@@ -57,13 +57,16 @@ TIER_METRICS = ("kv_tier_bytes_to_host", "kv_tier_bytes_from_host")
 
 
 def check_host_tier(host_mb: float, block_tokens: int, bytes_per_token: int, session_tokens: int,
-                    engine: str = "mock", kv_in_pool: bool = True) -> int:
+                    engine: str = "mock", kv_in_pool: bool = True, offload_pressure: float = 0.7) -> int:
     """The host pool's block count (0: the tier is off). A ConfigError naming the sizes when the
     host pool cannot hold one session's KV of ``session_tokens`` tokens (the engine's context, at
-    most the device pool), or when the engine keeps its KV outside the worker's pool (nothing there
-    for the tier to move)."""
+    most the device pool), when the engine keeps its KV outside the worker's pool (nothing there
+    for the tier to move), or when ``offload_pressure`` is not a fraction of the pool."""
     if host_mb == 0:
         return 0
+    if not 0.0 <= offload_pressure <= 1.0:
+        raise ConfigError(f"--kv-offload-pressure must be in [0, 1] (a share of the decode KV pool), "
+                          f"got {offload_pressure:g}")
     try:
         blocks = check_host_pool(host_mb, block_tokens, bytes_per_token, session_tokens)
     except HostPoolTooSmall as exc:
@@ -79,7 +82,7 @@ def pause(w: DecodeWorker, s: Session, scripted, parsed: list) -> None:
     output, or none (the client's next turn comes): the core makes its KV evictable (--kv-evict),
     or the host tier keeps, offloads or drops it (by the first call's tool and the turn's hint).
     When KV freed while rounds wait, they are admitted."""
-    if w.tier is None:
+    if w.tier is None or (s.closing and scripted is None and not parsed):  # (a closing session's KV stays)
         freed = w.core.tool_call(s.core)
     else:
         tool = (scripted.tool.name or "replay") if scripted is not None else parsed[0].name if parsed else CLIENT_TURN

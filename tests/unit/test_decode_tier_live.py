@@ -38,8 +38,15 @@ def test_a_big_enough_host_pool_is_taken_unless_the_engine_keeps_its_own_kv():
         check_host_tier(8, 16, 1024, 4096, "sglang", kv_in_pool=False)
 
 
-@pytest.mark.parametrize("mb, says", [("1", "set --kv-host-mb to at least")])
-def test_the_decode_process_refuses_the_tier_at_start_up_before_redis(mb, says):
+def test_an_offload_pressure_outside_the_pool_is_refused():
+    with pytest.raises(ConfigError, match=r"--kv-offload-pressure must be in \[0, 1\].*got 1.5"):
+        check_host_tier(8, 16, 1024, 4096, offload_pressure=1.5)
+
+
+@pytest.mark.parametrize("flags, says", [(["--kv-host-mb", "1"], "--kv-host-mb 1: "),
+                                         (["--kv-host-mb", "64", "--kv-offload-pressure", "1.5"],
+                                          "--kv-offload-pressure must be in [0, 1]")])
+def test_the_decode_process_refuses_the_tier_at_start_up_before_redis(flags, says):
     """The real start-up path (the mock engine's pool): the refusal comes before Redis is dialled."""
     import os
     import subprocess
@@ -47,9 +54,9 @@ def test_the_decode_process_refuses_the_tier_at_start_up_before_redis(mb, says):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    p = subprocess.run([sys.executable, "-m", "services.decode", *BASE, "--port", "0", "--kv-host-mb", mb],
+    p = subprocess.run([sys.executable, "-m", "services.decode", *BASE, "--port", "0", *flags],
                        cwd=root, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
     assert p.returncode != 0
     first = p.stderr.splitlines()[0]
-    assert first.startswith("ampd-decode: error: --kv-host-mb") and says in first and "Redis" not in first
+    assert first.startswith("ampd-decode: error: " + says) and "Redis" not in first
     assert "Traceback" not in p.stderr, p.stderr  # the one line only: the gRPC server started is stopped
