@@ -15,7 +15,9 @@ pool cut to ``KV_TOKENS``. Variants, same trace:
 - ``admit-all``: admission ``none`` (every session bound at once; its rounds wait for KV), tier off:
   the idle histories hold the pool and the rounds wait for each other (the replay gives up on a
   session after 120 s);
-- ``host``: admission ``none`` and ``--kv-host-mb HOST_MB``.
+- ``host``: admission ``none`` and ``--kv-host-mb HOST_MB``;
+- ``host+early``: the same, and offloaded KV starts coming back at the tool's expected end
+  (``--kv-prefetch-early``) into blocks no waiting round needs.
 
 Reports per variant: sessions completed, refused and failed, SLO attainment, TTFT P90, end-to-end
 P50, the tier's decisions and moves by reason, bytes to and from host, recomputed history tokens,
@@ -50,6 +52,7 @@ VARIANTS = {
     "today": {},
     "admit-all": {"admission": "none"},
     "host": {"admission": "none", "kv_host_mb": HOST_MB},
+    "host+early": {"admission": "none", "kv_host_mb": HOST_MB, "kv_prefetch_early": True},
 }
 
 
