@@ -31,6 +31,7 @@ import json
 import os
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -113,12 +114,10 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m benchmarks.kv_tier_live", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="benchmarks/results/kv_tier_live.json")
     p.add_argument("--quick", action="store_true", help=f"{SESSIONS // 2} sessions")
-    p.add_argument("--run-dir", default="", help="where the deployments' logs go (default: a temporary folder)")
     a = p.parse_args(argv)
     sessions = trace(SESSIONS // 2 if a.quick else SESSIONS, RATE, SEED)
-    import tempfile
-    run_dir = Path(a.run_dir or tempfile.mkdtemp(prefix="kvtierlive-"))
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = Path(tempfile.mkdtemp(prefix="kvtierlive-"))  # the deployments' logs
+    print(f"logs: {run_dir}", file=sys.stderr)
     t0 = time.monotonic()
     runs = []
     for name, settings in VARIANTS.items():
