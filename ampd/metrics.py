@@ -104,6 +104,17 @@ DECODE = (
          "the room (--kv-evict)"),
     _one("kv_recomputed_tokens", "counter", "kv_recomputed_tokens", "history tokens prefilled again after an "
          "eviction"),
+    # the host KV tier (--kv-host-mb; services/decode/tier.py)
+    Family("kv_tier_decisions", "counter", "host KV tier decisions by action:reason (ampd/policy/kvtier.py)",
+           label="decision", prefix="kv_tier_decision_"),
+    Family("kv_tier_moves", "counter", "host KV tier moves done and checked, by kind:reason",
+           label="move", prefix="kv_tier_move_"),
+    Family("kv_tier_move_failures", "counter", "host KV tier moves that failed, by kind:why (the session's next "
+           "round prefills its history again)", label="move", prefix="kv_tier_failed_"),
+    Family("kv_tier_bytes", "counter", "KV bytes the host KV tier moved, by direction",
+           (("kv_tier_bytes_to_host", "to_host"), ("kv_tier_bytes_from_host", "from_host")), label="direction"),
+    Family("kv_tier_host_blocks", "gauge", "host KV pool blocks by state",
+           (("kv_tier_host_used_blocks", "used"), ("kv_tier_host_free_blocks", "free")), label="state"),
 )
 PREFILL = (
     *WORKER,

@@ -68,6 +68,7 @@ class HostTier:
     prefetch_early: bool = False  # bring offloaded KV back before the result (at the tool's expected end)
     tokens_to_host: int = 0
     tokens_from_host: int = 0
+    last: TierDecision | None = None  # the latest ``tier_pause`` decision (a live driver logs its reason)
 
     @classmethod
     def from_mb(cls, host_mb: float, block_tokens: int, bytes_per_token: int, session_tokens: int,
@@ -103,6 +104,7 @@ class TierMixin:
         drop its KV (``kvtier.decide``); kept KV is evictable. True when KV freed or became evictable
         while rounds wait for KV (loop on ``admit_next``)."""
         t = self.tier
+        t.last = None
         s.in_tool = True
         if s.evicted or s.fetch:
             return False
@@ -113,6 +115,7 @@ class TierMixin:
                           kv, move_s, move_s, self.cost.t_pre(self.tp, 0, kv) if kv > 0 else 0.0)
         pool = PoolState(self.kv_cap, self.kv_used, self.wait_need, t.host_free_tokens)
         d: TierDecision = decide(pause, pool, t.cfg)
+        t.last = d
         t.count(d.action, d.reason)
         if d.action == OFFLOAD:
             self._tier_offload(s, d.reason)

@@ -27,8 +27,9 @@ class KvSync:
 
     def sync(self, room: int = 0) -> None:
         """The core admits by the pool's free space (``room``: what the deciding session's partial
-        last block still holds)."""
-        self.core.sync_kv_free(self.w.rt.pool.free_tokens + room)
+        last block still holds), less what the host tier owes the pool (charged, not yet reserved)."""
+        tier = self.w.tier
+        self.core.sync_kv_free(self.w.rt.pool.free_tokens + room - (tier.owed() if tier is not None else 0))
 
     def published(self, now: float) -> tuple[WorkerView, float]:
         """What the worker publishes (``WorkerRuntime.published``): the core's view by the pool's
@@ -54,12 +55,15 @@ class KvSync:
         a session moved here from a lost worker does (l_hist 0), routed like any prefill. Returns
         how many the core evicted."""
         victims = self.core.take_victims()
+        if self.w.tier is not None:
+            self.w.tier.take()  # the moves the admission listed (offloads of idle KV, this round's prefetch)
         for c in victims:
             s = self.w.sessions.get(c.session_id)
             if s is None or s.core is not c:
                 continue
             s.recompute = s.kv.tokens
-            s.kv.release(self.w.rt.pool)
+            if self.w.tier is None or not self.w.tier.evicted(s):  # (else the prefetch in flight lets go)
+                s.kv.release(self.w.rt.pool)
             self.w.metrics["kv_evictions"] += 1
             log.info("KV evicted", session=s.session_id, tokens=s.recompute)
         return len(victims)

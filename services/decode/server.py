@@ -22,7 +22,8 @@ from ampd.grpcserver import write_ready_file
 from ampd.runtime import WorkerRuntime, add_worker_args, pool_for, worker_config
 from services.decode.tier import check_host_tier
 from ampd.trust import attach_token, token_matches
-from ampd.worker import DecodeCore
+from ampd.policy.kvtier import KVTierConfig
+from ampd.worker import DecodeCore, HostTier
 from ampd.validate import InvalidArgument, validate_attach, validate_reason, validate_turn
 from services.decode.session import EventsGone, InvalidTurn, NotOpen, NotPermitted, SessionError, take_events
 from services.decode.worker import DecodeWorker
@@ -172,6 +173,8 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
             kv_overcommits=core.core.kv_overcommits,
             **metrics.worker_values(core.rt),
         )
+        if core.tier is not None:
+            values.update(core.tier.metrics())
         return common_pb2.MetricsReply(worker_id=core.rt.cfg.worker_id, values=values)
 
 
@@ -217,8 +220,9 @@ async def amain(args: argparse.Namespace) -> None:
     cfg = worker_config(args, "decode", port)
     engine = make_engine(cfg.engine, profile, cfg.tp, cfg.model, kv_store={"redis_url": cfg.redis_url, "namespace": cfg.namespace, "worker": cfg.worker_id})
     pool = pool_for(profile, cfg, engine)
-    check_host_tier(cfg.kv_host_mb, pool.block_tokens, pool.bytes_per_token,
-                    min(engine.max_context, pool.capacity_tokens))  # before Redis: the sizes are the error
+    session_tokens = min(engine.max_context, pool.capacity_tokens)
+    check_host_tier(cfg.kv_host_mb, pool.block_tokens, pool.bytes_per_token, session_tokens, cfg.engine,
+                    not engine.capabilities.needs_token_ids, cfg.kv_offload_pressure)  # before Redis
     store = StateStore(await connect(cfg.redis_url), cfg.namespace)
     queue = make_queue(spec.decode_queue, profile, SLO(cfg.ttft_slo_s, cfg.itl_slo_s), cfg.tp,
                        window=cfg.reorder_window)
@@ -227,7 +231,10 @@ async def amain(args: argparse.Namespace) -> None:
     chunk = profile.prefill_chunk_tokens(cfg.tp) if cfg.chunked_prefill else 0
     core = DecodeCore(cfg.worker_id, cfg.tp, profile, queue, kv_capacity_tokens=rt.pool.capacity_tokens,
                       window_s=cfg.window_s, chunk_tokens=chunk, kv_admission=cfg.kv_admission,
-                      kv_evict=cfg.kv_evict, step_by_step=True)
+                      kv_evict=cfg.kv_evict, step_by_step=True,
+                      tier=HostTier.from_mb(cfg.kv_host_mb, pool.block_tokens, pool.bytes_per_token, session_tokens,
+                                            KVTierConfig(offload_pressure=cfg.kv_offload_pressure),
+                                            prefetch_early=cfg.kv_prefetch_early))
     service.core = DecodeWorker(rt, engine, core, sidecar, chat_format(cfg))
     service.core.reattach_grace_s = args.reattach_grace
     service.core.start()
@@ -241,6 +248,8 @@ async def amain(args: argparse.Namespace) -> None:
     async def on_stop() -> None:
         await rt.leave()  # out of routing first: no new session binds here while it stops
         await service.core.stop()
+        if service.core.tier is not None:
+            await service.core.tier.stop()  # after the sessions ended: their moves are over
         await rt.stop()
 
     await grpcserver.serve_until_signal(server, health, on_stop)

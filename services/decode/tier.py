@@ -1,30 +1,451 @@
-"""The host KV tier of the live decode worker (``--kv-host-mb``; ``ampd.worker.decode_tier``).
+"""The host KV tier of the live decode worker (``--kv-host-mb``; its decisions: ``ampd.worker.decode_tier``).
 
 Off (``--kv-host-mb 0``, the default) nothing here runs. On, the worker checks at start-up that the
-host pool can hold one session's KV (HostPoolTooSmall names the sizes) and then refuses to start:
-the decode core decides the tier's moves (``DecodeCore.take_moves``), but the live worker performs
-no moves between its device pool and host memory, and a tier whose moves are not performed would
-lose KV. The tier is simulated only (``ampd simulate --kv-host-mb``).
+host pool can hold one session's KV (HostPoolTooSmall names the sizes) and that the engine's KV lives
+in the worker's pool (the mock's checkable bytes, the torch engine's real KV; SGLang keeps its own
+and is refused). Then:
+
+- the host pool is a ``KVPool`` of its own, registered with a second KV transport agent of the
+  worker's kind (NIXL in the services: registering pins it), which the worker's agent knows as a
+  peer. An offload is a WRITE of the session's device blocks into host blocks, a prefetch a READ
+  back into blocks reserved for it: the same transport, and the same ranges, as a remote prefill's.
+- every move is checked: an offload's host bytes must equal the device bytes they came from (byte
+  for byte), and a prefetch's device bytes must have the CRC-32 of every host block taken then, so
+  that a host copy changed while it sat there is caught too.
+- the core decides (``DecodeCore.tier_pause`` when a round ends in a tool call, the client's next
+  turn included; its admission when the result arrives; ``tier_prefetch`` at the tool's expected
+  end with ``--kv-prefetch-early``) and does the accounting at once; this driver performs the moves
+  it lists (``take_moves``), one after the other per session, and a round whose KV is moving (or
+  whose blocks an offload is freeing) starts once the moves are done. Meanwhile the core admits by
+  the pool's free space less what it charged and the pool has not reserved yet (``owed``); KV it
+  counts free that an offload still holds only makes it admit later, never twice.
+- a move that fails (a transfer error, a check that does not hold, no free host or device block)
+  loses that copy of the KV, never the session: its next round prefills the history again from the
+  session's tokens (``kv_recomputed_tokens``), as after an eviction. The core's charge for the round
+  (history plus input) is what the re-prefill writes, so its accounting needs no correction.
+- the tool durations the policy reads (``HostTier.durations``) are the sidecar's (each server-side
+  call's started..finished) and, for client-side calls and client turns, the time from the round's
+  end to the turn that answers it.
 """
 from __future__ import annotations
 
+import asyncio
+import time
+import zlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import structlog
+
 from ampd.config import ConfigError
+from ampd.kv import KVPool, KVPoolExhausted, KVTransferError, Segment
 from ampd.policy.hostpool import HostPoolTooSmall, check_host_pool
+from ampd.tasks import BackgroundTasks
+from ampd.worker import TO_HOST, KVMove
 
-__all__ = ["SIMULATED_ONLY", "check_host_tier"]
+if TYPE_CHECKING:
+    from services.decode.session import Session
+    from services.decode.worker import DecodeWorker
 
-SIMULATED_ONLY = ("--kv-host-mb {mb:g}: the host KV tier is simulated only (a live decode worker moves no KV "
-                  "to host memory); run with --kv-host-mb 0, or model the tier with `ampd simulate --kv-host-mb`")
+__all__ = ["LiveTier", "check_host_tier", "pause", "CLIENT_TURN", "TIER_METRICS"]
+
+log = structlog.get_logger()
+
+CLIENT_TURN = "client-turn"  # the pause of a turn that ended without a call: until the client's next turn
+# the tier's counters in the worker's Metrics reply (ampd/metrics.py DECODE); decisions and moves
+# add "kv_tier_decision_<action>:<reason>", "kv_tier_move_<kind>:<reason>", "kv_tier_failed_<kind>:<why>"
+TIER_METRICS = ("kv_tier_bytes_to_host", "kv_tier_bytes_from_host")
 
 
-def check_host_tier(host_mb: float, block_tokens: int, bytes_per_token: int, session_tokens: int) -> None:
-    """Nothing when the tier is off (``host_mb`` 0). On: a ConfigError naming the sizes when the host
-    pool cannot hold one session's KV of ``session_tokens`` tokens (the engine's context, at most the
-    device pool), else a ConfigError saying the tier is simulated only."""
+def check_host_tier(host_mb: float, block_tokens: int, bytes_per_token: int, session_tokens: int,
+                    engine: str = "mock", kv_in_pool: bool = True, offload_pressure: float = 0.7) -> int:
+    """The host pool's block count (0: the tier is off). A ConfigError naming the sizes when the
+    host pool cannot hold one session's KV of ``session_tokens`` tokens (the engine's context, at
+    most the device pool), when the engine keeps its KV outside the worker's pool (nothing there
+    for the tier to move), or when ``offload_pressure`` is not a fraction of the pool."""
     if host_mb == 0:
-        return
+        return 0
+    if not 0.0 <= offload_pressure <= 1.0:
+        raise ConfigError(f"--kv-offload-pressure must be in [0, 1] (a share of the decode KV pool), "
+                          f"got {offload_pressure:g}")
     try:
-        check_host_pool(host_mb, block_tokens, bytes_per_token, session_tokens)
+        blocks = check_host_pool(host_mb, block_tokens, bytes_per_token, session_tokens)
     except HostPoolTooSmall as exc:
         raise ConfigError(str(exc)) from None
-    raise ConfigError(SIMULATED_ONLY.format(mb=host_mb))
+    if not kv_in_pool:
+        raise ConfigError(f"--kv-host-mb {host_mb:g}: engine {engine!r} keeps its KV outside the worker's pool, "
+                          "and the host tier moves the pool's KV (engines mock and torch); run with --kv-host-mb 0")
+    return blocks
+
+
+def pause(w: DecodeWorker, s: Session, scripted, parsed: list) -> None:
+    """The round of ``s`` ended with the turn's ``scripted`` call, the calls ``parsed`` from its
+    output, or none (the client's next turn comes): the core makes its KV evictable (--kv-evict),
+    or the host tier keeps, offloads or drops it (by the first call's tool and the turn's hint).
+    When KV freed while rounds wait, they are admitted."""
+    if w.tier is None or (s.closing and scripted is None and not parsed):  # (a closing session's KV stays)
+        freed = w.core.tool_call(s.core)
+    else:
+        tool = (scripted.tool.name or "replay") if scripted is not None else parsed[0].name if parsed else CLIENT_TURN
+        hints = s.turn.hints
+        freed = w.tier.pause(s, tool, hints.expected_tool_s if hints.HasField("expected_tool_s") else None)
+    if freed:
+        w.kv.admit_waiting()
+
+
+@dataclass(slots=True)
+class HostCopy:
+    """A session's KV in the host pool: positions [0, ``tokens``) in ``blocks``, ``crcs`` the CRC-32
+    of each block's bytes."""
+
+    blocks: list[int]
+    tokens: int
+    crcs: list[int]
+
+
+def _block_segments(blocks: list[int], tokens: int, block_tokens: int) -> list[Segment]:
+    out, left = [], tokens
+    for b in blocks:
+        if left <= 0:
+            break
+        out.append(Segment(b, 0, min(block_tokens, left)))
+        left -= block_tokens
+    return out
+
+
+def _crcs(data: np.ndarray, block_bytes: int) -> list[int]:
+    return [zlib.crc32(data[i:i + block_bytes]) for i in range(0, data.size, block_bytes)]
+
+
+class LiveTier:
+    """The host pool, its transport agent, the host copies and the moves in flight (module doc)."""
+
+    def __init__(self, w: DecodeWorker, blocks: int) -> None:
+        self.w = w
+        self.core = w.core
+        rt = w.rt
+        dev = rt.pool
+        self.pool = KVPool(blocks, dev.block_tokens, dev.bytes_per_token)
+        self.name = f"{rt.agent_name}-host"
+        # an agent of the worker's own transport class: NIXL in the services, the loopback in tests
+        self.transport = type(rt.transport)(self.name, self.pool)
+        rt.transport.add_peer(self.name, self.transport.metadata(), self.pool.layout)
+        self.copies: dict[str, HostCopy] = {}
+        self.busy: dict[str, asyncio.Task] = {}  # session id -> its latest move (moves chain per session)
+        self.pending_offloads = 0  # offloads not ended (device blocks the core counts free, still held)
+        self.running_offloads = 0  # of them, those whose transfer runs
+        self.moved = asyncio.Condition()  # notified whenever a move ends
+        # what the core has charged but the pool has not reserved yet: the rounds whose start waits
+        # (``defer``) and the early prefetches before their blocks are reserved (``owed``)
+        self.deferred: dict[str, Session] = {}
+        self.fetching: dict[str, int] = {}  # session id -> tokens its prefetch will reserve
+        self.dropped: set[str] = set()  # sessions evicted (dropped) while their prefetch ran
+        self.paused: dict[str, tuple[str, float]] = {}  # session id -> (tool, when its round ended)
+        self.early: dict[str, asyncio.TimerHandle] = {}  # session id -> its early prefetch
+        self.counts: dict[str, float] = dict.fromkeys(TIER_METRICS, 0)
+        self.tasks = BackgroundTasks()
+
+    # ------------------------------------------------------------------------------- events
+    def pause(self, s: Session, tool: str, hint_s: float | None) -> bool:
+        """The round of ``s`` ended in a call to ``tool`` (CLIENT_TURN: none; the client's next turn
+        comes): the core keeps, offloads or drops its KV; the moves start. True when rounds wait
+        and KV freed (the caller admits them)."""
+        c = s.core
+        now = time.time()
+        self.paused[s.session_id] = (tool, now)
+        self.w.kv.sync()  # the pressure the core decides by is the pool's
+        freed = self.core.tier_pause(c, now, tool, hint_s)
+        d = self.core.tier.last
+        if d is not None:
+            log.info("kv tier decision", session=s.session_id, tool=tool, action=d.action, reason=d.reason,
+                     **{k: round(v, 4) for k, v in d.estimates.items()})
+        if c.evicted and s.kv.tokens:  # dropped: its next round prefills the history again
+            self._lose(s, "")
+        self.take()
+        at = self.core.tier_prefetch_at(c)
+        if at is not None:
+            self.early[s.session_id] = asyncio.get_running_loop().call_later(max(0.0, at - now), self._early, s)
+        return freed
+
+    def resumed(self, s: Session, duration_s: float | None = None) -> None:
+        """The call the session paused for answered (its next round's input is here): its tool's
+        duration joins the tool's estimate (``duration_s``: the sidecar's; else since the pause)."""
+        got = self.paused.pop(s.session_id, None)
+        timer = self.early.pop(s.session_id, None)
+        if timer is not None:
+            timer.cancel()
+        if got is not None:
+            tool, t0 = got
+            now = time.time()
+            self.core.tier.durations.observe(tool, now, now - t0 if duration_s is None else duration_s)
+
+    def _early(self, s: Session) -> None:
+        """The tool's expected end nears (``--kv-prefetch-early``): the KV comes back if there is room."""
+        self.early.pop(s.session_id, None)
+        if s.closed:
+            return
+        self.w.kv.sync()
+        if self.core.tier_prefetch(s.core, time.time()):
+            self.take()
+
+    def evicted(self, s: Session) -> bool:
+        """The core dropped the KV of ``s`` for a round that needed the room (an idle session whose
+        early prefetch may still be writing its blocks). True when that prefetch is in flight: it
+        frees the blocks when its transfer ends, instead of committing them."""
+        task = self.busy.get(s.session_id)
+        if task is None or task.done():
+            return False
+        self.dropped.add(s.session_id)
+        return True
+
+    def close(self, s: Session) -> bool:
+        """The session ended: its host copy goes (now, or when the move in flight ends). True when a
+        move in flight holds its device blocks: the tier frees them when it ends."""
+        sid = s.session_id
+        self.paused.pop(sid, None)
+        timer = self.early.pop(sid, None)
+        if timer is not None:
+            timer.cancel()
+        task = self.busy.get(sid)
+        if task is not None and not task.done():
+            return True
+        self._free_copy(sid)
+        return False
+
+    async def stop(self) -> None:
+        for timer in self.early.values():
+            timer.cancel()
+        self.early.clear()
+        await self.tasks.close()
+        self.w.rt.transport.remove_peer(self.name)
+        for sid in list(self.copies):
+            self._free_copy(sid)
+        await self.transport.aclose()
+
+    # -------------------------------------------------------------------------------- moves
+    def take(self) -> None:
+        """Start the moves the core listed, each after its session's previous one."""
+        for m in self.core.take_moves():
+            s = self.w.sessions.get(m.session_id)
+            if s is None or s.core.session_id != m.session_id:
+                continue
+            prev = self.busy.get(m.session_id)
+            if m.direction == TO_HOST:
+                self.pending_offloads += 1
+                task = self.tasks.spawn(self._offload(s, m, prev), name=f"kv-offload-{m.session_id}")
+            else:
+                self.fetching[m.session_id] = m.tokens
+                task = self.tasks.spawn(self._prefetch(s, m, prev), name=f"kv-prefetch-{m.session_id}")
+            self.busy[m.session_id] = task
+            task.add_done_callback(lambda t, sid=m.session_id: self._ended(sid, t))
+
+    def _ended(self, sid: str, task: asyncio.Task) -> None:
+        if self.busy.get(sid) is task:
+            del self.busy[sid]
+
+    def defer(self, s: Session) -> bool:
+        """Called as the round of ``s`` starts: True when it must wait (its KV is moving, or the
+        blocks it needs are still held by offloads the core counts done); it starts when they end."""
+        task = self.busy.get(s.session_id)
+        if (task is None or task.done()) and not (self._freeing() and self._short(s)):
+            return False
+        # the coordinator's route goes with it (it holds if the round's KV is what it was told)
+        self.deferred[s.session_id] = s
+        self.tasks.spawn(self._start_later(s, s.round, task, s.route), name=f"kv-wait-{s.session_id}")
+        return True
+
+    def _missing(self, s: Session) -> int:
+        """Tokens of the session's history and input that no block of it holds yet."""
+        room = len(s.kv.blocks) * self.w.rt.pool.block_tokens - s.kv.tokens
+        return len(s.tokens) - s.kv.tokens - room
+
+    def _freeing(self) -> bool:
+        """Moves in flight will free device blocks the core counts free already: offloads, and the
+        prefetches of sessions evicted meanwhile."""
+        return bool(self.pending_offloads or self.dropped)
+
+    def _short(self, s: Session) -> bool:
+        return self.w.rt.pool.free_tokens < self._missing(s)
+
+    def owed(self) -> int:
+        """Tokens the core has charged that the pool has not reserved yet: the core admits by the
+        pool's free space less these (``KvSync.sync``), or it would give them away twice."""
+        n = sum(max(0, self._missing(s)) for s in self.deferred.values())
+        return n + sum(v for sid, v in self.fetching.items() if sid not in self.deferred)
+
+    async def _start_later(self, s: Session, rnd: int, task: asyncio.Task | None, route) -> None:
+        try:
+            if task is not None:
+                await asyncio.wait([task])
+            async with self.moved:
+                await self.moved.wait_for(lambda: not (self._freeing() and self._short(s)))
+        finally:
+            if self.deferred.get(s.session_id) is s:
+                del self.deferred[s.session_id]
+        if not s.closed and s.round == rnd and self.w.sessions.get(s.session_id) is s:
+            s.route = route
+            try:
+                self.w.start_round(s)
+            finally:
+                s.route = None
+
+    async def _offload(self, s: Session, m: KVMove, prev: asyncio.Task | None) -> None:
+        try:
+            if prev is not None:
+                await asyncio.wait([prev])
+            self.running_offloads += 1
+            try:
+                await self._offload_now(s, m)
+            finally:
+                self.running_offloads -= 1
+        finally:
+            self.pending_offloads -= 1
+            self._after_move(s)
+            async with self.moved:
+                self.moved.notify_all()
+            self.w.kv.admit_waiting()  # device blocks freed: waiting rounds may fit
+
+    async def _offload_now(self, s: Session, m: KVMove) -> None:
+        """Write the session's device KV into host blocks, check it, free the device blocks."""
+        w, sid, n = self.w, s.session_id, s.kv.tokens
+        if s.closed or n == 0 or sid in self.copies:
+            return
+        if sid in self.fetching:  # its prefetch is already listed (the result came first): the KV stays
+            log.info("kv offload skipped: the prefetch follows", session=sid, tokens=n, reason=m.reason)
+            return
+        pool, bpt = w.rt.pool, self.pool.bytes_per_token
+        try:
+            blocks = self.pool.alloc(self.pool.blocks_for(n))
+        except KVPoolExhausted:  # the core's count freed blocks a prefetch still reads
+            self._failed(s, "offload", "host-busy", f"no free host block for {n} tokens")
+            return
+        src, dst = s.kv.segments(0, n), _block_segments(blocks, n, self.pool.block_tokens)
+        t0 = time.perf_counter()
+        err = ""
+        try:
+            await w.rt.transport.write(self.name, src, dst)
+            host = self.pool.read(dst, copy=False)
+            if not np.array_equal(host, pool.read(src, copy=False)):
+                err = "mismatch"
+        except KVTransferError as exc:
+            err = f"transfer: {exc}"
+        if s.closed or err:
+            self.pool.free(blocks)
+            if err and not s.closed:
+                self._failed(s, "offload", err.split(":")[0], err)
+            return
+        self.copies[sid] = HostCopy(blocks, n, _crcs(self.pool.read(dst), self.pool.block_bytes))
+        s.kv.release(pool)
+        self._count(f"kv_tier_move_offload:{m.reason}")
+        self._count("kv_tier_bytes_to_host", n * bpt)
+        log.info("kv offloaded", session=sid, tokens=n, reason=m.reason, ms=round(1e3 * (time.perf_counter() - t0), 2))
+
+    async def _prefetch(self, s: Session, m: KVMove, prev: asyncio.Task | None) -> None:
+        try:
+            if prev is not None:
+                await asyncio.wait([prev])
+            await self._prefetch_now(s, m)
+        finally:
+            self.fetching.pop(s.session_id, None)
+            if s.session_id in self.dropped:  # it ended before its transfer: nothing was reserved
+                self.dropped.discard(s.session_id)
+                s.kv.release(self.w.rt.pool)
+            self._after_move(s)
+            async with self.moved:  # blocks of an evicted session may have gone: waiting rounds look again
+                self.moved.notify_all()
+
+    async def _prefetch_now(self, s: Session, m: KVMove) -> None:
+        """Read the session's host copy back into device blocks reserved now, and check it."""
+        w, sid = self.w, s.session_id
+        copy = self.copies.pop(sid, None)
+        if copy is None or s.closed or s.kv.tokens:  # lost before (counted then), or never left the device
+            self.fetching.pop(sid, None)
+            if copy is not None:
+                self.pool.free(copy.blocks)
+            return
+        pool, bt = w.rt.pool, self.pool.block_tokens
+        # the positions the session still has (``m.tokens``: the core's count, less after a rewound
+        # turn), read as whole host blocks: each block's CRC covers the block
+        keep = min(copy.tokens, m.tokens)
+        n = min(copy.tokens, -(-keep // bt) * bt)
+        t0 = time.perf_counter()
+        err = ""
+        try:
+            async with self.moved:  # the blocks the core counts free may still be leaving
+                await self.moved.wait_for(lambda: pool.free_tokens >= n or not self.running_offloads)
+            dest = s.kv.reserve(pool, n)
+            self.fetching.pop(sid, None)  # reserved: the pool counts it now
+            await w.rt.transport.read(self.name, _block_segments(copy.blocks, n, bt), dest)
+            got = _crcs(pool.read(dest), self.pool.block_bytes)
+            if got != copy.crcs[:len(got)]:
+                err = "mismatch"
+        except KVPoolExhausted as exc:
+            err = f"device-full: {exc}"
+        except KVTransferError as exc:
+            err = f"transfer: {exc}"
+        finally:
+            self.pool.free(copy.blocks)  # the transfer has ended either way
+        if s.closed:
+            return
+        if sid in self.dropped:  # evicted meanwhile (``evicted``): the blocks go, the history is prefilled again
+            self.dropped.discard(sid)
+            s.kv.release(pool)
+            s.recompute = keep
+            return
+        if err:
+            s.kv.release(pool)
+            s.recompute = keep
+            self._failed(s, "prefetch", err.split(":")[0], err)
+            return
+        s.kv.commit(n)
+        if keep < n:
+            s.kv.truncate(pool, keep)
+        self._count(f"kv_tier_move_prefetch:{m.reason}")
+        self._count("kv_tier_bytes_from_host", n * self.pool.bytes_per_token)
+        log.info("kv prefetched", session=sid, tokens=n, reason=m.reason,
+                 ms=round(1e3 * (time.perf_counter() - t0), 2))
+
+    # ------------------------------------------------------------------------------ helpers
+    def _after_move(self, s: Session) -> None:
+        """A move of ``s`` ended: a session closed meanwhile lets go of what the tier held for it."""
+        later = self.busy.get(s.session_id)  # a move chained after this one lets go instead
+        if s.closed and (later is None or later is asyncio.current_task()):
+            s.kv.release(self.w.rt.pool)
+            self._free_copy(s.session_id)
+            self.w.rt.changed()
+
+    def _free_copy(self, sid: str) -> None:
+        copy = self.copies.pop(sid, None)
+        if copy is not None:
+            self.pool.free(copy.blocks)
+
+    def _lose(self, s: Session, why: str) -> None:
+        """The device copy of the session's KV goes; its next round prefills the history again."""
+        s.recompute = s.kv.tokens
+        s.kv.release(self.w.rt.pool)
+        self.w.rt.changed()
+        if why:
+            log.warning("kv tier move failed; the next round prefills the history again", session=s.session_id,
+                        error=why, tokens=s.recompute)
+
+    def _failed(self, s: Session, kind: str, why: str, detail: str) -> None:
+        self._count(f"kv_tier_failed_{kind}:{why}")
+        if kind == "offload":
+            self._lose(s, detail)
+        else:
+            log.warning("kv prefetch failed; the round prefills the history again", session=s.session_id,
+                        error=detail, tokens=s.recompute)
+
+    def _count(self, key: str, n: float = 1) -> None:
+        self.counts[key] = self.counts.get(key, 0) + n
+
+    def metrics(self) -> dict[str, float]:
+        """The tier's values for the worker's Metrics reply."""
+        out = dict(self.counts)
+        for k, v in self.core.tier.decisions.items():
+            out[f"kv_tier_decision_{k}"] = v
+        out["kv_tier_host_used_blocks"] = self.pool.num_blocks - self.pool.free_blocks
+        out["kv_tier_host_free_blocks"] = self.pool.free_blocks
+        out["kv_tier_host_copies"] = len(self.copies)
+        return out

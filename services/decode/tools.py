@@ -105,6 +105,9 @@ class ToolCalls:
             results.append((name, res))
         if s.closed:
             return
+        if w.tier is not None:  # the calls' time, as the sidecar measured it, joins the tool's estimate
+            w.tier.resumed(s, sum(max(0.0, res.finished - res.started) for _, res in results)
+                           if all(res.finished for _, res in results) else None)
         if w.chat is not None and all(res.content for _, res in results):
             ids = w.chat.continuation_ids([{"role": "tool", "name": name, "content": res.content}
                                               for name, res in results], after_eos=after_eos)

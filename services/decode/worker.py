@@ -47,6 +47,7 @@ from services.decode.session import (ABORTED, ENDED_KEEP, FINISH_LENGTH, FINISH_
                                      SessionError, SessionFailed, check_secret, check_turn, emit, round_spans)
 from services.decode.streamed import continue_remote_round, streams_rounds
 from services.decode.streams import Attachments
+from services.decode.tier import LiveTier, pause
 from services.decode.tools import ToolCalls
 
 __all__ = ["DecodeWorker", "Session", "SessionFailed", "SessionError", "InvalidTurn", "NotPermitted", "NotOpen",
@@ -93,6 +94,7 @@ class DecodeWorker:
         self.attachments = Attachments(self)
         self.remote = RemotePrefills(self)
         self.tools = ToolCalls(self, sidecar_stub)
+        self.tier = LiveTier(self, core.tier.host.num_blocks) if core.tier is not None else None  # --kv-host-mb
         rt.published = self.kv.published
         rt.on_fenced = self.fenced
 
@@ -181,6 +183,8 @@ class DecodeWorker:
             raise InvalidTurn(f"turn.tool_call_id: {t.tool_call_id!r} is not a pending call of the session "
                               f"({len(s.pending_calls)} pending)")
         s.pending_calls.clear()
+        if self.tier is not None:
+            self.tier.resumed(s)
         s.turns += 1
         self._start_turn(s, t, time.time(), route)
 
@@ -236,7 +240,9 @@ class DecodeWorker:
             self.rt.changed()
 
     def start_round(self, s: Session) -> None:
-        """The round's KV is admitted: reserve it and ask the coordinator to route the prefill."""
+        """The round's KV is admitted (its host tier moves done): reserve it, route the prefill."""
+        if self.tier is not None and self.tier.defer(s):
+            return
         rnd = s.round
         s.l_hist = s.kv.tokens
         s.l_incr = len(s.tokens) - s.l_hist
@@ -327,9 +333,9 @@ class DecodeWorker:
             self.ended.pop(s.session_id, None)
         remote = self.remote.take(s.session_id, s.round) is not None
         self.loop.forget(s)
-        # its blocks: freed by the local prefill running them, held for a prefill worker that may
-        # still write them, or freed now
-        if not self.loop.cancel_prefill(s) and not self.remote.hold(s, remote):
+        moving = self.tier is not None and self.tier.close(s)
+        # its blocks: freed by its local prefill, held for a prefill worker or a host tier move, or now
+        if not self.loop.cancel_prefill(s) and not self.remote.hold(s, remote) and not moving:
             s.kv.release(self.rt.pool)
         if self.token_ids or self.round_kv:
             self.engine.forget(s.session_id)
@@ -383,15 +389,14 @@ class DecodeWorker:
             self.engine.forget(s.session_id)
         if self.streams:
             self.engine.end_round(s.session_id)  # where it still runs (the worker stopped first)
-        # idle until its next round (a tool result, or the next turn); with --kv-evict its KV may go
-        if self.core.tool_call(s.core):
-            self.kv.admit_waiting()
         s.carried = 0
         if reason == FINISH_STOP_REQUESTED:
             s.script.clear()  # the turn ends here: no tool call, no later round
         scripted = s.script.popleft() if s.script else None
         parsed = parse_tool_calls(s.stops.text)[1] if scripted is None and s.stops is not None \
             and reason != FINISH_STOP_REQUESTED else []
+        # idle until its next round (a tool result, or the next turn): its KV may go, or move to host
+        pause(self, s, scripted, parsed)
         if scripted is not None or parsed:
             reason = FINISH_TOOL
         s.timing.finish_reason = reason

@@ -1,6 +1,7 @@
 """The live decode worker's host KV tier settings (services/decode/tier.py): off by default and
-inert; on, a host pool too small for one session's KV is refused with the sizes named, and a big
-enough one is refused because the tier is simulated only (never a half-working tier)."""
+inert; on, a host pool too small for one session's KV is refused with the sizes named, and so is an
+engine that keeps its KV outside the worker's pool (nothing there for the tier to move). The tier at
+work: tests/integration/test_decode_tier_live.py."""
 from __future__ import annotations
 
 import pytest
@@ -30,13 +31,22 @@ def test_a_host_pool_too_small_for_one_session_is_refused_with_its_sizes():
     assert "--kv-host-mb 1" in msg and "1024 tokens" in msg and "4096 tokens" in msg and "at least 4" in msg
 
 
-def test_a_big_enough_host_pool_is_refused_because_the_moves_are_not_wired():
-    with pytest.raises(ConfigError, match="host KV tier is simulated only"):
-        check_host_tier(8, 16, 1024, 4096)
+def test_a_big_enough_host_pool_is_taken_unless_the_engine_keeps_its_own_kv():
+    assert check_host_tier(8, 16, 1024, 4096) == 512  # 8 MiB of 16 KiB blocks
+    assert check_host_tier(0, 16, 1024, 4096, "sglang", kv_in_pool=False) == 0  # off: nothing
+    with pytest.raises(ConfigError, match="engine 'sglang' keeps its KV outside the worker's pool"):
+        check_host_tier(8, 16, 1024, 4096, "sglang", kv_in_pool=False)
 
 
-@pytest.mark.parametrize("mb, says", [("1", "set --kv-host-mb to at least"), ("64", "host KV tier is simulated only")])
-def test_the_decode_process_refuses_the_tier_at_start_up_before_redis(mb, says):
+def test_an_offload_pressure_outside_the_pool_is_refused():
+    with pytest.raises(ConfigError, match=r"--kv-offload-pressure must be in \[0, 1\].*got 1.5"):
+        check_host_tier(8, 16, 1024, 4096, offload_pressure=1.5)
+
+
+@pytest.mark.parametrize("flags, says", [(["--kv-host-mb", "1"], "--kv-host-mb 1: "),
+                                         (["--kv-host-mb", "64", "--kv-offload-pressure", "1.5"],
+                                          "--kv-offload-pressure must be in [0, 1]")])
+def test_the_decode_process_refuses_the_tier_at_start_up_before_redis(flags, says):
     """The real start-up path (the mock engine's pool): the refusal comes before Redis is dialled."""
     import os
     import subprocess
@@ -44,9 +54,9 @@ def test_the_decode_process_refuses_the_tier_at_start_up_before_redis(mb, says):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    p = subprocess.run([sys.executable, "-m", "services.decode", *BASE, "--port", "0", "--kv-host-mb", mb],
+    p = subprocess.run([sys.executable, "-m", "services.decode", *BASE, "--port", "0", *flags],
                        cwd=root, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
     assert p.returncode != 0
     first = p.stderr.splitlines()[0]
-    assert first.startswith("ampd-decode: error: --kv-host-mb") and says in first and "Redis" not in first
+    assert first.startswith("ampd-decode: error: " + says) and "Redis" not in first
     assert "Traceback" not in p.stderr, p.stderr  # the one line only: the gRPC server started is stopped

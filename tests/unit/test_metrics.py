@@ -120,7 +120,8 @@ def test_on_loop_reads_on_the_loop_thread():
 def exported() -> set[str]:
     """Every metric family name the services export (counters with _total)."""
     values = {k: 1.0 for fams in metrics.FAMILIES.values() for f in fams for k, _ in f.sources}
-    values["route_x"] = 1.0
+    for f in (f for fams in metrics.FAMILIES.values() for f in fams if f.prefix):  # one key each
+        values[f.prefix + "x"] = 1.0
     collectors = [metrics.ValuesCollector(fixed(values, {"policy": "p"}), fams) for fams in metrics.FAMILIES.values()]
     rm = metrics.RoundMetrics()
     rm.observe(common_pb2.RoundTiming(round=0, input_ready=1.0, first_token=2.0, last_token=3.0, tokens=3))
