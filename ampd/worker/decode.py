@@ -280,7 +280,9 @@ class DecodeCore(KvAdmission, TierMixin, RunWindow):
         self.run_flushed = 0
         self.run_cut = self.step_by_step
         self.run_ver += 1
-        run = self.run = DecodeRun(steps=m, first_s=A, growth_s=g, batch=n, end=now + m * A + g * m * (m - 1) * 0.5)
+        # positional, in DecodeRun's field order (steps, first_s, growth_s, batch, end): a keyword
+        # call costs more, and a run is built per run of steps
+        run = self.run = DecodeRun(m, A, g, n, now + m * A + g * m * (m - 1) * 0.5)
         return run
 
     def update(self, work: LocalPrefill | DecodeRun, now: float) -> Sequence[DecodeSession]:

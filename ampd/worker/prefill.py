@@ -161,7 +161,8 @@ class PrefillCore:
         total = comp + read + write  # remote_prefill_s's order: the same float as Eq. (2)
         self.busy_until = now + total
         self.compute_at = now + read
-        return PrefillWork(task=task, read_s=read, compute_s=comp, write_s=write, total_s=total, was_ahead=was_ahead)
+        # positional, in PrefillWork's field order (one is built per remote prefill)
+        return PrefillWork(task, read, comp, write, total, was_ahead)
 
     def compute_started(self, now: float) -> KvRead | None:
         """The task in service has its history: with the overlap, the next task leaves the queue
@@ -216,7 +217,7 @@ class PrefillCore:
         self.ahead = task
         self.ahead_parts = parts
         self.ahead_read_end = now + parts[0]
-        return KvRead(task=task, seconds=parts[0])
+        return KvRead(task, parts[0])
 
     def _parts_of(self, task: PrefillTask) -> tuple[float, float, float]:
         """Eq. (2)'s terms of a task leaving the queue (computed at submit with the overlap)."""
