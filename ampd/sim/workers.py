@@ -21,6 +21,7 @@ class Decode(DecodeCore):
     def __init__(self, idx: int, *args, **kw):
         super().__init__(*args, **kw)
         self.idx = idx
+        self.view_tasks = False  # nothing in the simulator reads WorkerView.queue
         lg = self.log = StepLog()
         self.nic = 0.0  # when its NIC is free (kv_contention)
         self.link = 0.0  # when its device-host link is free (the host KV tier)
@@ -35,6 +36,7 @@ class Prefill(PrefillCore):
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
+        self.view_tasks = False  # nothing in the simulator reads WorkerView.queue
         self.nic = 0.0
         self.busy_s = 0.0  # the simulator knows the real durations (NIC contention, PathLatency)
         self.cs_event = False  # a COMPUTE_START event is scheduled for the task in service

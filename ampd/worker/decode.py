@@ -94,7 +94,7 @@ class DecodeCore(KvAdmission, TierMixin, RunWindow):
                  "new_wait", "wait_need", "evictable", "window", "busy_s", "in_prefill", "chunk_session",
                  "chunk_done", "chunk_step_due", "busy_until", "kv_overcommits", "kv_evictions", "kv_evict",
                  "kv_recomputed_tokens", "victims", "evictable_kv", "queue_ver", "queue_len",
-                 "view_queue_ver", "view_queue", "view_queue_s", "last_view", "tier")
+                 "view_queue_ver", "view_queue", "view_queue_s", "last_view", "tier", "view_tasks")
 
     def __init__(self, worker_id: str, tp: int, cost: CostModel, queue: PrefillQueue, *,
                  kv_capacity_tokens: int, window_s: float = STATS_WINDOW_S, chunk_tokens: int = 0,
@@ -158,6 +158,9 @@ class DecodeCore(KvAdmission, TierMixin, RunWindow):
         self.view_queue: tuple = ()
         self.view_queue_s = 0.0  # the copied queue's predicted total
         self.last_view: WorkerView | None = None
+        # views carry a copy of the queued tasks (WorkerView.queue); a driver whose readers use only
+        # queue_predicted_s (the simulator) sets False and views carry ()
+        self.view_tasks = True
         self.tier = tier  # the host KV tier (ampd.worker.decode_tier); None: off
 
     # -------------------------------------------------------------------------- local prefills

@@ -82,7 +82,7 @@ class PrefillCore:
     __slots__ = ("worker_id", "tp", "cost", "queue", "window", "kv_overlap", "kv_capacity_tokens",
                  "current", "computing", "compute_at", "busy_until", "ahead", "ahead_parts", "ahead_read_end",
                  "_tail_cw", "_parts", "tasks", "queue_ver", "queue_len",
-                 "view_queue_ver", "view_queue", "view_queue_s", "last_view")
+                 "view_queue_ver", "view_queue", "view_queue_s", "last_view", "view_tasks")
 
     def __init__(self, worker_id: str, tp: int, cost: CostModel, queue: PrefillQueue, *,
                  window_s: float = STATS_WINDOW_S, kv_overlap: bool = True, kv_capacity_tokens: int = 0):
@@ -110,6 +110,9 @@ class PrefillCore:
         self.view_queue: tuple = ()
         self.view_queue_s = 0.0  # the copied queue's predicted total
         self.last_view: WorkerView | None = None
+        # views carry a copy of the queued tasks (WorkerView.queue); a driver whose readers use only
+        # queue_predicted_s (the simulator) sets False and views carry ()
+        self.view_tasks = True
 
     # ----------------------------------------------------------------------------- the protocol
     def submit(self, task: PrefillTask, now: float) -> KvRead | None:
@@ -237,7 +240,8 @@ class PrefillCore:
         mean = self.window.mean(now)
         residual = self.busy_until - now if self.current is not None and self.busy_until > now else 0.0
         if self.view_queue_ver != self.queue_ver:  # the queue changed: copy it once, not per view
-            self.view_queue = self.queue.tasks()
+            if self.view_tasks:
+                self.view_queue = self.queue.tasks()
             self.view_queue_s = self.queue.predicted_total()
             self.view_queue_ver = self.queue_ver
         pred = self.view_queue_s + residual

@@ -238,9 +238,8 @@ def generate(preset: str, rate: float, duration: float, seed: int) -> list[Sessi
     for i in range(n):
         k = int(nrounds[i])
         rin, rout, rtool = inputs[i].tolist(), outputs[i].tolist(), tool_s[i].tolist()
-        rounds = tuple(
-            new_round(rin[j], rout[j], rtool[j] if j < k - 1 else None) for j in range(k)
-        )
+        # the last round has no tool call (map stops at the shortest: k rounds)
+        rounds = tuple(map(new_round, rin[:k], rout[:k], rtool[:k - 1] + [None] if k else ()))
         sessions.append(Session(f"{preset}-{i:06d}", round(float(arrival[i]), 6), rounds))
     return sessions
 
