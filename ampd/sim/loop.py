@@ -318,8 +318,8 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
             pviews.now = now
             vs = pviews.vs = pviews.blank[:]
             dec = self.route_fn(task, dview, pviews, now)
-            for i, p in enumerate(pviews.ps):
-                if vs[i] is None:
+            for p, v in zip(pviews.ps, vs):
+                if v is None:
                     p.window.mean(now)
         reasons = self.reasons
         reasons[dec.reason] = reasons.get(dec.reason, 0) + 1
