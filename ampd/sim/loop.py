@@ -314,7 +314,7 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
             dec = self.router.route(task, dview, (), now)
         else:
             pviews = self.pviews
-            # Views.reset and Views.settle, inlined (once per routing decision)
+            # a fresh Views per decision; after it, the unread workers' windows move (see Views)
             pviews.now = now
             vs = pviews.vs = pviews.blank[:]
             dec = self.route_fn(task, dview, pviews, now)

@@ -46,9 +46,10 @@ class Views:
     """The prefill workers' views for one routing decision, each built on first read. Algorithm 1
     stops at the first prefill worker with slack (most decisions), so most views are never read;
     the router is pure and nothing changes while it runs, so a view built late equals one built
-    up front. ``settle`` then reads the windowed mean of every worker whose view was not built:
-    that read expires old samples, and the window's float sum depends on when they leave, so every
-    worker's window moves exactly as when every view was built."""
+    up front. After the decision the driver (``_Run.route``, which also resets ``now`` and ``vs``
+    per decision) reads the windowed mean of every worker whose view was not built: that read
+    expires old samples, and the window's float sum depends on when they leave, so every worker's
+    window moves exactly as when every view was built."""
 
     __slots__ = ("ps", "now", "vs", "blank")
 
@@ -56,11 +57,6 @@ class Views:
         self.ps = ps
         self.now = now
         self.blank = [None] * len(ps)
-        self.vs = self.blank[:]
-
-    def reset(self, now: float) -> None:
-        """Ready for the next routing decision (one object per run, reset per decision)."""
-        self.now = now
         self.vs = self.blank[:]
 
     def __len__(self) -> int:
@@ -75,12 +71,6 @@ class Views:
     def __iter__(self):
         for i in range(len(self.ps)):
             yield self[i]
-
-    def settle(self) -> None:
-        vs, now = self.vs, self.now
-        for i, p in enumerate(self.ps):
-            if vs[i] is None:
-                p.window.mean(now)
 
 
 class Waiting:
