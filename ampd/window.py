@@ -31,8 +31,13 @@ class WindowedMean:
         samples.append((now, total, count))
         self._sum += total
         self._count += count
-        if samples[0][0] < now - self.window_s:  # inline check: add runs per decode run in the simulator
-            self._expire(now)
+        horizon = now - self.window_s
+        # _expire, inlined (add runs per decode run in the simulator); the sample just added stops
+        # the loop (now >= horizon), so the window never empties here
+        while samples[0][0] < horizon:
+            _, total, count = samples.popleft()
+            self._sum -= total
+            self._count -= count
 
     def mean(self, now: float) -> float | None:
         """The mean of the samples within the window at `now`."""

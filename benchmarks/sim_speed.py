@@ -1,6 +1,6 @@
 """Simulator speed: GAIA-preset sessions on 32 GPUs (P tp8*2 + D tp8*2, the paper's top GAIA plan).
 
-    python benchmarks/sim_speed.py [--sessions 100000] [--rates 0.04,0.3] [--policy ampd]
+    python benchmarks/sim_speed.py [--sessions 100000] [--rates 0.04,0.3] [--policy ampd] [--repeat 1]
 
 Wall and CPU seconds of each phase (trace generation, simulation, report) and end to end. One run
 per rate: 0.04 sessions/s is a load this deployment sustains (decode ~72 % busy, no KV
@@ -84,6 +84,14 @@ def one_run(a, prof, rate: float) -> dict:
     }
 
 
+def fastest(tries: list[dict]) -> dict:
+    """The run with the least end-to-end CPU time (the box's other jobs only ever add to it), with
+    every run's end-to-end CPU seconds in ``end_to_end_cpu_s_all``."""
+    best = dict(min(tries, key=lambda r: r["end_to_end_cpu_s"]))
+    best["end_to_end_cpu_s_all"] = [round(r["end_to_end_cpu_s"], 2) for r in tries]
+    return best
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sessions", type=int, default=100_000)
@@ -92,13 +100,19 @@ def main() -> int:
     add_flags(ap, ("policy", "profile", "prefill", "decode", "ttft_slo", "itl_slo"))
     # this benchmark's deployment (the paper's 70B on 32 GPUs) and TTFT SLO
     ap.set_defaults(profile="llama3.1-70b@h20", prefill="tp8*2", decode="tp8*2", ttft_slo=5.0)
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs per rate; the file keeps the one with the least end-to-end CPU time "
+                         "(and every run's end-to-end CPU seconds)")
     ap.add_argument("--note", default="", help="free text stored with the results (load on the box, ...)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "sim_speed.json"))
     a = ap.parse_args()
+    if a.repeat < 1:
+        ap.error(f"--repeat must be >= 1, got {a.repeat}")
     prof = load_profile(a.profile)
     runs = []
     for rate in (float(x) for x in a.rates.split(",") if x.strip()):
-        runs.append(one_run(a, prof, rate))
+        tries = [one_run(a, prof, rate) for _ in range(a.repeat)]
+        runs.append(fastest(tries))
         print(json.dumps(runs[-1], indent=2), flush=True)
     out = {
         "command": "python " + " ".join(sys.argv),

@@ -37,6 +37,7 @@ from .gcpause import gc_paused
 from .prefixing import Prefixing, prefix_indexes
 from .remote import RemotePrefilling
 from .result import SimResult, SimRound, SimSession
+from .steplog import pack_row
 from .tiering import Tiering
 from .workers import Decode, Prefill, Sess, SlowerSteps, Views
 
@@ -322,9 +323,13 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
             dec = self.router.route(task, dview, (), now)
         else:
             pviews = self.pviews
-            pviews.reset(now)
+            # a fresh Views per decision; after it, the unread workers' windows move (see Views)
+            pviews.now = now
+            vs = pviews.vs = pviews.blank[:]
             dec = self.route_fn(task, dview, pviews, now)
-            pviews.settle()
+            for p, v in zip(pviews.ps, vs):
+                if v is None:
+                    p.window.mean(now)
         reasons = self.reasons
         reasons[dec.reason] = reasons.get(dec.reason, 0) + 1
         if dec.local or dec.target == d.worker_id:
@@ -380,8 +385,8 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
         d = obj[0]  # the loop dropped the runs that were cut short
         n = d.batch_size
         # one row per run of steps (StepLog.FIELDS order)
-        d.log_row((d.step_idx, d.run_t0, d.run_first_s, d.run_growth_s, d.run_steps, n, n - d.run_joined,
-                   d.last_end))
+        d.log_row(pack_row(d.step_idx, d.run_t0, d.run_first_s, d.run_growth_s, d.run_steps, n,
+                           n - d.run_joined, d.last_end))
         exits = d.update(d.run, now)
         if exits:
             round_end = self.round_end

@@ -116,26 +116,24 @@ def compact_report(res: SimResult, slo, duration: float) -> dict:
         ttft_ok = bool(rounds)
         span = 0.0
         gaps = 0
-        for r in rounds:
-            loc = r.local
+        # SimRound's fields unpacked (one C loop) rather than read by name, per round
+        for rnd, ready, ft, last, nt, loc, _, _, _ in rounds:
             if loc is True:
                 local += 1
             elif loc is False:
                 remote += 1
-            ft = r.first_token
-            nt = r.n_tokens
             if ft is None:
                 ttft_ok = False
             else:
-                t = ft - r.input_ready
+                t = ft - ready
                 if t > ttft_lim:
                     ttft_ok = False
                 add_t(t)
-                add_i(r.round == 0)
+                add_i(rnd == 0)
             if nt:
                 tokens += nt
                 if nt > 1:
-                    span += r.last_token - ft
+                    span += last - ft
                     gaps += nt - 1
         rounds_total += len(rounds)
         itl_ok = not gaps or span / gaps <= itl_lim

@@ -11,8 +11,12 @@ from __future__ import annotations
 from array import array
 from bisect import bisect_right
 from operator import attrgetter
+from struct import Struct
 
-__all__ = ["StepLog", "itl_samples", "SERIES_POINTS"]
+__all__ = ["StepLog", "itl_samples", "SERIES_POINTS", "pack_row"]
+
+# one row of a StepLog (StepLog.FIELDS order) as bytes: pack_row(lo, t0, A, g, k, n, old, prev)
+pack_row = Struct("=8d").pack
 
 
 class StepLog:
@@ -26,13 +30,15 @@ class StepLog:
 
     __slots__ = ("lo", "t0", "A", "g", "k", "n", "old", "prev", "rows")
 
-    # field order of a row of ``rows`` (``add``); the integer fields are exact in a double (< 2**53)
+    # field order of a row of ``rows``; the integer fields are exact in a double (< 2**53)
     FIELDS = ("lo", "t0", "A", "g", "k", "n", "old", "prev")
 
     def __init__(self):
-        # a running simulation appends each segment as one row of 8 doubles (one C call per
-        # segment instead of 8); ``finish`` splits the rows into the per-field arrays below
-        self.rows = array("d")
+        # a running simulation appends each segment as one row of 8 native doubles, packed by
+        # ``pack_row`` (one C call per segment: 0.35 us against 0.8 us for array("d").extend of
+        # the row's tuple, timeit, Python 3.11); ``finish`` splits the rows into the per-field
+        # arrays below
+        self.rows = bytearray()
         self.lo = array("q")
         self.t0 = array("d")
         self.A = array("d")
@@ -53,7 +59,8 @@ class StepLog:
             a = getattr(self, name)
             col = m[:, i]
             a.frombytes((col.astype(np.int64) if a.typecode == "q" else np.ascontiguousarray(col)).tobytes())
-        self.rows = array("d")
+        del m, col  # the buffer's views, before it shrinks
+        self.rows.clear()  # in place: a driver may hold rows.extend
 
     def step_end(self, idx: int) -> float:
         s = bisect_right(self.lo, idx) - 1

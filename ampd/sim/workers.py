@@ -22,6 +22,7 @@ class Decode(DecodeCore):
     def __init__(self, idx: int, *args, **kw):
         super().__init__(*args, **kw)
         self.idx = idx
+        self.view_tasks = False  # nothing in the simulator reads WorkerView.queue
         lg = self.log = StepLog()
         self.nic = 0.0  # when its NIC is free (kv_contention)
         self.link = 0.0  # when its device-host link is free (the host KV tier)
@@ -37,6 +38,7 @@ class Prefill(PrefillCore):
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
+        self.view_tasks = False  # nothing in the simulator reads WorkerView.queue
         self.nic = 0.0
         self.busy_s = 0.0  # the simulator knows the real durations (NIC contention, PathLatency)
         self.cs_event = False  # a COMPUTE_START event is scheduled for the task in service
@@ -46,9 +48,10 @@ class Views:
     """The prefill workers' views for one routing decision, each built on first read. Algorithm 1
     stops at the first prefill worker with slack (most decisions), so most views are never read;
     the router is pure and nothing changes while it runs, so a view built late equals one built
-    up front. ``settle`` then reads the windowed mean of every worker whose view was not built:
-    that read expires old samples, and the window's float sum depends on when they leave, so every
-    worker's window moves exactly as when every view was built."""
+    up front. After the decision the driver (``_Run.route``, which also resets ``now`` and ``vs``
+    per decision) reads the windowed mean of every worker whose view was not built: that read
+    expires old samples, and the window's float sum depends on when they leave, so every worker's
+    window moves exactly as when every view was built."""
 
     __slots__ = ("ps", "now", "vs", "blank")
 
@@ -56,11 +59,6 @@ class Views:
         self.ps = ps
         self.now = now
         self.blank = [None] * len(ps)
-        self.vs = self.blank[:]
-
-    def reset(self, now: float) -> None:
-        """Ready for the next routing decision (one object per run, reset per decision)."""
-        self.now = now
         self.vs = self.blank[:]
 
     def __len__(self) -> int:
@@ -75,12 +73,6 @@ class Views:
     def __iter__(self):
         for i in range(len(self.ps)):
             yield self[i]
-
-    def settle(self) -> None:
-        vs, now = self.vs, self.now
-        for i, p in enumerate(self.ps):
-            if vs[i] is None:
-                p.window.mean(now)
 
 
 class Waiting:

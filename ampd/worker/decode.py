@@ -95,7 +95,7 @@ class DecodeCore(KvAdmission, TierMixin, RunWindow):
                  "new_wait", "wait_need", "evictable", "window", "busy_s", "in_prefill", "chunk_session",
                  "chunk_done", "chunk_step_due", "busy_until", "kv_overcommits", "kv_evictions", "kv_evict",
                  "kv_recomputed_tokens", "victims", "evictable_kv", "queue_ver", "queue_len",
-                 "view_queue_ver", "view_queue", "view_queue_s", "last_view", "tier")
+                 "view_queue_ver", "view_queue", "view_queue_s", "last_view", "tier", "view_tasks")
 
     def __init__(self, worker_id: str, tp: int, cost: CostModel, queue: PrefillQueue, *,
                  kv_capacity_tokens: int, window_s: float = STATS_WINDOW_S, chunk_tokens: int = 0,
@@ -159,6 +159,9 @@ class DecodeCore(KvAdmission, TierMixin, RunWindow):
         self.view_queue: tuple = ()
         self.view_queue_s = 0.0  # the copied queue's predicted total
         self.last_view: WorkerView | None = None
+        # views carry a copy of the queued tasks (WorkerView.queue); a driver whose readers use only
+        # queue_predicted_s (the simulator) sets False and views carry ()
+        self.view_tasks = True
         self.tier = tier  # the host KV tier (ampd.worker.decode_tier); None: off
 
     # -------------------------------------------------------------------------- local prefills
@@ -282,7 +285,9 @@ class DecodeCore(KvAdmission, TierMixin, RunWindow):
         self.run_flushed = 0
         self.run_cut = self.step_by_step
         self.run_ver += 1
-        run = self.run = DecodeRun(steps=m, first_s=A, growth_s=g, batch=n, end=now + m * A + g * m * (m - 1) * 0.5)
+        # positional, in DecodeRun's field order (steps, first_s, growth_s, batch, end): a keyword
+        # call costs more, and a run is built per run of steps
+        run = self.run = DecodeRun(m, A, g, n, now + m * A + g * m * (m - 1) * 0.5)
         return run
 
     def update(self, work: LocalPrefill | DecodeRun, now: float) -> Sequence[DecodeSession]:

@@ -124,7 +124,8 @@ class RunWindow:
         free = self.kv_cap - self.kv_used - self.wait_need
         residual = self.busy_until - now if self.state == PREFILLING and self.busy_until > now else 0.0
         if self.view_queue_ver != self.queue_ver:
-            self.view_queue = self.queue.tasks()
+            if self.view_tasks:
+                self.view_queue = self.queue.tasks()
             self.view_queue_s = self.queue.predicted_total()
             self.view_queue_ver = self.queue_ver
         pred = self.view_queue_s + residual

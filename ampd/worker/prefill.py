@@ -82,7 +82,7 @@ class PrefillCore:
     __slots__ = ("worker_id", "tp", "cost", "queue", "window", "kv_overlap", "kv_capacity_tokens",
                  "current", "computing", "compute_at", "busy_until", "ahead", "ahead_parts", "ahead_read_end",
                  "_tail_cw", "_parts", "tasks", "queue_ver", "queue_len",
-                 "view_queue_ver", "view_queue", "view_queue_s", "last_view")
+                 "view_queue_ver", "view_queue", "view_queue_s", "last_view", "view_tasks")
 
     def __init__(self, worker_id: str, tp: int, cost: CostModel, queue: PrefillQueue, *,
                  window_s: float = STATS_WINDOW_S, kv_overlap: bool = True, kv_capacity_tokens: int = 0):
@@ -110,6 +110,9 @@ class PrefillCore:
         self.view_queue: tuple = ()
         self.view_queue_s = 0.0  # the copied queue's predicted total
         self.last_view: WorkerView | None = None
+        # views carry a copy of the queued tasks (WorkerView.queue); a driver whose readers use only
+        # queue_predicted_s (the simulator) sets False and views carry ()
+        self.view_tasks = True
 
     # ----------------------------------------------------------------------------- the protocol
     def submit(self, task: PrefillTask, now: float) -> KvRead | None:
@@ -161,7 +164,8 @@ class PrefillCore:
         total = comp + read + write  # remote_prefill_s's order: the same float as Eq. (2)
         self.busy_until = now + total
         self.compute_at = now + read
-        return PrefillWork(task=task, read_s=read, compute_s=comp, write_s=write, total_s=total, was_ahead=was_ahead)
+        # positional, in PrefillWork's field order (one is built per remote prefill)
+        return PrefillWork(task, read, comp, write, total, was_ahead)
 
     def compute_started(self, now: float) -> KvRead | None:
         """The task in service has its history: with the overlap, the next task leaves the queue
@@ -216,7 +220,7 @@ class PrefillCore:
         self.ahead = task
         self.ahead_parts = parts
         self.ahead_read_end = now + parts[0]
-        return KvRead(task=task, seconds=parts[0])
+        return KvRead(task, parts[0])
 
     def _parts_of(self, task: PrefillTask) -> tuple[float, float, float]:
         """Eq. (2)'s terms of a task leaving the queue (computed at submit with the overlap)."""
@@ -236,7 +240,8 @@ class PrefillCore:
         mean = self.window.mean(now)
         residual = self.busy_until - now if self.current is not None and self.busy_until > now else 0.0
         if self.view_queue_ver != self.queue_ver:  # the queue changed: copy it once, not per view
-            self.view_queue = self.queue.tasks()
+            if self.view_tasks:
+                self.view_queue = self.queue.tasks()
             self.view_queue_s = self.queue.predicted_total()
             self.view_queue_ver = self.queue_ver
         pred = self.view_queue_s + residual
