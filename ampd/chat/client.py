@@ -10,6 +10,7 @@ on the decode worker (the client never sees it).
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -63,6 +64,7 @@ class ChatSession:
         self.last_token: int | None = None  # the session's last output token
         self._channel = None
         self._call = None
+        self._pending: deque = deque()  # events of a message read and not yet taken
 
     async def __aenter__(self) -> "ChatSession":
         self._channel = grpcserver.channel(self.address)
@@ -125,12 +127,15 @@ class ChatSession:
     async def _read_until(self, last: str):
         """The session's events up to and including the first of kind `last`."""
         while True:
-            try:
-                ev = await self._call.read()
-            except grpc.aio.AioRpcError as exc:
-                raise ChatError(f"{exc.code().name}: {exc.details()}") from None
-            if ev is grpc.aio.EOF:
-                raise ChatError(f"the session's stream ended before its {last}")
+            while not self._pending:
+                try:
+                    batch = await self._call.read()
+                except grpc.aio.AioRpcError as exc:
+                    raise ChatError(f"{exc.code().name}: {exc.details()}") from None
+                if batch is grpc.aio.EOF:
+                    raise ChatError(f"the session's stream ended before its {last}")
+                self._pending.extend(batch.events)
+            ev = self._pending.popleft()
             yield ev
             if ev.WhichOneof("event") == last:
                 return
