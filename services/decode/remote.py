@@ -127,10 +127,13 @@ class RemotePrefills:
 
     def _submit(self, s: Session, task: common_pb2.PrefillTask, target: str) -> None:
         info = self.w.rt.peers.get(target)
-        s.submitted_to = "" if info is None else info.address
-        reply = self.stubs.submit(info.address, info.nixl_agent).send(prefill_pb2.SubmitRequest(task=task)) \
-            if info is not None else None
+        # sent now when the prefill worker is known here (else once its registration is read)
+        reply = self._send(s, task, info) if info is not None else None
         self._spawn(self._submitted(s, task, target, reply))
+
+    def _send(self, s: Session, task: common_pb2.PrefillTask, info):
+        s.submitted_to = info.address
+        return self.stubs.submit(info.address, info.nixl_agent).send(prefill_pb2.SubmitRequest(task=task))
 
     def _lost(self, address: str) -> None:
         """The call stream to the prefill worker at ``address`` broke (it died or restarted): the
@@ -149,8 +152,12 @@ class RemotePrefills:
         the coordinator as a plain prefill_task, which routes it again (and runs it here if its
         prefill worker is gone)."""
         try:
-            if reply is None:
-                raise LookupError(f"prefill worker {target!r} is not known here")
+            if reply is None:  # registered since this worker's last peer sync, or not at all
+                try:
+                    await self.w.rt.ensure_peer(target)
+                except Exception as exc:  # noqa: BLE001 - not registered, or Redis away: not known here
+                    raise LookupError(f"prefill worker {target!r} is not known here ({exc})") from None
+                reply = self._send(s, task, self.w.rt.peers[target])
             await reply
         except (grpc.aio.AioRpcError, LookupError) as exc:
             log.warning("routed prefill submit failed; asking the coordinator", session=s.session_id,
