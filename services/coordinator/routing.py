@@ -6,6 +6,7 @@ A client's turn goes to the decode worker with its first round already routed (d
 ``route_ahead``); a round the worker asks about (its prefill_task) is routed then (``route``)."""
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -160,9 +161,10 @@ class SessionRoutes:
         # Its line is at debug (AMPD_LOG_LEVEL=debug): rendered and written every round it cost ~3% of
         # the coordinator's CPU; the reason stays in the round's RoundTiming.route_reason, the
         # ampd_route_decisions_total counter and the route span.
-        log.debug("route", session=self.run.sid, round=rnd, target=decision.target, local=decision.local,
-                 reason=decision.reason, decide_ms=round(decide_ms, 3),
-                 **{k: round(v, 4) for k, v in decision.estimates.items()})
+        if log.is_enabled_for(logging.DEBUG):  # (its arguments cost even when the line is dropped)
+            log.debug("route", session=self.run.sid, round=rnd, target=decision.target, local=decision.local,
+                      reason=decision.reason, decide_ms=round(decide_ms, 3),
+                      **{k: round(v, 4) for k, v in decision.estimates.items()})
 
     def local(self, rnd: int, reason: str) -> None:
         """The round's prefill runs on the bound decode worker. Unanswered (decode.proto Control): a
