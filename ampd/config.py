@@ -232,7 +232,8 @@ class CoordinatorSettings:
 class FrontendSettings:
     """The OpenAI-compatible HTTP front (services/frontend, docs/frontend.md)."""
 
-    coordinator_address: str = setting("", "the coordinator the front opens sessions on (required by the front); "
+    coordinator_address: str = setting("", "the coordinator the front (or `ampd chat`, instead of starting a "
+                                           "deployment) opens sessions on (required by the front); "
                                            "several sharing one Redis: comma-separated, new sessions go to each "
                                            "in turn and a session whose coordinator is lost goes on through "
                                            "another", metavar="HOST:PORT[,...]")

@@ -25,7 +25,7 @@ from ampd import grpcserver
 from ampd.tasks import BackgroundTasks
 from ampd.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
-__all__ = ["Coordinators", "parse_addresses"]
+__all__ = ["Coordinators", "parse_addresses", "session_events"]
 
 # A stream that failed with these may go on through another coordinator
 FAILOVER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
@@ -43,6 +43,14 @@ def parse_addresses(text: str, what: str = "--target") -> list[str]:
     if len(set(out)) != len(out):
         raise ValueError(f"{what} {text!r}: an address is given twice")
     return out
+
+
+async def session_events(call):
+    """The SessionEvent of a Session stream (a generated client's call or a FailoverSession) one by
+    one: the stream sends those ready together as one SessionEvents."""
+    async for batch in call:
+        for ev in batch.events:
+            yield ev
 
 
 class Coordinators:
@@ -103,7 +111,7 @@ class Coordinators:
 
 
 class FailoverSession:
-    """One session's stream, as a generated gRPC client's call looks (iterate its events;
+    """One session's stream, as a generated gRPC client's call looks (iterate its SessionEvents;
     ``cancel()``), going on through the next coordinator when its own is lost (the module doc)."""
 
     def __init__(self, coords: Coordinators, requests, start: int, timeout: float | None,
@@ -192,11 +200,11 @@ class FailoverSession:
         try:
             while True:
                 try:
-                    async for ev in self._call:
-                        out = self._filter(ev)
-                        if out is not None:
-                            yield out
-                            if out.HasField("done"):
+                    async for batch in self._call:
+                        events = [ev for ev in batch.events if self._filter(ev) is not None]
+                        if events:
+                            yield coordinator_pb2.SessionEvents(events=events)
+                            if events[-1].HasField("done"):
                                 return
                     return
                 except grpc.aio.AioRpcError as exc:

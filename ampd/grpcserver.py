@@ -14,11 +14,14 @@ import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 
 import grpc
+import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ampd import tracing
 from ampd.v1 import common_pb2
+
+log = structlog.get_logger()
 
 # Token streams are small messages; keep keepalives modest so a dead peer is noticed.
 KEEPALIVE_MS = 20_000  # how often a server and a channel (CHANNEL_OPTIONS) ping a quiet connection
@@ -340,15 +343,21 @@ async def abort_on_failure(context: grpc.aio.ServicerContext, handle: Callable[[
 async def serve_calls(request_iterator, handle: Callable[[object], object]):
     """The server half of a call stream: ``handle(request)`` (awaited if it returns an awaitable)
     for every request, in order, each answered by a CallReply with its id (code 0, or the
-    RpcFailure's status)."""
+    RpcFailure's status); one with id 0 (``CallStream.post``) is not answered, its failure logged."""
     async for req in request_iterator:
         try:
             res = handle(req)
             if inspect.isawaitable(res):
                 await res
         except RpcFailure as f:
-            yield common_pb2.CallReply(id=req.id, code=f.code.value[0], error=f.details)
+            if req.id:
+                yield common_pb2.CallReply(id=req.id, code=f.code.value[0], error=f.details)
+            else:
+                log.warning("unanswered request refused", request=type(req).__name__, code=f.code.name,
+                            error=f.details)
         else:
+            if not req.id:
+                continue
             # The work the request woke (a prefill to start, a task to submit) runs before the reply
             # is written: the caller is not waiting on the reply to go on with that work.
             await asyncio.sleep(0)
@@ -391,6 +400,14 @@ class CallStream:
 
     async def call(self, request, timeout_s: float = RPC_TIMEOUT_S) -> None:
         await self.send(request, timeout_s)
+
+    def post(self, request) -> None:
+        """Puts ``request`` on the stream with id 0: not answered (CallReply), its failure the
+        callee's to log. For a request whose caller learns its outcome otherwise: a message less."""
+        if self._call is None:
+            self._start()
+        request.id = 0
+        self._outbox.put_nowait(request)
 
     def send(self, request, timeout_s: float = RPC_TIMEOUT_S) -> Coroutine[None, None, None]:
         """Puts ``request`` on the stream now and returns what ``call`` awaits: its reply, with the

@@ -3,7 +3,8 @@ doubles, and two coordinators sharing one Redis (`ampd up --coordinators 2`).
 
 A mock deployment on the zero-cost profile (``zero@none``: every modelled cost is 0, so a round's
 TTFT is the live path itself: the decode worker's prefill_task, the coordinator's route decision,
-its LocalPrefill or Submit, the first token back through the coordinator), ``PREFILL`` prefill and
+its route back to the decode worker (local_prefill, or remote_prefill: the decode worker submits the
+task to the prefill worker), the first token back through the coordinator), ``PREFILL`` prefill and
 ``DECODE`` decode workers. Load: sessions of ``ROUNDS`` rounds (``INPUT`` new tokens, ``OUTPUT``
 output tokens each), their tool calls on the decode workers' sidecars taking ``TOOL_S`` each, so a
 session makes about 1/``TOOL_S`` rounds a second; for a target rate X, X*``TOOL_S`` sessions run at
@@ -65,10 +66,13 @@ READING = (
     "what one coordinator routes on a core of its own; for two coordinators the per-coordinator rate measured "
     "with both serving (each also follows every worker's statistics), and cpu_capacity_two_over_one = twice "
     "that over one's; redis_cpu_capacity_rounds_per_s bounds any number of coordinators. profile.where_time_goes: "
-    "py-spy's samples of the one coordinator at the highest rate measured, by category: most of a round's cost "
-    "is per gRPC message (about nine a round: the worker's events in, the route's LocalPrefill or Submit and its "
-    "reply, tokens, round end and tool call out to the client), in gRPC's poller thread and the grpc.aio "
-    "machinery on the event loop, not in the routing decision.")
+    "py-spy's samples of the one coordinator at the highest rate measured, by category (samples count wall "
+    "time: the event loop's and gRPC poller's waits are in their categories too). A round through the "
+    "coordinator is six gRPC messages (the decode worker's prefill_task, first tokens and round end in; its "
+    "route to the decode worker, unanswered, out; two SessionEvents to the client: the first tokens, then the "
+    "rest with round_end and tool_call) and about three statistics publications on the Redis channel; each "
+    "wakes the event loop and, for gRPC, its poller thread, which is where most of the CPU goes, not the "
+    "routing decision.")
 REPEAT = 2
 
 

@@ -15,7 +15,7 @@ import grpc
 
 from ampd.bench.report import SLO, RoundRecord, SessionRecord, build_report, format_report
 from ampd.engine.mock import token_at
-from ampd.coordinators import Coordinators, parse_addresses
+from ampd.coordinators import Coordinators, parse_addresses, session_events
 from ampd.v1 import common_pb2, coordinator_pb2
 from ampd.workload import Session, filler_ids
 
@@ -127,7 +127,7 @@ async def run_session(coordinator, s: Session, stats: ReplayStats, *, verify_tok
     expect_pos = _first_token_positions(s)
     call = coordinator.Session(requests(), timeout=timeout_s)
     try:
-        async for ev in call:
+        async for ev in session_events(call):
             if ev.decode_worker and s.id not in stats.bound_to:
                 stats.bound_to[s.id] = ev.decode_worker
             kind = ev.WhichOneof("event")

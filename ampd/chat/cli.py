@@ -25,6 +25,7 @@ import time
 from ampd.chat.calculator import SCHEMA
 from ampd.cli import CliError
 from ampd.config import Config, add_flags
+from ampd.coordinators import parse_addresses
 
 TOOL_SPEC = "calculator=ampd.chat.calculator:calculator"
 SYSTEM = "You are a helpful assistant. Use the calculator tool for arithmetic."
@@ -111,6 +112,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
         fmt = ChatFormat(tokenizer_for("torch", args.model))
     except (ValueError, RuntimeError) as exc:
         raise CliError(str(exc)) from None
+    messages = args.prompt or (() if args.interactive else SCRIPT)
+    if args.coordinator_address:  # a deployment already up, serving --model: its coordinators
+        try:
+            parse_addresses(args.coordinator_address, "--coordinator-address")
+            n = asyncio.run(converse(args.coordinator_address, fmt, messages, max_tokens=args.max_tokens,
+                                     interactive=args.interactive))
+        except (ValueError, ConnectionError) as exc:  # a malformed or unreachable address, named
+            raise CliError(str(exc)) from None
+        except ChatError as exc:
+            raise CliError(f"the session failed: {exc}") from None
+        print(f"\n{n} rounds answered", flush=True)
+        return 0
     cfg = Config.of(engine="torch", model=args.model, prefill="tp1*1", decode="tp1*1", policy=args.policy,
                     threshold_tokens=args.threshold_tokens, tool=(TOOL_SPEC,), run_dir=args.run_dir,
                     ttft_slo=args.ttft_slo, itl_slo=args.itl_slo)
@@ -121,7 +134,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
     with dep:
         print(f"deployment ready in {time.monotonic() - t0:.1f} s (coordinator {dep.coordinator})", flush=True)
         try:
-            messages = args.prompt or (() if args.interactive else SCRIPT)
             n = asyncio.run(converse(dep.coordinator, fmt, messages, max_tokens=args.max_tokens,
                                      interactive=args.interactive))
         except ChatError as exc:
@@ -133,7 +145,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def register(sub) -> None:
     p = sub.add_parser("chat", help="chat with a real model on a local deployment (torch engine, a tool)",
                        description=__doc__.split("\n\n")[1].replace("\n", " "))
-    add_flags(p, ("model", "policy", "threshold_tokens", "ttft_slo", "itl_slo", "run_dir"))
+    add_flags(p, ("model", "policy", "threshold_tokens", "ttft_slo", "itl_slo", "run_dir", "coordinator_address"))
     p.set_defaults(policy="threshold", threshold_tokens=36)
     p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
                    help="a user message (repeatable); default: a scripted two-turn conversation with a "

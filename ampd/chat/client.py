@@ -1,7 +1,8 @@
-"""A chat session against a coordinator: text in, each round's text and timings out.
+"""A chat session against a deployment's coordinators: text in, each round's text and timings out.
 
-`ChatSession` keeps one `Coordinator/Session` stream open and sends the conversation one user
-message at a time. The first turn carries the whole rendered conversation (system prompt, tools,
+`ChatSession` keeps one `Coordinator/Session` stream open (through ``ampd.coordinators``: given
+several coordinators, a session whose coordinator is lost goes on through another) and sends the
+conversation one user message at a time. The first turn carries the whole rendered conversation (system prompt, tools,
 earlier messages); every later turn carries only the template's continuation after the previous
 round (`ChatFormat.continuation_ids`): the session's KV already holds the rest. A turn comes back as
 its rounds: one per model output, where a server-side tool call's result was the next round's input
@@ -10,14 +11,15 @@ on the decode worker (the client never sees it).
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import grpc
 
-from ampd import grpcserver
+from ampd.coordinators import Coordinators, parse_addresses, session_events
 from ampd.chat.template import ChatFormat
-from ampd.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from ampd.v1 import common_pb2, coordinator_pb2
 
 __all__ = ["ChatRound", "ChatSession", "ChatError"]
 
@@ -50,7 +52,8 @@ class ChatRound:
 
 
 class ChatSession:
-    """One conversation. Use `async with`; `send(message)` answers one user message."""
+    """One conversation. Use `async with`; `send(message)` answers one user message. ``address``:
+    the coordinators', ``HOST:PORT[,HOST:PORT...]``."""
 
     def __init__(self, address: str, fmt: ChatFormat, session_id: str, *, max_tokens: int,
                  server_tools: Sequence[str] = (), tools: Sequence[Mapping] = (),
@@ -61,24 +64,36 @@ class ChatSession:
         self.timeout_s = timeout_s
         self.opened = False
         self.last_token: int | None = None  # the session's last output token
-        self._channel = None
+        self._coords: Coordinators | None = None
+        self._outbox: asyncio.Queue = asyncio.Queue()  # the messages to send; None half-closes
         self._call = None
+        self._events = None
 
     async def __aenter__(self) -> "ChatSession":
-        self._channel = grpcserver.channel(self.address)
-        self._call = coordinator_pb2_grpc.CoordinatorStub(self._channel).Session(timeout=self.timeout_s)
+        self._coords = Coordinators(parse_addresses(self.address, "--coordinator-address"))
+        try:
+            await self._coords.check()  # one that does not answer: named now, not a stream error later
+        except ConnectionError:
+            await self._coords.close()
+            raise
+        self._call = self._coords.Session(self._requests(), timeout=self.timeout_s)
+        self._events = session_events(self._call).__aiter__()
         return self
 
     async def __aexit__(self, *exc) -> None:
         try:
             if self.opened and exc[0] is None:
-                await self._call.write(coordinator_pb2.ClientMessage(close=coordinator_pb2.Close()))
-                await self._call.done_writing()
+                self._outbox.put_nowait(coordinator_pb2.ClientMessage(close=coordinator_pb2.Close()))
+                self._outbox.put_nowait(None)
                 async for _ in self._read_until("done"):
                     pass
         finally:
             self._call.cancel()
-            await self._channel.close()
+            await self._coords.close()
+
+    async def _requests(self):
+        while (m := await self._outbox.get()) is not None:
+            yield m
 
     def input_ids(self, message: Mapping[str, Any]) -> list[int]:
         """What the next turn prefills: the whole conversation first, then the continuation."""
@@ -96,7 +111,7 @@ class ChatSession:
             msg = coordinator_pb2.ClientMessage(turn=turn)
         else:
             msg = coordinator_pb2.ClientMessage(open=common_pb2.OpenSession(session_id=self.session_id, turn=turn))
-        await self._call.write(msg)
+        self._outbox.put_nowait(msg)
         self.opened = True
         rounds: dict[int, ChatRound] = {}
         async for ev in self._read_until("turn_end"):
@@ -126,11 +141,11 @@ class ChatSession:
         """The session's events up to and including the first of kind `last`."""
         while True:
             try:
-                ev = await self._call.read()
+                ev = await anext(self._events)
             except grpc.aio.AioRpcError as exc:
                 raise ChatError(f"{exc.code().name}: {exc.details()}") from None
-            if ev is grpc.aio.EOF:
-                raise ChatError(f"the session's stream ended before its {last}")
+            except StopAsyncIteration:
+                raise ChatError(f"the session's stream ended before its {last}") from None
             yield ev
             if ev.WhichOneof("event") == last:
                 return

@@ -174,7 +174,8 @@ class Cluster:
     async def _follow(self, ps) -> None:
         while True:
             try:
-                msg = await ps.get_message(timeout=1.0)
+                # blocking, without a timeout: a timeout costs a timer and its context a message
+                msg = await ps.get_message(timeout=None)
                 if msg is None or msg.get("type") != "message":
                     continue
                 st = WorkerStats.from_json(msg["data"])

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from ampd.v1 import common_pb2 as ampd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x61mpd/v1/coordinator.proto\x12\x07\x61mpd.v1\x1a\x14\x61mpd/v1/common.proto\"\x18\n\x06\x43\x61ncel\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x07\n\x05\x43lose\"\x0b\n\tStopRound\"\xf7\x01\n\rClientMessage\x12$\n\x04open\x18\x01 \x01(\x0b\x32\x14.ampd.v1.OpenSessionH\x00\x12\x1d\n\x04turn\x18\x04 \x01(\x0b\x32\r.ampd.v1.TurnH\x00\x12!\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x0f.ampd.v1.CancelH\x00\x12\x1f\n\x05\x63lose\x18\x05 \x01(\x0b\x32\x0e.ampd.v1.CloseH\x00\x12\"\n\x04stop\x18\x06 \x01(\x0b\x32\x12.ampd.v1.StopRoundH\x00\x12,\n\x08reattach\x18\x07 \x01(\x0b\x32\x18.ampd.v1.ReattachSessionH\x00\x42\x05\n\x03msgJ\x04\x08\x02\x10\x03\"\xa6\x02\n\x0cSessionEvent\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12!\n\x06tokens\x18\x02 \x01(\x0b\x32\x0f.ampd.v1.TokensH\x00\x12&\n\ttool_call\x18\x03 \x01(\x0b\x32\x11.ampd.v1.ToolCallH\x00\x12&\n\tround_end\x18\x04 \x01(\x0b\x32\x11.ampd.v1.RoundEndH\x00\x12$\n\x04\x64one\x18\x05 \x01(\x0b\x32\x14.ampd.v1.SessionDoneH\x00\x12$\n\x08turn_end\x18\x07 \x01(\x0b\x32\x10.ampd.v1.TurnEndH\x00\x12\x15\n\rdecode_worker\x18\x06 \x01(\t\x12\x0b\n\x03seq\x18\x08 \x01(\x04\x12\x16\n\x0ereattach_token\x18\t \x01(\tB\x07\n\x05\x65vent\"\x8c\x01\n\x0fReattachSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0ereattach_token\x18\x02 \x01(\t\x12\x11\n\tafter_seq\x18\x03 \x01(\x04\x12\r\n\x05turns\x18\x04 \x01(\r\x12\x1b\n\x04turn\x18\x05 \x01(\x0b\x32\r.ampd.v1.Turn\x12\x0e\n\x06\x63losed\x18\x06 \x01(\x08\x32\x86\x01\n\x0b\x43oordinator\x12<\n\x07Session\x12\x16.ampd.v1.ClientMessage\x1a\x15.ampd.v1.SessionEvent(\x01\x30\x01\x12\x39\n\x07Metrics\x12\x17.ampd.v1.MetricsRequest\x1a\x15.ampd.v1.MetricsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x61mpd/v1/coordinator.proto\x12\x07\x61mpd.v1\x1a\x14\x61mpd/v1/common.proto\"\x18\n\x06\x43\x61ncel\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x07\n\x05\x43lose\"\x0b\n\tStopRound\"\xf7\x01\n\rClientMessage\x12$\n\x04open\x18\x01 \x01(\x0b\x32\x14.ampd.v1.OpenSessionH\x00\x12\x1d\n\x04turn\x18\x04 \x01(\x0b\x32\r.ampd.v1.TurnH\x00\x12!\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x0f.ampd.v1.CancelH\x00\x12\x1f\n\x05\x63lose\x18\x05 \x01(\x0b\x32\x0e.ampd.v1.CloseH\x00\x12\"\n\x04stop\x18\x06 \x01(\x0b\x32\x12.ampd.v1.StopRoundH\x00\x12,\n\x08reattach\x18\x07 \x01(\x0b\x32\x18.ampd.v1.ReattachSessionH\x00\x42\x05\n\x03msgJ\x04\x08\x02\x10\x03\"6\n\rSessionEvents\x12%\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x15.ampd.v1.SessionEvent\"\xa6\x02\n\x0cSessionEvent\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12!\n\x06tokens\x18\x02 \x01(\x0b\x32\x0f.ampd.v1.TokensH\x00\x12&\n\ttool_call\x18\x03 \x01(\x0b\x32\x11.ampd.v1.ToolCallH\x00\x12&\n\tround_end\x18\x04 \x01(\x0b\x32\x11.ampd.v1.RoundEndH\x00\x12$\n\x04\x64one\x18\x05 \x01(\x0b\x32\x14.ampd.v1.SessionDoneH\x00\x12$\n\x08turn_end\x18\x07 \x01(\x0b\x32\x10.ampd.v1.TurnEndH\x00\x12\x15\n\rdecode_worker\x18\x06 \x01(\t\x12\x0b\n\x03seq\x18\x08 \x01(\x04\x12\x16\n\x0ereattach_token\x18\t \x01(\tB\x07\n\x05\x65vent\"\x8c\x01\n\x0fReattachSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0ereattach_token\x18\x02 \x01(\t\x12\x11\n\tafter_seq\x18\x03 \x01(\x04\x12\r\n\x05turns\x18\x04 \x01(\r\x12\x1b\n\x04turn\x18\x05 \x01(\x0b\x32\r.ampd.v1.Turn\x12\x0e\n\x06\x63losed\x18\x06 \x01(\x08\x32\x87\x01\n\x0b\x43oordinator\x12=\n\x07Session\x12\x16.ampd.v1.ClientMessage\x1a\x16.ampd.v1.SessionEvents(\x01\x30\x01\x12\x39\n\x07Metrics\x12\x17.ampd.v1.MetricsRequest\x1a\x15.ampd.v1.MetricsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,10 +40,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STOPROUND']._serialized_end=106
   _globals['_CLIENTMESSAGE']._serialized_start=109
   _globals['_CLIENTMESSAGE']._serialized_end=356
-  _globals['_SESSIONEVENT']._serialized_start=359
-  _globals['_SESSIONEVENT']._serialized_end=653
-  _globals['_REATTACHSESSION']._serialized_start=656
-  _globals['_REATTACHSESSION']._serialized_end=796
-  _globals['_COORDINATOR']._serialized_start=799
-  _globals['_COORDINATOR']._serialized_end=933
+  _globals['_SESSIONEVENTS']._serialized_start=358
+  _globals['_SESSIONEVENTS']._serialized_end=412
+  _globals['_SESSIONEVENT']._serialized_start=415
+  _globals['_SESSIONEVENT']._serialized_end=709
+  _globals['_REATTACHSESSION']._serialized_start=712
+  _globals['_REATTACHSESSION']._serialized_end=852
+  _globals['_COORDINATOR']._serialized_start=855
+  _globals['_COORDINATOR']._serialized_end=990
 # @@protoc_insertion_point(module_scope)

@@ -1,7 +1,8 @@
 from ampd.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -35,6 +36,12 @@ class ClientMessage(_message.Message):
     stop: StopRound
     reattach: ReattachSession
     def __init__(self, open: _Optional[_Union[_common_pb2.OpenSession, _Mapping]] = ..., turn: _Optional[_Union[_common_pb2.Turn, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., close: _Optional[_Union[Close, _Mapping]] = ..., stop: _Optional[_Union[StopRound, _Mapping]] = ..., reattach: _Optional[_Union[ReattachSession, _Mapping]] = ...) -> None: ...
+
+class SessionEvents(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[SessionEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[SessionEvent, _Mapping]]] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
     __slots__ = ("session_id", "tokens", "tool_call", "round_end", "done", "turn_end", "decode_worker", "seq", "reattach_token")

@@ -30,8 +30,9 @@ class CoordinatorStub:
     """The client-facing API. One bidirectional stream per session: the first message opens it with its
     first turn; later messages send the next turns (one at a time, after TurnEnd), cancel, or close.
     Events stream back until SessionDone (after Close, or the client half-closing its side), or the
-    stream ends with a gRPC status (INVALID_ARGUMENT names the bad field). Once the session is bound
-    to a decode worker, its initial metadata (`ampd-session: open`) comes before any event.
+    stream ends with a gRPC status (INVALID_ARGUMENT names the bad field); those ready together come
+    in one message (SessionEvents). Once the session is bound to a decode worker, its initial
+    metadata (`ampd-session: open`) comes before any event.
     """
 
     def __init__(self, channel):
@@ -43,7 +44,7 @@ class CoordinatorStub:
         self.Session = channel.stream_stream(
                 '/ampd.v1.Coordinator/Session',
                 request_serializer=ampd_dot_v1_dot_coordinator__pb2.ClientMessage.SerializeToString,
-                response_deserializer=ampd_dot_v1_dot_coordinator__pb2.SessionEvent.FromString,
+                response_deserializer=ampd_dot_v1_dot_coordinator__pb2.SessionEvents.FromString,
                 _registered_method=True)
         self.Metrics = channel.unary_unary(
                 '/ampd.v1.Coordinator/Metrics',
@@ -56,8 +57,9 @@ class CoordinatorServicer:
     """The client-facing API. One bidirectional stream per session: the first message opens it with its
     first turn; later messages send the next turns (one at a time, after TurnEnd), cancel, or close.
     Events stream back until SessionDone (after Close, or the client half-closing its side), or the
-    stream ends with a gRPC status (INVALID_ARGUMENT names the bad field). Once the session is bound
-    to a decode worker, its initial metadata (`ampd-session: open`) comes before any event.
+    stream ends with a gRPC status (INVALID_ARGUMENT names the bad field); those ready together come
+    in one message (SessionEvents). Once the session is bound to a decode worker, its initial
+    metadata (`ampd-session: open`) comes before any event.
     """
 
     def Session(self, request_iterator, context):
@@ -78,7 +80,7 @@ def add_CoordinatorServicer_to_server(servicer, server):
             'Session': grpc.stream_stream_rpc_method_handler(
                     servicer.Session,
                     request_deserializer=ampd_dot_v1_dot_coordinator__pb2.ClientMessage.FromString,
-                    response_serializer=ampd_dot_v1_dot_coordinator__pb2.SessionEvent.SerializeToString,
+                    response_serializer=ampd_dot_v1_dot_coordinator__pb2.SessionEvents.SerializeToString,
             ),
             'Metrics': grpc.unary_unary_rpc_method_handler(
                     servicer.Metrics,
@@ -97,8 +99,9 @@ class Coordinator:
     """The client-facing API. One bidirectional stream per session: the first message opens it with its
     first turn; later messages send the next turns (one at a time, after TurnEnd), cancel, or close.
     Events stream back until SessionDone (after Close, or the client half-closing its side), or the
-    stream ends with a gRPC status (INVALID_ARGUMENT names the bad field). Once the session is bound
-    to a decode worker, its initial metadata (`ampd-session: open`) comes before any event.
+    stream ends with a gRPC status (INVALID_ARGUMENT names the bad field); those ready together come
+    in one message (SessionEvents). Once the session is bound to a decode worker, its initial
+    metadata (`ampd-session: open`) comes before any event.
     """
 
     @staticmethod
@@ -117,7 +120,7 @@ class Coordinator:
             target,
             '/ampd.v1.Coordinator/Session',
             ampd_dot_v1_dot_coordinator__pb2.ClientMessage.SerializeToString,
-            ampd_dot_v1_dot_coordinator__pb2.SessionEvent.FromString,
+            ampd_dot_v1_dot_coordinator__pb2.SessionEvents.FromString,
             options,
             channel_credentials,
             insecure,

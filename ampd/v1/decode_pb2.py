@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from ampd.v1 import common_pb2 as ampd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x61mpd/v1/decode.proto\x12\x07\x61mpd.v1\x1a\x14\x61mpd/v1/common.proto\"\xfa\x01\n\x0e\x43ontrolRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12+\n\rlocal_prefill\x18\x02 \x01(\x0b\x32\x12.ampd.v1.RouteInfoH\x00\x12$\n\x04turn\x18\x05 \x01(\x0b\x32\x14.ampd.v1.TurnRequestH\x00\x12(\n\x06\x63\x61ncel\x18\x04 \x01(\x0b\x32\x16.ampd.v1.CancelRequestH\x00\x12&\n\x05\x63lose\x18\x06 \x01(\x0b\x32\x15.ampd.v1.CloseRequestH\x00\x12)\n\x04stop\x18\x07 \x01(\x0b\x32\x19.ampd.v1.StopRoundRequestH\x00\x42\x06\n\x04\x63\x61llJ\x04\x08\x03\x10\x04\"\xc5\x01\n\rAttachRequest\x12\"\n\x04open\x18\x01 \x01(\x0b\x32\x14.ampd.v1.OpenSession\x12\x0f\n\x07\x61rrival\x18\x02 \x01(\x01\x12\x1f\n\x06resume\x18\x03 \x01(\x0b\x32\x0f.ampd.v1.Resume\x12\x16\n\x0esession_secret\x18\x04 \x01(\t\x12\x1d\n\x05route\x18\x05 \x01(\x0b\x32\x0e.ampd.v1.Route\x12\x14\n\x0c\x61ttach_token\x18\x06 \x01(\t\x12\x11\n\tfirst_seq\x18\x07 \x01(\x04\"f\n\x0fReattachRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0esession_secret\x18\x02 \x01(\t\x12\x11\n\tafter_seq\x18\x03 \x01(\x04\x12\x14\n\x0c\x61ttach_token\x18\x04 \x01(\t\"\xbc\x03\n\x0cSessionState\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0f\n\x07history\x18\x02 \x03(\r\x12\x1b\n\x04turn\x18\x03 \x01(\x0b\x32\r.ampd.v1.Turn\x12\x12\n\nturn_round\x18\x04 \x01(\r\x12\x12\n\nnext_round\x18\x05 \x01(\r\x12\r\n\x05round\x18\x06 \x01(\x05\x12\x14\n\x0cround_tokens\x18\x07 \x01(\r\x12\x13\n\x0bround_ended\x18\x08 \x01(\x08\x12\'\n\x0cserver_calls\x18\t \x03(\x0b\x32\x11.ampd.v1.ToolCall\x12\x14\n\x0c\x63lient_calls\x18\n \x03(\t\x12$\n\x06rounds\x18\x0b \x03(\x0b\x32\x14.ampd.v1.RoundTiming\x12\x16\n\x0e\x66irst_token_at\x18\x0c \x01(\x01\x12\x13\n\x0binput_ready\x18\r \x01(\x01\x12\r\n\x05turns\x18\x0e \x01(\r\x12\x0f\n\x07\x63losing\x18\x0f \x01(\x08\x12&\n\x08unrouted\x18\x10 \x01(\x0b\x32\x14.ampd.v1.PrefillTask\x12&\n\x06limits\x18\x11 \x01(\x0b\x32\x16.ampd.v1.SessionLimits\x12\r\n\x05moves\x18\x12 \x01(\r\"\x84\x01\n\x06Resume\x12\r\n\x05round\x18\x01 \x01(\r\x12\x14\n\x0cround_tokens\x18\x02 \x01(\r\x12\x13\n\x0brerun_tools\x18\x03 \x01(\x08\x12 \n\x05\x63\x61lls\x18\x04 \x03(\x0b\x32\x11.ampd.v1.ToolCall\x12\x0f\n\x07\x61ttempt\x18\x05 \x01(\r\x12\r\n\x05turns\x18\x06 \x01(\r\"n\n\tRouteInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\r\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x16\n\x0eprefill_worker\x18\x04 \x01(\t\x12\x16\n\x0esession_secret\x18\x05 \x01(\t\"Z\n\x0c\x44\x65\x63odeEvents\x12$\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x14.ampd.v1.DecodeEvent\x12$\n\x05state\x18\x02 \x01(\x0b\x32\x15.ampd.v1.SessionState\"\x90\x02\n\x0b\x44\x65\x63odeEvent\x12,\n\x0cprefill_task\x18\x01 \x01(\x0b\x32\x14.ampd.v1.PrefillTaskH\x00\x12!\n\x06tokens\x18\x02 \x01(\x0b\x32\x0f.ampd.v1.TokensH\x00\x12&\n\ttool_call\x18\x03 \x01(\x0b\x32\x11.ampd.v1.ToolCallH\x00\x12&\n\tround_end\x18\x04 \x01(\x0b\x32\x11.ampd.v1.RoundEndH\x00\x12$\n\x04\x64one\x18\x05 \x01(\x0b\x32\x14.ampd.v1.SessionDoneH\x00\x12$\n\x08turn_end\x18\x06 \x01(\x0b\x32\x10.ampd.v1.TurnEndH\x00\x12\x0b\n\x03seq\x18\x07 \x01(\x04\x42\x07\n\x05\x65vent\"u\n\x0bTurnRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x1b\n\x04turn\x18\x02 \x01(\x0b\x32\r.ampd.v1.Turn\x12\x16\n\x0esession_secret\x18\x03 \x01(\t\x12\x1d\n\x05route\x18\x04 \x01(\x0b\x32\x0e.ampd.v1.Route\"?\n\x05Route\x12\x0e\n\x06l_hist\x18\x01 \x01(\r\x12\x0e\n\x06l_incr\x18\x02 \x01(\r\x12\x16\n\x0eprefill_worker\x18\x03 \x01(\t\":\n\x0c\x43loseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0esession_secret\x18\x02 \x01(\t\">\n\x10StopRoundRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0esession_secret\x18\x02 \x01(\t\"K\n\rCancelRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x16\n\x0esession_secret\x18\x03 \x01(\t2\xe1\x02\n\x0c\x44\x65\x63odeWorker\x12\x39\n\x06\x41ttach\x12\x16.ampd.v1.AttachRequest\x1a\x15.ampd.v1.DecodeEvents0\x01\x12=\n\x08Reattach\x12\x18.ampd.v1.ReattachRequest\x1a\x15.ampd.v1.DecodeEvents0\x01\x12\x30\n\x0cLocalPrefill\x12\x12.ampd.v1.RouteInfo\x1a\x0c.ampd.v1.Ack\x12.\n\x06\x43\x61ncel\x12\x16.ampd.v1.CancelRequest\x1a\x0c.ampd.v1.Ack\x12:\n\x07\x43ontrol\x12\x17.ampd.v1.ControlRequest\x1a\x12.ampd.v1.CallReply(\x01\x30\x01\x12\x39\n\x07Metrics\x12\x17.ampd.v1.MetricsRequest\x1a\x15.ampd.v1.MetricsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x61mpd/v1/decode.proto\x12\x07\x61mpd.v1\x1a\x14\x61mpd/v1/common.proto\"\xa8\x02\n\x0e\x43ontrolRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12+\n\rlocal_prefill\x18\x02 \x01(\x0b\x32\x12.ampd.v1.RouteInfoH\x00\x12,\n\x0eremote_prefill\x18\x08 \x01(\x0b\x32\x12.ampd.v1.RouteInfoH\x00\x12$\n\x04turn\x18\x05 \x01(\x0b\x32\x14.ampd.v1.TurnRequestH\x00\x12(\n\x06\x63\x61ncel\x18\x04 \x01(\x0b\x32\x16.ampd.v1.CancelRequestH\x00\x12&\n\x05\x63lose\x18\x06 \x01(\x0b\x32\x15.ampd.v1.CloseRequestH\x00\x12)\n\x04stop\x18\x07 \x01(\x0b\x32\x19.ampd.v1.StopRoundRequestH\x00\x42\x06\n\x04\x63\x61llJ\x04\x08\x03\x10\x04\"\xc5\x01\n\rAttachRequest\x12\"\n\x04open\x18\x01 \x01(\x0b\x32\x14.ampd.v1.OpenSession\x12\x0f\n\x07\x61rrival\x18\x02 \x01(\x01\x12\x1f\n\x06resume\x18\x03 \x01(\x0b\x32\x0f.ampd.v1.Resume\x12\x16\n\x0esession_secret\x18\x04 \x01(\t\x12\x1d\n\x05route\x18\x05 \x01(\x0b\x32\x0e.ampd.v1.Route\x12\x14\n\x0c\x61ttach_token\x18\x06 \x01(\t\x12\x11\n\tfirst_seq\x18\x07 \x01(\x04\"f\n\x0fReattachRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0esession_secret\x18\x02 \x01(\t\x12\x11\n\tafter_seq\x18\x03 \x01(\x04\x12\x14\n\x0c\x61ttach_token\x18\x04 \x01(\t\"\xbc\x03\n\x0cSessionState\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0f\n\x07history\x18\x02 \x03(\r\x12\x1b\n\x04turn\x18\x03 \x01(\x0b\x32\r.ampd.v1.Turn\x12\x12\n\nturn_round\x18\x04 \x01(\r\x12\x12\n\nnext_round\x18\x05 \x01(\r\x12\r\n\x05round\x18\x06 \x01(\x05\x12\x14\n\x0cround_tokens\x18\x07 \x01(\r\x12\x13\n\x0bround_ended\x18\x08 \x01(\x08\x12\'\n\x0cserver_calls\x18\t \x03(\x0b\x32\x11.ampd.v1.ToolCall\x12\x14\n\x0c\x63lient_calls\x18\n \x03(\t\x12$\n\x06rounds\x18\x0b \x03(\x0b\x32\x14.ampd.v1.RoundTiming\x12\x16\n\x0e\x66irst_token_at\x18\x0c \x01(\x01\x12\x13\n\x0binput_ready\x18\r \x01(\x01\x12\r\n\x05turns\x18\x0e \x01(\r\x12\x0f\n\x07\x63losing\x18\x0f \x01(\x08\x12&\n\x08unrouted\x18\x10 \x01(\x0b\x32\x14.ampd.v1.PrefillTask\x12&\n\x06limits\x18\x11 \x01(\x0b\x32\x16.ampd.v1.SessionLimits\x12\r\n\x05moves\x18\x12 \x01(\r\"\x84\x01\n\x06Resume\x12\r\n\x05round\x18\x01 \x01(\r\x12\x14\n\x0cround_tokens\x18\x02 \x01(\r\x12\x13\n\x0brerun_tools\x18\x03 \x01(\x08\x12 \n\x05\x63\x61lls\x18\x04 \x03(\x0b\x32\x11.ampd.v1.ToolCall\x12\x0f\n\x07\x61ttempt\x18\x05 \x01(\r\x12\r\n\x05turns\x18\x06 \x01(\r\"n\n\tRouteInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\r\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x16\n\x0eprefill_worker\x18\x04 \x01(\t\x12\x16\n\x0esession_secret\x18\x05 \x01(\t\"Z\n\x0c\x44\x65\x63odeEvents\x12$\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x14.ampd.v1.DecodeEvent\x12$\n\x05state\x18\x02 \x01(\x0b\x32\x15.ampd.v1.SessionState\"\x90\x02\n\x0b\x44\x65\x63odeEvent\x12,\n\x0cprefill_task\x18\x01 \x01(\x0b\x32\x14.ampd.v1.PrefillTaskH\x00\x12!\n\x06tokens\x18\x02 \x01(\x0b\x32\x0f.ampd.v1.TokensH\x00\x12&\n\ttool_call\x18\x03 \x01(\x0b\x32\x11.ampd.v1.ToolCallH\x00\x12&\n\tround_end\x18\x04 \x01(\x0b\x32\x11.ampd.v1.RoundEndH\x00\x12$\n\x04\x64one\x18\x05 \x01(\x0b\x32\x14.ampd.v1.SessionDoneH\x00\x12$\n\x08turn_end\x18\x06 \x01(\x0b\x32\x10.ampd.v1.TurnEndH\x00\x12\x0b\n\x03seq\x18\x07 \x01(\x04\x42\x07\n\x05\x65vent\"u\n\x0bTurnRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x1b\n\x04turn\x18\x02 \x01(\x0b\x32\r.ampd.v1.Turn\x12\x16\n\x0esession_secret\x18\x03 \x01(\t\x12\x1d\n\x05route\x18\x04 \x01(\x0b\x32\x0e.ampd.v1.Route\"?\n\x05Route\x12\x0e\n\x06l_hist\x18\x01 \x01(\r\x12\x0e\n\x06l_incr\x18\x02 \x01(\r\x12\x16\n\x0eprefill_worker\x18\x03 \x01(\t\":\n\x0c\x43loseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0esession_secret\x18\x02 \x01(\t\">\n\x10StopRoundRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0esession_secret\x18\x02 \x01(\t\"K\n\rCancelRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x16\n\x0esession_secret\x18\x03 \x01(\t2\xe1\x02\n\x0c\x44\x65\x63odeWorker\x12\x39\n\x06\x41ttach\x12\x16.ampd.v1.AttachRequest\x1a\x15.ampd.v1.DecodeEvents0\x01\x12=\n\x08Reattach\x12\x18.ampd.v1.ReattachRequest\x1a\x15.ampd.v1.DecodeEvents0\x01\x12\x30\n\x0cLocalPrefill\x12\x12.ampd.v1.RouteInfo\x1a\x0c.ampd.v1.Ack\x12.\n\x06\x43\x61ncel\x12\x16.ampd.v1.CancelRequest\x1a\x0c.ampd.v1.Ack\x12:\n\x07\x43ontrol\x12\x17.ampd.v1.ControlRequest\x1a\x12.ampd.v1.CallReply(\x01\x30\x01\x12\x39\n\x07Metrics\x12\x17.ampd.v1.MetricsRequest\x1a\x15.ampd.v1.MetricsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,31 +33,31 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ampd.v1.decode_pb2', _globa
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CONTROLREQUEST']._serialized_start=56
-  _globals['_CONTROLREQUEST']._serialized_end=306
-  _globals['_ATTACHREQUEST']._serialized_start=309
-  _globals['_ATTACHREQUEST']._serialized_end=506
-  _globals['_REATTACHREQUEST']._serialized_start=508
-  _globals['_REATTACHREQUEST']._serialized_end=610
-  _globals['_SESSIONSTATE']._serialized_start=613
-  _globals['_SESSIONSTATE']._serialized_end=1057
-  _globals['_RESUME']._serialized_start=1060
-  _globals['_RESUME']._serialized_end=1192
-  _globals['_ROUTEINFO']._serialized_start=1194
-  _globals['_ROUTEINFO']._serialized_end=1304
-  _globals['_DECODEEVENTS']._serialized_start=1306
-  _globals['_DECODEEVENTS']._serialized_end=1396
-  _globals['_DECODEEVENT']._serialized_start=1399
-  _globals['_DECODEEVENT']._serialized_end=1671
-  _globals['_TURNREQUEST']._serialized_start=1673
-  _globals['_TURNREQUEST']._serialized_end=1790
-  _globals['_ROUTE']._serialized_start=1792
-  _globals['_ROUTE']._serialized_end=1855
-  _globals['_CLOSEREQUEST']._serialized_start=1857
-  _globals['_CLOSEREQUEST']._serialized_end=1915
-  _globals['_STOPROUNDREQUEST']._serialized_start=1917
-  _globals['_STOPROUNDREQUEST']._serialized_end=1979
-  _globals['_CANCELREQUEST']._serialized_start=1981
-  _globals['_CANCELREQUEST']._serialized_end=2056
-  _globals['_DECODEWORKER']._serialized_start=2059
-  _globals['_DECODEWORKER']._serialized_end=2412
+  _globals['_CONTROLREQUEST']._serialized_end=352
+  _globals['_ATTACHREQUEST']._serialized_start=355
+  _globals['_ATTACHREQUEST']._serialized_end=552
+  _globals['_REATTACHREQUEST']._serialized_start=554
+  _globals['_REATTACHREQUEST']._serialized_end=656
+  _globals['_SESSIONSTATE']._serialized_start=659
+  _globals['_SESSIONSTATE']._serialized_end=1103
+  _globals['_RESUME']._serialized_start=1106
+  _globals['_RESUME']._serialized_end=1238
+  _globals['_ROUTEINFO']._serialized_start=1240
+  _globals['_ROUTEINFO']._serialized_end=1350
+  _globals['_DECODEEVENTS']._serialized_start=1352
+  _globals['_DECODEEVENTS']._serialized_end=1442
+  _globals['_DECODEEVENT']._serialized_start=1445
+  _globals['_DECODEEVENT']._serialized_end=1717
+  _globals['_TURNREQUEST']._serialized_start=1719
+  _globals['_TURNREQUEST']._serialized_end=1836
+  _globals['_ROUTE']._serialized_start=1838
+  _globals['_ROUTE']._serialized_end=1901
+  _globals['_CLOSEREQUEST']._serialized_start=1903
+  _globals['_CLOSEREQUEST']._serialized_end=1961
+  _globals['_STOPROUNDREQUEST']._serialized_start=1963
+  _globals['_STOPROUNDREQUEST']._serialized_end=2025
+  _globals['_CANCELREQUEST']._serialized_start=2027
+  _globals['_CANCELREQUEST']._serialized_end=2102
+  _globals['_DECODEWORKER']._serialized_start=2105
+  _globals['_DECODEWORKER']._serialized_end=2458
 # @@protoc_insertion_point(module_scope)

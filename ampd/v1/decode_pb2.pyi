@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ControlRequest(_message.Message):
-    __slots__ = ("id", "local_prefill", "turn", "cancel", "close", "stop")
+    __slots__ = ("id", "local_prefill", "remote_prefill", "turn", "cancel", "close", "stop")
     ID_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_PREFILL_FIELD_NUMBER: _ClassVar[int]
     TURN_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     id: int
     local_prefill: RouteInfo
+    remote_prefill: RouteInfo
     turn: TurnRequest
     cancel: CancelRequest
     close: CloseRequest
     stop: StopRoundRequest
-    def __init__(self, id: _Optional[int] = ..., local_prefill: _Optional[_Union[RouteInfo, _Mapping]] = ..., turn: _Optional[_Union[TurnRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelRequest, _Mapping]] = ..., close: _Optional[_Union[CloseRequest, _Mapping]] = ..., stop: _Optional[_Union[StopRoundRequest, _Mapping]] = ...) -> None: ...
+    def __init__(self, id: _Optional[int] = ..., local_prefill: _Optional[_Union[RouteInfo, _Mapping]] = ..., remote_prefill: _Optional[_Union[RouteInfo, _Mapping]] = ..., turn: _Optional[_Union[TurnRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelRequest, _Mapping]] = ..., close: _Optional[_Union[CloseRequest, _Mapping]] = ..., stop: _Optional[_Union[StopRoundRequest, _Mapping]] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("open", "arrival", "resume", "session_secret", "route", "attach_token", "first_seq")

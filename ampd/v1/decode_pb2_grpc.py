@@ -105,9 +105,11 @@ class DecodeWorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Control(self, request_iterator, context):
-        """LocalPrefill, the next turns, Close and Cancel as messages on one long-lived stream (the coordinator keeps
-        one per worker): a stream message costs ~0.1 ms where a unary call costs ~0.65 ms. Each
-        request is answered by a CallReply with its id, with the status the unary call would return.
+        """The routes of prefill_tasks, the next turns, Close and Cancel as messages on one long-lived
+        stream (the coordinator keeps one per worker): a stream message costs ~0.1 ms where a unary call
+        costs ~0.65 ms. Each request is answered by a CallReply with its id, with the status the unary
+        call would return; but the coordinator sends a route (local_prefill, remote_prefill) with id 0,
+        unanswered (CallReply): what becomes of the round its events show.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

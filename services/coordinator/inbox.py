@@ -4,6 +4,8 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
+from ampd.events import merge_tokens
+
 __all__ = ["Inbox"]
 
 
@@ -43,3 +45,11 @@ class Inbox:
     def peek(self):
         """The next message, left in place; None when there is none."""
         return self._items[0] if self._items else None
+
+    def merge_tokens(self, ev, gen: int) -> None:
+        """Takes the token events of the same round and binding ``gen`` queued right behind the
+        decode event ``ev`` into it: one event to the client instead of several (the decode
+        worker's Attach does the same)."""
+        items = self._items
+        while items and (nxt := items[0])[0] == "event" and nxt[1] == gen and merge_tokens(ev, nxt[2]):
+            items.popleft()

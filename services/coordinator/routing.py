@@ -6,17 +6,16 @@ A client's turn goes to the decode worker with its first round already routed (d
 ``route_ahead``); a round the worker asks about (its prefill_task) is routed then (``route``)."""
 from __future__ import annotations
 
-import dataclasses
+import logging
 import time
 from typing import TYPE_CHECKING, NamedTuple
 
-import grpc
 import structlog
 
 from ampd import tracing
 from ampd.policy import PrefillTask, RouteDecision
 from ampd.policy.types import KV_RESIDENT
-from ampd.v1 import common_pb2, decode_pb2, prefill_pb2
+from ampd.v1 import common_pb2, decode_pb2
 from services.coordinator.core import route
 
 if TYPE_CHECKING:
@@ -120,43 +119,43 @@ class SessionRoutes:
         """Routes the round the decode worker asked about, and runs it where the decision says."""
         run = self.run
         svc = run.svc
+        # Asked again about a round routed here to a prefill worker: the decode worker's submit there
+        # failed (decode.proto remote_prefill). The round runs on the decode worker: a prefill worker
+        # that vanished must not lose it. (A route sent with the turn that did not hold is routed
+        # again: the worker may not have submitted it at all.)
+        ahead = self.ahead is not None and self.ahead.round == need.round
+        failed = None if ahead else self.remote.get(need.round)
         self.drop_ahead()
+        svc.forget_remote(run, need.round)
+        if failed is not None:
+            log.warning("remote prefill submit failed; running locally", session=run.sid, round=need.round,
+                        target=failed)
+            svc.counters["route_fallback-local"] += 1
+            # out of routing until it publishes again (Cluster.mark_lost): the next rounds go elsewhere
+            svc.cluster.mark_lost(failed)
+            self.local(need.round, "fallback-local")
+            self.routes[need.round] = RoundRoute(run.decode_id, "fallback-local", True)
+            return
         decision, decide_ms = await self.decide(need.round, need.l_hist, need.l_incr, need.input_ready)
         if decision is None:
-            await self.local(need.round, "fallback-local")
+            self.local(need.round, "fallback-local")
             return
-        svc.counters[f"route_{decision.reason}"] += 1  # the decision's own reason, a fallback's too
-        if not decision.local and not await self._submit(need, decision.target):
-            svc.counters["route_fallback-local"] += 1
-            decision = dataclasses.replace(decision, target=run.decode_id, local=True, reason="fallback-local")
+        svc.counters[f"route_{decision.reason}"] += 1
         if decision.local:
-            await self.local(need.round, decision.reason)
+            self.local(need.round, decision.reason)
+        else:
+            self._remote(need.round, decision.target, decision.reason)
         self.routed(need.round, decision, decide_ms)
 
-    async def _submit(self, need: common_pb2.PrefillTask, worker: str) -> bool:
-        """Submits the round's prefill to prefill worker ``worker``; False if that failed (it runs
-        locally then: a prefill worker that vanished must not lose the round)."""
+    def _remote(self, rnd: int, worker: str, reason: str) -> None:
+        """The round's prefill runs on prefill worker ``worker``: the decode worker, which holds its
+        prefill_task, submits it there (a message from here, not the task and its reply)."""
         run = self.run
-        svc = run.svc
-        target = svc.cluster.infos.get(worker)
-        try:
-            # The task goes on as the decode worker sent it, bound to the worker this
-            # coordinator bound the session to.
-            need.session_id, need.decode_worker, need.decode_tp = run.sid, run.decode_id, run.info.tp
-            self.remote[need.round] = worker
-            svc.remember_remote(run, worker, need.round)
-            await svc.stubs.submit(target.address, target.nixl_agent).call(prefill_pb2.SubmitRequest(task=need),
-                                                                           timeout_s=svc.call_timeout_s)
-            svc.counters["prefills_remote"] += 1
-            return True
-        except (grpc.aio.AioRpcError, AttributeError) as exc:
-            log.warning("remote prefill submit failed; running locally", session=run.sid,
-                        target=worker, error=str(exc))
-            svc.forget_remote(run, need.round)
-            if isinstance(exc, grpc.aio.AioRpcError) and exc.code() in (grpc.StatusCode.UNAVAILABLE,
-                                                                         grpc.StatusCode.DEADLINE_EXCEEDED):
-                svc.cluster.mark_lost(worker)
-            return False
+        self.remote[rnd] = worker
+        run.svc.remember_remote(run, worker, rnd)
+        run.control.post(decode_pb2.ControlRequest(remote_prefill=decode_pb2.RouteInfo(
+            session_id=run.sid, round=rnd, reason=reason, prefill_worker=worker, session_secret=run.secret)))
+        run.svc.counters["prefills_remote"] += 1
 
     def routed(self, rnd: int, decision: RouteDecision, decide_ms: float) -> None:
         """Round ``rnd``'s prefill went where ``decision`` says (after fallbacks)."""
@@ -166,20 +165,18 @@ class SessionRoutes:
         # Its line is at debug (AMPD_LOG_LEVEL=debug): rendered and written every round it cost ~3% of
         # the coordinator's CPU; the reason stays in the round's RoundTiming.route_reason, the
         # ampd_route_decisions_total counter and the route span.
-        log.debug("route", session=self.run.sid, round=rnd, target=decision.target, local=decision.local,
-                 reason=decision.reason, decide_ms=round(decide_ms, 3),
-                 **{k: round(v, 4) for k, v in decision.estimates.items()})
+        if log.is_enabled_for(logging.DEBUG):  # (its arguments cost even when the line is dropped)
+            log.debug("route", session=self.run.sid, round=rnd, target=decision.target, local=decision.local,
+                      reason=decision.reason, decide_ms=round(decide_ms, 3),
+                      **{k: round(v, 4) for k, v in decision.estimates.items()})
 
-    async def local(self, rnd: int, reason: str) -> None:
-        """The round's prefill runs on the bound decode worker."""
+    def local(self, rnd: int, reason: str) -> None:
+        """The round's prefill runs on the bound decode worker. Unanswered (decode.proto Control): a
+        worker that refuses it has lost the session or ended the round, which its events show."""
         run = self.run
-        try:
-            await run.control.call(decode_pb2.ControlRequest(local_prefill=decode_pb2.RouteInfo(
-                session_id=run.sid, round=rnd, reason=reason, session_secret=run.secret)),
-                timeout_s=run.svc.call_timeout_s)
-            run.svc.counters["prefills_local"] += 1
-        except grpc.aio.AioRpcError as exc:  # the worker is gone (its stream says so) or the round is
-            log.warning("local prefill refused", session=run.sid, round=rnd, error=exc.details())
+        run.control.post(decode_pb2.ControlRequest(local_prefill=decode_pb2.RouteInfo(
+            session_id=run.sid, round=rnd, reason=reason, session_secret=run.secret)))
+        run.svc.counters["prefills_local"] += 1
 
     async def reroute(self, rnd: int, lost: str) -> None:
         """The prefill worker running round ``rnd``'s prefill is lost: the decode worker, which still
@@ -191,6 +188,6 @@ class SessionRoutes:
         run.svc.counters["prefills_rerouted"] += 1
         log.warning("prefill worker lost; running the prefill on the decode worker", session=run.sid,
                     round=rnd, prefill_worker=lost)
-        await self.local(rnd, "rerouted")
+        self.local(rnd, "rerouted")
         if rnd in self.routes:
             self.routes[rnd] = RoundRoute(run.decode_id, "rerouted", True)

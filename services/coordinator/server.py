@@ -111,14 +111,14 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self, sid, o, request_iterator, reattach=reattach,
             on_open=lambda: context.send_initial_metadata((SESSION_OPEN, (REATTACH_HEADER, reattach_token(run.secret)))))
         try:
-            async for out in run.run():
-                if out.HasField("done"):
+            async for batch in run.run():
+                if batch[-1].HasField("done"):
                     # Forget the session before telling the client: a client that checks right after
                     # SessionDone (or cancels its stream) must find nothing left behind.
                     self.counters["sessions_completed"] += 1
                     self.live.discard(sid)
                     await self.forget_record(sid)
-                yield out
+                yield coordinator_pb2.SessionEvents(events=batch)
         except SessionEnd as end:
             failure = end.details
             refused = end.code == grpc.StatusCode.RESOURCE_EXHAUSTED and not run.admitted

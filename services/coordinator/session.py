@@ -19,7 +19,6 @@ import structlog
 
 from ampd import tracing
 from ampd.agenthints import hints_from_turn
-from ampd.events import merge_tokens
 from ampd.grpcserver import SESSION_OPEN
 from ampd.policy.hints import HintConfig, queue_enqueued_at
 from ampd.sessionlog import CannotResume, SessionLog
@@ -42,12 +41,12 @@ OPEN_WAIT_S = 3.0  # a new session waits this long for one (then UNAVAILABLE: no
 HINTS = HintConfig()  # how far a yielding hint moves a session back in admission's order
 
 
-async def _ignore_failure(reply) -> None:
-    """Awaits a request's reply whose failure leaves nothing to do."""
-    try:
-        await reply
-    except Exception:  # noqa: BLE001 - retrieved, so that asyncio does not log it
-        pass
+def yield_at(run: SessionRun) -> float | None:
+    """Admission's order for a session whose opening turn yields (a negative priority hint): its
+    arrival made later; None (no yield, or admitted already) leaves admission's own order."""
+    if run.admitted or run.hints.priority >= 0:
+        return None
+    return queue_enqueued_at(run.arrived, run.hints.priority, HINTS)
 
 
 class SessionRun:
@@ -95,14 +94,15 @@ class SessionRun:
         self.replayed = 0
         # Reattached: tokens before this position were in the worker's state, logged from it. The
         # first events after that state can carry some of them again, merged with new ones into one
-        # Tokens (the worker's take_events, or _coalesce here): the log counts them once.
+        # Tokens (the worker's take_events, or Inbox.merge_tokens here): the log counts them once.
         self.logged_to = 0
         self.seq = 0  # the last decode event's number seen (a moved session numbers on after it)
         self.taken_over = False  # another coordinator reattached it: its record is not deleted from here
 
     # -------------------------------------------------------------------------------- the loop
     async def run(self):
-        """The session's events for the client; raises SessionEnd."""
+        """The session's events for the client, those ready together in one list (one message to
+        the client: coordinator.proto SessionEvents); raises SessionEnd."""
         if self.reattach is not None:
             await self.reattach.start()
         else:
@@ -112,41 +112,24 @@ class SessionRun:
             await self.on_open()
         reader = self.svc.tasks.spawn(self._read_client())
         try:
-            while not self.finished:
-                kind, gen, item = await self.q.get()
-                if kind == "client":
-                    outs = await self.client.handle(item)
-                elif gen != self.gen:
-                    continue  # from a decode stream already replaced
-                elif kind == "opened":
-                    self.opened, outs = True, []
-                elif kind == "event":
-                    if item.HasField("tokens"):
-                        self._coalesce(item, gen)
-                    seq = item.seq
-                    if seq <= self.replayed:  # in the reattached state already: to the client only
-                        outs = self._replay(item)
-                    else:
-                        outs = await self._event(item)
-                    if seq:
-                        self.seq = seq
-                        for out in outs:
-                            out.seq = seq
-                elif kind == "state":
-                    outs = await self.reattach.adopt(item)
-                elif kind == "error":
-                    outs = await self._decode_failed(item)
-                elif kind == "fenced":
-                    outs = await self.move(item)
-                else:
-                    outs = await self.move("its stream ended without SessionDone")
-                for out in outs:
-                    yield out
-                while self.deferred:
-                    self.deferred.pop(0)()
-                while self.held and self.opened and self.reattach is None and not self.finished:
-                    for out in await self.client.handle(self.held.pop(0)):
-                        yield out
+            batch: list = []
+            try:
+                while not self.finished:
+                    batch += await self._step(await self.q.get())
+                    if batch and (not self.q or self.finished):  # (more queued: they join this message)
+                        yield batch
+                        batch = []
+                    if not batch:  # (after the events in hand went to the client)
+                        while self.deferred:
+                            self.deferred.pop(0)()
+                    while self.held and self.opened and self.reattach is None and not self.finished:
+                        batch += await self.client.handle(self.held.pop(0))
+            except SessionEnd:
+                if batch:  # the events before the end still go
+                    yield batch
+                raise
+            if batch:
+                yield batch
         finally:
             reader.cancel()
             if self.bound and not self.finished and not self.svc.stopping and self.control is not None:
@@ -157,22 +140,46 @@ class SessionRun:
             self._release()
             self.svc.forget_remote(self)
 
+    async def _step(self, item: tuple) -> list:
+        """What one thing in the inbox does: the events for the client."""
+        kind, gen, item = item
+        if kind == "client":
+            return await self.client.handle(item)
+        if gen != self.gen:
+            return []  # from a decode stream already replaced
+        if kind == "opened":
+            self.opened = True
+            return []
+        if kind == "event":
+            if item.HasField("tokens"):
+                self.q.merge_tokens(item, gen)
+            seq = item.seq
+            if seq <= self.replayed:  # in the reattached state already: to the client only
+                outs = self._replay(item)
+            else:
+                outs = await self._event(item)
+            if seq:
+                self.seq = seq
+                for out in outs:
+                    out.seq = seq
+            return outs
+        if kind == "state":
+            return await self.reattach.adopt(item)
+        if kind == "error":
+            return await self._decode_failed(item)
+        if kind == "fenced":
+            return await self.move(item)
+        return await self.move("its stream ended without SessionDone")
+
     def _cancel_on_worker(self, why: str) -> None:
-        reply = self.control.send(decode_pb2.ControlRequest(cancel=decode_pb2.CancelRequest(
-            session_id=self.sid, reason=why, session_secret=self.secret)), timeout_s=self.svc.call_timeout_s)
-        self.svc.tasks.spawn(_ignore_failure(reply))
+        # unanswered (CallStream.post): a failure leaves nothing to do here
+        self.control.post(decode_pb2.ControlRequest(cancel=decode_pb2.CancelRequest(
+            session_id=self.sid, reason=why, session_secret=self.secret)))
 
     def fenced(self, why: str) -> None:
         """The bound decode worker was fenced: the session moves (in order, after the events in hand;
         any later event of that binding is dropped, the move replaces it)."""
         self.q.put_nowait(("fenced", self.gen, why))
-
-    def _coalesce(self, ev: decode_pb2.DecodeEvent, gen: int) -> None:
-        """Takes the token events of the same round queued right behind ``ev`` into it: one
-        message to the client instead of several (the decode worker's Attach does the same)."""
-        q = self.q
-        while (nxt := q.peek()) is not None and nxt[0] == "event" and nxt[1] == gen and merge_tokens(ev, nxt[2]):
-            q.get_nowait()
 
     async def _read_client(self) -> None:
         try:
@@ -212,7 +219,7 @@ class SessionRun:
             try:
                 self.decode_id = await svc.admission.admit(self.need, svc.rooms, len(self.o.turn.token_ids),
                                                            self.arrived, new=not self.admitted, sid=self.sid,
-                                                           order_at=self._yield_at())
+                                                           order_at=yield_at(self))
                 break
             except Refused as exc:
                 svc.counters["refused_" + exc.reason] += 1
@@ -235,13 +242,6 @@ class SessionRun:
         # the secret: another coordinator reattaches the session with it when this one is lost
         svc.record(self.sid, {"decode_worker": self.decode_id, "round": req.resume.round, "moves": self.log.moves,
                               "secret": self.secret})
-
-    def _yield_at(self) -> float | None:
-        """Admission's order for a session whose opening turn yields (a negative priority hint):
-        its arrival made later; None (no yield) leaves admission's own order."""
-        if self.admitted or self.hints.priority >= 0:
-            return None
-        return queue_enqueued_at(self.arrived, self.hints.priority, HINTS)
 
     def attach(self, call) -> None:
         """The session's stream from its decode worker is ``call`` (Attach or Reattach) now."""

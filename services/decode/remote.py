@@ -15,7 +15,7 @@ from ampd.kv import verify_pattern
 from ampd.stubs import Stubs
 from ampd.trust import task_token, token_matches
 from ampd.v1 import common_pb2, decode_pb2, prefill_pb2
-from services.decode.session import emit, REMOTE_HOLD_S, Session, add_segments
+from services.decode.session import emit, REMOTE_HOLD_S, Session, SessionError, add_segments
 
 if TYPE_CHECKING:
     from services.decode.worker import DecodeWorker
@@ -34,7 +34,8 @@ class RemotePrefills:
         # stay reserved until its PrefillDone comes (or REMOTE_HOLD_S passes), so no other session
         # gets them meanwhile
         self.held: dict[tuple[str, int], Session] = {}
-        self.stubs = Stubs()  # to the prefill workers routed prefills go to
+        # to the prefill workers routed prefills go to; a broken stream to one runs its rounds here
+        self.stubs = Stubs(self._lost)
         self._submits: set[asyncio.Task] = set()  # submits of routed prefills in flight
         self.notifs = None
         # how long a round waits for its remote prefill's notification (beyond the prefill's own
@@ -111,22 +112,52 @@ class RemotePrefills:
         wait = self.wait_s + w.core.cost.t_pre(w.core.tp, s.l_hist, s.l_incr)
         asyncio.get_running_loop().call_later(wait, self._overdue, s, rnd, wait)
         if routed:  # its remote route holds: the task goes to that prefill worker from here, now
-            target = s.route.prefill_worker
-            info = w.rt.peers.get(target)
-            reply = self.stubs.submit(info.address, info.nixl_agent).send(prefill_pb2.SubmitRequest(task=task)) \
-                if info is not None else None
-            self._spawn(self._submitted(s, task, target, reply))
+            self._submit(s, task, s.route.prefill_worker)
         else:
             s.unrouted = task
             emit(s, decode_pb2.DecodeEvent(prefill_task=task))
+
+    def routed(self, s: Session, rnd: int, target: str) -> None:
+        """The coordinator routed the round's prefill_task to prefill worker ``target``
+        (ControlRequest.remote_prefill): it goes there from here."""
+        if s.round != rnd or not self.waiting(s, rnd) or s.unrouted is None:
+            raise SessionError(f"session {s.session_id!r} round {rnd} is not waiting for a route")
+        task, s.unrouted = s.unrouted, None
+        self._submit(s, task, target)
+
+    def _submit(self, s: Session, task: common_pb2.PrefillTask, target: str) -> None:
+        info = self.w.rt.peers.get(target)
+        # sent now when the prefill worker is known here (else once its registration is read)
+        reply = self._send(s, task, info) if info is not None else None
+        self._spawn(self._submitted(s, task, target, reply))
+
+    def _send(self, s: Session, task: common_pb2.PrefillTask, info):
+        s.submitted_to = info.address
+        return self.stubs.submit(info.address, info.nixl_agent).send(prefill_pb2.SubmitRequest(task=task))
+
+    def _lost(self, address: str) -> None:
+        """The call stream to the prefill worker at ``address`` broke (it died or restarted): the
+        rounds submitted there from here and not reported run here, at once, not at their overdue
+        bound (no coordinator sees this stream)."""
+        w = self.w
+        for (sid, rnd), s in list(self.awaiting.items()):
+            if s.submitted_to == address and not s.closed:
+                log.warning("prefill worker lost; running the prefill here", session=sid, round=rnd, address=address)
+                self.take(sid, rnd)
+                w.metrics["prefills_rerouted"] += 1
+                w.queue_local(s)
 
     async def _submitted(self, s: Session, task: common_pb2.PrefillTask, target: str, reply) -> None:
         """The answer to a routed remote prefill's submit; one that could not be submitted goes to
         the coordinator as a plain prefill_task, which routes it again (and runs it here if its
         prefill worker is gone)."""
         try:
-            if reply is None:
-                raise LookupError(f"prefill worker {target!r} is not known here")
+            if reply is None:  # registered since this worker's last peer sync, or not at all
+                try:
+                    await self.w.rt.ensure_peer(target)
+                except Exception as exc:  # noqa: BLE001 - not registered, or Redis away: not known here
+                    raise LookupError(f"prefill worker {target!r} is not known here ({exc})") from None
+                reply = self._send(s, task, self.w.rt.peers[target])
             await reply
         except (grpc.aio.AioRpcError, LookupError) as exc:
             log.warning("routed prefill submit failed; asking the coordinator", session=s.session_id,

@@ -114,10 +114,17 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
         finally:
             core.attachments.detached(s, me)
 
-    # LocalPrefill, Turn, Close and Cancel: one body each, served on Control (and some as unary calls).
+    # The routes, Turn, Close and Cancel: one body each, served on Control (and some as unary calls).
     def _local_prefill(self, request: decode_pb2.RouteInfo) -> None:
         with _statuses():
             self.core.local_prefill(request.session_id, request.round, request.session_secret)
+
+    def _remote_prefill(self, request: decode_pb2.RouteInfo) -> None:
+        with _statuses():
+            if not request.prefill_worker:
+                raise InvalidArgument("remote_prefill.prefill_worker: required")
+            self.core.remote_prefill(request.session_id, request.round, request.session_secret,
+                                     request.prefill_worker)
 
     def _turn(self, request: decode_pb2.TurnRequest) -> None:
         with _statuses():
@@ -147,7 +154,7 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
         kind = request.WhichOneof("call")
         if kind is None:
             raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT,
-                             "call: one of local_prefill, turn, stop, close, cancel is required")
+                             "call: one of local_prefill, remote_prefill, turn, stop, close, cancel is required")
         getattr(self, f"_{kind}")(getattr(request, kind))
 
     async def LocalPrefill(self, request: decode_pb2.RouteInfo, context) -> common_pb2.Ack:

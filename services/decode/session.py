@@ -68,6 +68,7 @@ class Session:
     core: DecodeSession
     secret: str = ""  # the session's credential (AttachRequest.session_secret)
     task_token: str = ""  # the current round's prefill task's (ampd.trust)
+    submitted_to: str = ""  # the address of the prefill worker this worker submitted the round's prefill to
     # Its events, numbered (DecodeEvent.seq): those no stream sent yet and the last SENT_KEEP sent,
     # so that a coordinator that reattaches it sends again what its client missed.
     log: deque = field(default_factory=deque)  # (seq, DecodeEvent or SessionFailed)

@@ -274,6 +274,9 @@ class DecodeWorker:
         self.remote.take(session_id, rnd)
         self.queue_local(s)
 
+    def remote_prefill(self, session_id: str, rnd: int, secret: str, target: str) -> None:
+        self.remote.routed(self._session(session_id, secret), rnd, target)
+
     def queue_local(self, s: Session) -> None:
         """The round's prefill runs here: it joins the core's local queue."""
         c = s.core

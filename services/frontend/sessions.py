@@ -70,11 +70,12 @@ class LiveSession:
 
     async def _read(self) -> None:
         try:
-            async for ev in self.call:
-                if ev.decode_worker:
-                    self.worker = ev.decode_worker
-                if self.events is not None:
-                    self.events.put_nowait(ev)
+            async for batch in self.call:
+                for ev in batch.events:
+                    if ev.decode_worker:
+                        self.worker = ev.decode_worker
+                    if self.events is not None:
+                        self.events.put_nowait(ev)
         except grpc.aio.AioRpcError as exc:
             self.error = exc
         except asyncio.CancelledError:

@@ -62,3 +62,32 @@ def test_chat_with_a_bad_model_is_a_clear_error(tmp_path):
     r = subprocess.run([sys.executable, "-m", "ampd", "chat", "--model", str(tmp_path / "nothing")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "ampd chat: error:" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_chat_talks_to_a_deployment_already_up_through_its_coordinators(tiny_chat_model, tmp_path):
+    """`--coordinator-address A,B`: no deployment of its own; the conversation goes through the
+    given coordinators (ampd.coordinators), as the front's and the bench client's do."""
+    from ampd.chat.cli import TOOL_SPEC
+    from ampd.launcher import Deployment, Options
+
+    opts = Options(engine="torch", model=str(tiny_chat_model), prefill="tp1*1", decode="tp1*1", coordinators=2,
+                   policy="threshold", threshold_tokens=32, tool=(TOOL_SPEC,), run_dir=str(tmp_path / "dep"))
+    with Deployment(opts) as dep:
+        assert "," in dep.coordinator
+        r = subprocess.run(
+            [sys.executable, "-m", "ampd", "chat", "--model", str(tiny_chat_model), "--max-tokens", "3",
+             "--coordinator-address", dep.coordinator, "--prompt", "What is 2 + 2?", "--prompt", "Thanks."],
+            capture_output=True, text=True, timeout=200, env=dict(os.environ, NIXL_LOG_LEVEL="WARN"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout.splitlines()
+    assert not any(line.startswith(("chat: model ", "deployment ready")) for line in out), r.stdout
+    assert [int(m.group(1)) for line in out if (m := ROUND.match(line))] == [0, 1], r.stdout
+    assert out[-1] == "2 rounds answered"
+
+
+def test_chat_names_a_coordinator_that_does_not_answer(tiny_chat_model):
+    r = subprocess.run([sys.executable, "-m", "ampd", "chat", "--model", str(tiny_chat_model),
+                        "--coordinator-address", "127.0.0.1:1", "--prompt", "hi"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "cannot reach the coordinator at 127.0.0.1:1" in r.stderr, r.stderr

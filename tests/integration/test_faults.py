@@ -22,6 +22,7 @@ import redis
 
 from ampd import grpcserver
 from ampd.bench.client import replay
+from ampd.coordinators import session_events
 from ampd.launcher import Deployment, Options
 from ampd.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from ampd.workload.trace import Round, Session
@@ -224,7 +225,7 @@ async def _killed_session(dep: Deployment, sid: str, turns, kill_at=()):
 
     tokens, rounds, nxt, bound, kills, error = [], [], 1, "", list(kill_at), ""
     try:
-        async for ev in stub.Session(requests(), timeout=120):
+        async for ev in session_events(stub.Session(requests(), timeout=120)):
             bound = ev.decode_worker or bound
             kind = ev.WhichOneof("event")
             if kind == "tokens":

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ampd import grpcserver
+from ampd.coordinators import session_events
 from ampd.engine.mock import token_at
 from ampd.launcher import Deployment, Options
 from ampd.trust import attach_token
@@ -87,13 +88,14 @@ class Client:
                 yield m
 
         self.call = stub.Session(requests(), timeout=timeout)
+        self.stream = session_events(self.call)  # one, across reads: a message may hold several events
         self.events: list = []
 
     def send(self, msg) -> None:
         self.out.put_nowait(msg)
 
     async def until(self, *kinds: str):
-        async for ev in self.call:
+        async for ev in self.stream:
             self.events.append(ev)
             if ev.WhichOneof("event") in kinds:
                 return ev
@@ -101,7 +103,7 @@ class Client:
 
     async def status(self) -> tuple[grpc.StatusCode, str]:
         try:
-            async for ev in self.call:
+            async for ev in self.stream:
                 self.events.append(ev)
         except grpc.aio.AioRpcError as exc:
             return exc.code(), exc.details()
@@ -132,7 +134,8 @@ def sync_session(address: str, msgs: list, paced: bool = False,
     with grpc.insecure_channel(address) as ch:
         stub = coordinator_pb2_grpc.CoordinatorStub(ch)
         try:
-            for ev in stub.Session(requests(), timeout=timeout, metadata=[("authorization", f"Bearer {TOKEN}")]):
+            for ev in (e for batch in stub.Session(requests(), timeout=timeout, metadata=[
+                    ("authorization", f"Bearer {TOKEN}")]) for e in batch.events):
                 events.append(ev)
                 if rest and ev.WhichOneof("event") in ("turn_end", "done"):
                     q.put(rest.pop(0))

@@ -13,6 +13,7 @@ import pytest
 import redis
 
 from ampd import grpcserver
+from ampd.coordinators import session_events
 from ampd.launcher import Deployment, Options
 from ampd.state.store import WorkerInfo
 from ampd.trust import attach_token, new_key
@@ -83,7 +84,7 @@ def test_an_open_client_api_leaves_the_internal_surface_closed(dep, redis_url):
         stub = coordinator_pb2_grpc.CoordinatorStub(ch)
         msgs = [coordinator_pb2.ClientMessage(open=opening(20, 3)),
                 coordinator_pb2.ClientMessage(close=coordinator_pb2.Close())]
-        events = [ev async for ev in stub.Session(iter(msgs), timeout=30)]
+        events = [ev async for ev in session_events(stub.Session(iter(msgs), timeout=30))]
         assert events[-1].HasField("done")
         await ch.close()
         for address, stub_cls in ((info.address, decode_pb2_grpc.DecodeWorkerStub),

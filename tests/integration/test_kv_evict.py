@@ -23,6 +23,7 @@ import grpc
 import pytest
 
 from ampd import grpcserver, perf
+from ampd.coordinators import session_events
 from ampd.engine.mock import token_at
 from ampd.launcher import Deployment, Options
 from ampd.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -90,7 +91,7 @@ class _Conversation:
                 yield m
 
         try:
-            async for ev in self.stub.Session(requests(), timeout=90):
+            async for ev in session_events(self.stub.Session(requests(), timeout=90)):
                 kind = ev.WhichOneof("event")
                 if kind == "tokens":
                     for i, tok in enumerate(ev.tokens.token_ids):

@@ -10,6 +10,7 @@ import redis
 
 from ampd import grpcserver
 from ampd.bench.client import replay
+from ampd.coordinators import session_events
 from ampd.launcher import Deployment, Options
 from ampd.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, decode_pb2_grpc, prefill_pb2_grpc
 from ampd.workload import generate
@@ -71,7 +72,7 @@ def test_bad_session_fields_get_invalid_argument_and_others_keep_working(deploym
 
         async def run(*msgs: coordinator_pb2.ClientMessage):
             call = stub.Session(iter(msgs), timeout=30)
-            return [ev async for ev in call]
+            return [ev async for ev in session_events(call)]
 
         def opening(sid: str, turn: common_pb2.Turn) -> coordinator_pb2.ClientMessage:
             return coordinator_pb2.ClientMessage(open=common_pb2.OpenSession(session_id=sid, turn=turn))
@@ -126,7 +127,7 @@ def test_turns_one_at_a_time_on_one_session(deployment):
         call = stub.Session(requests(), timeout=60)
         # the session is bound: its headers come before any event (proto/ampd/v1/coordinator.proto)
         metadata = tuple(await call.initial_metadata())
-        async for ev in call:
+        async for ev in session_events(call):
             kind = ev.WhichOneof("event")
             if kind == "tokens":
                 positions.extend(range(ev.tokens.position, ev.tokens.position + len(ev.tokens.token_ids)))

@@ -181,7 +181,7 @@ def session(address: str, o: common_pb2.OpenSession) -> tuple[grpc.StatusCode, s
             iter([coordinator_pb2.ClientMessage(open=o)]), timeout=30)
         events = []
         try:
-            events.extend(call)
+            events.extend(ev for batch in call for ev in batch.events)
         except grpc.RpcError as exc:
             return exc.code(), exc.details(), events
         return grpc.StatusCode.OK, "", events

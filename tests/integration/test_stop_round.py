@@ -9,6 +9,7 @@ import uuid
 import pytest
 
 from ampd import grpcserver
+from ampd.coordinators import session_events
 from ampd.launcher import Deployment, Options
 from ampd.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.integration.rpc_metrics import service_metrics
@@ -43,7 +44,7 @@ class Conversation:
                 yield m
 
         self.call = stub.Session(requests(), timeout=60)
-        self.events = self.call.__aiter__()
+        self.events = session_events(self.call)
 
     def send(self, msg) -> None:
         self.out.put_nowait(msg)

@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from ampd import grpcserver
+from ampd.coordinators import session_events
 from ampd.engine.torch_models import load_model, save_tiny_llama
 from ampd.config import SERVICE_SETTINGS, to_argv
 from ampd.launcher import Deployment, Options
@@ -85,7 +86,7 @@ async def _session(address: str, sid: str) -> tuple[list[int], list[common_pb2.R
             yield m
 
     tokens, rounds, nxt = [], [], 1
-    async for ev in stub.Session(requests(), timeout=120):
+    async for ev in session_events(stub.Session(requests(), timeout=120)):
         kind = ev.WhichOneof("event")
         if kind == "tokens":
             tokens.extend(ev.tokens.token_ids)

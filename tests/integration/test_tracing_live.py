@@ -24,6 +24,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from ampd import grpcserver, tracing
+from ampd.coordinators import session_events
 from ampd.launcher import Deployment, Options
 from ampd.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
@@ -108,7 +109,7 @@ def _session(address: str, sid: str) -> list:
         msgs = [coordinator_pb2.ClientMessage(open=common_pb2.OpenSession(session_id=sid, turn=turn)),
                 coordinator_pb2.ClientMessage(close=coordinator_pb2.Close())]
         call_ = stub.Session(iter(msgs), timeout=30, metadata=((tracing.TRACEPARENT, CLIENT_TRACEPARENT),))
-        events = [ev async for ev in call_]
+        events = [ev async for ev in session_events(call_)]
         await ch.close()
         return events
 

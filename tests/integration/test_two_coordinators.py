@@ -20,7 +20,7 @@ import grpc
 import pytest
 import redis
 
-from ampd.coordinators import Coordinators
+from ampd.coordinators import Coordinators, session_events
 from ampd.launcher import Deployment, Options
 from ampd.v1 import common_pb2, coordinator_pb2
 from ampd.workload.ids import filler_ids
@@ -69,7 +69,7 @@ async def _session(coords: Coordinators, sid: str, i: int, delay: float, out: di
     tokens: dict[int, int] = {}  # position -> token
     call = coords.Session(requests(), timeout=90)
     try:
-        async for ev in call:
+        async for ev in session_events(call):
             if seen is not None:  # (tokens so far, its decode worker, its stream) for the test to act on
                 seen[i] = (len(tokens), ev.decode_worker or (seen[i][1] if i in seen else ""), call)
             kind = ev.WhichOneof("event")
@@ -258,7 +258,7 @@ def test_a_stop_sent_as_its_coordinator_dies_still_stops_the_round(tmp_path):
             call = coords.Session(requests(), timeout=60)
             events, tokens, t_stop = [], 0, None
             try:
-                async for ev in call:
+                async for ev in session_events(call):
                     events.append(ev)
                     kind = ev.WhichOneof("event")
                     if kind == "tokens":

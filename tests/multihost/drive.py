@@ -18,6 +18,7 @@ import time
 import grpc
 
 from ampd import grpcserver
+from ampd.coordinators import session_events
 from ampd.engine.mock import token_at
 from ampd.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.integration.rpc_metrics import service_metrics
@@ -45,7 +46,7 @@ async def run_session(stub, s: dict, verify_mock: bool, timeout_s: float) -> dic
 
     tokens, rounds, decode, nxt, error, wrong = [], [], set(), 1, "", 0
     try:
-        async for ev in stub.Session(requests(), timeout=timeout_s):
+        async for ev in session_events(stub.Session(requests(), timeout=timeout_s)):
             if ev.decode_worker:
                 decode.add(ev.decode_worker)
             kind = ev.WhichOneof("event")

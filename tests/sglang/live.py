@@ -79,6 +79,7 @@ def turn_ids(tok, question: str, first: bool) -> list[int]:
 async def converse(address: str, sid: str, turns: list[list[int]]) -> tuple[list[list[int]], list]:
     """One session through the coordinator: each turn's output tokens and the rounds' timings."""
     from ampd import grpcserver
+    from ampd.coordinators import session_events
     from ampd.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
     ch = grpcserver.channel(address)
@@ -98,7 +99,7 @@ async def converse(address: str, sid: str, turns: list[list[int]]) -> tuple[list
     outs: list[list[int]] = [[]]
     rounds: list = []
     nxt = 1
-    async for ev in stub.Session(requests(), timeout=600):
+    async for ev in session_events(stub.Session(requests(), timeout=600)):
         kind = ev.WhichOneof("event")
         if kind == "tokens":
             outs[-1].extend(ev.tokens.token_ids)
