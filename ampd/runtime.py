@@ -140,6 +140,9 @@ class WorkerRuntime:
         # monotonic time of the last heartbeat tried (answered or not: a lost Redis is not silence):
         # a worker silent for its liveness TTL may have been routed around (``silent``)
         self.beat_at = time.monotonic()
+        # A decode worker's host KV tier capacity in tokens (--kv-host-mb; 0: none), registered so
+        # that the coordinators' admission promises it beyond the device pool (WorkerInfo)
+        self.kv_host_tokens = 0
 
     def info(self, sidecar: str = "") -> WorkerInfo:
         return WorkerInfo(
@@ -155,6 +158,7 @@ class WorkerRuntime:
             profile=self.cfg.profile,
             task_key=self.task_key.hex() if self.cfg.kind == "decode" else "",
             epoch=self.epoch,
+            kv_host_tokens=self.kv_host_tokens,
         )
 
     def snapshot(self) -> WorkerStats:

@@ -17,7 +17,9 @@ pool cut to ``KV_TOKENS``. Variants, same trace:
   session after 120 s);
 - ``host``: admission ``none`` and ``--kv-host-mb HOST_MB``;
 - ``host+early``: the same, and offloaded KV starts coming back at the tool's expected end
-  (``--kv-prefetch-early``) into blocks no waiting round needs.
+  (``--kv-prefetch-early``) into blocks no waiting round needs;
+- ``host+kv``: the tier under the default admission ``kv``, which promises the decode worker's
+  device pool plus the host pool its registration names (``WorkerInfo.kv_host_tokens``).
 
 Reports per variant: sessions completed, refused and failed, SLO attainment, TTFT P90, end-to-end
 P50, the tier's decisions and moves by reason, bytes to and from host, recomputed history tokens,
@@ -54,6 +56,7 @@ VARIANTS = {
     "admit-all": {"admission": "none"},
     "host": {"admission": "none", "kv_host_mb": HOST_MB},
     "host+early": {"admission": "none", "kv_host_mb": HOST_MB, "kv_prefetch_early": True},
+    "host+kv": {"kv_host_mb": HOST_MB},
 }
 
 
@@ -114,14 +117,19 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m benchmarks.kv_tier_live", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="benchmarks/results/kv_tier_live.json")
     p.add_argument("--quick", action="store_true", help=f"{SESSIONS // 2} sessions")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of: " + ", ".join(VARIANTS))
     a = p.parse_args(argv)
+    names = [v for v in a.variants.split(",") if v]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown or not names:
+        p.error(f"--variants: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(VARIANTS)}")
     sessions = trace(SESSIONS // 2 if a.quick else SESSIONS, RATE, SEED)
     run_dir = Path(tempfile.mkdtemp(prefix="kvtierlive-"))  # the deployments' logs
     print(f"logs: {run_dir}", file=sys.stderr)
     t0 = time.monotonic()
     runs = []
-    for name, settings in VARIANTS.items():
-        r = one(name, settings, sessions, run_dir)
+    for name in names:
+        r = one(name, VARIANTS[name], sessions, run_dir)
         runs.append(r)
         print(json.dumps({k: v for k, v in r.items() if k != "tier"}), file=sys.stderr, flush=True)
     doc = {"benchmark": "kv_tier_live", "sessions": len(sessions), "rate_per_s": RATE, "seed": SEED,

@@ -59,7 +59,7 @@ class SessionRoutes:
                      kv_fetch_s: float = 0.0):
         """(Algorithm 1's decision or None, ms it took) for the round on the cluster's view now.
         ``kv_state``/``kv_fetch_s``: where the session's KV is on its decode worker's host KV tier
-        (``PrefillTask``; resident until live decode workers run the tier and report it)."""
+        (``PrefillTask``; live decode workers do not report it yet: resident)."""
         run = self.run
         svc = run.svc
         t0 = time.perf_counter()

@@ -242,6 +242,7 @@ async def amain(args: argparse.Namespace) -> None:
                       tier=HostTier.from_mb(cfg.kv_host_mb, pool.block_tokens, pool.bytes_per_token, session_tokens,
                                             KVTierConfig(offload_pressure=cfg.kv_offload_pressure),
                                             prefetch_early=cfg.kv_prefetch_early))
+    rt.kv_host_tokens = core.tier.host_tokens if core.tier is not None else 0
     service.core = DecodeWorker(rt, engine, core, sidecar, chat_format(cfg))
     service.core.reattach_grace_s = args.reattach_grace
     service.core.start()

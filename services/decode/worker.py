@@ -286,16 +286,14 @@ class DecodeWorker:
         self.loop.wake.set()
 
     def cancel(self, session_id: str, reason: str, secret: str) -> None:
-        """Ends the session now: its queued and running prefill leave the core, its KV and queue slots
-        free at once (a session already gone is no error: cancels race with the end)."""
+        """Ends the session now, its prefill, KV and queue slots freed (one already gone is no error)."""
         s = self.sessions.get(session_id)
         if s is not None:
             check_secret(s, secret)
             self.fail(s, f"cancelled: {reason}" if reason else "cancelled")
 
     def stop_round(self, session_id: str, secret: str) -> None:
-        """StopRound: the turn being answered ends at its next token, as if its max_tokens were
-        reached (no tool call follows); nothing else of the session changes. Between turns: nothing."""
+        """StopRound: the turn ends at its next token as if at max_tokens (no tool call); between turns, nothing."""
         s = self._session(session_id, secret)
         if s.turn is not None:
             s.stop_requested = True

@@ -170,13 +170,27 @@ SESSIONS = [Session(f"s{i}", 0.05 * i, (Round(input=400, output=8, tool_s=1.0), 
                                         Round(input=100, output=8))) for i in range(6)]
 
 
-def _replayed(opts, sessions, timeout_s: float = 120.0):
+def _replayed(opts, sessions, timeout_s: float = 120.0, infos: dict | None = None):
+    """(records, replay stats, worker metrics); ``infos``, when given, gets the workers'
+    registrations as the replay left them."""
     with Deployment(opts) as dep:
         records, stats, _, _ = asyncio.run(replay(dep.coordinator, sessions, verify_tokens=True, progress=False,
                                                   timeout_s=timeout_s))
         metrics = {w: m for w, (_, m) in asyncio.run(worker_metrics(opts.deployment.redis_url,
                                                                       opts.deployment.namespace)).items()}
+        if infos is not None:
+            infos.update(asyncio.run(_registered(opts.deployment.redis_url, opts.deployment.namespace)))
     return records, stats, metrics
+
+
+async def _registered(url: str, namespace: str) -> dict:
+    from ampd.state import StateStore, connect
+
+    r = await connect(url)
+    try:
+        return await StateStore(r, namespace).workers()
+    finally:
+        await r.aclose()
 
 
 def test_sessions_idle_in_tool_calls_move_to_host_and_every_session_completes(redis_url, tmp_path):
@@ -207,6 +221,22 @@ def test_sessions_idle_in_tool_calls_move_to_host_and_every_session_completes(re
     # no leak: the device pool and the host pool are empty
     assert m["kv_free_tokens"] == m["kv_capacity_tokens"] == KV_TOKENS and m["active_sessions"] == 0
     assert m["kv_tier_host_used_blocks"] == 0 and m["kv_tier_host_copies"] == 0
+
+
+def test_the_default_kv_admission_promises_the_host_tier_and_every_session_completes(redis_url, tmp_path):
+    # admission "kv" (the default) promises the device pool plus the host pool the decode worker
+    # registered: every session is admitted, and the idle ones' KV moves to host so that each round
+    # still gets its KV on the device
+    opts = Options(prefill="none", decode="tp1*1", profile=_profile(tmp_path, KV_TOKENS), policy="local",
+                   kv_host_mb=1, redis_url=redis_url, namespace="kvtier-kv", run_dir=str(tmp_path / "run"))
+    infos: dict = {}
+    records, stats, metrics = _replayed(opts, SESSIONS, infos=infos)
+    assert infos["decode-0"].kv_host_tokens > KV_TOKENS  # 1 MiB of 64-byte tokens
+    m = metrics["decode-0"]
+    assert all(r.completed for r in records), [r.error for r in records]
+    assert stats.token_mismatches == 0 and m["sessions_failed"] == 0 and m["kv_overcommits"] == 0
+    assert sum(v for k, v in m.items() if k.startswith("kv_tier_move_offload:")) >= 3
+    assert m["kv_free_tokens"] == KV_TOKENS and m["kv_tier_host_used_blocks"] == 0
 
 
 async def _three_turns(address: str, ids: list[str]) -> list:
