@@ -143,9 +143,9 @@ class PolicyConfig:
     kv_evict: bool = setting(False, "a decode worker whose KV pool is full evicts the KV of sessions idle in tool "
                                     "calls (least recently used first) before a round waits or fails; their next "
                                     "round prefills the whole history again")
-    # Off by default: it helps only at low load (benchmarks/results/kv_tier.json). The simulator models
-    # it; a live decode worker checks the host pool's size and refuses to start with it on, since it
-    # moves no KV to host memory (services/decode/tier.py).
+    # Off by default: a host pool's size depends on the machine, and the tier does not yet combine with
+    # prefix sharing or the sglang engine. Measured to help where KV is short, under the default kv
+    # admission (benchmarks/results/kv_tier.json, kv_tier_live.json). Live: services/decode/tier.py.
     kv_host_mb: float = setting(0.0, "host-memory KV tier of each decode worker, MiB (0 = off): when a round ends "
                                      "in a tool call the worker keeps, offloads to host or drops the session's KV "
                                      "(ampd.policy.kvtier) and brings it back when the result arrives",
