@@ -54,3 +54,33 @@ def test_rounds_whose_kv_was_on_host_are_routed_saying_so(redis_url, tmp_path):
     # no leak: the device pool and the host pool are empty, no session left
     assert m["kv_free_tokens"] == m["kv_capacity_tokens"] == KV_TOKENS and m["active_sessions"] == 0
     assert m["kv_tier_host_used_blocks"] == 0 and m["kv_tier_host_copies"] == 0
+
+
+def test_client_turns_are_routed_ahead_with_the_turn_ends_location(redis_url, tmp_path):
+    """Client-side calls: each turn ends with the session's KV moved to host, its TurnEnd says so, and
+    the coordinator routes the next turn's first round with it (Route.kv_state "host"): the decode
+    worker finds the KV where the route says, fetches it first, and the route holds (no prefill_task
+    round trip). (That the client's TurnEnd carries no location: tests/unit/test_kvwhere_live.py.)"""
+    from tests.integration.test_kv_tier_live import _three_turns
+
+    opts = Options(prefill="tp1*1", decode="tp1*1", profile=_profile(tmp_path, KV_TOKENS), policy="ampd",
+                   kv_host_mb=1, kv_offload_pressure=0.0, redis_url=redis_url, namespace="kvroute-turns",
+                   run_dir=str(tmp_path / "run"))
+    with Deployment(opts) as dep:
+        convs = asyncio.run(_three_turns(dep.coordinator, ["c0", "c1", "c2"]))
+        coord = asyncio.run(service_metrics(dep.coordinator, "coordinator"))
+        m = asyncio.run(worker_metrics(redis_url, "kvroute-turns"))["decode-0"][1]
+    assert not any(c.error or c.duplicates for c in convs), [c.error for c in convs]
+    assert all(len(c.tokens) == 18 for c in convs)
+    # each round's own reason (its RoundTiming): the first round's KV was new, the later ones' on host
+    for c in convs:
+        assert [r.route_reason.endswith("+kv-host") for r in c.rounds] == [False, True, True], c.rounds
+    on_host = sum(v for k, v in coord.items() if k.startswith("route_") and k.endswith("+kv-host"))
+    prefetches = sum(v for k, v in m.items() if k.startswith("kv_tier_move_prefetch:"))
+    print({k: v for k, v in coord.items() if k.startswith(("route_", "prefills_"))}, prefetches)
+    # the second and third turns of each session (6 rounds) had their KV on host, and were routed so
+    assert prefetches == 6 and on_host == 6
+    assert coord["prefills_routed_with_turn"] == 9  # every route sent with a turn held (3 opens + 6)
+    assert m["prefills_overdue"] == 0 and m["sessions_failed"] == 0
+    assert m["kv_free_tokens"] == m["kv_capacity_tokens"] and m["kv_tier_host_used_blocks"] == 0
+    assert m["kv_tier_host_copies"] == 0 and m["active_sessions"] == 0
