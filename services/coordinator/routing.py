@@ -115,7 +115,11 @@ class SessionRoutes:
             except KVWhereError as exc:
                 log.warning("turn end with a bad KV location; routing as resident", session=self.run.sid,
                             error=str(exc))
-            te = common_pb2.TurnEnd(round=te.round, finish_reason=te.finish_reason, history_tokens=te.history_tokens)
+            out = common_pb2.TurnEnd()
+            out.CopyFrom(te)
+            out.ClearField("kv_state")
+            out.ClearField("kv_fetch_s")
+            return out
         return te
 
     def take_told(self) -> KVWhere:
