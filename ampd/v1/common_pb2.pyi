@@ -159,14 +159,18 @@ class ToolCall(_message.Message):
     def __init__(self, round: _Optional[int] = ..., call_id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ..., client_side: _Optional[bool] = ...) -> None: ...
 
 class TurnEnd(_message.Message):
-    __slots__ = ("round", "finish_reason", "history_tokens")
+    __slots__ = ("round", "finish_reason", "history_tokens", "kv_state", "kv_fetch_s")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     HISTORY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_STATE_FIELD_NUMBER: _ClassVar[int]
+    KV_FETCH_S_FIELD_NUMBER: _ClassVar[int]
     round: int
     finish_reason: str
     history_tokens: int
-    def __init__(self, round: _Optional[int] = ..., finish_reason: _Optional[str] = ..., history_tokens: _Optional[int] = ...) -> None: ...
+    kv_state: str
+    kv_fetch_s: float
+    def __init__(self, round: _Optional[int] = ..., finish_reason: _Optional[str] = ..., history_tokens: _Optional[int] = ..., kv_state: _Optional[str] = ..., kv_fetch_s: _Optional[float] = ...) -> None: ...
 
 class RoundEnd(_message.Message):
     __slots__ = ("timing",)
@@ -181,7 +185,7 @@ class SessionDone(_message.Message):
     def __init__(self, rounds: _Optional[_Iterable[_Union[RoundTiming, _Mapping]]] = ...) -> None: ...
 
 class PrefillTask(_message.Message):
-    __slots__ = ("session_id", "round", "l_hist", "l_incr", "input_ready", "decode_worker", "decode_tp", "history", "dest", "token_ids", "sampling", "history_token_ids", "task_token")
+    __slots__ = ("session_id", "round", "l_hist", "l_incr", "input_ready", "decode_worker", "decode_tp", "history", "dest", "token_ids", "sampling", "history_token_ids", "task_token", "kv_state", "kv_fetch_s")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     L_HIST_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +199,8 @@ class PrefillTask(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     HISTORY_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TASK_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    KV_STATE_FIELD_NUMBER: _ClassVar[int]
+    KV_FETCH_S_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     round: int
     l_hist: int
@@ -208,7 +214,9 @@ class PrefillTask(_message.Message):
     sampling: SamplingParams
     history_token_ids: _containers.RepeatedScalarFieldContainer[int]
     task_token: str
-    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., l_hist: _Optional[int] = ..., l_incr: _Optional[int] = ..., input_ready: _Optional[float] = ..., decode_worker: _Optional[str] = ..., decode_tp: _Optional[int] = ..., history: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., dest: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., history_token_ids: _Optional[_Iterable[int]] = ..., task_token: _Optional[str] = ...) -> None: ...
+    kv_state: str
+    kv_fetch_s: float
+    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., l_hist: _Optional[int] = ..., l_incr: _Optional[int] = ..., input_ready: _Optional[float] = ..., decode_worker: _Optional[str] = ..., decode_tp: _Optional[int] = ..., history: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., dest: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., history_token_ids: _Optional[_Iterable[int]] = ..., task_token: _Optional[str] = ..., kv_state: _Optional[str] = ..., kv_fetch_s: _Optional[float] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ()

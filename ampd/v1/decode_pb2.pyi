@@ -164,14 +164,16 @@ class TurnRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., turn: _Optional[_Union[_common_pb2.Turn, _Mapping]] = ..., session_secret: _Optional[str] = ..., route: _Optional[_Union[Route, _Mapping]] = ...) -> None: ...
 
 class Route(_message.Message):
-    __slots__ = ("l_hist", "l_incr", "prefill_worker")
+    __slots__ = ("l_hist", "l_incr", "prefill_worker", "kv_state")
     L_HIST_FIELD_NUMBER: _ClassVar[int]
     L_INCR_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
+    KV_STATE_FIELD_NUMBER: _ClassVar[int]
     l_hist: int
     l_incr: int
     prefill_worker: str
-    def __init__(self, l_hist: _Optional[int] = ..., l_incr: _Optional[int] = ..., prefill_worker: _Optional[str] = ...) -> None: ...
+    kv_state: str
+    def __init__(self, l_hist: _Optional[int] = ..., l_incr: _Optional[int] = ..., prefill_worker: _Optional[str] = ..., kv_state: _Optional[str] = ...) -> None: ...
 
 class CloseRequest(_message.Message):
     __slots__ = ("session_id", "session_secret")

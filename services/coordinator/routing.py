@@ -14,7 +14,8 @@ import structlog
 
 from ampd import tracing
 from ampd.policy import PrefillTask, RouteDecision
-from ampd.policy.types import KV_RESIDENT
+from ampd.policy.kvwhere import RESIDENT, KVWhere, KVWhereError, parse_kv_where
+from ampd.policy.types import KV_GONE, KV_RESIDENT
 from ampd.v1 import common_pb2, decode_pb2
 from services.coordinator.core import route
 
@@ -41,15 +42,18 @@ class RoundRoute(NamedTuple):
 
 class SessionRoutes:
     """The session's routed rounds (``routes``), those submitted to a prefill worker and not yet
-    answered (``remote``: round -> prefill worker), and the route sent ahead with the last turn."""
+    answered (``remote``: round -> prefill worker), the route sent ahead with the last turn, and
+    where the last TurnEnd said the session's KV went (``told``: (decode worker, location), for the
+    next turn's route only)."""
 
-    __slots__ = ("run", "routes", "remote", "ahead")
+    __slots__ = ("run", "routes", "remote", "ahead", "told")
 
     def __init__(self, run: SessionRun) -> None:
         self.run = run
         self.routes: dict[int, RoundRoute] = {}
         self.remote: dict[int, str] = {}
         self.ahead: RouteAhead | None = None
+        self.told: tuple[str, KVWhere] | None = None
 
     def reason(self, rnd: int) -> str | None:
         r = self.routes.get(rnd)
@@ -59,7 +63,7 @@ class SessionRoutes:
                      kv_fetch_s: float = 0.0):
         """(Algorithm 1's decision or None, ms it took) for the round on the cluster's view now.
         ``kv_state``/``kv_fetch_s``: where the session's KV is on its decode worker's host KV tier
-        (``PrefillTask``; live decode workers do not report it yet: resident)."""
+        (``PrefillTask``: its prefill_task's, or for a route sent ahead its last TurnEnd's)."""
         run = self.run
         svc = run.svc
         t0 = time.perf_counter()
@@ -85,8 +89,11 @@ class SessionRoutes:
         through here. The decision is Algorithm 1's on the view it would read a moment later, when
         the worker's prefill_task came."""
         self.drop_ahead()
+        where = self.take_told()
+        if where.state == KV_GONE:  # the worker prefills the history again
+            l_hist, l_incr = 0, l_hist + l_incr
         now = time.time()
-        decision, decide_ms = await self.decide(rnd, l_hist, l_incr, now)
+        decision, decide_ms = await self.decide(rnd, l_hist, l_incr, now, where.state, where.fetch_s)
         if decision is None:
             return None
         self.ahead = RouteAhead(rnd, decision, decide_ms, now)
@@ -94,7 +101,32 @@ class SessionRoutes:
             self.remote[rnd] = decision.target
             self.run.svc.remember_remote(self.run, decision.target, rnd)
         return decode_pb2.Route(l_hist=l_hist, l_incr=l_incr,
-                                prefill_worker="" if decision.local else decision.target)
+                                prefill_worker="" if decision.local else decision.target,
+                                kv_state="" if where.state == KV_RESIDENT else where.state)
+
+    def heard(self, te: common_pb2.TurnEnd) -> common_pb2.TurnEnd:
+        """The session's TurnEnd from its decode worker: where its KV went is kept for the next
+        turn's route (once), and the TurnEnd goes on without it (a location is the worker's, of
+        that moment: neither the client nor a later route reuses it)."""
+        self.told = None
+        if te.kv_state or te.kv_fetch_s:
+            try:
+                self.told = (self.run.decode_id, parse_kv_where(te.kv_state, te.kv_fetch_s, "turn_end.kv_state"))
+            except KVWhereError as exc:
+                log.warning("turn end with a bad KV location; routing as resident", session=self.run.sid,
+                            error=str(exc))
+            out = common_pb2.TurnEnd()
+            out.CopyFrom(te)
+            out.ClearField("kv_state")
+            out.ClearField("kv_fetch_s")
+            return out
+        return te
+
+    def take_told(self) -> KVWhere:
+        """Where the last TurnEnd said the KV went, if on the worker the session is bound to now;
+        forgotten as it is read."""
+        told, self.told = self.told, None
+        return told[1] if told is not None and told[0] == self.run.decode_id else RESIDENT
 
     def drop_ahead(self) -> None:
         """The route sent with the turn did not hold (the worker asked with a prefill_task)."""
@@ -136,7 +168,14 @@ class SessionRoutes:
             self.local(need.round, "fallback-local")
             self.routes[need.round] = RoundRoute(run.decode_id, "fallback-local", True)
             return
-        decision, decide_ms = await self.decide(need.round, need.l_hist, need.l_incr, need.input_ready)
+        try:
+            where = parse_kv_where(need.kv_state, need.kv_fetch_s, "prefill_task.kv_state")
+        except KVWhereError as exc:  # a worker's mistake: the round is routed as if resident
+            log.warning("prefill task with a bad KV location; routing as resident", session=run.sid,
+                        round=need.round, error=str(exc))
+            where = RESIDENT
+        decision, decide_ms = await self.decide(need.round, need.l_hist, need.l_incr, need.input_ready,
+                                                where.state, where.fetch_s)
         if decision is None:
             self.local(need.round, "fallback-local")
             return

@@ -362,7 +362,7 @@ class SessionRun:
             return [self.to_client(tool_call=ev.tool_call)]
         if kind == "turn_end":
             lg.on_turn_end()
-            return [self.to_client(turn_end=ev.turn_end)]
+            return [self.to_client(turn_end=self.routing.heard(ev.turn_end))]  # its KV location stripped
         if kind == "round_end":
             t = ev.round_end.timing
             lg.on_round_end(t)

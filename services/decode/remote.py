@@ -15,6 +15,7 @@ from ampd.kv import verify_pattern
 from ampd.stubs import Stubs
 from ampd.trust import task_token, token_matches
 from ampd.v1 import common_pb2, decode_pb2, prefill_pb2
+from services.decode.kvwhere import task_fields
 from services.decode.session import emit, REMOTE_HOLD_S, Session, SessionError, add_segments
 
 if TYPE_CHECKING:
@@ -99,7 +100,7 @@ class RemotePrefills:
             session_id=s.session_id, round=rnd, l_hist=s.l_hist, l_incr=s.l_incr, input_ready=s.input_ready,
             decode_worker=w.rt.cfg.worker_id, decode_tp=w.rt.cfg.tp,
             token_ids=s.tokens[s.l_hist:], sampling=s.params,
-            history_token_ids=s.tokens[:s.l_hist] if w.token_ids else (),
+            history_token_ids=s.tokens[:s.l_hist] if w.token_ids else (), **task_fields(s, rnd),
         )
         history = s.kv.segments(0, s.l_hist)
         add_segments(task.history, history)

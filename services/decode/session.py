@@ -12,6 +12,7 @@ from ampd import tracing
 from ampd.chat.stops import StopChecker
 from ampd.engine.base import GREEDY, Engine, Sampling
 from ampd.kv import Segment, SessionKV
+from ampd.policy.kvwhere import KVWhere
 from ampd.trust import token_matches
 from ampd.v1 import common_pb2, decode_pb2
 from ampd.worker import DecodeSession
@@ -108,6 +109,7 @@ class Session:
     carried: int = 0  # output tokens of the first round here that the lost worker already made
     recompute: int = 0  # KV tokens an eviction took (--kv-evict): the next round prefills them again
     route: decode_pb2.Route | None = None  # the coordinator's route for the round starting now
+    where: tuple[int, KVWhere] | None = None  # (round, where its KV was as it started): services/decode/kvwhere.py
     # (session, round) and token of a remote prefill given up on (overdue) that may still write its
     # blocks: they are held when the session ends, as for a prefill in flight
     overdue: tuple[tuple[str, int], str] | None = None

@@ -43,6 +43,7 @@ from ampd.kv import KVPool, KVPoolExhausted, KVTransferError, Segment
 from ampd.policy.hostpool import HostPoolTooSmall, check_host_pool
 from ampd.tasks import BackgroundTasks
 from ampd.worker import TO_HOST, KVMove
+from services.decode import kvwhere
 
 if TYPE_CHECKING:
     from services.decode.session import Session
@@ -140,6 +141,7 @@ class LiveTier:
         # (``defer``) and the early prefetches before their blocks are reserved (``owed``)
         self.deferred: dict[str, Session] = {}
         self.fetching: dict[str, int] = {}  # session id -> tokens its prefetch will reserve
+        self.fetch_began: dict[str, tuple[float, int]] = {}  # session id -> (when, tokens) of its prefetch
         self.dropped: set[str] = set()  # sessions evicted (dropped) while their prefetch ran
         self.paused: dict[str, tuple[str, float]] = {}  # session id -> (tool, when its round ended)
         self.early: dict[str, asyncio.TimerHandle] = {}  # session id -> its early prefetch
@@ -236,6 +238,7 @@ class LiveTier:
                 task = self.tasks.spawn(self._offload(s, m, prev), name=f"kv-offload-{m.session_id}")
             else:
                 self.fetching[m.session_id] = m.tokens
+                self.fetch_began[m.session_id] = (time.time(), m.tokens)
                 task = self.tasks.spawn(self._prefetch(s, m, prev), name=f"kv-prefetch-{m.session_id}")
             self.busy[m.session_id] = task
             task.add_done_callback(lambda t, sid=m.session_id: self._ended(sid, t))
@@ -246,7 +249,9 @@ class LiveTier:
 
     def defer(self, s: Session) -> bool:
         """Called as the round of ``s`` starts: True when it must wait (its KV is moving, or the
-        blocks it needs are still held by offloads the core counts done); it starts when they end."""
+        blocks it needs are still held by offloads the core counts done); it starts when they end.
+        The round's KV location is taken first, before any wait (its route: services/decode/kvwhere.py)."""
+        kvwhere.note(self.w, s)
         task = self.busy.get(s.session_id)
         if (task is None or task.done()) and not (self._freeing() and self._short(s)):
             return False
@@ -348,6 +353,7 @@ class LiveTier:
             await self._prefetch_now(s, m)
         finally:
             self.fetching.pop(s.session_id, None)
+            self.fetch_began.pop(s.session_id, None)
             if s.session_id in self.dropped:  # it ended before its transfer: nothing was reserved
                 self.dropped.discard(s.session_id)
                 s.kv.release(self.w.rt.pool)

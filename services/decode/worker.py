@@ -41,6 +41,7 @@ from ampd.v1 import common_pb2, decode_pb2
 from ampd.worker import ADMITTED, FAILED, DecodeCore, DecodeSession
 from services.decode.engine_loop import EngineLoop
 from services.decode.kv import KvSync
+from services.decode.kvwhere import route_holds, turn_end
 from services.decode.remote import RemotePrefills
 from services.decode.session import (ABORTED, ENDED_KEEP, FINISH_LENGTH, FINISH_STOP, FINISH_STOP_REQUESTED,
                                      FINISH_TOOL, SHUTDOWN, EventsGone, InvalidTurn, NotOpen, NotPermitted, Session,
@@ -261,7 +262,7 @@ class DecodeWorker:
         s.recovering, s.recompute = False, 0
         if tracing.on:
             s.admitted_at, s.prefill_at = time.time(), 0.0
-        routed = s.route is not None and (s.route.l_hist, s.route.l_incr) == (s.l_hist, s.l_incr)
+        routed = route_holds(s)  # for the round's sizes and its KV's location
         if routed and not s.route.prefill_worker:  # the coordinator's local route holds
             self.queue_local(s)
             return
@@ -409,7 +410,6 @@ class DecodeWorker:
         if self.tools.announce(s, scripted, parsed):
             return  # the server-side calls run: their results begin the turn's next round
         s.turn = None
-        emit(s, decode_pb2.DecodeEvent(turn_end=common_pb2.TurnEnd(
-            round=s.round, finish_reason=reason, history_tokens=len(s.tokens))))
+        emit(s, decode_pb2.DecodeEvent(turn_end=turn_end(self, s, reason)))  # with where its KV went
         if s.closing:
             self._done(s)

@@ -128,7 +128,10 @@ async def _in_process(redis_url: str, profile_path: str) -> None:
                 rt.transport.remove_peer(live.name)
             if sid == "early":
                 await until(lambda: s.kv.tokens == 103 and not live.copies, timeout_s=5, what="the early prefetch")
-            dw.turn(sid, _turn(20, 2, answers=call, call=False), "secret", decode_pb2.Route(l_hist=103, l_incr=21))
+            # the coordinator's route, decided for the KV on host (resident again for "early"): it holds
+            where = "" if sid == "early" else "host"
+            dw.turn(sid, _turn(20, 2, answers=call, call=False), "secret",
+                    decode_pb2.Route(l_hist=103, l_incr=21, kv_state=where))
             after, _, more, (timing,) = await _answered(s, after)
             tokens.update(more)
             assert sorted(tokens) == [100, 101, 102, 103, 124, 125, 126, 127], sid
@@ -146,6 +149,8 @@ async def _in_process(redis_url: str, profile_path: str) -> None:
         assert m["kv_tier_bytes_from_host"] == 2 * 103 * pool.bytes_per_token
         assert m["kv_tier_decision_offload:long-tool"] == 4
         assert dw.metrics["kv_recomputed_tokens"] == 2 * 103 and dw.metrics["sessions_failed"] == 0
+        # the routes held but for the two re-prefills (sized for the history): those asked, unanswered here
+        assert dw.metrics["prefills_overdue"] == 2
         # no leak: every device and host block is free, and the core charges nothing
         await until(lambda: pool.free_tokens == pool.capacity_tokens, what="device pool empty")
         assert live.pool.free_blocks == live.pool.num_blocks and not live.copies and not live.busy

@@ -39,14 +39,15 @@ def fixed(values: dict, labels: dict | None = None):
 
 def test_rpc_values_become_labelled_counters_and_gauges():
     values = {"sessions_completed": 4, "sessions_live": 2, "route_decode-slack": 3, "route_prefill-slack": 5,
-              "route_redis_read_ms_total": 1500.0, "route_fallback-local": 1}
+              "route_redis_read_ms_total": 1500.0, "route_fallback-local": 1, "route_cost-model+kv-host": 2}
     got = render(metrics.ValuesCollector(fixed(values, {"policy": "ampd"}), metrics.COORDINATOR))
     assert ({"status": "completed"}, 4.0) in got["ampd_sessions_total"]
     assert ({"status": "failed"}, 0.0) in got["ampd_sessions_total"]  # a counter not yet counted reads 0
     assert got["ampd_sessions_active"] == [({}, 2.0)]
     # route_* keys become reasons, except the one another family claims
     assert {ls["reason"]: v for ls, v in got["ampd_route_decisions_total"]} == {
-        "decode-slack": 3.0, "prefill-slack": 5.0, "fallback-local": 1.0}
+        "decode-slack": 3.0, "prefill-slack": 5.0, "fallback-local": 1.0,
+        "cost-model+kv-host": 2.0}  # the KV's location rides on the reason (docs/policies.md)
     assert got["ampd_route_state_read_seconds_total"] == [({}, 1.5)]
     assert "ampd_worker_stats_lag_seconds" not in got  # a gauge without a value is left out
     assert got["ampd_deployment_info"] == [({"policy": "ampd"}, 1.0)]

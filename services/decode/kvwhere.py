@@ -1,0 +1,91 @@
+"""The live decode worker's side of routing by the KV's location (``ampd.policy.kvwhere``): where a
+session's KV is, read from the core's tier state and the host tier's moves in flight, for the round's
+PrefillTask, the turn's TurnEnd, and whether the coordinator's Route still holds.
+
+The round's location is taken once, as its start is first tried (``note``, from ``LiveTier.defer``):
+the worker fetches KV on host back before the round's prefill starts, here or on a prefill worker
+(fetch first: a prefill worker reads the history from this worker's device), so by the time its
+prefill_task is announced the fetch is done. The task says where the KV was when the round's input
+was ready and the fetch that cost (``kv_fetch_s``), so the router, with ``kv_fetch_first``, counts the
+round's TTFT from its input: fetch plus prefill, wherever the prefill runs."""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from ampd.policy.kvtier import KVState, host_transfer_s
+from ampd.policy.kvwhere import RESIDENT, KVWhere, KVWhereError, kv_where, parse_kv_where
+from ampd.policy.types import KV_GONE
+from ampd.v1 import common_pb2
+
+if TYPE_CHECKING:
+    from services.decode.session import Session
+    from services.decode.worker import DecodeWorker
+
+__all__ = ["now_where", "note", "round_where", "task_fields", "turn_end", "route_holds"]
+
+
+def _state(w: DecodeWorker, s: Session) -> KVState:
+    """The core's location of the session's KV (resident without a tier, or gone when a move failed)."""
+    if s.recompute:
+        return KVState.GONE
+    tier = w.core.tier
+    return KVState.RESIDENT if tier is None else tier.host.state(s.session_id)
+
+
+def now_where(w: DecodeWorker, s: Session, now: float) -> KVWhere:
+    """Where the KV of ``s`` is at ``now``: the core's state, its tokens still on host (``fetch``) and
+    the live tier's prefetch in flight, timed by the profile's host transfer time."""
+    core = w.core
+    began = w.tier.fetch_began.get(s.session_id) if w.tier is not None else None
+    since, moving = began if began is not None else (None, 0)
+    return kv_where(_state(w, s), s.core.fetch, lambda n: host_transfer_s(core.cost, n, core.tp),
+                    moving_tokens=moving, moving_since=since, now=now)
+
+
+def note(w: DecodeWorker, s: Session) -> None:
+    """The round's start is tried (``LiveTier.defer``, before any wait): its KV's location, kept for
+    the round (the first try's: a round started after its fetch was on host all the same)."""
+    if s.where is None or s.where[0] != s.round:
+        s.where = (s.round, now_where(w, s, time.time()))
+
+
+def round_where(s: Session, rnd: int) -> KVWhere:
+    """The location the round started with (``note``); resident when none was taken (no tier)
+    unless its history is prefilled again."""
+    if s.where is not None and s.where[0] == rnd:
+        return s.where[1]
+    if s.timing is not None and s.timing.kv_recomputed_tokens:
+        return KVWhere(KV_GONE, 0.0)
+    return RESIDENT
+
+
+def task_fields(s: Session, rnd: int) -> dict:
+    """The PrefillTask's kv_state/kv_fetch_s for round ``rnd`` (nothing when resident with no wait)."""
+    where = round_where(s, rnd)
+    return {} if where == RESIDENT else {"kv_state": where.state, "kv_fetch_s": where.fetch_s}
+
+
+def turn_end(w: DecodeWorker, s: Session, reason: str) -> common_pb2.TurnEnd:
+    """The turn's TurnEnd, with where the tier left the session's KV (its decision just made)."""
+    te = common_pb2.TurnEnd(round=s.round, finish_reason=reason, history_tokens=len(s.tokens))
+    if w.tier is not None:
+        where = now_where(w, s, time.time())
+        if where != RESIDENT:
+            te.kv_state, te.kv_fetch_s = where.state, where.fetch_s
+    return te
+
+
+def route_holds(s: Session) -> bool:
+    """The coordinator's route for the round starting now holds: decided for the sizes it has and
+    for the KV location it found (decode.proto Route.kv_state; a route decided for resident KV that
+    was on host would have been costed without the fetch)."""
+    r = s.route
+    if r is None or (r.l_hist, r.l_incr) != (s.l_hist, s.l_incr):
+        return False
+    try:
+        told = parse_kv_where(r.kv_state, 0.0, "route.kv_state").state
+    except KVWhereError:
+        return False
+    return told == round_where(s, s.round).state
+
