@@ -65,6 +65,7 @@ class KvAdmission:
             if s.session_id not in self.sessions:
                 self.admitted += 1
                 self.sessions[s.session_id] = s
+                self.kv_used += s.l_hist  # a shared prefix (--prefix-sharing; else 0)
         elif s.session_id not in self.sessions:
             # a new session starts only when its first input fits (after evictions); running sessions
             # go first
@@ -74,6 +75,7 @@ class KvAdmission:
                 return WAITING
             self.admitted += 1
             self.sessions[s.session_id] = s
+            self.kv_used += s.l_hist  # a shared prefix (--prefix-sharing; else 0)
         elif self.kv_wait or (self.kv_cap - self.kv_used < need and not self._make_room(need)):
             self.kv_wait.append(s)
             self.wait_need += need
@@ -136,7 +138,7 @@ class KvAdmission:
             self.wait_need -= need
             self.admitted += 1
             self.sessions[s.session_id] = s
-            self.kv_used += need
+            self.kv_used += need + s.l_hist  # with a shared prefix (--prefix-sharing; else 0)
             return s
         return None
 
@@ -191,6 +193,15 @@ class KvAdmission:
         """Live: the pool has ``free_tokens`` free; the core admits by it (its capacity becomes what
         it has charged plus that)."""
         self.kv_cap = self.kv_used + free_tokens
+
+    def shared_history(self, s: DecodeSession, tokens: int) -> None:
+        """Before its first round is ready: the new session holds ``tokens`` tokens of KV it shares
+        with other sessions (--prefix-sharing; ``ampd.worker.decode_prefix``). They are its history,
+        charged like one when it is admitted (released with it), so its round needs KV only for the
+        rest."""
+        if s.session_id in self.sessions:
+            raise ValueError(f"{self.worker_id}: session {s.session_id!r} shares a prefix after its start")
+        s.l_hist += tokens
 
     def round_end(self, s: DecodeSession, last: bool) -> None:
         """The round's last token is made: its input and output join the session's history; the
