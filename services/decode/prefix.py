@@ -16,6 +16,7 @@ alone (``ampd.kv.pattern``), so a shared block passes every byte check of anothe
 """
 from __future__ import annotations
 
+import itertools
 import time
 from typing import TYPE_CHECKING
 
@@ -33,14 +34,18 @@ __all__ = ["LivePrefix", "SharedKV"]
 log = structlog.get_logger()
 
 
+_KEYS = itertools.count()
+
+
 class SharedKV(SessionKV):
-    """A session's blocks whose first ``index.held(session_id)`` the prefix index holds: releasing,
-    trimming or truncating leaves those to the index."""
+    """A session's blocks whose first ``index.held(key)`` the prefix index holds: releasing,
+    trimming or truncating leaves those to the index. ``key`` names these blocks in the index (a
+    session opened again under its id while its old blocks wait for a prefill worker has other ones)."""
 
     def __init__(self, block_tokens: int, index: PrefixShare, session_id: str) -> None:
         super().__init__(block_tokens)
         self.index = index
-        self.session_id = session_id
+        self.session_id = f"{session_id}#{next(_KEYS)}"
 
     def release(self, pool: KVPool) -> None:
         held = self.index.held(self.session_id)
@@ -94,12 +99,13 @@ class LivePrefix:
     def share(self, s: Session) -> int:
         """Before the core admits a round of a session with no KV here: share the longest indexed
         prefix of its prompt; returns the shared tokens (the round's history, charged as such)."""
-        if not self.on or s.kv.tokens or s.kv.blocks or self.index.held(s.session_id) \
+        kv = s.kv
+        if not isinstance(kv, SharedKV) or kv.tokens or kv.blocks or self.index.held(kv.session_id) \
                 or s.session_id in self.w.core.sessions:  # (one rewound to nothing keeps its own blocks)
             return 0
         bt = self.w.rt.pool.block_tokens
         s.prefix_tokens = len(prefix_hashes(s.tokens, bt)) * bt
-        got = self.index.share(s.session_id, s.tokens)
+        got = self.index.share(kv.session_id, s.tokens)
         s.shared_tokens = got.tokens
         if got.tokens:
             s.kv.blocks, s.kv.tokens = list(got.blocks), got.tokens
@@ -111,8 +117,9 @@ class LivePrefix:
         """A round's prefill committed (its first token): the session's own full prompt blocks not
         yet indexed enter the index."""
         s.shared_tokens = 0
-        if self.on and self.index.held(s.session_id) * self.w.rt.pool.block_tokens < s.prefix_tokens:
-            self.index.publish(s.session_id, s.tokens[:s.prefix_tokens + 1], s.kv.blocks)
+        kv = s.kv
+        if isinstance(kv, SharedKV) and self.index.held(kv.session_id) * self.w.rt.pool.block_tokens < s.prefix_tokens:
+            self.index.publish(kv.session_id, s.tokens[:s.prefix_tokens + 1], kv.blocks)
 
     def rewound(self, s: Session, tokens: int) -> None:
         s.prefix_tokens = min(s.prefix_tokens, tokens)

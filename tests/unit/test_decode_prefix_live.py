@@ -145,6 +145,19 @@ def test_a_rewind_past_the_shared_blocks_is_a_plain_truncate():
     a = _session(w, "a", SYS + [1, 2, 3, 4, 5, 6])
     _first_round(w, a)
     a.kv.truncate(pool, 17)
-    assert a.kv.tokens == 17 and len(a.kv.blocks) == 5 and w.prefix.index.held("a") == 4
+    assert a.kv.tokens == 17 and len(a.kv.blocks) == 5 and w.prefix.index.held(a.kv.session_id) == 4
     a.kv.release(pool)
+    assert _empty(w)
+
+
+def test_a_session_opened_again_under_its_id_keeps_apart_from_its_old_blocks():
+    w = _worker(True)
+    pool = w.rt.pool
+    old = _session(w, "a", SYS + [1])
+    _first_round(w, old)
+    new = _session(w, "a", SYS + [1])  # the old one's blocks wait for a prefill worker's notification
+    assert _first_round(w, new) == 12 and new.kv.session_id != old.kv.session_id
+    old.kv.release(pool)  # released late: the new session's references stay
+    assert all(w.prefix.index.refs(b) == 1 for b in new.kv.blocks[:3]) and _check(w, new) == 0
+    new.kv.release(pool)
     assert _empty(w)
