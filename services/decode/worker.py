@@ -354,7 +354,8 @@ class DecodeWorker:
     # --------------------------------------------------------------------------- round progress
     def first_token(self, s: Session, token: int, now: float, local: bool, worker: str) -> None:
         s.kv.commit(s.l_incr)
-        self.prefix.published(s)
+        s.dest = []
+        self.prefix.published(s)  # --prefix-sharing: its prompt blocks may be shared from now on
         s.out_start = len(s.tokens)
         s.tokens.append(token)
         t = s.timing
