@@ -96,7 +96,7 @@ class EngineLoop:
             s.prefill_at = time.time()
         if w.streams and work.last:
             extra["stops"] = stops_of(s, w.engine)  # the round's request: prefill, then its decode
-        if s.prefix_tokens:  # --prefix-sharing (an engine with patterned KV: the mock)
+        if s.prefix_tokens and w.engine.capabilities.patterned_kv:  # --prefix-sharing: the mock's KV pattern
             extra["prefix_tokens"] = s.prefix_tokens
         run = asyncio.ensure_future(w.engine.prefill(
             s.session_id, start, n, w.rt.pool, segs, token_ids=s.tokens[start:start + n],

@@ -78,3 +78,24 @@ def test_sessions_share_the_system_prompt_and_complete_as_without(redis_url, tmp
     assert d_on["prefix_cached_tokens"] > 0
     assert d_on["kv_free_tokens"] + d_on["prefix_cached_tokens"] == d_on["kv_capacity_tokens"]
     assert d_off["kv_free_tokens"] == d_off["kv_capacity_tokens"] and d_off["prefix_cached_tokens"] == 0
+
+
+# ------------------------------------------------------------------------------ torch, greedy
+from tests.integration.test_torch_sessions import _options, _session, expected, tiny_llama  # noqa: E402,F401
+
+
+@pytest.mark.parametrize("policy", ["remote", "local"])
+def test_torch_greedy_tokens_with_a_shared_prefix_equal_one_model(policy, expected, tiny_llama, redis_url,  # noqa: F811
+                                                                   tmp_path):
+    """The torch engine (a tiny Llama) with sharing on, every prefill remote (or every one local): the
+    second session of the same conversation takes the first one's prompt blocks as its history (over
+    NIXL, or in place), and both decode the tokens one model makes alone."""
+    opts = _options(policy, tiny_llama, redis_url, tmp_path).with_(prefix_sharing=True,
+                                                                   namespace=f"prefix-torch-{policy}")
+    with Deployment(opts) as dep:
+        tok_a, rounds_a = asyncio.run(_session(dep.coordinator, "torch-a"))
+        tok_b, rounds_b = asyncio.run(_session(dep.coordinator, "torch-b"))
+    assert tok_a == expected and tok_b == expected
+    assert rounds_a[0].prefix_shared_tokens == 0 and rounds_a[0].l_hist == 0
+    assert rounds_b[0].prefix_shared_tokens == rounds_b[0].l_hist == 64  # two 32-token blocks of the 70
+    assert all(r.local == (policy == "local") for r in rounds_b)
