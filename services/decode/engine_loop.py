@@ -39,6 +39,7 @@ class EngineLoop:
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="decode-loop")
+        self._task.add_done_callback(_died)
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -190,3 +191,10 @@ class EngineLoop:
         w.metrics["decode_steps"] += 1
         w.metrics["tokens"] += live
         w.rt.changed()
+
+
+def _died(task: asyncio.Task) -> None:
+    """The loop ends only when the worker stops; anything else is a bug that would hang every session
+    silently: it is logged with its traceback."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("decode loop died: no session here makes progress", exc_info=task.exception())
