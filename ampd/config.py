@@ -156,12 +156,15 @@ class PolicyConfig:
     kv_prefetch_early: bool = setting(False, "host KV tier: start bringing offloaded KV back at the tool's expected "
                                              "end (less the transfer), into blocks no waiting round needs, instead "
                                              "of when the result arrives")
-    # Off by default until measured to help (benchmarks/prefix_sharing.py); the simulator models it
-    # (rounds with ``hash_ids``). The live decode worker and the front do not read it yet.
-    prefix_sharing: bool = setting(False, "sessions whose first prompt starts with prefix blocks a live session on "
-                                          "the same decode worker committed share those blocks' KV (refcounted) and "
-                                          "prefill only the rest; binding prefers the worker with the longest prefix "
-                                          "when that does not cost the ITL SLO")
+    # Off by default until measured to help (benchmarks/prefix_sharing.py, prefix_sharing_live.py); the
+    # simulator models it (rounds with ``hash_ids``), the live decode worker shares prompt blocks
+    # (services/decode/prefix.py). It does not compose yet with kv_evict, kv_host_mb or an engine that
+    # keeps its own KV: check_prefix_sharing refuses those at start-up.
+    prefix_sharing: bool = setting(False, "sessions whose first prompt starts with full KV blocks another session "
+                                          "on the same decode worker prefilled share those blocks (refcounted; "
+                                          "released ones cached until the pool needs them) and prefill only the "
+                                          "rest; in the simulator binding also prefers the worker with the longest "
+                                          "prefix when that does not cost the ITL SLO (docs/kv.md)")
     seed: int = setting(0, "seed of the router's random visiting order", metavar="K")
     alpha: float = setting(ALPHA, "Algorithm 1 TTFT slack factor (alpha * TTFT SLO)", positive=True)
     beta: float = setting(BETA, "Algorithm 1 ITL slack factor (beta * ITL SLO)", positive=True)
@@ -422,7 +425,7 @@ SERVICE_SETTINGS: dict[str, tuple[str, ...]] = {
                     "script_tools", "otlp_endpoint", "reattach_grace"),
     "prefill": _WORKER,
     "decode": (*_WORKER, "sidecar", "chunked_prefill", "kv_evict", "kv_host_mb", "kv_offload_pressure",
-               "kv_prefetch_early", "script_tools", "reattach_grace"),
+               "kv_prefetch_early", "prefix_sharing", "script_tools", "reattach_grace"),
     "sidecar": ("host", "port", "metrics_port", "name", "tool", "ready_file", "auth_token", "internal_token",
                 "tool_workers", "tool_cpu_s", "tool_wall_s", "tool_memory_mb", "otlp_endpoint"),
     "planner": ("host", "port", "metrics_port", "ready_file", "profiles_dir", "auth_token", "otlp_endpoint"),
@@ -460,6 +463,22 @@ PROFILE_SETTINGS: tuple[str, ...] = ("model", "block_tokens", "kv_pool_mb", "max
 
 
 # ------------------------------------------------------------------------------ flattening
+def check_prefix_sharing(prefix_sharing: bool, kv_host_mb: float, kv_evict: bool, engine: str,
+                         kv_in_pool: bool = True) -> None:
+    """ConfigError for what --prefix-sharing does not compose with yet (a decode worker and `ampd up`
+    check it before they start): the host KV tier and KV eviction move or drop a session's blocks,
+    shared ones included; an engine that keeps its KV outside the worker's pool (``kv_in_pool``
+    False: sglang, which has its own prefix cache) has no blocks here to share."""
+    if not prefix_sharing:
+        return
+    why = ("--kv-host-mb > 0 (the host tier would move shared blocks)" if kv_host_mb > 0 else
+           "--kv-evict (eviction would drop shared blocks)" if kv_evict else
+           f"--engine {engine} (it keeps its KV outside the worker's pool, with a prefix cache of its own)"
+           if not kv_in_pool else "")
+    if why:
+        raise ConfigError(f"--prefix-sharing does not combine with {why} yet; turn one of them off")
+
+
 def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 

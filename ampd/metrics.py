@@ -104,6 +104,11 @@ DECODE = (
          "the room (--kv-evict)"),
     _one("kv_recomputed_tokens", "counter", "kv_recomputed_tokens", "history tokens prefilled again after an "
          "eviction"),
+    # prefix sharing (--prefix-sharing; services/decode/prefix.py)
+    _one("prefix_shared_tokens", "counter", "prefix_shared_tokens", "prompt tokens whose KV a session found "
+         "in blocks shared with other sessions (not prefilled)"),
+    _one("prefix_cached_tokens", "gauge", "prefix_cached_tokens", "tokens of prefix blocks nobody holds, kept "
+         "cached for later sessions (free KV: taken back first when the pool is short)"),
     # the host KV tier (--kv-host-mb; services/decode/tier.py)
     Family("kv_tier_decisions", "counter", "host KV tier decisions by action:reason (ampd/policy/kvtier.py)",
            label="decision", prefix="kv_tier_decision_"),

@@ -82,6 +82,7 @@ class WorkerConfig:
     kv_host_mb: float = inherit("kv_host_mb")  # decode workers only (services/decode/tier.py)
     kv_offload_pressure: float = inherit("kv_offload_pressure")
     kv_prefetch_early: bool = inherit("kv_prefetch_early")
+    prefix_sharing: bool = inherit("prefix_sharing")  # decode workers only (services/decode/prefix.py)
     sidecar: str = inherit("sidecar")  # decode workers only
 
 

@@ -250,6 +250,8 @@ def validate_prefill_task(task: common_pb2.PrefillTask, tps: tuple[int, ...] = (
         raise InvalidArgument(f"{path}.l_incr: l_hist + l_incr is over the limit of {MAX_CONTEXT} tokens")
     if len(task.token_ids) != task.l_incr:
         raise InvalidArgument(f"{path}.token_ids: {len(task.token_ids)} tokens, not l_incr={task.l_incr}")
+    if task.prefix_tokens > task.l_hist + task.l_incr:
+        raise InvalidArgument(f"{path}.prefix_tokens: {task.prefix_tokens}, over l_hist + l_incr")
     _finite(task.input_ready, f"{path}.input_ready", 0.0, 1e11)
     if not 1 <= task.decode_tp <= MAX_TP or (tps and task.decode_tp not in tps):
         allowed = ", ".join(map(str, tps)) if tps else f"1..{MAX_TP}"

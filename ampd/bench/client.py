@@ -17,7 +17,8 @@ from ampd.bench.report import SLO, RoundRecord, SessionRecord, build_report, for
 from ampd.engine.mock import token_at
 from ampd.coordinators import Coordinators, parse_addresses, session_events
 from ampd.v1 import common_pb2, coordinator_pb2
-from ampd.workload import Session, filler_ids
+from ampd.workload import Session
+from ampd.workload.ids import round_ids
 
 
 def replay_sampling(output: int) -> common_pb2.SamplingParams:
@@ -40,7 +41,7 @@ def replay_turn(s: Session, i: int, position: int, client_tools: bool) -> common
     r = s.rounds[i]
     last = len(s.rounds) - 1
     calls = range(i, i + 1 if client_tools else last) if i < last else ()
-    return common_pb2.Turn(token_ids=filler_ids(r.input, position), sampling=replay_sampling(r.output),
+    return common_pb2.Turn(token_ids=round_ids(r.input, position, r.hash_ids), sampling=replay_sampling(r.output),
                            script=[replay_call(s, j, client_tools) for j in calls])
 
 

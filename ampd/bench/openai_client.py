@@ -20,7 +20,8 @@ import time
 from dataclasses import dataclass, field
 
 from ampd.bench.report import RoundRecord, SessionRecord
-from ampd.workload import Session, filler_ids
+from ampd.workload import Session
+from ampd.workload.ids import round_ids
 
 __all__ = ["replay_openai", "OpenAIStats"]
 
@@ -69,7 +70,7 @@ async def run_session(client, model: str, s: Session, stats: OpenAIStats) -> Ses
     for i, r in enumerate(s.rounds):
         if i:
             await asyncio.sleep(s.rounds[i - 1].tool_s or 0.0)
-        prompt = history + filler_ids(r.input, len(history))
+        prompt = history + round_ids(r.input, len(history), r.hash_ids)
         sent = time.time()
         try:
             ids, times, info = await _round(client, model, prompt, r.output)

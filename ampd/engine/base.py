@@ -106,12 +106,15 @@ class Engine(Protocol):
         token_ids: Sequence[int] | None = None,
         history_kv: Sequence[Segment] = (),
         sampling: Sampling | None = None,
+        prefix_tokens: int = 0,
     ) -> int:
         """Computes the KV of positions [l_hist, l_hist + l_incr) into `new_kv` (the history is
         already in the pool, at `history_kv`) and returns the first output token (position
         l_hist + l_incr), picked with `sampling` (None: greedy). `token_ids` are the l_incr new
         input tokens: a real engine needs them and the history's segments; the mock derives
-        everything from (session, position)."""
+        everything from (session, position). ``prefix_tokens`` (passed only to an engine with
+        ``patterned_kv``): the session's leading positions in prefix blocks, whose KV pattern is
+        keyed by position alone (ampd.kv.pattern)."""
         ...
 
     async def decode_step(self, pool: KVPool, seqs: Sequence[DecodeSeq]) -> list[int]:

@@ -59,10 +59,10 @@ class MockEngine:
     async def prefill(
         self, session_id: str, l_hist: int, l_incr: int, pool: KVPool, new_kv: Sequence[Segment],
         *, token_ids: Sequence[int] | None = None, history_kv: Sequence[Segment] = (),
-        sampling: Sampling | None = None,
+        sampling: Sampling | None = None, prefix_tokens: int = 0,
     ) -> int:
         deadline = time.monotonic() + self.profile.t_pre(self.tp, l_hist, l_incr)
-        pool.write(new_kv, kv_pattern(session_id, l_hist, l_incr, pool.layout.bytes_per_token))
+        pool.write(new_kv, kv_pattern(session_id, l_hist, l_incr, pool.layout.bytes_per_token, prefix_tokens))
         await sleep_until(deadline)
         return token_at(session_id, l_hist + l_incr)
 

@@ -5,6 +5,11 @@ Byte j of position p of session s is byte (j % 8) (little-endian) of
 where seed(s) is an 8-byte blake2b of the session id, G and H are odd constants and mix64 is the
 splitmix64 finalizer. It depends on (session, position, byte index) only, so any slice of positions
 can be produced or checked on its own, on any worker, with any block layout.
+
+With prefix sharing (``prefix_tokens``: a session's leading positions in prefix blocks, which other
+sessions with the same prompt prefix may share) those positions are keyed by ``PREFIX_KEY`` instead of
+the session: their KV is a function of the position alone, as a real model's is of the (equal) tokens
+before it, so a block written by one session checks out when another reads it.
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ from functools import lru_cache
 
 import numpy as np
 
-__all__ = ["kv_pattern", "verify_pattern", "session_seed", "PatternCache"]
+__all__ = ["kv_pattern", "verify_pattern", "session_seed", "PatternCache", "PREFIX_KEY"]
+
+PREFIX_KEY = "\0prefix"  # the key of shared prefix positions (no session id is empty-prefixed with NUL)
 
 _G = np.uint64(0x9E3779B97F4A7C15)  # golden-ratio increment, per position
 _H = np.uint64(0xD1B54A32D192ED03)  # per 8-byte word inside a position
@@ -36,9 +43,14 @@ def _word_offsets(words: int) -> np.ndarray:
     return w
 
 
-def kv_pattern(session_id: str, start: int, tokens: int, bytes_per_token: int) -> np.ndarray:
-    """uint8 array of tokens*bytes_per_token bytes: the KV of positions [start, start+tokens)."""
+def kv_pattern(session_id: str, start: int, tokens: int, bytes_per_token: int, prefix_tokens: int = 0) -> np.ndarray:
+    """uint8 array of tokens*bytes_per_token bytes: the KV of positions [start, start+tokens) (those
+    below ``prefix_tokens`` keyed by ``PREFIX_KEY``)."""
     start, tokens, bpt = int(start), int(tokens), int(bytes_per_token)
+    if prefix_tokens > start and tokens > 0:
+        n = min(tokens, int(prefix_tokens) - start)
+        head = kv_pattern(PREFIX_KEY, start, n, bpt)
+        return head if n == tokens else np.concatenate([head, kv_pattern(session_id, start + n, tokens - n, bpt)])
     if start < 0 or tokens < 0 or bpt <= 0:
         raise ValueError(f"kv_pattern: bad start={start} tokens={tokens} bytes_per_token={bpt}")
     if tokens == 0:
@@ -60,13 +72,13 @@ def kv_pattern(session_id: str, start: int, tokens: int, bytes_per_token: int) -
     return b.reshape(-1)
 
 
-def verify_pattern(session_id: str, start: int, data: np.ndarray, bytes_per_token: int) -> int:
+def verify_pattern(session_id: str, start: int, data: np.ndarray, bytes_per_token: int, prefix_tokens: int = 0) -> int:
     """Number of bytes of `data` that differ from kv_pattern for positions starting at `start`."""
     flat = np.asarray(data).reshape(-1).view(np.uint8)
     bpt = int(bytes_per_token)
     if bpt <= 0 or flat.nbytes % bpt:
         raise ValueError(f"verify_pattern: {flat.nbytes} bytes is not a multiple of {bpt}")
-    expected = kv_pattern(session_id, start, flat.nbytes // bpt, bpt)
+    expected = kv_pattern(session_id, start, flat.nbytes // bpt, bpt, prefix_tokens)
     return int(np.count_nonzero(expected != flat))
 
 
@@ -118,10 +130,13 @@ class PatternCache:
             return kv_pattern(session_id, start, tokens, bpt)
         return self.prefix(session_id, start + tokens, bpt)[start * bpt:]
 
-    def verify(self, session_id: str, data: np.ndarray, bytes_per_token: int) -> int:
-        """verify_pattern(session_id, 0, data, bytes_per_token): positions from 0."""
+    def verify(self, session_id: str, data: np.ndarray, bytes_per_token: int, prefix_tokens: int = 0) -> int:
+        """verify_pattern(session_id, 0, data, bytes_per_token, prefix_tokens): positions from 0."""
         flat = np.asarray(data).reshape(-1).view(np.uint8)
         bpt = int(bytes_per_token)
         if bpt <= 0 or flat.nbytes % bpt:
             raise ValueError(f"verify_pattern: {flat.nbytes} bytes is not a multiple of {bpt}")
-        return int(np.count_nonzero(self.pattern(session_id, 0, flat.nbytes // bpt, bpt) != flat))
+        n = flat.nbytes // bpt
+        p = min(int(prefix_tokens), n)
+        bad = int(np.count_nonzero(self.pattern(PREFIX_KEY, 0, p, bpt) != flat[:p * bpt])) if p else 0
+        return bad + int(np.count_nonzero(self.pattern(session_id, p, n - p, bpt) != flat[p * bpt:]))

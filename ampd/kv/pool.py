@@ -7,7 +7,7 @@ so it must never move: the pool allocates it once and never resizes it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Protocol, Sequence
 
 import numpy as np
 
@@ -137,8 +137,21 @@ class KVPoolExhausted(Exception):
         super().__init__(msg)
 
 
+class Reclaimer(Protocol):
+    """Holds allocated blocks it can give back when the pool is short (a prefix cache:
+    ``ampd.worker.decode_prefix.PrefixShare``)."""
+
+    @property
+    def cached_blocks(self) -> int: ...
+
+    def reclaim(self, n_blocks: int) -> list[int]: ...
+
+
 class KVPool:
-    """`num_blocks` blocks of `block_tokens` tokens of `bytes_per_token` bytes in one uint8 buffer."""
+    """`num_blocks` blocks of `block_tokens` tokens of `bytes_per_token` bytes in one uint8 buffer.
+
+    ``reclaimer`` (optional): blocks it caches count as available (``available_tokens``), and an
+    ``alloc`` the free blocks do not cover takes them back first (least recently used first)."""
 
     def __init__(self, num_blocks: int, block_tokens: int, bytes_per_token: int):
         for name, v in (
@@ -164,6 +177,7 @@ class KVPool:
         # Stack of free blocks; popping from the end hands out low block ids first.
         self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))
         self._used = np.zeros(self.num_blocks, dtype=bool)
+        self.reclaimer: Reclaimer | None = None
 
     # --- capacity -------------------------------------------------------------------------------
     @property
@@ -179,6 +193,12 @@ class KVPool:
         return len(self._free) * self.block_tokens
 
     @property
+    def available_tokens(self) -> int:
+        """Free tokens plus what the reclaimer would give back."""
+        cached = self.reclaimer.cached_blocks if self.reclaimer is not None else 0
+        return (len(self._free) + cached) * self.block_tokens
+
+    @property
     def nbytes(self) -> int:
         return self.buffer.nbytes
 
@@ -191,6 +211,8 @@ class KVPool:
         n = int(n_blocks)
         if n < 0:
             raise ValueError(f"alloc: n_blocks must be >= 0, got {n_blocks}")
+        if n > len(self._free) and self.reclaimer is not None:
+            self.free(self.reclaimer.reclaim(n - len(self._free)))
         if n > len(self._free):
             raise KVPoolExhausted(n, len(self._free), self.block_tokens)
         if n == 0:

@@ -103,7 +103,7 @@ class OpenSession(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., limits: _Optional[_Union[SessionLimits, _Mapping]] = ..., turn: _Optional[_Union[Turn, _Mapping]] = ...) -> None: ...
 
 class RoundTiming(_message.Message):
-    __slots__ = ("round", "input_ready", "first_token", "last_token", "tokens", "local", "prefill_worker", "route_reason", "l_hist", "l_incr", "finish_reason", "recovered", "kv_recomputed_tokens")
+    __slots__ = ("round", "input_ready", "first_token", "last_token", "tokens", "local", "prefill_worker", "route_reason", "l_hist", "l_incr", "finish_reason", "recovered", "kv_recomputed_tokens", "prefix_shared_tokens")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     INPUT_READY_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +117,7 @@ class RoundTiming(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     RECOVERED_FIELD_NUMBER: _ClassVar[int]
     KV_RECOMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SHARED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     round: int
     input_ready: float
     first_token: float
@@ -130,7 +131,8 @@ class RoundTiming(_message.Message):
     finish_reason: str
     recovered: bool
     kv_recomputed_tokens: int
-    def __init__(self, round: _Optional[int] = ..., input_ready: _Optional[float] = ..., first_token: _Optional[float] = ..., last_token: _Optional[float] = ..., tokens: _Optional[int] = ..., local: _Optional[bool] = ..., prefill_worker: _Optional[str] = ..., route_reason: _Optional[str] = ..., l_hist: _Optional[int] = ..., l_incr: _Optional[int] = ..., finish_reason: _Optional[str] = ..., recovered: _Optional[bool] = ..., kv_recomputed_tokens: _Optional[int] = ...) -> None: ...
+    prefix_shared_tokens: int
+    def __init__(self, round: _Optional[int] = ..., input_ready: _Optional[float] = ..., first_token: _Optional[float] = ..., last_token: _Optional[float] = ..., tokens: _Optional[int] = ..., local: _Optional[bool] = ..., prefill_worker: _Optional[str] = ..., route_reason: _Optional[str] = ..., l_hist: _Optional[int] = ..., l_incr: _Optional[int] = ..., finish_reason: _Optional[str] = ..., recovered: _Optional[bool] = ..., kv_recomputed_tokens: _Optional[int] = ..., prefix_shared_tokens: _Optional[int] = ...) -> None: ...
 
 class Tokens(_message.Message):
     __slots__ = ("round", "position", "token_ids", "times")
@@ -185,7 +187,7 @@ class SessionDone(_message.Message):
     def __init__(self, rounds: _Optional[_Iterable[_Union[RoundTiming, _Mapping]]] = ...) -> None: ...
 
 class PrefillTask(_message.Message):
-    __slots__ = ("session_id", "round", "l_hist", "l_incr", "input_ready", "decode_worker", "decode_tp", "history", "dest", "token_ids", "sampling", "history_token_ids", "task_token", "kv_state", "kv_fetch_s")
+    __slots__ = ("session_id", "round", "l_hist", "l_incr", "input_ready", "decode_worker", "decode_tp", "history", "dest", "token_ids", "sampling", "history_token_ids", "task_token", "kv_state", "kv_fetch_s", "prefix_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     L_HIST_FIELD_NUMBER: _ClassVar[int]
@@ -201,6 +203,7 @@ class PrefillTask(_message.Message):
     TASK_TOKEN_FIELD_NUMBER: _ClassVar[int]
     KV_STATE_FIELD_NUMBER: _ClassVar[int]
     KV_FETCH_S_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     round: int
     l_hist: int
@@ -216,7 +219,8 @@ class PrefillTask(_message.Message):
     task_token: str
     kv_state: str
     kv_fetch_s: float
-    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., l_hist: _Optional[int] = ..., l_incr: _Optional[int] = ..., input_ready: _Optional[float] = ..., decode_worker: _Optional[str] = ..., decode_tp: _Optional[int] = ..., history: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., dest: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., history_token_ids: _Optional[_Iterable[int]] = ..., task_token: _Optional[str] = ..., kv_state: _Optional[str] = ..., kv_fetch_s: _Optional[float] = ...) -> None: ...
+    prefix_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., l_hist: _Optional[int] = ..., l_incr: _Optional[int] = ..., input_ready: _Optional[float] = ..., decode_worker: _Optional[str] = ..., decode_tp: _Optional[int] = ..., history: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., dest: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., history_token_ids: _Optional[_Iterable[int]] = ..., task_token: _Optional[str] = ..., kv_state: _Optional[str] = ..., kv_fetch_s: _Optional[float] = ..., prefix_tokens: _Optional[int] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ()

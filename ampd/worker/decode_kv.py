@@ -20,7 +20,7 @@ class DecodeSession:
     makes; live: its upper bound) before ``round_ready``. The core keeps the rest."""
 
     __slots__ = ("session_id", "round", "l_hist", "l_incr", "out", "first", "lo", "ctx_join", "in_tool",
-                 "evicted", "error", "fetch")
+                 "evicted", "error", "fetch", "shared")
 
     def __init__(self, session_id: str):
         self.session_id = session_id
@@ -35,6 +35,7 @@ class DecodeSession:
         self.evicted = False
         self.error = ""
         self.fetch = 0  # host tier: history tokens whose KV is on host, not on the device
+        self.shared = 0  # live prefix sharing: history tokens in shared blocks, charged at admission
 
 
 class KvAdmission:
@@ -65,6 +66,7 @@ class KvAdmission:
             if s.session_id not in self.sessions:
                 self.admitted += 1
                 self.sessions[s.session_id] = s
+                self.kv_used += s.shared  # a shared prefix (--prefix-sharing; else 0)
         elif s.session_id not in self.sessions:
             # a new session starts only when its first input fits (after evictions); running sessions
             # go first
@@ -74,6 +76,7 @@ class KvAdmission:
                 return WAITING
             self.admitted += 1
             self.sessions[s.session_id] = s
+            self.kv_used += s.shared  # a shared prefix (--prefix-sharing; else 0)
         elif self.kv_wait or (self.kv_cap - self.kv_used < need and not self._make_room(need)):
             self.kv_wait.append(s)
             self.wait_need += need
@@ -136,7 +139,7 @@ class KvAdmission:
             self.wait_need -= need
             self.admitted += 1
             self.sessions[s.session_id] = s
-            self.kv_used += need
+            self.kv_used += need + s.shared  # with a shared prefix (--prefix-sharing; else 0)
             return s
         return None
 
@@ -191,6 +194,16 @@ class KvAdmission:
         """Live: the pool has ``free_tokens`` free; the core admits by it (its capacity becomes what
         it has charged plus that)."""
         self.kv_cap = self.kv_used + free_tokens
+
+    def shared_history(self, s: DecodeSession, tokens: int) -> None:
+        """Before its first round is ready: the new session holds ``tokens`` tokens of KV it shares
+        with other sessions (--prefix-sharing; ``ampd.worker.decode_prefix``). They are its history,
+        charged like one when it is admitted (released with it), so its round needs KV only for the
+        rest."""
+        if s.session_id in self.sessions:
+            raise ValueError(f"{self.worker_id}: session {s.session_id!r} shares a prefix after its start")
+        s.l_hist += tokens
+        s.shared = tokens
 
     def round_end(self, s: DecodeSession, last: bool) -> None:
         """The round's last token is made: its input and output join the session's history; the

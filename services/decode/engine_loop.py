@@ -39,6 +39,7 @@ class EngineLoop:
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="decode-loop")
+        self._task.add_done_callback(_died)
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -96,6 +97,8 @@ class EngineLoop:
             s.prefill_at = time.time()
         if w.streams and work.last:
             extra["stops"] = stops_of(s, w.engine)  # the round's request: prefill, then its decode
+        if s.prefix_tokens and w.engine.capabilities.patterned_kv:  # --prefix-sharing: the mock's KV pattern
+            extra["prefix_tokens"] = s.prefix_tokens
         run = asyncio.ensure_future(w.engine.prefill(
             s.session_id, start, n, w.rt.pool, segs, token_ids=s.tokens[start:start + n],
             history_kv=s.kv.segments(0, start) if w.history_kv else (), sampling=s.sampling, **extra))
@@ -188,3 +191,10 @@ class EngineLoop:
         w.metrics["decode_steps"] += 1
         w.metrics["tokens"] += live
         w.rt.changed()
+
+
+def _died(task: asyncio.Task) -> None:
+    """The loop ends only when the worker stops; anything else is a bug that would hang every session
+    silently: it is logged with its traceback."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("decode loop died: no session here makes progress", exc_info=task.exception())

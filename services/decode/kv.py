@@ -29,7 +29,9 @@ class KvSync:
         """The core admits by the pool's free space (``room``: what the deciding session's partial
         last block still holds), less what the host tier owes the pool (charged, not yet reserved)."""
         tier = self.w.tier
-        self.core.sync_kv_free(self.w.rt.pool.free_tokens + room - (tier.owed() if tier is not None else 0))
+        # available: free, and the prefix blocks nobody holds (--prefix-sharing), which the pool
+        # takes back before an allocation would fail
+        self.core.sync_kv_free(self.w.rt.pool.available_tokens + room - (tier.owed() if tier is not None else 0))
 
     def published(self, now: float) -> tuple[WorkerView, float]:
         """What the worker publishes (``WorkerRuntime.published``): the core's view by the pool's

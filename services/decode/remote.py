@@ -100,7 +100,8 @@ class RemotePrefills:
             session_id=s.session_id, round=rnd, l_hist=s.l_hist, l_incr=s.l_incr, input_ready=s.input_ready,
             decode_worker=w.rt.cfg.worker_id, decode_tp=w.rt.cfg.tp,
             token_ids=s.tokens[s.l_hist:], sampling=s.params,
-            history_token_ids=s.tokens[:s.l_hist] if w.token_ids else (), **task_fields(s, rnd),
+            history_token_ids=s.tokens[:s.l_hist] if w.token_ids else (), prefix_tokens=s.prefix_tokens,
+            **task_fields(s, rnd),
         )
         history = s.kv.segments(0, s.l_hist)
         add_segments(task.history, history)
@@ -231,7 +232,7 @@ class RemotePrefills:
             return
         if w.engine.capabilities.patterned_kv:  # the mock's KV is a function of (session, position): check it
             data = w.rt.pool.read(s.dest, copy=False)  # only compared: a view when it is one run
-            bad = verify_pattern(s.session_id, s.l_hist, data, w.rt.pool.layout.bytes_per_token)
+            bad = verify_pattern(s.session_id, s.l_hist, data, w.rt.pool.layout.bytes_per_token, s.prefix_tokens)
             w.metrics["kv_bytes_verified"] += data.size
             w.metrics["kv_bytes_mismatched"] += bad
             if bad:

@@ -9,7 +9,7 @@ import grpc
 import structlog
 
 from ampd import grpcserver, logs, metrics, tracing
-from ampd.config import ConfigError, DeploymentConfig
+from ampd.config import ConfigError, DeploymentConfig, check_prefix_sharing
 from ampd.grpcserver import SESSION_OPEN, RpcFailure, abort_on_failure, serve_calls
 from ampd.chat.template import ChatFormat
 from ampd.chat.tokenizer import tokenizer_for
@@ -182,6 +182,7 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
         )
         if core.tier is not None:
             values.update(core.tier.metrics())
+        values.update(core.prefix.gauges())
         return common_pb2.MetricsReply(worker_id=core.rt.cfg.worker_id, values=values)
 
 
@@ -273,6 +274,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         args = build_parser().parse_args(argv)
         worker_config(args, "decode", args.port)  # bad settings fail before a port is bound
+        check_prefix_sharing(args.prefix_sharing, args.kv_host_mb, args.kv_evict, args.engine,
+                             not capabilities_of(args.engine).needs_token_ids)
         use_threads(args.worker_threads)
         check_available(args.engine, args.model)
         tracing.setup("decode", args.otlp_endpoint, instance=args.worker_id)

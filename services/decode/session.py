@@ -108,6 +108,8 @@ class Session:
     recovering: bool = False  # moved here from a lost worker: its first round here is marked recovered
     carried: int = 0  # output tokens of the first round here that the lost worker already made
     recompute: int = 0  # KV tokens an eviction took (--kv-evict): the next round prefills them again
+    prefix_tokens: int = 0  # --prefix-sharing: leading tokens in prefix blocks (PrefillTask.prefix_tokens)
+    shared_tokens: int = 0  # --prefix-sharing: of them, those its first round found shared (RoundTiming)
     route: decode_pb2.Route | None = None  # the coordinator's route for the round starting now
     where: tuple[int, KVWhere] | None = None  # (round, where its KV was as it started): services/decode/kvwhere.py
     # (session, round) and token of a remote prefill given up on (overdue) that may still write its
@@ -244,3 +246,19 @@ def round_spans(s: Session, worker: str) -> None:
             **base, "ampd.prefill_worker": t.prefill_worker})
     tracing.record("decode", t.first_token, t.last_token, parent, {
         **base, "ampd.tokens": t.tokens, "ampd.finish_reason": t.finish_reason})
+
+
+def keep_ended(ended: dict[str, Session], s: Session, grace_s: float) -> None:
+    """An ended session's last events stay ``grace_s`` for a reattach (its coordinator may be lost
+    before it sent them)."""
+    while len(s.log) > ENDED_KEEP:
+        s.log.popleft()
+    ended[s.session_id] = s
+
+    def forget() -> None:
+        if ended.get(s.session_id) is s:
+            del ended[s.session_id]
+    try:
+        asyncio.get_running_loop().call_later(grace_s, forget)
+    except RuntimeError:  # no loop (a core driven by hand): nothing to wait for
+        ended.pop(s.session_id, None)

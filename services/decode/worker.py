@@ -22,7 +22,6 @@ event log.
 """
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import deque
 
@@ -33,19 +32,21 @@ from ampd.chat.stops import StopChecker
 from ampd.chat.template import ChatFormat
 from ampd.chat.toolcalls import parse_tool_calls
 from ampd.engine.base import Engine
-from ampd.kv import KVPoolExhausted, SessionKV
+from ampd.kv import KVPoolExhausted
 from ampd.policy import PrefillTask
 from ampd.runtime import WorkerRuntime, sampling_of
 from ampd.validate import MAX_ROUNDS
 from ampd.v1 import common_pb2, decode_pb2
 from ampd.worker import ADMITTED, FAILED, DecodeCore, DecodeSession
 from services.decode.engine_loop import EngineLoop
+from services.decode.prefix import LivePrefix
 from services.decode.kv import KvSync
 from services.decode.kvwhere import route_holds, turn_end
 from services.decode.remote import RemotePrefills
-from services.decode.session import (ABORTED, ENDED_KEEP, FINISH_LENGTH, FINISH_STOP, FINISH_STOP_REQUESTED,
+from services.decode.session import (ABORTED, FINISH_LENGTH, FINISH_STOP, FINISH_STOP_REQUESTED,
                                      FINISH_TOOL, SHUTDOWN, EventsGone, InvalidTurn, NotOpen, NotPermitted, Session,
-                                     SessionError, SessionFailed, check_secret, check_turn, emit, round_spans)
+                                     SessionError, SessionFailed, check_secret, check_turn, emit, keep_ended,
+                                     round_spans)
 from services.decode.streamed import continue_remote_round, streams_rounds
 from services.decode.streams import Attachments
 from services.decode.tier import LiveTier, pause
@@ -61,7 +62,7 @@ METRICS = ("sessions_opened", "sessions_completed", "sessions_failed", "prefills
            "decode_steps", "tokens", "kv_bytes_verified", "kv_bytes_mismatched", "tool_calls", "prefill_chunks",
            "kv_waits", "prefills_rerouted", "local_prefill_tokens", "sessions_resumed", "kv_held_for_remote",
            "kv_evictions", "kv_recomputed_tokens", "prefills_overdue", "sessions_detached", "sessions_reattached",
-           "sessions_replaced")
+           "sessions_replaced", "prefix_shared_tokens")
 
 
 class DecodeWorker:
@@ -96,6 +97,7 @@ class DecodeWorker:
         self.remote = RemotePrefills(self)
         self.tools = ToolCalls(self, sidecar_stub)
         self.tier = LiveTier(self, core.tier.host.num_blocks) if core.tier is not None else None  # --kv-host-mb
+        self.prefix = LivePrefix(self, rt.cfg.prefix_sharing)  # --prefix-sharing
         rt.published = self.kv.published
         rt.on_fenced = self.fenced
 
@@ -140,7 +142,7 @@ class DecodeWorker:
             session_id=o.session_id,
             max_rounds=o.limits.max_rounds or MAX_ROUNDS,  # a tool loop ends some time
             max_output=o.limits.max_output_tokens,
-            kv=SessionKV(self.rt.pool.block_tokens),
+            kv=self.prefix.new_kv(o.session_id),
             core=DecodeSession(o.session_id),
             secret=req.session_secret,
             seq=req.first_seq, sent=req.first_seq, limits=o.limits, turns=1,
@@ -195,6 +197,7 @@ class DecodeWorker:
             if s.kv.tokens > t.keep_tokens:
                 s.kv.truncate(self.rt.pool, t.keep_tokens)
             self.core.rewind(s.core, t.keep_tokens)
+            self.prefix.rewound(s, t.keep_tokens)
         s.turn = t
         s.script = deque(t.script)
         s.turn_round, s.round_begun = s.next_round, -1
@@ -222,6 +225,7 @@ class DecodeWorker:
         # The core counts the round's new tokens; the prefill also computes the previous round's
         # last output token, which the core already counted in the history. A session that moved
         # here has no history in the core yet: its whole history is new.
+        new -= self.prefix.share(s)  # --prefix-sharing: KV there already, the round's history
         if s.recovering:
             new = len(s.tokens) - s.kv.tokens
         c.round, c.l_incr, c.out = s.next_round, new, s.max_tokens()
@@ -257,7 +261,8 @@ class DecodeWorker:
             return
         self.rt.changed()
         s.timing = common_pb2.RoundTiming(round=rnd, input_ready=s.input_ready, l_hist=s.l_hist, l_incr=s.l_incr,
-                                          recovered=s.recovering, kv_recomputed_tokens=s.recompute)
+                                          recovered=s.recovering, kv_recomputed_tokens=s.recompute,
+                                          prefix_shared_tokens=s.shared_tokens)
         self.metrics["kv_recomputed_tokens"] += s.recompute
         s.recovering, s.recompute = False, 0
         if tracing.on:
@@ -325,14 +330,7 @@ class DecodeWorker:
         s.closed = True
         if self.sessions.get(s.session_id) is s:
             del self.sessions[s.session_id]
-        # Its last events stay for a reattach (its coordinator may be lost before it sent them).
-        while len(s.log) > ENDED_KEEP:
-            s.log.popleft()
-        self.ended[s.session_id] = s
-        try:
-            asyncio.get_running_loop().call_later(self.reattach_grace_s, self._forget_ended, s)
-        except RuntimeError:  # no loop (a core driven by hand): nothing to wait for
-            self.ended.pop(s.session_id, None)
+        keep_ended(self.ended, s, self.reattach_grace_s)
         remote = self.remote.take(s.session_id, s.round) is not None
         self.loop.forget(s)
         moving = self.tier is not None and self.tier.close(s)
@@ -346,10 +344,6 @@ class DecodeWorker:
         if not self.loop.stepping:
             self.kv.admit_waiting()
 
-    def _forget_ended(self, s: Session) -> None:
-        if self.ended.get(s.session_id) is s:
-            del self.ended[s.session_id]
-
     def fail(self, s: Session, error: str, code: str = ABORTED) -> None:
         if s.closed:
             return
@@ -362,6 +356,7 @@ class DecodeWorker:
     def first_token(self, s: Session, token: int, now: float, local: bool, worker: str) -> None:
         s.kv.commit(s.l_incr)
         s.dest = []
+        self.prefix.published(s)  # --prefix-sharing: its prompt blocks may be shared from now on
         s.out_start = len(s.tokens)
         s.tokens.append(token)
         t = s.timing

@@ -202,7 +202,8 @@ class PrefillWorker:
                 await rt.transport.read(job.peer, task.history, local_hist)
                 if self.engine.capabilities.patterned_kv:  # the mock's KV is a function of (session, position): check it
                     data = rt.pool.read(local_hist, copy=False)
-                    bad = self.patterns.verify(task.session_id, data, rt.pool.layout.bytes_per_token)
+                    bad = self.patterns.verify(task.session_id, data, rt.pool.layout.bytes_per_token,
+                                               task.prefix_tokens)
                     self.metrics["kv_bytes_verified"] += data.size
                     self.metrics["kv_bytes_mismatched"] += bad
                     if bad:
@@ -237,10 +238,12 @@ class PrefillWorker:
             local_new = job.kv.reserve(rt.pool, task.l_incr)
             # an engine that keeps the KV itself (sglang) gets the history's ids instead of reading them
             extra = {"history_ids": task.history_token_ids} if task.history_token_ids else {}
+            if task.prefix_tokens and self.engine.capabilities.patterned_kv:  # --prefix-sharing
+                extra["prefix_tokens"] = task.prefix_tokens
             done.first_token = await self.engine.prefill(
                 task.session_id, task.l_hist, task.l_incr, rt.pool, local_new, token_ids=task.token_ids,
                 history_kv=job.history, sampling=sampling_of(task.sampling), **extra)
-            if extra:
+            if task.history_token_ids:
                 self.engine.forget(task.session_id)  # the session lives on its decode worker
             started = time.monotonic()
             await self.engine.pace_transfer(started, task.l_incr, rt.cfg.tp, task.decode_tp)

@@ -140,3 +140,28 @@ def test_launcher_and_simulator_use_the_one_rule(tmp_path):
                              run_dir=str(tmp_path)))
     assert (dep.prefill_tps, dep.decode_tps) == ([], [2, 2])
     assert "co-located" in dep.describe()
+
+
+def test_prefix_sharing_refuses_what_it_does_not_compose_with():
+    check_prefix_sharing = config.check_prefix_sharing
+
+    check_prefix_sharing(False, 64, True, "sglang", kv_in_pool=False)  # off: anything goes
+    check_prefix_sharing(True, 0, False, "mock")
+    for args, named in (((True, 8, False, "mock"), "--kv-host-mb"), ((True, 0, True, "mock"), "--kv-evict"),
+                        ((True, 0, False, "sglang", False), "--engine sglang")):
+        with pytest.raises(config.ConfigError, match="--prefix-sharing does not combine with " + named):
+            check_prefix_sharing(*args)
+
+
+@pytest.mark.parametrize("extra, named", [(["--kv-evict"], "--kv-evict"), (["--kv-host-mb", "4"], "--kv-host-mb"),
+                                          (["--engine", "sglang"], "--engine sglang")])
+def test_ampd_up_and_the_decode_worker_refuse_prefix_sharing_combinations_with_a_message(extra, named, capsys):
+    from ampd.cli import main as ampd_main
+    from services.decode.server import main as decode_main
+
+    assert ampd_main(["up", "--prefix-sharing", *extra]) != 0
+    msg = capsys.readouterr().err
+    assert "--prefix-sharing does not combine with " + named in msg and "Traceback" not in msg
+    with pytest.raises(SystemExit) as exc:
+        decode_main(["--worker-id", "d", "--redis-url", "redis://127.0.0.1:1", "--prefix-sharing", *extra])
+    assert "--prefix-sharing does not combine with " + named in str(exc.value.code)

@@ -64,3 +64,16 @@ def test_a_forced_call_carries_the_arguments_the_model_wrote(tok):
     b.add(tok("not json at all", add_special_tokens=False)["input_ids"])
     assert b.calls()[0].arguments == "not json at all"
     assert forced_prefix("f").startswith("<tool_call>")
+
+
+def test_a_first_turn_that_shared_a_prefix_reports_it_as_cached_tokens(tok):
+    """--prefix-sharing: a new session's shared prompt blocks are its first round's history (l_hist),
+    which the front reports as OpenAI's cached_tokens."""
+    from ampd.v1 import common_pb2
+
+    a = Answer(5, _detok(tok), (2,))
+    a.round_end(common_pb2.RoundTiming(l_hist=1024, l_incr=57, prefix_shared_tokens=1024))
+    a.add([2])
+    a.turn_end("stop")
+    u = a.usage()
+    assert u["prompt_tokens"] == 1081 and u["prompt_tokens_details"] == {"cached_tokens": 1024}

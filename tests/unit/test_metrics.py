@@ -61,6 +61,13 @@ def test_worker_metrics_carry_the_worker_id():
         ({"worker": "prefill-1", "state": "used"}, 7.0), ({"worker": "prefill-1", "state": "free"}, 9.0)]
 
 
+def test_prefix_sharing_metrics_of_a_decode_worker():
+    got = render(metrics.ValuesCollector(fixed({"prefix_shared_tokens": 2048, "prefix_cached_tokens": 512}),
+                                         metrics.DECODE, {"worker": "decode-0"}))
+    assert got["ampd_prefix_shared_tokens_total"] == [({"worker": "decode-0"}, 2048.0)]
+    assert got["ampd_prefix_cached_tokens"] == [({"worker": "decode-0"}, 512.0)]
+
+
 def test_weighted_histogram_equals_observing_one_by_one():
     ours = metrics.WeightedHistogram("ampd_x_seconds", "x", ["kind"], metrics.ITL_BUCKETS)
     ref = Histogram("ampd_x_seconds", "x", ["kind"], buckets=metrics.ITL_BUCKETS, registry=None)

@@ -159,6 +159,7 @@ def task(**kw) -> common_pb2.PrefillTask:
 
 def test_a_good_task_passes():
     validate_prefill_task(task(), (1, 2, 4), TARGET)
+    validate_prefill_task(task(prefix_tokens=16), (1, 2, 4), TARGET)  # --prefix-sharing
 
 
 @pytest.mark.parametrize("kw, field", [
@@ -175,6 +176,7 @@ def test_a_good_task_passes():
     (dict(dest=[common_pb2.Segment(block=0, offset=3, tokens=6)]), "task.dest[0]"),  # over history slots
     (dict(dest=[common_pb2.Segment(block=2, offset=0, tokens=5)]), "task.dest"),
     (dict(round=MAX_ROUNDS), "task.round"),
+    (dict(prefix_tokens=27), "task.prefix_tokens"),  # past l_hist + l_incr
 ])
 def test_a_bad_task_is_refused_up_front(kw, field):
     refused(validate_prefill_task, task(**kw), (1, 2, 4), TARGET, field=field)

@@ -309,3 +309,24 @@ def test_view_cached_during_a_local_prefill_does_not_outlive_its_residual():
     core.schedule(0.0)  # prefill until 0.06
     assert core.view(0.02).queue_predicted_s == pytest.approx(0.04)
     assert core.state == PREFILLING and core.view(0.07).queue_predicted_s == 0.0
+
+
+@pytest.mark.parametrize("rule", ["wait", "fail"])
+def test_a_shared_prefix_is_the_history_charged_at_admission_and_released_with_it(rule):
+    core = _core(cap=1000, rule=rule)
+    s = _sess("a", 100, 5)
+    core.shared_history(s, 512)  # --prefix-sharing: 512 tokens of KV shared with other sessions
+    assert s.l_hist == 512 and core.kv_used == 0  # nothing charged before admission
+    assert core.round_ready(s, 0.0) == ADMITTED and core.kv_used == 612
+    core.kv_used += s.out  # its output, charged by the decode steps (not run here)
+    core.round_end(s, True)
+    assert core.kv_used == 0 and not core.sessions
+    w = _sess("w", 2000, 5)  # too big: waits (or fails) with its shared prefix never charged
+    core.shared_history(w, 64)
+    assert core.round_ready(w, 0.0) in (WAITING, FAILED)
+    core.drop(w)
+    assert core.kv_used == 0
+    with pytest.raises(ValueError):
+        b = _sess("b", 10, 1)
+        core.round_ready(b, 0.0)
+        core.shared_history(b, 32)  # after its start: refused

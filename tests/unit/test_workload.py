@@ -218,3 +218,17 @@ def test_generated_rounds_equal_rounds_built_by_the_dataclass():
     assert hash(_round(5, 7, None)) == hash(Round(5, 7))
     s = generate("gaia", 0.5, 20.0, 3)
     assert all(type(r) is Round and r == Round(r.input, r.output, r.tool_s) for x in s for r in x.rounds)
+
+
+def test_round_ids_follow_hash_ids_so_shared_blocks_share_tokens():
+    from ampd.workload.ids import filler_ids, round_ids
+
+    assert round_ids(40, 7) == filler_ids(40, 7)  # no hash ids: fillers as before
+    a = round_ids(1100, 0, (1, 2, 3), block_tokens=512)
+    b = round_ids(1200, 0, (1, 2, 9), block_tokens=512)
+    c = round_ids(600, 0, (5, 2), block_tokens=512)
+    assert len(a) == 1100 and len(b) == 1200 and len(c) == 600
+    assert a[:1024] == b[:1024] and a[1024:1100] != b[1024:1100]  # blocks 1, 2 shared; 3 and 9 differ
+    assert a[:512] != c[:512]
+    assert round_ids(100, 0, (1, 2), block_tokens=512) == a[:100]  # a prompt shorter than its blocks
+    assert round_ids(1300, 0, (1,), block_tokens=512)[512:] == filler_ids(788, 512)  # past the hashed blocks

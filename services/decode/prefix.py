@@ -1,0 +1,128 @@
+"""Prefix sharing on the live decode worker (``--prefix-sharing``; its decisions:
+``ampd.worker.decode_prefix.PrefixShare``).
+
+Off (the default) nothing here runs. On, a session whose KV is empty when a round begins (its first
+round, or its first here after a move) shares the longest indexed prefix of its prompt's full blocks
+before the core admits the round: those blocks are its first KV blocks, the round's history is
+their tokens (``RoundTiming.prefix_shared_tokens``), and the core charges and the prefill computes
+only the rest. When that prefill's first token comes, the session's own full prompt blocks enter the
+index for later sessions. The session's blocks (``SharedKV``) free only what the index does not hold;
+the index keeps released prompt blocks cached, and the pool takes them back (least recently released
+first) before an allocation would fail, and counts them as free KV for admission (``KvSync.sync``),
+so sharing never refuses or delays a round that would have fitted without it.
+
+The mock engine's KV of a session's prefix positions (``Session.prefix_tokens``) is keyed by position
+alone (``ampd.kv.pattern``), so a shared block passes every byte check of another session's reads.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import TYPE_CHECKING
+
+import structlog
+
+from ampd.kv import KVPool, SessionKV
+from ampd.worker.decode_prefix import PrefixShare, prefix_hashes
+
+if TYPE_CHECKING:
+    from services.decode.session import Session
+    from services.decode.worker import DecodeWorker
+
+__all__ = ["LivePrefix", "SharedKV"]
+
+log = structlog.get_logger()
+
+
+_KEYS = itertools.count()
+
+
+class SharedKV(SessionKV):
+    """A session's blocks whose first ``index.held(key)`` the prefix index holds: releasing,
+    trimming or truncating leaves those to the index. ``key`` names these blocks in the index (a
+    session opened again under its id while its old blocks wait for a prefill worker has other ones)."""
+
+    def __init__(self, block_tokens: int, index: PrefixShare, session_id: str) -> None:
+        super().__init__(block_tokens)
+        self.index = index
+        self.session_id = f"{session_id}#{next(_KEYS)}"
+
+    def release(self, pool: KVPool) -> None:
+        held = self.index.held(self.session_id)
+        own = self.blocks[held:]
+        gone = self.index.release(self.session_id, time.time())
+        self.blocks, self.tokens, self.reserved = [], 0, 0
+        pool.free(gone + own)
+
+    def trim(self, pool: KVPool) -> None:
+        self.reserved = 0
+        keep = max(pool.blocks_for(self.tokens), self.index.held(self.session_id))
+        if len(self.blocks) > keep:
+            pool.free(self.blocks[keep:])
+            del self.blocks[keep:]
+
+    def truncate(self, pool: KVPool, n: int) -> None:
+        held = self.index.held(self.session_id)
+        if n >= held * pool.block_tokens or not 0 <= n <= self.tokens:
+            super().truncate(pool, n)
+            return
+        gone, copy = self.index.truncate(self.session_id, n)
+        keep = pool.blocks_for(n)
+        pool.free(gone + self.blocks[held:])
+        if copy is not None:  # copy-on-write: the kept part of a block others still read
+            (own,) = pool.alloc(1)
+            bt, bpt = pool.block_tokens, pool.bytes_per_token
+            src, dst = copy.src * bt * bpt, own * bt * bpt
+            pool.buffer[dst:dst + copy.tokens * bpt] = pool.buffer[src:src + copy.tokens * bpt]
+            self.blocks[keep - 1] = own
+        del self.blocks[keep:]
+        self.tokens, self.reserved = n, 0
+
+
+class LivePrefix:
+    """The decode worker's prefix index and its hooks: ``new_kv`` (open), ``share`` (a round
+    begins), ``published`` (its first token), ``rewound`` (an edited conversation). Off
+    (``on`` False) each hook does nothing."""
+
+    def __init__(self, w: DecodeWorker, on: bool) -> None:
+        self.w = w
+        self.on = on
+        pool = w.rt.pool
+        self.index = PrefixShare(pool.block_tokens)
+        if on:
+            pool.reclaimer = self.index
+
+    def new_kv(self, session_id: str) -> SessionKV:
+        bt = self.w.rt.pool.block_tokens
+        return SharedKV(bt, self.index, session_id) if self.on else SessionKV(bt)
+
+    def share(self, s: Session) -> int:
+        """Before the core admits a round of a session with no KV here: share the longest indexed
+        prefix of its prompt; returns the shared tokens (the round's history, charged as such)."""
+        kv = s.kv
+        if not isinstance(kv, SharedKV) or kv.tokens or kv.blocks or self.index.held(kv.session_id) \
+                or s.session_id in self.w.core.sessions:  # (one rewound to nothing keeps its own blocks)
+            return 0
+        bt = self.w.rt.pool.block_tokens
+        s.prefix_tokens = len(prefix_hashes(s.tokens, bt)) * bt
+        got = self.index.share(kv.session_id, s.tokens)
+        s.shared_tokens = got.tokens
+        if got.tokens:
+            s.kv.blocks, s.kv.tokens = list(got.blocks), got.tokens
+            self.w.core.shared_history(s.core, got.tokens)
+            self.w.metrics["prefix_shared_tokens"] += got.tokens
+        return got.tokens
+
+    def published(self, s: Session) -> None:
+        """A round's prefill committed (its first token): the session's own full prompt blocks not
+        yet indexed enter the index."""
+        s.shared_tokens = 0
+        kv = s.kv
+        if isinstance(kv, SharedKV) and self.index.held(kv.session_id) * self.w.rt.pool.block_tokens < s.prefix_tokens:
+            self.index.publish(kv.session_id, s.tokens[:s.prefix_tokens + 1], kv.blocks)
+
+    def rewound(self, s: Session, tokens: int) -> None:
+        s.prefix_tokens = min(s.prefix_tokens, tokens)
+
+    def gauges(self) -> dict[str, float]:
+        return {"prefix_cached_tokens": self.index.cached_blocks * self.w.rt.pool.block_tokens}
