@@ -158,13 +158,15 @@ class PolicyConfig:
                                              "of when the result arrives")
     # Off by default until measured to help (benchmarks/prefix_sharing.py, prefix_sharing_live.py); the
     # simulator models it (rounds with ``hash_ids``), the live decode worker shares prompt blocks
-    # (services/decode/prefix.py). It does not compose yet with kv_evict, kv_host_mb or an engine that
+    # (services/decode/prefix.py) and publishes them for the coordinator's binding
+    # (services/coordinator/prefixes.py). It does not compose yet with kv_evict, kv_host_mb or an engine that
     # keeps its own KV: check_prefix_sharing refuses those at start-up.
     prefix_sharing: bool = setting(False, "sessions whose first prompt starts with full KV blocks another session "
                                           "on the same decode worker prefilled share those blocks (refcounted; "
                                           "released ones cached until the pool needs them) and prefill only the "
-                                          "rest; in the simulator binding also prefers the worker with the longest "
-                                          "prefix when that does not cost the ITL SLO (docs/kv.md)")
+                                          "rest; binding (live: from the prefix blocks each decode worker publishes) "
+                                          "prefers the worker with the longest prefix when that does not cost the "
+                                          "ITL SLO (docs/kv.md)")
     seed: int = setting(0, "seed of the router's random visiting order", metavar="K")
     alpha: float = setting(ALPHA, "Algorithm 1 TTFT slack factor (alpha * TTFT SLO)", positive=True)
     beta: float = setting(BETA, "Algorithm 1 ITL slack factor (beta * ITL SLO)", positive=True)

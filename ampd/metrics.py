@@ -139,6 +139,12 @@ COORDINATOR = (
     _one("sessions_waiting", "gauge", "sessions_waiting", "new sessions waiting in admission"),
     Family("sessions_refused", "counter", "new sessions refused by admission (RESOURCE_EXHAUSTED), by reason "
            "(ampd/policy/admit.py)", tuple(("refused_" + r, r) for r in REFUSAL_REASONS), label="reason"),
+    Family("session_bindings", "counter", "new sessions whose prompt was matched against the decode workers' "
+           "prefix blocks (--prefix-sharing), by the reason of their binding: 'prefix' (moved to the worker "
+           "holding a longer prefix), 'admission' (admission's choice kept)",
+           (("bind_prefix", "prefix"), ("bind_admission", "admission")), label="reason"),
+    _one("prefix_bind_tokens", "counter", "bind_prefix_tokens", "prompt tokens held on the worker of the sessions "
+         "bound for a prefix (what they moved to share)"),
     Family("prefills_routed", "counter", "prefills handed over, by where they run (after fallbacks)",
            (("prefills_local", "local"), ("prefills_remote", "remote")), label="where"),
     _one("prefills_routed_with_turn", "counter", "prefills_routed_with_turn", "prefills whose route went with "

@@ -144,6 +144,10 @@ class WorkerRuntime:
         # A decode worker's host KV tier capacity in tokens (--kv-host-mb; 0: none), registered so
         # that the coordinators' admission promises it beyond the device pool (WorkerInfo)
         self.kv_host_tokens = 0
+        # A decode worker's prefix-hash seed (--prefix-sharing; WorkerInfo.prefix_seed), and loops
+        # the service adds (its prefix publisher): started with the heartbeat, stopped before deregistering
+        self.prefix_seed = 0
+        self.loops: list[Callable[[], Awaitable[None]]] = []
 
     def info(self, sidecar: str = "") -> WorkerInfo:
         return WorkerInfo(
@@ -160,6 +164,8 @@ class WorkerRuntime:
             task_key=self.task_key.hex() if self.cfg.kind == "decode" else "",
             epoch=self.epoch,
             kv_host_tokens=self.kv_host_tokens,
+            prefix_sharing=self.cfg.kind == "decode" and self.cfg.prefix_sharing,
+            prefix_seed=self.prefix_seed,
         )
 
     def snapshot(self) -> WorkerStats:
@@ -202,6 +208,7 @@ class WorkerRuntime:
                 await self.register()
         self._tasks.append(asyncio.create_task(self._publisher(), name="stats-publisher"))
         self._tasks.append(asyncio.create_task(self._peer_sync(), name="peer-sync"))
+        self._tasks.extend(asyncio.create_task(loop(), name=getattr(loop, "__name__", "loop")) for loop in self.loops)
 
     def changed(self) -> None:
         """Marks the queue/KV/window as changed: the publisher pushes it to Redis promptly."""

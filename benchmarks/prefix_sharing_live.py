@@ -11,7 +11,9 @@ calls of 1 to 3 s; 16 to 48 output tokens a round. Deployment: the mock engine t
 qwen3-32b@h20 profile, one prefill and two decode workers (TP 1), policy ampd, TTFT SLO 2 s.
 
 Reports per variant: tokens prefilled (the rounds' l_incr), tokens shared (the decode workers'
-``prefix_shared_tokens``), first-round TTFT P50/P90, SLO attainment, sessions completed, token and KV
+``prefix_shared_tokens``), the sessions the coordinator bound for a prefix (moved from admission's
+worker to one holding a longer prefix of its prompt: ``bind_prefix``) and the sessions bound to each
+decode worker, first-round TTFT P50/P90, SLO attainment, sessions completed, token and KV
 byte mismatches, and whether every decode worker's pool was empty at the end (free plus cached prefix
 blocks = capacity, no session). The box is shared: compare the variants of one run.
 """
@@ -25,6 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 from ampd import grpcserver
@@ -33,7 +36,7 @@ from ampd.bench.report import build_report
 from ampd.launcher import Deployment, Options
 from ampd.policy import SLO
 from ampd.state import StateStore, connect
-from ampd.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from ampd.v1 import common_pb2, coordinator_pb2_grpc, decode_pb2_grpc, prefill_pb2_grpc
 from ampd.workload import Round, Session
 from benchmarks import write_json
 
@@ -78,6 +81,15 @@ async def worker_metrics(redis_url: str, namespace: str) -> dict[str, tuple[str,
     return out
 
 
+async def coordinator_metrics(address: str) -> dict[str, float]:
+    ch = grpcserver.channel(address)
+    try:
+        return dict((await coordinator_pb2_grpc.CoordinatorStub(ch).Metrics(common_pb2.MetricsRequest(),
+                                                                             timeout=10)).values)
+    finally:
+        await ch.close()
+
+
 def _pct(xs: list[float], q: float) -> float | None:
     if not xs:
         return None
@@ -93,6 +105,7 @@ def one(name: str, on: bool, sessions: list[Session], run_dir: Path) -> dict:
         records, stats, wall, _ = asyncio.run(replay(dep.coordinator, sessions, verify_tokens=True, progress=False,
                                                      timeout_s=180))
         workers = asyncio.run(worker_metrics(dep.redis_url, opts.deployment.namespace))
+        coord = asyncio.run(coordinator_metrics(dep.coordinator))
     rep = build_report(name, records, SLO_, wall)
     decode = {w: m for w, (kind, m) in workers.items() if kind == "decode"}
     ttft1 = [r.rounds[0].first_token - r.rounds[0].input_ready for r in records
@@ -102,6 +115,8 @@ def one(name: str, on: bool, sessions: list[Session], run_dir: Path) -> dict:
     return {"variant": name, "prefix_sharing": on, "sessions": len(records), "completed": rep["completed"],
             "tokens_prefilled": sum(x.l_incr for r in records for x in r.rounds),
             "tokens_shared": int(sum(m.get("prefix_shared_tokens", 0) for m in decode.values())),
+            "sessions_bound_for_prefix": int(coord.get("bind_prefix", 0)),
+            "sessions_by_decode_worker": dict(sorted(Counter(stats.bound_to.values()).items())),
             "first_round_ttft_p50_s": _pct(ttft1, 0.5), "first_round_ttft_p90_s": _pct(ttft1, 0.9),
             "first_round_ttft_mean_s": round(statistics.fmean(ttft1), 4) if ttft1 else None,
             "slo_attainment": rep["slo_attainment"], "ttft_p90_s": rep["ttft_s"]["p90"],

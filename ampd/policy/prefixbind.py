@@ -2,7 +2,8 @@
 session's prompt, when that does not cost the SLO; otherwise the plain binding (``bind``).
 
 Pure. ``block_hashes`` names a prompt's blocks; ``matched`` maps a worker id to how many leading prompt blocks it holds
-(``ampd.kv.prefix.PrefixIndex.match`` there, as published in its view).
+(the simulator: ``ampd.policy.prefixindex.PrefixIndex.match``; live: the worker's published set of block hashes,
+``ampd.state.prefixes``). ``rebind_prefix`` is the one rule both apply to admission's choice (``MOVE_MIN_BLOCKS``).
 """
 from __future__ import annotations
 
@@ -14,7 +15,12 @@ from .bind import bind
 from .order import before
 from .types import WorkerView
 
-__all__ = ["bind_prefix", "block_hashes"]
+__all__ = ["bind_prefix", "block_hashes", "prefix_seed", "rebind_prefix", "leading", "MOVE_MIN_BLOCKS"]
+
+# Binding leaves admission's worker for a longer prefix only when it saves this many more blocks
+# there: a short common prefix (a system prompt) is not worth unbalancing the workers for
+# (benchmarks/prefix_sharing.py measured the pull of every session onto one worker).
+MOVE_MIN_BLOCKS = 4
 
 _HASH = struct.Struct("<Q")
 
@@ -33,6 +39,14 @@ def block_hashes(tokens: Sequence[int], block_tokens: int, seed: int = 0) -> lis
         prev = int.from_bytes(h.digest(), "little")
         out.append(prev)
     return out
+
+
+def prefix_seed(model: str) -> int:
+    """The seed of a model's block hashes (``block_hashes``): KV of equal tokens differs between
+    models. The mock engine (no model name) has 0."""
+    if not model:
+        return 0
+    return int.from_bytes(hashlib.blake2b(model.encode(), digest_size=8).digest(), "little")
 
 
 def bind_prefix(decode_workers: Sequence[WorkerView], matched: Mapping[str, int], block_tokens: int,
@@ -61,3 +75,32 @@ def bind_prefix(decode_workers: Sequence[WorkerView], matched: Mapping[str, int]
     if best is not None:
         return best.worker_id, best_key[0]
     return bind(decode_workers, promised, need), 0
+
+
+def rebind_prefix(bound: str, decode_workers: Sequence[WorkerView], matched: Mapping[str, int], block_tokens: int,
+                  promised: Mapping[str, int], need: int, itl_slo_s: float | None = None,
+                  move_min_blocks: int = MOVE_MIN_BLOCKS) -> tuple[str, int]:
+    """(worker id, shared blocks there) for a new session admission bound to ``bound`` (``need``
+    promised there already, in ``promised``): ``bound`` unless another worker holds at least
+    ``move_min_blocks`` more leading blocks of its prompt; then ``bind_prefix``'s choice with the
+    promise taken off ``bound`` (``bound`` again when it picks none). The simulator and the live
+    coordinator both bind by it."""
+    here = matched.get(bound, 0)
+    if max(matched.values(), default=0) - here < move_min_blocks:
+        return bound, here
+    rest = dict(promised)
+    rest[bound] = rest.get(bound, 0) - need
+    wid, _ = bind_prefix(decode_workers, matched, block_tokens, rest, need, itl_slo_s)
+    wid = wid or bound
+    return wid, matched.get(wid, 0)
+
+
+def leading(found: Sequence[object]) -> int:
+    """How many of ``found`` (one truth value a prompt block, in order: is it held?) lead before
+    the first that is not: the blocks a worker can share (a later one held alone is no use)."""
+    n = 0
+    for f in found:
+        if not f:
+            break
+        n += 1
+    return n

@@ -18,15 +18,10 @@ behave as without sharing.
 from __future__ import annotations
 
 from ampd.policy.prefixindex import PrefixIndex
-from ampd.policy.prefixbind import bind_prefix
+from ampd.policy.prefixbind import MOVE_MIN_BLOCKS, rebind_prefix
 from ampd.workload.mooncake import HASH_BLOCK_TOKENS
 
 __all__ = ["Prefixing", "CountingPool", "prefix_indexes", "MOVE_MIN_BLOCKS"]
-
-# Binding leaves admission's worker for a longer prefix only when it saves this many more blocks
-# there: a short common prefix (a system prompt) is not worth unbalancing the workers for
-# (benchmarks/prefix_sharing.py measured the pull of every session onto one worker).
-MOVE_MIN_BLOCKS = 4
 
 
 class CountingPool:
@@ -76,13 +71,12 @@ class Prefixing:
         for d in self.decodes:
             self.prefix_trim(d)
         matched = {wid: ix.match(hashes) for wid, ix in self.prefix.items()}
-        if max(matched.values()) - matched[bound] < MOVE_MIN_BLOCKS:  # not worth leaving admission's choice
-            return bound
         book = self.book
+        wid, _ = rebind_prefix(bound, decode, matched, HASH_BLOCK_TOKENS, book.promised, w.need, self.sim.slo.itl_s)
+        if wid == bound:  # (MOVE_MIN_BLOCKS: a prefix every worker holds is not worth leaving admission's choice)
+            return bound
         book.promised[bound] -= w.need
         book.sessions[bound] -= 1
-        wid, _ = bind_prefix(decode, matched, HASH_BLOCK_TOKENS, book.promised, w.need, self.sim.slo.itl_s)
-        wid = wid or bound
         book.promised[wid] += w.need
         book.sessions[wid] += 1
         return wid

@@ -22,6 +22,8 @@ key has been gone a while. Every other key has a TTL or is deleted by its owner
                         when it ends, or by any coordinator once its own coordinator is gone
 - `{ns}:promised`       hash decode worker -> KV tokens promised to live sessions by every coordinator;
                         each session's share is in its record (ampd.state.promises)
+- `{ns}:prefix:{wid}`   the prefix blocks a decode worker holds (--prefix-sharing; ampd.state.prefixes):
+                        a TTL renewed by the worker, deleted when it deregisters
 - `{ns}:coordinator:{id}` a coordinator's liveness key (TTL, renewed every poll; deleted when it
                         stops): the owner of the session records that name it
 - channel `{ns}:stats`  every stats publish is also PUBLISHed here (same JSON), so a coordinator can
@@ -107,6 +109,10 @@ class WorkerInfo:
     # A decode worker's host KV tier, in tokens (--kv-host-mb; 0: none): admission promises it
     # beyond kv_capacity_tokens (ampd.policy.admit.promise_rooms)
     kv_host_tokens: int = 0
+    # --prefix-sharing on this decode worker: it publishes the hashes of the prefix blocks it holds
+    # (ampd.state.prefixes), chained from this seed (its model's: ampd.policy.prefixbind.prefix_seed)
+    prefix_sharing: bool = False
+    prefix_seed: int = 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -260,6 +266,7 @@ class StateStore:
             p.hdel(self.k_workers, worker_id)
             p.hdel(self.k_nixl, worker_id)
             p.hdel(self.k_stats, worker_id)
+            p.delete(f"{self.ns}:prefix:{worker_id}")  # (ampd.state.prefixes.prefix_key)
             await p.execute()
 
     async def heartbeat(self, stats: WorkerStats, ttl_s: float, epoch: int = 0) -> int:

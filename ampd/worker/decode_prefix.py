@@ -27,7 +27,7 @@ blocks count as free KV (``cached_blocks``) and the pool takes them back when it
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import KeysView, Sequence
 from dataclasses import dataclass
 
 from ampd.policy.prefixbind import block_hashes
@@ -90,6 +90,10 @@ class PrefixShare:
     @property
     def empty(self) -> bool:
         return not (self._by_hash or self._refs or self._held or self._cached)
+
+    def hashes(self) -> KeysView[int]:
+        """The hashes of the indexed blocks, held or cached (what the worker publishes for binding)."""
+        return self._by_hash.keys()
 
     def held(self, session_id: str) -> int:
         """How many leading blocks of the session the index holds (0: none)."""

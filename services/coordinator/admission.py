@@ -23,6 +23,7 @@ from ampd.policy.admit import HEAD_POLL_S, AdmissionBook, AdmissionCost
 from ampd.state.promises import Promises
 from ampd.state.store import REDIS_ERRORS
 from ampd.tasks import BackgroundTasks
+from services.coordinator.prefixes import PrefixChoice
 
 log = structlog.get_logger()
 
@@ -61,12 +62,15 @@ class Admission:
         return len(self.book.waiting)
 
     async def admit(self, need: int, rooms: Rooms, l_incr: int = 0, since: float | None = None,
-                    new: bool = True, sid: str = "", order_at: float | None = None) -> str:
+                    new: bool = True, sid: str = "", order_at: float | None = None,
+                    prefer: PrefixChoice | None = None) -> str:
         """A decode worker for a session that may need ``need`` KV tokens, with ``need`` promised to
         it. ``l_incr``: its first prefill's tokens; ``since``: when it arrived (time.monotonic());
         ``new``: False for a session already accepted (moved, or bound again for a later turn),
         which only the KV rule applies to; ``order_at``: its arrival made later by a yielding hint
-        (ampd.policy.admit.AdmissionBook). Raises Refused, or LookupError when no decode worker serves."""
+        (ampd.policy.admit.AdmissionBook); ``prefer``: may move a new session to the worker holding
+        the longest prefix of its prompt (services/coordinator/prefixes.py), the promise with it.
+        Raises Refused, or LookupError when no decode worker serves."""
         start = time.monotonic() if since is None else since
         book = self.book
         me = asyncio.Event()
@@ -83,14 +87,18 @@ class Admission:
                 if v.reason:
                     raise Refused(v.reason, v.detail)
                 if v.worker is not None:
+                    wid = v.worker if prefer is None else self._move(v.worker, prefer(v.worker, decode, book.promised,
+                                                                                        need), need)
                     # the room the book judged (device + host tier: promise_rooms), for the shared check
                     cap = 0 if self.rule == "none" else next(w.kv_free_tokens + w.kv_host_tokens for w in decode
-                                                             if w.worker_id == v.worker)
-                    if await self._promise(sid, v.worker, need, cap):
-                        return v.worker
+                                                             if w.worker_id == wid)
+                    if await self._promise(sid, wid, need, cap):
+                        if prefer is not None:
+                            prefer.bound(wid)
+                        return wid
                     # another coordinator promised that KV meanwhile: judged again on the new totals
-                    book.promised[v.worker] -= need
-                    book.sessions[v.worker] -= 1
+                    book.promised[wid] -= need
+                    book.sessions[wid] -= 1
                     continue
                 me.clear()
                 # Woken by a release (the head) or by the head leaving. Only the head also looks
@@ -103,6 +111,15 @@ class Admission:
         finally:
             if book.leave(me):
                 self._wake()
+
+    def _move(self, bound: str, to: str, need: int) -> str:
+        """The book's promise of ``need`` (and its session) moves from ``bound`` to ``to``."""
+        if to != bound:
+            book = self.book
+            book.release(bound, need)
+            book.promised[to] += need
+            book.sessions[to] += 1
+        return to
 
     def add(self, worker: str, tokens: int, sid: str = "", shared: bool = True) -> None:
         """A later turn of an accepted session: it is not refused, but its KV is promised too.

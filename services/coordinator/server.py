@@ -19,6 +19,7 @@ from ampd.deployment import check_names
 from ampd.perf import load_profile
 from ampd.policy import SLO, make_router, policy_spec
 from ampd.state import StateStore, connect
+from ampd.state.prefixes import PrefixSets
 from ampd.state.promises import Promises
 from ampd.state.store import REDIS_ERRORS
 from ampd.stubs import Stubs
@@ -29,6 +30,7 @@ from ampd.trust import reattach_token
 from services.coordinator.core import Cluster, InvalidArgument, validate_open
 from services.coordinator.admission import Admission
 from services.coordinator.errors import SessionEnd
+from services.coordinator.prefixes import PrefixChoice, prefix_choice
 from services.coordinator.session import SessionRun
 
 log = structlog.get_logger()
@@ -43,6 +45,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                  migration_limit: int = CoordinatorSettings().migration_limit, cost=None,
                  fence_after: float = WorkerSettings.fence_after) -> None:
         self.store = store
+        self.prefix_sets = PrefixSets(store.r, store.ns)  # the decode workers' prefix blocks (binding)
         self.cluster = Cluster(store, stats_mode, cost=cost, fence_after=fence_after)
         self.cluster.on_poll = self._on_poll
         self.cluster.on_fenced = self._fenced
@@ -144,6 +147,16 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return ([dataclasses.replace(v, kv_free_tokens=infos[wid].kv_capacity_tokens,
                                      kv_host_tokens=infos[wid].kv_host_tokens)
                  for wid, v in view.decode.items() if wid in infos], view.prefill)
+
+    async def prefix_choice(self, run: SessionRun) -> PrefixChoice | None:
+        """For a new session's binding: its prompt's match on each decode worker that shares
+        prefixes (services/coordinator/prefixes.py), or None."""
+        tokens = run.o.turn.token_ids
+        if not tokens:
+            return None
+        slo = self.admission.book.slo
+        return await prefix_choice(self.prefix_sets, self.cluster.infos, run.sid, tokens,
+                                   slo.itl_s if slo is not None else None, self.counters)
 
     def block_tokens(self) -> int:
         """A session's last KV block may be partly empty: its promise counts one block more."""

@@ -215,11 +215,12 @@ class SessionRun:
         svc = self.svc
         deadline = time.monotonic() + wait_s
         self._release()
+        prefer = None if self.admitted or req.HasField("resume") else await svc.prefix_choice(self)
         while True:
             try:
                 self.decode_id = await svc.admission.admit(self.need, svc.rooms, len(self.o.turn.token_ids),
                                                            self.arrived, new=not self.admitted, sid=self.sid,
-                                                           order_at=yield_at(self))
+                                                           order_at=yield_at(self), prefer=prefer)
                 break
             except Refused as exc:
                 svc.counters["refused_" + exc.reason] += 1

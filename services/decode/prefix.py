@@ -84,11 +84,11 @@ class LivePrefix:
     begins), ``published`` (its first token), ``rewound`` (an edited conversation). Off
     (``on`` False) each hook does nothing."""
 
-    def __init__(self, w: DecodeWorker, on: bool) -> None:
+    def __init__(self, w: DecodeWorker, on: bool, seed: int = 0) -> None:
         self.w = w
         self.on = on
         pool = w.rt.pool
-        self.index = PrefixShare(pool.block_tokens)
+        self.index = PrefixShare(pool.block_tokens, seed)  # seed: the model's (its published hashes')
         if on:
             pool.reclaimer = self.index
 

@@ -34,12 +34,14 @@ from ampd.chat.toolcalls import parse_tool_calls
 from ampd.engine.base import Engine
 from ampd.kv import KVPoolExhausted
 from ampd.policy import PrefillTask
+from ampd.policy.prefixbind import prefix_seed
 from ampd.runtime import WorkerRuntime, sampling_of
 from ampd.validate import MAX_ROUNDS
 from ampd.v1 import common_pb2, decode_pb2
 from ampd.worker import ADMITTED, FAILED, DecodeCore, DecodeSession
 from services.decode.engine_loop import EngineLoop
 from services.decode.prefix import LivePrefix
+from services.decode.prefixpub import PrefixPublisher
 from services.decode.kv import KvSync
 from services.decode.kvwhere import route_holds, turn_end
 from services.decode.remote import RemotePrefills
@@ -97,7 +99,10 @@ class DecodeWorker:
         self.remote = RemotePrefills(self)
         self.tools = ToolCalls(self, sidecar_stub)
         self.tier = LiveTier(self, core.tier.host.num_blocks) if core.tier is not None else None  # --kv-host-mb
-        self.prefix = LivePrefix(self, rt.cfg.prefix_sharing)  # --prefix-sharing
+        self.prefix = LivePrefix(self, rt.cfg.prefix_sharing, prefix_seed(rt.cfg.model))  # --prefix-sharing
+        if rt.cfg.prefix_sharing:  # the blocks it holds, published for the coordinators' binding
+            rt.prefix_seed = self.prefix.index.seed
+            rt.loops.append(PrefixPublisher(rt, self.prefix.index).run)
         rt.published = self.kv.published
         rt.on_fenced = self.fenced
 
