@@ -138,7 +138,7 @@ class DecodeCore(KvAdmission, TierMixin, RunWindow):
         self.wait_need = 0  # KV tokens the waiting rounds need
         # sessions idle between rounds whose KV may be evicted, least recently used first (the order
         # they became evictable in); a session leaves it when its next round is ready or it ends
-        self.evictable: OrderedDict[DecodeSession, None] = OrderedDict()
+        self.evictable: OrderedDict[DecodeSession, int] = OrderedDict()  # -> its KV tokens on the device
         self.evictable_kv = 0  # KV tokens they hold
         self.kv_evict = kv_evict  # idle sessions are evictable from the start of their tool call
         self.victims: list[DecodeSession] = []  # evicted by the last admission (the driver frees them)
