@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from services.decode.session import Session
     from services.decode.worker import DecodeWorker
 
-__all__ = ["LivePrefix", "SharedKV"]
+__all__ = ["LivePrefix", "SharedKV", "pinned_tokens", "keep_pinned"]
 
 log = structlog.get_logger()
 
@@ -46,6 +46,19 @@ class SharedKV(SessionKV):
         super().__init__(block_tokens)
         self.index = index
         self.session_id = f"{session_id}#{next(_KEYS)}"
+
+    @property
+    def pinned(self) -> int:
+        """Leading tokens in blocks the index holds (full blocks): the host tier leaves them on the
+        device, and the session keeps its references to them, when the rest of its KV goes to host."""
+        return min(self.index.held(self.session_id) * (self.block_tokens or 0), self.tokens)
+
+    def keep_pinned(self, pool: KVPool) -> None:
+        """Only the pinned blocks stay (its own blocks' KV went to host, or is lost)."""
+        held = self.index.held(self.session_id)
+        pool.free(self.blocks[held:])
+        del self.blocks[held:]
+        self.tokens, self.reserved = self.pinned, 0
 
     def release(self, pool: KVPool) -> None:
         held = self.index.held(self.session_id)
@@ -79,6 +92,19 @@ class SharedKV(SessionKV):
         self.tokens, self.reserved = n, 0
 
 
+def pinned_tokens(kv: SessionKV) -> int:
+    """The leading tokens of ``kv`` that stay on the device when its KV goes to host (0 unless shared)."""
+    return kv.pinned if isinstance(kv, SharedKV) else 0
+
+
+def keep_pinned(kv: SessionKV, pool: KVPool) -> None:
+    """Free every block of ``kv`` but its pinned ones (all, unless shared)."""
+    if isinstance(kv, SharedKV):
+        kv.keep_pinned(pool)
+    else:
+        kv.release(pool)
+
+
 class LivePrefix:
     """The decode worker's prefix index and its hooks: ``new_kv`` (open), ``share`` (a round
     begins), ``published`` (its first token), ``rewound`` (an edited conversation). Off
@@ -98,20 +124,26 @@ class LivePrefix:
 
     def share(self, s: Session) -> int:
         """Before the core admits a round of a session with no KV here: share the longest indexed
-        prefix of its prompt; returns the shared tokens (the round's history, charged as such)."""
+        prefix of its prompt. Its first round: returns the shared tokens (the round's history, not
+        its input). A session whose KV was dropped (evicted, or the tier's drop) shares again what
+        is still indexed of its prompt: history it does not prefill again; returns 0."""
         kv = s.kv
-        if not isinstance(kv, SharedKV) or kv.tokens or kv.blocks or self.index.held(kv.session_id) \
-                or s.session_id in self.w.core.sessions:  # (one rewound to nothing keeps its own blocks)
+        if not isinstance(kv, SharedKV) or kv.tokens or kv.blocks or self.index.held(kv.session_id):
+            return 0
+        again = s.session_id in self.w.core.sessions
+        if again and not s.core.evicted:  # (one rewound to nothing keeps its own blocks)
             return 0
         bt = self.w.rt.pool.block_tokens
-        s.prefix_tokens = len(prefix_hashes(s.tokens, bt)) * bt
-        got = self.index.share(kv.session_id, s.tokens)
+        if not again:
+            s.prefix_tokens = len(prefix_hashes(s.tokens, bt)) * bt
+        got = self.index.share(kv.session_id, s.tokens[:s.prefix_tokens + 1])
         s.shared_tokens = got.tokens
         if got.tokens:
             s.kv.blocks, s.kv.tokens = list(got.blocks), got.tokens
             self.w.core.shared_history(s.core, got.tokens)
             self.w.metrics["prefix_shared_tokens"] += got.tokens
-        return got.tokens
+            s.recompute = max(0, s.recompute - got.tokens)
+        return 0 if again else got.tokens
 
     def published(self, s: Session) -> None:
         """A round's prefill committed (its first token): the session's own full prompt blocks not
