@@ -59,12 +59,10 @@ class KvAdmission:
             s.evicted = False
             if self.tier is not None:
                 self._tier_reprefilled(s)
-            back = s.shared  # shared again (``shared_history``): history, charged here
+            back = s.shared  # shared again (``shared_history``): history, charged when admitted
             self.kv_recomputed_tokens += s.l_hist - back
             s.l_incr += s.l_hist - back
             s.l_hist = back
-            self.kv_used += back
-            s.shared = 0
         need = self._round_need(s)
         if self.kv_admission == "fail":
             if self.kv_cap - self.kv_used < need and not self._make_room(need):
@@ -72,8 +70,6 @@ class KvAdmission:
             if s.session_id not in self.sessions:
                 self.admitted += 1
                 self.sessions[s.session_id] = s
-                self.kv_used += s.shared  # a shared prefix (--prefix-sharing; else 0)
-                s.shared = 0
         elif s.session_id not in self.sessions:
             # a new session starts only when its first input fits (after evictions); running sessions
             # go first
@@ -83,13 +79,14 @@ class KvAdmission:
                 return WAITING
             self.admitted += 1
             self.sessions[s.session_id] = s
-            self.kv_used += s.shared  # a shared prefix (--prefix-sharing; else 0)
-            s.shared = 0
         elif self.kv_wait or (self.kv_cap - self.kv_used < need and not self._make_room(need)):
             self.kv_wait.append(s)
             self.wait_need += need
             return WAITING
-        self.kv_used += need
+        # a shared prefix (--prefix-sharing; else 0) is charged once the round is admitted: the live
+        # pool's free space, which the core admits by, no longer counts its blocks
+        self.kv_used += need + s.shared
+        s.shared = 0
         if s.fetch:
             self._tier_fetched(s)
         return ADMITTED
@@ -108,7 +105,8 @@ class KvAdmission:
     def _fail(self, s: DecodeSession) -> int:
         s.error = f"{KV_EXHAUSTED} on {self.worker_id}: {s.l_incr} tokens needed, {self.kv_cap - self.kv_used} free"
         if s.session_id in self.sessions:
-            self.kv_used -= s.l_hist - s.fetch
+            self.kv_used -= s.l_hist - s.fetch - s.shared  # (a prefix shared again is not charged yet)
+            s.shared = 0
             self.admitted -= 1
             self.sessions.pop(s.session_id, None)
         self.tier_release(s)
@@ -131,7 +129,8 @@ class KvAdmission:
                     self.kv_overcommits += 1
             w.popleft()
             self.wait_need -= need
-            self.kv_used += need
+            self.kv_used += need + s.shared  # (a prefix shared again after an eviction; else 0)
+            s.shared = 0
             if s.fetch:
                 self._tier_fetched(s)
             return s
