@@ -164,8 +164,10 @@ class PolicyConfig:
     prefix_sharing: bool = setting(False, "sessions whose first prompt starts with full KV blocks another session "
                                           "on the same decode worker prefilled share those blocks (refcounted; "
                                           "released ones cached until the pool needs them) and prefill only the "
-                                          "rest; in the simulator binding also prefers the worker with the longest "
-                                          "prefix when that does not cost the ITL SLO (docs/kv.md)")
+                                          "rest; with the host KV tier a session's shared blocks stay on the device "
+                                          "(only its own KV moves), and eviction drops only its own blocks and "
+                                          "references; in the simulator binding also prefers the worker with the "
+                                          "longest prefix when that does not cost the ITL SLO (docs/kv.md)")
     seed: int = setting(0, "seed of the router's random visiting order", metavar="K")
     alpha: float = setting(ALPHA, "Algorithm 1 TTFT slack factor (alpha * TTFT SLO)", positive=True)
     beta: float = setting(BETA, "Algorithm 1 ITL slack factor (beta * ITL SLO)", positive=True)

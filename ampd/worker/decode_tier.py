@@ -23,6 +23,13 @@ used first; a victim goes to the host while it has room (``pressure-offload``), 
 for KV, the other waiting sessions' resident KV goes the same way (``waiting-offload``,
 ``waiting-drop``: ``_tier_unblock``) rather than the head going over capacity.
 
+Prefix sharing (``--prefix-sharing``): the driver sets ``s.pinned`` before ``tier_pause`` to the
+history tokens in blocks the prefix index holds. Only the rest moves to host (``s.fetch``); the
+pinned prefix stays on the device, charged, and evictable. Pressure order: cached prefix blocks
+first (the live pool counts them free), then idle sessions' own KV to host (least recently used
+first), then a pinned prefix left on the device, dropped whole with its host copy (``_tier_victim``);
+a dropped session may share its prefix again before its next round (``shared_history``).
+
 Admission (``ampd.policy.admit.promise_rooms``) promises the device pool plus the host pool, so each
 round reserves its whole output when it is admitted (``KvAdmission._round_need``): the rounds running
 at once never decode past the device pool.

@@ -11,6 +11,10 @@ the index keeps released prompt blocks cached, and the pool takes them back (lea
 first) before an allocation would fail, and counts them as free KV for admission (``KvSync.sync``),
 so sharing never refuses or delays a round that would have fitted without it.
 
+With the host tier a session's index-held blocks stay on the device when the rest of its KV goes to
+host (``pinned_tokens``, ``keep_pinned``); a session whose KV was dropped shares again before its
+next round (``share``).
+
 The mock engine's KV of a session's prefix positions (``Session.prefix_tokens``) is keyed by position
 alone (``ampd.kv.pattern``), so a shared block passes every byte check of another session's reads.
 """

@@ -23,6 +23,10 @@ and is refused). Then:
   loses that copy of the KV, never the session: its next round prefills the history again from the
   session's tokens (``kv_recomputed_tokens``), as after an eviction. The core's charge for the round
   (history plus input) is what the re-prefill writes, so its accounting needs no correction.
+- with --prefix-sharing a session's blocks the prefix index holds (``pinned_tokens``) stay on the
+  device: an offload moves positions from there on (``HostCopy.start``), a prefetch reads them back
+  after the pinned blocks, and a failed move loses only the own part. A session dropped (the
+  policy's drop, an eviction) releases all of it, its references included.
 - the tool durations the policy reads (``HostTier.durations``) are the sidecar's (each server-side
   call's started..finished) and, for client-side calls and client turns, the time from the round's
   end to the turn that answers it.
