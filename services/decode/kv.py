@@ -10,6 +10,7 @@ import structlog
 from ampd.policy import WorkerView
 from ampd.worker import PREFILLING
 from services.decode.session import Session
+from services.decode.tier import host_tokens
 
 if TYPE_CHECKING:
     from services.decode.worker import DecodeWorker
@@ -63,7 +64,7 @@ class KvSync:
             s = self.w.sessions.get(c.session_id)
             if s is None or s.core is not c:
                 continue
-            s.recompute = s.kv.tokens + self.w.tier.host_tokens(s) if self.w.tier is not None else s.kv.tokens
+            s.recompute = s.kv.tokens + (host_tokens(self.w.tier, s) if self.w.tier is not None else 0)
             if self.w.tier is None or not self.w.tier.evicted(s):  # (else the prefetch in flight lets go)
                 s.kv.release(self.w.rt.pool)
             self.w.metrics["kv_evictions"] += 1

@@ -441,20 +441,14 @@ class LiveTier:
             self._free_copy(s.session_id)
             self.w.rt.changed()
 
-    def host_tokens(self, s: Session) -> int:
-        """Tokens of the session's KV in its host copy (0: none)."""
-        copy = self.copies.get(s.session_id)
-        return 0 if copy is None else copy.tokens
-
     def _free_copy(self, sid: str) -> None:
         copy = self.copies.pop(sid, None)
         if copy is not None:
             self.pool.free(copy.blocks)
 
     def _lose(self, s: Session, why: str) -> None:
-        """The device copy of the session's KV goes (dropped: all of it, its references to shared
-        blocks too; a failed offload: all but a pinned prefix, which the core still counts); its next
-        round prefills the rest again."""
+        """The device copy of the session's KV goes (dropped: all of it, references too; a failed
+        offload: all but a pinned prefix, which the core counts); its next round prefills the rest."""
         if why:
             p = pinned_tokens(s.kv)
             s.recompute = s.kv.tokens - p
@@ -480,10 +474,21 @@ class LiveTier:
 
     def metrics(self) -> dict[str, float]:
         """The tier's values for the worker's Metrics reply."""
-        out = dict(self.counts)
-        for k, v in self.core.tier.decisions.items():
-            out[f"kv_tier_decision_{k}"] = v
-        out["kv_tier_host_used_blocks"] = self.pool.num_blocks - self.pool.free_blocks
-        out["kv_tier_host_free_blocks"] = self.pool.free_blocks
-        out["kv_tier_host_copies"] = len(self.copies)
-        return out
+        return tier_metrics(self)
+
+
+def tier_metrics(t: LiveTier) -> dict[str, float]:
+    """``t``'s counters, decisions and host pool use (``LiveTier.metrics``)."""
+    out = dict(t.counts)
+    for k, v in t.core.tier.decisions.items():
+        out[f"kv_tier_decision_{k}"] = v
+    out["kv_tier_host_used_blocks"] = t.pool.num_blocks - t.pool.free_blocks
+    out["kv_tier_host_free_blocks"] = t.pool.free_blocks
+    out["kv_tier_host_copies"] = len(t.copies)
+    return out
+
+
+def host_tokens(t: LiveTier, s: Session) -> int:
+    """Tokens of the session's KV in its host copy (0: none)."""
+    copy = t.copies.get(s.session_id)
+    return 0 if copy is None else copy.tokens
