@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from services.decode.session import Session
     from services.decode.worker import DecodeWorker
 
-__all__ = ["LivePrefix", "SharedKV", "pinned_tokens", "keep_pinned"]
+__all__ = ["LivePrefix", "SharedKV", "choose_pin", "pinned_tokens", "keep_pinned"]
 
 log = structlog.get_logger()
 
@@ -50,25 +50,39 @@ class SharedKV(SessionKV):
         super().__init__(block_tokens)
         self.index = index
         self.session_id = f"{session_id}#{next(_KEYS)}"
+        self.pin = 0  # leading blocks the host tier leaves on the device (``choose_pin``)
+        self.shared_in = 0  # leading blocks it found indexed (``LivePrefix.share``)
+
+    def choose_pin(self) -> int:
+        """As the session pauses (the host tier may move its KV): its pinned prefix is its shared
+        blocks, those it found indexed and those another session also references now (they stay on
+        the device either way). Its other indexed blocks, its own prompt's, move with its own KV
+        (the index keeps them cached meanwhile), so a session that shares nothing pins nothing.
+        Returns the pinned tokens."""
+        self.pin = max(self.shared_in, self.index.shared_run(self.session_id))
+        return self.pinned
 
     @property
     def pinned(self) -> int:
-        """Leading tokens in blocks the index holds (full blocks): the host tier leaves them on the
-        device, and the session keeps its references to them, when the rest of its KV goes to host."""
-        return min(self.index.held(self.session_id) * (self.block_tokens or 0), self.tokens)
+        """Leading tokens in pinned blocks (full blocks): the host tier leaves them on the device,
+        and the session keeps its references to them, when the rest of its KV goes to host."""
+        return min(min(self.pin, self.index.held(self.session_id)) * (self.block_tokens or 0), self.tokens)
 
     def keep_pinned(self, pool: KVPool) -> None:
-        """Only the pinned blocks stay (its own blocks' KV went to host, or is lost)."""
+        """Only the pinned blocks stay (the rest of its KV went to host, or is lost): its other
+        indexed blocks go to the index (cached once nobody references them), its own to the pool."""
         held = self.index.held(self.session_id)
-        pool.free(self.blocks[held:])
-        del self.blocks[held:]
-        self.tokens, self.reserved = self.pinned, 0
+        keep = min(self.pin, held)
+        tokens = self.pinned
+        pool.free(self.index.unpin(self.session_id, keep, time.time()) + self.blocks[held:])
+        del self.blocks[keep:]
+        self.tokens, self.reserved = tokens, 0
 
     def release(self, pool: KVPool) -> None:
         held = self.index.held(self.session_id)
         own = self.blocks[held:]
         gone = self.index.release(self.session_id, time.time())
-        self.blocks, self.tokens, self.reserved = [], 0, 0
+        self.blocks, self.tokens, self.reserved, self.pin, self.shared_in = [], 0, 0, 0, 0
         pool.free(gone + own)
 
     def trim(self, pool: KVPool) -> None:
@@ -94,6 +108,11 @@ class SharedKV(SessionKV):
             self.blocks[keep - 1] = own
         del self.blocks[keep:]
         self.tokens, self.reserved = n, 0
+
+
+def choose_pin(kv: SessionKV) -> int:
+    """``SharedKV.choose_pin`` (0 unless shared)."""
+    return kv.choose_pin() if isinstance(kv, SharedKV) else 0
 
 
 def pinned_tokens(kv: SessionKV) -> int:
@@ -143,7 +162,7 @@ class LivePrefix:
         got = self.index.share(kv.session_id, s.tokens[:s.prefix_tokens + 1])
         s.shared_tokens = got.tokens
         if got.tokens:
-            s.kv.blocks, s.kv.tokens = list(got.blocks), got.tokens
+            s.kv.blocks, s.kv.tokens, kv.shared_in = list(got.blocks), got.tokens, len(got.blocks)
             self.w.core.shared_history(s.core, got.tokens)
             self.w.metrics["prefix_shared_tokens"] += got.tokens
             s.recompute = max(0, s.recompute - got.tokens)

@@ -23,7 +23,7 @@ and is refused). Then:
   loses that copy of the KV, never the session: its next round prefills the history again from the
   session's tokens (``kv_recomputed_tokens``), as after an eviction. The core's charge for the round
   (history plus input) is what the re-prefill writes, so its accounting needs no correction.
-- with --prefix-sharing a session's blocks the prefix index holds (``pinned_tokens``) stay on the
+- with --prefix-sharing a session's shared blocks (``choose_pin``, ``pinned_tokens``) stay on the
   device: an offload moves positions from there on (``HostCopy.start``), a prefetch reads them back
   after the pinned blocks, and a failed move loses only the own part. A session dropped (the
   policy's drop, an eviction) releases all of it, its references included.
@@ -48,7 +48,7 @@ from ampd.policy.hostpool import HostPoolTooSmall, check_host_pool
 from ampd.tasks import BackgroundTasks
 from ampd.worker import TO_HOST, KVMove
 from services.decode import kvwhere
-from services.decode.prefix import keep_pinned, pinned_tokens
+from services.decode.prefix import choose_pin, keep_pinned, pinned_tokens
 
 if TYPE_CHECKING:
     from services.decode.session import Session
@@ -164,7 +164,7 @@ class LiveTier:
         now = time.time()
         self.paused[s.session_id] = (tool, now)
         self.w.kv.sync()  # the pressure the core decides by is the pool's
-        c.pinned = pinned_tokens(s.kv)  # --prefix-sharing: its indexed prompt blocks stay on the device
+        c.pinned = choose_pin(s.kv)  # --prefix-sharing: its blocks others also read stay on the device
         freed = self.core.tier_pause(c, now, tool, hint_s)
         d = self.core.tier.last
         if d is not None:

@@ -17,7 +17,7 @@ from ampd.kv import KVPool
 from ampd.kv.hostpool import HostPool
 from ampd.policy import SLO, make_queue
 from ampd.worker import ADMITTED, FROM_HOST, TO_HOST, DecodeCore, DecodeSession, HostTier
-from services.decode.prefix import LivePrefix, keep_pinned, pinned_tokens
+from services.decode.prefix import LivePrefix, choose_pin, keep_pinned, pinned_tokens
 from services.decode.session import Session
 from tests.unit.test_worker_prefill import P
 
@@ -136,26 +136,59 @@ def test_a_session_dropped_by_the_policy_releases_its_pin_and_may_share_again():
 
 
 # ------------------------------------------------------------------------------- live adapter
-def test_keep_pinned_frees_the_own_blocks_and_keeps_the_references():
+def _live():
     pool = KVPool(32, 4, 8)
     w = SimpleNamespace(rt=SimpleNamespace(pool=pool), core=SimpleNamespace(sessions={}),
                         metrics={"prefix_shared_tokens": 0})
     w.core.shared_history = lambda c, n: None
-    prefix = LivePrefix(w, True)
-    s = Session(session_id="a", max_rounds=0, max_output=0, kv=prefix.new_kv("a"), core=DecodeSession("a"))
-    s.tokens = list(range(100, 113))  # three full blocks and one token
+    return pool, LivePrefix(w, True)
+
+
+def _prefilled(pool: KVPool, prefix: LivePrefix, sid: str, extra: int) -> Session:
+    """A session whose prompt is three full shared-able blocks and ``extra`` tokens, prefilled, with
+    6 decode tokens."""
+    s = Session(session_id=sid, max_rounds=0, max_output=0, kv=prefix.new_kv(sid), core=DecodeSession(sid))
+    s.tokens = list(range(100, 112)) + [extra]
     prefix.share(s)
-    s.kv.reserve(pool, 13)
-    s.kv.commit(13)
+    n = len(s.tokens) - s.kv.tokens
+    s.kv.reserve(pool, n)
+    s.kv.commit(n)
     prefix.published(s)
-    s.kv.reserve(pool, 6)  # decode tokens
+    s.kv.reserve(pool, 6)
     s.kv.commit(6)
-    assert pinned_tokens(s.kv) == 12 and len(s.kv.blocks) == 5
-    held = s.kv.blocks[:3]
-    keep_pinned(s.kv, pool)
-    assert s.kv.blocks == held and s.kv.tokens == 12 and pool.free_blocks == 32 - 3
-    assert all(prefix.index.refs(b) == 1 for b in held)
-    s.kv.release(pool)
+    return s
+
+
+def test_keep_pinned_keeps_the_shared_blocks_and_frees_the_own_ones():
+    pool, prefix = _live()
+    a = _prefilled(pool, prefix, "a", 1)
+    assert choose_pin(a.kv) == 0  # nobody shares its prompt yet: nothing pinned, all of it may move
+    b = _prefilled(pool, prefix, "b", 2)  # b finds a's three prompt blocks indexed
+    assert choose_pin(b.kv) == 12 and pinned_tokens(b.kv) == 12 and choose_pin(a.kv) == 12  # a's are read by b
+    shared = b.kv.blocks[:3]
+    keep_pinned(b.kv, pool)
+    assert b.kv.blocks == shared and b.kv.tokens == 12 and all(prefix.index.refs(x) == 2 for x in shared)
+    a.kv.release(pool)
+    c = _prefilled(pool, prefix, "c", 3)
+    assert choose_pin(c.kv) == 12  # what it found indexed stays pinned (b holds it too)
+    for s in (b, c):
+        s.kv.release(pool)
     assert prefix.index.cached_blocks == 3
     pool.free(prefix.index.reclaim(3))
+    assert pool.free_blocks == 32 and prefix.index.empty
+
+
+def test_a_session_that_shares_nothing_leaves_its_prompt_blocks_cached_when_it_moves():
+    pool, prefix = _live()
+    a = _prefilled(pool, prefix, "a", 1)
+    assert choose_pin(a.kv) == 0
+    prompt = a.kv.blocks[:3]
+    keep_pinned(a.kv, pool)  # its KV went to host: its prompt blocks stay indexed, cached, shareable
+    assert a.kv.blocks == [] and a.kv.tokens == 0 and prefix.index.cached_blocks == 3
+    assert pool.free_blocks == 32 - 3 and pool.available_tokens == pool.capacity_tokens
+    b = _prefilled(pool, prefix, "b", 2)
+    assert b.kv.blocks[:3] == prompt  # shared again from the cache
+    b.kv.release(pool)
+    a.kv.release(pool)
+    pool.free(prefix.index.reclaim(32))
     assert pool.free_blocks == 32 and prefix.index.empty
