@@ -143,8 +143,8 @@ class PolicyConfig:
     kv_evict: bool = setting(False, "a decode worker whose KV pool is full evicts the KV of sessions idle in tool "
                                     "calls (least recently used first) before a round waits or fails; their next "
                                     "round prefills the whole history again")
-    # Off by default: a host pool's size depends on the machine, and the tier does not yet combine with
-    # prefix sharing or the sglang engine. Measured to help where KV is short, under the default kv
+    # Off by default: a host pool's size depends on the machine, and the tier does not combine with
+    # the sglang engine (it composes with prefix sharing: a pinned shared prefix stays on the device). Measured to help where KV is short, under the default kv
     # admission (benchmarks/results/kv_tier.json, kv_tier_live.json). Live: services/decode/tier.py.
     kv_host_mb: float = setting(0.0, "host-memory KV tier of each decode worker, MiB (0 = off): when a round ends "
                                      "in a tool call the worker keeps, offloads to host or drops the session's KV "
@@ -158,15 +158,18 @@ class PolicyConfig:
                                              "of when the result arrives")
     # Off by default until measured to help (benchmarks/prefix_sharing.py, prefix_sharing_live.py); the
     # simulator models it (rounds with ``hash_ids``), the live decode worker shares prompt blocks
-    # (services/decode/prefix.py) and publishes them for the coordinator's binding
-    # (services/coordinator/prefixes.py). It does not compose yet with kv_evict, kv_host_mb or an engine that
-    # keeps its own KV: check_prefix_sharing refuses those at start-up.
+    # (services/decode/prefix.py), with kv_evict and kv_host_mb too (docs/kv.md), and publishes them
+    # for the coordinator's binding (services/coordinator/prefixes.py); an engine that keeps its own KV
+    # is refused at start-up (check_prefix_sharing). The simulator does not model it with kv_evict,
+    # kv_host_mb or KV pins (ampd/sim/prefixing.py refuses those).
     prefix_sharing: bool = setting(False, "sessions whose first prompt starts with full KV blocks another session "
                                           "on the same decode worker prefilled share those blocks (refcounted; "
                                           "released ones cached until the pool needs them) and prefill only the "
-                                          "rest; binding (live: from the prefix blocks each decode worker publishes) "
-                                          "prefers the worker with the longest prefix when that does not cost the "
-                                          "ITL SLO (docs/kv.md)")
+                                          "rest; with the host KV tier a session's shared blocks stay on the device "
+                                          "(only its own KV moves), and eviction drops only its own blocks and "
+                                          "references; binding (live: from the prefix blocks each decode worker "
+                                          "publishes) prefers the worker with the longest prefix when that does not "
+                                          "cost the ITL SLO (docs/kv.md)")
     seed: int = setting(0, "seed of the router's random visiting order", metavar="K")
     alpha: float = setting(ALPHA, "Algorithm 1 TTFT slack factor (alpha * TTFT SLO)", positive=True)
     beta: float = setting(BETA, "Algorithm 1 ITL slack factor (beta * ITL SLO)", positive=True)
@@ -465,20 +468,14 @@ PROFILE_SETTINGS: tuple[str, ...] = ("model", "block_tokens", "kv_pool_mb", "max
 
 
 # ------------------------------------------------------------------------------ flattening
-def check_prefix_sharing(prefix_sharing: bool, kv_host_mb: float, kv_evict: bool, engine: str,
-                         kv_in_pool: bool = True) -> None:
-    """ConfigError for what --prefix-sharing does not compose with yet (a decode worker and `ampd up`
-    check it before they start): the host KV tier and KV eviction move or drop a session's blocks,
-    shared ones included; an engine that keeps its KV outside the worker's pool (``kv_in_pool``
-    False: sglang, which has its own prefix cache) has no blocks here to share."""
-    if not prefix_sharing:
-        return
-    why = ("--kv-host-mb > 0 (the host tier would move shared blocks)" if kv_host_mb > 0 else
-           "--kv-evict (eviction would drop shared blocks)" if kv_evict else
-           f"--engine {engine} (it keeps its KV outside the worker's pool, with a prefix cache of its own)"
-           if not kv_in_pool else "")
-    if why:
-        raise ConfigError(f"--prefix-sharing does not combine with {why} yet; turn one of them off")
+def check_prefix_sharing(prefix_sharing: bool, engine: str, kv_in_pool: bool = True) -> None:
+    """ConfigError for what --prefix-sharing does not combine with (a decode worker and `ampd up`
+    check it before they start): an engine that keeps its KV outside the worker's pool
+    (``kv_in_pool`` False: sglang, which has its own prefix cache) has no blocks here to share. The
+    host KV tier and KV eviction compose with it (docs/kv.md "Prefix sharing")."""
+    if prefix_sharing and not kv_in_pool:
+        raise ConfigError(f"--prefix-sharing does not combine with --engine {engine} (it keeps its KV outside "
+                          "the worker's pool, with a prefix cache of its own); turn one of them off")
 
 
 def flag_name(name: str) -> str:

@@ -67,8 +67,8 @@ class Deployment:
 
         try:
             cfg.validate()
-            check_prefix_sharing(cfg.policy.prefix_sharing, cfg.policy.kv_host_mb, cfg.policy.kv_evict,
-                                 cfg.deployment.engine, not capabilities_of(cfg.deployment.engine).needs_token_ids)
+            check_prefix_sharing(cfg.policy.prefix_sharing, cfg.deployment.engine,
+                                 not capabilities_of(cfg.deployment.engine).needs_token_ids)
             if cfg.deployment.redis_url:  # a malformed one fails here, not in every child
                 parse_redis_url(cfg.deployment.redis_url)
             check_available(cfg.deployment.engine, cfg.deployment.model)

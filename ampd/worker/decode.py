@@ -138,7 +138,7 @@ class DecodeCore(KvAdmission, TierMixin, RunWindow):
         self.wait_need = 0  # KV tokens the waiting rounds need
         # sessions idle between rounds whose KV may be evicted, least recently used first (the order
         # they became evictable in); a session leaves it when its next round is ready or it ends
-        self.evictable: OrderedDict[DecodeSession, None] = OrderedDict()
+        self.evictable: OrderedDict[DecodeSession, int] = OrderedDict()  # -> its KV tokens on the device
         self.evictable_kv = 0  # KV tokens they hold
         self.kv_evict = kv_evict  # idle sessions are evictable from the start of their tool call
         self.victims: list[DecodeSession] = []  # evicted by the last admission (the driver frees them)
@@ -399,7 +399,7 @@ class DecodeCore(KvAdmission, TierMixin, RunWindow):
             return False
         del self.sessions[s.session_id]
         self.admitted -= 1
-        kv = 0 if s.evicted else s.l_hist - s.fetch
+        kv = 0 if s.evicted else s.l_hist - s.fetch - s.shared  # (s.shared: not charged yet)
         self.tier_release(s)
         ex = s.lo + s.out - 2
         if in_round:
@@ -425,6 +425,6 @@ class DecodeCore(KvAdmission, TierMixin, RunWindow):
                     self.exit_heap.remove(ex)
                     heapq.heapify(self.exit_heap)
             if self.tier is not None:  # its round's whole output was reserved at admission
-                kv = (0 if s.evicted else s.l_hist - s.fetch) + s.l_incr + s.out
+                kv = (0 if s.evicted else s.l_hist - s.fetch - s.shared) + s.l_incr + s.out
         self.kv_used -= kv
         return kv > 0

@@ -20,7 +20,7 @@ class DecodeSession:
     makes; live: its upper bound) before ``round_ready``. The core keeps the rest."""
 
     __slots__ = ("session_id", "round", "l_hist", "l_incr", "out", "first", "lo", "ctx_join", "in_tool",
-                 "evicted", "error", "fetch", "shared")
+                 "evicted", "error", "fetch", "shared", "pinned")
 
     def __init__(self, session_id: str):
         self.session_id = session_id
@@ -36,6 +36,9 @@ class DecodeSession:
         self.error = ""
         self.fetch = 0  # host tier: history tokens whose KV is on host, not on the device
         self.shared = 0  # live prefix sharing: history tokens in shared blocks, charged at admission
+        # host tier + prefix sharing: leading history tokens in blocks the prefix index holds, set by
+        # the driver before ``tier_pause``; they stay on the device when the rest goes to host
+        self.pinned = 0
 
 
 class KvAdmission:
@@ -56,9 +59,10 @@ class KvAdmission:
             s.evicted = False
             if self.tier is not None:
                 self._tier_reprefilled(s)
-            self.kv_recomputed_tokens += s.l_hist
-            s.l_incr += s.l_hist
-            s.l_hist = 0
+            back = s.shared  # shared again (``shared_history``): history, charged when admitted
+            self.kv_recomputed_tokens += s.l_hist - back
+            s.l_incr += s.l_hist - back
+            s.l_hist = back
         need = self._round_need(s)
         if self.kv_admission == "fail":
             if self.kv_cap - self.kv_used < need and not self._make_room(need):
@@ -66,7 +70,6 @@ class KvAdmission:
             if s.session_id not in self.sessions:
                 self.admitted += 1
                 self.sessions[s.session_id] = s
-                self.kv_used += s.shared  # a shared prefix (--prefix-sharing; else 0)
         elif s.session_id not in self.sessions:
             # a new session starts only when its first input fits (after evictions); running sessions
             # go first
@@ -76,12 +79,14 @@ class KvAdmission:
                 return WAITING
             self.admitted += 1
             self.sessions[s.session_id] = s
-            self.kv_used += s.shared  # a shared prefix (--prefix-sharing; else 0)
         elif self.kv_wait or (self.kv_cap - self.kv_used < need and not self._make_room(need)):
             self.kv_wait.append(s)
             self.wait_need += need
             return WAITING
-        self.kv_used += need
+        # a shared prefix (--prefix-sharing; else 0) is charged once the round is admitted: the live
+        # pool's free space, which the core admits by, no longer counts its blocks
+        self.kv_used += need + s.shared
+        s.shared = 0
         if s.fetch:
             self._tier_fetched(s)
         return ADMITTED
@@ -100,7 +105,8 @@ class KvAdmission:
     def _fail(self, s: DecodeSession) -> int:
         s.error = f"{KV_EXHAUSTED} on {self.worker_id}: {s.l_incr} tokens needed, {self.kv_cap - self.kv_used} free"
         if s.session_id in self.sessions:
-            self.kv_used -= s.l_hist - s.fetch
+            self.kv_used -= s.l_hist - s.fetch - s.shared  # (a prefix shared again is not charged yet)
+            s.shared = 0
             self.admitted -= 1
             self.sessions.pop(s.session_id, None)
         self.tier_release(s)
@@ -123,7 +129,8 @@ class KvAdmission:
                     self.kv_overcommits += 1
             w.popleft()
             self.wait_need -= need
-            self.kv_used += need
+            self.kv_used += need + s.shared  # (a prefix shared again after an eviction; else 0)
+            s.shared = 0
             if s.fetch:
                 self._tier_fetched(s)
             return s
@@ -140,6 +147,7 @@ class KvAdmission:
             self.admitted += 1
             self.sessions[s.session_id] = s
             self.kv_used += need + s.shared  # with a shared prefix (--prefix-sharing; else 0)
+            s.shared = 0
             return s
         return None
 
@@ -156,9 +164,9 @@ class KvAdmission:
         while ev and self.kv_cap - self.kv_used < need:
             # the least recently used idle session loses its KV (its next round re-prefills the
             # whole context)
-            v = ev.popitem(last=False)[0]
-            self.kv_used -= v.l_hist
-            self.evictable_kv -= v.l_hist
+            v, r = ev.popitem(last=False)
+            self.kv_used -= r
+            self.evictable_kv -= r
             if self.tier is not None and self._tier_victim(v):
                 continue  # moved to the host (a move for the driver), not a victim
             v.evicted = True
@@ -167,13 +175,17 @@ class KvAdmission:
         return self.kv_cap - self.kv_used >= need
 
     def _evictable(self, s: DecodeSession) -> None:
+        """``s`` joins the idle KV eviction may take, with its KV on the device (its history, less a
+        part on host: the pinned prefix of a session offloaded with ``pinned``)."""
         if s not in self.evictable:
-            self.evictable[s] = None
-            self.evictable_kv += s.l_hist
+            r = s.l_hist - s.fetch
+            self.evictable[s] = r
+            self.evictable_kv += r
 
     def _not_evictable(self, s: DecodeSession) -> None:
-        if self.evictable.pop(s, 0) is None:
-            self.evictable_kv -= s.l_hist
+        r = self.evictable.pop(s, None)
+        if r is not None:
+            self.evictable_kv -= r
 
     def make_room(self, tokens: int) -> bool:
         """Live: evict idle sessions (``take_victims``) until ``tokens`` more fit; False when they do
@@ -199,9 +211,13 @@ class KvAdmission:
         """Before its first round is ready: the new session holds ``tokens`` tokens of KV it shares
         with other sessions (--prefix-sharing; ``ampd.worker.decode_prefix``). They are its history,
         charged like one when it is admitted (released with it), so its round needs KV only for the
-        rest."""
+        rest. A session whose KV was dropped (``evicted``) may share again before its next round:
+        those tokens of its history are then not prefilled again (``round_ready``)."""
         if s.session_id in self.sessions:
-            raise ValueError(f"{self.worker_id}: session {s.session_id!r} shares a prefix after its start")
+            if not s.evicted or tokens > s.l_hist:
+                raise ValueError(f"{self.worker_id}: session {s.session_id!r} shares a prefix after its start")
+            s.shared = tokens
+            return
         s.l_hist += tokens
         s.shared = tokens
 
@@ -232,13 +248,23 @@ class KvAdmission:
             raise ValueError(f"{self.worker_id}: session {s.session_id!r} is in a round")
         drop = s.l_hist - tokens
         if drop > 0:
-            if s.fetch:  # on host: the host copy keeps the prefix
-                s.fetch = tokens
+            if s.fetch:  # on host: the host copy keeps the prefix (less a pinned prefix on the device)
+                pinned = min(s.pinned, tokens)
+                self.kv_used -= s.pinned - pinned
+                self._resize_evictable(s, pinned)
+                s.pinned, s.fetch = pinned, tokens - pinned
+                if not s.fetch:  # nothing kept is on host: the copy goes
+                    self.tier_release(s)
             elif not s.evicted:
                 self.kv_used -= drop
-                if s in self.evictable:
-                    self.evictable_kv -= drop
+                self._resize_evictable(s, tokens)
             s.l_hist = tokens
+
+    def _resize_evictable(self, s: DecodeSession, tokens: int) -> None:
+        r = self.evictable.get(s)
+        if r is not None:
+            self.evictable[s] = tokens
+            self.evictable_kv += tokens - r
 
     def pin_expired(self, s: DecodeSession) -> bool:
         """The session's KV pin expired during its tool call: its KV may be evicted. True when a

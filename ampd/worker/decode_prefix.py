@@ -102,6 +102,16 @@ class PrefixShare:
     def refs(self, block: int) -> int:
         return self._refs.get(block, 0)
 
+    def shared_run(self, session_id: str) -> int:
+        """How many leading blocks the index holds for the session that another session also
+        references (the host tier leaves those on the device: moving them would free nothing)."""
+        n = 0
+        for b in self._held.get(session_id, ()):
+            if self._refs[b] < 2:
+                break
+            n += 1
+        return n
+
     def match(self, hashes: Sequence[int]) -> int:
         n = 0
         for h in hashes:
@@ -168,6 +178,20 @@ class PrefixShare:
         if not held:
             del self._held[session_id]
         return gone, copy
+
+    def unpin(self, session_id: str, blocks: int, now: float) -> list[int]:
+        """The session keeps only its first ``blocks`` indexed blocks (the host tier moved the rest
+        of its KV to host): its references to the others go, and an indexed block nobody references
+        is cached (its KV intact, shareable, reclaimable). Returns the blocks that go back to the
+        pool (none: indexed blocks are cached)."""
+        held = self._held.get(session_id)
+        if not held or blocks >= len(held):
+            return []
+        gone = self._unref(held[max(blocks, 0):], now, cache=True)
+        del held[max(blocks, 0):]
+        if not held:
+            del self._held[session_id]
+        return gone
 
     def release(self, session_id: str, now: float) -> list[int]:
         """The session ended: its references go; indexed blocks nobody references are cached.

@@ -23,6 +23,13 @@ used first; a victim goes to the host while it has room (``pressure-offload``), 
 for KV, the other waiting sessions' resident KV goes the same way (``waiting-offload``,
 ``waiting-drop``: ``_tier_unblock``) rather than the head going over capacity.
 
+Prefix sharing (``--prefix-sharing``): the driver sets ``s.pinned`` before ``tier_pause`` to the
+history tokens in blocks the prefix index holds. Only the rest moves to host (``s.fetch``); the
+pinned prefix stays on the device, charged, and evictable. Pressure order: cached prefix blocks
+first (the live pool counts them free), then idle sessions' own KV to host (least recently used
+first), then a pinned prefix left on the device, dropped whole with its host copy (``_tier_victim``);
+a dropped session may share its prefix again before its next round (``shared_history``).
+
 Admission (``ampd.policy.admit.promise_rooms``) promises the device pool plus the host pool, so each
 round reserves its whole output when it is admitted (``KvAdmission._round_need``): the rounds running
 at once never decode past the device pool.
@@ -108,11 +115,12 @@ class TierMixin:
         s.in_tool = True
         if s.evicted or s.fetch:
             return False
-        kv = s.l_hist
+        s.pinned = min(max(s.pinned, 0), s.l_hist)
+        kv = s.l_hist - s.pinned  # what can move: a pinned shared prefix stays on the device
         move_s = host_transfer_s(self.cost, kv, self.tp)
         pause = ToolPause(s.session_id, tool or "", effective_tool_s(t.durations.expected_s(tool or "", now), hint_s,
                                                                    t.cfg),
-                          kv, move_s, move_s, self.cost.t_pre(self.tp, 0, kv) if kv > 0 else 0.0)
+                          kv, move_s, move_s, self.cost.t_pre(self.tp, s.pinned, kv) if kv > 0 else 0.0)
         pool = PoolState(self.kv_cap, self.kv_used, self.wait_need, t.host_free_tokens)
         d: TierDecision = decide(pause, pool, t.cfg)
         t.last = d
@@ -121,6 +129,8 @@ class TierMixin:
             self._tier_offload(s, d.reason)
             if t.prefetch_early and pause.expected_s is not None:
                 t.plans[s.session_id] = prefetch_plan(now, pause.expected_s, move_s, t.cfg)
+            if s.pinned:  # the pinned prefix left on the device stays evictable (``_tier_victim``)
+                self._evictable(s)
         elif d.action == DROP:
             self._tier_drop(s)
         else:
@@ -128,31 +138,42 @@ class TierMixin:
         return bool(self.kv_wait or self.new_wait)
 
     def _tier_offload(self, s, reason: str) -> None:
+        """The history less its pinned prefix (``s.pinned``: shared blocks, which stay) goes to host."""
         t = self.tier
-        t.host.offload_begin(s.session_id, s.l_hist)
+        n = s.l_hist - s.pinned
+        t.host.offload_begin(s.session_id, n)
         t.host.offload_done(s.session_id)
-        t.tokens_to_host += s.l_hist
-        s.fetch = s.l_hist
-        self.kv_used -= s.l_hist
-        t.moves.append(KVMove(s.session_id, TO_HOST, s.l_hist, host_transfer_s(self.cost, s.l_hist, self.tp), reason))
+        t.tokens_to_host += n
+        s.fetch = n
+        self.kv_used -= n
+        t.moves.append(KVMove(s.session_id, TO_HOST, n, host_transfer_s(self.cost, n, self.tp), reason))
 
     def _tier_drop(self, s) -> None:
         self.tier.host.drop(s.session_id)
         s.evicted = True
-        self.kv_used -= s.l_hist
+        self.kv_used -= s.l_hist - s.fetch
+        s.fetch = s.pinned = 0
 
     def _tier_victim(self, v) -> bool:
-        """``_make_room`` evicts ``v`` (its KV already uncharged): to the host while it has room, else
-        dropped (``v.evicted``; False: the driver frees it as a victim)."""
+        """``_make_room`` evicts ``v`` (its KV on the device already uncharged). The order: its own
+        KV to the host while the host has room (its pinned prefix stays, evictable again, last in
+        line); else, or when only that pinned prefix is left on the device, all of it is dropped
+        (``v.evicted``, the host copy too; False: the driver frees it as a victim, and its
+        references to shared blocks go)."""
         t = self.tier
-        if t.host_free_tokens >= v.l_hist > 0:
+        own = v.l_hist - v.pinned
+        if not v.fetch and t.host_free_tokens >= own > 0:
             t.count(OFFLOAD, "pressure-offload")
-            self.kv_used += v.l_hist  # _tier_offload uncharges it again
+            self.kv_used += v.l_hist  # _tier_offload uncharges its own part again
             self._tier_offload(v, "pressure-offload")
+            if v.pinned:
+                self._evictable(v)
             return True
         t.count(DROP, "pressure-drop")
         t.host.drop(v.session_id)
+        t.plans.pop(v.session_id, None)
         v.evicted = True
+        v.fetch = v.pinned = 0
         return False
 
     def _tier_unblock(self, need: int) -> bool:
@@ -205,6 +226,7 @@ class TierMixin:
             return False
         self.kv_used += s.fetch
         t.count("prefetch", why)
+        self._not_evictable(s)  # (its pinned prefix was; now all of it is)
         self._tier_fetched(s, why)
         self._evictable(s)
         return True

@@ -10,6 +10,7 @@ import structlog
 from ampd.policy import WorkerView
 from ampd.worker import PREFILLING
 from services.decode.session import Session
+from services.decode.tier import host_tokens
 
 if TYPE_CHECKING:
     from services.decode.worker import DecodeWorker
@@ -63,12 +64,19 @@ class KvSync:
             s = self.w.sessions.get(c.session_id)
             if s is None or s.core is not c:
                 continue
-            s.recompute = s.kv.tokens
+            s.recompute = s.kv.tokens + (host_tokens(self.w.tier, s) if self.w.tier is not None else 0)
             if self.w.tier is None or not self.w.tier.evicted(s):  # (else the prefetch in flight lets go)
                 s.kv.release(self.w.rt.pool)
             self.w.metrics["kv_evictions"] += 1
             log.info("KV evicted", session=s.session_id, tokens=s.recompute)
         return len(victims)
+
+    def make_room(self, tokens: int) -> None:
+        """The host tier: a round about to start finds the pool short of ``tokens``: idle sessions'
+        KV goes (offloads the tier starts, or drops) until the core counts them free."""
+        self.sync()
+        self.core.make_room(tokens)
+        self.free_evicted()
 
     def room_for(self, s: Session) -> None:
         """Right before a round reserves its KV: evict more idle sessions while the pool itself lacks
@@ -77,7 +85,8 @@ class KvSync:
         the round's prefill writes that token too)."""
         pool = self.w.rt.pool
         room = len(s.kv.blocks) * pool.block_tokens - s.kv.tokens
-        while pool.free_tokens + room < s.l_incr:
+        # available: cached prefix blocks nobody holds go back before any idle session is evicted
+        while pool.available_tokens + room < s.l_incr:
             self.sync(room)
             self.core.make_room(s.l_incr)
             if not self.free_evicted():

@@ -11,6 +11,10 @@ the index keeps released prompt blocks cached, and the pool takes them back (lea
 first) before an allocation would fail, and counts them as free KV for admission (``KvSync.sync``),
 so sharing never refuses or delays a round that would have fitted without it.
 
+With the host tier a session's index-held blocks stay on the device when the rest of its KV goes to
+host (``pinned_tokens``, ``keep_pinned``); a session whose KV was dropped shares again before its
+next round (``share``).
+
 The mock engine's KV of a session's prefix positions (``Session.prefix_tokens``) is keyed by position
 alone (``ampd.kv.pattern``), so a shared block passes every byte check of another session's reads.
 """
@@ -29,7 +33,7 @@ if TYPE_CHECKING:
     from services.decode.session import Session
     from services.decode.worker import DecodeWorker
 
-__all__ = ["LivePrefix", "SharedKV"]
+__all__ = ["LivePrefix", "SharedKV", "choose_pin", "pinned_tokens", "keep_pinned"]
 
 log = structlog.get_logger()
 
@@ -46,12 +50,39 @@ class SharedKV(SessionKV):
         super().__init__(block_tokens)
         self.index = index
         self.session_id = f"{session_id}#{next(_KEYS)}"
+        self.pin = 0  # leading blocks the host tier leaves on the device (``choose_pin``)
+        self.shared_in = 0  # leading blocks it found indexed (``LivePrefix.share``)
+
+    def choose_pin(self) -> int:
+        """As the session pauses (the host tier may move its KV): its pinned prefix is its shared
+        blocks, those it found indexed and those another session also references now (they stay on
+        the device either way). Its other indexed blocks, its own prompt's, move with its own KV
+        (the index keeps them cached meanwhile), so a session that shares nothing pins nothing.
+        Returns the pinned tokens."""
+        self.pin = max(self.shared_in, self.index.shared_run(self.session_id))
+        return self.pinned
+
+    @property
+    def pinned(self) -> int:
+        """Leading tokens in pinned blocks (full blocks): the host tier leaves them on the device,
+        and the session keeps its references to them, when the rest of its KV goes to host."""
+        return min(min(self.pin, self.index.held(self.session_id)) * (self.block_tokens or 0), self.tokens)
+
+    def keep_pinned(self, pool: KVPool) -> None:
+        """Only the pinned blocks stay (the rest of its KV went to host, or is lost): its other
+        indexed blocks go to the index (cached once nobody references them), its own to the pool."""
+        held = self.index.held(self.session_id)
+        keep = min(self.pin, held)
+        tokens = self.pinned
+        pool.free(self.index.unpin(self.session_id, keep, time.time()) + self.blocks[held:])
+        del self.blocks[keep:]
+        self.tokens, self.reserved = tokens, 0
 
     def release(self, pool: KVPool) -> None:
         held = self.index.held(self.session_id)
         own = self.blocks[held:]
         gone = self.index.release(self.session_id, time.time())
-        self.blocks, self.tokens, self.reserved = [], 0, 0
+        self.blocks, self.tokens, self.reserved, self.pin, self.shared_in = [], 0, 0, 0, 0
         pool.free(gone + own)
 
     def trim(self, pool: KVPool) -> None:
@@ -79,6 +110,24 @@ class SharedKV(SessionKV):
         self.tokens, self.reserved = n, 0
 
 
+def choose_pin(kv: SessionKV) -> int:
+    """``SharedKV.choose_pin`` (0 unless shared)."""
+    return kv.choose_pin() if isinstance(kv, SharedKV) else 0
+
+
+def pinned_tokens(kv: SessionKV) -> int:
+    """The leading tokens of ``kv`` that stay on the device when its KV goes to host (0 unless shared)."""
+    return kv.pinned if isinstance(kv, SharedKV) else 0
+
+
+def keep_pinned(kv: SessionKV, pool: KVPool) -> None:
+    """Free every block of ``kv`` but its pinned ones (all, unless shared)."""
+    if isinstance(kv, SharedKV):
+        kv.keep_pinned(pool)
+    else:
+        kv.release(pool)
+
+
 class LivePrefix:
     """The decode worker's prefix index and its hooks: ``new_kv`` (open), ``share`` (a round
     begins), ``published`` (its first token), ``rewound`` (an edited conversation). Off
@@ -98,20 +147,26 @@ class LivePrefix:
 
     def share(self, s: Session) -> int:
         """Before the core admits a round of a session with no KV here: share the longest indexed
-        prefix of its prompt; returns the shared tokens (the round's history, charged as such)."""
+        prefix of its prompt. Its first round: returns the shared tokens (the round's history, not
+        its input). A session whose KV was dropped (evicted, or the tier's drop) shares again what
+        is still indexed of its prompt: history it does not prefill again; returns 0."""
         kv = s.kv
-        if not isinstance(kv, SharedKV) or kv.tokens or kv.blocks or self.index.held(kv.session_id) \
-                or s.session_id in self.w.core.sessions:  # (one rewound to nothing keeps its own blocks)
+        if not isinstance(kv, SharedKV) or kv.tokens or kv.blocks or self.index.held(kv.session_id):
+            return 0
+        again = s.session_id in self.w.core.sessions
+        if again and not s.core.evicted:  # (one rewound to nothing keeps its own blocks)
             return 0
         bt = self.w.rt.pool.block_tokens
-        s.prefix_tokens = len(prefix_hashes(s.tokens, bt)) * bt
-        got = self.index.share(kv.session_id, s.tokens)
+        if not again:
+            s.prefix_tokens = len(prefix_hashes(s.tokens, bt)) * bt
+        got = self.index.share(kv.session_id, s.tokens[:s.prefix_tokens + 1])
         s.shared_tokens = got.tokens
         if got.tokens:
-            s.kv.blocks, s.kv.tokens = list(got.blocks), got.tokens
+            s.kv.blocks, s.kv.tokens, kv.shared_in = list(got.blocks), got.tokens, len(got.blocks)
             self.w.core.shared_history(s.core, got.tokens)
             self.w.metrics["prefix_shared_tokens"] += got.tokens
-        return got.tokens
+            s.recompute = max(0, s.recompute - got.tokens)
+        return 0 if again else got.tokens
 
     def published(self, s: Session) -> None:
         """A round's prefill committed (its first token): the session's own full prompt blocks not

@@ -274,8 +274,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         args = build_parser().parse_args(argv)
         worker_config(args, "decode", args.port)  # bad settings fail before a port is bound
-        check_prefix_sharing(args.prefix_sharing, args.kv_host_mb, args.kv_evict, args.engine,
-                             not capabilities_of(args.engine).needs_token_ids)
+        check_prefix_sharing(args.prefix_sharing, args.engine, not capabilities_of(args.engine).needs_token_ids)
         use_threads(args.worker_threads)
         check_available(args.engine, args.model)
         tracing.setup("decode", args.otlp_endpoint, instance=args.worker_id)

@@ -23,6 +23,10 @@ and is refused). Then:
   loses that copy of the KV, never the session: its next round prefills the history again from the
   session's tokens (``kv_recomputed_tokens``), as after an eviction. The core's charge for the round
   (history plus input) is what the re-prefill writes, so its accounting needs no correction.
+- with --prefix-sharing a session's shared blocks (``choose_pin``, ``pinned_tokens``) stay on the
+  device: an offload moves positions from there on (``HostCopy.start``), a prefetch reads them back
+  after the pinned blocks, and a failed move loses only the own part. A session dropped (the
+  policy's drop, an eviction) releases all of it, its references included.
 - the tool durations the policy reads (``HostTier.durations``) are the sidecar's (each server-side
   call's started..finished) and, for client-side calls and client turns, the time from the round's
   end to the turn that answers it.
@@ -44,6 +48,7 @@ from ampd.policy.hostpool import HostPoolTooSmall, check_host_pool
 from ampd.tasks import BackgroundTasks
 from ampd.worker import TO_HOST, KVMove
 from services.decode import kvwhere
+from services.decode.prefix import choose_pin, keep_pinned, pinned_tokens
 
 if TYPE_CHECKING:
     from services.decode.session import Session
@@ -97,12 +102,14 @@ def pause(w: DecodeWorker, s: Session, scripted, parsed: list) -> None:
 
 @dataclass(slots=True)
 class HostCopy:
-    """A session's KV in the host pool: positions [0, ``tokens``) in ``blocks``, ``crcs`` the CRC-32
-    of each block's bytes."""
+    """A session's KV in the host pool: positions [``start``, ``start + tokens``) in ``blocks``,
+    ``crcs`` the CRC-32 of each block's bytes. ``start``: the pinned prefix (--prefix-sharing:
+    blocks the prefix index holds, which stayed on the device; 0 otherwise)."""
 
     blocks: list[int]
     tokens: int
     crcs: list[int]
+    start: int = 0
 
 
 def _block_segments(blocks: list[int], tokens: int, block_tokens: int) -> list[Segment]:
@@ -157,6 +164,7 @@ class LiveTier:
         now = time.time()
         self.paused[s.session_id] = (tool, now)
         self.w.kv.sync()  # the pressure the core decides by is the pool's
+        c.pinned = choose_pin(s.kv)  # --prefix-sharing: its blocks others also read stay on the device
         freed = self.core.tier_pause(c, now, tool, hint_s)
         d = self.core.tier.last
         if d is not None:
@@ -197,6 +205,7 @@ class LiveTier:
         frees the blocks when its transfer ends, instead of committing them."""
         task = self.busy.get(s.session_id)
         if task is None or task.done():
+            self._free_copy(s.session_id)  # (a session offloaded with a pinned prefix: the copy goes too)
             return False
         self.dropped.add(s.session_id)
         return True
@@ -253,7 +262,12 @@ class LiveTier:
         The round's KV location is taken first, before any wait (its route: services/decode/kvwhere.py)."""
         kvwhere.note(self.w, s)
         task = self.busy.get(s.session_id)
-        if (task is None or task.done()) and not (self._freeing() and self._short(s)):
+        idle = task is None or task.done()
+        if idle and not self._freeing() and self._short(s):
+            # the pool is short of what the core counted (--prefix-sharing: a block shared by
+            # several sessions is charged to each, so dropping one frees less): idle KV goes now
+            self.w.kv.make_room(self._missing(s))
+        if idle and not (self._freeing() and self._short(s)):
             return False
         # the coordinator's route goes with it (it holds if the round's KV is what it was told)
         self.deferred[s.session_id] = s
@@ -271,7 +285,7 @@ class LiveTier:
         return bool(self.pending_offloads or self.dropped)
 
     def _short(self, s: Session) -> bool:
-        return self.w.rt.pool.free_tokens < self._missing(s)
+        return self.w.rt.pool.available_tokens < self._missing(s)
 
     def owed(self) -> int:
         """Tokens the core has charged that the pool has not reserved yet: the core admits by the
@@ -306,15 +320,21 @@ class LiveTier:
                 self.running_offloads -= 1
         finally:
             self.pending_offloads -= 1
+            if s.session_id in self.dropped:  # evicted while it ran (its pinned prefix was left)
+                self.dropped.discard(s.session_id)
+                self._free_copy(s.session_id)
+                s.kv.release(self.w.rt.pool)
             self._after_move(s)
             async with self.moved:
                 self.moved.notify_all()
             self.w.kv.admit_waiting()  # device blocks freed: waiting rounds may fit
 
     async def _offload_now(self, s: Session, m: KVMove) -> None:
-        """Write the session's device KV into host blocks, check it, free the device blocks."""
-        w, sid, n = self.w, s.session_id, s.kv.tokens
-        if s.closed or n == 0 or sid in self.copies:
+        """Write the session's device KV (less a pinned prefix) into host blocks, check it, free
+        the device blocks."""
+        w, sid, p = self.w, s.session_id, pinned_tokens(s.kv)
+        n = s.kv.tokens - p
+        if s.closed or n <= 0 or sid in self.copies:
             return
         if sid in self.fetching:  # its prefetch is already listed (the result came first): the KV stays
             log.info("kv offload skipped: the prefetch follows", session=sid, tokens=n, reason=m.reason)
@@ -325,7 +345,7 @@ class LiveTier:
         except KVPoolExhausted:  # the core's count freed blocks a prefetch still reads
             self._failed(s, "offload", "host-busy", f"no free host block for {n} tokens")
             return
-        src, dst = s.kv.segments(0, n), _block_segments(blocks, n, self.pool.block_tokens)
+        src, dst = s.kv.segments(p, n), _block_segments(blocks, n, self.pool.block_tokens)
         t0 = time.perf_counter()
         err = ""
         try:
@@ -340,11 +360,11 @@ class LiveTier:
             if err and not s.closed:
                 self._failed(s, "offload", err.split(":")[0], err)
             return
-        self.copies[sid] = HostCopy(blocks, n, _crcs(self.pool.read(dst), self.pool.block_bytes))
-        s.kv.release(pool)
+        self.copies[sid] = HostCopy(blocks, n, _crcs(self.pool.read(dst), self.pool.block_bytes), p)
+        keep_pinned(s.kv, pool)
         self._count(f"kv_tier_move_offload:{m.reason}")
         self._count("kv_tier_bytes_to_host", n * bpt)
-        log.info("kv offloaded", session=sid, tokens=n, reason=m.reason, ms=round(1e3 * (time.perf_counter() - t0), 2))
+        log.info("kv offloaded", session=sid, tokens=n, pinned=p, reason=m.reason, ms=round(1e3 * (time.perf_counter() - t0), 2))
 
     async def _prefetch(self, s: Session, m: KVMove, prev: asyncio.Task | None) -> None:
         try:
@@ -365,7 +385,7 @@ class LiveTier:
         """Read the session's host copy back into device blocks reserved now, and check it."""
         w, sid = self.w, s.session_id
         copy = self.copies.pop(sid, None)
-        if copy is None or s.closed or s.kv.tokens:  # lost before (counted then), or never left the device
+        if copy is None or s.closed or s.kv.tokens != copy.start:  # lost before (counted then), or never left
             self.fetching.pop(sid, None)
             if copy is not None:
                 self.pool.free(copy.blocks)
@@ -379,7 +399,7 @@ class LiveTier:
         err = ""
         try:
             async with self.moved:  # the blocks the core counts free may still be leaving
-                await self.moved.wait_for(lambda: pool.free_tokens >= n or not self.running_offloads)
+                await self.moved.wait_for(lambda: pool.available_tokens >= n or not self.running_offloads)
             dest = s.kv.reserve(pool, n)
             self.fetching.pop(sid, None)  # reserved: the pool counts it now
             await w.rt.transport.read(self.name, _block_segments(copy.blocks, n, bt), dest)
@@ -396,17 +416,17 @@ class LiveTier:
             return
         if sid in self.dropped:  # evicted meanwhile (``evicted``): the blocks go, the history is prefilled again
             self.dropped.discard(sid)
+            s.recompute = copy.start + keep
             s.kv.release(pool)
-            s.recompute = keep
             return
-        if err:
-            s.kv.release(pool)
+        if err:  # its own part is prefilled again (a pinned prefix stays)
+            keep_pinned(s.kv, pool)
             s.recompute = keep
             self._failed(s, "prefetch", err.split(":")[0], err)
             return
         s.kv.commit(n)
         if keep < n:
-            s.kv.truncate(pool, keep)
+            s.kv.truncate(pool, copy.start + keep)
         self._count(f"kv_tier_move_prefetch:{m.reason}")
         self._count("kv_tier_bytes_from_host", n * self.pool.bytes_per_token)
         log.info("kv prefetched", session=sid, tokens=n, reason=m.reason,
@@ -427,9 +447,15 @@ class LiveTier:
             self.pool.free(copy.blocks)
 
     def _lose(self, s: Session, why: str) -> None:
-        """The device copy of the session's KV goes; its next round prefills the history again."""
-        s.recompute = s.kv.tokens
-        s.kv.release(self.w.rt.pool)
+        """The device copy of the session's KV goes (dropped: all of it, references too; a failed
+        offload: all but a pinned prefix, which the core counts); its next round prefills the rest."""
+        if why:
+            p = pinned_tokens(s.kv)
+            s.recompute = s.kv.tokens - p
+            keep_pinned(s.kv, self.w.rt.pool)
+        else:
+            s.recompute = s.kv.tokens
+            s.kv.release(self.w.rt.pool)
         self.w.rt.changed()
         if why:
             log.warning("kv tier move failed; the next round prefills the history again", session=s.session_id,
@@ -448,10 +474,21 @@ class LiveTier:
 
     def metrics(self) -> dict[str, float]:
         """The tier's values for the worker's Metrics reply."""
-        out = dict(self.counts)
-        for k, v in self.core.tier.decisions.items():
-            out[f"kv_tier_decision_{k}"] = v
-        out["kv_tier_host_used_blocks"] = self.pool.num_blocks - self.pool.free_blocks
-        out["kv_tier_host_free_blocks"] = self.pool.free_blocks
-        out["kv_tier_host_copies"] = len(self.copies)
-        return out
+        return tier_metrics(self)
+
+
+def tier_metrics(t: LiveTier) -> dict[str, float]:
+    """``t``'s counters, decisions and host pool use (``LiveTier.metrics``)."""
+    out = dict(t.counts)
+    for k, v in t.core.tier.decisions.items():
+        out[f"kv_tier_decision_{k}"] = v
+    out["kv_tier_host_used_blocks"] = t.pool.num_blocks - t.pool.free_blocks
+    out["kv_tier_host_free_blocks"] = t.pool.free_blocks
+    out["kv_tier_host_copies"] = len(t.copies)
+    return out
+
+
+def host_tokens(t: LiveTier, s: Session) -> int:
+    """Tokens of the session's KV in its host copy (0: none)."""
+    copy = t.copies.get(s.session_id)
+    return 0 if copy is None else copy.tokens

@@ -142,19 +142,28 @@ def test_launcher_and_simulator_use_the_one_rule(tmp_path):
     assert "co-located" in dep.describe()
 
 
-def test_prefix_sharing_refuses_what_it_does_not_compose_with():
+def test_prefix_sharing_refuses_only_an_engine_that_keeps_its_own_kv():
     check_prefix_sharing = config.check_prefix_sharing
 
-    check_prefix_sharing(False, 64, True, "sglang", kv_in_pool=False)  # off: anything goes
-    check_prefix_sharing(True, 0, False, "mock")
-    for args, named in (((True, 8, False, "mock"), "--kv-host-mb"), ((True, 0, True, "mock"), "--kv-evict"),
-                        ((True, 0, False, "sglang", False), "--engine sglang")):
-        with pytest.raises(config.ConfigError, match="--prefix-sharing does not combine with " + named):
-            check_prefix_sharing(*args)
+    check_prefix_sharing(False, "sglang", kv_in_pool=False)  # off: anything goes
+    check_prefix_sharing(True, "mock")
+    check_prefix_sharing(True, "torch")
+    with pytest.raises(config.ConfigError, match="--prefix-sharing does not combine with --engine sglang"):
+        check_prefix_sharing(True, "sglang", False)
 
 
-@pytest.mark.parametrize("extra, named", [(["--kv-evict"], "--kv-evict"), (["--kv-host-mb", "4"], "--kv-host-mb"),
-                                          (["--engine", "sglang"], "--engine sglang")])
+def test_the_decode_worker_takes_prefix_sharing_with_the_host_tier_and_eviction():
+    from ampd.runtime import worker_config
+    from services.decode.server import build_parser
+
+    args = build_parser().parse_args(["--worker-id", "d", "--redis-url", "redis://127.0.0.1:1", "--prefix-sharing",
+                                      "--kv-host-mb", "4", "--kv-evict"])
+    cfg = worker_config(args, "decode", 1)
+    assert (cfg.prefix_sharing, cfg.kv_host_mb, cfg.kv_evict) == (True, 4.0, True)
+    config.check_prefix_sharing(args.prefix_sharing, args.engine)
+
+
+@pytest.mark.parametrize("extra, named", [(["--engine", "sglang"], "--engine sglang")])
 def test_ampd_up_and_the_decode_worker_refuse_prefix_sharing_combinations_with_a_message(extra, named, capsys):
     from ampd.cli import main as ampd_main
     from services.decode.server import main as decode_main

@@ -140,3 +140,20 @@ def test_share_twice_is_an_error_and_release_of_unknown_is_nothing():
     assert idx.release("nobody", 0.0) == []
     _end(pool, idx, "a", a, 0.0)
     _drain(pool, idx)
+
+
+def test_shared_run_counts_the_blocks_others_read_and_unpin_caches_the_rest():
+    pool, idx = _pool()
+    a = _prefill(pool, idx, "a", SYS + [1, 2, 3, 4, 5])  # four indexed blocks
+    assert idx.held("a") == 4 and idx.shared_run("a") == 0
+    b = _prefill(pool, idx, "b", SYS + [9])
+    assert idx.shared_run("a") == idx.shared_run("b") == 3 and idx.shared_run("nobody") == 0
+    # the host tier moved a's KV but its first three blocks: its fourth goes to the cache
+    assert idx.unpin("a", 3, 1.0) == [] and idx.held("a") == 3 and idx.cached_blocks == 1
+    assert idx.unpin("a", 3, 1.0) == []  # nothing past them any more
+    pool.free(a[4:])
+    assert idx.unpin("b", 0, 2.0) == [] and idx.held("b") == 0  # b lets go of all: a still reads them
+    assert all(idx.refs(x) == 1 for x in a[:3])
+    pool.free(b[3:])
+    _end(pool, idx, "a", a[:3], 3.0)
+    _drain(pool, idx)

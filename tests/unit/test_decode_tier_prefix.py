@@ -1,0 +1,194 @@
+"""The host KV tier composed with prefix sharing in the decode core (ampd/worker/decode_tier.py,
+decode_kv.py) and in the live adapter (services/decode/prefix.py), pure parts:
+
+- a session's pinned prefix (``DecodeSession.pinned``: blocks the prefix index holds) stays on the
+  device when its KV goes to host; only its own part moves and comes back;
+- under pressure the own parts of idle sessions go first (least recently used first), and a pinned
+  prefix left on the device is dropped last, with its host copy: the session re-prefills, sharing
+  again what is still indexed (``shared_history`` on an evicted session);
+- a rewind into the pinned prefix of an offloaded session lets go of the host copy;
+- ``SharedKV.keep_pinned`` frees the own blocks and keeps the references.
+Accounting (device tokens, host blocks, pool blocks) returns to empty in each test."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from ampd.kv import KVPool
+from ampd.kv.hostpool import HostPool
+from ampd.policy import SLO, make_queue
+from ampd.worker import ADMITTED, FROM_HOST, TO_HOST, DecodeCore, DecodeSession, HostTier
+from services.decode.prefix import LivePrefix, choose_pin, keep_pinned, pinned_tokens
+from services.decode.session import Session
+from tests.unit.test_worker_prefill import P
+
+BT = 16
+
+
+def _core(cap: int, host_tokens: int) -> DecodeCore:
+    tier = HostTier(HostPool(host_tokens // BT, BT, P.kv_bytes_per_token))
+    core = DecodeCore("decode-0", 1, P, make_queue("fcfs", P, SLO(1.0, 0.1), 1), kv_capacity_tokens=cap, tier=tier)
+    core.tier.durations.observe("search", 0.0, 60.0)  # a long tool
+    core.tier.cfg.offload_pressure = 0.0  # every pause moves what it can
+    return core
+
+
+def _first(core: DecodeCore, s: DecodeSession, prompt: int, shared: int = 0, last: bool = False) -> None:
+    """The session's first round: ``shared`` of its ``prompt`` tokens shared, one output token."""
+    if shared:
+        core.shared_history(s, shared)
+    s.round, s.l_incr, s.out = 0, prompt - shared, 1
+    assert core.round_ready(s, 0.0) == ADMITTED
+    assert core.first_token(s, 0.1) is False
+    core.round_end(s, last)
+
+
+def _next(core: DecodeCore, s: DecodeSession, rnd: int, new: int, now: float) -> int:
+    s.round, s.l_incr, s.out = rnd, new, 1
+    return core.round_ready(s, now)
+
+
+def _end(core: DecodeCore, s: DecodeSession) -> None:
+    assert core.first_token(s, 9.0) is False
+    core.round_end(s, True)
+
+
+def test_only_the_own_part_goes_to_host_and_comes_back():
+    core = _core(cap=10_000, host_tokens=4096)
+    a, b = DecodeSession("a"), DecodeSession("b")
+    _first(core, a, 600)
+    _first(core, b, 600, shared=512)  # b shares a's 512 prompt tokens
+    assert core.kv_used == 600 + 1 + 600 + 1  # each charged its whole history (live: the pool's count rules)
+    b.pinned = 512
+    core.tier_pause(b, 1.0, "search")
+    assert core.tier.decisions == {"offload:long-tool": 1} and b.fetch == 601 - 512
+    assert [(m.session_id, m.direction, m.tokens) for m in core.take_moves()] == [("b", TO_HOST, 89)]
+    assert core.kv_used == 601 + 512 and core.evictable[b] == 512  # the pinned prefix stays, evictable
+    assert _next(core, b, 1, 10, 2.0) == ADMITTED and b.fetch == 0 and b not in core.evictable
+    assert [(m.direction, m.tokens) for m in core.take_moves()] == [(FROM_HOST, 89)]
+    assert b.l_hist == 601 and b.l_incr == 10
+    _end(core, b)
+    a.pinned = 0
+    core.tier_pause(a, 3.0, "search")  # no pin: the whole history moves, as without sharing
+    assert [(m.direction, m.tokens) for m in core.take_moves()] == [(TO_HOST, 601)]
+    assert _next(core, a, 1, 5, 4.0) == ADMITTED
+    _end(core, a)
+    assert core.kv_used == 0 and not core.sessions and core.tier.host.empty and not core.evictable
+
+
+def test_under_pressure_own_parts_go_first_and_a_pinned_prefix_is_dropped_last():
+    core = _core(cap=2000, host_tokens=4096)
+    core.tier.cfg.offload_pressure = 1.0  # pauses keep: only pressure moves KV
+    a, b = DecodeSession("a"), DecodeSession("b")
+    _first(core, a, 600)
+    _first(core, b, 600, shared=512)
+    for s in (a, b):
+        s.pinned = 512
+        core.tier_pause(s, 1.0, "search")
+    assert core.tier.decisions == {"keep:no-pressure": 2} and core.evictable_kv == 2 * 601
+    # a new session of 850: a's own part (89) and then b's (89) go to host, then a's pinned prefix
+    c = DecodeSession("c")
+    _first(core, c, 1000, last=True)  # (its KV goes with its round)
+    assert core.tier.decisions["offload:pressure-offload"] == 2 and core.tier.decisions["drop:pressure-drop"] == 1
+    assert a.evicted and a.fetch == 0 and a.pinned == 0 and core.victims == [a]  # its host copy went too
+    assert b.fetch == 89 and not b.evicted and core.evictable == {b: 512}
+    assert core.tier.host.host_blocks("a") == 0 and core.tier.host.host_blocks("b") > 0
+    # a re-prefills; it shares the still indexed prompt again (live: LivePrefix.share)
+    core.shared_history(a, 512)
+    assert _next(core, a, 1, 20, 2.0) == ADMITTED
+    assert (a.l_hist, a.l_incr) == (512, 89 + 20) and core.kv_recomputed_tokens == 89
+    assert _next(core, b, 1, 20, 2.0) == ADMITTED and b.fetch == 0
+    assert [(m.session_id, m.direction, m.tokens) for m in core.take_moves()][-1] == ("b", FROM_HOST, 89)
+    for s in (a, b):
+        _end(core, s)
+    assert core.kv_used == 0 and not core.sessions and core.tier.host.empty and core.evictable_kv == 0
+
+
+def test_a_rewind_into_the_pinned_prefix_of_an_offloaded_session_lets_the_host_copy_go():
+    core = _core(cap=10_000, host_tokens=4096)
+    s = DecodeSession("s")
+    _first(core, s, 600, shared=512)
+    s.pinned = 512
+    core.tier_pause(s, 1.0, "search")
+    core.take_moves()
+    core.rewind(s, 700)  # nothing to drop
+    assert s.fetch == 89
+    core.rewind(s, 550)
+    assert (s.pinned, s.fetch, s.l_hist) == (512, 38, 550)
+    core.rewind(s, 300)  # into the pinned blocks: nothing kept is on host
+    assert (s.pinned, s.fetch, s.l_hist) == (300, 0, 300) and core.tier.host.empty
+    assert core.evictable[s] == 300 and core.kv_used == 300
+    assert _next(core, s, 1, 10, 2.0) == ADMITTED and core.take_moves() == []
+    _end(core, s)
+    assert core.kv_used == 0 and core.tier.host.empty
+
+
+def test_a_session_dropped_by_the_policy_releases_its_pin_and_may_share_again():
+    core = _core(cap=10_000, host_tokens=4096)
+    s = DecodeSession("s")
+    _first(core, s, 600, shared=512)
+    s.pinned = 512
+    core._tier_drop(s)  # the policy's drop (or a victim): all of it goes
+    assert s.evicted and (s.fetch, s.pinned) == (0, 0) and core.kv_used == 0
+    assert _next(core, s, 1, 10, 2.0) == ADMITTED  # nothing shared again: all prefilled again
+    assert (s.l_hist, s.l_incr) == (0, 611)
+    _end(core, s)
+    assert core.kv_used == 0 and core.tier.host.empty
+
+
+# ------------------------------------------------------------------------------- live adapter
+def _live():
+    pool = KVPool(32, 4, 8)
+    w = SimpleNamespace(rt=SimpleNamespace(pool=pool), core=SimpleNamespace(sessions={}),
+                        metrics={"prefix_shared_tokens": 0})
+    w.core.shared_history = lambda c, n: None
+    return pool, LivePrefix(w, True)
+
+
+def _prefilled(pool: KVPool, prefix: LivePrefix, sid: str, extra: int) -> Session:
+    """A session whose prompt is three full shared-able blocks and ``extra`` tokens, prefilled, with
+    6 decode tokens."""
+    s = Session(session_id=sid, max_rounds=0, max_output=0, kv=prefix.new_kv(sid), core=DecodeSession(sid))
+    s.tokens = list(range(100, 112)) + [extra]
+    prefix.share(s)
+    n = len(s.tokens) - s.kv.tokens
+    s.kv.reserve(pool, n)
+    s.kv.commit(n)
+    prefix.published(s)
+    s.kv.reserve(pool, 6)
+    s.kv.commit(6)
+    return s
+
+
+def test_keep_pinned_keeps_the_shared_blocks_and_frees_the_own_ones():
+    pool, prefix = _live()
+    a = _prefilled(pool, prefix, "a", 1)
+    assert choose_pin(a.kv) == 0  # nobody shares its prompt yet: nothing pinned, all of it may move
+    b = _prefilled(pool, prefix, "b", 2)  # b finds a's three prompt blocks indexed
+    assert choose_pin(b.kv) == 12 and pinned_tokens(b.kv) == 12 and choose_pin(a.kv) == 12  # a's are read by b
+    shared = b.kv.blocks[:3]
+    keep_pinned(b.kv, pool)
+    assert b.kv.blocks == shared and b.kv.tokens == 12 and all(prefix.index.refs(x) == 2 for x in shared)
+    a.kv.release(pool)
+    c = _prefilled(pool, prefix, "c", 3)
+    assert choose_pin(c.kv) == 12  # what it found indexed stays pinned (b holds it too)
+    for s in (b, c):
+        s.kv.release(pool)
+    assert prefix.index.cached_blocks == 3
+    pool.free(prefix.index.reclaim(3))
+    assert pool.free_blocks == 32 and prefix.index.empty
+
+
+def test_a_session_that_shares_nothing_leaves_its_prompt_blocks_cached_when_it_moves():
+    pool, prefix = _live()
+    a = _prefilled(pool, prefix, "a", 1)
+    assert choose_pin(a.kv) == 0
+    prompt = a.kv.blocks[:3]
+    keep_pinned(a.kv, pool)  # its KV went to host: its prompt blocks stay indexed, cached, shareable
+    assert a.kv.blocks == [] and a.kv.tokens == 0 and prefix.index.cached_blocks == 3
+    assert pool.free_blocks == 32 - 3 and pool.available_tokens == pool.capacity_tokens
+    b = _prefilled(pool, prefix, "b", 2)
+    assert b.kv.blocks[:3] == prompt  # shared again from the cache
+    b.kv.release(pool)
+    a.kv.release(pool)
+    pool.free(prefix.index.reclaim(32))
+    assert pool.free_blocks == 32 and prefix.index.empty
