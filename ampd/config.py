@@ -145,7 +145,8 @@ class PolicyConfig:
                                     "round prefills the whole history again")
     # Off by default: a host pool's size depends on the machine, and the tier does not combine with
     # the sglang engine (it composes with prefix sharing: a pinned shared prefix stays on the device).
-    # Measured to help where KV is short, under the default kv admission (benchmarks/results/kv_tier.json, kv_tier_live.json). Live: services/decode/tier.py.
+    # Measured to help where KV is short, under the default kv admission (benchmarks/results/kv_tier.json,
+    # kv_tier_live.json). Live: services/decode/tier.py.
     kv_host_mb: float = setting(0.0, "host-memory KV tier of each decode worker, MiB (0 = off): when a round ends "
                                      "in a tool call the worker keeps, offloads to host or drops the session's KV "
                                      "(ampd.policy.kvtier) and brings it back when the result arrives",
