@@ -12,17 +12,15 @@ for the effect to show.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 
 import pytest
 
-from ampd.bench.client import replay
-from ampd.launcher import Deployment, Options
+from ampd.launcher import Options
 from ampd import perf
 from ampd.workload import Round, Session
-from tests.integration.rpc_metrics import worker_metrics
+from tests.integration.live_replay import replayed
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -48,11 +46,7 @@ def _profile(tmp_path: Path, kv_tokens: int = 65_536) -> str:
 
 
 def _run(opts: Options, sessions: list[Session]):
-    with Deployment(opts) as dep:
-        records, stats, _, _ = asyncio.run(replay(dep.coordinator, sessions, verify_tokens=True, progress=False,
-                                                  timeout_s=120))
-        metrics = {w: m for w, (_, m) in asyncio.run(worker_metrics(opts.deployment.redis_url,
-                                                                      opts.deployment.namespace)).items()}
+    records, stats, metrics = replayed(opts, sessions, timeout_s=120)
     return records, stats, metrics
 
 

@@ -8,16 +8,15 @@ published prefix sets are in Redis while they serve and gone once the deployment
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 
 import pytest
 import redis
 
-from ampd import perf
 from ampd.bench.client import replay
 from ampd.launcher import Deployment, Options
 from ampd.workload import Round, Session
+from tests.integration.live_replay import fast_profile
 from tests.integration.rpc_metrics import service_metrics
 
 pytestmark = pytest.mark.timeout(120)
@@ -34,16 +33,7 @@ NS = "prefixbind"
 
 
 def _profile(tmp_path: Path) -> str:
-    """zero@none, a prefill of 20 ms plus 0.1 ms a token, 5 ms decode steps."""
-    d = json.loads((Path(perf.__file__).parent / "profiles" / "zero@none.json").read_text())
-    d["name"] = "prefixbind@test"
-    t1 = d["tp"]["1"]
-    t1["t_pre"]["l_incr"]["alpha"] = [0.02] * len(t1["t_pre"]["l_incr"]["alpha"])
-    t1["t_pre"]["l_incr"]["beta"] = [1e-4] * len(t1["t_pre"]["l_incr"]["beta"])
-    t1["t_dec"]["batch"]["alpha"] = [0.005] * len(t1["t_dec"]["batch"]["alpha"])
-    path = tmp_path / "prefixbind@test.json"
-    path.write_text(json.dumps(d))
-    return str(path)
+    return fast_profile(tmp_path, "prefixbind@test")
 
 
 def test_sessions_bind_to_the_worker_holding_their_system_prompt_and_others_spread(redis_url, tmp_path):

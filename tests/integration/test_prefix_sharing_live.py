@@ -8,16 +8,13 @@ worker's pool holds nothing but cached prefix blocks at the end."""
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 
 import pytest
 
-from ampd import perf
-from ampd.bench.client import replay
 from ampd.launcher import Deployment, Options
 from ampd.workload import Round, Session
-from tests.integration.rpc_metrics import worker_metrics
+from tests.integration.live_replay import fast_profile, replayed
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -29,27 +26,14 @@ SESSIONS = [Session(f"p{i}", 0.25 * i, (Round(input=1024 + 40 + 7 * i, output=6,
 
 
 def _profile(tmp_path: Path) -> str:
-    """zero@none, a prefill of 20 ms plus 0.1 ms a token (so skipping tokens shows), 5 ms decode steps."""
-    d = json.loads((Path(perf.__file__).parent / "profiles" / "zero@none.json").read_text())
-    d["name"] = "prefixlive@test"
-    t1 = d["tp"]["1"]
-    t1["t_pre"]["l_incr"]["alpha"] = [0.02] * len(t1["t_pre"]["l_incr"]["alpha"])
-    t1["t_pre"]["l_incr"]["beta"] = [1e-4] * len(t1["t_pre"]["l_incr"]["beta"])
-    t1["t_dec"]["batch"]["alpha"] = [0.005] * len(t1["t_dec"]["batch"]["alpha"])
-    path = tmp_path / "prefixlive@test.json"
-    path.write_text(json.dumps(d))
-    return str(path)
+    return fast_profile(tmp_path, "prefixlive@test")
 
 
 def _run(redis_url: str, tmp_path: Path, on: bool):
     opts = Options(prefill="tp1*1", decode="tp1*1", profile=_profile(tmp_path), policy="ampd", prefix_sharing=on,
                    redis_url=redis_url, namespace=f"prefix-{on}", run_dir=str(tmp_path / f"run-{on}"))
-    with Deployment(opts) as dep:
-        # verify_tokens: every token is the one the mock makes at its position, as with sharing off
-        records, stats, _, _ = asyncio.run(replay(dep.coordinator, SESSIONS, verify_tokens=True, progress=False,
-                                                  timeout_s=60))
-        metrics = {w: m for w, (_, m) in asyncio.run(worker_metrics(opts.deployment.redis_url,
-                                                                      opts.deployment.namespace)).items()}
+    # every token is the one the mock makes at its position, as with sharing off
+    records, stats, metrics = replayed(opts, SESSIONS)
     return records, stats, metrics
 
 

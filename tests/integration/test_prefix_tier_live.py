@@ -18,15 +18,13 @@ Redis on a free port, the services on loopback; services/decode/prefix.py, servi
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 
 import pytest
 
-from ampd import perf
-from ampd.bench.client import replay
 from ampd.launcher import Deployment, Options
 from ampd.workload import Round, Session
+from tests.integration.live_replay import fast_profile, replayed
 from tests.integration.rpc_metrics import worker_metrics
 
 pytestmark = pytest.mark.timeout(120)
@@ -35,27 +33,12 @@ SYSTEM = (0, 1)  # the shared system prompt: two 512-token hash blocks (1024 tok
 BPT = 64  # the mock engine's KV bytes a token
 
 
-def _profile(tmp_path: Path, kv_tokens: int | None = None) -> str:
-    """zero@none, a prefill of 20 ms plus 0.1 ms a token, 5 ms decode steps (and a KV pool of ``kv_tokens``)."""
-    d = json.loads((Path(perf.__file__).parent / "profiles" / "zero@none.json").read_text())
-    d["name"] = "prefixtier@test"
-    t1 = d["tp"]["1"]
-    if kv_tokens is not None:
-        t1["kv_capacity_tokens"] = kv_tokens
-    t1["t_pre"]["l_incr"]["alpha"] = [0.02] * len(t1["t_pre"]["l_incr"]["alpha"])
-    t1["t_pre"]["l_incr"]["beta"] = [1e-4] * len(t1["t_pre"]["l_incr"]["beta"])
-    t1["t_dec"]["batch"]["alpha"] = [0.005] * len(t1["t_dec"]["batch"]["alpha"])
-    path = tmp_path / "prefixtier@test.json"
-    path.write_text(json.dumps(d))
-    return str(path)
+def _profile(tmp_path: Path, kv_tokens: int) -> str:
+    return fast_profile(tmp_path, "prefixtier@test", kv_tokens)
 
 
 def _run(opts: Options, sessions: list[Session]):
-    with Deployment(opts) as dep:
-        records, stats, _, _ = asyncio.run(replay(dep.coordinator, sessions, verify_tokens=True, progress=False,
-                                                  timeout_s=60))
-        metrics = {w: m for w, (_, m) in asyncio.run(worker_metrics(opts.deployment.redis_url,
-                                                                      opts.deployment.namespace)).items()}
+    records, stats, metrics = replayed(opts, sessions)
     assert all(r.completed for r in records), [r.error for r in records]
     assert stats.token_mismatches == 0 and not stats.errors
     return records, stats, metrics
