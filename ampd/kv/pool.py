@@ -139,7 +139,7 @@ class KVPoolExhausted(Exception):
 
 class Reclaimer(Protocol):
     """Holds allocated blocks it can give back when the pool is short (a prefix cache:
-    ``ampd.worker.decode_prefix.PrefixShare``)."""
+    ``ampd.policy.prefixindex.PrefixIndex``)."""
 
     @property
     def cached_blocks(self) -> int: ...

@@ -15,7 +15,7 @@ from .bind import bind
 from .order import before
 from .types import WorkerView
 
-__all__ = ["bind_prefix", "block_hashes", "prefix_seed", "rebind_prefix", "leading", "MOVE_MIN_BLOCKS"]
+__all__ = ["bind_prefix", "block_hashes", "prefix_hashes", "prefix_seed", "rebind_prefix", "leading", "MOVE_MIN_BLOCKS"]
 
 # Binding leaves admission's worker for a longer prefix only when it saves this many more blocks
 # there: a short common prefix (a system prompt) is not worth unbalancing the workers for
@@ -39,6 +39,13 @@ def block_hashes(tokens: Sequence[int], block_tokens: int, seed: int = 0) -> lis
         prev = int.from_bytes(h.digest(), "little")
         out.append(prev)
     return out
+
+
+def prefix_hashes(tokens: Sequence[int], block_tokens: int, seed: int = 0) -> list[int]:
+    """Hashes of the prompt blocks a session could share: its full blocks, less any that would
+    leave nothing to prefill (a round's prefill computes at least its last input token)."""
+    n = max(len(tokens) - 1, 0) // block_tokens
+    return block_hashes(tokens[:n * block_tokens], block_tokens, seed)
 
 
 def prefix_seed(model: str) -> int:

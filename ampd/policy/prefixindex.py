@@ -1,51 +1,77 @@
-"""Prefix sharing on one decode worker (``--prefix-sharing``): sessions whose prompts start with the
-same full token blocks hold the same device blocks.
+"""Prefix sharing on one decode worker: the index of shared prompt blocks, the one piece of code the
+live worker (``services/decode/prefix.py``, ``--prefix-sharing``) and the simulator
+(``ampd/sim/prefixing.py``) both keep their books with.
 
 A block is named by a chained hash (``block_hashes``): block i's hash covers block i's tokens and
 block i-1's hash, so equal hashes mean equal whole prefixes, never merely equal blocks (the function
 lives with the binding policy: the coordinator hashes a new session's prompt to match it). Imported
 traces name blocks by their own hash ids (Mooncake's ``hash_ids``); the index takes any int.
 
-Life of a session's prompt blocks::
+The index keeps hash -> block, a reference count a block, the leading blocks each session holds
+through it (in position order), and the cache of indexed blocks nobody references (their KV intact,
+least recently released first). Life of a session's prompt blocks, live::
 
-    acquire(sid, hashes)  the longest indexed prefix is shared (a reference each); from the first
-                          differing block on, fresh blocks come from the pool, private to sid
-    commit(sid)           its prefill wrote them: they enter the index, others may share them
-    truncate(sid, n)      the history shrinks to n tokens; a shared block the session would write
-                          into again is copied first (copy-on-write: a ``CopyOp`` for the driver)
-    release(sid)          its references go; a block nobody references goes back to the pool
-                          (``retain``: it stays indexed, cached, until ``evict`` takes it, least
-                          recently released first; sharing it again revives it)
+    share(sid, tokens)           before its first round is admitted: the longest indexed prefix of the
+                                 prompt's full blocks (one token always left to prefill,
+                                 ``prefix_hashes``) is shared, a reference each; its KV is there
+                                 already, so the round prefills only the rest
+    publish(sid, tokens, blocks) its first prefill wrote its own full prompt blocks: they enter the
+                                 index up to the first whose hash is indexed already, held by the
+                                 index from then on (the rest stay the session's own)
 
-Only full blocks are shared and shared blocks are read-only: a session appends after its prompt in
-blocks of its own, so nothing is written into a block another session reads. Pure accounting: the
-driver copies bytes for a ``CopyOp``. Every block returns to the pool once every session is
-released (``empty``).
+and in the simulator, where the index also hands out the fresh blocks::
+
+    acquire(sid, hashes, pool)   the longest indexed prefix shared, fresh blocks from ``pool`` after
+                                 it (held through the index, not indexed yet)
+    commit(sid)                  its prefill wrote them: those whose hash is not indexed enter it
+
+then, both::
+
+    truncate(sid, tokens)  an edited conversation keeps fewer tokens: the index lets go of the blocks
+                           past them; a kept partial block is the session's own from then on
+                           (copy-on-write: a ``CopyOp`` when another session still reads it)
+    unpin(sid, n)          the session keeps only its first n blocks in the index (the host tier
+                           moved the rest of its KV to host)
+    release(sid)           the session ended: its references go; an indexed block nobody references
+                           stays cached until ``reclaim`` takes it, least recently released first;
+                           sharing it again revives it
+
+Only full blocks are shared and shared blocks are read-only: a session writes only from its first
+non-shared block on, so nothing is written into a block another session reads. Pure accounting: the
+index never frees a block; each change returns the blocks that go back to the pool, and the driver
+frees them (and copies bytes for a ``CopyOp``). ``changes`` counts every hash that enters or leaves
+the index (what the live worker publishes for binding changes exactly when it moves).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import KeysView, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Protocol
+from typing import Protocol
 
-from .prefixbind import block_hashes
+from .prefixbind import block_hashes, prefix_hashes
 
-__all__ = ["block_hashes", "BlockSource", "PrefixIndex", "Grant", "CopyOp"]
+__all__ = ["block_hashes", "prefix_hashes", "BlockSource", "PrefixIndex", "Shared", "Grant", "CopyOp"]
 
 
 class BlockSource(Protocol):
-    """Where blocks come from (``ampd.kv.pool.KVPool`` is one)."""
+    """Where ``acquire``'s fresh blocks come from (``ampd.kv.pool.KVPool`` is one)."""
 
     def alloc(self, n_blocks: int) -> list[int]: ...
 
-    def free(self, blocks: Iterable[int]) -> None: ...
+
+@dataclass(frozen=True, slots=True)
+class Shared:
+    """What ``share`` gave a session: ``blocks`` in position order, holding ``tokens`` tokens of KV."""
+
+    blocks: tuple[int, ...]
+    tokens: int
 
 
 @dataclass(slots=True)
 class Grant:
-    """A session's prompt blocks, in position order: the first ``shared`` hold KV already (shared);
-    the rest are fresh, for its prefill to write."""
+    """What ``acquire`` gave a session: its prompt blocks in position order; the first ``shared``
+    hold KV already (shared), the rest are fresh, for its prefill to write."""
 
     blocks: list[int]
     shared: int
@@ -55,54 +81,79 @@ class Grant:
         return self.blocks[self.shared:]
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class CopyOp:
-    """Copy the first ``tokens`` token slots of block ``src`` into block ``dst`` (copy-on-write)."""
+    """Copy-on-write: copy the first ``tokens`` token slots of block ``src`` (others still read it)
+    into a fresh block of the session's own, which replaces ``src`` in its blocks."""
 
     src: int
-    dst: int
     tokens: int
 
 
-@dataclass(slots=True)
-class _Held:
-    blocks: list[int]
-    hashes: list[int | None]  # None: a block cut short by truncate (never indexed again)
-    committed: int  # leading blocks that hold KV (shared, or written and committed by this session)
-
-
 class PrefixIndex:
-    """Shared prompt blocks of one worker's pool: hash -> block, and a reference count a block."""
+    """The shared prompt blocks of one decode worker's pool: hash -> block, a reference count a
+    block, the leading blocks each session holds through the index, and the cache of released ones."""
 
-    def __init__(self, pool: BlockSource, block_tokens: int, retain: bool = False):
+    def __init__(self, block_tokens: int, seed: int = 0) -> None:
         if block_tokens <= 0:
             raise ValueError(f"block_tokens must be > 0, got {block_tokens}")
-        self.pool = pool
         self.block_tokens = block_tokens
-        self.retain = retain
-        self._cached: OrderedDict[int, None] = OrderedDict()  # retain: indexed blocks nobody references, LRU first
-        self.revived = 0  # cached blocks the last acquire shared again
+        self.seed = seed  # of ``share``/``publish``'s hashes (the model's); ``acquire`` takes hashes
         self._by_hash: dict[int, int] = {}
         self._hash_of: dict[int, int] = {}
         self._refs: dict[int, int] = {}
-        self._held: dict[str, _Held] = {}
-        self.shared_blocks = 0  # blocks handed out shared, over the index's life (cached_tokens / block_tokens)
+        self._held: dict[str, list[int]] = {}
+        self._fresh: dict[str, tuple[int, Sequence[int]]] = {}  # acquire: (first fresh, hashes) until commit
+        self._cached: OrderedDict[int, None] = OrderedDict()  # least recently released first
+        self.changes = 0  # hashes that entered or left the index, over its life
+        self.shared_blocks = 0  # blocks handed out shared, over the index's life
+        self.revived = 0  # cached blocks the last share or acquire shared again
+        self.reclaimed_blocks = 0
 
     # --- reading ------------------------------------------------------------------------------
     @property
-    def empty(self) -> bool:
-        """No session holds a block and the index is empty (every block went back)."""
-        return not self._held and not self._refs and not self._by_hash and not self._cached
-
-    @property
     def cached_blocks(self) -> int:
-        """Indexed blocks nobody references (``retain``), ``evict`` frees them."""
+        """Indexed blocks nobody references: free KV that still holds a prefix (``reclaim`` frees them)."""
         return len(self._cached)
 
     @property
-    def blocks_held(self) -> int:
-        """Distinct pool blocks the index's sessions hold."""
+    def held_blocks(self) -> int:
+        """Distinct blocks sessions hold through the index."""
         return len(self._refs)
+
+    @property
+    def shared_tokens(self) -> int:
+        """Tokens handed out shared, over the index's life."""
+        return self.shared_blocks * self.block_tokens
+
+    @property
+    def empty(self) -> bool:
+        """No session holds a block and nothing is indexed (every block went back)."""
+        return not (self._by_hash or self._refs or self._held or self._cached)
+
+    def hashes(self) -> KeysView[int]:
+        """The hashes of the indexed blocks, held or cached (what the worker publishes for binding)."""
+        return self._by_hash.keys()
+
+    def held(self, session_id: str) -> int:
+        """How many leading blocks of the session the index holds (0: none)."""
+        return len(self._held.get(session_id, ()))
+
+    def blocks(self, session_id: str) -> list[int]:
+        return list(self._held.get(session_id, ()))
+
+    def refs(self, block: int) -> int:
+        return self._refs.get(block, 0)
+
+    def shared_run(self, session_id: str) -> int:
+        """How many leading blocks the index holds for the session that another session also
+        references (the host tier leaves those on the device: moving them would free nothing)."""
+        n = 0
+        for b in self._held.get(session_id, ()):
+            if self._refs[b] < 2:
+                break
+            n += 1
+        return n
 
     def match(self, hashes: Sequence[int]) -> int:
         """How many leading blocks of ``hashes`` are indexed here (the longest shared prefix)."""
@@ -113,112 +164,161 @@ class PrefixIndex:
             n += 1
         return n
 
-    def refs(self, block: int) -> int:
-        return self._refs.get(block, 0)
+    # --- changes: live ------------------------------------------------------------------------
+    def share(self, session_id: str, tokens: Sequence[int]) -> Shared:
+        """The longest indexed prefix of a new session's prompt, a reference each (none: empty)."""
+        self._new(session_id)
+        hashes = prefix_hashes(tokens, self.block_tokens, self.seed)
+        blocks = self._take(hashes[:self.match(hashes)])
+        if blocks:
+            self._held[session_id] = blocks
+        return Shared(tuple(blocks), len(blocks) * self.block_tokens)
 
-    def blocks(self, session_id: str) -> list[int]:
-        return list(self._held[session_id].blocks)
+    def publish(self, session_id: str, tokens: Sequence[int], blocks: Sequence[int]) -> int:
+        """The session's first prefill wrote the KV of ``tokens`` (its prompt) into ``blocks`` (its
+        blocks in position order, the shared ones first): its own full prompt blocks enter the index
+        up to the first whose prefix another block already holds (that one and the rest stay the
+        session's own). Returns how many leading blocks the index now holds for it."""
+        held = self._held.setdefault(session_id, [])
+        hashes = prefix_hashes(tokens, self.block_tokens, self.seed)
+        for i in range(len(held), min(len(hashes), len(blocks))):
+            h, b = hashes[i], blocks[i]
+            if h in self._by_hash or b in self._refs:
+                break
+            self._add(h, b)
+            self._refs[b] = 1
+            held.append(b)
+        if not held:
+            del self._held[session_id]
+        return len(held)
 
-    # --- changes ------------------------------------------------------------------------------
-    def acquire(self, session_id: str, hashes: Sequence[int]) -> Grant:
+    # --- changes: the simulator ---------------------------------------------------------------
+    def acquire(self, session_id: str, hashes: Sequence[int], pool: BlockSource) -> Grant:
         """Blocks for a new session's prompt of ``len(hashes)`` full blocks: the longest indexed
-        prefix shared, fresh blocks from the pool after it (all or nothing: the pool's exhaustion
-        propagates and nothing is held)."""
+        prefix shared, fresh blocks from ``pool`` after it, all held through the index (all or
+        nothing: the pool's exhaustion propagates and nothing is held)."""
+        self._new(session_id)
+        n = self.match(hashes)
+        fresh = pool.alloc(len(hashes) - n)
+        blocks = self._take(hashes[:n])
+        for b in fresh:
+            self._refs[b] = 1
+        blocks += fresh
+        self._held[session_id] = blocks
+        self._fresh[session_id] = (n, hashes)
+        return Grant(list(blocks), n)
+
+    def commit(self, session_id: str) -> int:
+        """The session's prefill wrote the fresh blocks ``acquire`` gave it: index them; returns how
+        many entered. A hash indexed meanwhile by another session keeps the other's block (this one
+        stays the session's, held through the index, not indexed)."""
+        first, hashes = self._fresh.pop(session_id, (0, ()))
+        blocks = self._held.get(session_id, ())
+        added = 0
+        for i in range(first, min(len(blocks), len(hashes))):
+            if hashes[i] not in self._by_hash:
+                self._add(hashes[i], blocks[i])
+                added += 1
+        return added
+
+    # --- changes: both ------------------------------------------------------------------------
+    def truncate(self, session_id: str, tokens: int) -> tuple[list[int], CopyOp | None]:
+        """The session keeps only its first ``tokens`` tokens. Returns (blocks the index no longer
+        holds for it that go back to the pool, a copy for a kept partial block others still read).
+        A kept partial block leaves the index (the session will write into it): one it alone holds
+        becomes its own block; one others hold too stays theirs and the session gets a copy."""
+        held = self._held.get(session_id)
+        if not held:
+            return [], None
+        full, part = divmod(max(tokens, 0), self.block_tokens)
+        gone = self._unref(held[full:], cache=False)
+        kept_part = held[full] if part and full < len(held) else None
+        del held[full:]
+        copy = None
+        if kept_part is not None:
+            if gone and gone[0] == kept_part:
+                gone.pop(0)  # it alone held it: out of the index, the session's own block now
+            else:
+                copy = CopyOp(kept_part, part)
+        if not held:
+            del self._held[session_id]
+        return gone, copy
+
+    def unpin(self, session_id: str, blocks: int) -> list[int]:
+        """The session keeps only its first ``blocks`` blocks in the index (the host tier moved the
+        rest of its KV to host): its references to the others go, and an indexed block nobody
+        references is cached (its KV intact, shareable, reclaimable). Returns the blocks that go back
+        to the pool (those not indexed)."""
+        held = self._held.get(session_id)
+        if not held or blocks >= len(held):
+            return []
+        gone = self._unref(held[max(blocks, 0):], cache=True)
+        del held[max(blocks, 0):]
+        if not held:
+            del self._held[session_id]
+        return gone
+
+    def release(self, session_id: str) -> list[int]:
+        """The session ended: its references go; indexed blocks nobody references are cached.
+        Returns the blocks that go back to the pool (those not indexed)."""
+        self._fresh.pop(session_id, None)
+        held = self._held.pop(session_id, None)
+        return self._unref(held, cache=True) if held else []
+
+    def reclaim(self, n_blocks: int) -> list[int]:
+        """Up to ``n_blocks`` cached blocks, least recently released first, out of the index: the
+        pool takes them back."""
+        gone: list[int] = []
+        while self._cached and len(gone) < n_blocks:
+            b, _ = self._cached.popitem(last=False)
+            self._drop(b)
+            gone.append(b)
+        self.reclaimed_blocks += len(gone)
+        return gone
+
+    # --- the bookkeeping ----------------------------------------------------------------------
+    def _new(self, session_id: str) -> None:
         if session_id in self._held:
-            raise ValueError(f"acquire {session_id!r}: it holds prompt blocks already")
-        shared = [self._by_hash[h] for h in hashes[:self.match(hashes)]]
-        fresh = self.pool.alloc(len(hashes) - len(shared))
-        self.revived = 0
-        for b in shared:
+            raise ValueError(f"session {session_id!r} holds prefix blocks already")
+
+    def _take(self, hashes: Sequence[int]) -> list[int]:
+        """The indexed blocks of ``hashes`` (all indexed), a reference each (a cached one revived)."""
+        blocks = [self._by_hash[h] for h in hashes]
+        revived = 0
+        for b in blocks:
             if b in self._cached:
                 del self._cached[b]
                 self._refs[b] = 1
-                self.revived += 1
+                revived += 1
             else:
                 self._refs[b] += 1
-        for b in fresh:
-            self._refs[b] = 1
-        self.shared_blocks += len(shared)
-        self._held[session_id] = _Held(shared + fresh, list(hashes), len(shared))
-        return Grant(shared + fresh, len(shared))
+        self.revived = revived
+        self.shared_blocks += len(blocks)
+        return blocks
 
-    def commit(self, session_id: str) -> int:
-        """The session's prefill wrote its fresh blocks: index them; returns how many entered. A
-        hash indexed meanwhile by another session keeps the other's block (this one stays private)."""
-        held = self._held[session_id]
-        added = 0
-        for i in range(held.committed, len(held.blocks)):
-            b, h = held.blocks[i], held.hashes[i]
-            if h is None or h in self._by_hash:
-                continue
-            self._by_hash[h] = b
-            self._hash_of[b] = h
-            added += 1
-        held.committed = len(held.blocks)
-        return added
+    def _add(self, h: int, b: int) -> None:
+        self._by_hash[h] = b
+        self._hash_of[b] = h
+        self.changes += 1
 
-    def truncate(self, session_id: str, tokens: int) -> CopyOp | None:
-        """Keep only the session's first ``tokens`` prompt tokens (an edited conversation). Blocks
-        wholly past them are released. A partly kept block becomes the session's own to write into:
-        one it alone holds leaves the index; one another session also holds is replaced by a private
-        copy (copy-on-write), returned for the driver to copy ``tokens % block_tokens`` slots."""
-        held = self._held[session_id]
-        full, part = divmod(max(tokens, 0), self.block_tokens)
-        keep = min(full + (1 if part else 0), len(held.blocks))
-        self._unref(held.blocks[keep:])
-        del held.blocks[keep:], held.hashes[keep:]
-        held.committed = min(held.committed, keep)
-        if not part or keep <= full:
-            return None
-        i = keep - 1
-        last = held.blocks[i]
-        held.hashes[i] = None  # a partial block is no prefix block any more
-        if self._refs[last] == 1:
-            h = self._hash_of.pop(last, None)
-            if h is not None:
-                del self._by_hash[h]
-            return None
-        (dst,) = self.pool.alloc(1)
-        self._refs[dst] = 1
-        self._unref([last])
-        held.blocks[i] = dst
-        return CopyOp(last, dst, part)
+    def _drop(self, b: int) -> None:
+        del self._by_hash[self._hash_of.pop(b)]
+        self.changes += 1
 
-    def release(self, session_id: str) -> int:
-        """The session ended: drop its references; unreferenced blocks go back to the pool (or, with
-        ``retain``, indexed ones into the cache). Returns how many blocks nobody references now."""
-        held = self._held.pop(session_id, None)
-        if held is not None:
-            return self._unref(held.blocks)
-        return 0
-
-    def evict(self, n_blocks: int) -> int:
-        """Free up to ``n_blocks`` cached blocks to the pool, least recently released first."""
-        gone = []
-        while self._cached and len(gone) < n_blocks:
-            b, _ = self._cached.popitem(last=False)
-            del self._by_hash[self._hash_of.pop(b)]
-            gone.append(b)
-        if gone:
-            self.pool.free(gone)
-        return len(gone)
-
-    def _unref(self, blocks: Sequence[int]) -> int:
-        gone = []
-        dropped = 0
+    def _unref(self, blocks: Sequence[int], cache: bool) -> list[int]:
+        """A reference less to each block; those nobody references leave the session's hold:
+        indexed ones are cached (``cache``) or leave the index. Returns those that go to the pool."""
+        gone: list[int] = []
         for b in blocks:
             r = self._refs[b] - 1
             if r:
                 self._refs[b] = r
                 continue
             del self._refs[b]
-            dropped += 1
-            if self.retain and b in self._hash_of:
-                self._cached[b] = None
-                continue
-            h = self._hash_of.pop(b, None)
-            if h is not None:
-                del self._by_hash[h]
+            if b in self._hash_of:
+                if cache:
+                    self._cached[b] = None
+                    continue
+                self._drop(b)
             gone.append(b)
-        self.pool.free(gone)
-        return dropped
+        return gone

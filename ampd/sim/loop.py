@@ -34,7 +34,7 @@ from .events import (ADMIT_CHECK, COMPUTE_DONE, COMPUTE_START, DISPATCH, HANDOFF
                      REMOTE_DONE, ROUND_READY, STEP_DONE, TIER_LOCAL, TIER_PREFETCH, TIER_READY,
                      TIER_REMOTE)
 from .gcpause import gc_paused
-from .prefixing import Prefixing, prefix_indexes
+from .prefixing import BlockIds, Prefixing, prefix_indexes
 from .remote import RemotePrefilling
 from .result import SimResult, SimRound, SimSession
 from .steplog import pack_row
@@ -116,7 +116,7 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
                  "book", "block_tokens", "refused", "n_waited",
                  "decodes", "prefills", "by_id", "router", "pviews_static", "pviews", "route_fn", "pin_ttl", "kv_evict", "open_s", "dispatch_s",
                  "handoff_s", "tool_rpc_s", "busy_extra", "contention", "dispatch", "tier", "dispatch0", "tier_to",
-                 "tier_from", "prefix", "prefix_held", "prefix_saved", "prefix_blocks", "prefix_sessions",
+                 "tier_from", "prefix", "prefix_ids", "prefix_held", "prefix_saved", "prefix_blocks", "prefix_sessions",
                  "prefix_revived", "prefix_evicted")
 
     def __init__(self, sim: Simulator):
@@ -152,6 +152,7 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
         if self.tier:
             self.dispatch = self.tier_dispatch
         self.prefix = prefix_indexes(cfg, self.decodes, self.pin_ttl)  # None: prefix sharing off
+        self.prefix_ids = BlockIds()
         self.prefix_held: dict = {}
         self.prefix_saved = self.prefix_blocks = self.prefix_sessions = self.prefix_revived = self.prefix_evicted = 0
 

@@ -2,8 +2,8 @@
 blocks (the trace's ``hash_ids``) a live session on its decode worker committed shares their KV,
 prefills only the rest and holds only its own blocks.
 
-Each decode worker has an ``ampd.policy.prefixindex.PrefixIndex`` over a counting pool (hash blocks of
-``HASH_BLOCK_TOKENS`` tokens). The decode core is not changed: a sharing session starts its first
+Each decode worker has an ``ampd.policy.prefixindex.PrefixIndex`` (the live worker's index; hash
+blocks of ``HASH_BLOCK_TOKENS`` tokens, block ids from one counter a run, ``BlockIds``). The decode core is not changed: a sharing session starts its first
 round with ``l_hist`` = the shared tokens (charged to nobody new) and ``l_incr`` = the rest, so the
 core prefills and charges only the rest. When a session ends the core subtracts its whole history;
 the index says which prompt blocks nobody holds any more (a shared block goes when its last holder
@@ -21,26 +21,22 @@ from ampd.policy.prefixindex import PrefixIndex
 from ampd.policy.prefixbind import MOVE_MIN_BLOCKS, rebind_prefix
 from ampd.workload.mooncake import HASH_BLOCK_TOKENS
 
-__all__ = ["Prefixing", "CountingPool", "prefix_indexes", "MOVE_MIN_BLOCKS"]
+__all__ = ["Prefixing", "BlockIds", "prefix_indexes", "MOVE_MIN_BLOCKS"]
 
 
-class CountingPool:
-    """Block ids for one worker's index; the KV itself is counted by the decode core."""
+class BlockIds:
+    """Block ids for the workers' indexes (``PrefixIndex.acquire``'s pool), never reused: the KV
+    itself is counted by the decode core, so a block that goes back needs no freeing here."""
 
-    __slots__ = ("next_id", "held")
+    __slots__ = ("next_id",)
 
     def __init__(self) -> None:
         self.next_id = 0
-        self.held = 0
 
     def alloc(self, n_blocks: int) -> list[int]:
         out = list(range(self.next_id, self.next_id + n_blocks))
         self.next_id += n_blocks
-        self.held += n_blocks
         return out
-
-    def free(self, blocks) -> None:
-        self.held -= len(blocks)
 
 
 def prefix_indexes(cfg, decodes, pin_ttl_s=None) -> dict | None:
@@ -50,12 +46,12 @@ def prefix_indexes(cfg, decodes, pin_ttl_s=None) -> dict | None:
     if cfg.kv_evict or cfg.kv_host_mb or pin_ttl_s is not None:
         raise ValueError("prefix_sharing is not modelled with kv_evict, kv_host_mb or a KV-pinning policy "
                          "(a shared block cannot be evicted or offloaded with one session)")
-    return {d.worker_id: PrefixIndex(CountingPool(), HASH_BLOCK_TOKENS, retain=True) for d in decodes}
+    return {d.worker_id: PrefixIndex(HASH_BLOCK_TOKENS) for d in decodes}
 
 
 class Prefixing:
     """Prefix-sharing handlers of ``ampd.sim.loop._Run`` (which declares ``prefix``: worker id ->
-    index or None, ``prefix_held``: session id -> [prompt blocks, shared tokens, fresh blocks],
+    index or None, ``prefix_ids``: their ``BlockIds``, ``prefix_held``: session id -> [prompt blocks, shared tokens, fresh blocks],
     ``prefix_saved``, ``prefix_blocks``, ``prefix_sessions``, ``prefix_revived``, ``prefix_evicted``)."""
 
     __slots__ = ()
@@ -90,7 +86,7 @@ class Prefixing:
         if n <= 0:
             return
         ix = self.prefix_trim(st.dw)
-        g = ix.acquire(st.session_id, rnd.hash_ids[:n])
+        g = ix.acquire(st.session_id, rnd.hash_ids[:n], self.prefix_ids)
         st.dw.kv_used += ix.revived * HASH_BLOCK_TOKENS  # cached blocks held again: charged to this session
         self.prefix_revived += ix.revived
         self.prefix_trim(st.dw)  # its fresh blocks take cached blocks' space first
@@ -119,7 +115,10 @@ class Prefixing:
         h = self.prefix_held.pop(st.session_id, None)
         if h is None:
             return
-        dropped = self.prefix[st.dw.worker_id].release(st.session_id)  # nobody holds them now (cached)
+        ix = self.prefix[st.dw.worker_id]
+        held = ix.held_blocks
+        ix.release(st.session_id)  # (the blocks it returns need no freeing: ids are not reused)
+        dropped = held - ix.held_blocks  # nobody holds them now (indexed ones cached)
         bt = HASH_BLOCK_TOKENS
         st.dw.kv_used += (h[0] - dropped) * bt if charged else -(dropped - h[2]) * bt
 
@@ -131,14 +130,14 @@ class Prefixing:
             free = max(d.kv_cap - d.kv_used - d.wait_need, 0)
             over = ix.cached_blocks * HASH_BLOCK_TOKENS - free
             if over > 0:
-                self.prefix_evicted += ix.evict(-(-over // HASH_BLOCK_TOKENS))
+                self.prefix_evicted += len(ix.reclaim(-(-over // HASH_BLOCK_TOKENS)))
         return ix
 
     def prefix_stats(self, stats: dict) -> None:
         stats["prefix_shared_tokens"] = self.prefix_saved  # prefill tokens saved
         stats["prefix_shared_blocks"] = self.prefix_blocks
         stats["prefix_sharing_sessions"] = self.prefix_sessions
-        stats["prefix_blocks_held_end"] = sum(ix.blocks_held for ix in self.prefix.values())
+        stats["prefix_blocks_held_end"] = sum(ix.held_blocks for ix in self.prefix.values())
         stats["prefix_blocks_revived"] = self.prefix_revived  # shared again from the cache
         stats["prefix_blocks_evicted"] = self.prefix_evicted  # cache blocks whose space was needed
         stats["prefix_blocks_cached_end"] = sum(ix.cached_blocks for ix in self.prefix.values())

@@ -209,7 +209,7 @@ class KvAdmission:
 
     def shared_history(self, s: DecodeSession, tokens: int) -> None:
         """Before its first round is ready: the new session holds ``tokens`` tokens of KV it shares
-        with other sessions (--prefix-sharing; ``ampd.worker.decode_prefix``). They are its history,
+        with other sessions (--prefix-sharing; ``ampd.policy.prefixindex``). They are its history,
         charged like one when it is admitted (released with it), so its round needs KV only for the
         rest. A session whose KV was dropped (``evicted``) may share again before its next round:
         those tokens of its history are then not prefilled again (``round_ready``)."""

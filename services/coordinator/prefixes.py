@@ -17,10 +17,9 @@ from collections.abc import Mapping, Sequence
 import structlog
 
 from ampd.policy import WorkerView
-from ampd.policy.prefixbind import rebind_prefix
+from ampd.policy.prefixbind import prefix_hashes, rebind_prefix
 from ampd.state.prefixes import PrefixSets
 from ampd.state.store import REDIS_ERRORS, WorkerInfo
-from ampd.worker.decode_prefix import prefix_hashes
 
 __all__ = ["PrefixChoice", "prefix_choice", "prompt_hashes", "LOOKUP_TIMEOUT_S"]
 

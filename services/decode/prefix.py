@@ -1,5 +1,5 @@
-"""Prefix sharing on the live decode worker (``--prefix-sharing``; its decisions:
-``ampd.worker.decode_prefix.PrefixShare``).
+"""Prefix sharing on the live decode worker (``--prefix-sharing``; its books: ``ampd.policy.prefixindex.PrefixIndex``,
+the same index the simulator keeps).
 
 Off (the default) nothing here runs. On, a session whose KV is empty when a round begins (its first
 round, or its first here after a move) shares the longest indexed prefix of its prompt's full blocks
@@ -21,13 +21,12 @@ alone (``ampd.kv.pattern``), so a shared block passes every byte check of anothe
 from __future__ import annotations
 
 import itertools
-import time
 from typing import TYPE_CHECKING
 
 import structlog
 
 from ampd.kv import KVPool, SessionKV
-from ampd.worker.decode_prefix import PrefixShare, prefix_hashes
+from ampd.policy.prefixindex import PrefixIndex, prefix_hashes
 
 if TYPE_CHECKING:
     from services.decode.session import Session
@@ -46,7 +45,7 @@ class SharedKV(SessionKV):
     trimming or truncating leaves those to the index. ``key`` names these blocks in the index (a
     session opened again under its id while its old blocks wait for a prefill worker has other ones)."""
 
-    def __init__(self, block_tokens: int, index: PrefixShare, session_id: str) -> None:
+    def __init__(self, block_tokens: int, index: PrefixIndex, session_id: str) -> None:
         super().__init__(block_tokens)
         self.index = index
         self.session_id = f"{session_id}#{next(_KEYS)}"
@@ -74,14 +73,14 @@ class SharedKV(SessionKV):
         held = self.index.held(self.session_id)
         keep = min(self.pin, held)
         tokens = self.pinned
-        pool.free(self.index.unpin(self.session_id, keep, time.time()) + self.blocks[held:])
+        pool.free(self.index.unpin(self.session_id, keep) + self.blocks[held:])
         del self.blocks[keep:]
         self.tokens, self.reserved = tokens, 0
 
     def release(self, pool: KVPool) -> None:
         held = self.index.held(self.session_id)
         own = self.blocks[held:]
-        gone = self.index.release(self.session_id, time.time())
+        gone = self.index.release(self.session_id)
         self.blocks, self.tokens, self.reserved, self.pin, self.shared_in = [], 0, 0, 0, 0
         pool.free(gone + own)
 
@@ -137,7 +136,7 @@ class LivePrefix:
         self.w = w
         self.on = on
         pool = w.rt.pool
-        self.index = PrefixShare(pool.block_tokens, seed)  # seed: the model's (its published hashes')
+        self.index = PrefixIndex(pool.block_tokens, seed)  # seed: the model's (its published hashes')
         if on:
             pool.reclaimer = self.index
 

@@ -1,11 +1,12 @@
 """The decode worker's publisher of the prefix blocks it holds (``--prefix-sharing``): the hashes in
-its prefix index (``ampd.worker.decode_prefix.PrefixShare``) go to its `{ns}:prefix:{wid}` set
+its prefix index (``ampd.policy.prefixindex.PrefixIndex``) go to its `{ns}:prefix:{wid}` set
 (``ampd.state.prefixes``), so that a coordinator binds a new session to the worker holding the
 longest prefix of its prompt without a call to each worker.
 
-Batched: every ``PUBLISH_S`` the index's size and reclaim count are compared with the last write's;
-on a change (and at least every third of the liveness TTL, which renews the key) what changed since
-the last write (``prefix_delta``) is written in one transaction. The first write of each
+Batched: every ``PUBLISH_S`` the index's change count (``PrefixIndex.changes``: every hash that
+entered or left it, so a swap that keeps its size counts too) is compared with the last write's; on
+a change (and at least every third of the liveness TTL, which renews the key) what changed since the
+last write (``prefix_delta``) is written in one transaction. The first write of each
 registration replaces the set (a restarted Redis, or a worker back under its id, starts clean). The
 worker's runtime stops this loop before it deregisters, which deletes the key; a worker that dies
 leaves it to its TTL.
@@ -20,7 +21,7 @@ import structlog
 
 from ampd.state.prefixes import PrefixSets, prefix_delta
 from ampd.state.store import REDIS_ERRORS
-from ampd.worker.decode_prefix import PrefixShare
+from ampd.policy.prefixindex import PrefixIndex
 
 if TYPE_CHECKING:
     from ampd.runtime import WorkerRuntime
@@ -35,13 +36,13 @@ PUBLISH_S = 0.05  # a change of the index reaches Redis within this (plus the wr
 class PrefixPublisher:
     """``run`` is the loop (``WorkerRuntime.loops``); ``flush`` one step of it."""
 
-    def __init__(self, rt: WorkerRuntime, index: PrefixShare) -> None:
+    def __init__(self, rt: WorkerRuntime, index: PrefixIndex) -> None:
         self.rt = rt
         self.index = index
         self.sets = PrefixSets(rt.store.r, rt.store.ns)
         self.published: set[int] = set()
         self.registration = -1  # rt.registrations at the last write (another: the set is replaced)
-        self.seen: tuple[int, int] | None = None  # the index's (size, reclaimed) at the last write
+        self.seen = -1  # the index's change count at the last write
         self.renewed = 0.0  # monotonic time of the last write (the key's TTL renewed)
         self.writes = 0
 
@@ -62,7 +63,7 @@ class PrefixPublisher:
         ix, rt, now = self.index, self.rt, time.monotonic()
         ttl = rt.cfg.liveness_ttl_s
         full = rt.registrations != self.registration
-        seen = (len(ix.hashes()), ix.reclaimed_blocks)
+        seen = ix.changes
         if not full and seen == self.seen and now - self.renewed < ttl / 3:
             return False
         current = set(ix.hashes())

@@ -1,23 +1,23 @@
-"""The pure prefix-sharing core of a decode worker (ampd.worker.decode_prefix) and the pool's reclaim hook."""
+"""The pure prefix-sharing core of a decode worker (ampd.policy.prefixindex.PrefixIndex, as the live worker drives it) and the pool's reclaim hook."""
 from __future__ import annotations
 
 import pytest
 
 from ampd.kv import KVPool, KVPoolExhausted
-from ampd.worker.decode_prefix import CopyOp, PrefixShare, prefix_hashes
+from ampd.policy.prefixindex import CopyOp, PrefixIndex, prefix_hashes
 
 BT = 4
 SYS = list(range(100, 112))  # three full blocks of system prompt
 
 
-def _pool(blocks: int = 16) -> tuple[KVPool, PrefixShare]:
+def _pool(blocks: int = 16) -> tuple[KVPool, PrefixIndex]:
     pool = KVPool(blocks, BT, 8)
-    idx = PrefixShare(BT)
+    idx = PrefixIndex(BT)
     pool.reclaimer = idx
     return pool, idx
 
 
-def _prefill(pool: KVPool, idx: PrefixShare, sid: str, tokens: list[int]) -> list[int]:
+def _prefill(pool: KVPool, idx: PrefixIndex, sid: str, tokens: list[int]) -> list[int]:
     """share, allocate the rest, publish: the session's blocks."""
     sh = idx.share(sid, tokens)
     own = pool.alloc(pool.blocks_for(len(tokens)) - len(sh.blocks))
@@ -26,12 +26,12 @@ def _prefill(pool: KVPool, idx: PrefixShare, sid: str, tokens: list[int]) -> lis
     return blocks
 
 
-def _end(pool: KVPool, idx: PrefixShare, sid: str, blocks: list[int], now: float) -> None:
+def _end(pool: KVPool, idx: PrefixIndex, sid: str, blocks: list[int], now: float) -> None:
     n = idx.held(sid)
-    pool.free(idx.release(sid, now) + blocks[n:])
+    pool.free(idx.release(sid) + blocks[n:])
 
 
-def _drain(pool: KVPool, idx: PrefixShare) -> None:
+def _drain(pool: KVPool, idx: PrefixIndex) -> None:
     pool.free(idx.reclaim(pool.num_blocks))
     assert idx.empty and pool.free_blocks == pool.num_blocks
 
@@ -90,7 +90,7 @@ def test_reclaim_takes_least_recently_released_first():
     pool.free(gone)
     assert idx.share("z", [1] * 4 + [5]).tokens == 4
     assert idx.share("w", [2] * 4 + [5]).tokens == 0
-    pool.free(idx.release("z", 3.0))
+    pool.free(idx.release("z"))
     _drain(pool, idx)
 
 
@@ -127,8 +127,8 @@ def test_truncate_of_a_block_it_alone_holds_keeps_it_as_its_own():
     assert copy is None and gone == [a[2]] and idx.held("a") == 1
     assert idx.share("b", SYS + [1]).tokens == 4  # the kept partial block is no prefix block any more
     pool.free(gone + a[3:])
-    pool.free(idx.release("b", 1.0))
-    pool.free(idx.release("a", 1.0) + [a[1]])
+    pool.free(idx.release("b"))
+    pool.free(idx.release("a") + [a[1]])
     _drain(pool, idx)
 
 
@@ -137,7 +137,7 @@ def test_share_twice_is_an_error_and_release_of_unknown_is_nothing():
     a = _prefill(pool, idx, "a", SYS + [1])
     with pytest.raises(ValueError):
         idx.share("a", SYS + [1])
-    assert idx.release("nobody", 0.0) == []
+    assert idx.release("nobody") == []
     _end(pool, idx, "a", a, 0.0)
     _drain(pool, idx)
 
@@ -149,11 +149,27 @@ def test_shared_run_counts_the_blocks_others_read_and_unpin_caches_the_rest():
     b = _prefill(pool, idx, "b", SYS + [9])
     assert idx.shared_run("a") == idx.shared_run("b") == 3 and idx.shared_run("nobody") == 0
     # the host tier moved a's KV but its first three blocks: its fourth goes to the cache
-    assert idx.unpin("a", 3, 1.0) == [] and idx.held("a") == 3 and idx.cached_blocks == 1
-    assert idx.unpin("a", 3, 1.0) == []  # nothing past them any more
+    assert idx.unpin("a", 3) == [] and idx.held("a") == 3 and idx.cached_blocks == 1
+    assert idx.unpin("a", 3) == []  # nothing past them any more
     pool.free(a[4:])
-    assert idx.unpin("b", 0, 2.0) == [] and idx.held("b") == 0  # b lets go of all: a still reads them
+    assert idx.unpin("b", 0) == [] and idx.held("b") == 0  # b lets go of all: a still reads them
     assert all(idx.refs(x) == 1 for x in a[:3])
     pool.free(b[3:])
     _end(pool, idx, "a", a[:3], 3.0)
     _drain(pool, idx)
+
+
+def test_changes_count_every_hash_in_and_out_of_the_index():
+    pool, idx = _pool()
+    a = _prefill(pool, idx, "a", SYS + [1, 2, 3, 4, 5])
+    assert idx.changes == 4  # four blocks indexed
+    b = _prefill(pool, idx, "b", SYS + [9])
+    assert idx.changes == 4  # shared: nothing entered
+    _end(pool, idx, "b", b, 1.0)
+    assert idx.changes == 4  # released, still indexed
+    gone, _ = idx.truncate("a", 2 * BT)  # a alone holds its blocks 2 and 3: they leave the index
+    assert idx.changes == 6 and len(idx.hashes()) == 2
+    pool.free(gone + a[4:])
+    _end(pool, idx, "a", a[:2], 2.0)
+    _drain(pool, idx)
+    assert idx.changes == 8

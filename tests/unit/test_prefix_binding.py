@@ -16,7 +16,7 @@ from ampd.policy.prefixbind import MOVE_MIN_BLOCKS, leading, prefix_seed, rebind
 from ampd.state import WorkerInfo
 from ampd.state.prefixes import PrefixSets, prefix_delta, prefix_key
 from ampd.state.store import StateStore
-from ampd.worker.decode_prefix import PrefixShare, prefix_hashes
+from ampd.policy.prefixindex import PrefixIndex, prefix_hashes
 from services.coordinator.admission import Admission
 from services.coordinator.prefixes import THREAD_TOKENS, PrefixChoice, prefix_choice, prompt_hashes
 from services.decode.prefixpub import PrefixPublisher
@@ -79,7 +79,7 @@ def test_the_publisher_writes_the_indexed_hashes_in_batches_and_deregistering_de
     async def go():
         r = redis.asyncio.Redis.from_url(redis_url)
         rt = _runtime(r, "pub")
-        ix = PrefixShare(BT, seed=9)
+        ix = PrefixIndex(BT, seed=9)
         pub = PrefixPublisher(rt, ix)
         key = prefix_key("pub", "d0")
         assert await pub.flush() is True and await r.exists(key) == 0  # (the first write replaces: nothing)
@@ -94,10 +94,24 @@ def test_the_publisher_writes_the_indexed_hashes_in_batches_and_deregistering_de
         other = tokens[:2 * BT] + [999] * (3 * BT + 1)
         assert await sets.matches({"d0": prefix_hashes(other, BT, 9), "d9": hashes}) == {"d0": 2, "d9": 0}
         assert await sets.matches({"d0": prefix_hashes(tokens, BT, 0)}) == {"d0": 0}  # another model's
-        ix.release("a", 1.0)  # cached: still held
+        ix.release("a")  # cached: still held
         assert await pub.flush() is False
         assert len(ix.reclaim(2)) == 2  # the cache's oldest blocks taken back: gone from the set
         assert await pub.flush() is True and await r.scard(key) == 3
+        # a swap that keeps the index's size and reclaims nothing (a truncate drops c's block as d
+        # publishes one) is written at the next step too: the index counts every hash in and out
+        c, d = [7] * BT + [0], [8] * BT + [0]
+        ix.share("c", c)
+        ix.publish("c", c, [100])
+        assert await pub.flush() is True and await r.scard(key) == 4
+        ix.share("d", d)
+        assert ix.truncate("c", 0) == ([100], None) and ix.publish("d", d, [101]) == 1
+        assert len(ix.hashes()) == 4 and ix.reclaimed_blocks == 2
+        assert await pub.flush() is True
+        assert {int(x) for x in await r.smembers(key)} == set(hashes[2:]) | set(prefix_hashes(d, BT, 9))
+        ix.release("c")
+        ix.release("d")
+        assert len(ix.reclaim(1)) == 1 and await pub.flush() is True and await r.scard(key) == 3
         rt.registrations = 2  # registered again (a restarted Redis): the set is written whole
         await r.delete(key)
         assert await pub.flush() is True and await r.scard(key) == 3
