@@ -214,11 +214,16 @@ class PrefixIndex:
         stays the session's, held through the index, not indexed)."""
         first, hashes = self._fresh.pop(session_id, (0, ()))
         blocks = self._held.get(session_id, ())
+        by_hash, hash_of = self._by_hash, self._hash_of  # (``_add``, inlined: once a new session)
         added = 0
         for i in range(first, min(len(blocks), len(hashes))):
-            if hashes[i] not in self._by_hash:
-                self._add(hashes[i], blocks[i])
+            h = hashes[i]
+            if h not in by_hash:
+                b = blocks[i]
+                by_hash[h] = b
+                hash_of[b] = h
                 added += 1
+        self.changes += added
         return added
 
     # --- changes: both ------------------------------------------------------------------------

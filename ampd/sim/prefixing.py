@@ -3,17 +3,17 @@ blocks (the trace's ``hash_ids``) a live session on its decode worker committed 
 prefills only the rest and holds only its own blocks.
 
 Each decode worker has an ``ampd.policy.prefixindex.PrefixIndex`` (the live worker's index; hash
-blocks of ``HASH_BLOCK_TOKENS`` tokens, block ids from one counter a run, ``BlockIds``). The decode core is not changed: a sharing session starts its first
-round with ``l_hist`` = the shared tokens (charged to nobody new) and ``l_incr`` = the rest, so the
-core prefills and charges only the rest. When a session ends the core subtracts its whole history;
-the index says which prompt blocks nobody holds any more (a shared block goes when its last holder
-does), and ``kv_used`` is corrected by the difference. Such blocks stay indexed in the worker's free
-KV (as a prefix cache keeps freed blocks until their space is taken): sharing one again charges it
-again; the cache is cut to the KV free (less what waiting rounds need), least recently released
-first, before each match and whenever a round or a new session takes KV (an approximation: decode
-tokens grow into it between rounds). Binding (``bind_prefix``) prefers the
-worker with the longest prefix when it fits and meets the ITL SLO. Rounds without ``hash_ids``
-behave as without sharing.
+blocks of ``HASH_BLOCK_TOKENS`` tokens, block ids from one counter a run, ``BlockIds``). The decode
+core is not changed: a sharing session starts its first round with ``l_hist`` = the shared tokens
+(charged to nobody new) and ``l_incr`` = the rest, so the core prefills and charges only the rest.
+When a session ends the core subtracts its whole history; the index says which prompt blocks nobody
+holds any more (a shared block goes when its last holder does), and ``kv_used`` is corrected by the
+difference. Such blocks stay indexed in the worker's free KV (as a prefix cache keeps freed blocks
+until their space is taken): sharing one again charges it again; the cache is cut to the KV free
+(less what waiting rounds need), least recently released first (``PrefixIndex.reclaim``), before
+each match and whenever a round or a new session takes KV (an approximation: decode tokens grow into
+it between rounds). Binding (``bind_prefix``) prefers the worker with the longest prefix when it
+fits and meets the ITL SLO. Rounds without ``hash_ids`` behave as without sharing.
 """
 from __future__ import annotations
 
@@ -51,8 +51,8 @@ def prefix_indexes(cfg, decodes, pin_ttl_s=None) -> dict | None:
 
 class Prefixing:
     """Prefix-sharing handlers of ``ampd.sim.loop._Run`` (which declares ``prefix``: worker id ->
-    index or None, ``prefix_ids``: their ``BlockIds``, ``prefix_held``: session id -> [prompt blocks, shared tokens, fresh blocks],
-    ``prefix_saved``, ``prefix_blocks``, ``prefix_sessions``, ``prefix_revived``, ``prefix_evicted``)."""
+    index or None, ``prefix_ids``: their ``BlockIds``, ``prefix_held``: session id -> [prompt blocks,
+    shared tokens, fresh blocks], ``prefix_saved``, ``prefix_blocks``, ``prefix_sessions``, ``prefix_revived``, ``prefix_evicted``)."""
 
     __slots__ = ()
 
