@@ -373,11 +373,9 @@ class DecodeWorker:
             round=s.round, position=s.out_start, token_ids=[token], times=[now])))
         self.metrics["tokens"] += 1
         reason = s.finish(token, self.engine)
-        if reason:
-            s.core.out = 1  # the round ends with its first token
-        elif self.streams and not local:
+        if not reason and self.streams and not local:
             continue_remote_round(s, self.engine)
-        if self.core.first_token(s.core, now):
+        if self.core.first_token(s.core, now, last=bool(reason)):  # a reason: the round ends with it
             self.loop.wake.set()  # it joins the batch at the next step
         else:
             self.end_round(s, now, reason or FINISH_LENGTH)
