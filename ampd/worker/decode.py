@@ -198,24 +198,6 @@ class DecodeCore(KvAdmission, TierMixin, RunWindow):
         self.in_prefill = None
         return (s,) if s is not None else ()
 
-    def first_token(self, s: DecodeSession, now: float, last: bool = False) -> bool:
-        """The round's first token is made (here or by a remote prefill). False: the round ended
-        with it (``round_end`` next); True: the session joins the batch at the next run. ``last``
-        (live: EOS or a stop at the first token): the round ends with it whatever ``s.out`` planned."""
-        s.first = now
-        if last and s.out > 1:
-            if self.tier is not None:  # the output reserved at admission beyond this token frees
-                self.kv_used -= s.out - 1
-            s.out = 1
-        if self.tier is None:  # (with the tier, the round's output was reserved when it was admitted)
-            self.kv_used += 1
-        else:
-            s.due = s.out - 1
-        if s.out <= 1:
-            return False
-        self.pending.append(s)
-        return True
-
     # ------------------------------------------------------------------------------- schedule
     def schedule(self, now: float) -> LocalPrefill | DecodeRun | None:
         """When idle: the next thing to run. A chunked prefill alternates with one decode step of

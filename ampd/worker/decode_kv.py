@@ -48,7 +48,8 @@ class KvAdmission:
     """KV admission, eviction and the KV accounting of rounds (a part of ``DecodeCore``, which
     declares the slots: ``sessions``, ``admitted``, ``kv_cap``, ``kv_used``, ``kv_wait``, ``new_wait``,
     ``wait_need``, ``evictable``, ``evictable_kv``, ``kv_evict``, ``victims``, ``kv_admission``,
-    ``kv_overcommits``, ``kv_evictions``, ``kv_recomputed_tokens``, ``worker_id``)."""
+    ``kv_overcommits``, ``kv_evictions``, ``kv_recomputed_tokens``, ``worker_id``; and the batch's
+    ``pending``, ``exit_at``, ``step_idx``)."""
 
     __slots__ = ()
     def round_ready(self, s: DecodeSession, now: float) -> int:
@@ -240,6 +241,24 @@ class KvAdmission:
             return
         s.l_hist += tokens
         s.shared = tokens
+
+    def first_token(self, s: DecodeSession, now: float, last: bool = False) -> bool:
+        """The round's first token is made (here or by a remote prefill). False: the round ended
+        with it (``round_end`` next); True: the session joins the batch at the next run. ``last``
+        (live: EOS or a stop at the first token): the round ends with it whatever ``s.out`` planned."""
+        s.first = now
+        if last and s.out > 1:
+            if self.tier is not None:  # the output reserved at admission beyond this token frees
+                self.kv_used -= s.out - 1
+            s.out = 1
+        if self.tier is None:  # (with the tier, the round's output was reserved when it was admitted)
+            self.kv_used += 1
+        else:
+            s.due = s.out - 1
+        if s.out <= 1:
+            return False
+        self.pending.append(s)
+        return True
 
     def round_end(self, s: DecodeSession, last: bool) -> None:
         """The round's last token is made: its input and output join the session's history; the

@@ -288,23 +288,10 @@ class LiveTier:
         return self.w.rt.pool.available_tokens < self._missing(s)
 
     def owed(self) -> int:
-        """Tokens the core has charged that the pool has not reserved yet, in the pool's blocks: the
-        core admits by the pool's free space less these (``KvSync.sync``), or it would give them away
-        twice. They are the input of the rounds whose start waits (``defer``), the early prefetches
-        before their blocks are reserved, and the output of every round admitted and not ended
-        (``DecodeCore.output_due``: charged whole at admission, reserved a token a step), each less
-        what its session's last block still holds."""
-        pool = self.w.rt.pool
-        bt, n = pool.block_tokens, 0
-        for c in self.core.sessions.values():
-            s = self.w.sessions.get(c.session_id)
-            due = self.core.output_due(c)
-            wait = s is not None and self.deferred.get(c.session_id) is s
-            if s is None or not (due or wait):
-                continue
-            room = len(s.kv.blocks) * bt - s.kv.tokens - s.kv.reserved
-            need = due + (len(s.tokens) - s.kv.tokens - s.kv.reserved if wait else 0)
-            n += -(-max(0, need - room) // bt) * bt
+        """Tokens the core has charged that the pool has not reserved yet, but the running rounds'
+        output (``KvSync.outputs_due``): the core admits by the pool's free space less these
+        (``KvSync.sync``), or it would give them away twice."""
+        n = sum(max(0, self._missing(s)) for s in self.deferred.values())
         return n + sum(v for sid, v in self.fetching.items() if sid not in self.deferred)
 
     async def _start_later(self, s: Session, rnd: int, task: asyncio.Task | None, route) -> None:
