@@ -66,9 +66,12 @@ class KvSync:
         while True:
             self.sync()
             c = self.core.admit_next(time.time())
-            self.free_evicted()
-            if c is None:
+            # victims the core counted nothing for (a dropped pinned prefix: its blocks may be free
+            # now, cached) may have made the room: look again by the pool's count
+            if not self.free_evicted() and c is None:
                 return
+            if c is None:
+                continue
             self.w.start_round(self.w.sessions[c.session_id])
 
     # ------------------------------------------------------------------------ KV eviction

@@ -240,7 +240,7 @@ class DecodeWorker:
         bt = self.rt.pool.block_tokens
         self.kv.sync(room=len(s.kv.blocks) * bt - s.kv.tokens)
         r = self.core.round_ready(c, time.time())
-        self.kv.free_evicted()
+        evicted = self.kv.free_evicted()
         if r == FAILED:
             self.fail(s, c.error)
         elif r == ADMITTED:
@@ -248,6 +248,8 @@ class DecodeWorker:
         else:
             self.metrics["kv_waits"] += 1
             self.rt.changed()
+            if evicted:  # the core counts a dropped pinned prefix free only by the pool's count
+                self.kv.admit_waiting()
 
     def start_round(self, s: Session) -> None:
         """The round's KV is admitted (its host tier moves done): reserve it, route the prefill."""
