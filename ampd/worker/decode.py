@@ -198,17 +198,6 @@ class DecodeCore(KvAdmission, TierMixin, RunWindow):
         self.in_prefill = None
         return (s,) if s is not None else ()
 
-    def first_token(self, s: DecodeSession, now: float) -> bool:
-        """The round's first token is made (here or by a remote prefill). False: the round ended
-        with it (``round_end`` next); True: the session joins the batch at the next run."""
-        s.first = now
-        if self.tier is None:  # (with the tier, the round's output was reserved when it was admitted)
-            self.kv_used += 1
-        if s.out <= 1:
-            return False
-        self.pending.append(s)
-        return True
-
     # ------------------------------------------------------------------------------- schedule
     def schedule(self, now: float) -> LocalPrefill | DecodeRun | None:
         """When idle: the next thing to run. A chunked prefill alternates with one decode step of
@@ -360,6 +349,7 @@ class DecodeCore(KvAdmission, TierMixin, RunWindow):
         self.ctx_sum -= s.ctx_join + (tokens - 1)  # its context after tokens - 1 steps
         if self.tier is not None:  # the output reserved beyond its last token frees
             self.kv_used -= s.out - tokens
+            s.due = 0
         s.out = tokens
 
     def _step_measured(self, now: float) -> list[DecodeSession] | tuple[()]:
@@ -426,5 +416,6 @@ class DecodeCore(KvAdmission, TierMixin, RunWindow):
                     heapq.heapify(self.exit_heap)
             if self.tier is not None:  # its round's whole output was reserved at admission
                 kv = (0 if s.evicted else s.l_hist - s.fetch - s.shared) + s.l_incr + s.out
+                s.due = 0
         self.kv_used -= kv
         return kv > 0

@@ -20,7 +20,7 @@ class DecodeSession:
     makes; live: its upper bound) before ``round_ready``. The core keeps the rest."""
 
     __slots__ = ("session_id", "round", "l_hist", "l_incr", "out", "first", "lo", "ctx_join", "in_tool",
-                 "evicted", "error", "fetch", "shared", "pinned")
+                 "evicted", "error", "fetch", "shared", "pinned", "due")
 
     def __init__(self, session_id: str):
         self.session_id = session_id
@@ -39,13 +39,17 @@ class DecodeSession:
         # host tier + prefix sharing: leading history tokens in blocks the prefix index holds, set by
         # the driver before ``tier_pause``; they stay on the device when the rest goes to host
         self.pinned = 0
+        # host tier: output tokens of the current round charged at admission and not made yet, as of
+        # its first token (in the batch, ``KvAdmission.output_due`` takes off the steps run since)
+        self.due = 0
 
 
 class KvAdmission:
     """KV admission, eviction and the KV accounting of rounds (a part of ``DecodeCore``, which
     declares the slots: ``sessions``, ``admitted``, ``kv_cap``, ``kv_used``, ``kv_wait``, ``new_wait``,
     ``wait_need``, ``evictable``, ``evictable_kv``, ``kv_evict``, ``victims``, ``kv_admission``,
-    ``kv_overcommits``, ``kv_evictions``, ``kv_recomputed_tokens``, ``worker_id``)."""
+    ``kv_overcommits``, ``kv_evictions``, ``kv_recomputed_tokens``, ``worker_id``; and the batch's
+    ``pending``, ``exit_at``, ``step_idx``)."""
 
     __slots__ = ()
     def round_ready(self, s: DecodeSession, now: float) -> int:
@@ -83,10 +87,7 @@ class KvAdmission:
             self.kv_wait.append(s)
             self.wait_need += need
             return WAITING
-        # a shared prefix (--prefix-sharing; else 0) is charged once the round is admitted: the live
-        # pool's free space, which the core admits by, no longer counts its blocks
-        self.kv_used += need + s.shared
-        s.shared = 0
+        self._charge(s, need)
         if s.fetch:
             self._tier_fetched(s)
         return ADMITTED
@@ -101,6 +102,27 @@ class KvAdmission:
         if self.tier is None:
             return s.l_incr + s.fetch
         return s.l_incr + s.fetch + s.out
+
+    def _charge(self, s: DecodeSession, need: int) -> None:
+        """The round of ``s`` is admitted: its ``need`` is charged, and a shared prefix
+        (--prefix-sharing; else 0) with it: the live pool's free space, which the core admits by, no
+        longer counts its blocks. With the tier its whole output is charged now and made later
+        (``output_due``)."""
+        self.kv_used += need + s.shared
+        s.shared = 0
+        if self.tier is not None:
+            s.due = s.out
+
+    def output_due(self, s: DecodeSession) -> int:
+        """With the host tier: the output tokens of the round of ``s`` charged at its admission and
+        not made yet (0 between rounds, or without the tier: output is then charged as it is made).
+        A live pool reserves them a token a step, so its free space still holds them: a driver that
+        admits by that space takes them off (``sync_kv_free``), or another round gets their room and a
+        decode token later finds the pool full."""
+        d = s.due
+        if d and s in self.exit_at.get(s.lo + s.out - 2, ()):  # in the batch: one a step since it joined
+            return s.lo + s.out - 1 - self.step_idx
+        return d
 
     def _fail(self, s: DecodeSession) -> int:
         s.error = f"{KV_EXHAUSTED} on {self.worker_id}: {s.l_incr} tokens needed, {self.kv_cap - self.kv_used} free"
@@ -129,8 +151,7 @@ class KvAdmission:
                     self.kv_overcommits += 1
             w.popleft()
             self.wait_need -= need
-            self.kv_used += need + s.shared  # (a prefix shared again after an eviction; else 0)
-            s.shared = 0
+            self._charge(s, need)  # (with a prefix shared again after an eviction)
             if s.fetch:
                 self._tier_fetched(s)
             return s
@@ -146,8 +167,7 @@ class KvAdmission:
             self.wait_need -= need
             self.admitted += 1
             self.sessions[s.session_id] = s
-            self.kv_used += need + s.shared  # with a shared prefix (--prefix-sharing; else 0)
-            s.shared = 0
+            self._charge(s, need)  # with a shared prefix (--prefix-sharing)
             return s
         return None
 
@@ -204,7 +224,8 @@ class KvAdmission:
 
     def sync_kv_free(self, free_tokens: int) -> None:
         """Live: the pool has ``free_tokens`` free; the core admits by it (its capacity becomes what
-        it has charged plus that)."""
+        it has charged plus that). A driver passes the pool's free space less what the core has
+        charged and the pool not reserved yet: with the tier, every running round's ``output_due``."""
         self.kv_cap = self.kv_used + free_tokens
 
     def shared_history(self, s: DecodeSession, tokens: int) -> None:
@@ -221,10 +242,29 @@ class KvAdmission:
         s.l_hist += tokens
         s.shared = tokens
 
+    def first_token(self, s: DecodeSession, now: float, last: bool = False) -> bool:
+        """The round's first token is made (here or by a remote prefill). False: the round ended
+        with it (``round_end`` next); True: the session joins the batch at the next run. ``last``
+        (live: EOS or a stop at the first token): the round ends with it whatever ``s.out`` planned."""
+        s.first = now
+        if last and s.out > 1:
+            if self.tier is not None:  # the output reserved at admission beyond this token frees
+                self.kv_used -= s.out - 1
+            s.out = 1
+        if self.tier is None:  # (with the tier, the round's output was reserved when it was admitted)
+            self.kv_used += 1
+        else:
+            s.due = s.out - 1
+        if s.out <= 1:
+            return False
+        self.pending.append(s)
+        return True
+
     def round_end(self, s: DecodeSession, last: bool) -> None:
         """The round's last token is made: its input and output join the session's history; the
         last round releases the session's KV (then loop on ``admit_next``)."""
         s.l_hist += s.l_incr + s.out
+        s.due = 0
         if last:
             self.kv_used -= s.l_hist
             self.admitted -= 1

@@ -152,7 +152,8 @@ class TierMixin:
         self.tier.host.drop(s.session_id)
         s.evicted = True
         self.kv_used -= s.l_hist - s.fetch
-        s.fetch = s.pinned = 0
+        self._unpin(s)
+        s.fetch = 0
 
     def _tier_victim(self, v) -> bool:
         """``_make_room`` evicts ``v`` (its KV on the device already uncharged). The order: its own
@@ -172,9 +173,18 @@ class TierMixin:
         t.count(DROP, "pressure-drop")
         t.host.drop(v.session_id)
         t.plans.pop(v.session_id, None)
+        self._unpin(v)
         v.evicted = True
-        v.fetch = v.pinned = 0
+        v.fetch = 0
         return False
+
+    def _unpin(self, v) -> None:
+        """``v`` is dropped with a pinned prefix (--prefix-sharing, live: 0 in the simulator), charged
+        to it and uncharged now. Other sessions may still read those blocks, so the pool frees them
+        only if none does: until the driver's next ``sync_kv_free`` says what the pool has, the core
+        counts them taken, or it would admit a round into blocks that are not free."""
+        self.kv_cap -= v.pinned
+        v.pinned = 0
 
     def _tier_unblock(self, need: int) -> bool:
         """Every running session waits for KV and the head's ``need`` does not fit: the other waiting

@@ -32,7 +32,27 @@ class KvSync:
         tier = self.w.tier
         # available: free, and the prefix blocks nobody holds (--prefix-sharing), which the pool
         # takes back before an allocation would fail
-        self.core.sync_kv_free(self.w.rt.pool.available_tokens + room - (tier.owed() if tier is not None else 0))
+        owed = tier.owed() + self.outputs_due() if tier is not None else 0
+        self.core.sync_kv_free(self.w.rt.pool.available_tokens + room - owed)
+
+    def outputs_due(self) -> int:
+        """The host tier: what the running rounds' output will still take from the pool, in its
+        blocks. The core charged each round's whole output at admission (``DecodeCore.output_due``:
+        the part not made yet), the pool reserves it a token a step, into the session's last block
+        first; a round whose start waits (``LiveTier.defer``) is counted without that block's room,
+        which its input takes first."""
+        w, core = self.w, self.core
+        bt = w.rt.pool.block_tokens
+        n = 0
+        for c in core.sessions.values():
+            due = core.output_due(c)
+            s = w.sessions.get(c.session_id)
+            if not due or s is None:
+                continue
+            kv = s.kv
+            room = 0 if s.session_id in w.tier.deferred else len(kv.blocks) * bt - kv.tokens - kv.reserved
+            n += -(-max(0, due - room) // bt) * bt
+        return n
 
     def published(self, now: float) -> tuple[WorkerView, float]:
         """What the worker publishes (``WorkerRuntime.published``): the core's view by the pool's
@@ -46,9 +66,12 @@ class KvSync:
         while True:
             self.sync()
             c = self.core.admit_next(time.time())
-            self.free_evicted()
-            if c is None:
+            # victims the core counted nothing for (a dropped pinned prefix: its blocks may be free
+            # now, cached) may have made the room: look again by the pool's count
+            if not self.free_evicted() and c is None:
                 return
+            if c is None:
+                continue
             self.w.start_round(self.w.sessions[c.session_id])
 
     # ------------------------------------------------------------------------ KV eviction

@@ -17,8 +17,9 @@ and is refused). Then:
   end with ``--kv-prefetch-early``) and does the accounting at once; this driver performs the moves
   it lists (``take_moves``), one after the other per session, and a round whose KV is moving (or
   whose blocks an offload is freeing) starts once the moves are done. Meanwhile the core admits by
-  the pool's free space less what it charged and the pool has not reserved yet (``owed``); KV it
-  counts free that an offload still holds only makes it admit later, never twice.
+  the pool's free space less what it charged and the pool has not reserved yet (``owed``, and the
+  running rounds' output: ``KvSync.outputs_due``); KV it counts free that an offload still holds
+  only makes it admit later, never twice.
 - a move that fails (a transfer error, a check that does not hold, no free host or device block)
   loses that copy of the KV, never the session: its next round prefills the history again from the
   session's tokens (``kv_recomputed_tokens``), as after an eviction. The core's charge for the round
@@ -288,8 +289,9 @@ class LiveTier:
         return self.w.rt.pool.available_tokens < self._missing(s)
 
     def owed(self) -> int:
-        """Tokens the core has charged that the pool has not reserved yet: the core admits by the
-        pool's free space less these (``KvSync.sync``), or it would give them away twice."""
+        """Tokens the core has charged that the pool has not reserved yet, but the running rounds'
+        output (``KvSync.outputs_due``): the core admits by the pool's free space less these
+        (``KvSync.sync``), or it would give them away twice."""
         n = sum(max(0, self._missing(s)) for s in self.deferred.values())
         return n + sum(v for sid, v in self.fetching.items() if sid not in self.deferred)
 

@@ -240,7 +240,7 @@ class DecodeWorker:
         bt = self.rt.pool.block_tokens
         self.kv.sync(room=len(s.kv.blocks) * bt - s.kv.tokens)
         r = self.core.round_ready(c, time.time())
-        self.kv.free_evicted()
+        evicted = self.kv.free_evicted()
         if r == FAILED:
             self.fail(s, c.error)
         elif r == ADMITTED:
@@ -248,6 +248,8 @@ class DecodeWorker:
         else:
             self.metrics["kv_waits"] += 1
             self.rt.changed()
+            if evicted:  # the core counts a dropped pinned prefix free only by the pool's count
+                self.kv.admit_waiting()
 
     def start_round(self, s: Session) -> None:
         """The round's KV is admitted (its host tier moves done): reserve it, route the prefill."""
@@ -373,11 +375,9 @@ class DecodeWorker:
             round=s.round, position=s.out_start, token_ids=[token], times=[now])))
         self.metrics["tokens"] += 1
         reason = s.finish(token, self.engine)
-        if reason:
-            s.core.out = 1  # the round ends with its first token
-        elif self.streams and not local:
+        if not reason and self.streams and not local:
             continue_remote_round(s, self.engine)
-        if self.core.first_token(s.core, now):
+        if self.core.first_token(s.core, now, last=bool(reason)):  # a reason: the round ends with it
             self.loop.wake.set()  # it joins the batch at the next step
         else:
             self.end_round(s, now, reason or FINISH_LENGTH)

@@ -285,3 +285,34 @@ def test_torch_greedy_tokens_are_the_same_with_the_tier_on_and_off(redis_url, tm
     assert prefetches == 6 and not any(k.startswith("kv_tier_failed_") for k in m)  # 2 a session
     assert m["kv_tier_host_used_blocks"] == 0 and m["kv_recomputed_tokens"] == 0
     assert all(len(v) == 18 for v in tokens[0].values()) and tokens[1] == tokens[0]
+
+
+
+# the six sessions above, their first outputs long (300 tokens, reserved a token a step): the rounds
+# decoding at once outgrow the pool unless admission counts their output before it is made
+LONG_SESSIONS = [Session(s.id, s.arrival, (Round(input=400, output=300, tool_s=1.0), *s.rounds[1:]))
+                 for s in SESSIONS]
+
+
+@pytest.mark.parametrize("sharing", [False, True], ids=["plain", "sharing"])
+def test_rounds_decoding_at_once_never_outgrow_a_packed_pool(redis_url, tmp_path, sharing):
+    # admission "none": the decode worker's core alone decides which rounds fit. With the tier each
+    # round's whole output is charged when it is admitted, but the pool reserves it a token a step:
+    # the count the core admits by must leave that room to it, or a later round takes it and a decode
+    # token finds the pool full ("KV exhausted"). With --prefix-sharing the six first prompts (the
+    # same 400 tokens) share 12 blocks, so more rounds run at once.
+    opts = Options(prefill="none", decode="tp1*1", profile=_profile(tmp_path, KV_TOKENS), policy="local",
+                   admission="none", kv_host_mb=1, prefix_sharing=sharing, redis_url=redis_url,
+                   namespace=f"kvtier-packed-{sharing}", run_dir=str(tmp_path / "run"))
+    records, stats, metrics = _replayed(opts, LONG_SESSIONS)
+    m = metrics["decode-0"]
+    print({k: m.get(k) for k in ("prefix_shared_tokens", "kv_waits", "kv_recomputed_tokens", "sessions_failed")})
+    assert all(r.completed for r in records), [r.error for r in records]
+    assert stats.token_mismatches == 0 and stats.tokens == 6 * (300 + 8 + 8) and m["kv_bytes_mismatched"] == 0
+    assert m["kv_waits"] > 0  # the pool could not hold every first round at once: some waited
+    if sharing:
+        assert m["prefix_shared_tokens"] >= 384  # a later session found the first one's prompt blocks
+    assert m["sessions_failed"] == 0 and m["kv_overcommits"] == 0 and m["active_sessions"] == 0
+    # no leak: the device pool holds only cached prefix blocks, the host pool nothing
+    assert m["kv_free_tokens"] + m.get("prefix_cached_tokens", 0) == m["kv_capacity_tokens"] == KV_TOKENS
+    assert m["kv_tier_host_used_blocks"] == 0 and m["kv_tier_host_copies"] == 0

@@ -286,3 +286,59 @@ def test_simulator_a_round_waits_only_for_the_offloads_whose_blocks_it_needs():
     d.kv_used = 900
     assert Tiering.tier_room_at(d, 1.5) == 3.0 and list(d.offloads) == [(2.0, 300), (3.0, 200)]  # done ones go
     assert Tiering.tier_room_at(d, 3.0) == 3.0 and not d.offloads
+
+
+def test_a_running_rounds_output_is_due_until_made_so_a_live_pool_count_leaves_it_room():
+    """With the tier a round's whole output is charged at admission, and a live pool reserves it a
+    token a step: ``output_due`` is the part not made yet (the live driver takes it off the pool's
+    free space before ``sync_kv_free``), counted down by the first token and each step, 0 once the
+    round ends, stops early or is dropped; without the tier nothing is due (charged as made)."""
+    core = _core(cap=1000, host_tokens=1008)
+    core.step_by_step = True  # a live driver's core
+    a, b = DecodeSession("a"), DecodeSession("b")
+    a.round, a.l_incr, a.out = 0, 100, 5
+    b.round, b.l_incr, b.out = 0, 100, 6
+    assert core.output_due(a) == 0  # not admitted
+    assert core.round_ready(a, 0.0) == ADMITTED and core.round_ready(b, 0.0) == ADMITTED
+    assert (core.output_due(a), core.output_due(b)) == (5, 6) and core.kv_used == 211
+    # the live pool holds the two inputs; the core admits by its free space less the outputs due
+    core.sync_kv_free(1000 - 200 - core.output_due(a) - core.output_due(b))
+    assert core.kv_cap - core.kv_used == 789
+    c = DecodeSession("c")  # 790 more: it would fit the pool's 800 free tokens, not beside the outputs due
+    c.round, c.l_incr, c.out = 0, 780, 10
+    assert core.round_ready(c, 0.0) == WAITING and core.output_due(c) == 0
+    assert core.first_token(a, 1.0) and core.output_due(a) == 4
+    core.schedule(1.0)  # a joins the batch
+    for k in (1, 2):
+        core.update(core.run, 1.0 + k)
+        assert core.output_due(a) == 4 - k and core.output_due(b) == 6
+        core.schedule(1.0 + k)
+    assert core.first_token(b, 3.5) and core.output_due(b) == 5
+    core.stop_early(a, 3)  # EOS at its third token: the rest of its output is due no more
+    assert core.output_due(a) == 0 and core.kv_used == 100 + 3 + 100 + 6
+    core.round_end(a, last=True)
+    assert core.output_due(a) == 0 and core.kv_used == 106
+    assert core.drop(b) and core.output_due(b) == 0 and core.kv_used == 0
+    assert not core.drop(c) and core.wait_need == 0  # (never admitted)
+    off = _core(cap=1000, host_tokens=1008)
+    off.tier = None
+    c = DecodeSession("c")
+    c.round, c.l_incr, c.out = 0, 100, 5
+    assert off.round_ready(c, 0.0) == ADMITTED and off.first_token(c, 1.0) and off.output_due(c) == 0
+
+
+def test_a_round_ending_at_its_first_token_frees_the_output_reserved_beyond_it():
+    """Live: EOS or a stop at the first token ends a round admitted for more (``s.out`` its bound):
+    with the tier, the output charged at admission beyond that token is released (it leaked into
+    ``kv_used`` before); without the tier only the token is charged, as ever."""
+    for tier in (True, False):
+        core = _core(cap=1000, host_tokens=1008)
+        if not tier:
+            core.tier = None
+        s = DecodeSession("s")
+        s.round, s.l_incr, s.out = 0, 100, 50
+        assert core.round_ready(s, 0.0) == ADMITTED and core.kv_used == (150 if tier else 100)
+        assert core.first_token(s, 1.0, last=True) is False
+        assert s.out == 1 and core.kv_used == 101 and core.output_due(s) == 0
+        core.round_end(s, last=True)
+        assert core.kv_used == 0
