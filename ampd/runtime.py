@@ -380,8 +380,9 @@ def worker_config(args, kind: str, port: int) -> WorkerConfig:
     require(args, "redis_url")
     check_names(args)
     values = inherited(args, WorkerConfig)
-    values["prefix_sharing"] = pool_prefix_sharing(values["prefix_sharing"],
-                                                   not capabilities_of(args.engine).needs_token_ids)
+    if kind == "decode":
+        values["prefix_sharing"] = pool_prefix_sharing(values["prefix_sharing"],
+                                                       not capabilities_of(args.engine).needs_token_ids)
     values["advertise"] = args.advertise or f"{args.host}:{port}"
     return WorkerConfig(kind=kind, port=port, **values)
 
