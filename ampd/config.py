@@ -157,12 +157,12 @@ class PolicyConfig:
     kv_prefetch_early: bool = setting(False, "host KV tier: start bringing offloaded KV back at the tool's expected "
                                              "end (less the transfer), into blocks no waiting round needs, instead "
                                              "of when the result arrives")
-    # Off by default until measured to help (benchmarks/prefix_sharing.py, prefix_sharing_live.py); the
-    # simulator models it (rounds with ``hash_ids``), the live decode worker shares prompt blocks
-    # (services/decode/prefix.py), with kv_evict and kv_host_mb too (docs/kv.md), and publishes them
-    # for the coordinator's binding (services/coordinator/prefixes.py); an engine that keeps its own KV
-    # is refused at start-up (check_prefix_sharing). The simulator does not model it with kv_evict,
-    # kv_host_mb or KV pins (ampd/sim/prefixing.py refuses those).
+    # Off by default, though measured to help (the simulator on Mooncake's conversation trace,
+    # benchmarks/results/prefix_sharing.json; live, prefix_sharing_live.json), until the simulator models it
+    # with kv_evict, kv_host_mb and KV pins (ampd/sim/prefixing.py refuses those). The live decode worker shares
+    # prompt blocks in its pool (services/decode/prefix.py), with kv_evict and kv_host_mb too (docs/kv.md),
+    # and publishes them for the coordinator's binding (services/coordinator/prefixes.py). An engine that
+    # keeps its own KV (sglang) shares prefixes in its own radix cache instead (pool_prefix_sharing).
     prefix_sharing: bool = setting(False, "sessions whose first prompt starts with full KV blocks another session "
                                           "on the same decode worker prefilled share those blocks (refcounted; "
                                           "released ones cached until the pool needs them) and prefill only the "
@@ -469,14 +469,11 @@ PROFILE_SETTINGS: tuple[str, ...] = ("model", "block_tokens", "kv_pool_mb", "max
 
 
 # ------------------------------------------------------------------------------ flattening
-def check_prefix_sharing(prefix_sharing: bool, engine: str, kv_in_pool: bool = True) -> None:
-    """ConfigError for what --prefix-sharing does not combine with (a decode worker and `ampd up`
-    check it before they start): an engine that keeps its KV outside the worker's pool
-    (``kv_in_pool`` False: sglang, which has its own prefix cache) has no blocks here to share. The
-    host KV tier and KV eviction compose with it (docs/kv.md "Prefix sharing")."""
-    if prefix_sharing and not kv_in_pool:
-        raise ConfigError(f"--prefix-sharing does not combine with --engine {engine} (it keeps its KV outside "
-                          "the worker's pool, with a prefix cache of its own); turn one of them off")
+def pool_prefix_sharing(prefix_sharing: bool, kv_in_pool: bool) -> bool:
+    """Whether a decode worker runs AMPD's prefix index over its pool: --prefix-sharing, with an engine
+    whose KV lives in that pool (``kv_in_pool``). An engine that keeps its KV itself (sglang) already
+    shares prefixes in its own radix cache, and the pool would hold no blocks to share."""
+    return prefix_sharing and kv_in_pool
 
 
 def flag_name(name: str) -> str:

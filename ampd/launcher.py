@@ -29,7 +29,7 @@ from pathlib import Path
 from ampd.cli import CliError
 from ampd import deathsig, grpcserver, tracing
 from ampd.config import (SECRET_SETTINGS, SERVICE_SETTINGS, SETTINGS, UP_SETTINGS, Config, ConfigError, add_flags,
-                         check_prefix_sharing, config_from_args, env_name, to_argv)
+                         config_from_args, env_name, to_argv)
 from ampd.deployment import expand_spec, format_spec, worker_shape
 from ampd.state.local import RedisStartError, start_redis
 from ampd.state.url import parse as parse_redis_url
@@ -63,12 +63,10 @@ class Deployment:
 
     def __init__(self, cfg: Config, supervise: bool = True, ready_timeout_s: float | None = None,
                  frontend: bool = False) -> None:
-        from ampd.engine import capabilities_of, check_available, engine_spec
+        from ampd.engine import check_available, engine_spec
 
         try:
             cfg.validate()
-            check_prefix_sharing(cfg.policy.prefix_sharing, cfg.deployment.engine,
-                                 not capabilities_of(cfg.deployment.engine).needs_token_ids)
             if cfg.deployment.redis_url:  # a malformed one fails here, not in every child
                 parse_redis_url(cfg.deployment.redis_url)
             check_available(cfg.deployment.engine, cfg.deployment.model)

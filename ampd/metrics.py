@@ -73,9 +73,10 @@ WORKER = (
          "predicted seconds until this worker's queue drains (the value it publishes for routing)"),
     _one("window_mean_seconds", "gauge", "window_mean_s",
          "windowed mean the router reads: TTFT on a prefill worker, ITL on a decode worker"),
-    Family("kv_cache_blocks", "gauge", "KV pool blocks by state", (("kv_used_blocks", "used"),
-                                                                   ("kv_free_blocks", "free")), label="state"),
-    _one("kv_cache_usage_perc", "gauge", "kv_usage_perc", "fraction of the KV pool in use (0 to 1)"),
+    Family("kv_cache_blocks", "gauge", "KV pool blocks by state (free: what a new round can take, cached "
+           "prefix blocks nobody holds included)", (("kv_used_blocks", "used"), ("kv_free_blocks", "free")),
+           label="state"),
+    _one("kv_cache_usage_perc", "gauge", "kv_usage_perc", "fraction of the KV pool held by sessions (0 to 1)"),
     Family("nixl_kv_bytes", "counter", "KV bytes this worker moved over NIXL, by the direction of its transfers",
            (("nixl_bytes_read", "read"), ("nixl_bytes_written", "written")), label="direction"),
     _one("kv_bytes_verified", "counter", "kv_bytes_verified", "KV bytes received over NIXL and checked"),
@@ -229,13 +230,16 @@ def worker_values(rt) -> dict[str, float]:
     st = rt.snapshot()
     pool = rt.pool
     blocks = pool.layout.num_blocks
+    # free: what the pool can give a new round, the cached prefix blocks it reclaims on demand
+    # included (--prefix-sharing; ``prefix_cached_tokens`` counts those apart), as admission counts
+    free = pool.available_tokens // pool.block_tokens
     out = {
         "queue_predicted_s": st.queue_predicted_s,
-        "kv_free_tokens": pool.free_tokens,
+        "kv_free_tokens": free * pool.block_tokens,
         "kv_capacity_tokens": pool.capacity_tokens,
-        "kv_used_blocks": blocks - pool.free_blocks,
-        "kv_free_blocks": pool.free_blocks,
-        "kv_usage_perc": (blocks - pool.free_blocks) / blocks,
+        "kv_used_blocks": blocks - free,
+        "kv_free_blocks": free,
+        "kv_usage_perc": (blocks - free) / blocks,
         "nixl_bytes_read": rt.transport.bytes_read,
         "nixl_bytes_written": rt.transport.bytes_written,
         "fences": rt.fences,  # times a coordinator fenced it out (docs/deploy.md "Faults")

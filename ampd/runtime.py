@@ -12,8 +12,9 @@ from typing import Awaitable, Callable
 
 import structlog
 
-from ampd.config import SERVICE_SETTINGS, ConfigError, add_flags, inherit, inherited, require
+from ampd.config import SERVICE_SETTINGS, ConfigError, add_flags, inherit, inherited, pool_prefix_sharing, require
 from ampd.deployment import check_names
+from ampd.engine import capabilities_of
 from ampd.engine.base import Sampling
 from ampd.kv import KVPool, PoolLayout
 from ampd.kv.finetimer import fine_sleep
@@ -379,6 +380,9 @@ def worker_config(args, kind: str, port: int) -> WorkerConfig:
     require(args, "redis_url")
     check_names(args)
     values = inherited(args, WorkerConfig)
+    if kind == "decode":
+        values["prefix_sharing"] = pool_prefix_sharing(values["prefix_sharing"],
+                                                       not capabilities_of(args.engine).needs_token_ids)
     values["advertise"] = args.advertise or f"{args.host}:{port}"
     return WorkerConfig(kind=kind, port=port, **values)
 

@@ -110,8 +110,7 @@ def one(name: str, on: bool, sessions: list[Session], run_dir: Path) -> dict:
     decode = {w: m for w, (kind, m) in workers.items() if kind == "decode"}
     ttft1 = [r.rounds[0].first_token - r.rounds[0].input_ready for r in records
              if r.rounds and r.rounds[0].first_token is not None]
-    empty = all(m["active_sessions"] == 0 and m["kv_free_tokens"] + m.get("prefix_cached_tokens", 0)
-                == m["kv_capacity_tokens"] for m in decode.values())
+    empty = all(m["active_sessions"] == 0 and m["kv_free_tokens"] == m["kv_capacity_tokens"] for m in decode.values())
     return {"variant": name, "prefix_sharing": on, "sessions": len(records), "completed": rep["completed"],
             "tokens_prefilled": sum(x.l_incr for r in records for x in r.rounds),
             "tokens_shared": int(sum(m.get("prefix_shared_tokens", 0) for m in decode.values())),

@@ -41,7 +41,7 @@ def replay_turn(s: Session, i: int, position: int, client_tools: bool) -> common
     r = s.rounds[i]
     last = len(s.rounds) - 1
     calls = range(i, i + 1 if client_tools else last) if i < last else ()
-    return common_pb2.Turn(token_ids=round_ids(r.input, position, r.hash_ids), sampling=replay_sampling(r.output),
+    return common_pb2.Turn(token_ids=round_ids(r.input, position, r.hash_ids, session=s.id), sampling=replay_sampling(r.output),
                            script=[replay_call(s, j, client_tools) for j in calls])
 
 

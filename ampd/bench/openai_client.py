@@ -70,7 +70,7 @@ async def run_session(client, model: str, s: Session, stats: OpenAIStats) -> Ses
     for i, r in enumerate(s.rounds):
         if i:
             await asyncio.sleep(s.rounds[i - 1].tool_s or 0.0)
-        prompt = history + round_ids(r.input, len(history), r.hash_ids)
+        prompt = history + round_ids(r.input, len(history), r.hash_ids, session=s.id)
         sent = time.time()
         try:
             ids, times, info = await _round(client, model, prompt, r.output)

@@ -9,7 +9,7 @@ import grpc
 import structlog
 
 from ampd import grpcserver, logs, metrics, tracing
-from ampd.config import ConfigError, DeploymentConfig, check_prefix_sharing
+from ampd.config import ConfigError, DeploymentConfig
 from ampd.grpcserver import SESSION_OPEN, RpcFailure, abort_on_failure, serve_calls
 from ampd.chat.template import ChatFormat
 from ampd.chat.tokenizer import tokenizer_for
@@ -226,6 +226,8 @@ async def amain(args: argparse.Namespace) -> None:
         [decode_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name],
     )
     cfg = worker_config(args, "decode", port)
+    if args.prefix_sharing and not cfg.prefix_sharing:
+        log.info("prefix sharing is the engine's own prefix cache", engine=cfg.engine)
     engine = make_engine(cfg.engine, profile, cfg.tp, cfg.model, kv_store={"redis_url": cfg.redis_url, "namespace": cfg.namespace, "worker": cfg.worker_id})
     pool = pool_for(profile, cfg, engine)
     session_tokens = min(engine.max_context, pool.capacity_tokens)
@@ -274,7 +276,6 @@ def main(argv: list[str] | None = None) -> None:
     try:
         args = build_parser().parse_args(argv)
         worker_config(args, "decode", args.port)  # bad settings fail before a port is bound
-        check_prefix_sharing(args.prefix_sharing, args.engine, not capabilities_of(args.engine).needs_token_ids)
         use_threads(args.worker_threads)
         check_available(args.engine, args.model)
         tracing.setup("decode", args.otlp_endpoint, instance=args.worker_id)

@@ -142,14 +142,18 @@ def test_launcher_and_simulator_use_the_one_rule(tmp_path):
     assert "co-located" in dep.describe()
 
 
-def test_prefix_sharing_refuses_only_an_engine_that_keeps_its_own_kv():
-    check_prefix_sharing = config.check_prefix_sharing
+def test_an_engine_with_its_own_kv_shares_prefixes_in_its_own_cache():
+    from ampd.runtime import worker_config
+    from services.decode.server import build_parser
 
-    check_prefix_sharing(False, "sglang", kv_in_pool=False)  # off: anything goes
-    check_prefix_sharing(True, "mock")
-    check_prefix_sharing(True, "torch")
-    with pytest.raises(config.ConfigError, match="--prefix-sharing does not combine with --engine sglang"):
-        check_prefix_sharing(True, "sglang", False)
+    base = ["--worker-id", "d", "--redis-url", "redis://127.0.0.1:1"]
+    assert worker_config(build_parser().parse_args(base + ["--prefix-sharing"]), "decode", 1).prefix_sharing
+    assert not worker_config(build_parser().parse_args(base), "decode", 1).prefix_sharing
+    # sglang keeps its KV itself and shares prefixes in its radix cache: no index over the pool, no error
+    assert not worker_config(build_parser().parse_args(base + ["--prefix-sharing", "--engine", "sglang"]), "decode", 1).prefix_sharing
+    assert config.pool_prefix_sharing(True, kv_in_pool=True)
+    assert not config.pool_prefix_sharing(True, kv_in_pool=False)
+    assert not config.pool_prefix_sharing(False, kv_in_pool=True)
 
 
 def test_the_decode_worker_takes_prefix_sharing_with_the_host_tier_and_eviction():
@@ -160,17 +164,3 @@ def test_the_decode_worker_takes_prefix_sharing_with_the_host_tier_and_eviction(
                                       "--kv-host-mb", "4", "--kv-evict"])
     cfg = worker_config(args, "decode", 1)
     assert (cfg.prefix_sharing, cfg.kv_host_mb, cfg.kv_evict) == (True, 4.0, True)
-    config.check_prefix_sharing(args.prefix_sharing, args.engine)
-
-
-@pytest.mark.parametrize("extra, named", [(["--engine", "sglang"], "--engine sglang")])
-def test_ampd_up_and_the_decode_worker_refuse_prefix_sharing_combinations_with_a_message(extra, named, capsys):
-    from ampd.cli import main as ampd_main
-    from services.decode.server import main as decode_main
-
-    assert ampd_main(["up", "--prefix-sharing", *extra]) != 0
-    msg = capsys.readouterr().err
-    assert "--prefix-sharing does not combine with " + named in msg and "Traceback" not in msg
-    with pytest.raises(SystemExit) as exc:
-        decode_main(["--worker-id", "d", "--redis-url", "redis://127.0.0.1:1", "--prefix-sharing", *extra])
-    assert "--prefix-sharing does not combine with " + named in str(exc.value.code)

@@ -224,6 +224,10 @@ def test_round_ids_follow_hash_ids_so_shared_blocks_share_tokens():
     from ampd.workload.ids import filler_ids, round_ids
 
     assert round_ids(40, 7) == filler_ids(40, 7)  # no hash ids: fillers as before
+    # ... and a session's prompt begins with ids of its own, so nothing the trace does not share is shared
+    a0, b0 = round_ids(40, 0, session="a"), round_ids(40, 0, session="b")
+    assert a0[2:] == b0[2:] == filler_ids(40)[2:] and a0[:2] != b0[:2] and a0 == round_ids(40, 0, session="a")
+    assert round_ids(40, 7, session="a") == filler_ids(40, 7)  # a later round's input: as before
     a = round_ids(1100, 0, (1, 2, 3), block_tokens=512)
     b = round_ids(1200, 0, (1, 2, 9), block_tokens=512)
     c = round_ids(600, 0, (5, 2), block_tokens=512)
