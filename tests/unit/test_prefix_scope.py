@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from ampd.front.api import ApiError, parse_chat
 from ampd.front.tenants import OPEN, Tenant
 from ampd.kv import KVPool, kv_pattern, verify_pattern
 from ampd.policy.prefixbind import prefix_hashes, prefix_seed, scoped_seed
@@ -111,3 +112,11 @@ def test_a_moved_or_reattached_session_keeps_its_scope():
     assert log.resume().open.prefix_scope == "tenant-a"
     st = decode_pb2.SessionState(history=[1, 2, 3], prefix_scope="tenant-a", round=-1)
     assert SessionLog.from_state("s", st).prefix_scope == "tenant-a"
+
+
+def test_the_front_refuses_a_cache_salt_rather_than_ignoring_it():
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    parse_chat({**body, "cache_salt": ""})  # asks for nothing
+    with pytest.raises(ApiError) as info:
+        parse_chat({**body, "cache_salt": "per-user"})
+    assert info.value.status == 400 and info.value.param == "cache_salt"
