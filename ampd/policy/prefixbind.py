@@ -66,7 +66,7 @@ def scoped_seed(seed: int, scope: str) -> int:
     if not scope:
         return seed
     h = hashlib.blake2b(_HASH.pack(seed & 0xFFFFFFFFFFFFFFFF), digest_size=8, person=b"ampd-scope")
-    h.update(scope.encode("utf-8", "surrogatepass"))
+    h.update(scope.encode())
     return int.from_bytes(h.digest(), "little")
 
 
