@@ -41,6 +41,7 @@ class SessionLog:
     first_token_at: float = 0.0  # the current round's first token (server clock)
     input_ready: float = 0.0  # the current round's input ready time (server clock)
     turns: int = 0  # the client's turns (the open's counts): a reattach knows which one never arrived
+    prefix_scope: str = ""  # the open's: a moved session shares prefix blocks within it only
 
     @classmethod
     def from_state(cls, session_id: str, st: decode_pb2.SessionState) -> "SessionLog":
@@ -51,7 +52,8 @@ class SessionLog:
                    next_round=st.next_round, round=st.round, round_tokens=st.round_tokens,
                    round_ended=st.round_ended, server_calls=list(st.server_calls),
                    client_calls=set(st.client_calls), timings={t.round: t for t in st.rounds}, moves=st.moves,
-                   first_token_at=st.first_token_at, input_ready=st.input_ready, turns=st.turns)
+                   first_token_at=st.first_token_at, input_ready=st.input_ready, turns=st.turns,
+                   prefix_scope=st.prefix_scope)
 
     # ------------------------------------------------------------------------ what happened
     def on_turn(self, t: common_pb2.Turn) -> None:
@@ -191,7 +193,8 @@ class SessionLog:
         if not turn.token_ids:
             raise CannotResume("the session has no tokens yet")
         return decode_pb2.AttachRequest(
-            open=common_pb2.OpenSession(session_id=self.session_id, limits=self.limits, turn=turn), resume=res)
+            open=common_pb2.OpenSession(session_id=self.session_id, limits=self.limits, turn=turn,
+                                        prefix_scope=self.prefix_scope), resume=res)
 
     def _max_tokens(self, p: common_pb2.SamplingParams) -> int:
         cap = self.limits.max_output_tokens

@@ -60,6 +60,7 @@ def _finite(value: float, path: str, lo: float, hi: float) -> None:
 # ------------------------------------------------------------------------------- session API
 def validate_open(o: common_pb2.OpenSession, path: str = "open", script_tools: Collection[str] | None = None) -> None:
     _id(o.session_id, f"{path}.session_id")
+    _id(o.prefix_scope, f"{path}.prefix_scope", required=False)  # hashed per block, and kept per session
     if not o.HasField("turn"):
         raise InvalidArgument(f"{path}.turn: required (a session opens with its first turn)")
     if not 0 <= o.limits.max_rounds <= MAX_ROUNDS:

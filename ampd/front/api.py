@@ -57,6 +57,10 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "guided_regex": (None,),
     "guided_choice": (None,),
     "guided_grammar": (None,),
+    # vLLM's: narrows prefix sharing within a tenant. Sessions share only within their tenant here
+    # (OpenSession.prefix_scope); a salt ignored would promise isolation that the tenant's sessions
+    # (shared by design, history matching included) do not give
+    "cache_salt": (None, ""),
 }
 _COMPLETION_ONLY: dict[str, tuple[Any, ...]] = {"echo": (None, False), "best_of": (None, 1), "suffix": (None, "")}
 

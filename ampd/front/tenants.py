@@ -28,6 +28,13 @@ class Tenant:
     name: str
     scope: str  # its sessions' scope in the index (ampd.front.index.tenant_scope)
 
+    @property
+    def prefix_scope(self) -> str:
+        """Its sessions' prefix scope (OpenSession.prefix_scope): a decode worker shares KV blocks
+        only within one, since a shared block shows in the cached tokens and TTFT of whoever shares
+        it. The open tenant's is the deployment's shared scope (empty), as for plain gRPC clients."""
+        return self.scope if self.name else ""
+
     @classmethod
     def of(cls, name: str) -> "Tenant":
         return cls(name, tenant_scope(name))

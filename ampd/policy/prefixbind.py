@@ -15,7 +15,8 @@ from .bind import bind
 from .order import before
 from .types import WorkerView
 
-__all__ = ["bind_prefix", "block_hashes", "prefix_hashes", "prefix_seed", "rebind_prefix", "leading", "MOVE_MIN_BLOCKS"]
+__all__ = ["bind_prefix", "block_hashes", "prefix_hashes", "prefix_seed", "scoped_seed", "rebind_prefix", "leading",
+           "MOVE_MIN_BLOCKS"]
 
 # Binding leaves admission's worker for a longer prefix only when it saves this many more blocks
 # there: a short common prefix (a system prompt) is not worth unbalancing the workers for
@@ -54,6 +55,19 @@ def prefix_seed(model: str) -> int:
     if not model:
         return 0
     return int.from_bytes(hashlib.blake2b(model.encode(), digest_size=8).digest(), "little")
+
+
+def scoped_seed(seed: int, scope: str) -> int:
+    """The seed of the block hashes of a session in prefix scope ``scope`` (OpenSession.prefix_scope)
+    on a worker whose model seed is ``seed`` (``prefix_seed``): blocks of different scopes never have
+    equal hashes, so they are never shared across scopes (a shared block shows in another session's
+    cached tokens and TTFT: a side channel between tenants). The empty scope, the deployment's shared
+    one, keeps ``seed`` itself. The decode worker and the coordinator's binding both hash with it."""
+    if not scope:
+        return seed
+    h = hashlib.blake2b(_HASH.pack(seed & 0xFFFFFFFFFFFFFFFF), digest_size=8, person=b"ampd-scope")
+    h.update(scope.encode())
+    return int.from_bytes(h.digest(), "little")
 
 
 def bind_prefix(decode_workers: Sequence[WorkerView], matched: Mapping[str, int], block_tokens: int,

@@ -165,22 +165,23 @@ class PrefixIndex:
         return n
 
     # --- changes: live ------------------------------------------------------------------------
-    def share(self, session_id: str, tokens: Sequence[int]) -> Shared:
-        """The longest indexed prefix of a new session's prompt, a reference each (none: empty)."""
+    def share(self, session_id: str, tokens: Sequence[int], seed: int | None = None) -> Shared:
+        """The longest indexed prefix of a new session's prompt, a reference each (none: empty).
+        ``seed``: its hashes' (its prefix scope's, ``prefixbind.scoped_seed``); None: the index's."""
         self._new(session_id)
-        hashes = prefix_hashes(tokens, self.block_tokens, self.seed)
+        hashes = prefix_hashes(tokens, self.block_tokens, self.seed if seed is None else seed)
         blocks = self._take(hashes[:self.match(hashes)])
         if blocks:
             self._held[session_id] = blocks
         return Shared(tuple(blocks), len(blocks) * self.block_tokens)
 
-    def publish(self, session_id: str, tokens: Sequence[int], blocks: Sequence[int]) -> int:
+    def publish(self, session_id: str, tokens: Sequence[int], blocks: Sequence[int], seed: int | None = None) -> int:
         """The session's first prefill wrote the KV of ``tokens`` (its prompt) into ``blocks`` (its
         blocks in position order, the shared ones first): its own full prompt blocks enter the index
         up to the first whose prefix another block already holds (that one and the rest stay the
-        session's own). Returns how many leading blocks the index now holds for it."""
+        session's own). Returns how many leading blocks the index now holds for it. ``seed``: as ``share``'s."""
         held = self._held.setdefault(session_id, [])
-        hashes = prefix_hashes(tokens, self.block_tokens, self.seed)
+        hashes = prefix_hashes(tokens, self.block_tokens, self.seed if seed is None else seed)
         for i in range(len(held), min(len(hashes), len(blocks))):
             h, b = hashes[i], blocks[i]
             if h in self._by_hash or b in self._refs:

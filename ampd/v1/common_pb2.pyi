@@ -93,14 +93,16 @@ class SessionLimits(_message.Message):
     def __init__(self, max_rounds: _Optional[int] = ..., max_output_tokens: _Optional[int] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("session_id", "limits", "turn")
+    __slots__ = ("session_id", "limits", "turn", "prefix_scope")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     TURN_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SCOPE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     limits: SessionLimits
     turn: Turn
-    def __init__(self, session_id: _Optional[str] = ..., limits: _Optional[_Union[SessionLimits, _Mapping]] = ..., turn: _Optional[_Union[Turn, _Mapping]] = ...) -> None: ...
+    prefix_scope: str
+    def __init__(self, session_id: _Optional[str] = ..., limits: _Optional[_Union[SessionLimits, _Mapping]] = ..., turn: _Optional[_Union[Turn, _Mapping]] = ..., prefix_scope: _Optional[str] = ...) -> None: ...
 
 class RoundTiming(_message.Message):
     __slots__ = ("round", "input_ready", "first_token", "last_token", "tokens", "local", "prefill_worker", "route_reason", "l_hist", "l_incr", "finish_reason", "recovered", "kv_recomputed_tokens", "prefix_shared_tokens")

@@ -56,7 +56,7 @@ class ReattachRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., session_secret: _Optional[str] = ..., after_seq: _Optional[int] = ..., attach_token: _Optional[str] = ...) -> None: ...
 
 class SessionState(_message.Message):
-    __slots__ = ("seq", "history", "turn", "turn_round", "next_round", "round", "round_tokens", "round_ended", "server_calls", "client_calls", "rounds", "first_token_at", "input_ready", "turns", "closing", "unrouted", "limits", "moves")
+    __slots__ = ("seq", "history", "turn", "turn_round", "next_round", "round", "round_tokens", "round_ended", "server_calls", "client_calls", "rounds", "first_token_at", "input_ready", "turns", "closing", "unrouted", "limits", "moves", "prefix_scope")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     TURN_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class SessionState(_message.Message):
     UNROUTED_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     MOVES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SCOPE_FIELD_NUMBER: _ClassVar[int]
     seq: int
     history: _containers.RepeatedScalarFieldContainer[int]
     turn: _common_pb2.Turn
@@ -93,7 +94,8 @@ class SessionState(_message.Message):
     unrouted: _common_pb2.PrefillTask
     limits: _common_pb2.SessionLimits
     moves: int
-    def __init__(self, seq: _Optional[int] = ..., history: _Optional[_Iterable[int]] = ..., turn: _Optional[_Union[_common_pb2.Turn, _Mapping]] = ..., turn_round: _Optional[int] = ..., next_round: _Optional[int] = ..., round: _Optional[int] = ..., round_tokens: _Optional[int] = ..., round_ended: _Optional[bool] = ..., server_calls: _Optional[_Iterable[_Union[_common_pb2.ToolCall, _Mapping]]] = ..., client_calls: _Optional[_Iterable[str]] = ..., rounds: _Optional[_Iterable[_Union[_common_pb2.RoundTiming, _Mapping]]] = ..., first_token_at: _Optional[float] = ..., input_ready: _Optional[float] = ..., turns: _Optional[int] = ..., closing: _Optional[bool] = ..., unrouted: _Optional[_Union[_common_pb2.PrefillTask, _Mapping]] = ..., limits: _Optional[_Union[_common_pb2.SessionLimits, _Mapping]] = ..., moves: _Optional[int] = ...) -> None: ...
+    prefix_scope: str
+    def __init__(self, seq: _Optional[int] = ..., history: _Optional[_Iterable[int]] = ..., turn: _Optional[_Union[_common_pb2.Turn, _Mapping]] = ..., turn_round: _Optional[int] = ..., next_round: _Optional[int] = ..., round: _Optional[int] = ..., round_tokens: _Optional[int] = ..., round_ended: _Optional[bool] = ..., server_calls: _Optional[_Iterable[_Union[_common_pb2.ToolCall, _Mapping]]] = ..., client_calls: _Optional[_Iterable[str]] = ..., rounds: _Optional[_Iterable[_Union[_common_pb2.RoundTiming, _Mapping]]] = ..., first_token_at: _Optional[float] = ..., input_ready: _Optional[float] = ..., turns: _Optional[int] = ..., closing: _Optional[bool] = ..., unrouted: _Optional[_Union[_common_pb2.PrefillTask, _Mapping]] = ..., limits: _Optional[_Union[_common_pb2.SessionLimits, _Mapping]] = ..., moves: _Optional[int] = ..., prefix_scope: _Optional[str] = ...) -> None: ...
 
 class Resume(_message.Message):
     __slots__ = ("round", "round_tokens", "rerun_tools", "calls", "attempt", "turns")

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 import structlog
 
 from ampd.policy import WorkerView
-from ampd.policy.prefixbind import prefix_hashes, rebind_prefix
+from ampd.policy.prefixbind import prefix_hashes, rebind_prefix, scoped_seed
 from ampd.state.prefixes import PrefixSets
 from ampd.state.store import REDIS_ERRORS, WorkerInfo
 
@@ -41,9 +41,11 @@ def _block_tokens(info: WorkerInfo) -> int:
         return 0
 
 
-def prompt_hashes(infos: Mapping[str, WorkerInfo], tokens: Sequence[int]) -> dict[str, list[int]]:
-    """worker id -> the hashes of the prompt blocks it could share (its block size and seed), for the
-    decode workers that share prefixes. Pure: workers of one layout and model hash once."""
+def prompt_hashes(infos: Mapping[str, WorkerInfo], tokens: Sequence[int], scope: str = "") -> dict[str, list[int]]:
+    """worker id -> the hashes of the prompt blocks it could share (its block size and seed, mixed
+    with the session's prefix scope as the worker mixes it: ``scoped_seed``), for the decode workers
+    that share prefixes; so a session is bound only to blocks of its own scope. Pure: workers of one
+    layout and model hash once."""
     out: dict[str, list[int]] = {}
     done: dict[tuple[int, int], list[int]] = {}
     for wid, info in infos.items():
@@ -52,7 +54,7 @@ def prompt_hashes(infos: Mapping[str, WorkerInfo], tokens: Sequence[int]) -> dic
             continue
         key = (bt, info.prefix_seed)
         if key not in done:
-            done[key] = prefix_hashes(tokens, bt, info.prefix_seed)
+            done[key] = prefix_hashes(tokens, bt, scoped_seed(info.prefix_seed, scope))
         out[wid] = done[key]
     return out
 
@@ -91,13 +93,14 @@ class PrefixChoice:
 
 
 async def prefix_choice(sets: PrefixSets, infos: Mapping[str, WorkerInfo], sid: str, tokens: Sequence[int],
-                        itl_slo_s: float | None, counters: Counter) -> PrefixChoice | None:
-    """The PrefixChoice of a new session with prompt ``tokens``; None when no decode worker shares
-    prefixes, the prompt has no full block to share, or Redis did not answer (bound as without)."""
+                        itl_slo_s: float | None, counters: Counter, scope: str = "") -> PrefixChoice | None:
+    """The PrefixChoice of a new session with prompt ``tokens`` in prefix scope ``scope``
+    (OpenSession.prefix_scope); None when no decode worker shares prefixes, the prompt has no full
+    block to share, or Redis did not answer (bound as without)."""
     if len(tokens) > THREAD_TOKENS:
-        hashes = await asyncio.to_thread(prompt_hashes, dict(infos), tokens)
+        hashes = await asyncio.to_thread(prompt_hashes, dict(infos), tokens, scope)
     else:
-        hashes = prompt_hashes(infos, tokens)
+        hashes = prompt_hashes(infos, tokens, scope)
     if not any(hashes.values()):
         return None
     try:

@@ -66,7 +66,7 @@ class Reattach:
         run.reattach = None
         svc = run.svc
         run.log = SessionLog.from_state(run.sid, st)
-        run.o = common_pb2.OpenSession(session_id=run.sid, limits=st.limits)
+        run.o = common_pb2.OpenSession(session_id=run.sid, limits=st.limits, prefix_scope=st.prefix_scope)
         run.replayed = run.seq = st.seq
         run.logged_to = len(st.history)
         run.admitted = True

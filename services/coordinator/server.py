@@ -156,7 +156,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             return None
         slo = self.admission.book.slo
         return await prefix_choice(self.prefix_sets, self.cluster.infos, run.sid, tokens,
-                                   slo.itl_s if slo is not None else None, self.counters)
+                                   slo.itl_s if slo is not None else None, self.counters, run.o.prefix_scope)
 
     def block_tokens(self) -> int:
         """A session's last KV block may be partly empty: its promise counts one block more."""

@@ -62,7 +62,7 @@ class SessionRun:
         self.sid = sid
         self.o = o
         self.requests = request_iterator
-        self.log = SessionLog(sid, o.limits)
+        self.log = SessionLog(sid, o.limits, prefix_scope=o.prefix_scope)
         self.q = Inbox()
         self.gen = 0  # the binding's number: events of a replaced binding are dropped
         self.bound = False

@@ -15,6 +15,10 @@ With the host tier a session's index-held blocks stay on the device when the res
 host (``pinned_tokens``, ``keep_pinned``); a session whose KV was dropped shares again before its
 next round (``share``).
 
+Blocks are shared only within a session's prefix scope (``OpenSession.prefix_scope``; the OpenAI
+front's tenant): its hashes are seeded with the model's seed mixed with the scope (``seed_of``,
+``ampd.policy.prefixbind.scoped_seed``), the same seed the coordinator's binding hashes with.
+
 The mock engine's KV of a session's prefix positions (``Session.prefix_tokens``) is keyed by position
 alone (``ampd.kv.pattern``), so a shared block passes every byte check of another session's reads.
 """
@@ -26,6 +30,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from ampd.kv import KVPool, SessionKV
+from ampd.policy.prefixbind import scoped_seed
 from ampd.policy.prefixindex import PrefixIndex, prefix_hashes
 
 if TYPE_CHECKING:
@@ -140,6 +145,11 @@ class LivePrefix:
         if on:
             pool.reclaimer = self.index
 
+    def seed_of(self, scope: str) -> int:
+        """The hash seed of a session in prefix scope ``scope`` (OpenSession.prefix_scope): the model's
+        mixed with the scope, so sessions of different scopes (tenants) never share a block here."""
+        return scoped_seed(self.index.seed, scope)
+
     def new_kv(self, session_id: str) -> SessionKV:
         bt = self.w.rt.pool.block_tokens
         return SharedKV(bt, self.index, session_id) if self.on else SessionKV(bt)
@@ -158,7 +168,7 @@ class LivePrefix:
         bt = self.w.rt.pool.block_tokens
         if not again:
             s.prefix_tokens = len(prefix_hashes(s.tokens, bt)) * bt
-        got = self.index.share(kv.session_id, s.tokens[:s.prefix_tokens + 1])
+        got = self.index.share(kv.session_id, s.tokens[:s.prefix_tokens + 1], s.scoped_seed)
         s.shared_tokens = got.tokens
         if got.tokens:
             s.kv.blocks, s.kv.tokens, kv.shared_in = list(got.blocks), got.tokens, len(got.blocks)
@@ -173,7 +183,7 @@ class LivePrefix:
         s.shared_tokens = 0
         kv = s.kv
         if isinstance(kv, SharedKV) and self.index.held(kv.session_id) * self.w.rt.pool.block_tokens < s.prefix_tokens:
-            self.index.publish(kv.session_id, s.tokens[:s.prefix_tokens + 1], kv.blocks)
+            self.index.publish(kv.session_id, s.tokens[:s.prefix_tokens + 1], kv.blocks, s.scoped_seed)
 
     def rewound(self, s: Session, tokens: int) -> None:
         s.prefix_tokens = min(s.prefix_tokens, tokens)

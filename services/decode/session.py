@@ -110,6 +110,8 @@ class Session:
     recompute: int = 0  # KV tokens an eviction took (--kv-evict): the next round prefills them again
     prefix_tokens: int = 0  # --prefix-sharing: leading tokens in prefix blocks (PrefillTask.prefix_tokens)
     shared_tokens: int = 0  # --prefix-sharing: of them, those its first round found shared (RoundTiming)
+    scoped_seed: int = 0  # --prefix-sharing: its prompt blocks' hash seed, its prefix scope's (LivePrefix.seed_of)
+    prefix_scope: str = ""  # OpenSession.prefix_scope (SessionState: a reattached coordinator moves it with it)
     route: decode_pb2.Route | None = None  # the coordinator's route for the round starting now
     where: tuple[int, KVWhere] | None = None  # (round, where its KV was as it started): services/decode/kvwhere.py
     # (session, round) and token of a remote prefill given up on (overdue) that may still write its

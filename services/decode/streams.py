@@ -70,7 +70,8 @@ class Attachments:
         st = decode_pb2.SessionState(
             seq=s.seq, history=s.tokens, turn_round=s.turn_round, next_round=s.next_round, round=s.round_begun,
             round_ended=s.round_ended, server_calls=s.server_calls, client_calls=s.pending_calls,
-            rounds=s.rounds_done, input_ready=s.input_ready, turns=s.turns, closing=s.closing, moves=s.moves)
+            rounds=s.rounds_done, input_ready=s.input_ready, turns=s.turns, closing=s.closing, moves=s.moves,
+            prefix_scope=s.prefix_scope)
         if s.limits is not None:
             st.limits.CopyFrom(s.limits)
         if s.turn is not None:

@@ -151,6 +151,7 @@ class DecodeWorker:
             core=DecodeSession(o.session_id),
             secret=req.session_secret,
             seq=req.first_seq, sent=req.first_seq, limits=o.limits, turns=1,
+            prefix_scope=o.prefix_scope, scoped_seed=self.prefix.seed_of(o.prefix_scope),
         )
         self.ended.pop(s.session_id, None)
         self.sessions[s.session_id] = s

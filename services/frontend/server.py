@@ -221,7 +221,8 @@ class Front:
             self.table.add(s)
             s.opened_with = getattr(request.state, "known", {})
             self.table.hold(s, s.opened_with)
-            s.open_msg = common_pb2.OpenSession(session_id=s.session_id, turn=common_pb2.Turn(token_ids=ids, sampling=p))
+            s.open_msg = common_pb2.OpenSession(session_id=s.session_id, turn=common_pb2.Turn(token_ids=ids, sampling=p),
+                                                prefix_scope=tenant.prefix_scope)
             if hints is not None:
                 hints_to_turn(hints, s.open_msg.turn)
             if tracing.on:
