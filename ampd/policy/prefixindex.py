@@ -155,6 +155,11 @@ class PrefixIndex:
             n += 1
         return n
 
+    def own_leading(self, session_id: str, blocks: int) -> list[bool]:
+        """For each of the session's first ``blocks`` held blocks: whether no other session
+        references it (releasing it would free it: cached, reclaimable)."""
+        return [self._refs[b] < 2 for b in self._held.get(session_id, ())[:max(blocks, 0)]]
+
     def match(self, hashes: Sequence[int]) -> int:
         """How many leading blocks of ``hashes`` are indexed here (the longest shared prefix)."""
         n = 0

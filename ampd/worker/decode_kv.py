@@ -20,7 +20,7 @@ class DecodeSession:
     makes; live: its upper bound) before ``round_ready``. The core keeps the rest."""
 
     __slots__ = ("session_id", "round", "l_hist", "l_incr", "out", "first", "lo", "ctx_join", "in_tool",
-                 "evicted", "error", "fetch", "shared", "pinned", "due")
+                 "evicted", "error", "fetch", "shared", "pinned", "pin_own", "due")
 
     def __init__(self, session_id: str):
         self.session_id = session_id
@@ -39,6 +39,9 @@ class DecodeSession:
         # host tier + prefix sharing: leading history tokens in blocks the prefix index holds, set by
         # the driver before ``tier_pause``; they stay on the device when the rest goes to host
         self.pinned = 0
+        # of them, the tokens in blocks no other session holds, set by the driver from the index's
+        # reference counts at each sync: dropping the session frees only these (``TierMixin._tier_make_room``)
+        self.pin_own = 0
         # host tier: output tokens of the current round charged at admission and not made yet, as of
         # its first token (in the batch, ``KvAdmission.output_due`` takes off the steps run since)
         self.due = 0
@@ -171,7 +174,9 @@ class KvAdmission:
             return s
         return None
 
-    def _make_room(self, need: int) -> bool:
+    def _make_room(self, need: int, last_resort: bool | None = None) -> bool:
+        """Evict idle sessions until ``need`` fits; True when it does. With the host tier the order
+        is ``TierMixin._tier_make_room``'s (``last_resort``: see there)."""
         if self.victims:
             self.victims.clear()
         if self.kv_cap - self.kv_used + self.evictable_kv < need and (self.kv_evict or self.tier is not None):
@@ -180,6 +185,8 @@ class KvAdmission:
             # simulator's Continuum pins alone) expired pins go anyway, as they always have there:
             # its shipped results stay comparable.
             return False
+        if self.tier is not None:
+            return self._tier_make_room(need, last_resort)
         ev = self.evictable
         while ev and self.kv_cap - self.kv_used < need:
             # the least recently used idle session loses its KV (its next round re-prefills the
@@ -187,8 +194,6 @@ class KvAdmission:
             v, r = ev.popitem(last=False)
             self.kv_used -= r
             self.evictable_kv -= r
-            if self.tier is not None and self._tier_victim(v):
-                continue  # moved to the host (a move for the driver), not a victim
             v.evicted = True
             self.kv_evictions += 1
             self.victims.append(v)
@@ -206,12 +211,15 @@ class KvAdmission:
         r = self.evictable.pop(s, None)
         if r is not None:
             self.evictable_kv -= r
+            s.pin_own = 0  # the driver counts it again only while the session is evictable (its syncs)
 
     def make_room(self, tokens: int) -> bool:
         """Live: evict idle sessions (``take_victims``) until ``tokens`` more fit; False when they do
         not. A driver whose pool frees a victim's blocks, not the tokens the core charged it, calls
-        it right before reserving, after ``sync_kv_free`` with the pool's real free space."""
-        return self._make_room(tokens)
+        it right before reserving, after ``sync_kv_free`` with the pool's real free space. The round
+        is admitted already, so the tier's last resort applies (a call drops at most one session
+        whose pinned prefix others hold: sync and call again while victims come)."""
+        return self._make_room(tokens, True)
 
     def take_victims(self) -> list[DecodeSession]:
         """The sessions whose KV the last admission (``round_ready``, ``admit_next``, ``make_room``)

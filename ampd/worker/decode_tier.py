@@ -25,9 +25,11 @@ for KV, the other waiting sessions' resident KV goes the same way (``waiting-off
 
 Prefix sharing (``--prefix-sharing``): the driver sets ``s.pinned`` before ``tier_pause`` to the
 history tokens in blocks the prefix index holds. Only the rest moves to host (``s.fetch``); the
-pinned prefix stays on the device, charged, and evictable. Pressure order: cached prefix blocks
-first (the live pool counts them free), then idle sessions' own KV to host (least recently used
-first), then a pinned prefix left on the device, dropped whole with its host copy (``_tier_victim``);
+pinned prefix stays on the device, charged, and evictable. Pressure order (``_tier_make_room``):
+cached prefix blocks first (the live pool counts them free), then idle sessions' own KV to host
+(least recently used first), then a pinned prefix left on the device whose blocks are partly the
+session's alone (``pin_own``, the driver's count), dropped whole with its host copy, and last, only
+when nothing else will free KV, one whose blocks others all still read (dropping it frees nothing);
 a dropped session may share its prefix again before its next round (``shared_history``).
 
 Admission (``ampd.policy.admit.promise_rooms``) promises the device pool plus the host pool, so each
@@ -47,6 +49,12 @@ __all__ = ["HostTier", "KVMove", "TierMixin", "TO_HOST", "FROM_HOST"]
 
 TO_HOST = "to_host"
 FROM_HOST = "from_host"
+
+
+def _pin_only(s, device_kv: int) -> bool:
+    """Of an idle session's ``device_kv`` tokens on the device, only its pinned prefix is left (its
+    own KV is on host, or it has none): the tier can only drop it."""
+    return s.pinned > 0 and device_kv <= s.pinned
 
 
 @dataclass(slots=True)
@@ -155,9 +163,61 @@ class TierMixin:
         self._unpin(s)
         s.fetch = 0
 
+    def _tier_make_room(self, need: int, last_resort: bool | None) -> bool:
+        """``_make_room`` with the tier: idle KV leaves the device until ``need`` fits (True then).
+
+        The order: (1) idle sessions with KV of their own on the device, least recently used
+        first: it goes to host while the host has room, else the session is dropped whole
+        (``_tier_victim``); (2) sessions whose pinned prefix alone is left, least recently used
+        first, dropped if some of its blocks are theirs alone (``pin_own``: freed then); (3) last
+        resort, one a call: the least recently used of those whose every pinned block another
+        session still reads. Dropping such a session frees nothing and loses its host copy (its next
+        round prefills again), so (3) runs only when ``last_resort`` says so: True (a driver's
+        ``make_room``: the round is admitted already), or None and nothing on this worker is in a
+        round that will free KV when it ends (``_nothing_runs``), or rounds fail rather than wait.
+        It never deadlocks: once every other holder is dropped too, the driver's next sync counts
+        the blocks free, or their owner's ``pin_own`` lets (2) take them."""
+        ev = self.evictable
+        for v in [v for v, r in ev.items() if not _pin_only(v, r)]:
+            if self.kv_cap - self.kv_used >= need:
+                return True
+            self._take_idle(v)
+        others_read: list = []
+        for v, r in list(ev.items()):  # (offloaded just now, their pinned prefix came last)
+            if self.kv_cap - self.kv_used >= need:
+                return True
+            if not _pin_only(v, r):
+                continue
+            if v.pin_own > 0:
+                self._take_idle(v)
+            else:
+                others_read.append(v)
+        if self.kv_cap - self.kv_used >= need:
+            return True
+        if others_read and (last_resort if last_resort is not None else self._nothing_runs()):
+            self._take_idle(others_read[0])
+        return self.kv_cap - self.kv_used >= need
+
+    def _nothing_runs(self) -> bool:
+        """No round here will end and free KV (an empty batch, no local prefill), or rounds fail
+        rather than wait: waiting for KV would then wait for nothing."""
+        return self.kv_admission == "fail" or not (self.batch_size or self.pending or self.queue_len
+                                                   or self.in_prefill is not None or self.chunk_session is not None)
+
+    def _take_idle(self, v) -> None:
+        """``v`` leaves the evictable sessions: its KV goes to host, or it is a victim."""
+        r = self.evictable.pop(v)
+        self.kv_used -= r
+        self.evictable_kv -= r
+        if self._tier_victim(v):
+            return  # moved to the host (a move for the driver), not a victim
+        v.evicted = True
+        self.kv_evictions += 1
+        self.victims.append(v)
+
     def _tier_victim(self, v) -> bool:
-        """``_make_room`` evicts ``v`` (its KV on the device already uncharged). The order: its own
-        KV to the host while the host has room (its pinned prefix stays, evictable again, last in
+        """``_make_room`` evicts ``v`` (its KV on the device already uncharged): its own KV to the
+        host while the host has room (True; its pinned prefix stays, evictable again, last in
         line); else, or when only that pinned prefix is left on the device, all of it is dropped
         (``v.evicted``, the host copy too; False: the driver frees it as a victim, and its
         references to shared blocks go)."""
@@ -180,11 +240,12 @@ class TierMixin:
 
     def _unpin(self, v) -> None:
         """``v`` is dropped with a pinned prefix (--prefix-sharing, live: 0 in the simulator), charged
-        to it and uncharged now. Other sessions may still read those blocks, so the pool frees them
-        only if none does: until the driver's next ``sync_kv_free`` says what the pool has, the core
-        counts them taken, or it would admit a round into blocks that are not free."""
-        self.kv_cap -= v.pinned
-        v.pinned = 0
+        to it and uncharged now. Other sessions may still read those blocks, so the pool frees only
+        the ones nobody else holds (``pin_own``, the driver's count at its last sync): the core
+        counts the rest taken until the next ``sync_kv_free`` says what the pool has, or it would
+        admit a round into blocks that are not free."""
+        self.kv_cap -= v.pinned - min(max(v.pin_own, 0), v.pinned)
+        v.pinned = v.pin_own = 0
 
     def _tier_unblock(self, need: int) -> bool:
         """Every running session waits for KV and the head's ``need`` does not fit: the other waiting

@@ -33,6 +33,8 @@ class KvSync:
         # available: free, and the prefix blocks nobody holds (--prefix-sharing), which the pool
         # takes back before an allocation would fail
         owed = tier.owed() + self.outputs_due() if tier is not None else 0
+        if tier is not None:
+            self.w.prefix.own_pins()  # whose pinned prefix dropping would free (--prefix-sharing)
         self.core.sync_kv_free(self.w.rt.pool.available_tokens + room - owed)
 
     def outputs_due(self) -> int:
@@ -96,10 +98,15 @@ class KvSync:
 
     def make_room(self, tokens: int) -> None:
         """The host tier: a round about to start finds the pool short of ``tokens``: idle sessions'
-        KV goes (offloads the tier starts, or drops) until the core counts them free."""
-        self.sync()
-        self.core.make_room(tokens)
-        self.free_evicted()
+        KV goes (offloads the tier starts, or drops) until the core counts them free. A dropped
+        pinned prefix that others read frees nothing by the core's count (it drops one such a call):
+        the pool's count says what it freed, so look again while victims come and it is short."""
+        pool = self.w.rt.pool
+        while True:
+            self.sync()
+            self.core.make_room(tokens)
+            if not self.free_evicted() or pool.available_tokens >= tokens:
+                return
 
     def room_for(self, s: Session) -> None:
         """Right before a round reserves its KV: evict more idle sessions while the pool itself lacks

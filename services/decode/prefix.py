@@ -72,6 +72,14 @@ class SharedKV(SessionKV):
         and the session keeps its references to them, when the rest of its KV goes to host."""
         return min(min(self.pin, self.index.held(self.session_id)) * (self.block_tokens or 0), self.tokens)
 
+    @property
+    def pinned_own(self) -> int:
+        """Of the pinned tokens, those in blocks no other session references now: what dropping
+        this session would free (the others' blocks stay, read by them)."""
+        bt, pinned = self.block_tokens or 0, self.pinned
+        own = self.index.own_leading(self.session_id, min(self.pin, self.index.held(self.session_id)))
+        return sum(max(0, min(bt, pinned - i * bt)) for i, mine in enumerate(own) if mine)
+
     def keep_pinned(self, pool: KVPool) -> None:
         """Only the pinned blocks stay (the rest of its KV went to host, or is lost): its other
         indexed blocks go to the index (cached once nobody references them), its own to the pool."""
@@ -184,6 +192,20 @@ class LivePrefix:
         kv = s.kv
         if isinstance(kv, SharedKV) and self.index.held(kv.session_id) * self.w.rt.pool.block_tokens < s.prefix_tokens:
             self.index.publish(kv.session_id, s.tokens[:s.prefix_tokens + 1], kv.blocks, s.scoped_seed)
+
+    def own_pins(self) -> None:
+        """Before the core decides by the pool (``KvSync.sync``): each idle session with a pinned
+        prefix learns how much of it only it holds (``DecodeSession.pin_own``), so the core's pressure
+        order does not drop a session whose prefix others still read (that frees nothing, and loses
+        its host copy) while another victim frees blocks. The counts move as sessions share and let
+        go, so they are taken afresh at each sync."""
+        if not self.on:
+            return
+        sessions = self.w.sessions
+        for c in self.w.core.evictable:
+            s = sessions.get(c.session_id)
+            if c.pinned and s is not None and s.core is c and isinstance(s.kv, SharedKV):
+                c.pin_own = s.kv.pinned_own
 
     def rewound(self, s: Session, tokens: int) -> None:
         s.prefix_tokens = min(s.prefix_tokens, tokens)

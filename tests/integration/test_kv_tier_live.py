@@ -289,8 +289,10 @@ def test_torch_greedy_tokens_are_the_same_with_the_tier_on_and_off(redis_url, tm
 
 
 # the six sessions above, their first outputs long (300 tokens, reserved a token a step): the rounds
-# decoding at once outgrow the pool unless admission counts their output before it is made
-LONG_SESSIONS = [Session(s.id, s.arrival, (Round(input=400, output=300, tool_s=1.0), *s.rounds[1:]))
+# decoding at once outgrow the pool unless admission counts their output before it is made. Their
+# first prompts are one 512-token hash block's ids (the same 400 tokens): a replayed prompt without
+# hash ids begins with ids of its own session, and would share nothing
+LONG_SESSIONS = [Session(s.id, s.arrival, (Round(input=400, output=300, tool_s=1.0, hash_ids=(7,)), *s.rounds[1:]))
                  for s in SESSIONS]
 
 
@@ -312,7 +314,12 @@ def test_rounds_decoding_at_once_never_outgrow_a_packed_pool(redis_url, tmp_path
     assert m["kv_waits"] > 0  # the pool could not hold every first round at once: some waited
     if sharing:
         assert m["prefix_shared_tokens"] >= 384  # a later session found the first one's prompt blocks
+        # a session whose device KV is only the prefix the others read is not dropped while another
+        # victim frees blocks, or while a round runs (dropping it frees nothing and loses its host
+        # copy): 0 measured in 3 runs, where picking it re-prefilled 1,991-3,352 tokens a run; the
+        # bound (not 0) leaves the last resort, when nothing runs, to a slow box's timing
+        assert m["kv_recomputed_tokens"] < 1000
     assert m["sessions_failed"] == 0 and m["kv_overcommits"] == 0 and m["active_sessions"] == 0
     # no leak: the device pool holds only cached prefix blocks, the host pool nothing
-    assert m["kv_free_tokens"] + m.get("prefix_cached_tokens", 0) == m["kv_capacity_tokens"] == KV_TOKENS
+    assert m["kv_free_tokens"] == m["kv_capacity_tokens"] == KV_TOKENS  # (free counts cached prefix blocks)
     assert m["kv_tier_host_used_blocks"] == 0 and m["kv_tier_host_copies"] == 0

@@ -3,9 +3,11 @@ decode_kv.py) and in the live adapter (services/decode/prefix.py), pure parts:
 
 - a session's pinned prefix (``DecodeSession.pinned``: blocks the prefix index holds) stays on the
   device when its KV goes to host; only its own part moves and comes back;
-- under pressure the own parts of idle sessions go first (least recently used first), and a pinned
-  prefix left on the device is dropped last, with its host copy: the session re-prefills, sharing
-  again what is still indexed (``shared_history`` on an evicted session);
+- under pressure the own parts of idle sessions go first (least recently used first), then a pinned
+  prefix left on the device whose blocks are the session's alone (``pin_own``); one that others
+  still read (dropping it frees nothing) goes only as the last resort, one at a time, when nothing
+  runs, with its host copy: the session re-prefills, sharing again what is still indexed
+  (``shared_history`` on an evicted session);
 - a rewind into the pinned prefix of an offloaded session lets go of the host copy;
 - ``SharedKV.keep_pinned`` frees the own blocks and keeps the references.
 Accounting (device tokens, host blocks, pool blocks) returns to empty in each test."""
@@ -75,38 +77,96 @@ def test_only_the_own_part_goes_to_host_and_comes_back():
     assert core.kv_used == 0 and not core.sessions and core.tier.host.empty and not core.evictable
 
 
-def test_under_pressure_own_parts_go_first_and_a_pinned_prefix_is_dropped_last():
-    core = _core(cap=2000, host_tokens=4096)
-    core.tier.cfg.offload_pressure = 1.0  # pauses keep: only pressure moves KV
+def _pinned_pair(core: DecodeCore) -> tuple[DecodeSession, DecodeSession]:
+    """a and b, 601 tokens each, b sharing a's 512 prompt tokens; both paused with them pinned."""
     a, b = DecodeSession("a"), DecodeSession("b")
     _first(core, a, 600)
     _first(core, b, 600, shared=512)
     for s in (a, b):
         s.pinned = 512
         core.tier_pause(s, 1.0, "search")
+    return a, b
+
+
+def test_under_pressure_own_parts_go_first_and_a_pinned_prefix_others_read_is_dropped_last():
+    core = _core(cap=2000, host_tokens=4096)
+    core.tier.cfg.offload_pressure = 1.0  # pauses keep: only pressure moves KV
+    a, b = _pinned_pair(core)
     assert core.tier.decisions == {"keep:no-pressure": 2} and core.evictable_kv == 2 * 601
-    # a new session of 1000: a's own part (89) and then b's (89) go to host; still short, their pinned
-    # prefixes are dropped last, a's first. Another session may still read a dropped pinned prefix (b
-    # reads a's), so the pool frees its blocks only once none does: the core counts them free only when
-    # the driver's sync says so, and c waits until then (it fits then: both let go, the blocks cached)
+    # a new session of 1000: a's own part (89) and then b's (89) go to host; still short, and each
+    # pinned prefix is read by the other (pin_own 0: dropping one frees nothing). Nothing runs, so
+    # the last resort drops one, the least recently used (a), with its host copy; the core counts
+    # its blocks taken until the driver's sync says what the pool has, and c waits until then
     c = DecodeSession("c")
     c.round, c.l_incr, c.out = 0, 1000, 1
     assert core.round_ready(c, 0.0) == WAITING
-    assert core.tier.decisions["offload:pressure-offload"] == 2 and core.tier.decisions["drop:pressure-drop"] == 2
-    assert core.victims == [a, b] and all(s.evicted and s.fetch == s.pinned == 0 for s in (a, b))
-    assert core.kv_used == 0 and core.kv_cap == 2000 - 2 * 512
-    assert core.tier.host.host_blocks("a") == core.tier.host.host_blocks("b") == 0  # their host copies went too
-    core.sync_kv_free(2000)  # the live pool: nothing held (the prompt's blocks cached count free)
-    assert core.admit_next(0.5) is c
+    assert core.tier.decisions["offload:pressure-offload"] == 2 and core.tier.decisions["drop:pressure-drop"] == 1
+    assert core.take_victims() == [a] and a.evicted and a.fetch == a.pinned == 0
+    assert core.tier.host.host_blocks("a") == 0 and not b.evicted and b.fetch == 89 and b.pinned == 512
+    assert core.kv_used == 512 and core.kv_cap == 2000 - 512
+    # the sync: the live pool holds b's pinned blocks alone (a let go of its references), and b is
+    # their only holder now; c fits by that count, and b keeps its host copy
+    b.pin_own = 512
+    core.sync_kv_free(2000 - 512)
+    assert core.admit_next(0.5) is c and not b.evicted and core.take_victims() == []
     _end(core, c)
-    # both re-prefill their own part; they share the still indexed prompt again (live: LivePrefix.share)
+    # a re-prefills its own part, sharing the still indexed prompt again (live: LivePrefix.share);
+    # b's own part comes back from host
     core.shared_history(a, 512)
     assert _next(core, a, 1, 20, 2.0) == ADMITTED
     assert (a.l_hist, a.l_incr) == (512, 89 + 20) and core.kv_recomputed_tokens == 89
-    core.shared_history(b, 512)
-    assert _next(core, b, 1, 20, 2.0) == ADMITTED and core.kv_recomputed_tokens == 2 * 89
+    assert _next(core, b, 1, 20, 2.0) == ADMITTED and core.kv_recomputed_tokens == 89
+    assert [(m.session_id, m.direction, m.tokens) for m in core.take_moves()][-1] == ("b", FROM_HOST, 89)
     for s in (a, b):
         _end(core, s)
+    assert core.kv_used == 0 and not core.sessions and core.tier.host.empty and core.evictable_kv == 0
+
+
+def test_a_pinned_prefix_others_read_is_not_a_victim_while_one_of_its_own_frees_blocks():
+    core = _core(cap=2000, host_tokens=4096)
+    core.tier.cfg.offload_pressure = 1.0
+    a, b = _pinned_pair(core)  # the least recently used two: the old order dropped a first
+    d = DecodeSession("d")
+    _first(core, d, 600, shared=512)  # d's pinned prefix is its own: nobody else holds it now
+    d.pinned = 512
+    core.tier_pause(d, 1.5, "search")
+    a.pin_own, b.pin_own, d.pin_own = 0, 0, 512  # the driver's count (LivePrefix.own_pins)
+    c = DecodeSession("c")
+    c.round, c.l_incr, c.out = 0, 900, 1  # 197 free: the own parts (3 * 89) and d's prefix make room
+    assert core.round_ready(c, 0.0) == ADMITTED
+    assert core.tier.decisions["offload:pressure-offload"] == 3 and core.tier.decisions["drop:pressure-drop"] == 1
+    assert core.take_victims() == [d] and d.evicted and core.tier.host.host_blocks("d") == 0
+    assert not (a.evicted or b.evicted) and a.fetch == b.fetch == 89 and a.pinned == b.pinned == 512
+    assert core.kv_cap == 2000  # d's blocks were its own: counted free at once
+    for s in (c, a, b, d):
+        if s is c:
+            _end(core, c)
+        else:
+            core.drop(s)
+    assert core.kv_used == 0 and not core.sessions and core.tier.host.empty and core.evictable_kv == 0
+
+
+def test_with_only_shared_pinned_prefixes_left_a_round_waits_while_one_runs_then_they_go():
+    core = _core(cap=2000, host_tokens=4096)
+    core.tier.cfg.offload_pressure = 1.0
+    a, b = _pinned_pair(core)
+    e = DecodeSession("e")  # a round in progress: its end will free KV
+    e.round, e.l_incr, e.out = 0, 100, 50
+    assert core.round_ready(e, 0.0) == ADMITTED and core.first_token(e, 0.1) is True
+    c = DecodeSession("c")
+    c.round, c.l_incr, c.out = 0, 1700, 1
+    assert core.round_ready(c, 0.2) == WAITING  # own parts went; the shared prefixes wait for e's end
+    assert core.tier.decisions["offload:pressure-offload"] == 2 and "drop:pressure-drop" not in core.tier.decisions
+    assert core.take_victims() == [] and a.fetch == b.fetch == 89 and not (a.evicted or b.evicted)
+    core.drop(e)  # (ended early: nothing runs now)
+    # the last resort: a, the least recently used, goes; nothing is counted free until the sync
+    assert core.admit_next(0.3) is None and core.take_victims() == [a] and not b.evicted
+    b.pin_own = 512  # the sync: a let go, b alone holds the blocks now
+    core.sync_kv_free(2000 - 512)
+    assert core.admit_next(0.4) is c and core.take_victims() == [b]  # dropping b frees them: no deadlock
+    _end(core, c)
+    for s in (a, b):
+        core.drop(s)
     assert core.kv_used == 0 and not core.sessions and core.tier.host.empty and core.evictable_kv == 0
 
 
@@ -197,5 +257,22 @@ def test_a_session_that_shares_nothing_leaves_its_prompt_blocks_cached_when_it_m
     assert b.kv.blocks[:3] == prompt  # shared again from the cache
     b.kv.release(pool)
     a.kv.release(pool)
+    pool.free(prefix.index.reclaim(32))
+    assert pool.free_blocks == 32 and prefix.index.empty
+
+
+def test_own_pins_counts_the_pinned_tokens_only_the_session_holds():
+    pool, prefix = _live()
+    a = _prefilled(pool, prefix, "a", 1)
+    b = _prefilled(pool, prefix, "b", 2)  # b reads a's three prompt blocks
+    prefix.w.sessions = {"a": a, "b": b}
+    prefix.w.core.evictable = {b.core: 12}
+    b.core.pinned = choose_pin(b.kv)
+    prefix.own_pins()
+    assert b.core.pinned == 12 and b.core.pin_own == 0  # a reads them too: dropping b frees nothing
+    a.kv.release(pool)
+    prefix.own_pins()
+    assert b.core.pin_own == 12 and b.kv.pinned_own == 12  # b alone holds them now
+    b.kv.release(pool)
     pool.free(prefix.index.reclaim(32))
     assert pool.free_blocks == 32 and prefix.index.empty
