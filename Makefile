@@ -29,8 +29,12 @@ $(VENV)/.installed: requirements.txt requirements-text.txt requirements-torch.tx
 proto: venv
 	$(PY) -m ampd.protogen
 
+# Two test processes (pytest-xdist), a test file to each at a time: the live tests mostly wait on their
+# deployments, so two share the 2 cores CI has; tests marked alone (the fidelity ones) still run by
+# themselves (tests/conftest.py). `make test TEST_WORKERS=0` runs them in one process.
+TEST_WORKERS ?= 2
 test: venv
-	$(PY) -m pytest -q tests/unit tests/integration tests/e2e
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/unit tests/integration tests/e2e
 
 test-fidelity: venv
 	$(PY) -m pytest -q -m fidelity tests/integration

@@ -13,6 +13,7 @@ import redis
 from ampd.bench.client import replay
 from ampd.launcher import Deployment, Options
 from ampd.workload import generate
+from tests.integration.live_replay import fast_profile
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -29,7 +30,9 @@ def ttls(r: redis.Redis) -> dict[str, int]:
 
 def test_a_replay_leaves_only_owned_keys_and_a_stopped_deployment_none(redis_url, tmp_path):
     r = redis.Redis.from_url(redis_url)
-    opts = Options(prefill="tp8*1", decode="tp1*2", profile="qwen3-32b@h20", policy="threshold",
+    # The keys do not depend on the engines' timing: the fast mock profile (5 ms decode steps) keeps
+    # the replay to about its tool calls' time, where qwen3-32b@h20's decode steps took twice as long.
+    opts = Options(prefill="tp1*1", decode="tp1*2", profile=fast_profile(tmp_path, "keys@test"), policy="threshold",
                    threshold_tokens=2000, redis_url=redis_url, namespace=NS, run_dir=str(tmp_path))
     sessions = generate("toolbench", rate=8.0, duration=30.0, seed=3)[:12]
     with Deployment(opts) as dep:
