@@ -388,6 +388,22 @@ class SessionKV:
         self.tokens = n
         self.trim(pool)
 
+    # A pinned prefix (--prefix-sharing with the host tier: services/decode/prefix.py ``SharedKV``,
+    # blocks other sessions also read) stays on the device when the rest of the KV goes to host. KV
+    # of a session's own pins nothing.
+    @property
+    def pinned(self) -> int:
+        """Leading tokens that stay on the device when the rest of the KV goes to host."""
+        return 0
+
+    def choose_pin(self) -> int:
+        """As the session pauses: choose its pinned prefix; returns its tokens."""
+        return 0
+
+    def keep_pinned(self, pool: KVPool) -> None:
+        """Free every block but the pinned ones (the rest of the KV went to host, or is lost)."""
+        self.release(pool)
+
     def release(self, pool: KVPool) -> None:
         """Free every block; the session holds nothing afterwards."""
         blocks, self.blocks = self.blocks, []

@@ -32,8 +32,9 @@ class KvSync:
         tier = self.w.tier
         # available: free, and the prefix blocks nobody holds (--prefix-sharing), which the pool
         # takes back before an allocation would fail
-        owed = tier.owed() + self.outputs_due() if tier is not None else 0
+        owed = 0
         if tier is not None:
+            owed = tier.owed() + self.outputs_due()
             self.w.prefix.own_pins()  # whose pinned prefix dropping would free (--prefix-sharing)
         self.core.sync_kv_free(self.w.rt.pool.available_tokens + room - owed)
 

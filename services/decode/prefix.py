@@ -12,8 +12,8 @@ first) before an allocation would fail, and counts them as free KV for admission
 so sharing never refuses or delays a round that would have fitted without it.
 
 With the host tier a session's index-held blocks stay on the device when the rest of its KV goes to
-host (``pinned_tokens``, ``keep_pinned``); a session whose KV was dropped shares again before its
-next round (``share``).
+host (``SharedKV.pinned``, ``keep_pinned``, overriding ``SessionKV``'s, which pin nothing); a session
+whose KV was dropped shares again before its next round (``share``).
 
 Blocks are shared only within a session's prefix scope (``OpenSession.prefix_scope``; the OpenAI
 front's tenant): its hashes are seeded with the model's seed mixed with the scope (``seed_of``,
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from services.decode.session import Session
     from services.decode.worker import DecodeWorker
 
-__all__ = ["LivePrefix", "SharedKV", "choose_pin", "pinned_tokens", "keep_pinned"]
+__all__ = ["LivePrefix", "SharedKV"]
 
 log = structlog.get_logger()
 
@@ -120,24 +120,6 @@ class SharedKV(SessionKV):
             self.blocks[keep - 1] = own
         del self.blocks[keep:]
         self.tokens, self.reserved = n, 0
-
-
-def choose_pin(kv: SessionKV) -> int:
-    """``SharedKV.choose_pin`` (0 unless shared)."""
-    return kv.choose_pin() if isinstance(kv, SharedKV) else 0
-
-
-def pinned_tokens(kv: SessionKV) -> int:
-    """The leading tokens of ``kv`` that stay on the device when its KV goes to host (0 unless shared)."""
-    return kv.pinned if isinstance(kv, SharedKV) else 0
-
-
-def keep_pinned(kv: SessionKV, pool: KVPool) -> None:
-    """Free every block of ``kv`` but its pinned ones (all, unless shared)."""
-    if isinstance(kv, SharedKV):
-        kv.keep_pinned(pool)
-    else:
-        kv.release(pool)
 
 
 class LivePrefix:

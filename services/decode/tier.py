@@ -24,7 +24,7 @@ and is refused). Then:
   loses that copy of the KV, never the session: its next round prefills the history again from the
   session's tokens (``kv_recomputed_tokens``), as after an eviction. The core's charge for the round
   (history plus input) is what the re-prefill writes, so its accounting needs no correction.
-- with --prefix-sharing a session's shared blocks (``choose_pin``, ``pinned_tokens``) stay on the
+- with --prefix-sharing a session's shared blocks (``SessionKV.choose_pin``, ``pinned``) stay on the
   device: an offload moves positions from there on (``HostCopy.start``), a prefetch reads them back
   after the pinned blocks, and a failed move loses only the own part. A session dropped (the
   policy's drop, an eviction) releases all of it, its references included.
@@ -49,7 +49,6 @@ from ampd.policy.hostpool import HostPoolTooSmall, check_host_pool
 from ampd.tasks import BackgroundTasks
 from ampd.worker import TO_HOST, KVMove
 from services.decode import kvwhere
-from services.decode.prefix import choose_pin, keep_pinned, pinned_tokens
 
 if TYPE_CHECKING:
     from services.decode.session import Session
@@ -165,7 +164,7 @@ class LiveTier:
         now = time.time()
         self.paused[s.session_id] = (tool, now)
         self.w.kv.sync()  # the pressure the core decides by is the pool's
-        c.pinned = choose_pin(s.kv)  # --prefix-sharing: its blocks others also read stay on the device
+        c.pinned = s.kv.choose_pin()  # --prefix-sharing: its blocks others also read stay on the device
         freed = self.core.tier_pause(c, now, tool, hint_s)
         d = self.core.tier.last
         if d is not None:
@@ -334,7 +333,7 @@ class LiveTier:
     async def _offload_now(self, s: Session, m: KVMove) -> None:
         """Write the session's device KV (less a pinned prefix) into host blocks, check it, free
         the device blocks."""
-        w, sid, p = self.w, s.session_id, pinned_tokens(s.kv)
+        w, sid, p = self.w, s.session_id, s.kv.pinned
         n = s.kv.tokens - p
         if s.closed or n <= 0 or sid in self.copies:
             return
@@ -363,7 +362,7 @@ class LiveTier:
                 self._failed(s, "offload", err.split(":")[0], err)
             return
         self.copies[sid] = HostCopy(blocks, n, _crcs(self.pool.read(dst), self.pool.block_bytes), p)
-        keep_pinned(s.kv, pool)
+        s.kv.keep_pinned(pool)
         self._count(f"kv_tier_move_offload:{m.reason}")
         self._count("kv_tier_bytes_to_host", n * bpt)
         log.info("kv offloaded", session=sid, tokens=n, pinned=p, reason=m.reason, ms=round(1e3 * (time.perf_counter() - t0), 2))
@@ -422,7 +421,7 @@ class LiveTier:
             s.kv.release(pool)
             return
         if err:  # its own part is prefilled again (a pinned prefix stays)
-            keep_pinned(s.kv, pool)
+            s.kv.keep_pinned(pool)
             s.recompute = keep
             self._failed(s, "prefetch", err.split(":")[0], err)
             return
@@ -452,9 +451,9 @@ class LiveTier:
         """The device copy of the session's KV goes (dropped: all of it, references too; a failed
         offload: all but a pinned prefix, which the core counts); its next round prefills the rest."""
         if why:
-            p = pinned_tokens(s.kv)
+            p = s.kv.pinned
             s.recompute = s.kv.tokens - p
-            keep_pinned(s.kv, self.w.rt.pool)
+            s.kv.keep_pinned(self.w.rt.pool)
         else:
             s.recompute = s.kv.tokens
             s.kv.release(self.w.rt.pool)

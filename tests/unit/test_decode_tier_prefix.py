@@ -19,7 +19,7 @@ from ampd.kv import KVPool
 from ampd.kv.hostpool import HostPool
 from ampd.policy import SLO, make_queue
 from ampd.worker import ADMITTED, FROM_HOST, TO_HOST, WAITING, DecodeCore, DecodeSession, HostTier
-from services.decode.prefix import LivePrefix, choose_pin, keep_pinned, pinned_tokens
+from services.decode.prefix import LivePrefix
 from services.decode.session import Session
 from tests.unit.test_worker_prefill import P
 
@@ -229,15 +229,15 @@ def _prefilled(pool: KVPool, prefix: LivePrefix, sid: str, extra: int) -> Sessio
 def test_keep_pinned_keeps_the_shared_blocks_and_frees_the_own_ones():
     pool, prefix = _live()
     a = _prefilled(pool, prefix, "a", 1)
-    assert choose_pin(a.kv) == 0  # nobody shares its prompt yet: nothing pinned, all of it may move
+    assert a.kv.choose_pin() == 0  # nobody shares its prompt yet: nothing pinned, all of it may move
     b = _prefilled(pool, prefix, "b", 2)  # b finds a's three prompt blocks indexed
-    assert choose_pin(b.kv) == 12 and pinned_tokens(b.kv) == 12 and choose_pin(a.kv) == 12  # a's are read by b
+    assert b.kv.choose_pin() == 12 and b.kv.pinned == 12 and a.kv.choose_pin() == 12  # a's are read by b
     shared = b.kv.blocks[:3]
-    keep_pinned(b.kv, pool)
+    b.kv.keep_pinned(pool)
     assert b.kv.blocks == shared and b.kv.tokens == 12 and all(prefix.index.refs(x) == 2 for x in shared)
     a.kv.release(pool)
     c = _prefilled(pool, prefix, "c", 3)
-    assert choose_pin(c.kv) == 12  # what it found indexed stays pinned (b holds it too)
+    assert c.kv.choose_pin() == 12  # what it found indexed stays pinned (b holds it too)
     for s in (b, c):
         s.kv.release(pool)
     assert prefix.index.cached_blocks == 3
@@ -248,9 +248,9 @@ def test_keep_pinned_keeps_the_shared_blocks_and_frees_the_own_ones():
 def test_a_session_that_shares_nothing_leaves_its_prompt_blocks_cached_when_it_moves():
     pool, prefix = _live()
     a = _prefilled(pool, prefix, "a", 1)
-    assert choose_pin(a.kv) == 0
+    assert a.kv.choose_pin() == 0
     prompt = a.kv.blocks[:3]
-    keep_pinned(a.kv, pool)  # its KV went to host: its prompt blocks stay indexed, cached, shareable
+    a.kv.keep_pinned(pool)  # its KV went to host: its prompt blocks stay indexed, cached, shareable
     assert a.kv.blocks == [] and a.kv.tokens == 0 and prefix.index.cached_blocks == 3
     assert pool.free_blocks == 32 - 3 and pool.available_tokens == pool.capacity_tokens
     b = _prefilled(pool, prefix, "b", 2)
@@ -267,7 +267,7 @@ def test_own_pins_counts_the_pinned_tokens_only_the_session_holds():
     b = _prefilled(pool, prefix, "b", 2)  # b reads a's three prompt blocks
     prefix.w.sessions = {"a": a, "b": b}
     prefix.w.core.evictable = {b.core: 12}
-    b.core.pinned = choose_pin(b.kv)
+    b.core.pinned = b.kv.choose_pin()
     prefix.own_pins()
     assert b.core.pinned == 12 and b.core.pin_own == 0  # a reads them too: dropping b frees nothing
     a.kv.release(pool)
