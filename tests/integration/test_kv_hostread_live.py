@@ -10,7 +10,12 @@ host tier over NIXL, byte-checked, while the decode worker fetches it back to it
 written into the device pool. Checked: every such round was routed ``+kv-host`` and read from host
 (its task sent before its fetch ended), the prefill worker read exactly those histories' tokens from
 host and found no wrong byte, neither worker found a wrong byte, no prefill is overdue, every session
-completes with every token right, and the device pools and the host pool are empty at the end."""
+completes with every token right, and the device pools and the host pool are empty at the end.
+
+Also, in one process: a round whose prefill worker could not read the host copy
+(handed back before the fetch ended) runs on its decode worker once the fetch ended, nothing
+prefilled again. (A fetch that fails: tests/unit/test_hostread.py; the torch engine's tokens
+prefilled from the host copy: tests/integration/test_kv_tier_live.py.)"""
 from __future__ import annotations
 
 import pytest
@@ -58,3 +63,56 @@ def test_rounds_on_host_are_prefilled_remotely_from_the_host_copy(redis_url, tmp
     assert d["kv_free_tokens"] == d["kv_capacity_tokens"] == KV_TOKENS and d["active_sessions"] == 0
     assert d["kv_tier_host_used_blocks"] == 0 and d["kv_tier_host_copies"] == 0
     assert p["kv_free_tokens"] == p["kv_capacity_tokens"]
+
+
+async def _handed_back(redis_url: str, profile_path: str) -> None:
+    from ampd.engine.mock import token_at
+    from ampd.v1 import common_pb2, decode_pb2, prefill_pb2
+    from services.decode.session import take_events
+    from tests.integration.test_kv_tier_live import _answered, _turn, tier_worker
+    from tests.kv_helpers import until
+
+    dw, _, pool, _ = await tier_worker(redis_url, profile_path, "d-hostread", "hostread-unit")
+    dw.start()
+    live = dw.tier
+    try:
+        s = dw.open(decode_pb2.AttachRequest(open=common_pb2.OpenSession(session_id="h1", turn=_turn(100, 1)),
+                                             session_secret="secret", route=decode_pb2.Route(l_hist=0, l_incr=100)))
+        after, call, tokens, _ = await _answered(s, 0)
+        await until(lambda: "h1" in live.copies, what="the offload")
+        host_blocks = list(live.copies["h1"].blocks)
+        dw.turn("h1", _turn(20, 2, answers=call, call=False), "secret")  # no route: it asks with a task
+        events, after, _ = take_events(s, after)
+        (task,) = [ev.prefill_task for ev in events if ev.WhichOneof("event") == "prefill_task"]
+        # the task names the host copy's blocks, sent before the copy was back on the device
+        assert task.history_on_host and [x.block for x in task.history] == host_blocks and task.l_hist == 103
+        assert live.counts["kv_tier_host_reads"] == live.counts["kv_tier_host_read_ahead"] == 1
+        # its prefill worker could not read the host copy: it hands the round back, before the fetch ended
+        assert not live.reads.active["h1"].fetched
+        dw.remote.on_done(prefill_pb2.PrefillDone(session_id="h1", round=1, task_token=task.task_token,
+                                                  prefill_worker="p0", error="host read failed").SerializeToString())
+        after, _, more, (timing,) = await _answered(s, after)
+        tokens.update(more)
+        # it ran here, on the history fetched back meanwhile: nothing prefilled again, every token right
+        assert (timing.l_hist, timing.l_incr, timing.kv_recomputed_tokens, timing.local) == (103, 21, 0, True)
+        assert sorted(tokens) == [100, 101, 102, 103, 124, 125, 126, 127]
+        assert all(tok == token_at("h1", pos) for pos, tok in tokens.items())
+        assert dw.metrics["prefills_rerouted"] == 1 and dw.metrics["sessions_failed"] == 0
+        assert live.counts["kv_tier_move_prefetch:result-arrived"] == 1 and not live.reads.active
+        dw.close_session("h1", "secret")
+        await until(lambda: pool.free_tokens == pool.capacity_tokens, what="device pool empty")
+        await until(lambda: live.pool.free_blocks == live.pool.num_blocks and not live.busy, what="host pool empty")
+    finally:
+        await dw.stop()
+        await live.stop()
+
+
+def test_a_host_read_the_prefill_worker_could_not_make_runs_on_the_decode_worker(redis_url, tmp_path):
+    """One process, a decode worker with its tier (real NIXL agents): the prefill task of a round on
+    host names the host copy; its prefill worker hands it back (the host read failed): the round runs
+    on the decode worker once its fetch ended, every token right, both pools empty at the end."""
+    import asyncio
+
+    from tests.integration.test_kv_tier_live import _profile
+
+    asyncio.run(_handed_back(redis_url, _profile(tmp_path, 2048)))
