@@ -279,8 +279,9 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
                 if tool > self.pin_ttl:  # the policy pins the KV for its TTL (kv_evict or not)
                     d.tool_call(st, pin=True)
                     self.push(now + self.pin_ttl, PIN_EXPIRED, st)
-            elif self.tier:
-                self.tier_pause(st, now, rnd.tool)
+            elif self.tier:  # the round's hint as the live decode worker reads its turn's (ampd.policy.hints)
+                h = rnd.hints
+                self.tier_pause(st, now, rnd.tool, None if h is None else h.expected_tool_s)
             elif self.kv_evict and d.tool_call(st):
                 self.drain(d, now)
         else:

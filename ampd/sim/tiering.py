@@ -97,10 +97,11 @@ class Tiering:
         elif d.state == STEPPING:
             self.interrupt(d, now)
 
-    def tier_pause(self, st, now: float, tool: str | None) -> None:
-        """A round ended in a tool call: the core keeps, offloads or drops the session's KV."""
+    def tier_pause(self, st, now: float, tool: str | None, hint_s: float | None = None) -> None:
+        """A round ended in a tool call: the core keeps, offloads or drops the session's KV, by the
+        tool's windowed duration or the round's ``expected_tool_s`` hint (``hint_s``) when given."""
         d = st.dw
-        if d.tier_pause(st, now, tool):
+        if d.tier_pause(st, now, tool, hint_s):
             self.tier_moves(d, now)
             self.drain(d, now)
         else:
