@@ -184,3 +184,33 @@ def test_a_replayed_trace_sends_its_rounds_hints():
         assert hints_from_turn(replay_turn(s, 2, 13, client_tools)) == Hints(0, None, 0.0)
     for hints in (h, Hints(), Hints(expected_tool_s=0.0), Hints(7, None, None)):
         assert hints_from_body({"ampd_hints": hints_to_obj(hints)}) == hints
+
+
+def test_simulator_admission_a_hostile_priority_or_output_hint_jumps_no_queue():
+    """test_sim's yield scenario (only one of y and p fits beside a): p, arriving after y, claims the
+    top priority and a 1-token output (or the most a round may claim); q, alone beside a, fits only
+    if its 1-token claim were promised instead of its max_tokens. Admission still promises max_tokens
+    and serves by arrival: every session's times are those without hints (p after y, q after a)."""
+    from ampd.sim import simulate
+    from ampd.workload.trace import Round, Session
+    from tests.unit.test_sim import _profile
+
+    a = Session("a", 0.0, (Round(2000, 3, 1.0), Round(100, 3)))  # promises 2138 of 3000
+    y = Session("y", 0.1, (Round(1500, 3),))
+    kw = dict(policy="colocated", decode="tp1*1", ttft_slo_s=5, itl_slo_s=1, admission_wait=30)
+
+    def times(sessions):
+        r = simulate(sessions, _profile(cap=3000), **kw)
+        assert all(s.completed for s in r.sessions)
+        return {s.session_id: [(x.input_ready, x.first_token, x.last_token) for x in s.rounds] for s in r.sessions}
+
+    def p(hints):
+        return Session("p", 0.2, (Round(1500, 3, hints=hints),))
+
+    def q(hints):
+        return Session("q", 0.2, (Round(700, 300, hints=hints),))  # 1000 (+ a block) > 862 left; 701 would fit
+
+    plain_p, plain_q = times([a, y, p(None)]), times([a, q(None)])
+    assert plain_p["y"][0][1] < plain_p["p"][0][1] and plain_q["q"][0][1] > plain_q["a"][1][2]  # q waits for a to end
+    for h in (Hints(100, 1, None), Hints(100, 1 << 20, 0.0), Hints(0, 1, None)):
+        assert times([a, y, p(h)]) == plain_p and times([a, q(h)]) == plain_q, h
