@@ -22,7 +22,7 @@ from typing import Sequence
 
 from ampd.policy import SLO, PrefillTask, in_worker_order, make_queue, make_router, policy_spec
 from ampd.policy.admit import AdmissionBook
-from ampd.policy.hostpool import check_host_pool
+from ampd.policy.hostpool import check_host_pool, size_host_pool
 from ampd.policy.kvtier import KVTierConfig
 from ampd.worker import (ADMITTED, FAILED, IDLE, STEPPING, DecodeRun, HostTier, LocalPrefill)
 
@@ -47,6 +47,19 @@ __all__ = ["Simulator", "simulate"]
 # _Run.round_end only (timeit, Python 3.11: 128 ns against 326 ns; ~0.2 s of a paper-scale run's
 # ~1.1M rounds)
 _new_round = tuple.__new__
+
+
+def _host_mb(cfg: SimConfig, prof, tp: int) -> float:
+    """The host KV tier of a decode worker of degree ``tp``, MiB (0: off), as a live decode worker
+    sizes it (``ampd.policy.hostpool.size_host_pool``, no memory cap: the simulated host is the
+    profile's). With prefix sharing the ratio-sized tier is off: the simulator does not model the two
+    together (ampd/sim/prefixing.py refuses an explicit --kv-host-mb with it)."""
+    if cfg.prefix_sharing and not cfg.kv_host_mb:
+        return 0.0
+    cap = int(prof.kv_capacity_tokens(tp))
+    longest = cap // cfg.block_tokens * cfg.block_tokens  # a session the device holds in whole blocks, as live
+    return size_host_pool(cfg.kv_host_mb, cfg.kv_host_ratio, cap * prof.kv_bytes_per_token, cfg.block_tokens,
+                          prof.kv_bytes_per_token, 0 if cfg.kv_host_mb else longest).mb
 
 
 class Simulator:
@@ -85,8 +98,8 @@ class Simulator:
                     kv_capacity_tokens=int(prof.kv_capacity_tokens(tp)), window_s=w,
                     chunk_tokens=int(prof.prefill_chunk_tokens(tp)) if cfg.chunked_prefill else 0,
                     kv_admission=cfg.kv_admission, kv_evict=cfg.kv_evict,
-                    tier=HostTier.from_mb(cfg.kv_host_mb, cfg.block_tokens, prof.kv_bytes_per_token, 0,  # run() checks
-                                          KVTierConfig(offload_pressure=cfg.kv_offload_pressure),
+                    tier=HostTier.from_mb(_host_mb(cfg, prof, tp), cfg.block_tokens, prof.kv_bytes_per_token, 0,
+                                          KVTierConfig(offload_pressure=cfg.kv_offload_pressure),  # run() checks
                                           prefetch_early=cfg.kv_prefetch_early))
             for i, tp in enumerate(expand_spec(dec_groups))
         ]
@@ -146,7 +159,7 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
         self.tool_rpc_s, self.busy_extra = path.tool_s, path.prefill_busy_s
         self.contention = cfg.kv_contention
         self.dispatch = self.route if not (self.open_s or self.dispatch_s) else self.dispatch_later
-        self.tier = bool(cfg.kv_host_mb)
+        self.tier = any(d.tier is not None for d in sim.decodes)
         self.dispatch0 = self.dispatch
         self.tier_to = self.tier_from = 0  # tokens moved to and from the host tier
         if self.tier:
@@ -467,7 +480,7 @@ def simulate(sessions, profile, *, policy: str, prefill="none", decode=SimConfig
              path: PathLatency | None = None, admission: str = SimConfig.admission,
              admission_wait: float = SimConfig.admission_wait, admission_queue: int = SimConfig.admission_queue,
              block_tokens: int = SimConfig.block_tokens, kv_host_mb: float = SimConfig.kv_host_mb,
-             kv_offload_pressure: float = SimConfig.kv_offload_pressure,
+             kv_host_ratio: float = SimConfig.kv_host_ratio, kv_offload_pressure: float = SimConfig.kv_offload_pressure,
              kv_prefetch_early: bool = SimConfig.kv_prefetch_early,
              prefix_sharing: bool = SimConfig.prefix_sharing, **router_options) -> SimResult:
     """Run ``sessions`` (``ampd.workload.Session``s) on a deployment; see ``SimConfig``."""
@@ -477,6 +490,6 @@ def simulate(sessions, profile, *, policy: str, prefill="none", decode=SimConfig
                     chunked_prefill=chunked_prefill, kv_admission=kv_admission, kv_evict=kv_evict,
                     kv_overlap=kv_overlap, admission=admission, admission_wait=admission_wait,
                     admission_queue=admission_queue, block_tokens=block_tokens, kv_host_mb=kv_host_mb,
-                    kv_offload_pressure=kv_offload_pressure, kv_prefetch_early=kv_prefetch_early,
+                    kv_host_ratio=kv_host_ratio, kv_offload_pressure=kv_offload_pressure, kv_prefetch_early=kv_prefetch_early,
                     prefix_sharing=prefix_sharing, router_options=router_options, path=path or PathLatency())
     return Simulator(cfg).run(list(sessions))
