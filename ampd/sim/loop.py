@@ -117,7 +117,7 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
                  "decodes", "prefills", "by_id", "router", "pviews_static", "pviews", "route_fn", "pin_ttl", "kv_evict", "open_s", "dispatch_s",
                  "handoff_s", "tool_rpc_s", "busy_extra", "contention", "dispatch", "tier", "dispatch0", "tier_to",
                  "tier_from", "prefix", "prefix_ids", "prefix_held", "prefix_saved", "prefix_blocks", "prefix_sessions",
-                 "prefix_revived", "prefix_evicted")
+                 "prefix_revived", "prefix_evicted", "prefix_kv", "prefix_cap", "prefix_wdrops", "prefix_let")
 
     def __init__(self, sim: Simulator):
         cfg = sim.cfg
@@ -151,7 +151,12 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
         self.tier_to = self.tier_from = 0  # tokens moved to and from the host tier
         if self.tier:
             self.dispatch = self.tier_dispatch
-        self.prefix = prefix_indexes(cfg, self.decodes, self.pin_ttl)  # None: prefix sharing off
+        self.prefix = prefix_indexes(cfg, self.decodes)  # None: prefix sharing off
+        # sharing with KV that leaves the device while sessions idle (ampd/sim/prefixing.py)
+        self.prefix_kv = self.prefix is not None and bool(self.kv_evict or self.tier or self.pin_ttl is not None)
+        self.prefix_cap = [d.kv_cap for d in self.decodes]
+        self.prefix_wdrops = [0] * len(self.decodes)
+        self.prefix_let = 0
         self.prefix_ids = BlockIds()
         self.prefix_held: dict = {}
         self.prefix_saved = self.prefix_blocks = self.prefix_sessions = self.prefix_revived = self.prefix_evicted = 0
@@ -235,7 +240,16 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
         if self.prefix is not None and not st.round:
             self.prefix_first(st)
         d = st.dw
-        code = d.round_ready(st, now)
+        if self.prefix_kv:
+            if st.evicted:
+                self.prefix_again(st)
+            self.prefix_own(d)
+            code = d.round_ready(st, now)
+            self.prefix_sync(d)
+            if code == ADMITTED:
+                self.prefix_admitted(st)
+        else:
+            code = d.round_ready(st, now)
         if self.prefix is not None:  # the round's KV takes cached blocks' space first
             self.prefix_trim(d)
         if code == ADMITTED:
@@ -254,8 +268,16 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
 
     def drain(self, d: Decode, now: float) -> None:
         """Route every waiting round whose KV now fits."""
+        pk = self.prefix_kv
         while True:
-            st = d.admit_next(now)
+            if pk:
+                self.prefix_own(d)
+                st = d.admit_next(now)
+                self.prefix_sync(d)
+                if st is not None:
+                    self.prefix_admitted(st)
+            else:
+                st = d.admit_next(now)
             if st is None:
                 return
             self.dispatch(st, now)
@@ -275,6 +297,8 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
             st.round += 1
             self.seq += 1
             heappush(self.heap, (now + tool, self.seq, ROUND_READY, st))
+            if self.prefix_kv:
+                self.prefix_pin(st)
             if self.pin_ttl is not None:
                 if tool > self.pin_ttl:  # the policy pins the KV for its TTL (kv_evict or not)
                     d.tool_call(st, pin=True)

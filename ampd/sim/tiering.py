@@ -101,7 +101,10 @@ class Tiering:
         """A round ended in a tool call: the core keeps, offloads or drops the session's KV, by the
         tool's windowed duration or the round's ``expected_tool_s`` hint (``hint_s``) when given."""
         d = st.dw
-        if d.tier_pause(st, now, tool, hint_s):
+        freed = d.tier_pause(st, now, tool, hint_s)
+        if self.prefix_kv:  # (before its moves are taken)
+            self.prefix_sync(d, st)
+        if freed:
             self.tier_moves(d, now)
             self.drain(d, now)
         else:
