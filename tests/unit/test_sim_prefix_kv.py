@@ -100,22 +100,43 @@ def test_evict_drops_only_the_sessions_own_blocks_and_it_shares_again(peak):
 
 
 def test_host_tier_moves_only_the_sessions_own_kv(peak):
-    # pressure 0 and a tool never seen: both offload as their first round ends (unknown-tool). a's
-    # 4 prompt blocks are b's too (and b's are a's), so each keeps them on the device and moves
-    # only its own KV: a 2058 + 50 - 2048 = 60 tokens, b 10 + 50 = 60.
-    kw = dict(kv_host_mb=5, kv_offload_pressure=0.0)
-    r = _run([A, B], 8 * BT, True, **kw)
+    # a's prompt has 2 more blocks of its own (hash ids 5, 6): 6 * 512 + 10 tokens. Pressure 0 and a
+    # tool never seen: both offload as their first round ends (unknown-tool). Each keeps on the
+    # device the blocks b shares (live: ``SharedKV.choose_pin``) and moves the rest: a its own
+    # prompt blocks too, 3082 + 50 - 2048 = 1084 tokens; b 10 + 50 = 60.
+    a = Session("a", 0.0, (Round(6 * BT + 10, 50, 30.0, None, PROMPT + (5, 6)), Round(50, 5)))
+    kw = dict(kv_host_mb=10, kv_offload_pressure=0.0)
+    r = _run([a, B], 8 * BT, True, **kw)
     _done(r)
     tier = r.stats["kv_tier"]
     assert tier["decisions"] == {"offload:unknown-tool": 2}
-    assert tier["tokens_to_host"] == tier["tokens_from_host"] == 120
-    assert tier["bytes_to_host"] == 120 * 1000 and tier["host_used_end"] == [0]
-    # each round's whole output is reserved at admission: a's 2108, then b's own 10 + 50
-    assert peak["used"] == 2168 and not peak["cap_changed"]
+    assert tier["tokens_to_host"] == tier["tokens_from_host"] == 1084 + 60
+    assert tier["bytes_to_host"] == (1084 + 60) * 1000 and tier["host_used_end"] == [0]
+    # each round's whole output is reserved at admission: a's 3132, then b's own 10 + 50
+    assert peak["used"] == 3192 and not peak["cap_changed"]
     assert r.stats["prefix_shared_tokens"] == 4 * BT and r.stats["kv_recomputed_tokens"] == 0
-    off = _run([A, B], 8 * BT, False, **kw)
+    # a's blocks 5 and 6 left the device with its KV: nobody held them, so they were cached and let go
+    assert r.stats["prefix_blocks_let_go"] == 2
+    off = _run([a, B], 8 * BT, False, **kw)
     _done(off)
-    assert off.stats["kv_tier"]["tokens_to_host"] == 2 * (4 * BT + 60)
+    assert off.stats["kv_tier"]["tokens_to_host"] == (6 * BT + 60) + (4 * BT + 60)
+
+
+def test_evict_counts_a_prefix_only_the_victim_holds_as_freed(peak):
+    # a holds its 4 prompt blocks alone (nobody shares them): evicting it frees its whole 2108
+    # tokens (``pin_own``, fed before each decision as the live KvSync does), enough for c2's
+    # 2000 (3000 - 2108 - 840 + 2108 = 2160 free), so d, idle since later, keeps its KV.
+    a = Session("a", 0.0, (Round(4 * BT + 10, 50, 30.0, None, PROMPT), Round(40, 5)))
+    d = Session("d", 0.5, (Round(800, 40, 40.0), Round(50, 5)))
+    c2 = Session("c2", 3.0, (Round(2000, 5),))
+    r = _run([a, d, c2], 3000, True, kv_evict=True)
+    _done(r)
+    st = r.stats
+    assert st["kv_evictions"] == 1 and st["prefix_blocks_let_go"] == 4
+    # c2's KV took the cached blocks' space: a prefills its whole history again, 2108 + 40 tokens
+    # beside d's 840 (2988, and its 5 outputs)
+    assert st["kv_recomputed_tokens"] == 4 * BT + 60 and st["prefix_shared_tokens"] == 0
+    assert peak["used"] == 840 + 4 * BT + 60 + 40 + 5
 
 
 def test_pin_ttl_expiry_frees_only_the_sessions_own_blocks(peak):
