@@ -170,6 +170,19 @@ def test_with_only_shared_pinned_prefixes_left_a_round_waits_while_one_runs_then
     assert core.kv_used == 0 and not core.sessions and core.tier.host.empty and core.evictable_kv == 0
 
 
+def test_a_waiting_round_dropped_to_unblock_the_head_frees_only_its_own_part():
+    core = _core(cap=2000, host_tokens=BT)  # a host too small for any session: waiting KV is dropped
+    core.tier.cfg.offload_pressure = 1.0
+    a, b = _pinned_pair(core)
+    assert _next(core, a, 1, 2000, 2.0) == WAITING  # 798 free + b's 601 idle < 2001: nobody evicted
+    assert _next(core, b, 1, 10, 2.1) == WAITING  # a waits first
+    # every running session waits: b's KV is dropped for the head (waiting-drop) ...
+    assert core.admit_next(2.2) is a and core.tier.decisions["drop:waiting-drop"] == 1
+    assert b.l_hist == 0 and b.l_incr == 10 + 601 and b.pinned == 0
+    # ... but its pinned 512 tokens are a's too: counted taken until the sync says what the pool has
+    assert core.kv_cap == 2000 - 512 and core.kv_overcommits == 1
+
+
 def test_a_rewind_into_the_pinned_prefix_of_an_offloaded_session_lets_the_host_copy_go():
     core = _core(cap=10_000, host_tokens=4096)
     s = DecodeSession("s")
