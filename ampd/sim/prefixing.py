@@ -14,6 +14,22 @@ until their space is taken): sharing one again charges it again; the cache is cu
 each match and whenever a round or a new session takes KV (an approximation: decode tokens grow into
 it between rounds). Binding (``bind_prefix``) prefers the worker with the longest prefix when it
 fits and meets the ITL SLO. Rounds without ``hash_ids`` behave as without sharing.
+
+With KV that leaves the device while sessions idle in tool calls (``kv_evict``, the host tier,
+a KV-pinning policy: ``_Run.prefix_kv``) the decode core decides as live, fed as the live worker
+feeds it (services/decode/prefix.py, ``KvSync.sync``): as a round ends in a tool call the session's
+pinned prefix (``prefix_pin``: with the tier ``SharedKV.choose_pin``'s blocks, which stay on the
+device while its own KV goes to host; without it every block the index holds for it), and before
+each admission decision how much of each idle session's pinned prefix it alone holds
+(``prefix_own``: ``pin_own``, ``LivePrefix.own_pins``). After the call (``prefix_sync``) the index
+lets go of what the core moved or dropped: a session moved to host keeps only its pinned blocks
+(``unpin``; its own indexed ones are cached), one evicted or dropped releases them all; the blocks
+other sessions still hold are charged back, and the core's capacity is the device's again (the
+index's exact count replaces ``_unpin``'s estimate, as the live pool's count does at a sync). A
+dropped session shares again, before its next round, what is still indexed of its prompt
+(``prefix_again``: ``DecodeCore.shared_history``; those tokens are counted already, so
+``prefix_admitted`` takes the core's charge for them off). The cache of blocks nobody holds is cut
+to the free KV before each match and each round's admission, so it gives way first.
 """
 from __future__ import annotations
 
