@@ -34,7 +34,7 @@ from .events import (ADMIT_CHECK, COMPUTE_DONE, COMPUTE_START, DISPATCH, HANDOFF
                      REMOTE_DONE, ROUND_READY, STEP_DONE, TIER_LOCAL, TIER_PREFETCH, TIER_READY,
                      TIER_REMOTE)
 from .gcpause import gc_paused
-from .prefixing import BlockIds, Prefixing, prefix_indexes
+from .prefixing import Prefixing
 from .remote import RemotePrefilling
 from .result import SimResult, SimRound, SimSession
 from .steplog import pack_row
@@ -151,15 +151,7 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
         self.tier_to = self.tier_from = 0  # tokens moved to and from the host tier
         if self.tier:
             self.dispatch = self.tier_dispatch
-        self.prefix = prefix_indexes(cfg, self.decodes)  # None: prefix sharing off
-        # sharing with KV that leaves the device while sessions idle (ampd/sim/prefixing.py)
-        self.prefix_kv = self.prefix is not None and bool(self.kv_evict or self.tier or self.pin_ttl is not None)
-        self.prefix_cap = [d.kv_cap for d in self.decodes]
-        self.prefix_wdrops = [0] * len(self.decodes)
-        self.prefix_let = 0
-        self.prefix_ids = BlockIds()
-        self.prefix_held: dict = {}
-        self.prefix_saved = self.prefix_blocks = self.prefix_sessions = self.prefix_revived = self.prefix_evicted = 0
+        self.prefix_init(cfg)
 
     def push(self, t: float, code: int, obj) -> None:
         self.seq += 1
@@ -240,16 +232,7 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
         if self.prefix is not None and not st.round:
             self.prefix_first(st)
         d = st.dw
-        if self.prefix_kv:
-            if st.evicted:
-                self.prefix_again(st)
-            self.prefix_own(d)
-            code = d.round_ready(st, now)
-            self.prefix_sync(d)
-            if code == ADMITTED:
-                self.prefix_admitted(st)
-        else:
-            code = d.round_ready(st, now)
+        code = self.prefix_round_ready(st, now) if self.prefix_kv else d.round_ready(st, now)
         if self.prefix is not None:  # the round's KV takes cached blocks' space first
             self.prefix_trim(d)
         if code == ADMITTED:
@@ -270,14 +253,7 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
         """Route every waiting round whose KV now fits."""
         pk = self.prefix_kv
         while True:
-            if pk:
-                self.prefix_own(d)
-                st = d.admit_next(now)
-                self.prefix_sync(d)
-                if st is not None:
-                    self.prefix_admitted(st)
-            else:
-                st = d.admit_next(now)
+            st = self.prefix_admit_next(d, now) if pk else d.admit_next(now)
             if st is None:
                 return
             self.dispatch(st, now)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from ampd.policy.prefixindex import PrefixIndex
 from ampd.policy.prefixbind import MOVE_MIN_BLOCKS, rebind_prefix
-from ampd.worker import TO_HOST
+from ampd.worker import ADMITTED, TO_HOST
 from ampd.workload.mooncake import HASH_BLOCK_TOKENS
 
 __all__ = ["Prefixing", "BlockIds", "prefix_indexes", "MOVE_MIN_BLOCKS"]
@@ -143,7 +143,39 @@ class Prefixing:
         bt = HASH_BLOCK_TOKENS
         st.dw.kv_used += (mine - dropped) * bt if charged else -(dropped - h[2]) * bt
 
+    def prefix_init(self, cfg) -> None:
+        self.prefix = prefix_indexes(cfg, self.decodes)  # None: prefix sharing off
+        # sharing with KV that leaves the device while sessions idle (the module doc)
+        self.prefix_kv = self.prefix is not None and bool(self.kv_evict or self.tier or self.pin_ttl is not None)
+        self.prefix_cap = [d.kv_cap for d in self.decodes]
+        self.prefix_wdrops = [0] * len(self.decodes)
+        self.prefix_let = 0
+        self.prefix_ids = BlockIds()
+        self.prefix_held = {}
+        self.prefix_saved = self.prefix_blocks = self.prefix_sessions = self.prefix_revived = self.prefix_evicted = 0
+
     # --- with kv_evict, the host tier or a KV-pinning policy (``prefix_kv``) ----------------------
+    def prefix_round_ready(self, st, now: float) -> int:
+        """``DecodeCore.round_ready`` fed and followed as the live worker does (the module doc)."""
+        d = st.dw
+        if st.evicted:
+            self.prefix_again(st)
+        self.prefix_own(d)
+        code = d.round_ready(st, now)
+        self.prefix_sync(d)
+        if code == ADMITTED:
+            self.prefix_admitted(st)
+        return code
+
+    def prefix_admit_next(self, d, now: float):
+        """``DecodeCore.admit_next``, fed and followed the same way."""
+        self.prefix_own(d)
+        st = d.admit_next(now)
+        self.prefix_sync(d)
+        if st is not None:
+            self.prefix_admitted(st)
+        return st
+
     def prefix_pin(self, st) -> None:
         """A round of ``st`` ended in a tool call (before ``tool_call``/``tier_pause``): its pinned
         prefix (``DecodeSession.pinned``). With the host tier, as live (``SharedKV.choose_pin``): the
