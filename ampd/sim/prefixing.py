@@ -213,7 +213,7 @@ class Prefixing:
         self.prefix_revived += ix.revived
         self.prefix_trim(d)
         d.shared_history(st, tokens)
-        h[2], h[3] = 0, tokens
+        h[1], h[2], h[3] = tokens, 0, tokens  # (live: ``SharedKV.shared_in``, which its next pin keeps)
         self.prefix_saved += tokens
         self.prefix_blocks += m
 
@@ -229,7 +229,13 @@ class Prefixing:
         each idle session with a pinned prefix learns how much of it only it holds (``pin_own``)."""
         ix = self.prefix[d.worker_id]
         bt = HASH_BLOCK_TOKENS
+        tier = self.tier
         for c in d.evictable:
+            if tier and not c.fetch:
+                # its KV on the device: its pin is taken again, as sessions may have shared more of
+                # its blocks since it paused (live it is the pause's, and the pool frees less than
+                # the core counted when the rest moves; ``LiveTier.defer`` then makes more room)
+                self.prefix_pin(c)
             if c.pinned:
                 c.pin_own = bt * sum(ix.own_leading(c.session_id, c.pinned // bt))
 

@@ -261,7 +261,8 @@ class TierMixin:
         for s in reversed(self.kv_wait):
             if self.kv_cap - self.kv_used >= need:
                 break
-            if s is self.kv_wait[0] or s.evicted or s.fetch or s.l_hist <= 0:
+            # (a history shared again after a drop, ``shared_history``, is charged only when admitted)
+            if s is self.kv_wait[0] or s.evicted or s.fetch or s.l_hist - s.shared <= 0:
                 continue
             if t.host_free_tokens >= s.l_hist:
                 t.count(OFFLOAD, "waiting-offload")
