@@ -122,6 +122,22 @@ def test_host_tier_moves_only_the_sessions_own_kv(peak):
     assert off.stats["kv_tier"]["tokens_to_host"] == (6 * BT + 60) + (4 * BT + 60)
 
 
+def test_host_tier_keeps_blocks_shared_after_the_pause_on_the_device(peak):
+    # Pauses keep (pressure 1): a pauses holding its 6 prompt blocks alone (nothing pinned then);
+    # b then shares all 6 (prefills 10, 20 outputs). c's 1000 + 5 find 4096 - 3132 - 30 = 934
+    # free: a's own KV goes to host, but the 6 blocks b now reads stay (its pin is taken again
+    # before the decision): 3082 + 50 - 3072 = 60 tokens; still short, b's own 30 go too.
+    six = tuple(range(1, 7))
+    a = Session("a", 0.0, (Round(6 * BT + 10, 50, 30.0, None, six), Round(50, 5)))
+    b = Session("b", 2.0, (Round(6 * BT + 10, 20, 30.0, None, six), Round(50, 5)))
+    c = Session("c", 3.0, (Round(1000, 5),))
+    r = _run([a, b, c], 8 * BT, True, kv_host_mb=5, kv_offload_pressure=1.0)
+    _done(r)
+    tier = r.stats["kv_tier"]
+    assert tier["decisions"]["offload:pressure-offload"] == 2 and tier["tokens_to_host"] == 60 + 30
+    assert peak["used"] == 4096 - 934 + 1005 - 90 and not peak["cap_changed"]
+
+
 def test_evict_counts_a_prefix_only_the_victim_holds_as_freed(peak):
     # a holds its 4 prompt blocks alone (nobody shares them): evicting it frees its whole 2108
     # tokens (``pin_own``, fed before each decision as the live KvSync does), enough for c2's
