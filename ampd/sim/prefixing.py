@@ -19,9 +19,10 @@ With KV that leaves the device while sessions idle in tool calls (``kv_evict``, 
 a KV-pinning policy: ``_Run.prefix_kv``) the decode core decides as live, fed as the live worker
 feeds it (services/decode/prefix.py, ``KvSync.sync``): as a round ends in a tool call the session's
 pinned prefix (``prefix_pin``: with the tier ``SharedKV.choose_pin``'s blocks, which stay on the
-device while its own KV goes to host; without it every block the index holds for it), and before
-each admission decision how much of each idle session's pinned prefix it alone holds
-(``prefix_own``: ``pin_own``, ``LivePrefix.own_pins``). After the call (``prefix_sync``) the index
+device while its own KV goes to host, taken again before each decision while its KV is on the
+device; without it every block the index holds for it), and before each admission decision how
+much of each idle session's pinned prefix it alone holds (``prefix_own``: ``pin_own``,
+``LivePrefix.own_pins``). After the call (``prefix_sync``) the index
 lets go of what the core moved or dropped: a session moved to host keeps only its pinned blocks
 (``unpin``; its own indexed ones are cached), one evicted or dropped releases them all; the blocks
 other sessions still hold are charged back, and the core's capacity is the device's again (the
