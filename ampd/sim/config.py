@@ -83,8 +83,11 @@ class SimConfig:
     (``ampd.worker.DecodeCore``). ``kv_evict``: a round whose KV does not fit first evicts the KV of
     sessions idle in tool calls, least recently used first. ``kv_host_ratio``: each decode worker's host KV
     tier as a multiple of its device KV pool (0: off), ``kv_host_mb`` its size in MiB instead (0: by the
-    ratio; ``ampd.worker.decode_tier``, ``ampd.policy.hostpool.size_host_pool``), ``kv_offload_pressure`` its policy's pressure threshold,
-    ``kv_prefetch_early`` its prefetch at the tool's expected end.
+    ratio; ``ampd.worker.decode_tier``, ``ampd.policy.hostpool.size_host_pool``), ``kv_offload_pressure``
+    its policy's pressure threshold, ``kv_prefetch_early`` its prefetch at the tool's expected end.
+    ``prefix_sharing``: rounds with ``hash_ids`` share the prompt blocks their decode worker holds
+    (``ampd.sim.prefixing``), also with ``kv_evict``, the host tier and a KV-pinning policy (shared
+    blocks stay, own KV moves).
     ``kv_overlap``: a prefill worker reads the next task's history KV
     while the current one computes (the paper's section 6; ``ampd.worker.PrefillCore``).
     ``router_options``: keywords for ``ampd.policy.make_router`` (alpha, beta, slack, ...).

@@ -34,7 +34,7 @@ from .events import (ADMIT_CHECK, COMPUTE_DONE, COMPUTE_START, DISPATCH, HANDOFF
                      REMOTE_DONE, ROUND_READY, STEP_DONE, TIER_LOCAL, TIER_PREFETCH, TIER_READY,
                      TIER_REMOTE)
 from .gcpause import gc_paused
-from .prefixing import BlockIds, Prefixing, prefix_indexes
+from .prefixing import Prefixing
 from .remote import RemotePrefilling
 from .result import SimResult, SimRound, SimSession
 from .steplog import pack_row
@@ -52,10 +52,7 @@ _new_round = tuple.__new__
 def _host_mb(cfg: SimConfig, prof, tp: int) -> float:
     """The host KV tier of a decode worker of degree ``tp``, MiB (0: off), as a live decode worker
     sizes it (``ampd.policy.hostpool.size_host_pool``, no memory cap: the simulated host is the
-    profile's). With prefix sharing the ratio-sized tier is off: the simulator does not model the two
-    together (ampd/sim/prefixing.py refuses an explicit --kv-host-mb with it)."""
-    if cfg.prefix_sharing and not cfg.kv_host_mb:
-        return 0.0
+    profile's)."""
     cap = int(prof.kv_capacity_tokens(tp))
     longest = cap // cfg.block_tokens * cfg.block_tokens  # a session the device holds in whole blocks, as live
     return size_host_pool(cfg.kv_host_mb, cfg.kv_host_ratio, cap * prof.kv_bytes_per_token, cfg.block_tokens,
@@ -130,7 +127,7 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
                  "decodes", "prefills", "by_id", "router", "pviews_static", "pviews", "route_fn", "pin_ttl", "kv_evict", "open_s", "dispatch_s",
                  "handoff_s", "tool_rpc_s", "busy_extra", "contention", "dispatch", "tier", "dispatch0", "tier_to",
                  "tier_from", "prefix", "prefix_ids", "prefix_held", "prefix_saved", "prefix_blocks", "prefix_sessions",
-                 "prefix_revived", "prefix_evicted")
+                 "prefix_revived", "prefix_evicted", "prefix_kv", "prefix_cap", "prefix_wdrops", "prefix_let")
 
     def __init__(self, sim: Simulator):
         cfg = sim.cfg
@@ -164,10 +161,7 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
         self.tier_to = self.tier_from = 0  # tokens moved to and from the host tier
         if self.tier:
             self.dispatch = self.tier_dispatch
-        self.prefix = prefix_indexes(cfg, self.decodes, self.pin_ttl)  # None: prefix sharing off
-        self.prefix_ids = BlockIds()
-        self.prefix_held: dict = {}
-        self.prefix_saved = self.prefix_blocks = self.prefix_sessions = self.prefix_revived = self.prefix_evicted = 0
+        self.prefix_init(cfg)
 
     def push(self, t: float, code: int, obj) -> None:
         self.seq += 1
@@ -248,7 +242,7 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
         if self.prefix is not None and not st.round:
             self.prefix_first(st)
         d = st.dw
-        code = d.round_ready(st, now)
+        code = self.prefix_round_ready(st, now) if self.prefix_kv else d.round_ready(st, now)
         if self.prefix is not None:  # the round's KV takes cached blocks' space first
             self.prefix_trim(d)
         if code == ADMITTED:
@@ -267,8 +261,9 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
 
     def drain(self, d: Decode, now: float) -> None:
         """Route every waiting round whose KV now fits."""
+        pk = self.prefix_kv
         while True:
-            st = d.admit_next(now)
+            st = self.prefix_admit_next(d, now) if pk else d.admit_next(now)
             if st is None:
                 return
             self.dispatch(st, now)
@@ -288,6 +283,8 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
             st.round += 1
             self.seq += 1
             heappush(self.heap, (now + tool, self.seq, ROUND_READY, st))
+            if self.prefix_kv:
+                self.prefix_pin(st)
             if self.pin_ttl is not None:
                 if tool > self.pin_ttl:  # the policy pins the KV for its TTL (kv_evict or not)
                     d.tool_call(st, pin=True)

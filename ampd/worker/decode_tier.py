@@ -241,11 +241,12 @@ class TierMixin:
         return False
 
     def _unpin(self, v) -> None:
-        """``v`` is dropped with a pinned prefix (--prefix-sharing, live: 0 in the simulator), charged
-        to it and uncharged now. Other sessions may still read those blocks, so the pool frees only
-        the ones nobody else holds (``pin_own``, the driver's count at its last sync): the core
-        counts the rest taken until the next ``sync_kv_free`` says what the pool has, or it would
-        admit a round into blocks that are not free."""
+        """``v`` is dropped (the tier's drop, an eviction) with a pinned prefix (--prefix-sharing; 0
+        otherwise), charged to it and uncharged now. Other sessions may still read those blocks, so
+        the pool frees only the ones nobody else holds (``pin_own``, the driver's count at its last
+        sync): the core counts the rest taken until the next ``sync_kv_free`` says what the pool has
+        (the simulator: its index's exact count, ``Prefixing.prefix_sync``), or it would admit a
+        round into blocks that are not free."""
         self.kv_cap -= v.pinned - min(max(v.pin_own, 0), v.pinned)
         v.pinned = v.pin_own = 0
 
@@ -260,7 +261,8 @@ class TierMixin:
         for s in reversed(self.kv_wait):
             if self.kv_cap - self.kv_used >= need:
                 break
-            if s is self.kv_wait[0] or s.evicted or s.fetch or s.l_hist <= 0:
+            # (a history shared again after a drop, ``shared_history``, is charged only when admitted)
+            if s is self.kv_wait[0] or s.evicted or s.fetch or s.l_hist - s.shared <= 0:
                 continue
             if t.host_free_tokens >= s.l_hist:
                 t.count(OFFLOAD, "waiting-offload")
@@ -270,6 +272,7 @@ class TierMixin:
                 t.count(DROP, "waiting-drop")
                 t.host.drop(s.session_id)
                 self.kv_used -= s.l_hist
+                self._unpin(s)  # (a pinned prefix others read frees nothing)
                 t.host.reprefilled(s.session_id)  # its round, already ready, prefills the history now
                 self.kv_recomputed_tokens += s.l_hist
                 self.wait_need += s.l_hist
