@@ -312,6 +312,9 @@ class WorkerRuntime:
             if md is None:
                 continue
             try:
+                old = self.peers.get(wid)
+                if old is not None and old.host_agent and old.host_agent != info.host_agent:
+                    self.transport.remove_peer(old.host_agent)  # it restarted: its old host tier is gone
                 self.transport.add_peer(info.nixl_agent, md, PoolLayout.from_dict(info.layout))
                 if info.host_agent:  # its host KV tier: histories are read from there too
                     self.transport.add_peer(info.host_agent, base64.b64decode(info.host_metadata),

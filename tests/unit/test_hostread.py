@@ -149,3 +149,66 @@ def test_a_history_on_host_is_checked_against_the_host_pool():
 def test_the_task_token_covers_where_the_history_lies():
     key = b"k" * 32
     assert task_token(key, _task(True)) != task_token(key, _task(False))
+
+
+def test_the_host_tier_is_registered_with_the_worker_and_read_back_from_its_registration():
+    import base64
+
+    from ampd.runtime import _host_fields
+    from ampd.state.store import WorkerInfo
+
+    assert _host_fields(None) == {}  # no tier: nothing registered, a registration as before
+    layout = {"base_addr": 4096, "num_blocks": 16, "block_tokens": BT, "bytes_per_token": BPT}
+    info = WorkerInfo("d0", "decode", "127.0.0.1:1", 1, "d0-1", {}, 64, **_host_fields(("d0-1-host", b"\0md", layout)))
+    back = WorkerInfo.from_json(info.to_json())
+    assert (back.host_agent, base64.b64decode(back.host_metadata), back.host_layout) == ("d0-1-host", b"\0md", layout)
+    old = WorkerInfo.from_json(WorkerInfo("p0", "prefill", "a", 1, "p0-1", {}, 64).to_json())
+    assert (old.host_agent, old.host_metadata, old.host_layout) == ("", "", {})
+
+
+def test_a_prefill_worker_adds_a_decode_workers_host_tier_as_a_peer_and_drops_it_with_the_worker():
+    """WorkerRuntime.sync_peers on a stand-in runtime (loopback agents, a registry of dicts): the host
+    agent comes with the decode worker's registration, goes when it restarts without it, and when the
+    worker leaves."""
+    import base64
+
+    from ampd.runtime import WorkerRuntime, _host_fields
+    from ampd.state.store import WorkerInfo
+
+    hub = LoopbackHub()
+    agents = {}
+
+    def decode_worker(gen: int, tier: bool) -> WorkerInfo:
+        dev, host = KVPool(8, BT, BPT), KVPool(8, BT, BPT)
+        agents[gen] = (LoopbackTransport(f"d0-{gen}", dev, hub=hub), LoopbackTransport(f"d0-{gen}-host", host, hub=hub))
+        host_peer = (f"d0-{gen}-host", agents[gen][1].metadata(), host.layout.to_dict()) if tier else None
+        return WorkerInfo("d0", "decode", "a", 1, f"d0-{gen}", dev.layout.to_dict(), 32, **_host_fields(host_peer))
+
+    registry: dict[str, WorkerInfo] = {}
+
+    async def workers():
+        return dict(registry)
+
+    async def nixl_metadata(wid):
+        info = registry.get(wid)
+        return None if info is None else agents[int(info.nixl_agent.split("-")[1])][0].metadata()
+
+    me = SimpleNamespace(cfg=SimpleNamespace(kind="prefill"), _peer_gen={}, peers={}, _peer_missing={},
+                         transport=LoopbackTransport("p0", KVPool(8, BT, BPT), hub=hub),
+                         store=SimpleNamespace(workers=workers, nixl_metadata=nixl_metadata))
+    sync = lambda: asyncio.run(WorkerRuntime.sync_peers(me))  # noqa: E731
+    registry["d0"] = decode_worker(1, tier=True)
+    sync()
+    assert sorted(me.transport.peers()) == ["d0-1", "d0-1-host"] and WorkerRuntime.host_agent(me, "d0") == "d0-1-host"
+    assert base64.b64decode(registry["d0"].host_metadata) == agents[1][1].metadata()
+    registry["d0"] = decode_worker(2, tier=False)  # restarted, its tier off
+    sync()
+    assert "d0-2" in me.transport.peers() and "d0-1-host" not in me.transport.peers()
+    with pytest.raises(LookupError, match="no host KV tier"):
+        WorkerRuntime.host_agent(me, "d0")
+    registry["d0"] = decode_worker(3, tier=True)
+    sync()
+    del registry["d0"]
+    for _ in range(5):  # a worker leaves after several syncs without it
+        sync()
+    assert not {"d0-3", "d0-3-host"} & set(me.transport.peers())
