@@ -179,7 +179,9 @@ class HostReads:
         if r.freed:  # (no reader left: the record goes too)
             self._free(r)
         w = self.tier.w
-        s.kv.release(w.rt.pool)
+        # The blocks reserved at the claim stay the session's (none is committed; ``start_round``'s
+        # reserve keeps them): a prefill worker that went overdue may still write its new KV into
+        # them, and a freed block could by then be another session's.
         s.recompute = r.l_hist
         s.where = (s.round, KVWhere(KV_GONE, 0.0))
         w.rt.changed()

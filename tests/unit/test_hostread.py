@@ -109,8 +109,16 @@ def test_a_failed_fetch_starts_the_round_again_from_its_tokens():
     reads.remote_ended("s1", 2)  # its prefill worker reported (the first token must not come from it)
     assert reads.redo(s)
     assert t.started == [s] and s.recompute == HIST and s.where[1].state == KV_GONE
-    assert s.kv.tokens == 0 and t.w.rt.pool.free_blocks == 16  # the round reserves again as it starts
+    # The claim's blocks stay the session's (a prefill worker that went overdue may still write them),
+    # and the round's reservation as it starts again keeps them instead of taking others.
+    pool = t.w.rt.pool
+    held = list(s.kv.blocks)
+    assert s.kv.tokens == 0 and len(held) == 4 and pool.free_blocks == 12
+    s.kv.reserve(pool, len(s.tokens))
+    assert s.kv.blocks == held and pool.free_blocks == 12
     assert reads.get(s) is None and not reads.redo(s) and t.pool.free_blocks == 16
+    s.kv.release(pool)
+    assert pool.free_blocks == 16
 
 
 @pytest.mark.parametrize("case", ["no-room", "rewound", "pinned", "moving", "recompute"])
