@@ -143,14 +143,26 @@ class PolicyConfig:
     kv_evict: bool = setting(False, "a decode worker whose KV pool is full evicts the KV of sessions idle in tool "
                                     "calls (least recently used first) before a round waits or fails; their next "
                                     "round prefills the whole history again")
-    # Off by default: a host pool's size depends on the machine, and the tier does not combine with
-    # the sglang engine (it composes with prefix sharing: a pinned shared prefix stays on the device).
-    # Measured to help where KV is short, under the default kv admission (benchmarks/results/kv_tier.json,
-    # kv_tier_live.json). Live: services/decode/tier.py.
-    kv_host_mb: float = setting(0.0, "host-memory KV tier of each decode worker, MiB (0 = off): when a round ends "
-                                     "in a tool call the worker keeps, offloads to host or drops the session's KV "
-                                     "(ampd.policy.kvtier) and brings it back when the result arrives",
-                                metavar="MB", minimum=0)
+    # The host KV tier (live: services/decode/tier.py; simulator: ampd/sim/tiering.py) is sized like
+    # SGLang's HiCache: a ratio of the device KV pool (--hicache-ratio), which --kv-host-mb overrides
+    # (--hicache-size); ampd.policy.hostpool.size_host_pool. A ratio-sized pool is capped at half the
+    # memory the worker may still use at start-up and never refuses a start (off, with a log line, when
+    # too small for one session or when the engine keeps its KV outside the pool: sglang).
+    # Off by default (ratio 0), though ratio 1 helps where sessions idle in long tool calls hold the KV
+    # (benchmarks/results/kv_tier.json, long-tool GAIA: attainment 0.262 -> 0.426 at 0.02 sessions/s,
+    # 0.149 -> 0.227 at 0.06; kv_tier_live.json: 11 -> 19 of 24 sessions): on KV-tight GAIA at its own
+    # tool times (benchmarks/results/kv_tier_default.json, sim_fingerprint's KV-tight runs over 8 seeds)
+    # it lowers attainment (ampd 0.096 -> 0.041, colocated 0.176 -> 0.110, continuum 0.176 -> 0.019),
+    # more sessions admitted and completed, fewer within the SLO, because admission promises the
+    # host pool too (ampd.policy.admit.promise_rooms) and lets in sessions whose rounds then miss the
+    # SLO; without that promise the tier changes nothing there. Turn it on with --kv-host-ratio 1.
+    kv_host_ratio: float = setting(0.0, "host-memory KV tier of each decode worker, as a multiple of its device "
+                                        "KV pool (0 = off unless --kv-host-mb is given; 1 = the device pool's "
+                                        "size, the measured one): when a round ends in a tool call the worker "
+                                        "keeps, offloads to host or drops the session's KV (ampd.policy.kvtier) "
+                                        "and brings it back when the result arrives", metavar="R", minimum=0)
+    kv_host_mb: float = setting(0.0, "host KV tier size of each decode worker, MiB, overriding --kv-host-ratio "
+                                     "(0 = sized by --kv-host-ratio)", metavar="MB", minimum=0)
     kv_offload_pressure: float = setting(0.7, "host KV tier: the decode KV pool's use (used + waiting) / capacity "
                                               "below which a session's KV stays on the device during its tool call",
                                          metavar="F", minimum=0)
@@ -434,7 +446,8 @@ SERVICE_SETTINGS: dict[str, tuple[str, ...]] = {
                     "fence_after", "admission_wait", "admission_queue", "admission", "auth_token", "internal_token",
                     "script_tools", "otlp_endpoint", "reattach_grace"),
     "prefill": _WORKER,
-    "decode": (*_WORKER, "sidecar", "chunked_prefill", "kv_evict", "kv_host_mb", "kv_offload_pressure",
+    "decode": (*_WORKER, "sidecar", "chunked_prefill", "kv_evict", "kv_host_ratio", "kv_host_mb",
+               "kv_offload_pressure",
                "kv_prefetch_early", "prefix_sharing", "script_tools", "reattach_grace"),
     "sidecar": ("host", "port", "metrics_port", "name", "tool", "ready_file", "auth_token", "internal_token",
                 "tool_workers", "tool_cpu_s", "tool_wall_s", "tool_memory_mb", "otlp_endpoint"),

@@ -8,12 +8,15 @@ The trace is the GAIA preset (``ampd.workload``) with every tool call ``TOOL_SCA
 worker's KV cut to ``KV_CAP`` tokens, so sessions idle in tool calls hold most of the pool. Variants,
 same trace and deployment:
 
-- ``today``: the defaults: coordinator admission ``kv`` (a session is bound only where its whole KV
-  is promised; the others wait up to ``--admission-wait`` and are refused with ``kv-full``);
+- ``today``: the deployment without the tier (``--kv-host-ratio 0``, the default): coordinator
+  admission ``kv`` (a session is bound only where its whole KV is promised; the others wait up to ``--admission-wait``
+  and are refused with ``kv-full``);
 - ``admit-all``: admission ``none`` (every session bound at once; its rounds wait for KV);
 - ``drop``: admission ``none`` and ``--kv-evict`` (idle KV dropped under pressure, re-prefilled);
+- ``ratio-1``: ``host`` with the host pool sized by ``--kv-host-ratio 1`` (as large as the device
+  pool, 300k tokens) instead of ``--kv-host-mb``;
 - ``host-admit-all``: admission ``none`` and ``--kv-host-mb`` (``ampd.worker.decode_tier``);
-- ``host``: the default admission ``kv`` and ``--kv-host-mb``: admission promises each decode
+- ``host``: the default admission ``kv`` and ``--kv-host-mb`` (``HOST_MB``, ~1.4 x the device pool): admission promises each decode
   worker's device pool plus its host pool (``ampd.policy.admit.promise_rooms``), the tier keeps,
   offloads or drops each tool call's KV, offloads idle KV under pressure and fetches it back with the
   profile's ``t_kv``; rounds are routed with their KV's location (``PrefillTask.kv_state``);
@@ -51,10 +54,12 @@ TTFT_SLO, ITL_SLO = 20.0, 0.15  # benchmarks/sim_fingerprint.py's GAIA SLOs
 RATES = (0.02, 0.03, 0.045, 0.06)  # sessions/s
 DURATION_S = 1200.0
 SEEDS = (7, 1, 2, 3, 4, 5)  # workload seeds
+OFF = {"kv_host_ratio": 0}  # the tier off, whatever the default (ampd/config.py kv_host_ratio)
 VARIANTS = {
-    "today": {},
-    "admit-all": {"admission": "none"},
-    "drop": {"admission": "none", "kv_evict": True},
+    "today": OFF,
+    "admit-all": {"admission": "none", **OFF},
+    "drop": {"admission": "none", "kv_evict": True, **OFF},
+    "ratio-1": {"kv_host_ratio": 1},
     "host-admit-all": {"admission": "none", "kv_host_mb": HOST_MB},
     "host": {"kv_host_mb": HOST_MB},
     "host+early": {"kv_host_mb": HOST_MB, "kv_prefetch_early": True},
@@ -87,6 +92,16 @@ def one(sessions, prof, rate: float, name: str, seed: int = SEEDS[0]) -> dict:
             "kv_used_end": st["kv_used_end"], "sim_wall_s": round(st["wall_s"], 2)}
 
 
+def totals(rs: list[dict], summed: tuple[str, ...] = ()) -> dict:
+    """Runs ``rs`` together: seeds, sessions, admitted, completed, the SLO attainment over all their
+    sessions, and the sums of ``summed``."""
+    n = sum(r["sessions"] for r in rs)
+    return {"seeds": len(rs), "sessions": n, "admitted": sum(r["admitted"] for r in rs),
+            "completed": sum(r["completed"] for r in rs),
+            "slo_attainment": sum(r["slo_attainment"] * r["sessions"] for r in rs) / n if n else 0.0,
+            **{k: sum(r[k] for r in rs) for k in summed}}
+
+
 def summary(rows: list[dict]) -> list[dict]:
     """Per rate and variant, the totals over the seeds; and issue 29.6's test against ``today``."""
     out = []
@@ -96,14 +111,7 @@ def summary(rows: list[dict]) -> list[dict]:
             rs = [r for r in rows if r["rate"] == rate and r["variant"] == name]
             if not rs:
                 continue
-            n = sum(r["sessions"] for r in rs)
-            attained = sum(r["slo_attainment"] * r["sessions"] for r in rs)
-            row = {"rate": rate, "variant": name, "seeds": len(rs), "sessions": n,
-                   "admitted": sum(r["admitted"] for r in rs), "completed": sum(r["completed"] for r in rs),
-                   "slo_attainment": attained / n if n else 0.0,
-                   "kv_overcommits": sum(r["kv_overcommits"] for r in rs),
-                   "bytes_to_host": sum(r["bytes_to_host"] for r in rs),
-                   "bytes_from_host": sum(r["bytes_from_host"] for r in rs)}
+            row = {"rate": rate, "variant": name, **totals(rs, ("kv_overcommits", "bytes_to_host", "bytes_from_host"))}
             if name == "today":
                 base = row
             elif base is not None:
@@ -136,7 +144,8 @@ def main(argv=None) -> int:
               f"{r['kv_overcommits']}" + (f" goal 29.6 {r['goal_29_6']}" if "goal_29_6" in r else ""), flush=True)
     out = {"command": "python -m benchmarks.kv_tier " + " ".join(argv if argv is not None else sys.argv[1:]),
            "profile": PROFILE, "preset": PRESET, "tool_scale": TOOL_SCALE, "kv_capacity_tokens": KV_CAP,
-           "kv_host_mb": HOST_MB, "slo": {"ttft_s": TTFT_SLO, "itl_s": ITL_SLO}, "duration_s": duration,
+           "kv_host_mb": HOST_MB, "variants": VARIANTS, "slo": {"ttft_s": TTFT_SLO, "itl_s": ITL_SLO},
+           "duration_s": duration,
            "seeds": list(seeds), "deployment": {"prefill": DISAGG[0], "decode": DISAGG[1], "policy": "ampd"},
            "load_avg": os.getloadavg(), "summary": summ, "runs": rows}
     if a.out:

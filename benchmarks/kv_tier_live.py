@@ -10,11 +10,14 @@ tool calls hold most of the KV. Deployment: one prefill and one decode worker of
 zero@none with a constant prefill time of ``PRE_S`` and 10 ms decode steps, the decode worker's KV
 pool cut to ``KV_TOKENS``. Variants, same trace:
 
-- ``today``: the defaults: coordinator admission ``kv`` (a session is bound only where its KV is
-  promised; the others wait up to ``--admission-wait`` and are refused with ``kv-full``), tier off;
+- ``today``: the deployment without the tier (``--kv-host-ratio 0``, the default): coordinator
+  admission ``kv`` (a session is bound only where its KV is promised; the others wait up to ``--admission-wait`` and are
+  refused with ``kv-full``);
 - ``admit-all``: admission ``none`` (every session bound at once; its rounds wait for KV), tier off:
   the idle histories hold the pool and the rounds wait for each other (the replay gives up on a
   session after 120 s);
+- ``ratio-1``: ``host+kv`` with the host pool sized by ``--kv-host-ratio 1`` (as large as the device
+  pool, ``KV_TOKENS``) instead of ``--kv-host-mb``;
 - ``host``: admission ``none`` and ``--kv-host-mb HOST_MB``;
 - ``host+early``: the same, and offloaded KV starts coming back at the tool's expected end
   (``--kv-prefetch-early``) into blocks no waiting round needs;
@@ -51,9 +54,11 @@ KV_TOKENS = 4096  # the decode worker's pool: about four sessions' histories
 HOST_MB = 4  # 64 KiB a 32-token block (64 bytes a token): 65,536 tokens of host pool
 PRE_S = 0.05
 SLO_ = SLO(ttft_s=2.0, itl_s=0.1)
+OFF = {"kv_host_ratio": 0}  # the tier off, whatever the default (ampd/config.py kv_host_ratio)
 VARIANTS = {
-    "today": {},
-    "admit-all": {"admission": "none"},
+    "today": OFF,
+    "admit-all": {"admission": "none", **OFF},
+    "ratio-1": {"kv_host_ratio": 1},
     "host": {"admission": "none", "kv_host_mb": HOST_MB},
     "host+early": {"admission": "none", "kv_host_mb": HOST_MB, "kv_prefetch_early": True},
     "host+kv": {"kv_host_mb": HOST_MB},

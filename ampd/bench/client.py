@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from ampd.agenthints import hints_to_turn
 from ampd.bench.report import SLO, RoundRecord, SessionRecord, build_report, format_report
 from ampd.engine.mock import token_at
 from ampd.coordinators import Coordinators, parse_addresses, session_events
@@ -36,13 +37,17 @@ def replay_call(s: Session, i: int, client_side: bool) -> common_pb2.ScriptedCal
 
 
 def replay_turn(s: Session, i: int, position: int, client_tools: bool) -> common_pb2.Turn:
-    """Round ``i``'s input as a turn. With server-side tools the turn scripts every later round (each
-    tool's result is the next round's input, on the decode worker); with client tools, one round."""
+    """Round ``i``'s input as a turn, with the round's agent hints (``Round.hints``). With server-side
+    tools the turn scripts every later round (each tool's result is the next round's input, on the
+    decode worker), and its hints, round ``i``'s, stand for all of them; with client tools, one round."""
     r = s.rounds[i]
     last = len(s.rounds) - 1
     calls = range(i, i + 1 if client_tools else last) if i < last else ()
-    return common_pb2.Turn(token_ids=round_ids(r.input, position, r.hash_ids, session=s.id), sampling=replay_sampling(r.output),
-                           script=[replay_call(s, j, client_tools) for j in calls])
+    t = common_pb2.Turn(token_ids=round_ids(r.input, position, r.hash_ids, session=s.id), sampling=replay_sampling(r.output),
+                        script=[replay_call(s, j, client_tools) for j in calls])
+    if r.hints is not None:
+        hints_to_turn(r.hints, t)
+    return t
 
 
 def open_request(s: Session, client_tools: bool = False) -> common_pb2.OpenSession:

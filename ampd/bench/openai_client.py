@@ -7,8 +7,9 @@ The client is plain HTTP (httpx2, streaming the server-sent events), light enoug
 many sessions measures the server rather than the client's parsing. Token ids, not text, so that
 each round has exactly the trace's lengths: the prompt is a list of
 ids, `ignore_eos` makes the output the trace's length, and `return_token_ids` (vLLM's name) gives
-the output ids to resend. Times are this client's clock: a round's TTFT runs from sending its
-request to receiving its first token, so it includes the front. The report is the gRPC replay's
+the output ids to resend; a round's agent hints (`Round.hints`) go as `ampd_hints`. Times are this
+client's clock: a round's TTFT runs from sending its request to receiving its first token, so it
+includes the front. The report is the gRPC replay's
 (`ampd.bench.report`).
 """
 from __future__ import annotations
@@ -19,7 +20,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from ampd.agenthints import BODY_FIELD
 from ampd.bench.report import RoundRecord, SessionRecord
+from ampd.policy.hints import Hints, hints_to_obj
 from ampd.workload import Session
 from ampd.workload.ids import round_ids
 
@@ -34,9 +37,12 @@ class OpenAIStats:
     prompt_tokens: int = 0
 
 
-async def _round(http, model: str, prompt: list[int], output: int) -> tuple[list[int], list[float], dict]:
+async def _round(http, model: str, prompt: list[int], output: int,
+                 hints: Hints | None = None) -> tuple[list[int], list[float], dict]:
     body = {"model": model, "prompt": prompt, "max_tokens": output, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": True, "return_token_ids": True}
+    if hints is not None:  # the round's agent hints, as an agent sends them (docs/frontend.md)
+        body[BODY_FIELD] = hints_to_obj(hints)
     ids: list[int] = []
     times: list[float] = []
     info: dict = {}
@@ -73,7 +79,7 @@ async def run_session(client, model: str, s: Session, stats: OpenAIStats) -> Ses
         prompt = history + round_ids(r.input, len(history), r.hash_ids, session=s.id)
         sent = time.time()
         try:
-            ids, times, info = await _round(client, model, prompt, r.output)
+            ids, times, info = await _round(client, model, prompt, r.output, r.hints)
         except Exception as exc:  # an HTTP error, a failed session, a lost connection: the session fails
             error = f"round {i}: {type(exc).__name__}: {exc}"
             stats.errors.append(f"{s.id}: {error}")

@@ -1,20 +1,30 @@
-"""Agent hints (``Turn.hints``, the OpenAI front's ``ampd_hints`` body field) turned into the values
-routing, admission, the queue order and the KV tier policy use, with the windowed estimates as the
-fallback when a hint is absent.
+"""Agent hints (``Turn.hints``, the OpenAI front's ``ampd_hints`` body field, a trace round's
+``hints``): their one validity rule and the values the consumers read. What each hint changes today:
 
-A hint is advice from the client, and the client may be wrong or hostile. Each value is bounded so a
-hint can only cost its own session:
+- ``priority``: only a yield counts, and only at admission. A negative priority on a new session's
+  opening turn orders it in admission's wait as if it arrived ``-priority * yield_s`` later
+  (``queue_enqueued_at``; ``ampd.policy.admit.AdmissionBook``): it stands behind every waiting
+  session that does not yield, and is not admitted while another waits. A positive priority counts
+  as 0 (no hint jumps a queue); a later turn's priority changes nothing (admission judges a session
+  once). The coordinator (services/coordinator/session.py) and the simulator (ampd/sim/admitting.py)
+  apply it alike. Prefill queues do not read it.
+- ``expected_tool_s``: the decode worker's host KV tier (``ampd.worker.decode_tier.tier_pause``,
+  live and in the simulator) judges the session's own KV by it as well as by the tool's windowed
+  duration (``ampd.policy.kvtier.decide_hinted``, clamped to [0, ``max_hint_s``]): it takes the
+  hint's keep / offload / drop only where that keeps no more on the device than the estimate's, and
+  plans an early prefetch by the later of the two ends (none without an estimate). So a long hint
+  moves its own KV off the device sooner; a short or hostile one keeps nothing there, and brings
+  nothing back, sooner than the same call without it. Eviction (least recently used first) does
+  not read hints.
+- ``expected_output_tokens``: carried and checked, read by no decision. Every decision that counts
+  a round's output (admission's KV promise, ``turn_kv_tokens`` in services/coordinator/core.py; the
+  decode worker's reservation with the host tier, ``KvAdmission._round_need``; the ``slo`` rule's
+  ITL prediction over the promised KV) counts it at ``max_tokens``, the bound their no-overflow
+  guarantee rests on, and nothing estimates an output length below it. A hint may only make its
+  own round look costlier than the estimate and cannot claim more than ``max_tokens`` (the round
+  cannot make more), so it has nothing to change until a decision estimates below the bound
+  (tests/unit/test_policy_hints.py holds that hostile values leave a simulated run unchanged).
 
-- ``priority``: only a yield counts. A negative priority enqueues the turn's prefill as if it arrived
-  ``-priority * yield_s`` later; a positive one counts as 0. Queues order by arrival, so a hint can
-  push its own task back, never another's.
-- ``expected_output_tokens``: decisions shared with other sessions (routing's decode estimate,
-  KV admission) take the *larger* of the hint and the windowed estimate, capped by the round's
-  ``max_tokens``: over-claiming makes its own round look costlier (it may wait or be placed
-  elsewhere); under-claiming cannot make it look cheaper than without the hint.
-- ``expected_tool_s``: the KV tier policy uses it as given (clamped to [0, max_hint_s]) to keep,
-  offload or prefetch the session's own KV; the eviction order ranks the session by the later of
-  hint and estimate (``kvtier.rank_end``), so a short hint cannot shield its KV from eviction.
 Correctness never depends on a hint: they move time, not tokens.
 
 Pure: no I/O, no clock. ``ampd.agenthints`` reads hints off the wire.
@@ -25,10 +35,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .kvtier import KVTierConfig, effective_tool_s, rank_end
-
-__all__ = ["Hints", "HintConfig", "HintedValues", "shared_output_tokens", "queue_enqueued_at", "resolve",
-           "hints_from_obj", "HINT_KEYS"]
+__all__ = ["Hints", "HintConfig", "queue_enqueued_at", "check_hint_values", "hints_from_obj", "hints_to_obj",
+           "HINT_KEYS"]
 
 HINT_KEYS = ("priority", "expected_output_tokens", "expected_tool_s")
 # The session API's ranges (ampd.validate: MAX_PRIORITY, MAX_OUTPUT_TOKENS, MAX_TOOL_LATENCY_S; a unit
@@ -71,45 +79,20 @@ def hints_from_obj(obj: object, field: str) -> Hints:
     return Hints(p or 0, out, None if tool is None else float(tool))
 
 
+def hints_to_obj(h: Hints) -> dict[str, int | float]:
+    """``h`` as a JSON hints object (``hints_from_obj``'s inverse): the keys given, priority 0 left out."""
+    return {k: v for k, v in (("priority", h.priority or None), ("expected_output_tokens", h.expected_output_tokens),
+                              ("expected_tool_s", h.expected_tool_s)) if v is not None}
+
+
 @dataclass(slots=True)
 class HintConfig:
-    """``yield_s``: how much later each step of negative priority enqueues a turn."""
+    """``yield_s``: how much later each step of negative priority orders a session in admission."""
 
     yield_s: float = 1.0
-    kv: KVTierConfig | None = None
-
-
-def shared_output_tokens(hint: int | None, estimate: float | None, max_tokens: int) -> float | None:
-    """Expected output tokens of a round for decisions shared with other sessions (routing's decode
-    estimate, KV admission): the larger of hint and estimate, at most ``max_tokens``; None when
-    neither is known."""
-    known = [x for x in (hint, estimate) if x is not None and math.isfinite(x)]
-    return min(max(known), float(max_tokens)) if known else None
 
 
 def queue_enqueued_at(enqueued_at: float, priority: int, cfg: HintConfig) -> float:
-    """The arrival time a prefill queue orders the turn's task by: later by ``-priority * yield_s``
-    for a negative priority; a positive priority changes nothing."""
+    """The arrival time admission orders a waiting session by: later by ``-priority * yield_s`` for a
+    negative priority; a positive priority changes nothing."""
     return enqueued_at + max(0, -priority) * cfg.yield_s
-
-
-@dataclass(slots=True)
-class HintedValues:
-    """What the consumers read: ``output_tokens`` (routing, admission), ``enqueued_at`` (queue
-    order), ``tool_s`` (the KV tier's decide and prefetch plan), ``tool_rank_end`` (eviction)."""
-
-    output_tokens: float | None
-    enqueued_at: float
-    tool_s: float | None
-    tool_rank_end: float | None
-
-
-def resolve(h: Hints, cfg: HintConfig, *, enqueued_at: float, max_tokens: int,
-            est_output_tokens: float | None, est_tool_s: float | None, tool_start: float) -> HintedValues:
-    """Every hinted value of one round at once, each falling back to its windowed estimate."""
-    kv = cfg.kv or KVTierConfig()
-    hint_tool = effective_tool_s(None, h.expected_tool_s, kv)  # clamped like the decision's
-    return HintedValues(shared_output_tokens(h.expected_output_tokens, est_output_tokens, max_tokens),
-                        queue_enqueued_at(enqueued_at, h.priority, cfg),
-                        effective_tool_s(est_tool_s, h.expected_tool_s, kv),
-                        rank_end(tool_start, est_tool_s, hint_tool))

@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 
 from .kvtier import KVState
 
-__all__ = ["KVState", "HostBlocks", "HostPoolTooSmall", "HostKVExhausted", "MIB", "host_pool_blocks",
-           "check_host_pool", "OFFLOADING", "PREFETCHING"]
+__all__ = ["KVState", "HostBlocks", "HostPoolTooSmall", "HostPoolTooLarge", "HostKVExhausted", "HostPoolSize",
+           "MIB", "AUTO_MEMORY_SHARE", "host_pool_blocks", "check_host_pool", "size_host_pool", "OFFLOADING",
+           "PREFETCHING"]
 
 MIB = 1 << 20
 OFFLOADING = "offload"
@@ -35,6 +36,10 @@ PREFETCHING = "prefetch"
 
 class HostPoolTooSmall(ValueError):
     """The host pool cannot hold one session's KV (refused at start-up)."""
+
+
+class HostPoolTooLarge(ValueError):
+    """An explicit host pool larger than the memory available at start-up (refused at start-up)."""
 
 
 class HostKVExhausted(Exception):
@@ -46,8 +51,9 @@ class HostKVExhausted(Exception):
 
 
 def host_pool_blocks(host_mb: float, block_tokens: int, bytes_per_token: int) -> int:
-    """Whole blocks of ``block_tokens`` x ``bytes_per_token`` bytes in ``host_mb`` MiB."""
-    return int(host_mb * MIB) // (block_tokens * bytes_per_token)
+    """Whole blocks of ``block_tokens`` x ``bytes_per_token`` bytes in ``host_mb`` MiB (rounded to the
+    byte: a size a ratio gave, bytes / MIB, loses no block to the float)."""
+    return round(host_mb * MIB) // (block_tokens * bytes_per_token)
 
 
 def check_host_pool(host_mb: float, block_tokens: int, bytes_per_token: int, session_tokens: int) -> int:
@@ -67,8 +73,62 @@ def check_host_pool(host_mb: float, block_tokens: int, bytes_per_token: int, ses
             f"--kv-host-mb {host_mb:g}: {blocks} host blocks of {block_tokens} tokens "
             f"({block_bytes} bytes each, {bytes_per_token} bytes a token) hold {blocks * block_tokens} "
             f"tokens, but one session's KV can reach {session_tokens} tokens ({need} blocks, "
-            f"{need_mb} MiB); set --kv-host-mb to at least {need_mb}, or 0 to turn the host tier off")
+            f"{need_mb} MiB); set --kv-host-mb to at least {need_mb}, or --kv-host-ratio 0 and --kv-host-mb 0 to "
+            f"turn the host tier off")
     return blocks
+
+
+# A host pool sized by --kv-host-ratio takes at most this share of the memory available at start-up:
+# the pool is pre-touched (docs/kv.md), so a pool larger than the machine would be killed, not swapped.
+AUTO_MEMORY_SHARE = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class HostPoolSize:
+    """The host pool a decode worker starts with: ``mb`` MiB (0: the tier is off), ``source``
+    ``"explicit"`` (--kv-host-mb), ``"ratio"`` (--kv-host-ratio x the device pool) or ``"off"``, and
+    ``note``: why a sized pool was shrunk or turned off (empty when it was not), for the worker's log."""
+
+    mb: float
+    source: str
+    note: str = ""
+
+
+def size_host_pool(host_mb: float, ratio: float, device_bytes: int, block_tokens: int, bytes_per_token: int,
+                   session_tokens: int, available_bytes: int | None = None) -> HostPoolSize:
+    """The host pool of one decode worker whose device KV pool holds ``device_bytes`` bytes.
+
+    ``host_mb`` > 0 is the operator's size: HostPoolTooSmall when it cannot hold one session's KV of
+    ``session_tokens`` tokens, HostPoolTooLarge when it exceeds ``available_bytes`` (the memory this
+    process may still use; None: not known, as in the simulator). Otherwise the pool is ``ratio`` x the
+    device pool (SGLang's --hicache-ratio; 0: off), capped at AUTO_MEMORY_SHARE of ``available_bytes``,
+    and it never refuses a start: a pool that the cap leaves too small for one session is off, with
+    a ``note`` naming the sizes."""
+    if host_mb < 0 or ratio < 0:
+        raise HostPoolTooSmall(f"--kv-host-mb and --kv-host-ratio must be >= 0, got {host_mb:g} and {ratio:g}")
+    if host_mb > 0:
+        check_host_pool(host_mb, block_tokens, bytes_per_token, session_tokens)
+        if available_bytes is not None and host_mb * MIB > available_bytes:
+            raise HostPoolTooLarge(f"--kv-host-mb {host_mb:g}: the host pool is pre-touched, and this process may "
+                                   f"use only {available_bytes / MIB:.0f} MiB more memory; set --kv-host-mb "
+                                   f"to at most {available_bytes // MIB}, or 0 to size it by --kv-host-ratio")
+        return HostPoolSize(host_mb, "explicit")
+    if ratio == 0:
+        return HostPoolSize(0.0, "off")
+    want = ratio * device_bytes / MIB
+    mb, note = want, ""
+    if available_bytes is not None and want * MIB > AUTO_MEMORY_SHARE * available_bytes:
+        mb = AUTO_MEMORY_SHARE * available_bytes / MIB
+        note = (f"host KV pool cut from {want:.1f} MiB (--kv-host-ratio {ratio:g} x the {device_bytes / MIB:.1f} "
+                f"MiB device pool) to {mb:.1f} MiB, {AUTO_MEMORY_SHARE:g} of the {available_bytes / MIB:.0f} MiB "
+                f"this process may still use")
+    need = -(-session_tokens // block_tokens)
+    if host_pool_blocks(mb, block_tokens, bytes_per_token) < need:
+        need_mb = need * block_tokens * bytes_per_token / MIB
+        why = note or (f"--kv-host-ratio {ratio:g} x the {device_bytes / MIB:.1f} MiB device pool is {mb:.1f} MiB")
+        return HostPoolSize(0.0, "off", f"{why}; one session's KV can reach {session_tokens} tokens ({need_mb:.1f} "
+                                        f"MiB): the host KV tier is off (--kv-host-mb sets its size)")
+    return HostPoolSize(mb, "ratio", note)
 
 
 @dataclass(slots=True)

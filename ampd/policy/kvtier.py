@@ -8,30 +8,38 @@ decode core owns each session's ``KVState`` and asks these functions; the driver
 Units: ``blocks`` are the device pool's blocks (the host pool uses the same block size); every
 ``*_s`` is seconds. Transfer times come from the performance profile (``host_transfer_s``).
 
-Hints: an agent's expected tool duration (``Turn.hints``) replaces the windowed estimate in
-``decide`` and ``prefetch_plan``, clamped to [0, ``max_hint_s``]. A wrong hint cannot cost another
-session, because of three rules stated here and tested:
+Hints: an agent's expected tool duration (``Turn.hints``, a trace round's ``hints``), clamped to [0,
+``max_hint_s``], replaces the windowed estimate in ``decide`` where that holds no more room
+(``decide_hinted``). A wrong hint cannot take another session's room, because of four rules stated
+here and tested:
 
-- eviction ranks a session by the *later* of its hinted and estimated end (``rank_end``): a hint
-  can only make its own KV a likelier victim, never shield it;
+- ``decide_hinted`` takes the hint's decision only when it holds no more room than the estimate's
+  (drop < offload < keep), and plans a prefetch by the later of the hinted and estimated ends (none
+  without an estimate): a short or hostile hint neither keeps KV on the device nor brings it back
+  sooner than the same call without the hint;
+
+- the decode core's eviction (``ampd.worker.decode_tier``: idle KV least recently used first) does
+  not read hints, so a short hint cannot shield its KV (``rank_end``, the later of hinted and
+  estimated end, is the order ``eviction_order`` and ``plan_evictions`` state for a driver that ranks
+  by expected end; the core does not use them);
 - a speculative prefetch (before the result arrived) only takes blocks nobody is waiting for
   (``should_prefetch``), and KV brought back early is idle, so it is evictable again;
-- kept KV is evictable (``plan_evictions``): keeping on a short hint holds nothing another round
-  needs.
+- kept KV is evictable.
 So a lying hint moves its own session's KV at the wrong time: it costs that session a transfer or a
-re-prefill, never another session's room.
+re-prefill. (A long hint offloads its KV at once; the host room it holds is freed when the result
+arrives and the KV comes back, as with a long windowed estimate.)
 """
 from __future__ import annotations
 
 import enum
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .types import CostModel
 
 __all__ = ["KVState", "KEEP", "OFFLOAD", "DROP", "KVTierConfig", "ToolPause", "PoolState", "TierDecision",
-           "Prefetch", "IdleKV", "Eviction", "decide", "prefetch_plan", "should_prefetch", "effective_tool_s",
+           "Prefetch", "IdleKV", "Eviction", "decide", "decide_hinted", "prefetch_plan", "should_prefetch", "effective_tool_s",
            "rank_end", "eviction_order", "plan_evictions", "host_transfer_s", "transfer_fn"]
 
 
@@ -159,6 +167,35 @@ def decide(p: ToolPause, pool: PoolState, cfg: KVTierConfig) -> TierDecision:
     if pool.waiting > 0:
         return TierDecision(DROP, "host-full-demand", est)
     return TierDecision(KEEP, "host-full", est)
+
+
+# How much room another round may need each action leaves the session's KV holding: a drop none, an
+# offload the host pool's, a keep the device pool's (evictable, but a round that needs it waits for
+# its move). ``decide_hinted`` takes a hint's action only when it holds no more than the estimate's.
+_HOLDS = {DROP: 0, OFFLOAD: 1, KEEP: 2}
+
+
+def decide_hinted(p: ToolPause, hint_s: float | None, pool: PoolState,
+                  cfg: KVTierConfig) -> tuple[TierDecision, float | None]:
+    """``decide`` with the agent's expected tool duration ``hint_s`` (None: no hint) for ``p``, whose
+    ``expected_s`` is the tool's windowed estimate; and the duration a prefetch is planned by (None:
+    the KV comes back when the result arrives).
+
+    The decision for the hint (clamped: ``effective_tool_s``) is taken when it holds no more room
+    than the decision for the estimate (``_HOLDS``: drop < offload < keep): a hint can move its own
+    KV off the device sooner, never keep it there where the estimate would move it (a short hint on
+    a tool that is in fact long, or on one never observed, would hold device room another round then
+    waits to evict). The prefetch is planned by the later of the hinted and the estimated end, and
+    not at all without an estimate: a hint can delay its own prefetch, never bring idle KV back
+    sooner than without it. No hint: ``decide`` and the estimate, exactly."""
+    base = decide(p, pool, cfg)
+    if hint_s is None or math.isnan(hint_s):
+        return base, p.expected_s
+    h = effective_tool_s(None, hint_s, cfg)
+    hinted = decide(replace(p, expected_s=h), pool, cfg)
+    d = hinted if _HOLDS[hinted.action] <= _HOLDS[base.action] else base
+    d.estimates["hint_s"] = h
+    return d, None if p.expected_s is None else max(p.expected_s, h)
 
 
 @dataclass(slots=True)

@@ -81,9 +81,13 @@ class SimConfig:
     ``kv_contention``: KV transfers share each worker's NIC (one at a time per NIC).
     ``kv_admission``: what a round whose new KV does not fit does, ``"wait"`` or ``"fail"``
     (``ampd.worker.DecodeCore``). ``kv_evict``: a round whose KV does not fit first evicts the KV of
-    sessions idle in tool calls, least recently used first. ``kv_host_mb``: each decode worker's host KV
-    tier (0: off; ``ampd.worker.decode_tier``), ``kv_offload_pressure`` its policy's pressure threshold,
-    ``kv_prefetch_early`` its prefetch at the tool's expected end.
+    sessions idle in tool calls, least recently used first. ``kv_host_ratio``: each decode worker's host KV
+    tier as a multiple of its device KV pool (0: off), ``kv_host_mb`` its size in MiB instead (0: by the
+    ratio; ``ampd.worker.decode_tier``, ``ampd.policy.hostpool.size_host_pool``), ``kv_offload_pressure``
+    its policy's pressure threshold, ``kv_prefetch_early`` its prefetch at the tool's expected end.
+    ``prefix_sharing``: rounds with ``hash_ids`` share the prompt blocks their decode worker holds
+    (``ampd.sim.prefixing``), also with ``kv_evict``, the host tier and a KV-pinning policy (shared
+    blocks stay, own KV moves).
     ``kv_overlap``: a prefill worker reads the next task's history KV
     while the current one computes (the paper's section 6; ``ampd.worker.PrefillCore``).
     ``router_options``: keywords for ``ampd.policy.make_router`` (alpha, beta, slack, ...).
@@ -109,6 +113,7 @@ class SimConfig:
     kv_admission: str = inherit("kv_admission")
     kv_evict: bool = inherit("kv_evict")
     kv_overlap: bool = inherit("kv_overlap")
+    kv_host_ratio: float = inherit("kv_host_ratio")
     kv_host_mb: float = inherit("kv_host_mb")
     kv_offload_pressure: float = inherit("kv_offload_pressure")
     kv_prefetch_early: bool = inherit("kv_prefetch_early")

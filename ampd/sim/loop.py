@@ -22,7 +22,7 @@ from typing import Sequence
 
 from ampd.policy import SLO, PrefillTask, in_worker_order, make_queue, make_router, policy_spec
 from ampd.policy.admit import AdmissionBook
-from ampd.policy.hostpool import check_host_pool
+from ampd.policy.hostpool import check_host_pool, size_host_pool
 from ampd.policy.kvtier import KVTierConfig
 from ampd.worker import (ADMITTED, FAILED, IDLE, STEPPING, DecodeRun, HostTier, LocalPrefill)
 
@@ -34,7 +34,7 @@ from .events import (ADMIT_CHECK, COMPUTE_DONE, COMPUTE_START, DISPATCH, HANDOFF
                      REMOTE_DONE, ROUND_READY, STEP_DONE, TIER_LOCAL, TIER_PREFETCH, TIER_READY,
                      TIER_REMOTE)
 from .gcpause import gc_paused
-from .prefixing import BlockIds, Prefixing, prefix_indexes
+from .prefixing import Prefixing
 from .remote import RemotePrefilling
 from .result import SimResult, SimRound, SimSession
 from .steplog import pack_row
@@ -47,6 +47,16 @@ __all__ = ["Simulator", "simulate"]
 # _Run.round_end only (timeit, Python 3.11: 128 ns against 326 ns; ~0.2 s of a paper-scale run's
 # ~1.1M rounds)
 _new_round = tuple.__new__
+
+
+def _host_mb(cfg: SimConfig, prof, tp: int) -> float:
+    """The host KV tier of a decode worker of degree ``tp``, MiB (0: off), as a live decode worker
+    sizes it (``ampd.policy.hostpool.size_host_pool``, no memory cap: the simulated host is the
+    profile's)."""
+    cap = int(prof.kv_capacity_tokens(tp))
+    longest = cap // cfg.block_tokens * cfg.block_tokens  # a session the device holds in whole blocks, as live
+    return size_host_pool(cfg.kv_host_mb, cfg.kv_host_ratio, cap * prof.kv_bytes_per_token, cfg.block_tokens,
+                          prof.kv_bytes_per_token, 0 if cfg.kv_host_mb else longest).mb
 
 
 class Simulator:
@@ -85,8 +95,8 @@ class Simulator:
                     kv_capacity_tokens=int(prof.kv_capacity_tokens(tp)), window_s=w,
                     chunk_tokens=int(prof.prefill_chunk_tokens(tp)) if cfg.chunked_prefill else 0,
                     kv_admission=cfg.kv_admission, kv_evict=cfg.kv_evict,
-                    tier=HostTier.from_mb(cfg.kv_host_mb, cfg.block_tokens, prof.kv_bytes_per_token, 0,  # run() checks
-                                          KVTierConfig(offload_pressure=cfg.kv_offload_pressure),
+                    tier=HostTier.from_mb(_host_mb(cfg, prof, tp), cfg.block_tokens, prof.kv_bytes_per_token, 0,
+                                          KVTierConfig(offload_pressure=cfg.kv_offload_pressure),  # run() checks
                                           prefetch_early=cfg.kv_prefetch_early))
             for i, tp in enumerate(expand_spec(dec_groups))
         ]
@@ -117,7 +127,7 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
                  "decodes", "prefills", "by_id", "router", "pviews_static", "pviews", "route_fn", "pin_ttl", "kv_evict", "open_s", "dispatch_s",
                  "handoff_s", "tool_rpc_s", "busy_extra", "contention", "dispatch", "tier", "dispatch0", "tier_to",
                  "tier_from", "prefix", "prefix_ids", "prefix_held", "prefix_saved", "prefix_blocks", "prefix_sessions",
-                 "prefix_revived", "prefix_evicted")
+                 "prefix_revived", "prefix_evicted", "prefix_kv", "prefix_cap", "prefix_wdrops", "prefix_let")
 
     def __init__(self, sim: Simulator):
         cfg = sim.cfg
@@ -146,15 +156,12 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
         self.tool_rpc_s, self.busy_extra = path.tool_s, path.prefill_busy_s
         self.contention = cfg.kv_contention
         self.dispatch = self.route if not (self.open_s or self.dispatch_s) else self.dispatch_later
-        self.tier = bool(cfg.kv_host_mb)
+        self.tier = any(d.tier is not None for d in sim.decodes)
         self.dispatch0 = self.dispatch
         self.tier_to = self.tier_from = 0  # tokens moved to and from the host tier
         if self.tier:
             self.dispatch = self.tier_dispatch
-        self.prefix = prefix_indexes(cfg, self.decodes, self.pin_ttl)  # None: prefix sharing off
-        self.prefix_ids = BlockIds()
-        self.prefix_held: dict = {}
-        self.prefix_saved = self.prefix_blocks = self.prefix_sessions = self.prefix_revived = self.prefix_evicted = 0
+        self.prefix_init(cfg)
 
     def push(self, t: float, code: int, obj) -> None:
         self.seq += 1
@@ -235,7 +242,7 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
         if self.prefix is not None and not st.round:
             self.prefix_first(st)
         d = st.dw
-        code = d.round_ready(st, now)
+        code = self.prefix_round_ready(st, now) if self.prefix_kv else d.round_ready(st, now)
         if self.prefix is not None:  # the round's KV takes cached blocks' space first
             self.prefix_trim(d)
         if code == ADMITTED:
@@ -254,8 +261,9 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
 
     def drain(self, d: Decode, now: float) -> None:
         """Route every waiting round whose KV now fits."""
+        pk = self.prefix_kv
         while True:
-            st = d.admit_next(now)
+            st = self.prefix_admit_next(d, now) if pk else d.admit_next(now)
             if st is None:
                 return
             self.dispatch(st, now)
@@ -275,12 +283,15 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
             st.round += 1
             self.seq += 1
             heappush(self.heap, (now + tool, self.seq, ROUND_READY, st))
+            if self.prefix_kv:
+                self.prefix_pin(st)
             if self.pin_ttl is not None:
                 if tool > self.pin_ttl:  # the policy pins the KV for its TTL (kv_evict or not)
                     d.tool_call(st, pin=True)
                     self.push(now + self.pin_ttl, PIN_EXPIRED, st)
-            elif self.tier:
-                self.tier_pause(st, now, rnd.tool)
+            elif self.tier:  # the round's hint as the live decode worker reads its turn's (ampd.policy.hints)
+                h = rnd.hints
+                self.tier_pause(st, now, rnd.tool, None if h is None else h.expected_tool_s)
             elif self.kv_evict and d.tool_call(st):
                 self.drain(d, now)
         else:
@@ -466,7 +477,7 @@ def simulate(sessions, profile, *, policy: str, prefill="none", decode=SimConfig
              path: PathLatency | None = None, admission: str = SimConfig.admission,
              admission_wait: float = SimConfig.admission_wait, admission_queue: int = SimConfig.admission_queue,
              block_tokens: int = SimConfig.block_tokens, kv_host_mb: float = SimConfig.kv_host_mb,
-             kv_offload_pressure: float = SimConfig.kv_offload_pressure,
+             kv_host_ratio: float = SimConfig.kv_host_ratio, kv_offload_pressure: float = SimConfig.kv_offload_pressure,
              kv_prefetch_early: bool = SimConfig.kv_prefetch_early,
              prefix_sharing: bool = SimConfig.prefix_sharing, **router_options) -> SimResult:
     """Run ``sessions`` (``ampd.workload.Session``s) on a deployment; see ``SimConfig``."""
@@ -476,6 +487,6 @@ def simulate(sessions, profile, *, policy: str, prefill="none", decode=SimConfig
                     chunked_prefill=chunked_prefill, kv_admission=kv_admission, kv_evict=kv_evict,
                     kv_overlap=kv_overlap, admission=admission, admission_wait=admission_wait,
                     admission_queue=admission_queue, block_tokens=block_tokens, kv_host_mb=kv_host_mb,
-                    kv_offload_pressure=kv_offload_pressure, kv_prefetch_early=kv_prefetch_early,
+                    kv_host_ratio=kv_host_ratio, kv_offload_pressure=kv_offload_pressure, kv_prefetch_early=kv_prefetch_early,
                     prefix_sharing=prefix_sharing, router_options=router_options, path=path or PathLatency())
     return Simulator(cfg).run(list(sessions))

@@ -14,14 +14,34 @@ until their space is taken): sharing one again charges it again; the cache is cu
 each match and whenever a round or a new session takes KV (an approximation: decode tokens grow into
 it between rounds). Binding (``bind_prefix``) prefers the worker with the longest prefix when it
 fits and meets the ITL SLO. Rounds without ``hash_ids`` behave as without sharing.
+
+With KV that leaves the device while sessions idle in tool calls (``kv_evict``, the host tier,
+a KV-pinning policy: ``_Run.prefix_kv``) the decode core decides as live, fed as the live worker
+feeds it (services/decode/prefix.py, ``KvSync.sync``): as a round ends in a tool call the session's
+pinned prefix (``prefix_pin``: with the tier ``SharedKV.choose_pin``'s blocks, which stay on the
+device while its own KV goes to host, taken again before each decision while its KV is on the
+device; without it every block the index holds for it), and before each admission decision how
+much of each idle session's pinned prefix it alone holds (``prefix_own``: ``pin_own``,
+``LivePrefix.own_pins``). After the call (``prefix_sync``) the index
+lets go of what the core moved or dropped: a session moved to host keeps only its pinned blocks
+(``unpin``; its own indexed ones are cached), one evicted or dropped releases them all; the blocks
+other sessions still hold are charged back, and the core's capacity is the device's again (the
+index's exact count replaces ``_unpin``'s estimate, as the live pool's count does at a sync). A
+dropped session shares again, before its next round, what is still indexed of its prompt
+(``prefix_again``: ``DecodeCore.shared_history``; those tokens are counted already, so
+``prefix_admitted`` takes the core's charge for them off). The cache of blocks nobody holds is cut
+to the free KV before each match and each round's admission, so it gives way first.
 """
 from __future__ import annotations
 
 from ampd.policy.prefixindex import PrefixIndex
 from ampd.policy.prefixbind import MOVE_MIN_BLOCKS, rebind_prefix
+from ampd.worker import ADMITTED, TO_HOST
 from ampd.workload.mooncake import HASH_BLOCK_TOKENS
 
 __all__ = ["Prefixing", "BlockIds", "prefix_indexes", "MOVE_MIN_BLOCKS"]
+
+WAITING_DROP = "drop:waiting-drop"  # (``HostTier.decisions``' key: ``TierMixin._tier_unblock``)
 
 
 class BlockIds:
@@ -39,20 +59,19 @@ class BlockIds:
         return out
 
 
-def prefix_indexes(cfg, decodes, pin_ttl_s=None) -> dict | None:
-    """worker id -> PrefixIndex with sharing on, else None (checks what it cannot be combined with)."""
+def prefix_indexes(cfg, decodes) -> dict | None:
+    """worker id -> PrefixIndex with sharing on, else None."""
     if not cfg.prefix_sharing:
         return None
-    if cfg.kv_evict or cfg.kv_host_mb or pin_ttl_s is not None:
-        raise ValueError("prefix_sharing is not modelled with kv_evict, kv_host_mb or a KV-pinning policy "
-                         "(a shared block cannot be evicted or offloaded with one session)")
     return {d.worker_id: PrefixIndex(HASH_BLOCK_TOKENS) for d in decodes}
 
 
 class Prefixing:
     """Prefix-sharing handlers of ``ampd.sim.loop._Run`` (which declares ``prefix``: worker id ->
     index or None, ``prefix_ids``: their ``BlockIds``, ``prefix_held``: session id -> [prompt blocks,
-    shared tokens, fresh blocks], ``prefix_saved``, ``prefix_blocks``, ``prefix_sessions``, ``prefix_revived``, ``prefix_evicted``)."""
+    shared tokens, fresh blocks, tokens shared again that the core will charge], ``prefix_saved``, ``prefix_blocks``, ``prefix_sessions``, ``prefix_revived``,
+    ``prefix_evicted``; with KV moves (``prefix_kv``): ``prefix_cap``, each decode worker's capacity,
+    ``prefix_wdrops``, its tier's waiting-drops seen, and ``prefix_let``, blocks let go of by moves)."""
 
     __slots__ = ()
 
@@ -91,7 +110,7 @@ class Prefixing:
         self.prefix_revived += ix.revived
         self.prefix_trim(st.dw)  # its fresh blocks take cached blocks' space first
         shared = g.shared * HASH_BLOCK_TOKENS
-        self.prefix_held[st.session_id] = [n, shared, n - g.shared]
+        self.prefix_held[st.session_id] = [n, shared, n - g.shared, 0]
         if g.shared:
             self.prefix_saved += shared
             self.prefix_blocks += g.shared
@@ -115,12 +134,156 @@ class Prefixing:
         h = self.prefix_held.pop(st.session_id, None)
         if h is None:
             return
+        if h[3]:  # shared again after its KV was dropped, and its round never admitted: nothing charged
+            charged = False
         ix = self.prefix[st.dw.worker_id]
         held = ix.held_blocks
+        mine = ix.held(st.session_id)  # (fewer than its prompt blocks once its KV moved: prefix_let_go)
         ix.release(st.session_id)  # (the blocks it returns need no freeing: ids are not reused)
         dropped = held - ix.held_blocks  # nobody holds them now (indexed ones cached)
         bt = HASH_BLOCK_TOKENS
-        st.dw.kv_used += (h[0] - dropped) * bt if charged else -(dropped - h[2]) * bt
+        st.dw.kv_used += (mine - dropped) * bt if charged else -(dropped - h[2]) * bt
+
+    def prefix_init(self, cfg) -> None:
+        self.prefix = prefix_indexes(cfg, self.decodes)  # None: prefix sharing off
+        # sharing with KV that leaves the device while sessions idle (the module doc)
+        self.prefix_kv = self.prefix is not None and bool(self.kv_evict or self.tier or self.pin_ttl is not None)
+        self.prefix_cap = [d.kv_cap for d in self.decodes]
+        self.prefix_wdrops = [0] * len(self.decodes)
+        self.prefix_let = 0
+        self.prefix_ids = BlockIds()
+        self.prefix_held = {}
+        self.prefix_saved = self.prefix_blocks = self.prefix_sessions = self.prefix_revived = self.prefix_evicted = 0
+
+    # --- with kv_evict, the host tier or a KV-pinning policy (``prefix_kv``) ----------------------
+    def prefix_round_ready(self, st, now: float) -> int:
+        """``DecodeCore.round_ready`` fed and followed as the live worker does (the module doc)."""
+        d = st.dw
+        if st.evicted:
+            self.prefix_again(st)
+        self.prefix_own(d)
+        code = d.round_ready(st, now)
+        self.prefix_sync(d)
+        if code == ADMITTED:
+            self.prefix_admitted(st)
+        return code
+
+    def prefix_admit_next(self, d, now: float):
+        """``DecodeCore.admit_next``, fed and followed the same way."""
+        self.prefix_own(d)
+        st = d.admit_next(now)
+        self.prefix_sync(d)
+        if st is not None:
+            self.prefix_admitted(st)
+        return st
+
+    def prefix_pin(self, st) -> None:
+        """A round of ``st`` ended in a tool call (before ``tool_call``/``tier_pause``): its pinned
+        prefix (``DecodeSession.pinned``). With the host tier, as live (``SharedKV.choose_pin``): the
+        blocks it found indexed and those another session also holds now, which stay on the device
+        when its own KV goes to host. Without it: every block the index holds for it, so that an
+        eviction frees only those no other session holds (``pin_own``)."""
+        ix = self.prefix[st.dw.worker_id]
+        sid = st.session_id
+        held = ix.held(sid)
+        if held and self.tier:
+            h = self.prefix_held.get(sid)
+            held = min(max(h[1] // HASH_BLOCK_TOKENS if h else 0, ix.shared_run(sid)), held)
+        st.pinned = min(held * HASH_BLOCK_TOKENS, st.l_hist)
+
+    def prefix_again(self, st) -> None:
+        """Before the next round of ``st``, whose KV was dropped (evicted, or the tier's drop): as live
+        (``LivePrefix.share``), it shares again what is still indexed of its prompt's blocks; those
+        tokens are history it does not prefill again (``DecodeCore.shared_history``). The core
+        charges them when it admits the round; they are counted already (other sessions hold them,
+        or ``acquire`` revived them from the cache and they are charged here), so ``prefix_admitted``
+        takes them off. Its prompt blocks past them are its own from then on (not indexed again)."""
+        h = self.prefix_held.get(st.session_id)
+        if h is None or not h[0]:
+            return
+        d = st.dw
+        ix = self.prefix_trim(d)
+        hashes = st.rounds[0].hash_ids[:h[0]]
+        m = ix.match(hashes)
+        tokens = min(m * HASH_BLOCK_TOKENS, st.l_hist)
+        if tokens < HASH_BLOCK_TOKENS:
+            return
+        m = tokens // HASH_BLOCK_TOKENS
+        ix.acquire(st.session_id, hashes[:m], self.prefix_ids)
+        d.kv_used += ix.revived * HASH_BLOCK_TOKENS
+        self.prefix_revived += ix.revived
+        self.prefix_trim(d)
+        d.shared_history(st, tokens)
+        h[1], h[2], h[3] = tokens, 0, tokens  # (live: ``SharedKV.shared_in``, which its next pin keeps)
+        self.prefix_saved += tokens
+        self.prefix_blocks += m
+
+    def prefix_admitted(self, st) -> None:
+        """The core admitted the round of ``st`` (charged): tokens it shared again are counted already."""
+        h = self.prefix_held.get(st.session_id)
+        if h is not None and h[3]:
+            st.dw.kv_used -= h[3]
+            h[3] = 0
+
+    def prefix_own(self, d) -> None:
+        """Before the core decides by its KV (as the live ``KvSync.sync`` does, ``LivePrefix.own_pins``):
+        each idle session with a pinned prefix learns how much of it only it holds (``pin_own``)."""
+        ix = self.prefix[d.worker_id]
+        bt = HASH_BLOCK_TOKENS
+        tier = self.tier
+        for c in d.evictable:
+            if tier and not c.fetch:
+                # its KV on the device: its pin is taken again, as sessions may have shared more of
+                # its blocks since it paused (live it is the pause's, and the pool frees less than
+                # the core counted when the rest moves; ``LiveTier.defer`` then makes more room)
+                self.prefix_pin(c)
+            if c.pinned:
+                c.pin_own = bt * sum(ix.own_leading(c.session_id, c.pinned // bt))
+
+    def prefix_sync(self, d, st=None) -> None:
+        """After a core call that may have moved or dropped idle KV (``st``: the session it was
+        about, if any): the index lets go of the blocks of each session whose KV the core no longer
+        counts on the device (``prefix_let_go``), and the core's KV is the exact count again (its
+        capacity back, undoing ``_unpin``'s estimate, which the index's counts replace)."""
+        d.kv_cap = self.prefix_cap[d.idx]
+        cands = d.take_victims()
+        if self.tier:
+            live = self.live
+            cands += [live[m.session_id] for m in d.tier.moves if m.direction == TO_HOST and m.session_id in live]
+            n = d.tier.decisions.get(WAITING_DROP, 0)
+            if n != self.prefix_wdrops[d.idx]:  # a waiting round's KV was dropped (no move, no victim)
+                self.prefix_wdrops[d.idx] = n
+                cands += d.kv_wait
+        if st is not None:
+            cands.append(st)
+        for s in cands:
+            self.prefix_let_go(d, s)
+
+    def prefix_let_go(self, d, s) -> None:
+        """The core dropped the KV of ``s`` (evicted, the tier's drop: its references go) or moved it
+        to host (it keeps only its pinned prefix in the index): what the core uncharged for blocks
+        another session still holds is charged back, as they stay on the device."""
+        ix = self.prefix[d.worker_id]
+        sid = s.session_id
+        held = ix.held(sid)
+        if not held:
+            return
+        if s.evicted or (s.round and not s.l_hist):  # (no history: a waiting round's KV dropped)
+            keep = 0
+        elif s.fetch:
+            keep = s.pinned // HASH_BLOCK_TOKENS
+        else:
+            return
+        if keep >= held:
+            return
+        before = ix.held_blocks
+        if keep:
+            ix.unpin(sid, keep)  # (indexed blocks nobody holds now are cached: free, as live)
+        else:
+            ix.release(sid)
+        still = held - keep - (before - ix.held_blocks)
+        self.prefix_let += held - keep
+        d.kv_used += still * HASH_BLOCK_TOKENS
 
     def prefix_trim(self, d) -> PrefixIndex:
         """Cached blocks (released, still indexed) live in the worker's free KV: those past what is
@@ -141,3 +304,5 @@ class Prefixing:
         stats["prefix_blocks_revived"] = self.prefix_revived  # shared again from the cache
         stats["prefix_blocks_evicted"] = self.prefix_evicted  # cache blocks whose space was needed
         stats["prefix_blocks_cached_end"] = sum(ix.cached_blocks for ix in self.prefix.values())
+        if self.prefix_kv:  # prompt blocks idle sessions let go of as their KV was dropped or moved to host
+            stats["prefix_blocks_let_go"] = self.prefix_let

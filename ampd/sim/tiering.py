@@ -7,7 +7,11 @@ host, gone) and the time until its KV and its blocks are on the device (``kv_fet
 back, and the offloads in flight whose blocks it was admitted into: ``tier_room_at``): routed
 locally, its prefill is queued then; remotely, the prefill worker reads the history from the host
 copy meanwhile, and its first token waits for it. With control-path latencies (``PathLatency``) the
-round is held until the link has finished every move so far and then routed as before."""
+round is held until the link has finished every move so far and then routed as before.
+
+With prefix sharing (``ampd.sim.prefixing``) a session's pinned prefix, its blocks others also hold,
+stays on the device: the core's moves, and so the link's time and ``bytes_to_host``, are its own KV
+only; ``Prefixing.prefix_sync`` runs after each core call, before its moves are taken here."""
 from __future__ import annotations
 
 from ampd.policy.cost import remote_prefill_s
@@ -97,10 +101,14 @@ class Tiering:
         elif d.state == STEPPING:
             self.interrupt(d, now)
 
-    def tier_pause(self, st, now: float, tool: str | None) -> None:
-        """A round ended in a tool call: the core keeps, offloads or drops the session's KV."""
+    def tier_pause(self, st, now: float, tool: str | None, hint_s: float | None = None) -> None:
+        """A round ended in a tool call: the core keeps, offloads or drops the session's KV, by the
+        tool's windowed duration or the round's ``expected_tool_s`` hint (``hint_s``) when given."""
         d = st.dw
-        if d.tier_pause(st, now, tool):
+        freed = d.tier_pause(st, now, tool, hint_s)
+        if self.prefix_kv:  # (before its moves are taken)
+            self.prefix_sync(d, st)
+        if freed:
             self.tier_moves(d, now)
             self.drain(d, now)
         else:

@@ -56,7 +56,9 @@ Eviction: a session idle between rounds (in a tool call, or waiting for its clie
 A round whose KV does not fit first evicts evictable sessions, least recently used first (the one
 whose tool call began longest ago), until it fits; only then does it wait or fail. An evicted
 session's next round prefills its whole context again (``l_hist`` 0; ``kv_recomputed_tokens`` counts those
-history tokens). docs/architecture.md "KV eviction" says why this victim order.
+history tokens). docs/architecture.md "KV eviction" says why this victim order. With prefix
+sharing an evicted session's blocks that other sessions still read stay (``DecodeSession.pinned``,
+``pin_own``: ``TierMixin._unpin``).
 """
 from __future__ import annotations
 

@@ -36,11 +36,13 @@ class DecodeSession:
         self.error = ""
         self.fetch = 0  # host tier: history tokens whose KV is on host, not on the device
         self.shared = 0  # live prefix sharing: history tokens in shared blocks, charged at admission
-        # host tier + prefix sharing: leading history tokens in blocks the prefix index holds, set by
-        # the driver before ``tier_pause``; they stay on the device when the rest goes to host
+        # prefix sharing: leading history tokens in blocks the prefix index holds, set by the driver
+        # as a round ends in a tool call. With the host tier (before ``tier_pause``) they stay on the
+        # device when the rest goes to host; without it (the simulator's --kv-evict or expired pins)
+        # they are all its index-held blocks, so an eviction knows what it frees (``pin_own``)
         self.pinned = 0
         # of them, the tokens in blocks no other session holds, set by the driver from the index's
-        # reference counts at each sync: dropping the session frees only these (``TierMixin._tier_make_room``)
+        # reference counts at each sync: dropping the session frees only these (``TierMixin._unpin``)
         self.pin_own = 0
         # host tier: output tokens of the current round charged at admission and not made yet, as of
         # its first token (in the batch, ``KvAdmission.output_due`` takes off the steps run since)
@@ -195,6 +197,7 @@ class KvAdmission:
             self.kv_used -= r
             self.evictable_kv -= r
             v.evicted = True
+            self._unpin(v)  # (--prefix-sharing: its blocks others still read stay, ``pinned``)
             self.kv_evictions += 1
             self.victims.append(v)
         return self.kv_cap - self.kv_used >= need

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 from ampd.policy.hostpool import HostBlocks
 from ampd.policy.kvtier import (DROP, OFFLOAD, KVState, KVTierConfig, PoolState, Prefetch, TierDecision, ToolPause,
-                                decide, effective_tool_s, host_transfer_s, prefetch_plan, should_prefetch)
+                                decide_hinted, host_transfer_s, prefetch_plan, should_prefetch)
 from ampd.policy.tooldur import ToolDurations
 
 __all__ = ["HostTier", "KVMove", "TierMixin", "TO_HOST", "FROM_HOST"]
@@ -116,7 +116,9 @@ class TierMixin:
 
     def tier_pause(self, s, now: float, tool: str | None = None, hint_s: float | None = None) -> bool:
         """The session's round ended in a call to ``tool`` (instead of ``tool_call``): keep, offload or
-        drop its KV (``kvtier.decide``); kept KV is evictable. True when KV freed or became evictable
+        drop its KV (``kvtier.decide_hinted``: the tool's windowed duration, and the agent's
+        ``expected_tool_s`` hint ``hint_s`` where it holds no more room); kept KV is evictable. True
+        when KV freed or became evictable
         while rounds wait for KV (loop on ``admit_next``)."""
         t = self.tier
         t.last = None
@@ -126,17 +128,17 @@ class TierMixin:
         s.pinned = min(max(s.pinned, 0), s.l_hist)
         kv = s.l_hist - s.pinned  # what can move: a pinned shared prefix stays on the device
         move_s = host_transfer_s(self.cost, kv, self.tp)
-        pause = ToolPause(s.session_id, tool or "", effective_tool_s(t.durations.expected_s(tool or "", now), hint_s,
-                                                                   t.cfg),
+        pause = ToolPause(s.session_id, tool or "", t.durations.expected_s(tool or "", now),
                           kv, move_s, move_s, self.cost.t_pre(self.tp, s.pinned, kv) if kv > 0 else 0.0)
         pool = PoolState(self.kv_cap, self.kv_used, self.wait_need, t.host_free_tokens)
-        d: TierDecision = decide(pause, pool, t.cfg)
+        d: TierDecision
+        d, plan_s = decide_hinted(pause, hint_s, pool, t.cfg)  # (the agent's hint: advice, bounded there)
         t.last = d
         t.count(d.action, d.reason)
         if d.action == OFFLOAD:
             self._tier_offload(s, d.reason)
-            if t.prefetch_early and pause.expected_s is not None:
-                t.plans[s.session_id] = prefetch_plan(now, pause.expected_s, move_s, t.cfg)
+            if t.prefetch_early and plan_s is not None:
+                t.plans[s.session_id] = prefetch_plan(now, plan_s, move_s, t.cfg)
             if s.pinned:  # the pinned prefix left on the device stays evictable (``_tier_victim``)
                 self._evictable(s)
         elif d.action == DROP:
@@ -239,11 +241,12 @@ class TierMixin:
         return False
 
     def _unpin(self, v) -> None:
-        """``v`` is dropped with a pinned prefix (--prefix-sharing, live: 0 in the simulator), charged
-        to it and uncharged now. Other sessions may still read those blocks, so the pool frees only
-        the ones nobody else holds (``pin_own``, the driver's count at its last sync): the core
-        counts the rest taken until the next ``sync_kv_free`` says what the pool has, or it would
-        admit a round into blocks that are not free."""
+        """``v`` is dropped (the tier's drop, an eviction) with a pinned prefix (--prefix-sharing; 0
+        otherwise), charged to it and uncharged now. Other sessions may still read those blocks, so
+        the pool frees only the ones nobody else holds (``pin_own``, the driver's count at its last
+        sync): the core counts the rest taken until the next ``sync_kv_free`` says what the pool has
+        (the simulator: its index's exact count, ``Prefixing.prefix_sync``), or it would admit a
+        round into blocks that are not free."""
         self.kv_cap -= v.pinned - min(max(v.pin_own, 0), v.pinned)
         v.pinned = v.pin_own = 0
 
@@ -258,7 +261,8 @@ class TierMixin:
         for s in reversed(self.kv_wait):
             if self.kv_cap - self.kv_used >= need:
                 break
-            if s is self.kv_wait[0] or s.evicted or s.fetch or s.l_hist <= 0:
+            # (a history shared again after a drop, ``shared_history``, is charged only when admitted)
+            if s is self.kv_wait[0] or s.evicted or s.fetch or s.l_hist - s.shared <= 0:
                 continue
             if t.host_free_tokens >= s.l_hist:
                 t.count(OFFLOAD, "waiting-offload")
@@ -268,6 +272,7 @@ class TierMixin:
                 t.count(DROP, "waiting-drop")
                 t.host.drop(s.session_id)
                 self.kv_used -= s.l_hist
+                self._unpin(s)  # (a pinned prefix others read frees nothing)
                 t.host.reprefilled(s.session_id)  # its round, already ready, prefills the history now
                 self.kv_recomputed_tokens += s.l_hist
                 self.wait_need += s.l_hist

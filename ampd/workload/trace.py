@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, TextIO
 
-from ampd.policy.hints import Hints, hints_from_obj
+from ampd.policy.hints import Hints, hints_from_obj, hints_to_obj
 
 __all__ = ["Round", "Session", "TraceError", "load_trace", "dump_trace", "session_from_obj",
            "session_to_obj", "check_hash_ids"]
@@ -173,9 +173,7 @@ def session_to_obj(s: Session) -> dict:
         if r.hash_ids is not None:
             d["hash_ids"] = list(r.hash_ids)
         if r.hints is not None:
-            d["hints"] = {k: v for k, v in (("priority", r.hints.priority or None),
-                                            ("expected_output_tokens", r.hints.expected_output_tokens),
-                                            ("expected_tool_s", r.hints.expected_tool_s)) if v is not None}
+            d["hints"] = hints_to_obj(r.hints)
         rounds.append(d)
     return {"id": s.id, "arrival": s.arrival, "rounds": rounds}
 

@@ -20,7 +20,7 @@ from ampd.state import StateStore, connect
 from ampd.v1 import common_pb2, decode_pb2, decode_pb2_grpc, sidecar_pb2_grpc
 from ampd.grpcserver import write_ready_file
 from ampd.runtime import WorkerRuntime, add_worker_args, pool_for, worker_config
-from services.decode.tier import check_host_tier
+from services.decode.tier import available_memory_bytes, check_host_tier
 from ampd.trust import attach_token, token_matches
 from ampd.policy.kvtier import KVTierConfig
 from ampd.worker import DecodeCore, HostTier
@@ -231,8 +231,13 @@ async def amain(args: argparse.Namespace) -> None:
     engine = make_engine(cfg.engine, profile, cfg.tp, cfg.model, kv_store={"redis_url": cfg.redis_url, "namespace": cfg.namespace, "worker": cfg.worker_id})
     pool = pool_for(profile, cfg, engine)
     session_tokens = min(engine.max_context, pool.capacity_tokens)
-    check_host_tier(cfg.kv_host_mb, pool.block_tokens, pool.bytes_per_token, session_tokens, cfg.engine,
-                    not engine.capabilities.needs_token_ids, cfg.kv_offload_pressure)  # before Redis
+    host_pool = check_host_tier(cfg.kv_host_mb, pool.block_tokens, pool.bytes_per_token, session_tokens, cfg.engine,
+                                not engine.capabilities.needs_token_ids, cfg.kv_offload_pressure,
+                                ratio=cfg.kv_host_ratio, device_bytes=pool.capacity_tokens * pool.bytes_per_token,
+                                available_bytes=available_memory_bytes())  # before Redis
+    if host_pool.note:
+        log.warning(host_pool.note)
+    log.info("host kv tier", mb=round(host_pool.mb, 2), source=host_pool.source)
     store = StateStore(await connect(cfg.redis_url), cfg.namespace)
     queue = make_queue(spec.decode_queue, profile, SLO(cfg.ttft_slo_s, cfg.itl_slo_s), cfg.tp,
                        window=cfg.reorder_window)
@@ -242,7 +247,7 @@ async def amain(args: argparse.Namespace) -> None:
     core = DecodeCore(cfg.worker_id, cfg.tp, profile, queue, kv_capacity_tokens=rt.pool.capacity_tokens,
                       window_s=cfg.window_s, chunk_tokens=chunk, kv_admission=cfg.kv_admission,
                       kv_evict=cfg.kv_evict, step_by_step=True,
-                      tier=HostTier.from_mb(cfg.kv_host_mb, pool.block_tokens, pool.bytes_per_token, session_tokens,
+                      tier=HostTier.from_mb(host_pool.mb, pool.block_tokens, pool.bytes_per_token, session_tokens,
                                             KVTierConfig(offload_pressure=cfg.kv_offload_pressure),
                                             prefetch_early=cfg.kv_prefetch_early))
     rt.kv_host_tokens = core.tier.host_tokens if core.tier is not None else 0

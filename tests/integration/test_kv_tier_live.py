@@ -1,4 +1,4 @@
-"""The host KV tier of a live decode worker (--kv-host-mb; services/decode/tier.py), through real NIXL
+"""The host KV tier of a live decode worker (--kv-host-ratio / --kv-host-mb; services/decode/tier.py), through real NIXL
 (the worker's agent and its host pool's agent), Redis and, for the deployments, gRPC.
 
 - In one process, a decode worker on the mock engine: a session whose round ends in a client-side
@@ -232,15 +232,18 @@ def test_sessions_idle_in_tool_calls_move_to_host_and_every_session_completes(re
     assert m["kv_tier_host_used_blocks"] == 0 and m["kv_tier_host_copies"] == 0
 
 
-def test_the_default_kv_admission_promises_the_host_tier_and_every_session_completes(redis_url, tmp_path):
+@pytest.mark.parametrize("size, host_tokens", [({"kv_host_mb": 1}, 2**20 // 64),  # 1 MiB of 64-byte tokens
+                                               ({"kv_host_ratio": 2}, 2 * KV_TOKENS)])  # twice the device pool
+def test_the_default_kv_admission_promises_the_host_tier_and_every_session_completes(redis_url, tmp_path, size,
+                                                                                     host_tokens):
     # admission "kv" (the default) promises the device pool plus the host pool the decode worker
     # registered: every session is admitted, and the idle ones' KV moves to host so that each round
-    # still gets its KV on the device
+    # still gets its KV on the device. The pool sized in MiB or by --kv-host-ratio, as registered.
     opts = Options(prefill="none", decode="tp1*1", profile=_profile(tmp_path, KV_TOKENS), policy="local",
-                   kv_host_mb=1, redis_url=redis_url, namespace="kvtier-kv", run_dir=str(tmp_path / "run"))
+                   redis_url=redis_url, namespace="kvtier-kv", run_dir=str(tmp_path / "run"), **size)
     infos: dict = {}
     records, stats, metrics = _replayed(opts, SESSIONS, infos=infos)
-    assert infos["decode-0"].kv_host_tokens > KV_TOKENS  # 1 MiB of 64-byte tokens
+    assert infos["decode-0"].kv_host_tokens == host_tokens
     m = metrics["decode-0"]
     assert all(r.completed for r in records), [r.error for r in records]
     assert stats.token_mismatches == 0 and m["sessions_failed"] == 0 and m["kv_overcommits"] == 0

@@ -249,6 +249,26 @@ def test_simulator_tier_off_by_default_and_a_host_pool_too_small_is_refused():
         simulate(s, prof, kv_host_mb=0.5, **kw)  # 0.5 MiB < 1104 tokens x 1000 bytes
 
 
+def test_simulator_sizes_the_tier_by_the_ratio_as_the_same_pool_in_mib():
+    """--kv-host-ratio sizes each decode worker's host pool from its device pool, as live
+    (ampd.policy.hostpool.size_host_pool): ratio 1 of a 5000-token pool at 1000 bytes a token runs as
+    --kv-host-mb 5000*1000/MiB; a ratio too small for one session (the device pool) is off, not
+    refused; with prefix sharing on (these rounds carry no hash_ids, so nothing is shared) the ratio-sized
+    tier acts as without it."""
+    prof = _sim_profile(cap=5000)
+    sess = [Session(f"s-{i}", 0.5 * i, (Round(1100, 2, 60.0, "search"), Round(100, 2))) for i in range(7)]
+    kw = dict(policy="colocated", decode="tp1*1", ttft_slo_s=5, itl_slo_s=1, block_tokens=BT, admission_wait=5.0)
+    ratio = simulate(sess, prof, kv_host_ratio=1, **kw)
+    mib = simulate(sess, prof, kv_host_mb=5000 * 1000 / 2**20, **kw)
+    assert ratio.stats["kv_tier"]["tokens_to_host"] > 0
+    assert [s.rounds for s in ratio.sessions] == [s.rounds for s in mib.sessions]
+    assert ratio.stats["kv_tier"] == mib.stats["kv_tier"]
+    off = simulate(sess, prof, **kw)
+    assert "kv_tier" not in off.stats and "kv_tier" not in simulate(sess, prof, kv_host_ratio=0.5, **kw).stats
+    assert [s.rounds for s in simulate(sess, prof, kv_host_ratio=0.5, **kw).sessions] == [s.rounds for s in off.sessions]
+    assert simulate(sess, prof, kv_host_ratio=1, prefix_sharing=True, **kw).stats["kv_tier"] == mib.stats["kv_tier"]
+
+
 def test_prefetch_starts_before_the_expected_end_only_into_spare_blocks():
     core = _core(cap=1200, host_tokens=1008)
     core.tier.prefetch_early = True

@@ -1,7 +1,9 @@
-"""The live decode worker's host KV tier settings (services/decode/tier.py): off by default and
-inert; on, a host pool too small for one session's KV is refused with the sizes named, and so is an
-engine that keeps its KV outside the worker's pool (nothing there for the tier to move). The tier at
-work: tests/integration/test_decode_tier_live.py."""
+"""The live decode worker's host KV tier settings (services/decode/tier.py): off by default
+(--kv-host-ratio 0), sized by --kv-host-ratio (1: the device pool's size) or by --kv-host-mb. An
+explicit --kv-host-mb too small for one session's KV, or larger than the memory the process may use,
+is refused with the sizes named, and so is one for an engine that keeps its KV outside the worker's
+pool (nothing there for the tier to move); a ratio-sized pool never refuses a start. The tier at work:
+tests/integration/test_decode_tier_live.py."""
 from __future__ import annotations
 
 import pytest
@@ -9,18 +11,57 @@ import pytest
 from ampd.config import ConfigError
 from ampd.runtime import worker_config
 from services.decode.server import build_parser
-from services.decode.tier import check_host_tier
+from ampd.policy.hostpool import MIB
+from services.decode.tier import available_memory_bytes, check_host_tier
 
 BASE = ["--worker-id", "d0", "--redis-url", "redis://127.0.0.1:1"]
 
 
-def test_the_decode_worker_takes_the_tier_settings_off_by_default():
+def test_the_decode_worker_takes_the_tier_off_by_default_and_sized_by_the_ratio_or_in_mib():
     cfg = worker_config(build_parser().parse_args(BASE), "decode", 1)
-    assert (cfg.kv_host_mb, cfg.kv_offload_pressure, cfg.kv_prefetch_early) == (0.0, 0.7, False)
-    check_host_tier(cfg.kv_host_mb, cfg.block_tokens, cfg.kv_bytes_per_token, 1 << 20)  # off: nothing
+    assert (cfg.kv_host_ratio, cfg.kv_host_mb, cfg.kv_offload_pressure, cfg.kv_prefetch_early) == (0.0, 0.0, 0.7, False)
+    size = check_host_tier(cfg.kv_host_mb, 16, 1024, 4096, ratio=cfg.kv_host_ratio, device_bytes=4 * MIB)
+    assert (size.mb, size.source, size.note) == (0.0, "off", "")
+    cfg = worker_config(build_parser().parse_args([*BASE, "--kv-host-ratio", "1"]), "decode", 1)
+    # 4096 tokens of 1 KiB in 16-token blocks: the device pool is 4 MiB, and so is the host pool
+    size = check_host_tier(cfg.kv_host_mb, 16, 1024, 4096, ratio=cfg.kv_host_ratio, device_bytes=4 * MIB)
+    assert (size.mb, size.source, size.note) == (4.0, "ratio", "")
     cfg = worker_config(build_parser().parse_args(
         [*BASE, "--kv-host-mb", "64", "--kv-offload-pressure", "0.5", "--kv-prefetch-early"]), "decode", 1)
     assert (cfg.kv_host_mb, cfg.kv_offload_pressure, cfg.kv_prefetch_early) == (64.0, 0.5, True)
+    size = check_host_tier(cfg.kv_host_mb, 16, 1024, 4096, ratio=cfg.kv_host_ratio, device_bytes=4 * MIB)
+    assert (size.mb, size.source) == (64.0, "explicit")  # --kv-host-mb overrides the ratio
+    size = check_host_tier(cfg.kv_host_mb, 16, 1024, 4096, ratio=1, device_bytes=4 * MIB)
+    assert (size.mb, size.source) == (64.0, "explicit")
+
+
+def test_a_ratio_sized_pool_is_cut_to_the_memory_left_and_never_refuses_a_start():
+    # 2 x a 4 MiB device pool wants 8 MiB; 10 MiB available: cut to half of it, 5 MiB, and logged
+    size = check_host_tier(0, 16, 1024, 4096, ratio=2, device_bytes=4 * MIB, available_bytes=10 * MIB)
+    assert (size.mb, size.source) == (5.0, "ratio")
+    assert "cut from 8.0 MiB" in size.note and "to 5.0 MiB" in size.note and "10 MiB" in size.note
+    # 6 MiB available: 3 MiB cannot hold one session's 4096 tokens (4 MiB): off, saying so, no error
+    size = check_host_tier(0, 16, 1024, 4096, ratio=2, device_bytes=4 * MIB, available_bytes=6 * MIB)
+    assert (size.mb, size.source) == (0.0, "off")
+    assert "to 3.0 MiB" in size.note and "4096 tokens (4.0 MiB)" in size.note and "tier is off" in size.note
+    size = check_host_tier(0, 16, 1024, 4096, ratio=0.5, device_bytes=4 * MIB)  # a ratio too small: off too
+    assert (size.mb, size.source) == (0.0, "off") and "is 2.0 MiB" in size.note
+    # an engine that keeps its own KV (sglang): the ratio-sized tier is off, the start goes on
+    size = check_host_tier(0, 16, 1024, 4096, "sglang", kv_in_pool=False, ratio=1, device_bytes=4 * MIB)
+    assert (size.mb, size.source) == (0.0, "off") and "engine 'sglang'" in size.note
+
+
+def test_an_explicit_host_pool_larger_than_the_memory_left_is_refused_with_the_sizes():
+    with pytest.raises(ConfigError) as e:
+        check_host_tier(64, 16, 1024, 4096, ratio=1, device_bytes=4 * MIB, available_bytes=32 * MIB)
+    msg = str(e.value)
+    assert "--kv-host-mb 64" in msg and "32 MiB" in msg and "at most 32" in msg
+    assert check_host_tier(16, 16, 1024, 4096, available_bytes=32 * MIB).mb == 16
+
+
+def test_the_memory_left_is_read_from_the_host():
+    left = available_memory_bytes()
+    assert left is not None and 0 < left < 1 << 50  # Linux: /proc/meminfo's MemAvailable at least
 
 
 def test_a_host_pool_too_small_for_one_session_is_refused_with_its_sizes():
@@ -32,8 +73,8 @@ def test_a_host_pool_too_small_for_one_session_is_refused_with_its_sizes():
 
 
 def test_a_big_enough_host_pool_is_taken_unless_the_engine_keeps_its_own_kv():
-    assert check_host_tier(8, 16, 1024, 4096) == 512  # 8 MiB of 16 KiB blocks
-    assert check_host_tier(0, 16, 1024, 4096, "sglang", kv_in_pool=False) == 0  # off: nothing
+    assert check_host_tier(8, 16, 1024, 4096).mb == 8  # 8 MiB: 512 blocks of 16 KiB
+    assert check_host_tier(0, 16, 1024, 4096, "sglang", kv_in_pool=False).mb == 0  # off: nothing
     with pytest.raises(ConfigError, match="engine 'sglang' keeps its KV outside the worker's pool"):
         check_host_tier(8, 16, 1024, 4096, "sglang", kv_in_pool=False)
 

@@ -170,6 +170,40 @@ def test_with_only_shared_pinned_prefixes_left_a_round_waits_while_one_runs_then
     assert core.kv_used == 0 and not core.sessions and core.tier.host.empty and core.evictable_kv == 0
 
 
+def test_a_waiting_round_dropped_to_unblock_the_head_frees_only_its_own_part():
+    core = _core(cap=2000, host_tokens=BT)  # a host too small for any session: waiting KV is dropped
+    core.tier.cfg.offload_pressure = 1.0
+    a, b = _pinned_pair(core)
+    assert _next(core, a, 1, 2000, 2.0) == WAITING  # 798 free + b's 601 idle < 2001: nobody evicted
+    assert _next(core, b, 1, 10, 2.1) == WAITING  # a waits first
+    # every running session waits: b's KV is dropped for the head (waiting-drop) ...
+    assert core.admit_next(2.2) is a and core.tier.decisions["drop:waiting-drop"] == 1
+    assert b.l_hist == 0 and b.l_incr == 10 + 601 and b.pinned == 0
+    # ... but its pinned 512 tokens are a's too: counted taken until the sync says what the pool has
+    assert core.kv_cap == 2000 - 512 and core.kv_overcommits == 1
+
+
+def test_a_waiting_round_whose_history_is_shared_again_is_not_moved_to_unblock_the_head():
+    core = _core(cap=2000, host_tokens=4096)
+    core.tier.cfg.offload_pressure = 1.0
+    a, e, s = DecodeSession("a"), DecodeSession("e"), DecodeSession("s")
+    _first(core, a, 600)
+    _first(core, e, 600)
+    _first(core, s, 600, shared=512)
+    s.pinned = 512
+    core._tier_drop(s)
+    core.sync_kv_free(2000 - 1202)  # (its 512 others read are counted again)
+    assert _next(core, a, 1, 999, 1.0) == WAITING  # 798 free, nothing idle
+    assert _next(core, e, 1, 10, 1.1) == WAITING
+    core.shared_history(s, 512)  # dropped, it shares its prefix again: charged when admitted
+    assert _next(core, s, 1, 10, 1.2) == WAITING and (s.l_hist, s.shared) == (512, 512)
+    # every running session waits: s, last in line, has nothing charged on the device to move, so
+    # e's KV goes to host (a bug would move s's uncharged 512 and count them free)
+    assert core.admit_next(1.3) is a
+    assert core.tier.decisions["offload:waiting-offload"] == 1 and (e.fetch, s.fetch) == (601, 0)
+    assert core.kv_used == 601 + 1000 and core.kv_overcommits == 0
+
+
 def test_a_rewind_into_the_pinned_prefix_of_an_offloaded_session_lets_the_host_copy_go():
     core = _core(cap=10_000, host_tokens=4096)
     s = DecodeSession("s")

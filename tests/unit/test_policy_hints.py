@@ -1,13 +1,15 @@
-"""Agent hints (ampd.agenthints, ampd.policy.hints): reading them off the wire, fallbacks to the windowed estimates, and the bounds that
-keep a wrong hint from costing another session."""
+"""Agent hints (ampd.agenthints, ampd.policy.hints): reading them off the wire; each consumer (admission's
+order, the KV tier's decision and prefetch plan, live and in the simulator) changing its decision when a
+hint is given, falling back to the windowed estimate when not, and a wrong or hostile hint never making
+its own round cheaper than the same round without it (so never costing another session)."""
 
 import math
 
 import pytest
 
 from ampd.agenthints import hints_from_body, hints_from_turn, hints_to_turn
-from ampd.policy.hints import HintConfig, Hints, queue_enqueued_at, resolve, shared_output_tokens
-from ampd.policy.kvtier import KVTierConfig
+from ampd.policy.hints import HintConfig, Hints, queue_enqueued_at
+from ampd.policy.kvtier import DROP, KEEP, OFFLOAD, KVTierConfig, PoolState, ToolPause, decide_hinted
 from ampd.v1 import common_pb2
 from ampd.validate import InvalidArgument
 
@@ -40,44 +42,10 @@ def test_from_body():
         assert str(e.value).startswith(field), str(e.value)
 
 
-def test_output_tokens_for_shared_decisions_never_below_the_estimate():
-    assert shared_output_tokens(None, None, 512) is None
-    assert shared_output_tokens(None, 120.0, 512) == 120.0  # no hint: the estimate
-    assert shared_output_tokens(300, None, 512) == 300.0  # no estimate: the hint
-    assert shared_output_tokens(300, 120.0, 512) == 300.0  # over-claiming costs its own round
-    assert shared_output_tokens(1, 120.0, 512) == 120.0  # under-claiming buys nothing
-    assert shared_output_tokens(10_000, 120.0, 512) == 512.0  # never past max_tokens
-    assert shared_output_tokens(None, math.nan, 512) is None
-
-
 def test_priority_only_yields():
     assert queue_enqueued_at(10.0, 0, CFG) == 10.0
     assert queue_enqueued_at(10.0, -4, CFG) == 12.0
     assert queue_enqueued_at(10.0, 100, CFG) == 10.0  # a positive priority jumps nobody
-
-
-def test_resolve_falls_back_to_estimates():
-    v = resolve(Hints(), CFG, enqueued_at=5.0, max_tokens=256, est_output_tokens=80.0, est_tool_s=3.0,
-                tool_start=100.0)
-    assert (v.output_tokens, v.enqueued_at, v.tool_s, v.tool_rank_end) == (80.0, 5.0, 3.0, 103.0)
-    v = resolve(Hints(), CFG, enqueued_at=5.0, max_tokens=256, est_output_tokens=None, est_tool_s=None,
-                tool_start=100.0)
-    assert (v.output_tokens, v.tool_s, v.tool_rank_end) == (None, None, None)
-
-
-def test_resolve_with_hints_and_a_hostile_one():
-    honest = resolve(Hints(-2, 200, 30.0), CFG, enqueued_at=5.0, max_tokens=256, est_output_tokens=80.0,
-                     est_tool_s=3.0, tool_start=100.0)
-    assert (honest.output_tokens, honest.enqueued_at, honest.tool_s, honest.tool_rank_end) == (200.0, 6.0, 30.0, 130.0)
-    # says its tool returns at once: its own KV stays (tool_s 0), but eviction still ranks it by
-    # the 3 s estimate, and it claims no fewer output tokens than the estimate
-    liar = resolve(Hints(100, 1, 0.0), CFG, enqueued_at=5.0, max_tokens=256, est_output_tokens=80.0,
-                   est_tool_s=3.0, tool_start=100.0)
-    assert (liar.output_tokens, liar.enqueued_at, liar.tool_s, liar.tool_rank_end) == (80.0, 5.0, 0.0, 103.0)
-    # a tool hint beyond the limit is clamped
-    far = resolve(Hints(0, None, 1e9), HintConfig(kv=KVTierConfig(max_hint_s=60.0)), enqueued_at=0.0,
-                  max_tokens=1, est_output_tokens=None, est_tool_s=None, tool_start=0.0)
-    assert (far.tool_s, far.tool_rank_end) == (60.0, 60.0)
 
 
 def test_the_pure_parser_has_the_session_apis_ranges():
@@ -109,3 +77,140 @@ def test_a_trace_round_carries_hints_and_a_bad_one_is_named():
     obj["rounds"][0]["hints"] = {"expected_output_tokens": 0}
     with pytest.raises(TraceError, match=r"t.jsonl:1: field 'rounds\[0\].hints.expected_output_tokens'"):
         session_from_obj(obj, "t.jsonl:1")
+
+
+# ------------------------------------------------------------------ the KV tier (expected_tool_s)
+KV = KVTierConfig(offload_pressure=0.5, margin_s=0.05, max_hint_s=3600.0)
+PRESSED = PoolState(device_blocks=1000, device_used=800, waiting=0, host_free=500)  # over the pressure
+
+
+def _pause(est: float | None, reprefill_s: float = 3.5) -> ToolPause:
+    return ToolPause("s", "search", est, 100, 0.2, 0.2, reprefill_s)
+
+
+def _act(est: float | None, hint: float | None, reprefill_s: float = 3.5) -> tuple[str, str, float | None]:
+    d, plan_s = decide_hinted(_pause(est, reprefill_s), hint, PRESSED, KV)
+    return d.action, d.reason, plan_s
+
+
+def test_tier_decision_without_a_hint_is_decides_on_the_estimate():
+    for est in (None, 0.1, 10.0):
+        d, plan_s = decide_hinted(_pause(est), None, PRESSED, KV)
+        plain = decide_hinted(_pause(est), math.nan, PRESSED, KV)[0]  # (a NaN is no hint)
+        assert (d.action, d.reason, d.estimates, plan_s) == (plain.action, plain.reason, plain.estimates, est)
+    assert _act(None, None) == (OFFLOAD, "unknown-tool", None)
+    assert _act(0.1, None) == (KEEP, "short-tool", 0.1)
+    assert _act(10.0, None) == (OFFLOAD, "long-tool", 10.0)
+
+
+def test_a_long_hint_moves_its_own_kv_off_the_device_sooner():
+    # the tool was short so far: the estimate keeps the KV; the agent says this call is long
+    assert _act(0.1, 30.0) == (OFFLOAD, "long-tool", 30.0)  # prefetch planned by the hinted end
+    assert _act(0.1, 30.0, reprefill_s=0.1) == (DROP, "reprefill-cheaper", 30.0)
+    assert _act(None, 30.0) == (OFFLOAD, "long-tool", None)  # never observed: no early prefetch on a hint
+    d, _ = decide_hinted(_pause(0.1), 30.0, PRESSED, KV)
+    assert d.estimates["hint_s"] == 30.0 and d.estimates["expected_s"] == 30.0  # logged with the numbers
+
+
+def test_a_short_or_hostile_hint_never_keeps_kv_the_estimate_moves_nor_fetches_it_back_sooner():
+    # the tool is long (or never observed): a hint of 0 s would keep the KV on the device, holding
+    # room another round then waits to evict; it is the estimate's decision, as without the hint
+    assert _act(10.0, 0.0) == (OFFLOAD, "long-tool", 10.0)  # the prefetch by the later (estimated) end
+    assert _act(None, 0.0) == (OFFLOAD, "unknown-tool", None)
+    assert _act(10.0, 1.0)[2] == 10.0  # a shorter hint does not bring the prefetch forward
+    assert _act(10.0, 60.0)[2] == 60.0  # a longer one delays its own
+    # a huge hint is clamped to max_hint_s (and only delays its own prefetch)
+    assert _act(10.0, 1e12) == (OFFLOAD, "long-tool", KV.max_hint_s)
+    # every hint against every estimate: never a decision holding more room than without the hint
+    holds = {DROP: 0, OFFLOAD: 1, KEEP: 2}
+    for est in (None, 0.0, 0.1, 0.5, 10.0, 1e5):
+        for hint in (0.0, 0.01, 0.3, 10.0, 1e5, 1e12, math.inf):
+            for rp in (0.1, 3.5):
+                base = _act(est, None, rp)
+                act, _, plan_s = _act(est, hint, rp)
+                assert holds[act] <= holds[base[0]], (est, hint, rp)
+                assert (plan_s is None) == (est is None) and (plan_s is None or plan_s >= est)
+
+
+def _sim_tier(hints: Hints | None):
+    """4 sessions idle in 30 s "search" calls fill a 5000-token decode pool; 3 new ones come at 5 s
+    (tests/unit/test_decode_tier.py's scenario), the idle ones' first rounds carrying ``hints``."""
+    from ampd.sim import simulate
+    from ampd.workload.trace import Round, Session
+    from tests.unit.test_sim import _profile
+
+    idle = [Session(f"idle-{i}", 0.01 * i, (Round(1100, 2, 30.0, "search", hints=hints), Round(100, 2)))
+            for i in range(4)]
+    new = [Session(f"new-{i}", 5.0, (Round(1200, 2),)) for i in range(3)]
+    return simulate(idle + new, _profile(cap=5000), policy="colocated", decode="tp1*1", ttft_slo_s=5, itl_slo_s=1,
+                    admission="none", block_tokens=16, kv_host_mb=3)
+
+
+def test_simulator_tier_reads_the_rounds_tool_hint_and_a_hostile_one_costs_no_other_session():
+    """The simulator hands a round's ``expected_tool_s`` to the decode core as the live decode worker
+    hands its turn's: the decision changes with a hint (``long-tool`` for the never observed tool,
+    instead of ``unknown-tool``), and a hostile 0 s on the 30 s call leaves every session's timing as
+    without hints (without the bound it kept the KV and the new sessions waited to evict it)."""
+    plain = _sim_tier(None)
+    assert plain.stats["kv_tier"]["decisions"]["offload:unknown-tool"] == 1
+    honest = _sim_tier(Hints(expected_tool_s=30.0))
+    d = honest.stats["kv_tier"]["decisions"]
+    assert d["offload:long-tool"] == 1 and "offload:unknown-tool" not in d
+
+    def timing(r):
+        return [(x.input_ready, x.first_token, x.last_token) for s in r.sessions for x in s.rounds]
+
+    for h in (Hints(expected_tool_s=0.0), Hints(expected_tool_s=86400.0), Hints(100, 1, None),
+              Hints(-100, 1 << 20, None), Hints(100, 1, 0.0)):
+        r = _sim_tier(h)
+        assert all(s.completed for s in r.sessions) and r.stats["kv_used_end"] == [0], h
+        assert r.stats["kv_tier"]["host_used_end"] == [0], h
+        assert timing(r) == timing(plain), h  # here every hint (and so no hint) gives the same times
+
+
+def test_a_replayed_trace_sends_its_rounds_hints():
+    """Live replay sends what the simulator reads: a round's hints on its gRPC turn (server-side tools:
+    the turn scripting the later rounds carries its first round's), and ``ampd_hints`` as the OpenAI
+    body field the front reads back to the same Hints."""
+    from ampd.bench.client import replay_turn
+    from ampd.policy.hints import hints_to_obj
+    from ampd.workload.trace import Round, Session
+
+    h = Hints(-3, 40, 2.5)
+    s = Session("s", 0.0, (Round(5, 2, 1.0, hints=h), Round(4, 2, 1.0), Round(3, 2, hints=Hints(expected_tool_s=0.0))))
+    for client_tools in (False, True):
+        assert hints_from_turn(replay_turn(s, 0, 0, client_tools)) == h
+        assert not replay_turn(s, 1, 7, client_tools).HasField("hints")
+        assert hints_from_turn(replay_turn(s, 2, 13, client_tools)) == Hints(0, None, 0.0)
+    for hints in (h, Hints(), Hints(expected_tool_s=0.0), Hints(7, None, None)):
+        assert hints_from_body({"ampd_hints": hints_to_obj(hints)}) == hints
+
+
+def test_simulator_admission_a_hostile_priority_or_output_hint_jumps_no_queue():
+    """test_sim's yield scenario (only one of y and p fits beside a): p, arriving after y, claims the
+    top priority and a 1-token output (or the most a round may claim); q, alone beside a, fits only
+    if its 1-token claim were promised instead of its max_tokens. Admission still promises max_tokens
+    and serves by arrival: every session's times are those without hints (p after y, q after a)."""
+    from ampd.sim import simulate
+    from ampd.workload.trace import Round, Session
+    from tests.unit.test_sim import _profile
+
+    a = Session("a", 0.0, (Round(2000, 3, 1.0), Round(100, 3)))  # promises 2138 of 3000
+    y = Session("y", 0.1, (Round(1500, 3),))
+    kw = dict(policy="colocated", decode="tp1*1", ttft_slo_s=5, itl_slo_s=1, admission_wait=30)
+
+    def times(sessions):
+        r = simulate(sessions, _profile(cap=3000), **kw)
+        assert all(s.completed for s in r.sessions)
+        return {s.session_id: [(x.input_ready, x.first_token, x.last_token) for x in s.rounds] for s in r.sessions}
+
+    def p(hints):
+        return Session("p", 0.2, (Round(1500, 3, hints=hints),))
+
+    def q(hints):
+        return Session("q", 0.2, (Round(700, 300, hints=hints),))  # 1000 (+ a block) > 862 left; 701 would fit
+
+    plain_p, plain_q = times([a, y, p(None)]), times([a, q(None)])
+    assert plain_p["y"][0][1] < plain_p["p"][0][1] and plain_q["q"][0][1] > plain_q["a"][1][2]  # q waits for a to end
+    for h in (Hints(100, 1, None), Hints(100, 1 << 20, 0.0), Hints(0, 1, None)):
+        assert times([a, y, p(h)]) == plain_p and times([a, q(h)]) == plain_q, h

@@ -2,8 +2,6 @@
 hash blocks held on their decode worker prefill less, and the KV accounting returns to empty."""
 from __future__ import annotations
 
-import pytest
-
 from ampd.sim import simulate
 from ampd.workload import Round, Session
 from ampd.workload.mooncake import HASH_BLOCK_TOKENS
@@ -69,11 +67,6 @@ def test_sessions_without_hash_ids_are_unchanged():
     off, on = _run(sessions, False), _run(sessions, True)
     assert [[tuple(x) for x in s.rounds] for s in off.sessions] == [[tuple(x) for x in s.rounds] for s in on.sessions]
     assert on.stats["prefix_shared_tokens"] == 0
-
-
-def test_refuses_what_it_does_not_model():
-    with pytest.raises(ValueError, match="prefix_sharing"):
-        _run(_trace(n=2), True, kv_evict=True)
 
 
 def test_released_blocks_stay_cached_and_are_shared_again():

@@ -198,6 +198,20 @@ def test_kv_evict_evicts_idle_sessions_least_recently_used_first():
     assert core.kv_used == 600 + 350 and not core.evictable
 
 
+def test_an_evicted_session_frees_only_the_pinned_blocks_it_alone_holds():
+    # prefix sharing without the tier (the simulator's --kv-evict): 320 of a's 600 tokens are in
+    # blocks the prefix index holds (``pinned``), 160 of them in blocks nobody else holds
+    # (``pin_own``): evicting a frees 600 - 160, not the 160 others still read
+    core = _core(cap=1000, evict=True)
+    a = _idle(core, "a", 600, 1.0)
+    a.pinned, a.pin_own = 320, 160
+    assert core.round_ready(_sess("n", 900, 1), 2.0) == WAITING  # 1000 - 160 others read < 900
+    assert a.evicted and core.take_victims() == [a] and a.pinned == a.pin_own == 0
+    assert core.kv_used == 0 and core.kv_cap == 840  # until the driver syncs (live: the pool's count)
+    core.sync_kv_free(1000)  # the other holders let go too
+    assert core.admit_next(3.0) is not None and core.kv_used == 900
+
+
 def test_no_idle_session_loses_its_kv_for_a_round_that_would_not_fit_anyway():
     core = _core(cap=1000, evict=True)
     a = _idle(core, "a", 300, 1.0)
