@@ -61,7 +61,8 @@ class Admitting:
         prefills = [p.view(now) for p in self.prefills] if book.rule == "slo" else ()
         h = w.s.rounds[0].hints  # a yielding hint (trace rounds' hints): admission orders it later
         order_at = queue_enqueued_at(w.at, h.priority, _HINTS) if h is not None and h.priority < 0 else None
-        v = book.judge(w, w.need, int(w.s.rounds[0].input), now - w.at, decode, prefills, order_at=order_at)
+        v = book.judge(w, w.need, int(w.s.rounds[0].input), now - w.at, decode, prefills, order_at=order_at,
+                       host_share=book.off_device.share(now) if self.tier else None)
         if v.worker is None and not v.reason:
             if not queued:
                 self.n_waited += 1
