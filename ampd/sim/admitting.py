@@ -19,7 +19,7 @@ _HINTS = HintConfig()  # the coordinator's (services/coordinator/session.py HINT
 
 
 class Admitting:
-    """The admission handlers of ``ampd.sim.loop._Run`` (which declares the slots: ``book``,
+    """The admission handlers of ``ampd.sim.loop._Run`` (which declares the slots: ``sim``, ``book``,
     ``outcomes``, ``refused``, ``n_waited``, ``live``, ``decodes``, ``prefills``, ``by_id``,
     ``block_tokens``). One object holds every handler: the dispatch loop calls them as its own
     methods, with no hop through a collaborator per event."""
@@ -96,6 +96,15 @@ class Admitting:
         w = self.book.head
         if w is not None:
             self.admit(w, now)
+
+    def off_device_sample(self, st: Sess, last: float) -> None:
+        """The round of ``st`` made its last token at ``last`` (its record not appended yet): a sample
+        of admission's estimate of the KV that can be on host (``ampd.policy.offshare``), as the
+        coordinator takes from its ``RoundTiming``."""
+        kv = st.l_hist + st.l_incr + st.out  # (a dropped history is in l_incr again)
+        prev = st.rec.rounds[-1] if st.round else None
+        self.book.off_device.round_ended(st.ready, last, kv, None if prev is None else prev.last_token,
+                                         kv - int(st.rounds[st.round].input) - st.out, self.sim.profile, st.dw.tp)
 
     def release(self, st: Sess, now: float) -> None:
         """The session ended: its promise frees, for the sessions waiting."""

@@ -271,11 +271,8 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
     def round_end(self, st: Sess, now: float, last: float) -> None:
         d = st.dw
         out = st.out
-        if self.tier:  # admission's estimate of the KV that can be on host (ampd.policy.offshare)
-            kv = st.l_hist + st.l_incr + out
-            prev = st.rec.rounds[-1] if st.round else None
-            self.book.off_device.round_ended(st.ready, last, kv, None if prev is None else prev.last_token,
-                                             kv - int(st.rounds[st.round].input) - out, self.sim.profile, d.tp)
+        if self.tier:
+            self.off_device_sample(st, last)
         st.rec.rounds.append(_new_round(SimRound, (st.round, st.ready, st.first, last, out, st.local, d.idx,
                                                    st.lo if out > 1 else 0, st.target)))
         rounds = st.rounds

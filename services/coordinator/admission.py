@@ -138,16 +138,18 @@ class Admission:
             task.add_done_callback(lambda t: self._releasing.pop(sid, None) if self._releasing.get(sid) is t else None)
         self._wake()
 
-    def round_ended(self, t, kv_tokens: int, prev: tuple[float, int] | None, tp: int) -> None:
-        """A session's round ended (its ``common_pb2.RoundTiming`` ``t``, the session then holding
-        ``kv_tokens``; ``prev``: its previous round's last token and KV, None for its first round) on
-        a decode worker of degree ``tp``: a sample of how much KV can be on host
-        (``ampd.policy.offshare``, admission's ``promise_room``). Without the cost model (the host
+    def round_ended(self, t, prev: tuple[float, int] | None, tp: int) -> tuple[float, int]:
+        """A session's round ended (its ``common_pb2.RoundTiming`` ``t``; ``prev``: what this returned
+        for its previous round, None for its first) on a decode worker of degree ``tp``: a sample of
+        how much KV can be on host (``ampd.policy.offshare``, admission's ``promise_room``). Returns
+        the round's last token time and the session's KV then. Without the cost model (the host
         moves' times) there is no estimate, and admission promises the device only."""
+        kv = t.l_hist + t.l_incr + t.tokens  # (a recomputed history is in l_incr again)
         cost = self.book.cost
         if cost is not None:
-            self.book.off_device.round_ended(t.input_ready, t.last_token, kv_tokens,
-                                             None if prev is None else prev[0], 0 if prev is None else prev[1], cost, tp)
+            self.book.off_device.round_ended(t.input_ready, t.last_token, kv, None if prev is None else prev[0],
+                                             0 if prev is None else prev[1], cost, tp)
+        return t.last_token, kv
 
     async def promised_total(self) -> float:
         """KV tokens promised to live sessions: by every coordinator when shared (Redis), else here."""

@@ -372,9 +372,7 @@ class SessionRun:
             if tracing.on:
                 tracing.round_span(self.sid, t)
             self.svc.rounds.observe(t)
-            kv = t.l_hist + t.l_incr + t.tokens
-            self.svc.admission.round_ended(t, kv, self.last_round, self.info.tp if self.info is not None else 1)
-            self.last_round = (t.last_token, kv)
+            self.last_round = self.svc.admission.round_ended(t, self.last_round, self.info.tp if self.info else 1)
             return [self.to_client(round_end=ev.round_end)]
         if kind == "done":
             return [self.session_done(ev.done)]
