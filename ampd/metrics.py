@@ -119,6 +119,10 @@ DECODE = (
            "round prefills its history again)", label="move", prefix="kv_tier_failed_"),
     Family("kv_tier_bytes", "counter", "KV bytes the host KV tier moved, by direction",
            (("kv_tier_bytes_to_host", "to_host"), ("kv_tier_bytes_from_host", "from_host")), label="direction"),
+    _one("kv_tier_host_reads", "counter", "kv_tier_host_reads", "rounds on host whose prefill reads the host copy "
+         "while it comes back (services/decode/hostread.py)"),
+    _one("kv_tier_host_read_ahead", "counter", "kv_tier_host_read_ahead", "of them, rounds whose prefill task "
+         "went out before their fetch from host ended"),
     Family("kv_tier_host_blocks", "gauge", "host KV pool blocks by state",
            (("kv_tier_host_used_blocks", "used"), ("kv_tier_host_free_blocks", "free")), label="state"),
 )
@@ -128,6 +132,8 @@ PREFILL = (
            (("tasks_submitted", "submitted"), ("tasks_done", "done"), ("tasks_failed", "failed")), label="status"),
     Family("prefill_tokens", "counter", "tokens of remote prefills: history KV read, new KV computed and written",
            (("history_tokens_read", "history"), ("new_tokens_written", "new")), label="part"),
+    _one("history_tokens_read_host", "counter", "history_tokens_read_host", "history tokens read from a decode "
+         "worker's host KV tier (PrefillTask.history_on_host)"),
     _one("kv_reads_ahead", "counter", "kv_reads_ahead", "history reads started while another task computed"),
     _one("kv_read_hidden_seconds", "counter", "kv_read_hidden_s",
          "seconds of history reads that ran behind another task's compute"),

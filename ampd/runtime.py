@@ -3,6 +3,7 @@ statistics publishing, peer discovery. The decisions stay in ampd.policy; this o
 from __future__ import annotations
 
 import asyncio
+import base64
 import collections
 import contextlib
 import os
@@ -149,6 +150,9 @@ class WorkerRuntime:
         # A decode worker's prefix-hash seed (--prefix-sharing; WorkerInfo.prefix_seed), and loops
         # the service adds (its prefix publisher): started with the heartbeat, stopped before deregistering
         self.prefix_seed = 0
+        # A decode worker's host KV tier's NIXL agent (name, metadata, layout), registered so that
+        # prefill workers read histories from the host copy (WorkerInfo.host_agent); None: no tier
+        self.host_peer: tuple[str, bytes, dict] | None = None
         self.loops: list[Callable[[], Awaitable[None]]] = []
 
     def info(self, sidecar: str = "") -> WorkerInfo:
@@ -168,6 +172,7 @@ class WorkerRuntime:
             kv_host_tokens=self.kv_host_tokens,
             prefix_sharing=self.cfg.kind == "decode" and self.cfg.prefix_sharing,
             prefix_seed=self.prefix_seed,
+            **_host_fields(self.host_peer),
         )
 
     def snapshot(self) -> WorkerStats:
@@ -307,7 +312,13 @@ class WorkerRuntime:
             if md is None:
                 continue
             try:
+                old = self.peers.get(wid)
+                if old is not None and old.host_agent and old.host_agent != info.host_agent:
+                    self.transport.remove_peer(old.host_agent)  # it restarted: its old host tier is gone
                 self.transport.add_peer(info.nixl_agent, md, PoolLayout.from_dict(info.layout))
+                if info.host_agent:  # its host KV tier: histories are read from there too
+                    self.transport.add_peer(info.host_agent, base64.b64decode(info.host_metadata),
+                                            PoolLayout.from_dict(info.host_layout))
                 self._peer_gen[wid] = info.nixl_agent
                 self.peers[wid] = info
                 log.info("nixl peer added", peer=wid, agent=info.nixl_agent)
@@ -323,7 +334,17 @@ class WorkerRuntime:
             if self._peer_missing[wid] >= 5:
                 del self._peer_missing[wid]
                 self.transport.remove_peer(self._peer_gen.pop(wid))
-                self.peers.pop(wid, None)
+                gone = self.peers.pop(wid, None)
+                if gone is not None and gone.host_agent:
+                    self.transport.remove_peer(gone.host_agent)
+
+    def host_agent(self, worker_id: str) -> str:
+        """The NIXL agent name of decode worker ``worker_id``'s host KV tier, loaded as a peer; a
+        LookupError when it has none or it is not loaded (the caller hands the task back)."""
+        info = self.peers.get(worker_id)
+        if info is None or not info.host_agent or not self.transport.has_peer(info.host_agent):
+            raise LookupError(f"decode worker {worker_id!r} has no host KV tier known here")
+        return info.host_agent
 
     def known_peer(self, worker_id: str) -> str | None:
         """The NIXL agent name of `worker_id` when its metadata is loaded, else None (no I/O)."""
@@ -391,3 +412,11 @@ def worker_config(args, kind: str, port: int) -> WorkerConfig:
 def sampling_of(p) -> Sampling:
     """An engine's Sampling from the API's SamplingParams (a Turn's, or a PrefillTask's)."""
     return Sampling(p.temperature, p.top_p or 1.0, p.seed if p.HasField("seed") else None)
+
+
+def _host_fields(host_peer: tuple[str, bytes, dict] | None) -> dict:
+    """WorkerInfo's host_agent/host_metadata/host_layout for ``host_peer`` (nothing when None)."""
+    if host_peer is None:
+        return {}
+    name, md, layout = host_peer
+    return {"host_agent": name, "host_metadata": base64.b64encode(md).decode(), "host_layout": layout}

@@ -53,6 +53,8 @@ def _task_message(task: common_pb2.PrefillTask, history: Sequence | None, dest: 
         for s in segs:
             add((s.block, s.offset, s.tokens))
         parts.append(struct.pack(f"<I{len(flat)}I", len(segs), *flat))
+    if task.history_on_host:  # the history's segments are the host pool's: covered, or a prefill
+        parts.append(b"\0host")  # worker could be sent to read device blocks as if they were host ones
     return b"".join(parts)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ampd.policy.hints import check_hint_values
 from ampd.v1 import common_pb2
@@ -198,6 +198,7 @@ class TaskTarget:
     tp: int
     num_blocks: int
     block_tokens: int
+    host_blocks: int = 0  # its host KV tier's blocks (0: none; PrefillTask.history_on_host)
 
 
 def _segments(segs, path: str, tokens: int, target: TaskTarget | None,
@@ -261,5 +262,11 @@ def validate_prefill_task(task: common_pb2.PrefillTask, tps: tuple[int, ...] = (
         raise InvalidArgument(f"{path}.decode_tp: {task.decode_tp}, but {task.decode_worker!r} runs at TP {target.tp}")
     validate_sampling(task.sampling, f"{path}.sampling")
     used: dict[int, list[tuple[int, int]]] = {}
-    _segments(task.history, f"{path}.history", task.l_hist, target, used)
+    if task.history_on_host:  # the history lies in the host pool: its blocks are that pool's
+        if target is not None and not target.host_blocks:
+            raise InvalidArgument(f"{path}.history_on_host: decode worker {task.decode_worker!r} has no host KV tier")
+        host = None if target is None else replace(target, num_blocks=target.host_blocks)
+        _segments(task.history, f"{path}.history", task.l_hist, host, {})
+    else:
+        _segments(task.history, f"{path}.history", task.l_hist, target, used)
     _segments(task.dest, f"{path}.dest", task.l_incr, target, used)

@@ -107,14 +107,11 @@ def kv_noted(dec: RouteDecision, req: PrefillTask) -> RouteDecision:
                          est)
 
 
-def remote_after_fetch(t_remote: float, kv_fetch_s: float, fetch_first: bool) -> float:
+def remote_after_fetch(t_remote: float, kv_fetch_s: float) -> float:
     """Eq. (2) ``t_remote`` of a task whose history is off the decode worker's device for
-    ``kv_fetch_s`` seconds. Overlap (the simulator's model, ``fetch_first`` False): the remote prefill
-    reads the history while the fetch runs, so it ends at the later of the two. Fetch first (the live
-    decode worker, ``kv_fetch_first``): a prefill worker reads the history from the decode worker's
-    device and writes the new KV after it, so it starts once the fetch is done: the sum."""
-    if fetch_first:
-        return t_remote + kv_fetch_s
+    ``kv_fetch_s`` seconds: the prefill worker reads the history from the host copy while the decode
+    worker fetches it back to its device (live: services/decode/hostread.py; the simulator the same),
+    so the round's first token comes at the later of the two."""
     return kv_fetch_s if kv_fetch_s > t_remote else t_remote
 
 
@@ -159,12 +156,11 @@ class AdaptiveRouter:
     so that a seed reproduces the same decisions live and in the simulator.
     """
 
-    __slots__ = ("name", "cost", "slo", "alpha", "beta", "seed", "slack", "kv_fetch_first", "_rng", "_ttft_limit",
-                 "_itl_limit", "_keys")
+    __slots__ = ("name", "cost", "slo", "alpha", "beta", "seed", "slack", "_rng", "_ttft_limit", "_itl_limit",
+                 "_keys")
 
     def __init__(self, cost: CostModel, slo: SLO, *, seed: int = 0, alpha: float = ALPHA, beta: float = BETA,
-                 slack: str = "window", kv_fetch_first: bool = False):
-        self.kv_fetch_first = kv_fetch_first
+                 slack: str = "window"):
         if slack not in SLACK_RULES:
             raise ValueError(f"slack must be one of {', '.join(SLACK_RULES)}, got {slack!r}")
         self.slack = slack
@@ -234,9 +230,7 @@ class AdaptiveRouter:
                     base[ptp] = b
                 t = b + p.queue_predicted_s  # t_remote's sum, the same float
                 f = req.kv_fetch_s  # the history reaches the decode worker's device after (remote_after_fetch)
-                if self.kv_fetch_first:
-                    t += f
-                elif f > t:
+                if f > t:
                     t = f
                 est[keys[1]] = t
                 if t <= limit:
@@ -255,7 +249,7 @@ class AdaptiveRouter:
                 return RouteDecision(decode.worker_id, True, DECODE_SLACK, est)
             # the KV off the device (host tier): a local prefill first waits for its fetch, so the
             # decode worker's ITL slack holds only if the TTFT does too (else rung 3 weighs a remote
-            # prefill, which overlaps the fetch, or with kv_fetch_first starts after it)
+            # prefill, which overlaps the fetch)
             t_loc = t_local(self.cost, req.l_hist, req.l_incr, decode.tp, decode.queue_predicted_s) + f
             est["t_local"] = t_loc
             if t_loc <= self._ttft_limit:
@@ -266,7 +260,7 @@ class AdaptiveRouter:
                     est: dict[str, float], base: dict[int, float]) -> RouteDecision:
         """Rung 3: the cost model, Eq. (1) against Eq. (2) for every prefill worker."""
         cost, l_hist, l_incr, dtp = self.cost, req.l_hist, req.l_incr, decode.tp
-        f, fetch_first = req.kv_fetch_s, self.kv_fetch_first
+        f = req.kv_fetch_s
         t_loc = t_local(cost, l_hist, l_incr, dtp, decode.queue_predicted_s) + f  # Eq. (1) after the fetch
         est["t_local"] = t_loc
         best_t = t_loc
@@ -279,9 +273,7 @@ class AdaptiveRouter:
                 b = remote_prefill_s(cost, l_hist, l_incr, dtp, ptp)  # Eq. (2) less its queue term
                 base[ptp] = b
             t = b + p.queue_predicted_s
-            if fetch_first:  # Eq. (2) after the fetch (remote_after_fetch)
-                t += f
-            elif f > t:  # Eq. (2) from the host copy: the fetch to the device runs meanwhile
+            if f > t:  # Eq. (2) from the host copy: the fetch to the device runs meanwhile (remote_after_fetch)
                 t = f
             wid = p.worker_id
             est["t_remote:" + wid] = t
@@ -370,11 +362,10 @@ class MarginRouter:
     With no prefill workers the prefill runs locally (``no-prefill-workers``). Deterministic.
     """
 
-    __slots__ = ("name", "cost", "slo", "alpha", "beta", "horizon_s", "kv_fetch_first")
+    __slots__ = ("name", "cost", "slo", "alpha", "beta", "horizon_s")
 
     def __init__(self, cost: CostModel, slo: SLO, *, alpha: float = ALPHA, beta: float = BETA,
-                 horizon_s: float = MARGIN_HORIZON_S, kv_fetch_first: bool = False):
-        self.kv_fetch_first = kv_fetch_first
+                 horizon_s: float = MARGIN_HORIZON_S):
         if not alpha > 0:
             raise ValueError(f"alpha must be > 0, got {alpha!r}")
         if not beta > 0:
@@ -397,8 +388,7 @@ class MarginRouter:
         cost, slo = self.cost, self.slo
         l_hist, l_incr, dtp = req.l_hist, req.l_incr, decode.tp
         t_pre = cost.t_pre(dtp, l_hist, l_incr)
-        f, fetch_first = req.kv_fetch_s, self.kv_fetch_first  # the KV off the device: local waits for its fetch,
-        # remote overlaps it (or waits too: kv_fetch_first)
+        f = req.kv_fetch_s  # the KV off the device: local waits for its fetch, remote overlaps it
         t_loc = t_pre + decode.queue_predicted_s + f  # Eq. (1), the same sum as t_local
         est["t_local"] = t_loc
         w = decode.window_mean_s
@@ -410,9 +400,7 @@ class MarginRouter:
             if b is None:
                 b = base[p.tp] = remote_prefill_s(cost, l_hist, l_incr, dtp, p.tp)
             t = b + p.queue_predicted_s
-            if fetch_first:  # (remote_after_fetch)
-                t += f
-            elif f > t:
+            if f > t:  # (remote_after_fetch)
                 t = f
             est["t_remote:" + p.worker_id] = t
             if not best_id or t < best_t or (t == best_t and before(p.worker_id, best_id)):
@@ -431,16 +419,16 @@ class MarginRouter:
         return RouteDecision(best_id, False, COST_MODEL, est)
 
 
-# The router registry: name -> builder(cost, slo, seed, alpha, beta, threshold_tokens, slack, kv_fetch_first).
+# The router registry: name -> builder(cost, slo, seed, alpha, beta, threshold_tokens, slack).
 _ROUTER_BUILDERS = {
-    "adaptive": lambda cost, slo, seed, alpha, beta, threshold_tokens, slack, fetch_first: AdaptiveRouter(
-        cost, slo, seed=seed, alpha=alpha, beta=beta, slack=slack or "window", kv_fetch_first=fetch_first),
+    "adaptive": lambda cost, slo, seed, alpha, beta, threshold_tokens, slack: AdaptiveRouter(
+        cost, slo, seed=seed, alpha=alpha, beta=beta, slack=slack or "window"),
     "remote": lambda *_: RemoteRouter(),
     "local": lambda *_: LocalRouter(),
-    "threshold": lambda cost, slo, seed, alpha, beta, threshold_tokens, slack, fetch_first: ThresholdRouter(
+    "threshold": lambda cost, slo, seed, alpha, beta, threshold_tokens, slack: ThresholdRouter(
         threshold_tokens),
-    "margin": lambda cost, slo, seed, alpha, beta, threshold_tokens, slack, fetch_first: MarginRouter(
-        cost, slo, alpha=alpha, beta=beta, kv_fetch_first=fetch_first),
+    "margin": lambda cost, slo, seed, alpha, beta, threshold_tokens, slack: MarginRouter(
+        cost, slo, alpha=alpha, beta=beta),
 }
 ROUTERS: tuple[str, ...] = tuple(_ROUTER_BUILDERS)
 
@@ -455,10 +443,7 @@ def build_router(
     beta: float = BETA,
     threshold_tokens: int = THRESHOLD_TOKENS,
     slack: str | None = None,
-    kv_fetch_first: bool = False,
 ) -> Router:
     """Build a router by router name (``ROUTERS``). Policy names resolve to a router in
-    ``ampd.policy.spec.make_router``, the entry point the tools use. ``kv_fetch_first``: a task whose
-    KV is off the decode worker's device pays its fetch before a remote prefill (``remote_after_fetch``;
-    the live coordinator), instead of overlapping them (the simulator)."""
-    return _ROUTER_BUILDERS[kind](cost, slo, seed, alpha, beta, threshold_tokens, slack, kv_fetch_first)
+    ``ampd.policy.spec.make_router``, the entry point the tools use."""
+    return _ROUTER_BUILDERS[kind](cost, slo, seed, alpha, beta, threshold_tokens, slack)

@@ -149,13 +149,11 @@ def make_router(
     beta: float = BETA,
     threshold_tokens: int = THRESHOLD_TOKENS,
     slack: str | None = None,
-    kv_fetch_first: bool = False,
     **opts: object,
 ) -> Router:
     """Build a router by router name (``ROUTERS``) or by policy name (``POLICIES``, resolved
     through the policy registry; the policy also sets the default ``slack`` rule).
-    ``kv_fetch_first``: ``build_router``'s (the live coordinator sets it). Unknown names or options
-    raise ``ValueError``."""
+    Unknown names or options raise ``ValueError``."""
     if opts:
         raise ValueError(f"make_router: unknown option(s) {', '.join(sorted(opts))}")
     kind = name
@@ -170,4 +168,4 @@ def make_router(
         if slack is None:
             slack = spec.slack
     return build_router(kind, cost, slo, seed=seed, alpha=alpha, beta=beta, threshold_tokens=threshold_tokens,
-                        slack=slack, kv_fetch_first=kv_fetch_first)
+                        slack=slack)

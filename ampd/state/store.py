@@ -113,6 +113,12 @@ class WorkerInfo:
     # (ampd.state.prefixes), chained from this seed (its model's: ampd.policy.prefixbind.prefix_seed)
     prefix_sharing: bool = False
     prefix_seed: int = 0
+    # A decode worker's host KV tier as a NIXL peer: its agent's name, metadata (base64) and pool
+    # layout, so that a prefill worker reads a round's history from the host copy (PrefillTask
+    # .history_on_host). In the registration, so that it comes and goes with it. Empty: no tier.
+    host_agent: str = ""
+    host_metadata: str = ""
+    host_layout: dict = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

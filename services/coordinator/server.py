@@ -286,8 +286,7 @@ async def amain(args: argparse.Namespace) -> None:
     policy_spec(args.policy)  # an unknown name fails here, with the valid ones listed
     slo = SLO(args.ttft_slo, args.itl_slo)
     router = make_router(args.policy, profile, slo, seed=args.seed, alpha=args.alpha, beta=args.beta,
-                         threshold_tokens=args.threshold_tokens, slack=args.slack or None,
-                         kv_fetch_first=True)  # live: a remote prefill of KV on host waits for its fetch
+                         threshold_tokens=args.threshold_tokens, slack=args.slack or None)
     store = StateStore(await connect(args.redis_url), args.namespace)
     service = CoordinatorService(store, router, args.policy, args.stats_mode, args.migration_limit, cost=profile,
                                  fence_after=args.fence_after)

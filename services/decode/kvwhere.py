@@ -2,12 +2,12 @@
 session's KV is, read from the core's tier state and the host tier's moves in flight, for the round's
 PrefillTask, the turn's TurnEnd, and whether the coordinator's Route still holds.
 
-The round's location is taken once, as its start is first tried (``note``, from ``LiveTier.defer``):
-the worker fetches KV on host back before the round's prefill starts, here or on a prefill worker
-(fetch first: a prefill worker reads the history from this worker's device), so by the time its
-prefill_task is announced the fetch is done. The task says where the KV was when the round's input
-was ready and the fetch that cost (``kv_fetch_s``), so the router, with ``kv_fetch_first``, counts the
-round's TTFT from its input: fetch plus prefill, wherever the prefill runs."""
+The round's location is taken once, as its start is first tried (``note``, from ``LiveTier.defer``).
+The task says where the KV was when the round's input was ready and what its fetch back to the device
+costs (``kv_fetch_s``). A local prefill starts once the fetch is done; a remote one reads the history
+from the host copy while the fetch runs (services/decode/hostread.py), so the router counts Eq. (1)
+plus the fetch against the later of Eq. (2) and the fetch, as the simulator does. (A round whose copy
+cannot be claimed, see hostread.py, still waits for its fetch: the router errs low for it.)"""
 from __future__ import annotations
 
 import time

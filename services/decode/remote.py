@@ -103,7 +103,11 @@ class RemotePrefills:
             history_token_ids=s.tokens[:s.l_hist] if w.token_ids else (), prefix_tokens=s.prefix_tokens,
             **task_fields(s, rnd),
         )
-        history = s.kv.segments(0, s.l_hist)
+        hr = w.tier.reads.get(s) if w.tier is not None else None  # on host: read from there (hostread.py)
+        history = s.kv.segments(0, s.l_hist) if hr is None else hr.src
+        if hr is not None:
+            task.history_on_host = True
+            w.tier.reads.sent(hr)
         add_segments(task.history, history)
         add_segments(task.dest, s.dest)
         # the blocks just reserved may be written by a prefill worker with this token only
@@ -118,6 +122,15 @@ class RemotePrefills:
         else:
             s.unrouted = task
             emit(s, decode_pb2.DecodeEvent(prefill_task=task))
+
+    def run_here(self, s: Session, rnd: int) -> None:
+        """The round's prefill runs here after all (the coordinator routed it here, or its prefill
+        worker handed it back): no prefill worker reads its history from host any more."""
+        if s.round != rnd or not self.waiting(s, rnd):
+            raise SessionError(f"session {s.session_id!r} round {rnd} is not waiting for a prefill")
+        self.take(s.session_id, rnd)
+        self._read_host(s.session_id, rnd)
+        self.w.queue_local(s)
 
     def routed(self, s: Session, rnd: int, target: str) -> None:
         """The coordinator routed the round's prefill_task to prefill worker ``target``
@@ -186,6 +199,14 @@ class RemotePrefills:
         w.metrics["prefills_overdue"] += 1
         w.queue_local(s)
 
+    def _read_host(self, session_id: str, rnd: int) -> bool:
+        """No prefill worker reads the round's history from host (any more; hostread.py). True when
+        the worker has a host tier."""
+        tier = self.w.tier
+        if tier is not None:
+            tier.reads.remote_ended(session_id, rnd)
+        return tier is not None
+
     def release_held(self, key: tuple[str, int]) -> None:
         w = self.w
         s = self.held.pop(key, None)
@@ -210,6 +231,7 @@ class RemotePrefills:
             held = self.held.get(key)
             live = w.sessions.get(done.session_id)
             if held is not None and token_matches(held.task_token, done.task_token):
+                self._read_host(done.session_id, done.round)
                 self.release_held(key)  # the prefill worker is done with the ended session's blocks
             elif live is not None and live.overdue is not None and live.overdue[0] == key \
                     and token_matches(live.overdue[1], done.task_token):
@@ -220,6 +242,9 @@ class RemotePrefills:
         if not token_matches(s.task_token, done.task_token):
             self.awaiting[(done.session_id, done.round)] = s  # not its task's: keep waiting
             log.warning("prefill done with a wrong task token", session=done.session_id, round=done.round)
+            return
+        if self._read_host(done.session_id, done.round) and w.tier.reads.after_fetch(s, lambda: self.on_done(msg)):
+            self.awaiting[key] = s  # its history is still coming back from host: done once it is
             return
         if done.error:
             # The prefill worker could not do it (shutting down, a transfer failed): the reserved KV
@@ -238,5 +263,7 @@ class RemotePrefills:
             if bad:
                 w.fail(s, f"KV written by {done.prefill_worker} has {bad} wrong bytes")
                 return
+        if w.tier is not None and w.tier.reads.redo(s):  # its history's fetch from host failed
+            return
         w.metrics["prefills_remote"] += 1
         w.first_token(s, done.first_token, time.time(), False, done.prefill_worker)

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -44,11 +43,12 @@ import numpy as np
 import structlog
 
 from ampd.config import ConfigError
-from ampd.kv import KVPool, KVPoolExhausted, KVTransferError, Segment
+from ampd.kv import KVPool, KVPoolExhausted, KVTransferError
 from ampd.policy.hostpool import HostPoolSize, HostPoolTooLarge, HostPoolTooSmall, size_host_pool
 from ampd.tasks import BackgroundTasks
 from ampd.worker import TO_HOST, KVMove
 from services.decode import kvwhere
+from services.decode.hostread import HostReads, block_crcs, block_segments
 
 if TYPE_CHECKING:
     from services.decode.session import Session
@@ -61,7 +61,7 @@ log = structlog.get_logger()
 CLIENT_TURN = "client-turn"  # the pause of a turn that ended without a call: until the client's next turn
 # the tier's counters in the worker's Metrics reply (ampd/metrics.py DECODE); decisions and moves
 # add "kv_tier_decision_<action>:<reason>", "kv_tier_move_<kind>:<reason>", "kv_tier_failed_<kind>:<why>"
-TIER_METRICS = ("kv_tier_bytes_to_host", "kv_tier_bytes_from_host")
+TIER_METRICS = ("kv_tier_bytes_to_host", "kv_tier_bytes_from_host", "kv_tier_host_reads", "kv_tier_host_read_ahead")
 
 
 def check_host_tier(host_mb: float, block_tokens: int, bytes_per_token: int, session_tokens: int,
@@ -144,20 +144,6 @@ class HostCopy:
     start: int = 0
 
 
-def _block_segments(blocks: list[int], tokens: int, block_tokens: int) -> list[Segment]:
-    out, left = [], tokens
-    for b in blocks:
-        if left <= 0:
-            break
-        out.append(Segment(b, 0, min(block_tokens, left)))
-        left -= block_tokens
-    return out
-
-
-def _crcs(data: np.ndarray, block_bytes: int) -> list[int]:
-    return [zlib.crc32(data[i:i + block_bytes]) for i in range(0, data.size, block_bytes)]
-
-
 class LiveTier:
     """The host pool, its transport agent, the host copies and the moves in flight (module doc)."""
 
@@ -171,6 +157,7 @@ class LiveTier:
         # an agent of the worker's own transport class: NIXL in the services, the loopback in tests
         self.transport = type(rt.transport)(self.name, self.pool)
         rt.transport.add_peer(self.name, self.transport.metadata(), self.pool.layout)
+        self.reads = HostReads(self)  # rounds whose prefill reads the host copy (registers it with the worker)
         self.copies: dict[str, HostCopy] = {}
         self.busy: dict[str, asyncio.Task] = {}  # session id -> its latest move (moves chain per session)
         self.pending_offloads = 0  # offloads not ended (device blocks the core counts free, still held)
@@ -261,6 +248,7 @@ class LiveTier:
             timer.cancel()
         self.early.clear()
         await self.tasks.close()
+        self.reads.stop()
         self.w.rt.transport.remove_peer(self.name)
         for sid in list(self.copies):
             self._free_copy(sid)
@@ -295,6 +283,8 @@ class LiveTier:
         kvwhere.note(self.w, s)
         task = self.busy.get(s.session_id)
         idle = task is None or task.done()
+        if not idle and self.reads.claim(s):  # on host: its prefill reads the host copy as it comes back
+            return False
         if idle and not self._freeing() and self._short(s):
             # the pool is short of what the core counted (--prefix-sharing: a block shared by
             # several sessions is charged to each, so dropping one frees less): idle KV goes now
@@ -378,7 +368,7 @@ class LiveTier:
         except KVPoolExhausted:  # the core's count freed blocks a prefetch still reads
             self._failed(s, "offload", "host-busy", f"no free host block for {n} tokens")
             return
-        src, dst = s.kv.segments(p, n), _block_segments(blocks, n, self.pool.block_tokens)
+        src, dst = s.kv.segments(p, n), block_segments(blocks, n, self.pool.block_tokens)
         t0 = time.perf_counter()
         err = ""
         try:
@@ -393,7 +383,7 @@ class LiveTier:
             if err and not s.closed:
                 self._failed(s, "offload", err.split(":")[0], err)
             return
-        self.copies[sid] = HostCopy(blocks, n, _crcs(self.pool.read(dst), self.pool.block_bytes), p)
+        self.copies[sid] = HostCopy(blocks, n, block_crcs(self.pool.read(dst), self.pool.block_bytes), p)
         s.kv.keep_pinned(pool)
         self._count(f"kv_tier_move_offload:{m.reason}")
         self._count("kv_tier_bytes_to_host", n * bpt)
@@ -403,7 +393,10 @@ class LiveTier:
         try:
             if prev is not None:
                 await asyncio.wait([prev])
-            await self._prefetch_now(s, m)
+            if self.reads.get(s) is not None:  # claimed (hostread.py): into the blocks reserved then
+                await self.reads.fetch(s, m.reason)
+            else:
+                await prefetch_now(self, s, m)
         finally:
             self.fetching.pop(s.session_id, None)
             self.fetch_began.pop(s.session_id, None)
@@ -414,62 +407,11 @@ class LiveTier:
             async with self.moved:  # blocks of an evicted session may have gone: waiting rounds look again
                 self.moved.notify_all()
 
-    async def _prefetch_now(self, s: Session, m: KVMove) -> None:
-        """Read the session's host copy back into device blocks reserved now, and check it."""
-        w, sid = self.w, s.session_id
-        copy = self.copies.pop(sid, None)
-        if copy is None or s.closed or s.kv.tokens != copy.start:  # lost before (counted then), or never left
-            self.fetching.pop(sid, None)
-            if copy is not None:
-                self.pool.free(copy.blocks)
-            return
-        pool, bt = w.rt.pool, self.pool.block_tokens
-        # the positions the session still has (``m.tokens``: the core's count, less after a rewound
-        # turn), read as whole host blocks: each block's CRC covers the block
-        keep = min(copy.tokens, m.tokens)
-        n = min(copy.tokens, -(-keep // bt) * bt)
-        t0 = time.perf_counter()
-        err = ""
-        try:
-            async with self.moved:  # the blocks the core counts free may still be leaving
-                await self.moved.wait_for(lambda: pool.available_tokens >= n or not self.running_offloads)
-            dest = s.kv.reserve(pool, n)
-            self.fetching.pop(sid, None)  # reserved: the pool counts it now
-            await w.rt.transport.read(self.name, _block_segments(copy.blocks, n, bt), dest)
-            got = _crcs(pool.read(dest), self.pool.block_bytes)
-            if got != copy.crcs[:len(got)]:
-                err = "mismatch"
-        except KVPoolExhausted as exc:
-            err = f"device-full: {exc}"
-        except KVTransferError as exc:
-            err = f"transfer: {exc}"
-        finally:
-            self.pool.free(copy.blocks)  # the transfer has ended either way
-        if s.closed:
-            return
-        if sid in self.dropped:  # evicted meanwhile (``evicted``): the blocks go, the history is prefilled again
-            self.dropped.discard(sid)
-            s.recompute = copy.start + keep
-            s.kv.release(pool)
-            return
-        if err:  # its own part is prefilled again (a pinned prefix stays)
-            s.kv.keep_pinned(pool)
-            s.recompute = keep
-            self._failed(s, "prefetch", err.split(":")[0], err)
-            return
-        s.kv.commit(n)
-        if keep < n:
-            s.kv.truncate(pool, copy.start + keep)
-        self._count(f"kv_tier_move_prefetch:{m.reason}")
-        self._count("kv_tier_bytes_from_host", n * self.pool.bytes_per_token)
-        log.info("kv prefetched", session=sid, tokens=n, reason=m.reason,
-                 ms=round(1e3 * (time.perf_counter() - t0), 2))
-
     # ------------------------------------------------------------------------------ helpers
     def _after_move(self, s: Session) -> None:
         """A move of ``s`` ended: a session closed meanwhile lets go of what the tier held for it."""
         later = self.busy.get(s.session_id)  # a move chained after this one lets go instead
-        if s.closed and (later is None or later is asyncio.current_task()):
+        if s.closed and (later is None or later is asyncio.current_task()) and not self.reads.writing(s):
             s.kv.release(self.w.rt.pool)
             self._free_copy(s.session_id)
             self.w.rt.changed()
@@ -508,6 +450,60 @@ class LiveTier:
     def metrics(self) -> dict[str, float]:
         """The tier's values for the worker's Metrics reply."""
         return tier_metrics(self)
+
+
+async def prefetch_now(t: LiveTier, s: Session, m: KVMove) -> None:
+    """Read the session's host copy back into device blocks reserved now, and check it (``LiveTier``'s
+    prefetch of a round that was not claimed: hostread.py)."""
+    w, sid = t.w, s.session_id
+    copy = t.copies.pop(sid, None)
+    if copy is None or s.closed or s.kv.tokens != copy.start:  # lost before (counted then), or never left
+        t.fetching.pop(sid, None)
+        if copy is not None:
+            t.pool.free(copy.blocks)
+        return
+    pool, bt = w.rt.pool, t.pool.block_tokens
+    # the positions the session still has (``m.tokens``: the core's count, less after a rewound
+    # turn), read as whole host blocks: each block's CRC covers the block
+    keep = min(copy.tokens, m.tokens)
+    n = min(copy.tokens, -(-keep // bt) * bt)
+    t0 = time.perf_counter()
+    err = ""
+    try:
+        async with t.moved:  # the blocks the core counts free may still be leaving
+            await t.moved.wait_for(lambda: pool.available_tokens >= n or not t.running_offloads)
+        dest = s.kv.reserve(pool, n)
+        t.fetching.pop(sid, None)  # reserved: the pool counts it now
+        await w.rt.transport.read(t.name, block_segments(copy.blocks, n, bt), dest)
+        got = block_crcs(pool.read(dest), t.pool.block_bytes)
+        if got != copy.crcs[:len(got)]:
+            err = "mismatch"
+    except KVPoolExhausted as exc:
+        err = f"device-full: {exc}"
+    except KVTransferError as exc:
+        err = f"transfer: {exc}"
+    finally:
+        t.pool.free(copy.blocks)  # the transfer has ended either way
+    if s.closed:
+        return
+    if sid in t.dropped:  # evicted meanwhile (``evicted``): the blocks go, the history is prefilled again
+        t.dropped.discard(sid)
+        s.recompute = copy.start + keep
+        s.kv.release(pool)
+        return
+    if err:  # its own part is prefilled again (a pinned prefix stays)
+        s.kv.keep_pinned(pool)
+        s.recompute = keep
+        t._failed(s, "prefetch", err.split(":")[0], err)
+        return
+    s.kv.commit(n)
+    if keep < n:
+        s.kv.truncate(pool, copy.start + keep)
+    t._count(f"kv_tier_move_prefetch:{m.reason}")
+    t._count("kv_tier_bytes_from_host", n * t.pool.bytes_per_token)
+    log.info("kv prefetched", session=sid, tokens=n, reason=m.reason,
+             ms=round(1e3 * (time.perf_counter() - t0), 2))
+
 
 
 def tier_metrics(t: LiveTier) -> dict[str, float]:

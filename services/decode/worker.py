@@ -257,13 +257,14 @@ class DecodeWorker:
         if self.tier is not None and self.tier.defer(s):
             return
         rnd = s.round
-        s.l_hist = s.kv.tokens
+        hr = self.tier.reads.get(s) if self.tier is not None else None  # its KV reserved from host (hostread.py)
+        s.l_hist = s.kv.tokens if hr is None else hr.l_hist
         s.l_incr = len(s.tokens) - s.l_hist
         s.prefilled = 0
-        if self.core.kv_evict:
+        if self.core.kv_evict and hr is None:
             self.kv.room_for(s)
         try:
-            s.dest = s.kv.reserve(self.rt.pool, s.l_incr)
+            s.dest = s.kv.reserve(self.rt.pool, s.l_incr) if hr is None else hr.dest
         except KVPoolExhausted as exc:
             self.fail(s, f"KV exhausted on {self.rt.cfg.worker_id}: {exc}")
             return
@@ -282,17 +283,16 @@ class DecodeWorker:
         self.remote.send(s, rnd, routed)
 
     def local_prefill(self, session_id: str, rnd: int, secret: str) -> None:
-        s = self._session(session_id, secret)
-        if s.round != rnd or not self.remote.waiting(s, rnd):
-            raise SessionError(f"session {session_id!r} round {rnd} is not waiting for a prefill")
-        self.remote.take(session_id, rnd)
-        self.queue_local(s)
+        self.remote.run_here(self._session(session_id, secret), rnd)
 
     def remote_prefill(self, session_id: str, rnd: int, secret: str, target: str) -> None:
         self.remote.routed(self._session(session_id, secret), rnd, target)
 
     def queue_local(self, s: Session) -> None:
-        """The round's prefill runs here: it joins the core's local queue."""
+        """The round's prefill runs here: it joins the core's local queue (once its history is back
+        from host: hostread.py)."""
+        if self.tier is not None and self.tier.reads.local(s):
+            return
         c = s.core
         self.core.submit_local(PrefillTask(s.session_id, c.round, c.l_hist, c.l_incr, s.input_ready,
                                            self.rt.cfg.worker_id, self.rt.cfg.tp))

@@ -53,7 +53,8 @@ class PrefillService(prefill_pb2_grpc.PrefillWorkerServicer):
                 info = core.rt.peers[request.decode_worker]
             # once, with the target: it checks every field the check without one does
             layout = info.layout
-            validate_prefill_task(request, tps, TaskTarget(info.tp, layout["num_blocks"], layout["block_tokens"]))
+            validate_prefill_task(request, tps, TaskTarget(info.tp, layout["num_blocks"], layout["block_tokens"],
+                                                           info.host_layout.get("num_blocks", 0)))
         except InvalidArgument as exc:
             raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         key = bytes.fromhex(info.task_key) if info.task_key else b""

@@ -53,7 +53,7 @@ class PrefillWorker:
         self.metrics: dict[str, float] = {
             "tasks_submitted": 0, "tasks_done": 0, "tasks_failed": 0,
             "kv_bytes_verified": 0, "kv_bytes_mismatched": 0,
-            "history_tokens_read": 0, "new_tokens_written": 0,
+            "history_tokens_read": 0, "history_tokens_read_host": 0, "new_tokens_written": 0,
             # the overlap: history reads started while another task was in service, and the
             # seconds of them that ran before that task left service (hidden behind it)
             "kv_reads_ahead": 0, "kv_read_hidden_s": 0.0,
@@ -199,7 +199,9 @@ class PrefillWorker:
             local_hist = job.history = job.kv.reserve(rt.pool, task.l_hist)
             if task.l_hist:
                 started = time.monotonic()
-                await rt.transport.read(job.peer, task.history, local_hist)
+                # a history on host: from the decode worker's host tier (its fetch back runs meanwhile)
+                src = rt.host_agent(task.decode_worker) if task.history_on_host else job.peer
+                await rt.transport.read(src, task.history, local_hist)
                 if self.engine.capabilities.patterned_kv:  # the mock's KV is a function of (session, position): check it
                     data = rt.pool.read(local_hist, copy=False)
                     bad = self.patterns.verify(task.session_id, data, rt.pool.layout.bytes_per_token,
@@ -211,6 +213,8 @@ class PrefillWorker:
         if task.l_hist:
             await self.engine.pace_transfer(started, task.l_hist, task.decode_tp, rt.cfg.tp)
             self.metrics["history_tokens_read"] += task.l_hist
+            if task.history_on_host:
+                self.metrics["history_tokens_read_host"] += task.l_hist
         job.kv.commit(task.l_hist)
         job.read_end = time.time()
 

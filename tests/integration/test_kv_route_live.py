@@ -26,17 +26,24 @@ SESSIONS = [Session(f"s{i}", 0.05 * i, (Round(input=300, output=6, tool_s=0.4), 
                                         Round(input=50, output=6))) for i in range(4)]
 
 
-def test_rounds_whose_kv_was_on_host_are_routed_saying_so(redis_url, tmp_path):
+def replay_on_host_tier(redis_url: str, tmp_path, policy: str, namespace: str, sessions=SESSIONS):
+    """``sessions`` replayed (tokens checked) on a prefill and a decode worker whose host tier moves
+    every idle session's KV: the replay's records and stats, the coordinator's and workers' metrics."""
     from ampd.bench.client import replay
 
-    opts = Options(prefill="tp1*1", decode="tp1*1", profile=_profile(tmp_path, KV_TOKENS), policy="ampd",
-                   kv_host_mb=1, kv_offload_pressure=0.0, redis_url=redis_url, namespace="kvroute",
+    opts = Options(prefill="tp1*1", decode="tp1*1", profile=_profile(tmp_path, KV_TOKENS), policy=policy,
+                   kv_host_mb=1, kv_offload_pressure=0.0, redis_url=redis_url, namespace=namespace,
                    run_dir=str(tmp_path / "run"))
     with Deployment(opts) as dep:
-        records, stats, _, _ = asyncio.run(replay(dep.coordinator, SESSIONS, verify_tokens=True, progress=False,
+        records, stats, _, _ = asyncio.run(replay(dep.coordinator, sessions, verify_tokens=True, progress=False,
                                                   timeout_s=60))
         coord = asyncio.run(service_metrics(dep.coordinator, "coordinator"))
-        workers = {w: m for w, (_, m) in asyncio.run(worker_metrics(redis_url, "kvroute")).items()}
+        workers = {w: m for w, (_, m) in asyncio.run(worker_metrics(redis_url, namespace)).items()}
+    return records, stats, coord, workers
+
+
+def test_rounds_whose_kv_was_on_host_are_routed_saying_so(redis_url, tmp_path):
+    records, stats, coord, workers = replay_on_host_tier(redis_url, tmp_path, "ampd", "kvroute")
     assert all(r.completed for r in records), [r.error for r in records]
     assert stats.token_mismatches == 0 and stats.tokens == 4 * 3 * 6
     m = workers["decode-0"]

@@ -9,7 +9,8 @@
   device and host, is empty at the end.
 - A deployment on the mock engine whose sessions (server-side tool calls through the sidecar)
   outgrow the decode worker's KV pool: every session completes, tokens right, KV moved both ways.
-- On the torch engine (a tiny Llama, greedy) the tokens with the tier on equal those with it off.
+- On the torch engine (a tiny Llama, greedy) the tokens with the tier on equal those with it off, the
+  prefills on the decode worker or on a prefill worker (then from the host copy).
 """
 from __future__ import annotations
 
@@ -81,32 +82,41 @@ async def _answered(s, after: int) -> tuple[int, str, dict[int, int], list]:
                     return after, call, tokens, timings
 
 
-async def _in_process(redis_url: str, profile_path: str) -> None:
+async def tier_worker(redis_url: str, profile_path: str, worker_id: str = "d-tier", namespace: str = "tier-unit"):
+    """A decode worker in this process on the mock engine, its host tier on (1 MiB, every idle
+    session's KV moved): (the worker, its runtime, its device pool, its core's HostTier)."""
     from ampd.engine import make_engine
     from ampd.perf import load_profile
     from ampd.policy import SLO, make_queue, policy_spec
     from ampd.policy.kvtier import KVTierConfig
     from ampd.runtime import WorkerRuntime, pool_for, worker_config
     from ampd.state.store import StateStore, connect
-    from ampd.v1 import decode_pb2, common_pb2
     from ampd.worker import DecodeCore, HostTier
     from services.decode.server import build_parser
     from services.decode.worker import DecodeWorker
 
-    args = build_parser().parse_args(["--worker-id", "d-tier", "--redis-url", redis_url, "--namespace", "tier-unit",
+    args = build_parser().parse_args(["--worker-id", worker_id, "--redis-url", redis_url, "--namespace", namespace,
                                       "--engine", "mock", "--profile", profile_path, "--fence-after", "0.25",
                                       "--kv-host-mb", "1", "--kv-offload-pressure", "0"])
     cfg = worker_config(args, "decode", 1)
     profile = load_profile(cfg.profile)
     engine = make_engine("mock", profile, 1, "")
     pool = pool_for(profile, cfg, engine)
-    rt = WorkerRuntime(cfg, StateStore(await connect(redis_url), "tier-unit"), pool)
+    rt = WorkerRuntime(cfg, StateStore(await connect(redis_url), namespace), pool)
     tier = HostTier.from_mb(cfg.kv_host_mb, pool.block_tokens, pool.bytes_per_token, pool.capacity_tokens,
                             KVTierConfig(offload_pressure=cfg.kv_offload_pressure))
     core = DecodeCore(cfg.worker_id, 1, profile, make_queue(policy_spec(cfg.policy).decode_queue, profile,
                                                             SLO(cfg.ttft_slo_s, cfg.itl_slo_s), 1),
                       kv_capacity_tokens=pool.capacity_tokens, step_by_step=True, tier=tier)
     dw = DecodeWorker(rt, engine, core)
+    return dw, rt, pool, tier
+
+
+async def _in_process(redis_url: str, profile_path: str) -> None:
+    from ampd.v1 import common_pb2, decode_pb2
+
+    dw, rt, pool, tier = await tier_worker(redis_url, profile_path)
+    core = dw.core
     dw.start()
     live = dw.tier
     try:
@@ -268,26 +278,34 @@ async def _three_turns(address: str, ids: list[str]) -> list:
     return convs
 
 
-def test_torch_greedy_tokens_are_the_same_with_the_tier_on_and_off(redis_url, tmp_path):
+@pytest.mark.parametrize("prefill, policy", [("none", "local"), ("tp1*1", "remote")])
+def test_torch_greedy_tokens_are_the_same_with_the_tier_on_and_off(redis_url, tmp_path, prefill, policy):
+    """Every prefill on the decode worker, or every one on the prefill worker: with the tier on, the
+    later turns' prefills then read the history from the host copy (docs/kv.md "Remote prefill from
+    the host copy")."""
     pytest.importorskip("torch")
     from ampd.engine.torch_models import save_tiny_llama
 
     tiny = save_tiny_llama(tmp_path / "tiny", vocab_size=512, layers=3)
     tokens, m = {}, {}
     for mb in (0, 1):  # off, then on with every idle session's KV moved (pressure threshold 0)
-        opts = Options(prefill="none", decode="tp1*1", engine="torch", model=str(tiny),
-                       profile=_profile(tmp_path, KV_TOKENS), policy="local", kv_host_mb=mb, kv_host_ratio=0,
+        ns = f"kvtier-torch-{policy}-{mb}"
+        opts = Options(prefill=prefill, decode="tp1*1", engine="torch", model=str(tiny),
+                       profile=_profile(tmp_path, KV_TOKENS), policy=policy, kv_host_mb=mb, kv_host_ratio=0,
                        kv_offload_pressure=0.0, ttft_slo=5.0, itl_slo=1.0, redis_url=redis_url,
-                       namespace=f"kvtier-torch-{mb}", run_dir=str(tmp_path / f"run{mb}"))
+                       namespace=ns, run_dir=str(tmp_path / f"run{mb}"))
         with Deployment(opts) as dep:
             convs = asyncio.run(_three_turns(dep.coordinator, ["t0", "t1", "t2"]))
-            m = asyncio.run(worker_metrics(redis_url, f"kvtier-torch-{mb}"))["decode-0"][1]
+            workers = {w: v for w, (_, v) in asyncio.run(worker_metrics(redis_url, ns)).items()}
+            m = workers["decode-0"]
         assert not any(c.error or c.duplicates for c in convs), [c.error for c in convs]
         tokens[mb] = {c.sid: c.tokens for c in convs}
         assert m["kv_free_tokens"] == m["kv_capacity_tokens"] and m["sessions_failed"] == 0
     prefetches = sum(v for k, v in m.items() if k.startswith("kv_tier_move_prefetch:"))
     assert prefetches == 6 and not any(k.startswith("kv_tier_failed_") for k in m)  # 2 a session
     assert m["kv_tier_host_used_blocks"] == 0 and m["kv_recomputed_tokens"] == 0
+    if policy == "remote":  # those 6 rounds were prefilled from the host copy
+        assert m["kv_tier_host_reads"] == 6 and workers["prefill-0"]["history_tokens_read_host"] > 0
     assert all(len(v) == 18 for v in tokens[0].values()) and tokens[1] == tokens[0]
 
 

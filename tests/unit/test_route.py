@@ -410,43 +410,24 @@ def test_margin_router_counts_the_fetch():
     assert dec.reason == MARGIN_REMOTE + "+kv-host" and dec.estimates["t_local"] == pytest.approx(0.65)
 
 
-# ------------------------------------------------- kv_fetch_first (the live decode worker's model)
-def test_kv_fetch_first_remote_pays_the_fetch_before_its_prefill():
-    """The live path: a prefill worker reads the history from the decode worker's device, so a remote
-    prefill of a round whose KV is on host starts after the fetch. Same numbers as the overlap test
-    above: remote 0.5 + 0.2 = 0.7 against local 0.65: local now."""
-    r = AdaptiveRouter(LinearCost(), SLO_, seed=0, alpha=0.5, beta=0.5, kv_fetch_first=True)
-    d, p = dw(0.5, q=0.1), [pw("p0", 5.0, q=0.3)]
-    dec = r.route(_kv("host", 0.2), d, p, 0.0)
-    assert dec.local and dec.reason == COST_MODEL + "+kv-host"
-    assert dec.estimates["t_remote:p0"] == pytest.approx(0.7) and dec.estimates["t_local"] == pytest.approx(0.65)
-    # resident, no fetch: the option changes nothing
-    assert r.route(REQ, d, p, 0.0) == adaptive().route(REQ, d, p, 0.0)
-
-
-def test_kv_fetch_first_counts_the_fetch_in_the_prefill_slack_test():
-    """slack="queue": remote 0.5 + fetch 0.6 = 1.1 > the 1.0 TTFT limit: no prefill slack (with the
-    overlap it was max(0.5, 0.6) = 0.6: slack)."""
+# ------------------------------------- the overlap, live and simulated (services/decode/hostread.py)
+def test_kv_on_host_overlap_in_the_prefill_slack_test_and_every_builder():
+    """slack="queue": remote max(0.5, fetch 0.6) = 0.6 <= the 1.0 TTFT limit: prefill slack (a remote
+    prefill reads the host copy while the fetch runs; before the live decode worker did that, its
+    router counted 0.5 + 0.6 = 1.1 here: no slack). The same Eq. (2) through make_router and margin."""
     kw = dict(seed=0, alpha=0.5, beta=0.5, slack="queue")
     d, p = dw(5.0, q=0.1), [pw("p0", None, q=0.3)]
-    overlap = AdaptiveRouter(LinearCost(), SLO_, **kw).route(_kv("host", 0.6), d, p, 0.0)
-    assert overlap.reason == PREFILL_SLACK + "+kv-host"
-    first = AdaptiveRouter(LinearCost(), SLO_, kv_fetch_first=True, **kw).route(_kv("host", 0.6), d, p, 0.0)
-    assert first.reason != PREFILL_SLACK + "+kv-host" and first.estimates["t_remote:p0"] == pytest.approx(1.1)
-
-
-def test_kv_fetch_first_margin_router_and_make_router():
-    m = make_router("margin", LinearCost(), SLO_, alpha=0.5, beta=0.5, kv_fetch_first=True)
-    d, p = dw(None, q=0.1), [pw("p0", None, q=0.3)]
-    dec = m.route(_kv("host", 0.2), d, p, 0.0)  # local 0.65 <= remote 0.7
-    assert dec.reason == MARGIN_LOCAL + "+kv-host" and dec.estimates["t_remote:p0"] == pytest.approx(0.7)
-    assert make_router("ampd", LinearCost(), SLO_, kv_fetch_first=True).kv_fetch_first
-    assert not make_router("ampd", LinearCost(), SLO_).kv_fetch_first  # the simulator's default: overlap
-    assert make_router("remote", LinearCost(), SLO_, kv_fetch_first=True).name == "remote"
+    dec = AdaptiveRouter(LinearCost(), SLO_, **kw).route(_kv("host", 0.6), d, p, 0.0)
+    assert dec.reason == PREFILL_SLACK + "+kv-host" and dec.estimates["t_remote:p0"] == pytest.approx(0.6)
+    assert make_router("ampd", LinearCost(), SLO_, **kw).route(_kv("host", 0.6), d, p, 0.0) == dec
+    m = make_router("margin", LinearCost(), SLO_, alpha=0.5, beta=0.5)
+    dec = m.route(_kv("host", 0.2), dw(None, q=0.1), p, 0.0)  # remote max(0.5, 0.2) < local 0.65
+    assert dec.reason == MARGIN_REMOTE + "+kv-host" and dec.estimates["t_remote:p0"] == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="kv_fetch_first"):  # gone with the live path that needed it
+        make_router("ampd", LinearCost(), SLO_, kv_fetch_first=True)
 
 
 def test_remote_after_fetch():
     from ampd.policy.route import remote_after_fetch
-    assert remote_after_fetch(0.5, 0.2, False) == 0.5 and remote_after_fetch(0.5, 0.6, False) == 0.6
-    assert remote_after_fetch(0.5, 0.2, True) == pytest.approx(0.7)
-    assert remote_after_fetch(0.5, 0.0, True) == 0.5
+    assert remote_after_fetch(0.5, 0.2) == 0.5 and remote_after_fetch(0.5, 0.6) == 0.6
+    assert remote_after_fetch(0.5, 0.0) == 0.5
