@@ -1,11 +1,11 @@
 """Prefix sharing on the live decode worker (``--prefix-sharing``; its books: ``ampd.policy.prefixindex.PrefixIndex``,
 the same index the simulator keeps).
 
-Off (the default) nothing here runs. On, a session whose KV is empty when a round begins (its first
-round, or its first here after a move) shares the longest indexed prefix of its prompt's full blocks
-before the core admits the round: those blocks are its first KV blocks, the round's history is
-their tokens (``RoundTiming.prefix_shared_tokens``), and the core charges and the prefill computes
-only the rest. When that prefill's first token comes, the session's own full prompt blocks enter the
+Off (``--no-prefix-sharing``) nothing here runs. On (the default), a session whose KV is empty when a
+round begins (its first round, or its first here after a move) shares the longest indexed prefix of
+its prompt's full blocks before the core admits the round: those blocks are its first KV blocks, the
+round's history is their tokens (``RoundTiming.prefix_shared_tokens``), and the core charges and the
+prefill computes only the rest. When that prefill's first token comes, the session's own full prompt blocks enter the
 index for later sessions. The session's blocks (``SharedKV``) free only what the index does not hold;
 the index keeps released prompt blocks cached, and the pool takes them back (least recently released
 first) before an allocation would fail, and counts them as free KV for admission (``KvSync.sync``),

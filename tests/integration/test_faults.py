@@ -186,6 +186,12 @@ def _nothing_left(r: redis.Redis, workers: set[str], ns: str = NS) -> None:
     import json
 
     keys = {k.decode() for k in r.keys(f"{ns}:*") if not k.decode().startswith(f"{ns}:coordinator:")}
+    # --prefix-sharing (on by default): a live decode worker publishes the prompt blocks it still caches
+    # for binding; an owned key (a TTL the worker renews, deleted when it deregisters), of live workers only
+    prefixes = {k for k in keys if k.startswith(f"{ns}:prefix:")}
+    assert prefixes <= {f"{ns}:prefix:{w}" for w in workers}, prefixes
+    assert all(r.pttl(k) > 0 for k in prefixes), {k: r.pttl(k) for k in prefixes}
+    keys -= prefixes
     assert keys == {f"{ns}:workers", f"{ns}:nixl", f"{ns}:stats"} | {f"{ns}:alive:{w}" for w in workers}, keys
     deadline = time.monotonic() + 10
     for wid, raw in r.hgetall(f"{ns}:workers").items():

@@ -199,8 +199,8 @@ def test_a_remote_prefill_that_never_reports_runs_on_the_decode_worker(redis_url
             dw.close_session("lost", "secret")
             # its blocks are held (the prefill worker might still write them) for the remote wait only
             assert dw.metrics["kv_held_for_remote"] == 1
-            async with asyncio.timeout(5):
-                while rt.pool.free_tokens < rt.pool.capacity_tokens:
+            async with asyncio.timeout(5):  # (available: prompt blocks the prefix index caches count free)
+                while rt.pool.available_tokens < rt.pool.capacity_tokens:
                     await asyncio.sleep(0.05)
         finally:
             await dw.stop()

@@ -7,6 +7,7 @@ behind: no session key in Redis, no KV block held, no session live or waiting an
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import queue
 import re
@@ -67,6 +68,18 @@ def chan(address: str, token: str | None = None) -> grpc.aio.Channel:
 def turn(n: int, out: int = 2, first: int = 1, **kw) -> common_pb2.Turn:
     return common_pb2.Turn(token_ids=[first + i for i in range(n)],
                            sampling=common_pb2.SamplingParams(max_tokens=out), **kw)
+
+
+_OWN = itertools.count(30_000)  # first token ids that no other prompt here starts with
+
+
+def own_turn(n: int, out: int = 2, **kw) -> common_pb2.Turn:
+    """A turn whose prompt no other session here starts with, so it shares no KV blocks with them
+    (--prefix-sharing, on by default: turn()'s prompts all start 1, 2, 3, ...) and its prefill and KV
+    are its whole prompt, as the sizes and timings of the tests that use it need."""
+    t = turn(n, out, **kw)
+    t.token_ids[0] = next(_OWN)
+    return t
 
 
 def opening(turn_: common_pb2.Turn, sid: str = "", **kw) -> coordinator_pb2.ClientMessage:
@@ -448,24 +461,24 @@ def test_attach_with_bad_input_is_refused_and_leaves_nothing(dep, redis_url):
 def test_concurrent_opens_spread_and_a_full_cluster_refuses_before_accepting(dep, redis_url):
     """Found: two large sessions opened at once both bound to one decode worker and one was ABORTED
     "KV exhausted" while the other worker sat idle; at 10x load sessions were accepted, then aborted."""
-    big = CAPACITY // 2 + 500  # two do not fit on one worker
+    big = CAPACITY // 2 + 500  # two do not fit on one worker (own prompts: none shares another's blocks)
 
     async def scenario():
         coord = chan(dep.coordinator, TOKEN)
         stub = coordinator_pb2_grpc.CoordinatorStub(coord)
         held = [Client(stub) for _ in range(2)]
         for c in held:  # opened at once; each idles in a client-side call, holding its KV
-            c.send(opening(turn(big, script=[CLIENT_CALL])))
+            c.send(opening(own_turn(big, script=[CLIENT_CALL])))
         ends = await asyncio.gather(*(c.until("turn_end") for c in held))
         assert all(e is not None for e in ends)
         assert {c.events[0].decode_worker for c in held} == {"decode-0", "decode-1"}
         # a third cannot be placed: it waits (admission_wait 1 s), then is refused, never aborted
         t0 = time.monotonic()
-        code, details, events = await session_status(dep.coordinator, opening(turn(big)))
+        code, details, events = await session_status(dep.coordinator, opening(own_turn(big)))
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and details.startswith("admission: kv-full: "), details
         assert not events and 0.9 < time.monotonic() - t0 < 5
         # one that waits gets in as soon as a held session ends
-        waiting = asyncio.create_task(session_status(dep.coordinator, opening(turn(big))))
+        waiting = asyncio.create_task(session_status(dep.coordinator, opening(own_turn(big))))
         await asyncio.sleep(0.3)
         held[0].send(coordinator_pb2.ClientMessage(cancel=coordinator_pb2.Cancel(reason="done")))
         await held[0].status()
@@ -492,7 +505,7 @@ def test_cancel_stops_a_running_local_prefill_and_frees_the_worker(dep, redis_ur
     async def scenario():
         coord = chan(dep.coordinator, TOKEN)
         c = Client(coordinator_pb2_grpc.CoordinatorStub(coord))
-        c.send(opening(turn(THRESHOLD - 1)))  # local: ~3 s on a TP 1 decode worker
+        c.send(opening(own_turn(THRESHOLD - 1)))  # local: ~3 s on a TP 1 decode worker
         infos = workers(redis_url)
         address = None
         deadline = time.monotonic() + 10
@@ -534,7 +547,7 @@ def test_a_cancel_during_a_remote_prefill_holds_its_blocks_until_the_write_lands
         held = await metric("kv_held_for_remote")
         coord = chan(dep.coordinator, TOKEN)
         c = Client(coordinator_pb2_grpc.CoordinatorStub(coord))
-        c.send(opening(turn(THRESHOLD + 3000)))  # remote: ~0.7 s on the prefill worker
+        c.send(opening(own_turn(THRESHOLD + 3000)))  # remote: ~0.7 s on the prefill worker
         await asyncio.sleep(0.3)
         c.send(coordinator_pb2.ClientMessage(cancel=coordinator_pb2.Cancel(reason="user")))
         code, _ = await c.status()

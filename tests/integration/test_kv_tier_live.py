@@ -120,10 +120,13 @@ async def _in_process(redis_url: str, profile_path: str) -> None:
     dw.start()
     live = dw.tier
     try:
-        for sid, spoil in (("kept", ""), ("corrupted", "mismatch"), ("unreachable", "transfer"), ("early", "")):
+        for seed, (sid, spoil) in enumerate((("kept", ""), ("corrupted", "mismatch"), ("unreachable", "transfer"),
+                                              ("early", ""))):
             # "early": --kv-prefetch-early, and a call hinted 0.3 s: its KV comes back at 0.25 s, unasked
             tier.prefetch_early = sid == "early"
-            first = _turn(100, 1, tool_s=0.3 if sid == "early" else 5.0)
+            # a prompt of its own: with --prefix-sharing (the default) one another session prefilled
+            # would be shared and stay on the device (test_prefix_tier_live), where this moves it all
+            first = _turn(100, 1 + seed, tool_s=0.3 if sid == "early" else 5.0)
             s = dw.open(decode_pb2.AttachRequest(open=common_pb2.OpenSession(session_id=sid, turn=first),
                                                  session_secret="secret",
                                                  route=decode_pb2.Route(l_hist=0, l_incr=100)))
@@ -131,7 +134,8 @@ async def _in_process(redis_url: str, profile_path: str) -> None:
             assert call and sorted(tokens) == [100, 101, 102, 103]
             # its round ended in a call: the KV (103 tokens) went to the host pool, its device blocks free
             await until(lambda: sid in live.copies, what=f"{sid}'s offload")
-            assert s.kv.tokens == 0 and live.copies[sid].tokens == 103 and pool.free_tokens == pool.capacity_tokens
+            # (available: its prompt blocks the prefix index keeps cached meanwhile count free)
+            assert s.kv.tokens == 0 and live.copies[sid].tokens == 103 and pool.available_tokens == pool.capacity_tokens
             if spoil == "mismatch":  # one byte of the host copy changes while it sits there
                 live.pool.buffer[live.copies[sid].blocks[1] * live.pool.block_bytes + 5] ^= 0x5A
             elif spoil == "transfer":  # the worker's agent no longer knows the host pool's
@@ -162,7 +166,7 @@ async def _in_process(redis_url: str, profile_path: str) -> None:
         # the routes held but for the two re-prefills (sized for the history): those asked, unanswered here
         assert dw.metrics["prefills_overdue"] == 2
         # no leak: every device and host block is free, and the core charges nothing
-        await until(lambda: pool.free_tokens == pool.capacity_tokens, what="device pool empty")
+        await until(lambda: pool.available_tokens == pool.capacity_tokens, what="device pool empty")
         assert live.pool.free_blocks == live.pool.num_blocks and not live.copies and not live.busy
         assert core.kv_used == 0 and core.tier.host.empty and not core.sessions
     finally:

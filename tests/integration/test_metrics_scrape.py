@@ -4,6 +4,7 @@ against what the replay saw (rounds, tokens, where each prefill ran, KV bytes)."
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import subprocess
@@ -295,7 +296,11 @@ def test_client_turns_are_routed_with_the_turn(deployment, replayed):
     """Last in this module (it adds rounds to the counters the tests above compare): with the tools on
     the client, every round begins with a client's turn, so every route goes with it and holds, both
     local and remote ones (the threshold policy makes both), and every token is still right."""
-    sessions = generate("toolbench", rate=5.0, duration=10.0, seed=5)[:4]
+    # ids of their own: a replayed prompt begins with ids of its session's (ampd.workload.ids.round_ids),
+    # and the replay above had these ids; with --prefix-sharing (the default) their first prompts would
+    # share the blocks the decode worker still caches from it and, prefilling a block or two, all stay local
+    sessions = [dataclasses.replace(s, id=f"client-{s.id}")
+                for s in generate("toolbench", rate=5.0, duration=10.0, seed=5)[:4]]
     before = scrape(deployment.metrics["coordinator"])
     records, stats, _, _ = asyncio.run(replay(deployment.coordinator, sessions, client_tools=True,
                                               verify_tokens=True, progress=False, timeout_s=180))

@@ -197,4 +197,9 @@ def test_greedy_tokens_through_the_services_equal_one_model(policy, expected, re
     elif policy == "local":
         assert where == [True] * 5
     elif policy == "threshold":
-        assert where == [False, True, True, False, False]
+        # the first prompt's 70 tokens go remote, unless its decode worker shared it (--prefix-sharing,
+        # the default: the 64 tokens of its full blocks, cached there by the sessions before) and left
+        # 6 new tokens, under the threshold: then it runs locally
+        first = rounds_a[0]
+        assert first.l_hist == first.prefix_shared_tokens in (0, 64) and first.l_hist + first.l_incr == 70
+        assert where == [first.l_incr < 32, True, True, False, False]

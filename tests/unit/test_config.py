@@ -142,15 +142,17 @@ def test_launcher_and_simulator_use_the_one_rule(tmp_path):
     assert "co-located" in dep.describe()
 
 
-def test_an_engine_with_its_own_kv_shares_prefixes_in_its_own_cache():
+def test_prefix_sharing_is_on_by_default_and_an_engine_with_its_own_kv_shares_in_its_cache():
     from ampd.runtime import worker_config
     from services.decode.server import build_parser
 
     base = ["--worker-id", "d", "--redis-url", "redis://127.0.0.1:1"]
+    assert config.PolicyConfig().prefix_sharing
+    assert worker_config(build_parser().parse_args(base), "decode", 1).prefix_sharing
     assert worker_config(build_parser().parse_args(base + ["--prefix-sharing"]), "decode", 1).prefix_sharing
-    assert not worker_config(build_parser().parse_args(base), "decode", 1).prefix_sharing
+    assert not worker_config(build_parser().parse_args(base + ["--no-prefix-sharing"]), "decode", 1).prefix_sharing
     # sglang keeps its KV itself and shares prefixes in its radix cache: no index over the pool, no error
-    assert not worker_config(build_parser().parse_args(base + ["--prefix-sharing", "--engine", "sglang"]), "decode", 1).prefix_sharing
+    assert not worker_config(build_parser().parse_args(base + ["--engine", "sglang"]), "decode", 1).prefix_sharing
     assert config.pool_prefix_sharing(True, kv_in_pool=True)
     assert not config.pool_prefix_sharing(True, kv_in_pool=False)
     assert not config.pool_prefix_sharing(False, kv_in_pool=True)
