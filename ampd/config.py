@@ -148,15 +148,16 @@ class PolicyConfig:
     # (--hicache-size); ampd.policy.hostpool.size_host_pool. A ratio-sized pool is capped at half the
     # memory the worker may still use at start-up and never refuses a start (off, with a log line, when
     # too small for one session or when the engine keeps its KV outside the pool: sglang).
-    # Off by default (ratio 0), though ratio 1 helps where sessions idle in long tool calls hold the KV
-    # (benchmarks/results/kv_tier.json, long-tool GAIA: attainment 0.262 -> 0.426 at 0.02 sessions/s,
-    # 0.149 -> 0.227 at 0.06; kv_tier_live.json: 11 -> 19 of 24 sessions): on KV-tight GAIA at its own
-    # tool times (benchmarks/results/kv_tier_default.json, sim_fingerprint's KV-tight runs over 8 seeds)
-    # it lowers attainment (ampd 0.096 -> 0.041, colocated 0.176 -> 0.110, continuum 0.176 -> 0.019),
-    # more sessions admitted and completed, fewer within the SLO, because admission promises the
-    # host pool too (ampd.policy.admit.promise_rooms) and lets in sessions whose rounds then miss the
-    # SLO; without that promise the tier changes nothing there. Turn it on with --kv-host-ratio 1.
-    kv_host_ratio: float = setting(0.0, "host-memory KV tier of each decode worker, as a multiple of its device "
+    # On by default (ratio 1). Admission promises the host pool only as far as KV idle in tool calls
+    # can really free the device (ampd.policy.admit.promise_room, by ampd.policy.offshare's windowed
+    # share; the device only without an estimate), so the tier helps where sessions idle in long tool
+    # calls hold the KV (benchmarks/results/kv_tier.json, long-tool GAIA, ratio-1: attainment 0.262 ->
+    # 0.475 at 0.02 sessions/s, 0.149 -> 0.284 at 0.06) and costs nothing where calls are short:
+    # KV-tight GAIA at its own tool times (kv_tier_default.json, 8 seeds) ampd 0.096 -> 0.099, remote
+    # 0.080 -> 0.083, colocated and continuum 0.176 = 0.176; sim_fingerprint: 12 of 32 runs change,
+    # none for the worse. (Promising the whole host pool, as admission did before, lowered those to
+    # 0.041, 0.022, 0.110, 0.019.) --kv-host-ratio 0 turns it off.
+    kv_host_ratio: float = setting(1.0, "host-memory KV tier of each decode worker, as a multiple of its device "
                                         "KV pool (0 = off unless --kv-host-mb is given; 1 = the device pool's "
                                         "size, the measured one): when a round ends in a tool call the worker "
                                         "keeps, offloads to host or drops the session's KV (ampd.policy.kvtier) "

@@ -17,13 +17,14 @@ same trace and deployment:
   pool, 300k tokens) instead of ``--kv-host-mb``;
 - ``host-admit-all``: admission ``none`` and ``--kv-host-mb`` (``ampd.worker.decode_tier``);
 - ``host``: the default admission ``kv`` and ``--kv-host-mb`` (``HOST_MB``, ~1.4 x the device pool): admission promises each decode
-  worker's device pool plus its host pool (``ampd.policy.admit.promise_rooms``), the tier keeps,
+  worker's device pool plus as much of its host pool as KV idle in tool calls can be on host
+  (``ampd.policy.admit.promise_room``: none until it has seen 4 calls), the tier keeps,
   offloads or drops each tool call's KV, offloads idle KV under pressure and fetches it back with the
   profile's ``t_kv``; rounds are routed with their KV's location (``PrefillTask.kv_state``);
 - ``host+early``: the same, and offloaded KV starts coming back at the tool's expected end
   (``--kv-prefetch-early``) into blocks no waiting round needs;
-- ``host-2x``: ``host`` with twice the host pool: admission then promises more than the workers can
-  serve (the host pool is also how many sessions the tier lets in).
+- ``host-2x``: ``host`` with twice the host pool: when admission promised the whole host pool it
+  let in more than the workers could serve; it now promises only what idle KV fills.
 
 Every variant runs on the trace of each seed in ``SEEDS`` (the first is the one reported row by row
 in earlier results). Reports per run: sessions admitted (bound) and completed, SLO attainment (a

@@ -9,8 +9,9 @@ Three rules (``ampd.config`` ``admission``; docs/security.md):
 
 - ``kv``: a session is admitted when some decode worker can hold all the KV it may need, net of what
   is promised to the sessions in flight there (``bind``); otherwise it waits for KV to free. A worker
-  with a host KV tier holds its device pool plus its host pool (``promise_rooms``): KV idle in tool
-  calls moves to the host to make room.
+  with a host KV tier holds its device pool plus as much of its host pool as KV idle in tool calls
+  can really free on the device (``promise_room``, by the windowed ``ampd.policy.offshare``
+  estimate: none without one), up to device + host.
 - ``slo``: the ``kv`` rule, and the session must be able to meet its SLO on the worker it would get:
   its predicted TTFT (what it has waited already, plus Eq. (1) on that decode worker or Eq. (2) on the
   best prefill worker, queues included) within ``TTFT_FRACTION`` of the TTFT SLO, and that decode
@@ -35,12 +36,13 @@ from typing import Protocol
 
 from .bind import bind
 from .cost import t_local, t_remote
+from .offshare import OffDeviceShare
 from .order import worker_key
 from .route import ALPHA
 from .types import SLO, WorkerView
 
 __all__ = ["AdmissionBook", "ADMISSION_RULES", "REFUSAL_REASONS", "KV_SIZE", "KV_FULL", "QUEUE_FULL", "TTFT", "ITL",
-           "TTFT_FRACTION", "HEAD_POLL_S", "Verdict", "decide", "promise_rooms", "predicted_itl", "predicted_ttft"]
+           "TTFT_FRACTION", "HEAD_POLL_S", "Verdict", "decide", "promise_room", "promise_rooms", "predicted_itl", "predicted_ttft"]
 
 ADMISSION_RULES = ("kv", "slo", "none")
 
@@ -109,22 +111,45 @@ def predicted_itl(cost: AdmissionCost, decode: WorkerView, sessions: int, contex
     return decode.window_mean_s + after - cost.t_dec(decode.tp, sessions, context_tokens)
 
 
-def promise_rooms(decode: Sequence[WorkerView]) -> Sequence[WorkerView]:
-    """Each decode worker's room for promises: its device pool (``kv_free_tokens``) plus its host KV
-    tier (``kv_host_tokens``). With the tier, a session idle in a tool call holds no device KV
-    another round needs: the decode core moves it to the host (or, the host full, drops it to be
-    re-prefilled) before a round waits, so the KV promised on a worker may reach device + host while
-    every round still gets its KV on the device (a session's whole KV must still fit the device:
-    ``kv-size`` counts the device only). Workers without a tier are returned as they are."""
+def promise_room(w: WorkerView, host_share: float | None, need: int) -> int:
+    """The KV a decode worker may be promised: its device pool (``kv_free_tokens``), plus as much of
+    its host KV tier (``kv_host_tokens``) as can really stand in for device room.
+
+    KV is on host only while its session is idle in a tool call worth an offload
+    (``ampd.policy.offshare``); ``host_share`` is the share of the admitted KV's time spent so. With
+    promises P on a worker, about ``host_share`` * P can be on host at once and the rest, (1 -
+    share) * P, needs the device D: P may reach D / (1 - share). That is a mean; few large sessions
+    stray from it (one more busy than the mean says, and a round waits for its KV behind the
+    others' moves), so one session's worth (``need``, the session being judged) is kept back from
+    what the idle KV covers: the host stands in for (share * D - need) / (1 - share) tokens, at
+    most the host pool, at least none. With short tool calls (share near 0), or no estimate
+    (None), the promise is the device's; with long ones it reaches device + host.
+
+    Bounds, whatever the estimate: the promise never exceeds device + host (a session idle in a
+    tool call holds no device KV another round needs: the decode core moves it to the host, or, the
+    host full, drops it to be re-prefilled, before a round waits), and a session's whole KV must
+    fit the device (``kv-size`` counts the device only)."""
+    device, host = w.kv_free_tokens, w.kv_host_tokens
+    if not host or host_share is None or host_share <= 0:
+        return device
+    if host_share >= 1:
+        return device + host
+    extra = (host_share * device - need) / (1.0 - host_share)
+    return device + min(host, max(0, int(extra)))
+
+
+def promise_rooms(decode: Sequence[WorkerView], host_share: float | None, need: int) -> Sequence[WorkerView]:
+    """``decode`` with each worker's ``kv_free_tokens`` its room for promises (``promise_room``)
+    and ``kv_host_tokens`` 0. Workers without a tier are returned as they are."""
     if not any(w.kv_host_tokens for w in decode):
         return decode
-    return [replace(w, kv_free_tokens=w.kv_free_tokens + w.kv_host_tokens, kv_host_tokens=0) if w.kv_host_tokens
+    return [replace(w, kv_free_tokens=promise_room(w, host_share, need), kv_host_tokens=0) if w.kv_host_tokens
             else w for w in decode]
 
 
 def decide(rule: str, decode: Sequence[WorkerView], prefills: Sequence[WorkerView], promised: Mapping[str, int],
            sessions: Mapping[str, int], need: int, l_incr: int, waited_s: float, cost: AdmissionCost | None,
-           slo: SLO | None) -> Verdict:
+           slo: SLO | None, host_share: float | None = None) -> Verdict:
     """Admit, refuse or wait, for a session that may need ``need`` KV tokens and whose first prefill
     has ``l_incr`` tokens, having waited ``waited_s`` seconds. ``decode``: the live decode workers,
     ``kv_free_tokens`` being each one's capacity; ``promised``/``sessions``: per decode worker, the
@@ -140,7 +165,7 @@ def decide(rule: str, decode: Sequence[WorkerView], prefills: Sequence[WorkerVie
     if need > biggest:
         return Verdict(reason=KV_SIZE, detail=f"the session may need {need} KV tokens, more than any decode "
                                               f"worker holds ({biggest})")
-    decode = promise_rooms(decode)
+    decode = promise_rooms(decode, host_share, need)
     if rule == "kv":
         chosen = bind(decode, promised, need)
         return Verdict(worker=chosen) if chosen is not None else Verdict()
@@ -207,18 +232,23 @@ class AdmissionBook:
         self.sessions: Counter[str] = Counter()  # decode worker -> sessions admitted there, live
         self.waiting: deque = deque()  # tickets, the head first
         self.yielded: dict[Hashable, float] = {}  # waiting tickets that yield (hints) -> their order_at
+        # how much of a host KV tier stands in for device room (promise_room): the drivers feed it
+        # their rounds and pass its share(now) to judge
+        self.off_device = OffDeviceShare()
 
     @property
     def head(self) -> Hashable | None:
         return self.waiting[0] if self.waiting else None
 
     def judge(self, ticket: Hashable, need: int, l_incr: int, waited_s: float, decode: Sequence[WorkerView],
-              prefills: Sequence[WorkerView], new: bool = True, order_at: float | None = None) -> Verdict:
+              prefills: Sequence[WorkerView], new: bool = True, order_at: float | None = None,
+              host_share: float | None = None) -> Verdict:
         """The verdict for ``ticket``, a session that may need ``need`` KV tokens and has waited
         ``waited_s`` seconds since it arrived: admitted (``worker``, ``need`` promised there),
         refused (``reason``), or waiting (``wait_s``: judge it again by then at the latest; it is in
         ``waiting`` now). ``decode``: the decode workers, each with its KV capacity as
-        ``kv_free_tokens``; ``order_at``: set when the session yields (see the class doc). Raises
+        ``kv_free_tokens`` and its host tier as ``kv_host_tokens``; ``order_at``: set when the session
+        yields (see the class doc); ``host_share``: ``off_device.share`` now (``promise_room``). Raises
         ValueError on an empty ``decode``."""
         queued = ticket in self.waiting
         # a waiting session ahead of this one takes what frees first (slo: a new one goes ahead)
@@ -229,7 +259,7 @@ class AdmissionBook:
         else:
             ahead = bool(self.waiting)  # a yielding session goes after every waiting one
         v = decide(self.rule if new or self.rule == "none" else "kv", decode, prefills, self.promised, self.sessions, need, l_incr,
-                   waited_s, self.cost, self.slo)
+                   waited_s, self.cost, self.slo, host_share)
         if v.reason:
             return v
         if v.worker is not None and not ahead:

@@ -19,7 +19,7 @@ _HINTS = HintConfig()  # the coordinator's (services/coordinator/session.py HINT
 
 
 class Admitting:
-    """The admission handlers of ``ampd.sim.loop._Run`` (which declares the slots: ``book``,
+    """The admission handlers of ``ampd.sim.loop._Run`` (which declares the slots: ``sim``, ``book``,
     ``outcomes``, ``refused``, ``n_waited``, ``live``, ``decodes``, ``prefills``, ``by_id``,
     ``block_tokens``). One object holds every handler: the dispatch loop calls them as its own
     methods, with no hop through a collaborator per event."""
@@ -61,7 +61,8 @@ class Admitting:
         prefills = [p.view(now) for p in self.prefills] if book.rule == "slo" else ()
         h = w.s.rounds[0].hints  # a yielding hint (trace rounds' hints): admission orders it later
         order_at = queue_enqueued_at(w.at, h.priority, _HINTS) if h is not None and h.priority < 0 else None
-        v = book.judge(w, w.need, int(w.s.rounds[0].input), now - w.at, decode, prefills, order_at=order_at)
+        v = book.judge(w, w.need, int(w.s.rounds[0].input), now - w.at, decode, prefills, order_at=order_at,
+                       host_share=book.off_device.share(now) if self.tier else None)
         if v.worker is None and not v.reason:
             if not queued:
                 self.n_waited += 1
@@ -95,6 +96,15 @@ class Admitting:
         w = self.book.head
         if w is not None:
             self.admit(w, now)
+
+    def off_device_sample(self, st: Sess, last: float) -> None:
+        """The round of ``st`` made its last token at ``last`` (its record not appended yet): a sample
+        of admission's estimate of the KV that can be on host (``ampd.policy.offshare``), as the
+        coordinator takes from its ``RoundTiming``."""
+        kv = st.l_hist + st.l_incr + st.out  # (a dropped history is in l_incr again)
+        prev = st.rec.rounds[-1] if st.round else None
+        self.book.off_device.round_ended(st.ready, last, kv, None if prev is None else prev.last_token,
+                                         kv - int(st.rounds[st.round].input) - st.out, self.sim.profile, st.dw.tp)
 
     def release(self, st: Sess, now: float) -> None:
         """The session ended: its promise frees, for the sessions waiting."""

@@ -107,7 +107,7 @@ class WorkerInfo:
     # a coordinator's fence names the epoch it revokes (StateStore.fence)
     epoch: int = 0
     # A decode worker's host KV tier, in tokens (--kv-host-mb; 0: none): admission promises it
-    # beyond kv_capacity_tokens (ampd.policy.admit.promise_rooms)
+    # beyond kv_capacity_tokens, as far as idle KV can be on host (ampd.policy.admit.promise_room)
     kv_host_tokens: int = 0
     # --prefix-sharing on this decode worker: it publishes the hashes of the prefix blocks it holds
     # (ampd.state.prefixes), chained from this seed (its model's: ampd.policy.prefixbind.prefix_seed)

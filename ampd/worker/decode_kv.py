@@ -101,7 +101,7 @@ class KvAdmission:
         """The KV a round reserves when it is admitted: its input, and a host copy coming back (into
         blocks reserved with the input's). With the host tier, also its whole output (``s.out``: the
         simulator's exact length, live its bound): admission may promise more than the device holds
-        (``ampd.policy.admit.promise_rooms``), so the outputs of the rounds running at once must be
+        (``ampd.policy.admit.promise_room``), so the outputs of the rounds running at once must be
         counted before they are made, or decoding could overfill the device pool. Without the tier
         output tokens are charged as they are made (promises never exceed the device)."""
         if self.tier is None:

@@ -32,9 +32,9 @@ session's alone (``pin_own``, the driver's count), dropped whole with its host c
 when nothing else will free KV, one whose blocks others all still read (dropping it frees nothing);
 a dropped session may share its prefix again before its next round (``shared_history``).
 
-Admission (``ampd.policy.admit.promise_rooms``) promises the device pool plus the host pool, so each
-round reserves its whole output when it is admitted (``KvAdmission._round_need``): the rounds running
-at once never decode past the device pool.
+Admission (``ampd.policy.admit.promise_room``) may promise up to the device pool plus the host pool,
+so each round reserves its whole output when it is admitted (``KvAdmission._round_need``): the rounds
+running at once never decode past the device pool.
 """
 from __future__ import annotations
 

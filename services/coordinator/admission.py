@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import structlog
 
 from ampd.policy import SLO, WorkerView
-from ampd.policy.admit import HEAD_POLL_S, AdmissionBook, AdmissionCost
+from ampd.policy.admit import HEAD_POLL_S, AdmissionBook, AdmissionCost, promise_room
 from ampd.state.promises import Promises
 from ampd.state.store import REDIS_ERRORS
 from ampd.tasks import BackgroundTasks
@@ -83,14 +83,16 @@ class Admission:
                 if pending is not None:  # its own release (a move's) lands before the totals are read
                     await asyncio.wait({pending})
                 await self._refresh()
-                v = book.judge(me, need, l_incr, time.monotonic() - start, decode, prefill, new, order_at)
+                share = book.off_device.share(time.time())  # (its samples are RoundTiming's unix times)
+                v = book.judge(me, need, l_incr, time.monotonic() - start, decode, prefill, new, order_at, share)
                 if v.reason:
                     raise Refused(v.reason, v.detail)
                 if v.worker is not None:
                     wid = v.worker if prefer is None else self._move(v.worker, prefer(v.worker, decode, book.promised,
                                                                                         need), need)
-                    # the room the book judged (device + host tier: promise_rooms), for the shared check
-                    cap = 0 if self.rule == "none" else next(w.kv_free_tokens + w.kv_host_tokens for w in decode
+                    # the room the book judged (device + what of the host tier stands in for it), for
+                    # the shared check
+                    cap = 0 if self.rule == "none" else next(promise_room(w, share, need) for w in decode
                                                              if w.worker_id == wid)
                     if await self._promise(sid, wid, need, cap):
                         if prefer is not None:
@@ -135,6 +137,19 @@ class Admission:
             task = self._releasing[sid] = self._spawn(self.promises.release(sid))
             task.add_done_callback(lambda t: self._releasing.pop(sid, None) if self._releasing.get(sid) is t else None)
         self._wake()
+
+    def round_ended(self, t, prev: tuple[float, int] | None, tp: int) -> tuple[float, int]:
+        """A session's round ended (its ``common_pb2.RoundTiming`` ``t``; ``prev``: what this returned
+        for its previous round, None for its first) on a decode worker of degree ``tp``: a sample of
+        how much KV can be on host (``ampd.policy.offshare``, admission's ``promise_room``). Returns
+        the round's last token time and the session's KV then. Without the cost model (the host
+        moves' times) there is no estimate, and admission promises the device only."""
+        kv = t.l_hist + t.l_incr + t.tokens  # (a recomputed history is in l_incr again)
+        cost = self.book.cost
+        if cost is not None:
+            self.book.off_device.round_ended(t.input_ready, t.last_token, kv, None if prev is None else prev[0],
+                                             0 if prev is None else prev[1], cost, tp)
+        return t.last_token, kv
 
     async def promised_total(self) -> float:
         """KV tokens promised to live sessions: by every coordinator when shared (Redis), else here."""

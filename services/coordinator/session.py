@@ -85,6 +85,7 @@ class SessionRun:
         # more): promised to its decode worker by admission while it is bound there.
         self.need = turn_kv_tokens(o.turn, o.limits.max_output_tokens) + svc.block_tokens()
         self.promised_on = ""  # the decode worker holding that promise
+        self.last_round: tuple[float, int] | None = None  # its last round's last token and KV (admission's samples)
         self.admitted = False
         self.arrived = time.monotonic()  # what admission's TTFT budget counts from
         self.hints = hints_from_turn(o.turn)  # the opening turn's agent hints (advice: ampd.policy.hints)
@@ -371,6 +372,7 @@ class SessionRun:
             if tracing.on:
                 tracing.round_span(self.sid, t)
             self.svc.rounds.observe(t)
+            self.last_round = self.svc.admission.round_ended(t, self.last_round, self.info.tp if self.info else 1)
             return [self.to_client(round_end=ev.round_end)]
         if kind == "done":
             return [self.session_done(ev.done)]

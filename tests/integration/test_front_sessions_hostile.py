@@ -216,10 +216,14 @@ def test_idle_sessions_cannot_starve_a_new_one_of_kv(dep):
     assert s == 200, b
     assert metric(url, "ampd_frontend_sessions_evicted", reason="kv-full") > before
     # the newest filler was not evicted: its next turn reuses its KV; the oldest was, and comes back
+    # without its session's KV: at most its prompt's full blocks, which prefix sharing keeps cached
+    # while the pool has room (with the host KV tier, on by default, idle KV moves to host and leaves
+    # that room; without it they are reclaimed: 0)
     s, b, _ = post(url, {"model": MODEL, "prompt": prompts[3] + [7, 8], "max_tokens": 1}, "fill3", "/v1/completions")
     assert s == 200 and cached(b) == len(prompts[3]) - 1
     s, b, _ = post(url, {"model": MODEL, "prompt": prompts[0] + [7, 8], "max_tokens": 1}, "fill0", "/v1/completions")
-    assert s == 200 and cached(b) == 0 and b["usage"]["prompt_tokens"] == len(prompts[0]) + 2
+    assert s == 200 and b["usage"]["prompt_tokens"] == len(prompts[0]) + 2
+    assert cached(b) in (0, (len(prompts[0]) - 1) // 32 * 32), cached(b)  # (32-token blocks)
 
 
 def test_no_front_key_outlives_its_sessions(dep, tmp_path):

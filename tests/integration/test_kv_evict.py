@@ -1,4 +1,5 @@
-"""KV eviction on a live decode worker (--kv-evict; docs/architecture.md "KV eviction"), through real
+"""KV eviction on a live decode worker (--kv-evict, the host KV tier off: with it evicted KV goes to
+host first; docs/architecture.md "KV eviction"), through real
 Redis, NIXL and gRPC: a decode worker whose KV pool (768 tokens) cannot hold two sessions' histories
 at once, and two sessions whose client-side tool calls and turns leave one idle while the other needs
 the room.
@@ -172,7 +173,7 @@ def _check_evictions(a: _Conversation, b: _Conversation, m: dict[str, float], co
 
 
 def test_a_waiting_round_gets_kv_by_evicting_an_idle_session_which_then_completes(redis_url, tmp_path):
-    opts = Options(prefill="tp1*1", decode="tp1*1", profile=_profile(tmp_path), policy="remote", kv_evict=True,
+    opts = Options(prefill="tp1*1", decode="tp1*1", profile=_profile(tmp_path), policy="remote", kv_evict=True, kv_host_ratio=0,
                    redis_url=redis_url, namespace="kvevict", run_dir=str(tmp_path))
     with Deployment(opts) as dep:
         a, b = asyncio.run(_pressure(dep.coordinator, "a", "b"))
@@ -194,7 +195,7 @@ def test_torch_sessions_whose_kv_was_evicted_give_the_undisturbed_greedy_tokens(
     # one decode worker, every prefill on it (a prefill worker would double the start, ~10 s here);
     # the mock test above sends the recomputed histories over NIXL
     opts = Options(prefill="none", decode="tp1*1", engine="torch", model=str(tiny), profile=_profile(tmp_path),
-                   policy="local", kv_evict=True, ttft_slo=5.0, itl_slo=1.0,
+                   policy="local", kv_evict=True, kv_host_ratio=0, ttft_slo=5.0, itl_slo=1.0,
                    redis_url=redis_url, namespace="kvevict-torch", run_dir=str(tmp_path / "run"))
     with Deployment(opts) as dep:
         ref_a, ref_b = asyncio.run(_alone(dep.coordinator, "a-alone", "b-alone"))

@@ -217,7 +217,8 @@ def test_sessions_idle_in_tool_calls_move_to_host_and_every_session_completes(re
     # worker (the coordinator's own KV rule would hold the later sessions back instead)
     def opts(mb: int):
         return Options(prefill="none", decode="tp1*1", profile=_profile(tmp_path, KV_TOKENS), policy="local",
-                       admission="none", kv_host_mb=mb, redis_url=redis_url, namespace=f"kvtier-mock-{mb}",
+                       admission="none", kv_host_mb=mb, kv_host_ratio=0, redis_url=redis_url,
+                       namespace=f"kvtier-mock-{mb}",
                        run_dir=str(tmp_path / f"run{mb}"))
 
     # the tier off: the idle histories hold the pool, the rounds that need more KV wait for each
@@ -294,7 +295,7 @@ def test_torch_greedy_tokens_are_the_same_with_the_tier_on_and_off(redis_url, tm
     for mb in (0, 1):  # off, then on with every idle session's KV moved (pressure threshold 0)
         ns = f"kvtier-torch-{policy}-{mb}"
         opts = Options(prefill=prefill, decode="tp1*1", engine="torch", model=str(tiny),
-                       profile=_profile(tmp_path, KV_TOKENS), policy=policy, kv_host_mb=mb,
+                       profile=_profile(tmp_path, KV_TOKENS), policy=policy, kv_host_mb=mb, kv_host_ratio=0,
                        kv_offload_pressure=0.0, ttft_slo=5.0, itl_slo=1.0, redis_url=redis_url,
                        namespace=ns, run_dir=str(tmp_path / f"run{mb}"))
         with Deployment(opts) as dep:

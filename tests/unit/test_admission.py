@@ -99,15 +99,31 @@ def test_a_yielding_hint_lets_a_later_session_take_the_freed_kv():
     assert asyncio.run(run()) == ["B"]
 
 
-def test_a_decode_worker_with_a_host_tier_takes_promises_beyond_its_device_pool():
+def test_a_decode_worker_with_a_host_tier_takes_promises_beyond_its_device_pool_once_idle_kv_is_seen():
+    from ampd.v1 import common_pb2
+
     async def tiered():
         return [WorkerView("d0", "decode", 8, None, (), 1000, 0.0, 1000)], []
 
     async def go():
-        adm = Admission(0.0, 8)
-        assert [await adm.admit(1000, tiered, PROMPT) for _ in range(2)] == ["d0", "d0"]
+        adm = Admission(0.0, 8, cost=load_profile("qwen3-32b@h20"))
+        # no estimate of the KV idle in tool calls yet: the device pool only
+        assert [await adm.admit(400, tiered, PROMPT) for _ in range(2)] == ["d0", "d0"]
         with pytest.raises(Refused) as exc:
-            await adm.admit(1000, tiered, PROMPT)
+            await adm.admit(400, tiered, PROMPT)
+        assert exc.value.reason == KV_FULL
+        # sessions whose rounds (1 s) end in 20 s tool calls: their KV is on host most of the time,
+        # so the host pool stands in for device room
+        t0, prev = time.time() - 120.0, None
+        for r in range(5):
+            t = common_pb2.RoundTiming(round=r, input_ready=t0 + 21.0 * r, last_token=t0 + 21.0 * r + 1.0,
+                                       l_hist=100 * r, l_incr=90, tokens=10)
+            prev = adm.round_ended(t, prev, 8)
+            assert prev == (t.last_token, 100 * (r + 1))
+        assert 0.9 < adm.book.off_device.share(time.time()) < 1.0
+        assert [await adm.admit(400, tiered, PROMPT) for _ in range(3)] == ["d0", "d0", "d0"]
+        with pytest.raises(Refused) as exc:  # never past device + host (2000)
+            await adm.admit(400, tiered, PROMPT)
         assert exc.value.reason == KV_FULL
         with pytest.raises(Refused) as exc:  # a session must fit the device alone
             await adm.admit(1500, tiered, PROMPT)

@@ -8,7 +8,7 @@ import pytest
 from ampd.perf import load_profile
 from ampd.policy import SLO, WorkerView, bind
 from ampd.policy.admit import (ITL, KV_FULL, KV_SIZE, TTFT, TTFT_FRACTION, decide, predicted_itl, predicted_ttft,
-                              promise_rooms)
+                              promise_room, promise_rooms)
 
 COST = load_profile("qwen3-32b@h20")
 SLO_ = SLO(2.0, 0.1)
@@ -188,21 +188,53 @@ def test_book_without_hints_orders_as_before():
         assert list(book.waiting) == want and not book.yielded
 
 
-def test_host_tier_extends_the_promises_but_not_the_session_size():
-    """A worker with a host KV tier may promise its device pool plus its host pool (idle KV moves
-    there), but a session must still fit the device pool alone (kv-size)."""
+def test_host_tier_extends_the_promises_as_far_as_idle_kv_can_be_on_host():
+    """A worker with a host KV tier may promise beyond its device pool only as far as the KV idle in
+    tool calls can be on host (the share, ampd.policy.offshare): (share * device - need) / (1 - share),
+    at most its host pool; none without an estimate or with short tools. A session must still fit
+    the device pool alone (kv-size)."""
     tiered = WorkerView("d0", "decode", 8, None, (), 4000, 0.0, 6000)
     plain = dw("d1", 4000)
-    # 7000 promised on d0: only the host makes room for 2000 more; d1 has its own 4000
-    v = decide("kv", [tiered, plain], (), {"d0": 7000, "d1": 3000}, {}, 2000, PROMPT, 0.0, None, None)
-    assert v.worker == "d0"
-    v = decide("kv", [tiered, plain], (), {"d0": 8500, "d1": 3000}, {}, 2000, PROMPT, 0.0, None, None)
+
+    def kv(promised, need=2000, share=None, ws=(tiered, plain)):
+        return decide("kv", list(ws), (), promised, {}, need, PROMPT, 0.0, None, None, share)
+
+    # no estimate, or tools too short to move KV: the device only
+    for share in (None, 0.0, 0.2):
+        assert promise_room(tiered, share, 2000) == 4000
+        v = kv({"d0": 3000, "d1": 3000}, share=share)
+        assert v.worker is None and not v.reason  # it waits
+    # long tools (0.9 of the KV's time on host): 3600 of the device's worth idle, less this session's
+    # 2000, stands in for 16000 tokens: the whole host pool
+    assert promise_room(tiered, 0.9, 2000) == 10000
+    assert kv({"d0": 7000, "d1": 3000}, share=0.9).worker == "d0"
+    v = kv({"d0": 8500, "d1": 3000}, share=0.9)
     assert v.worker is None and not v.reason  # 10000 - 8500 < 2000: it waits
-    v = decide("kv", [tiered], (), {}, {}, 5000, PROMPT, 0.0, None, None)
+    # 0.75: (3000 - 2000) / 0.25 = 4000 tokens of host; a smaller session gets more
+    assert promise_room(tiered, 0.75, 2000) == 8000 and promise_room(tiered, 0.75, 1000) == 10000
+    assert kv({"d0": 6000, "d1": 3000}, share=0.75).worker == "d0"
+    assert kv({"d0": 7000, "d1": 3000}, share=0.75).worker is None
+    # all of it: device + host, never more
+    assert promise_room(tiered, 1.0, 2000) == 10000
+    v = kv({}, need=5000, share=1.0, ws=(tiered,))
     assert v.reason == KV_SIZE and "(4000)" in v.detail  # the host does not hold a round's KV
-    v = slo([tiered], promised={"d0": 7000})
+    v = decide("slo", [tiered], (), {"d0": 7000}, {}, 1000, PROMPT, 0.0, COST, SLO_, 0.9)
     assert v.worker == "d0"
+    assert slo([tiered], promised={"d0": 7000}).worker is None  # no estimate: the device's 4000
     # without a tier, the views are the caller's own
     ws = [plain]
-    assert promise_rooms(ws) is ws
-    assert [w.kv_free_tokens for w in promise_rooms([tiered, plain])] == [10000, 4000]
+    assert promise_rooms(ws, 0.9, 2000) is ws and promise_room(plain, 1.0, 0) == 4000
+    assert [w.kv_free_tokens for w in promise_rooms([tiered, plain], 0.9, 2000)] == [10000, 4000]
+
+
+def test_the_book_passes_the_share_and_promises_as_far_as_it_goes():
+    from ampd.policy.admit import AdmissionBook
+
+    tiered = [WorkerView("d0", "decode", 8, None, (), 4000, 0.0, 6000)]
+    book = AdmissionBook("kv", wait_s=10.0, queue_max=8)
+    assert book.judge("a", 3000, 10, 0.0, tiered, (), host_share=0.9).worker == "d0"
+    # the same session, with no estimate: 3000 + 3000 > 4000, it waits
+    v = book.judge("b", 3000, 10, 0.0, tiered, ())
+    assert v.worker is None and not v.reason and list(book.waiting) == ["b"]
+    assert book.judge("b", 3000, 10, 0.0, tiered, (), host_share=0.9).worker == "d0"
+    assert book.promised["d0"] == 6000

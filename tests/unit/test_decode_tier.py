@@ -4,6 +4,8 @@ host, or by re-prefill), each decision is counted with its reason, the moves are
 driver, and the accounting (device tokens, host blocks) returns to empty."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from ampd.kv.hostpool import HostPool, HostPoolTooSmall
@@ -168,7 +170,7 @@ def test_simulator_fills_the_pool_with_idle_sessions_and_every_one_completes():
     idle = [Session(f"idle-{i}", 0.01 * i, (Round(1100, 2, 30.0, "search"), Round(100, 2))) for i in range(4)]
     new = [Session(f"new-{i}", 5.0, (Round(1200, 2),)) for i in range(3)]
     kw = dict(policy="colocated", decode="tp1*1", ttft_slo_s=5, itl_slo_s=1, admission="none", block_tokens=BT)
-    off = simulate(idle + new, prof, **kw)
+    off = simulate(idle + new, prof, kv_host_ratio=0, **kw)
     assert all(s.completed for s in off.sessions)
     assert min(s.rounds[0].first_token for s in off.sessions[4:]) > 30.0  # today: the new ones wait for KV
     on = simulate(idle + new, prof, kv_host_mb=3, **kw)  # 3 MiB: 98 blocks, 1568 tokens: one session
@@ -184,18 +186,34 @@ def test_simulator_fills_the_pool_with_idle_sessions_and_every_one_completes():
     assert on.stats["route_reasons"] == {"policy-local": 8, "policy-local+kv-host": 2, "policy-local+kv-gone": 1}
 
 
+WARM_UP = 4
+
+
+def _after_warm_up(sessions: list) -> list:
+    """``sessions`` 62 s later, after ``WARM_UP`` sessions like them (a 60 s call, to another tool)
+    that leave admission the tool calls its estimate of the KV on host needs
+    (``ampd.policy.offshare``, 4 calls)."""
+    warm = [Session(f"w-{i}", 0.5 * i, (Round(1100, 2, 60.0, "warm"), Round(100, 2))) for i in range(WARM_UP)]
+    return warm + [dataclasses.replace(s, arrival=s.arrival + 62.0) for s in sessions]
+
+
 def test_kv_admission_counts_the_host_pool_and_never_overcommits_the_device():
     """Item 2 of the kv admission: with the tier, the default admission (kv, whole sessions promised)
-    promises device + host; sessions idle in long tools go to the host, so sessions that today wait
+    promises device + host once it has seen sessions idle in long tools (ampd.policy.offshare: the
+    host's share, here all of it); sessions idle in long tools go to the host, so sessions that today wait
     past the admission wait and are refused (kv-full) are admitted, the device pool is never
     overcommitted, and every admitted session completes."""
     prof = _sim_profile(cap=5000)
-    sess = [Session(f"s-{i}", 0.5 * i, (Round(1100, 2, 60.0, "search"), Round(100, 2))) for i in range(7)]
+    sess = _after_warm_up([Session(f"s-{i}", 0.5 * i, (Round(1100, 2, 60.0, "search"), Round(100, 2)))
+                           for i in range(7)])
     kw = dict(policy="colocated", decode="tp1*1", ttft_slo_s=5, itl_slo_s=1, block_tokens=BT, admission_wait=5.0)
-    off = simulate(sess, prof, **kw)
+    off = simulate(sess, prof, kv_host_ratio=0, **kw)
     assert off.stats["admission_refused"].get("kv-full", 0) >= 3  # 4 sessions' promises fill 5000 tokens
     on = simulate(sess, prof, kv_host_mb=4, **kw)  # 4 MiB: 262 blocks, 4192 tokens: 3 sessions more
     assert on.stats["admission_refused"] == {}
+    # the same sessions with no tool call seen yet: admission promises the device only
+    cold = simulate(sess[WARM_UP:], prof, kv_host_mb=4, **kw)
+    assert cold.stats["admission_refused"] == off.stats["admission_refused"]
     assert all(s.completed for s in on.sessions) and on.stats["unfinished_sessions"] == 0
     assert on.stats["kv_overcommits"] == 0 and on.stats["kv_used_end"] == [0]
     assert on.stats["kv_tier"]["host_used_end"] == [0] and on.stats["kv_tier"]["tokens_to_host"] > 0
@@ -205,9 +223,10 @@ def test_simulator_routes_with_the_kv_location_and_a_remote_first_token_waits_fo
     """Rounds whose KV is on host are routed with it (``+kv-host`` reasons, ``PrefillTask.kv_state``):
     remote, the prefill worker reads the host copy while the fetch runs; every session completes."""
     prof = _sim_profile(cap=5000)
-    sess = [Session(f"s-{i}", 0.5 * i, (Round(1100, 2, 60.0, "search"), Round(100, 2))) for i in range(7)]
+    sess = _after_warm_up([Session(f"s-{i}", 0.5 * i, (Round(1100, 2, 60.0, "search"), Round(100, 2)))
+                           for i in range(7)])
     kw = dict(policy="ampd", prefill="tp1*1", decode="tp1*1", ttft_slo_s=5, itl_slo_s=1, block_tokens=BT)
-    off = simulate(sess, prof, **kw)
+    off = simulate(sess, prof, kv_host_ratio=0, **kw)
     assert not any("+kv-" in r for r in off.stats["route_reasons"])  # tier off: the reasons as before
     on = simulate(sess, prof, kv_host_mb=4, **kw)
     assert all(s.completed for s in on.sessions) and on.stats["kv_overcommits"] == 0
@@ -240,11 +259,12 @@ def test_simulator_a_remote_round_behind_a_busy_host_link_gets_its_first_token_w
     assert on.stats["route_reasons"]["prefill-slack+kv-host"] == 2 and all(s.completed for s in on.sessions)
 
 
-def test_simulator_tier_off_by_default_and_a_host_pool_too_small_is_refused():
+def test_simulator_tier_on_by_default_off_at_ratio_0_and_a_host_pool_too_small_is_refused():
     prof = _sim_profile(cap=5000)
     s = [Session("a", 0.0, (Round(1000, 2, 1.0), Round(100, 2)))]
     kw = dict(policy="colocated", decode="tp1*1", ttft_slo_s=5, itl_slo_s=1)
-    assert "kv_tier" not in simulate(s, prof, **kw).stats
+    assert simulate(s, prof, **kw).stats["kv_tier"]["decisions"] == {"keep:no-pressure": 1}  # ratio 1: on
+    assert "kv_tier" not in simulate(s, prof, kv_host_ratio=0, **kw).stats
     with pytest.raises(HostPoolTooSmall, match="kv-host-mb 0.5"):
         simulate(s, prof, kv_host_mb=0.5, **kw)  # 0.5 MiB < 1104 tokens x 1000 bytes
 
@@ -263,7 +283,7 @@ def test_simulator_sizes_the_tier_by_the_ratio_as_the_same_pool_in_mib():
     assert ratio.stats["kv_tier"]["tokens_to_host"] > 0
     assert [s.rounds for s in ratio.sessions] == [s.rounds for s in mib.sessions]
     assert ratio.stats["kv_tier"] == mib.stats["kv_tier"]
-    off = simulate(sess, prof, **kw)
+    off = simulate(sess, prof, kv_host_ratio=0, **kw)
     assert "kv_tier" not in off.stats and "kv_tier" not in simulate(sess, prof, kv_host_ratio=0.5, **kw).stats
     assert [s.rounds for s in simulate(sess, prof, kv_host_ratio=0.5, **kw).sessions] == [s.rounds for s in off.sessions]
     assert simulate(sess, prof, kv_host_ratio=1, prefix_sharing=True, **kw).stats["kv_tier"] == mib.stats["kv_tier"]

@@ -17,9 +17,10 @@ from services.decode.tier import available_memory_bytes, check_host_tier
 BASE = ["--worker-id", "d0", "--redis-url", "redis://127.0.0.1:1"]
 
 
-def test_the_decode_worker_takes_the_tier_off_by_default_and_sized_by_the_ratio_or_in_mib():
+def test_the_decode_worker_takes_the_tier_at_ratio_1_by_default_off_at_0_and_sized_by_the_ratio_or_in_mib():
     cfg = worker_config(build_parser().parse_args(BASE), "decode", 1)
-    assert (cfg.kv_host_ratio, cfg.kv_host_mb, cfg.kv_offload_pressure, cfg.kv_prefetch_early) == (0.0, 0.0, 0.7, False)
+    assert (cfg.kv_host_ratio, cfg.kv_host_mb, cfg.kv_offload_pressure, cfg.kv_prefetch_early) == (1.0, 0.0, 0.7, False)
+    cfg = worker_config(build_parser().parse_args([*BASE, "--kv-host-ratio", "0"]), "decode", 1)
     size = check_host_tier(cfg.kv_host_mb, 16, 1024, 4096, ratio=cfg.kv_host_ratio, device_bytes=4 * MIB)
     assert (size.mb, size.source, size.note) == (0.0, "off", "")
     cfg = worker_config(build_parser().parse_args([*BASE, "--kv-host-ratio", "1"]), "decode", 1)

@@ -448,7 +448,7 @@ def test_kv_evict_lets_a_new_session_in_and_the_idle_one_re_prefills_its_history
     prof = _profile(cap=1500)
     a = Session("a", 0.0, (Round(1000, 1, 5.0), Round(100, 2)))  # idle in a 5 s tool call, history 1001
     b = Session("b", 0.5, (Round(1000, 2),))
-    kw = dict(policy="colocated", decode="tp1*1", ttft_slo_s=5, itl_slo_s=1, admission="none")
+    kw = dict(policy="colocated", decode="tp1*1", ttft_slo_s=5, itl_slo_s=1, admission="none", kv_host_ratio=0)
     keep = simulate([a, b], prof, **kw)
     assert keep.stats["kv_evictions"] == 0 and "kv_recomputed_tokens" not in keep.stats
     assert keep.sessions[1].rounds[0].first_token > keep.sessions[0].end  # b waits for a to end

@@ -66,6 +66,7 @@ def peak(monkeypatch):
 
 def _run(sessions, cap, sharing, policy="colocated", **kw):
     kw.setdefault("admission", "none")  # the decode core's KV admission alone decides
+    kw.setdefault("kv_host_ratio", 0)  # no host tier unless a test asks (kv_host_mb overrides this)
     return simulate(sessions, _profile(cap=cap), policy=policy, decode="tp1*1", ttft_slo_s=5.0, itl_slo_s=1.0,
                     prefix_sharing=sharing, **kw)
 
