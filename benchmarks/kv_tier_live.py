@@ -10,8 +10,8 @@ tool calls hold most of the KV. Deployment: one prefill and one decode worker of
 zero@none with a constant prefill time of ``PRE_S`` and 10 ms decode steps, the decode worker's KV
 pool cut to ``KV_TOKENS``. Variants, same trace:
 
-- ``today``: the deployment without the tier (``--kv-host-ratio 0``, the default): coordinator
-  admission ``kv`` (a session is bound only where its KV is promised; the others wait up to ``--admission-wait`` and are
+- ``today``: the deployment without the tier (``--kv-host-ratio 0``; the default before the tier
+  was measured on): coordinator admission ``kv`` (a session is bound only where its KV is promised; the others wait up to ``--admission-wait`` and are
   refused with ``kv-full``);
 - ``admit-all``: admission ``none`` (every session bound at once; its rounds wait for KV), tier off:
   the idle histories hold the pool and the rounds wait for each other (the replay gives up on a
@@ -22,7 +22,9 @@ pool cut to ``KV_TOKENS``. Variants, same trace:
 - ``host+early``: the same, and offloaded KV starts coming back at the tool's expected end
   (``--kv-prefetch-early``) into blocks no waiting round needs;
 - ``host+kv``: the tier under the default admission ``kv``, which promises the decode worker's
-  device pool plus the host pool its registration names (``WorkerInfo.kv_host_tokens``).
+  device pool plus as much of the host pool its registration names (``WorkerInfo.kv_host_tokens``)
+  as KV idle in tool calls can really occupy (``ampd.policy.offshare``; the device only until four
+  tool calls were seen).
 
 Reports per variant: sessions completed, refused and failed, SLO attainment, TTFT P90, end-to-end
 P50, the tier's decisions and moves by reason, bytes to and from host, recomputed history tokens,
