@@ -8,13 +8,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ampd.policy.hints import Hints, hints_from_obj
+from ampd.policy.hints import HintConfig, Hints, hints_from_obj, queue_yield_s
 from ampd.v1 import common_pb2
 from ampd.validate import InvalidArgument
 
-__all__ = ["BODY_FIELD", "hints_from_turn", "hints_from_body", "hints_to_turn"]
+__all__ = ["BODY_FIELD", "hints_from_turn", "hints_from_body", "hints_to_turn", "turn_queue_yield_s"]
 
 BODY_FIELD = "ampd_hints"  # the OpenAI front's extra body field
+_HINTS = HintConfig()  # the coordinator's (services/coordinator/session.py HINTS) and the simulator's
 
 
 def hints_from_turn(turn: common_pb2.Turn) -> Hints:
@@ -48,3 +49,9 @@ def hints_to_turn(h: Hints, turn: common_pb2.Turn) -> None:
         turn.hints.expected_output_tokens = h.expected_output_tokens
     if h.expected_tool_s is not None:
         turn.hints.expected_tool_s = h.expected_tool_s
+
+
+def turn_queue_yield_s(turn: common_pb2.Turn | None) -> float:
+    """``PrefillTask.queue_yield_s`` of a round of ``turn`` (a validated turn; None: no turn): how
+    much later the prefill queues order it for a yielding priority hint, else 0."""
+    return 0.0 if turn is None else queue_yield_s(turn.hints.priority, _HINTS)

@@ -35,6 +35,9 @@ MAX_TP = 64
 MAX_CONTEXT = 1 << 22  # tokens of one session's context (history + new input)
 MAX_SEGMENTS = 1 << 16  # segments of one prefill task (a 1M-token context in 16-token blocks)
 MAX_PRIORITY = 100  # |Turn.hints.priority|
+# PrefillTask.queue_yield_s: a yielding hint orders a task at most MAX_PRIORITY * yield_s later
+# (100 s by default); an hour leaves room for a larger yield_s and bounds what a task may claim
+MAX_QUEUE_YIELD_S = 3600.0
 
 
 class InvalidArgument(ValueError):
@@ -255,6 +258,7 @@ def validate_prefill_task(task: common_pb2.PrefillTask, tps: tuple[int, ...] = (
     if task.prefix_tokens > task.l_hist + task.l_incr:
         raise InvalidArgument(f"{path}.prefix_tokens: {task.prefix_tokens}, over l_hist + l_incr")
     _finite(task.input_ready, f"{path}.input_ready", 0.0, 1e11)
+    _finite(task.queue_yield_s, f"{path}.queue_yield_s", 0.0, MAX_QUEUE_YIELD_S)
     if not 1 <= task.decode_tp <= MAX_TP or (tps and task.decode_tp not in tps):
         allowed = ", ".join(map(str, tps)) if tps else f"1..{MAX_TP}"
         raise InvalidArgument(f"{path}.decode_tp: {task.decode_tp} is not a served degree ({allowed})")

@@ -1,13 +1,20 @@
 """Agent hints (``Turn.hints``, the OpenAI front's ``ampd_hints`` body field, a trace round's
 ``hints``): their one validity rule and the values the consumers read. What each hint changes today:
 
-- ``priority``: only a yield counts, and only at admission. A negative priority on a new session's
-  opening turn orders it in admission's wait as if it arrived ``-priority * yield_s`` later
-  (``queue_enqueued_at``; ``ampd.policy.admit.AdmissionBook``): it stands behind every waiting
-  session that does not yield, and is not admitted while another waits. A positive priority counts
-  as 0 (no hint jumps a queue); a later turn's priority changes nothing (admission judges a session
-  once). The coordinator (services/coordinator/session.py) and the simulator (ampd/sim/admitting.py)
-  apply it alike. Prefill queues do not read it.
+- ``priority``: only a yield counts; it acts on admission's wait and on the prefill queues. A
+  positive priority counts as 0 (no hint jumps a queue), so a hint can only cost its own session.
+  Admission: a negative priority on a new session's opening turn orders it in admission's wait as
+  if it arrived ``-priority * yield_s`` later (``queue_enqueued_at``;
+  ``ampd.policy.admit.AdmissionBook``): it stands behind every waiting session that does not yield,
+  and is not admitted while another waits; a later turn's priority changes nothing there (admission
+  judges a session once). The coordinator (services/coordinator/session.py) and the simulator
+  (ampd/sim/admitting.py) apply it alike. Prefill queues: every round of a yielding turn is ordered
+  in a prefill worker's queue and in the decode worker's local one as if its input were ready
+  ``queue_yield_s`` (``-priority * yield_s``) later (``PrefillTask.queue_yield_s``, set by the
+  decode worker from its turn's hints, services/decode, and by the simulator from the round's,
+  ampd/sim/loop.py; ``ampd.policy.reorder``): it goes behind a task that does not yield and whose
+  input was ready before that, and Algorithm 2 scores its wait from there. Its TTFT is still
+  measured from the real input (``enqueued_at``).
 - ``expected_tool_s``: the decode worker's host KV tier (``ampd.worker.decode_tier.tier_pause``,
   live and in the simulator) judges the session's own KV by it as well as by the tool's windowed
   duration (``ampd.policy.kvtier.decide_hinted``, clamped to [0, ``max_hint_s``]): it takes the
@@ -35,7 +42,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["Hints", "HintConfig", "queue_enqueued_at", "check_hint_values", "hints_from_obj", "hints_to_obj",
+__all__ = ["Hints", "HintConfig", "queue_enqueued_at", "queue_yield_s", "check_hint_values", "hints_from_obj", "hints_to_obj",
            "HINT_KEYS"]
 
 HINT_KEYS = ("priority", "expected_output_tokens", "expected_tool_s")
@@ -87,12 +94,18 @@ def hints_to_obj(h: Hints) -> dict[str, int | float]:
 
 @dataclass(slots=True)
 class HintConfig:
-    """``yield_s``: how much later each step of negative priority orders a session in admission."""
+    """``yield_s``: how much later each step of negative priority orders a session in admission and
+    its rounds in the prefill queues."""
 
     yield_s: float = 1.0
 
 
+def queue_yield_s(priority: int, cfg: HintConfig) -> float:
+    """How much later a queue orders a turn of ``priority`` than it arrived: ``-priority * yield_s``
+    for a negative priority; 0 for a positive one (no hint jumps a queue)."""
+    return max(0, -priority) * cfg.yield_s
+
+
 def queue_enqueued_at(enqueued_at: float, priority: int, cfg: HintConfig) -> float:
-    """The arrival time admission orders a waiting session by: later by ``-priority * yield_s`` for a
-    negative priority; a positive priority changes nothing."""
-    return enqueued_at + max(0, -priority) * cfg.yield_s
+    """The arrival time admission orders a waiting session by: later by ``queue_yield_s``."""
+    return enqueued_at + queue_yield_s(priority, cfg)

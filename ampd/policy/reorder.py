@@ -7,6 +7,12 @@ the cost model. ``pop(now, start_in_s)`` takes the time as an argument (and how 
 task can start: a prefill worker with the KV overlap pops the next task while the current one still
 computes); nothing reads a clock.
 
+Agent hints: a yielding task (``PrefillTask.queue_yield_s`` > 0, a turn's negative priority) is
+queued as if its input were ready that much later (``order_at``): ``push`` puts a task ahead of the
+yielding tasks at the tail whose ``order_at`` is later than its own, and Algorithm 2 counts a
+yielding task's wait from its ``order_at``. Tasks that do not yield keep their push order among
+themselves, so with no hints every queue behaves as without them.
+
 Every queue counts its pops: ``pops_choice`` (pops with two or more tasks queued, where an order had
 to be chosen) and ``pops_reordered`` (pops that did not take the head): the reordering ablation's
 evidence of how often Algorithm 2 had something to do and did it.
@@ -40,6 +46,21 @@ _TPRE = 1
 _POST = 2
 
 
+def _insert(q: deque, e: list) -> None:
+    """Queue entry ``e`` at the tail of ``q``, but ahead of the yielding entries there whose order
+    time is later than its own (agent hints; a plain append when nothing yields)."""
+    task = e[_TASK]
+    k = len(q)
+    if k and q[-1][_TASK].queue_yield_s:
+        at = task.enqueued_at + task.queue_yield_s
+        while k and (t := q[k - 1][_TASK]).queue_yield_s and t.enqueued_at + t.queue_yield_s > at:
+            k -= 1
+    if k == len(q):
+        q.append(e)
+    else:
+        q.insert(k, e)
+
+
 class PrefillQueue:
     """Base: FCFS storage in a deque of entries, running predicted total.
 
@@ -67,7 +88,7 @@ class PrefillQueue:
         """Queue ``task``; ``predicted_s`` is its predicted time on this worker (default: its
         ``t_pre``; a prefill worker with the KV overlap passes compute + the transfers it still pays)."""
         t = self.cost.t_pre(self.tp, task.l_hist, task.l_incr) if predicted_s is None else predicted_s
-        self._q.append([task, t, 0])
+        _insert(self._q, [task, t, 0])
         self._total += t
 
     def _take(self, e: list) -> PrefillTask:
@@ -164,7 +185,8 @@ class TTFTAwareQueue(PrefillQueue):
 
     At each ``pop(now, start_in_s)`` the window ``W`` is the first ``min(w, len)`` tasks. Every
     ordering of ``W`` is scored ``S = #{k : (now - enqueued_at(k)) + start_in_s + C(k) <= slo.ttft_s}``,
-    with ``C`` the prefix sums of predicted prefill times in that order: completion times count from
+    with ``C`` the prefix sums of predicted prefill times in that order (``enqueued_at``: the task's
+    ``order_at``, later for a yielding task): completion times count from
     when the popped task can start (Eq. 3 measured from the worker's next free moment, so a pop made
     while the task in service still computes, the KV overlap's read ahead, scores the same window the
     same way as a pop made when the worker is idle). Orderings are enumerated identity first and
@@ -208,7 +230,8 @@ class TTFTAwareQueue(PrefillQueue):
         # waited[i]: how long task i will have waited when the popped task starts; it meets TTFT
         # when waited[i] + C <= ttft (Eq. 4)
         at = now + start_in_s
-        waited = [at - e[_TASK].enqueued_at for e in win]
+        # (from each task's order time: a yielding task counts as ready queue_yield_s later)
+        waited = [at - (t.enqueued_at + t.queue_yield_s) for t in (e[_TASK] for e in win)]
         tpre = [e[_TPRE] for e in win]
         capped = 0
         for i in range(n):
@@ -274,7 +297,7 @@ class ContinuumQueue(PrefillQueue):
         t = self.cost.t_pre(self.tp, task.l_hist, task.l_incr) if predicted_s is None else predicted_s
         # the third slot (no postponement here) holds the push order, to count the overtakes
         self._seq += 1
-        (self._q if task.round >= 1 else self._new).append([task, t, self._seq])
+        _insert(self._q if task.round >= 1 else self._new, [task, t, self._seq])
         self._total += t
 
     def pop(self, now: float, start_in_s: float = 0.0) -> PrefillTask:

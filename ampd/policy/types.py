@@ -68,6 +68,10 @@ class PrefillTask:
     history again). ``kv_fetch_s``: seconds until the decode worker's device holds the history and
     the room for the new KV (the host fetch, or what is left of a prefetch in flight, and the moves
     queued before it); 0 without a tier. Routing's Eq. (1) and Eq. (2) count them (``ampd.policy.cost``).
+
+    ``queue_yield_s``: a yielding turn's agent hint (``ampd.policy.hints.queue_yield_s``): the queues
+    order the task as if its input were ready this much later (``order_at``); TTFT (a prefill core's
+    window) still counts from ``enqueued_at``. 0: no hint.
     """
 
     session_id: str
@@ -79,6 +83,12 @@ class PrefillTask:
     decode_tp: int = 0
     kv_state: str = "resident"
     kv_fetch_s: float = 0.0
+    queue_yield_s: float = 0.0
+
+    @property
+    def order_at(self) -> float:
+        """The arrival time the prefill queues order this task by."""
+        return self.enqueued_at + self.queue_yield_s
 
 
 @dataclass(slots=True)

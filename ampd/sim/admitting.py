@@ -15,7 +15,7 @@ from .workers import Sess, Waiting
 # How often the head of the admission queue looks again without a release (the coordinator's
 # poll); only the slo rule's verdict can change meanwhile.
 _HEAD_POLL_S = HEAD_POLL_S
-_HINTS = HintConfig()  # the coordinator's (services/coordinator/session.py HINTS)
+HINTS = HintConfig()  # the coordinator's (services/coordinator/session.py HINTS); the prefill queues' too
 
 
 class Admitting:
@@ -60,7 +60,7 @@ class Admitting:
                                      v.queue_predicted_s, d.tier.host_tokens if d.tier is not None else 0))
         prefills = [p.view(now) for p in self.prefills] if book.rule == "slo" else ()
         h = w.s.rounds[0].hints  # a yielding hint (trace rounds' hints): admission orders it later
-        order_at = queue_enqueued_at(w.at, h.priority, _HINTS) if h is not None and h.priority < 0 else None
+        order_at = queue_enqueued_at(w.at, h.priority, HINTS) if h is not None and h.priority < 0 else None
         v = book.judge(w, w.need, int(w.s.rounds[0].input), now - w.at, decode, prefills, order_at=order_at,
                        host_share=book.off_device.share(now) if self.tier else None)
         if v.worker is None and not v.reason:

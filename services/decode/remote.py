@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import grpc
 import structlog
 
+from ampd.agenthints import turn_queue_yield_s
 from ampd.kv import verify_pattern
 from ampd.stubs import Stubs
 from ampd.trust import task_token, token_matches
@@ -101,7 +102,7 @@ class RemotePrefills:
             decode_worker=w.rt.cfg.worker_id, decode_tp=w.rt.cfg.tp,
             token_ids=s.tokens[s.l_hist:], sampling=s.params,
             history_token_ids=s.tokens[:s.l_hist] if w.token_ids else (), prefix_tokens=s.prefix_tokens,
-            **task_fields(s, rnd),
+            queue_yield_s=turn_queue_yield_s(s.turn), **task_fields(s, rnd),
         )
         hr = w.tier.reads.get(s) if w.tier is not None else None  # on host: read from there (hostread.py)
         history = s.kv.segments(0, s.l_hist) if hr is None else hr.src

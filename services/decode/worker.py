@@ -28,6 +28,7 @@ from collections import deque
 import structlog
 
 from ampd import tracing
+from ampd.agenthints import turn_queue_yield_s
 from ampd.chat.stops import StopChecker
 from ampd.chat.template import ChatFormat
 from ampd.chat.toolcalls import parse_tool_calls
@@ -294,8 +295,10 @@ class DecodeWorker:
         if self.tier is not None and self.tier.reads.local(s):
             return
         c = s.core
+        # TTFT counts from the real input; a yielding turn's hint only orders the queue later
         self.core.submit_local(PrefillTask(s.session_id, c.round, c.l_hist, c.l_incr, s.input_ready,
-                                           self.rt.cfg.worker_id, self.rt.cfg.tp))
+                                           self.rt.cfg.worker_id, self.rt.cfg.tp,
+                                           queue_yield_s=turn_queue_yield_s(s.turn)))
         self.rt.took(s.session_id, c.round)
         self.loop.wake.set()
 

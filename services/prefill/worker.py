@@ -145,9 +145,11 @@ class PrefillWorker:
         self.tasks[key] = task
         if tracing.on:
             self.enqueued[key] = time.time()
-        # The queue sees the time the round's input became ready: TTFT runs from there.
+        # The queue sees the time the round's input became ready: TTFT runs from there (a yielding
+        # turn's queue_yield_s only orders it later).
         read = self.core.submit(PrefillTask(task.session_id, task.round, task.l_hist, task.l_incr,
-                                            task.input_ready, task.decode_worker, task.decode_tp), time.time())
+                                            task.input_ready, task.decode_worker, task.decode_tp,
+                                            queue_yield_s=task.queue_yield_s), time.time())
         self._read_ahead(read)
         self.metrics["tasks_submitted"] += 1
         self.rt.took(task.session_id, task.round)

@@ -268,6 +268,7 @@ def test_forged_and_bad_prefill_tasks_are_refused_and_the_worker_keeps_serving(d
             (task(dest=[common_pb2.Segment(block=10**6, offset=0, tokens=4)]), grpc.StatusCode.INVALID_ARGUMENT,
              "task.dest[0].block"),
             (task(decode_worker="decode-99"), grpc.StatusCode.INVALID_ARGUMENT, "task.decode_worker"),
+            (task(queue_yield_s=-1.0), grpc.StatusCode.INVALID_ARGUMENT, "task.queue_yield_s"),  # hints only yield
         ]
         for t, code, field in cases:
             with pytest.raises(grpc.aio.AioRpcError) as info:

@@ -214,3 +214,122 @@ def test_simulator_admission_a_hostile_priority_or_output_hint_jumps_no_queue():
     assert plain_p["y"][0][1] < plain_p["p"][0][1] and plain_q["q"][0][1] > plain_q["a"][1][2]  # q waits for a to end
     for h in (Hints(100, 1, None), Hints(100, 1 << 20, 0.0), Hints(0, 1, None)):
         assert times([a, y, p(h)]) == plain_p and times([a, q(h)]) == plain_q, h
+
+
+# ------------------------------------------------------------------ priority in the prefill queues
+def _queue_task(sid: str, ready: float, priority: int = 0):
+    from ampd.policy import PrefillTask
+    from ampd.policy.hints import queue_yield_s
+
+    return PrefillTask(sid, 1, 0, 100, ready, "decode-0", 1, queue_yield_s=queue_yield_s(priority, HintConfig()))
+
+
+@pytest.mark.parametrize("queue", ["fcfs", "ttft-aware", "continuum"])
+def test_a_yielding_task_is_queued_as_if_ready_later(queue):
+    """A yielding round (priority -1: 1 s later) is served after a task that does not yield whose input
+    was ready 0.1 s after its own, and before one ready 2 s after it; a positive priority, or none,
+    keeps arrival order. Every queue kind (a prefill worker's and the decode worker's local one)."""
+    from ampd.policy import SLO, make_queue
+    from tests.unit.test_worker_prefill import P
+
+    def order(priority: int) -> list[str]:
+        q = make_queue(queue, P, SLO(ttft_s=100.0, itl_s=1.0), 1)  # every order meets TTFT: none is reordered for it
+        for t in (_queue_task("y", 0.0, priority), _queue_task("n1", 0.1), _queue_task("n2", 2.0)):
+            q.push(t)
+        return [q.pop(3.0).session_id for _ in range(3)]
+
+    assert order(0) == ["y", "n1", "n2"]
+    assert order(5) == order(100) == ["y", "n1", "n2"]  # no hint jumps a queue
+    assert order(-1) == ["n1", "y", "n2"]
+    assert order(-5) == ["n1", "n2", "y"]  # 5 s later: behind the one ready 2 s later too
+
+
+def test_yielding_tasks_keep_their_order_among_themselves_and_others_theirs():
+    """Tasks that do not yield keep push order whatever yields; yielding ones go by their order time."""
+    from ampd.policy import SLO, make_queue
+    from tests.unit.test_worker_prefill import P
+
+    q = make_queue("fcfs", P, SLO(ttft_s=100.0, itl_s=1.0), 1)
+    for t in (_queue_task("y2", 0.0, -2), _queue_task("y1", 0.1, -1), _queue_task("n", 0.2), _queue_task("m", 0.15)):
+        q.push(t)
+    assert [t.session_id for t in q.tasks()] == ["n", "m", "y1", "y2"]
+    assert q.discard("y1", 1) and [q.pop(1.0).session_id for _ in range(3)] == ["n", "m", "y2"]
+
+
+def test_algorithm_2_scores_a_yielding_tasks_wait_from_its_order_time():
+    """Algorithm 2 counts a yielding task as ready ``queue_yield_s`` later. n, queued first, was ready
+    at 1.5 s; y behind it at 0 s. At 1.97 s (each prefill 0.02 s, TTFT 2 s) y misses its TTFT behind
+    n unless it goes first, so without a hint the queue serves y first; yielding (ready at 1 s as the
+    queue counts it) it is not late and FCFS holds."""
+    from ampd.policy import SLO, make_queue
+    from tests.unit.test_worker_prefill import P
+
+    def first(priority: int) -> str:
+        q = make_queue("ttft-aware", P, SLO(ttft_s=2.0, itl_s=1.0), 1)
+        q.push(_queue_task("n", 1.5))
+        q.push(_queue_task("y", 0.0, priority))
+        return q.pop(1.97).session_id
+
+    assert first(0) == first(3) == "y"
+    assert first(-1) == "n"
+
+
+def test_a_yielding_tasks_ttft_counts_from_its_real_input():
+    """The prefill core's TTFT window measures from ``enqueued_at`` (the input's real readiness), not
+    the order time a yield gives it."""
+    from tests.unit.test_worker_prefill import _core
+
+    core = _core(False)
+    y, n = _queue_task("y", 0.0, -3), _queue_task("n", 0.01)
+    assert y.enqueued_at == 0.0 and y.order_at == 3.0
+    core.submit(y, 0.01)
+    core.submit(n, 0.01)
+    w = core.schedule(0.01)
+    assert w.task is n
+    end_n = core.busy_until
+    core.update(w, end_n)
+    w = core.schedule(end_n)
+    assert w.task is y
+    end_y = core.busy_until
+    core.update(w, end_y)
+    assert core.view(end_y).window_mean_s == pytest.approx(((end_n - 0.01) + (end_y - 0.0)) / 2)
+
+
+def test_the_decode_worker_reads_a_turns_yield():
+    """``PrefillTask.queue_yield_s`` from a turn's hints: only a negative priority yields."""
+    from ampd.agenthints import turn_queue_yield_s
+
+    def turn(priority=None):
+        t = common_pb2.Turn(token_ids=[1])
+        if priority is not None:
+            t.hints.priority = priority
+        return t
+
+    assert turn_queue_yield_s(None) == turn_queue_yield_s(turn()) == turn_queue_yield_s(turn(7)) == 0.0
+    assert turn_queue_yield_s(turn(-3)) == 3.0 * HintConfig().yield_s
+
+
+def test_simulator_prefill_queue_serves_a_yielding_round_after_a_later_one():
+    """Two sessions queue behind a long prefill on one colocated worker (no admission, so only the
+    queue can order them): y, ready first, yields (priority -1) and is served after p; its TTFT
+    still counts from its real input. A positive priority changes no time."""
+    from ampd.sim import simulate
+    from ampd.workload.trace import Round, Session
+    from tests.unit.test_sim import _profile
+
+    def run(hints):
+        a = Session("a", 0.0, (Round(8000, 2),))  # ~0.8 s of prefill: y and p queue behind it
+        y = Session("y", 0.01, (Round(200, 2, hints=hints),))
+        p = Session("p", 0.02, (Round(200, 2),))
+        r = simulate([a, y, p], _profile(), policy="colocated", decode="tp1*1", ttft_slo_s=5, itl_slo_s=1,
+                     admission="none")
+        assert all(s.completed for s in r.sessions)
+        return {s.session_id: s.rounds[0] for s in r.sessions}
+
+    plain = run(None)
+    assert plain["y"].first_token < plain["p"].first_token
+    yielded = run(Hints(priority=-1))
+    assert yielded["p"].first_token < yielded["y"].first_token
+    assert yielded["y"].input_ready == 0.01 and yielded["y"].ttft == yielded["y"].first_token - 0.01
+    assert yielded["p"].first_token < plain["p"].first_token  # p gains what y gave
+    assert run(Hints(priority=5)) == plain

@@ -160,6 +160,7 @@ def task(**kw) -> common_pb2.PrefillTask:
 def test_a_good_task_passes():
     validate_prefill_task(task(), (1, 2, 4), TARGET)
     validate_prefill_task(task(prefix_tokens=16), (1, 2, 4), TARGET)  # --prefix-sharing
+    validate_prefill_task(task(queue_yield_s=100.0), (1, 2, 4), TARGET)  # a yielding turn's hint
 
 
 @pytest.mark.parametrize("kw, field", [
@@ -171,6 +172,9 @@ def test_a_good_task_passes():
     (dict(l_incr=0, token_ids=[]), "task.l_incr"),
     (dict(token_ids=[1]), "task.token_ids"),
     (dict(input_ready=float("inf")), "task.input_ready"),
+    (dict(queue_yield_s=-1.0), "task.queue_yield_s"),  # a hint may only yield
+    (dict(queue_yield_s=float("nan")), "task.queue_yield_s"),
+    (dict(queue_yield_s=1e9), "task.queue_yield_s"),
     (dict(dest=[common_pb2.Segment(block=99, offset=0, tokens=6)]), "task.dest[0].block"),
     (dict(dest=[common_pb2.Segment(block=2, offset=12, tokens=6)]), "task.dest[0]"),
     (dict(dest=[common_pb2.Segment(block=0, offset=3, tokens=6)]), "task.dest[0]"),  # over history slots
