@@ -120,6 +120,12 @@ class Simulator:
             return _Run(self).go(sessions)
 
 
+def _queue_yield_s(h) -> float:
+    """A round's ``PrefillTask.queue_yield_s`` from its hints (None: none), as the live decode worker
+    reads its turn's (``ampd.agenthints.turn_queue_yield_s``): a yielding round is queued later."""
+    return 0.0 if h is None else queue_yield_s(h.priority, HINTS)
+
+
 class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
     """One simulation run: the event heap, the sessions in flight and the handlers."""
 
@@ -333,9 +339,7 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
             task = PrefillTask(st.session_id, st.round, st.l_hist, st.l_incr, st.ready, d.worker_id, d.tp)
         else:
             task = PrefillTask(st.session_id, st.round, st.l_hist, st.l_incr, st.ready, d.worker_id, d.tp, *kv)
-        h = st.rounds[st.round].hints
-        if h is not None and h.priority < 0:  # a yielding round: the queues order it later, as live
-            task.queue_yield_s = queue_yield_s(h.priority, HINTS)
+        task.queue_yield_s = _queue_yield_s(st.rounds[st.round].hints)
         dview = d.view(now)
         if self.pviews_static:
             dec = self.router.route(task, dview, (), now)
