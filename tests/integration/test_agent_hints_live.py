@@ -28,13 +28,16 @@ def _decisions(m: dict) -> dict[str, float]:
     return {k.removeprefix("kv_tier_decision_"): v for k, v in m.items() if k.startswith("kv_tier_decision_")}
 
 
-@pytest.mark.parametrize("hints", [Hints(expected_tool_s=1.0), Hints(100, 1, 0.0)], ids=["honest", "hostile"])
+# hostile-yield: every turn also yields the most (each round queued 100 s later in the decode worker's
+# local prefill queue, PrefillTask.queue_yield_s): all still complete, every token right
+@pytest.mark.parametrize("hints", [Hints(expected_tool_s=1.0), Hints(100, 1, 0.0), Hints(-100, 1, 0.0)],
+                         ids=["honest", "hostile", "hostile-yield"])
 def test_the_tier_reads_the_tool_hint_and_a_hostile_one_keeps_nothing_the_estimate_moves(redis_url, tmp_path, hints):
     tag = "honest" if hints.expected_tool_s else "hostile"
     # every pause is judged (pressure threshold 0); admission "none" lets all six in at once
     opts = Options(prefill="none", decode="tp1*1", profile=_profile(tmp_path, KV_TOKENS), policy="local",
                    admission="none", kv_host_mb=1, kv_offload_pressure=0.0, redis_url=redis_url,
-                   namespace=f"hints-{tag}", run_dir=str(tmp_path / tag))
+                   namespace=f"hints-{tag}{hints.priority}", run_dir=str(tmp_path / tag))
     records, stats, metrics = _replayed(opts, _hinted(hints))
     m = metrics["decode-0"]
     assert all(r.completed for r in records), [r.error for r in records]
