@@ -201,10 +201,13 @@ class TierMixin:
         return self.kv_cap - self.kv_used >= need
 
     def _nothing_runs(self) -> bool:
-        """No round here will end and free KV (an empty batch, no local prefill), or rounds fail
-        rather than wait: waiting for KV would then wait for nothing."""
-        return self.kv_admission == "fail" or not (self.batch_size or self.pending or self.queue_len
-                                                   or self.in_prefill is not None or self.chunk_session is not None)
+        """No round here will end and free KV (an empty batch, no local prefill, no admitted round
+        whose prefill runs on a prefill worker: with the tier each admitted round has output
+        ``due`` until it ends), or rounds fail rather than wait: waiting for KV would then wait for
+        nothing. (Only on the last resort's path: the walk over the sessions is rare.)"""
+        return self.kv_admission == "fail" or not (
+            self.batch_size or self.pending or self.queue_len or self.in_prefill is not None
+            or self.chunk_session is not None or any(s.due for s in self.sessions.values()))
 
     def _take_idle(self, v) -> None:
         """``v`` leaves the evictable sessions: its KV goes to host, or it is a victim."""

@@ -170,6 +170,30 @@ def test_with_only_shared_pinned_prefixes_left_a_round_waits_while_one_runs_then
     assert core.kv_used == 0 and not core.sessions and core.tier.host.empty and core.evictable_kv == 0
 
 
+def test_a_round_prefilling_on_a_prefill_worker_counts_as_running_for_the_last_resort():
+    core = _core(cap=2000, host_tokens=4096)
+    core.tier.cfg.offload_pressure = 1.0
+    a, b = _pinned_pair(core)
+    e = DecodeSession("e")  # admitted, its prefill routed to a prefill worker: no first token yet
+    e.round, e.l_incr, e.out = 0, 100, 50
+    assert core.round_ready(e, 0.0) == ADMITTED
+    assert core.batch_size == 0 and not core.pending and core.queue_len == 0 and core.in_prefill is None
+    c = DecodeSession("c")
+    c.round, c.l_incr, c.out = 0, 1700, 1
+    assert core.round_ready(c, 0.2) == WAITING  # e's round will end and free KV: no shared prefix dropped
+    assert "drop:pressure-drop" not in core.tier.decisions and core.take_victims() == []
+    assert core.first_token(e, 0.3) is True  # its remote prefill ended: it decodes here
+    core.drop(e)
+    assert core.admit_next(0.4) is None and core.take_victims() == [a]  # now nothing runs: the last resort
+    b.pin_own = 512
+    core.sync_kv_free(2000 - 512)
+    assert core.admit_next(0.5) is c and core.take_victims() == [b]
+    _end(core, c)
+    for s in (a, b):
+        core.drop(s)
+    assert core.kv_used == 0 and not core.sessions and core.tier.host.empty and core.evictable_kv == 0
+
+
 def test_a_waiting_round_dropped_to_unblock_the_head_frees_only_its_own_part():
     core = _core(cap=2000, host_tokens=BT)  # a host too small for any session: waiting KV is dropped
     core.tier.cfg.offload_pressure = 1.0
