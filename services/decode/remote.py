@@ -126,11 +126,12 @@ class RemotePrefills:
 
     def run_here(self, s: Session, rnd: int) -> None:
         """The round's prefill runs here after all (the coordinator routed it here, or its prefill
-        worker handed it back): no prefill worker reads its history from host any more."""
+        worker handed it back). A host copy its task named stays until that prefill worker reports
+        or ``REMOTE_HOLD_S`` after the fetch (hostread.py), as held device blocks do: one the
+        coordinator fenced while it was stopped may still read it once it runs again."""
         if s.round != rnd or not self.waiting(s, rnd):
             raise SessionError(f"session {s.session_id!r} round {rnd} is not waiting for a prefill")
         self.take(s.session_id, rnd)
-        self._read_host(s.session_id, rnd)
         self.w.queue_local(s)
 
     def routed(self, s: Session, rnd: int, target: str) -> None:
