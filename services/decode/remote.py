@@ -104,6 +104,7 @@ class RemotePrefills:
             history_token_ids=s.tokens[:s.l_hist] if w.token_ids else (), prefix_tokens=s.prefix_tokens,
             queue_yield_s=turn_queue_yield_s(s.turn), **task_fields(s, rnd),
         )
+        s.submitted_to = ""  # (this round's task is not with a prefill worker yet)
         hr = w.tier.reads.get(s) if w.tier is not None else None  # on host: read from there (hostread.py)
         history = s.kv.segments(0, s.l_hist) if hr is None else hr.src
         if hr is not None:
@@ -126,12 +127,15 @@ class RemotePrefills:
 
     def run_here(self, s: Session, rnd: int) -> None:
         """The round's prefill runs here after all (the coordinator routed it here, or its prefill
-        worker handed it back). A host copy its task named stays until that prefill worker reports
-        or ``REMOTE_HOLD_S`` after the fetch (hostread.py), as held device blocks do: one the
-        coordinator fenced while it was stopped may still read it once it runs again."""
+        worker handed it back). A host copy its task named goes now unless the task was submitted
+        to a prefill worker: then it stays until that worker reports or ``REMOTE_HOLD_S`` after the
+        fetch (hostread.py), as held device blocks do (one fenced while it was stopped may still
+        read it once it runs again)."""
         if s.round != rnd or not self.waiting(s, rnd):
             raise SessionError(f"session {s.session_id!r} round {rnd} is not waiting for a prefill")
         self.take(s.session_id, rnd)
+        if not s.submitted_to:
+            self._read_host(s.session_id, rnd)
         self.w.queue_local(s)
 
     def routed(self, s: Session, rnd: int, target: str) -> None:
