@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from ampd.kv import KVPool
 from ampd.kv.hostpool import HostPool
 from ampd.policy import SLO, make_queue
@@ -146,48 +148,33 @@ def test_a_pinned_prefix_others_read_is_not_a_victim_while_one_of_its_own_frees_
     assert core.kv_used == 0 and not core.sessions and core.tier.host.empty and core.evictable_kv == 0
 
 
-def test_with_only_shared_pinned_prefixes_left_a_round_waits_while_one_runs_then_they_go():
+@pytest.mark.parametrize("running", ["decoding", "prefilling-remotely"])
+def test_with_only_shared_pinned_prefixes_left_a_round_waits_while_one_runs_then_they_go(running):
+    """``running``: e's round is in the batch, or admitted with its prefill on a prefill worker (no
+    first token yet: it counts as running by its output due, ``_nothing_runs``)."""
     core = _core(cap=2000, host_tokens=4096)
     core.tier.cfg.offload_pressure = 1.0
     a, b = _pinned_pair(core)
     e = DecodeSession("e")  # a round in progress: its end will free KV
     e.round, e.l_incr, e.out = 0, 100, 50
-    assert core.round_ready(e, 0.0) == ADMITTED and core.first_token(e, 0.1) is True
+    assert core.round_ready(e, 0.0) == ADMITTED
+    if running == "decoding":
+        assert core.first_token(e, 0.1) is True
+    else:
+        assert core.batch_size == 0 and not core.pending and core.queue_len == 0 and core.in_prefill is None
     c = DecodeSession("c")
     c.round, c.l_incr, c.out = 0, 1700, 1
     assert core.round_ready(c, 0.2) == WAITING  # own parts went; the shared prefixes wait for e's end
     assert core.tier.decisions["offload:pressure-offload"] == 2 and "drop:pressure-drop" not in core.tier.decisions
     assert core.take_victims() == [] and a.fetch == b.fetch == 89 and not (a.evicted or b.evicted)
+    if running != "decoding":
+        assert core.first_token(e, 0.25) is True  # its remote prefill ended: it decodes here
     core.drop(e)  # (ended early: nothing runs now)
     # the last resort: a, the least recently used, goes; nothing is counted free until the sync
     assert core.admit_next(0.3) is None and core.take_victims() == [a] and not b.evicted
     b.pin_own = 512  # the sync: a let go, b alone holds the blocks now
     core.sync_kv_free(2000 - 512)
     assert core.admit_next(0.4) is c and core.take_victims() == [b]  # dropping b frees them: no deadlock
-    _end(core, c)
-    for s in (a, b):
-        core.drop(s)
-    assert core.kv_used == 0 and not core.sessions and core.tier.host.empty and core.evictable_kv == 0
-
-
-def test_a_round_prefilling_on_a_prefill_worker_counts_as_running_for_the_last_resort():
-    core = _core(cap=2000, host_tokens=4096)
-    core.tier.cfg.offload_pressure = 1.0
-    a, b = _pinned_pair(core)
-    e = DecodeSession("e")  # admitted, its prefill routed to a prefill worker: no first token yet
-    e.round, e.l_incr, e.out = 0, 100, 50
-    assert core.round_ready(e, 0.0) == ADMITTED
-    assert core.batch_size == 0 and not core.pending and core.queue_len == 0 and core.in_prefill is None
-    c = DecodeSession("c")
-    c.round, c.l_incr, c.out = 0, 1700, 1
-    assert core.round_ready(c, 0.2) == WAITING  # e's round will end and free KV: no shared prefix dropped
-    assert "drop:pressure-drop" not in core.tier.decisions and core.take_victims() == []
-    assert core.first_token(e, 0.3) is True  # its remote prefill ended: it decodes here
-    core.drop(e)
-    assert core.admit_next(0.4) is None and core.take_victims() == [a]  # now nothing runs: the last resort
-    b.pin_own = 512
-    core.sync_kv_free(2000 - 512)
-    assert core.admit_next(0.5) is c and core.take_victims() == [b]
     _end(core, c)
     for s in (a, b):
         core.drop(s)
