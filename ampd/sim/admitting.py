@@ -7,6 +7,7 @@ import math
 from ampd.policy import WorkerView
 from ampd.policy.admit import HEAD_POLL_S
 from ampd.policy.hints import HintConfig, queue_enqueued_at
+from ampd.policy.outlen import expected_output
 
 from .events import ADMIT_CHECK
 from .result import SimSession
@@ -62,7 +63,8 @@ class Admitting:
         h = w.s.rounds[0].hints  # a yielding hint (trace rounds' hints): admission orders it later
         order_at = queue_enqueued_at(w.at, h.priority, HINTS) if h is not None and h.priority < 0 else None
         v = book.judge(w, w.need, int(w.s.rounds[0].input), now - w.at, decode, prefills, order_at=order_at,
-                       host_share=book.off_device.share(now) if self.tier else None)
+                       host_share=book.off_device.share(now) if self.tier else None,
+                       expect=self.expected_kv(w, now) if book.rule == "slo" else None)
         if v.worker is None and not v.reason:
             if not queued:
                 self.n_waited += 1
@@ -96,6 +98,19 @@ class Admitting:
         w = self.book.head
         if w is not None:
             self.admit(w, now)
+
+    def expected_kv(self, w: Waiting, now: float) -> int | None:
+        """The KV ``w`` is expected to hold (``ampd.policy.outlen``: each round's output, its bound,
+        by the windowed mean and the round's ``expected_output_tokens`` hint), as the coordinator
+        derives it (services/coordinator/session.py ``expected_kv``); None without a mean."""
+        mean = self.book.outputs.mean(now)
+        if mean is None:
+            return None
+        n = self.block_tokens
+        for r in w.s.rounds:
+            h = r.hints
+            n += int(r.input) + expected_output(int(r.output), None if h is None else h.expected_output_tokens, mean)
+        return n
 
     def off_device_sample(self, st: Sess, last: float) -> None:
         """The round of ``st`` made its last token at ``last`` (its record not appended yet): a sample
