@@ -112,10 +112,14 @@ class Admitting:
             n += int(r.input) + expected_output(int(r.output), None if h is None else h.expected_output_tokens, mean)
         return n
 
-    def off_device_sample(self, st: Sess, last: float) -> None:
+    def round_samples(self, st: Sess, last: float) -> None:
         """The round of ``st`` made its last token at ``last`` (its record not appended yet): a sample
-        of admission's estimate of the KV that can be on host (``ampd.policy.offshare``), as the
-        coordinator takes from its ``RoundTiming``."""
+        of admission's estimates, as the coordinator takes from its ``RoundTiming``: of the output
+        lengths (``ampd.policy.outlen``) and, with a host KV tier, of the KV that can be on host
+        (``ampd.policy.offshare``)."""
+        self.book.outputs.observe(last, st.out)
+        if not self.tier:
+            return
         kv = st.l_hist + st.l_incr + st.out  # (a dropped history is in l_incr again)
         prev = st.rec.rounds[-1] if st.round else None
         self.book.off_device.round_ended(st.ready, last, kv, None if prev is None else prev.last_token,
