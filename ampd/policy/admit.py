@@ -15,11 +15,12 @@ Three rules (``ampd.config`` ``admission``; docs/security.md):
 - ``slo``: the ``kv`` rule, and the session must be able to meet its SLO on the worker it would get:
   its predicted TTFT (what it has waited already, plus Eq. (1) on that decode worker or Eq. (2) on the
   best prefill worker, queues included) within ``TTFT_FRACTION`` of the TTFT SLO, and that decode
-  worker's predicted ITL with one more session within the ITL SLO. That prediction counts the new
-  session's context at its expected KV (its rounds' outputs by ``ampd.policy.outlen``: the windowed
-  mean, raised by an ``expected_output_tokens`` hint, at most ``max_tokens``), not at its promise. A session that cannot is refused
-  at once (waiting only adds to its TTFT: the queue ahead of it drains no faster than it waits), and a
-  session waiting for KV waits no longer than what is left of its TTFT budget.
+  worker's predicted ITL with one more session within the ITL SLO (which counts the new session's
+  context at its expected KV: its rounds' outputs by ``ampd.policy.outlen``, the windowed mean
+  raised by an ``expected_output_tokens`` hint, at most ``max_tokens``; not at its promise). A
+  session that cannot is refused at once (waiting only adds to its TTFT: the queue ahead of it
+  drains no faster than it waits), and a session waiting for KV waits no longer than what is left
+  of its TTFT budget.
 
 Pure: no I/O, no clock. The caller passes what the session has waited (``waited_s``) and the workers'
 views. ``decide`` judges one session; ``AdmissionBook`` keeps what admission remembers between
@@ -156,10 +157,10 @@ def decide(rule: str, decode: Sequence[WorkerView], prefills: Sequence[WorkerVie
            slo: SLO | None, host_share: float | None = None, expect: int | None = None) -> Verdict:
     """Admit, refuse or wait, for a session that may need ``need`` KV tokens and whose first prefill
     has ``l_incr`` tokens, having waited ``waited_s`` seconds. ``expect``: the KV it is expected to
-    hold (``ampd.policy.outlen``; None: ``need``), its context in the ``slo`` rule's ITL prediction. ``decode``: the live decode workers,
-    ``kv_free_tokens`` being each one's capacity; ``promised``/``sessions``: per decode worker, the
-    KV promised to and the number of the sessions admitted there. ``cost`` and ``slo`` are needed by
-    the ``slo`` rule only. Raises ValueError on an unknown rule or an empty ``decode``."""
+    hold (``ampd.policy.outlen``; None: ``need``), its context in the ``slo`` rule's ITL prediction.
+    ``decode``: the live decode workers, ``kv_free_tokens`` being each one's capacity;
+    ``promised``/``sessions``: per decode worker, the KV promised to and the number of the sessions
+    admitted there. ``cost`` and ``slo`` are needed by the ``slo`` rule only. Raises ValueError on an unknown rule or an empty ``decode``."""
     if rule not in ADMISSION_RULES:
         raise ValueError(f"admission rule must be one of {', '.join(ADMISSION_RULES)}, got {rule!r}")
     if not decode:

@@ -86,7 +86,7 @@ class Admission:
                 await self._refresh()
                 share = book.off_device.share(time.time())  # (its samples are RoundTiming's unix times)
                 v = book.judge(me, need, l_incr, time.monotonic() - start, decode, prefill, new, order_at, share,
-                                 expect)
+                               expect)
                 if v.reason:
                     raise Refused(v.reason, v.detail)
                 if v.worker is not None:
