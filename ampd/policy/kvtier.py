@@ -18,10 +18,9 @@ here and tested:
   without an estimate): a short or hostile hint neither keeps KV on the device nor brings it back
   sooner than the same call without the hint;
 
-- the decode core's eviction (``ampd.worker.decode_tier``: idle KV least recently used first) does
-  not read hints, so a short hint cannot shield its KV (``rank_end``, the later of hinted and
-  estimated end, is the order ``eviction_order`` and ``plan_evictions`` state for a driver that ranks
-  by expected end; the core does not use them);
+- the decode core's eviction (``ampd.worker.decode_tier``) takes idle KV in ``eviction_order``, by
+  ``rank_end``: the later of the hinted and estimated ends, and an unknown end (no estimate, hint
+  or not) first, so a short hint cannot shield its KV;
 - a speculative prefetch (before the result arrived) only takes blocks nobody is waiting for
   (``should_prefetch``), and KV brought back early is idle, so it is evictable again;
 - kept KV is evictable.
@@ -35,12 +34,15 @@ import enum
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 from .types import CostModel
 
+T = TypeVar("T")
+
 __all__ = ["KVState", "KEEP", "OFFLOAD", "DROP", "KVTierConfig", "ToolPause", "PoolState", "TierDecision",
-           "Prefetch", "IdleKV", "Eviction", "decide", "decide_hinted", "prefetch_plan", "should_prefetch", "effective_tool_s",
-           "rank_end", "eviction_order", "plan_evictions", "host_transfer_s", "transfer_fn"]
+           "Prefetch", "decide", "decide_hinted", "prefetch_plan", "should_prefetch", "effective_tool_s",
+           "rank_end", "eviction_order", "host_transfer_s", "transfer_fn"]
 
 
 class KVState(enum.Enum):
@@ -228,67 +230,29 @@ def should_prefetch(now: float, plan: Prefetch, result_ready: bool, kv_blocks: i
 
 # ------------------------------------------------------------------------------------ eviction
 def rank_end(tool_start: float, estimate_s: float | None, hint_s: float | None) -> float | None:
-    """The expected end eviction ranks a session by: the later of its hinted and estimated ends, so
-    a hint can push its own session forward in the eviction order but never back."""
-    known = [x for x in (estimate_s, hint_s) if x is not None and math.isfinite(x) and x >= 0]
-    return tool_start + max(known) if known else None
+    """The expected end eviction ranks a session by (None: unknown): the later of its estimated and
+    hinted ends, so a hint can push its own session forward in the eviction order but never back. A
+    hint without an estimate is not read (as ``decide_hinted`` plans no prefetch by it): an unknown
+    end goes first, and a hint would move its session behind the others with an unknown end."""
+    if estimate_s is None or not (math.isfinite(estimate_s) and estimate_s >= 0):
+        return None
+    if hint_s is not None and math.isfinite(hint_s) and hint_s > estimate_s:
+        return tool_start + hint_s
+    return tool_start + estimate_s
 
 
-@dataclass(slots=True)
-class IdleKV:
-    """A session idle in a tool call (or waiting for its client) whose KV is RESIDENT or on HOST.
-    ``end``: its ``rank_end`` (None: unknown)."""
-
-    session_id: str
-    state: KVState
-    blocks: int
-    tool_start: float
-    end: float | None
+def _order_key(end: float | None) -> tuple[int, float]:
+    return (0, 0.0) if end is None else (1, -end)
 
 
-def _order_key(v: IdleKV) -> tuple[int, float, float, str]:
-    if v.end is None:  # unknown end first, least recently used first (the eviction order without a tier)
-        return (0, v.tool_start, 0.0, v.session_id)
-    return (1, -v.end, v.tool_start, v.session_id)  # then the one needed last first
-
-
-def eviction_order(idle: Sequence[IdleKV]) -> list[IdleKV]:
-    """The order idle KV is evicted in: sessions whose tool end is unknown first (oldest tool call
-    first), then those expected back last first (ties: oldest tool call, then session id). Every idle
-    session is in it, whatever its hint or state: no KV is pinned, so a pool filled with idle
-    sessions can always make room (never a deadlock)."""
-    return sorted(idle, key=_order_key)
-
-
-@dataclass(slots=True)
-class Eviction:
-    """Free ``blocks`` of ``session_id``: OFFLOAD (device -> host) or DROP (the copy is gone)."""
-
-    session_id: str
-    action: str
-    blocks: int
-    reason: str
-
-
-def plan_evictions(idle: Sequence[IdleKV], need: int, host_free: int,
-                   state: KVState = KVState.RESIDENT) -> tuple[list[Eviction], int]:
-    """Evictions that free ``need`` blocks of ``state`` (the device pool for RESIDENT, the host pool
-    for HOST), in ``eviction_order``, and the blocks they free (< ``need`` when all idle KV of that
-    state is not enough: the caller then waits or overcommits as without a tier). A device victim is
-    offloaded while the host has room, else dropped; a host victim is dropped."""
-    out: list[Eviction] = []
-    freed = 0
-    for v in eviction_order([v for v in idle if v.state is state and v.blocks > 0]):
-        if freed >= need:
-            break
-        if state is KVState.RESIDENT and host_free >= v.blocks:
-            host_free -= v.blocks
-            out.append(Eviction(v.session_id, OFFLOAD, v.blocks, "pressure-offload"))
-        else:
-            out.append(Eviction(v.session_id, DROP, v.blocks,
-                                "host-evict" if state is KVState.HOST else "pressure-drop"))
-        freed += v.blocks
-    return out, freed
+def eviction_order(idle: Sequence[T], end: Callable[[T], float | None]) -> list[T]:
+    """The order idle KV is evicted in: ``idle``, given least recently used first, with ``end`` each
+    one's ``rank_end``. Those whose end is unknown go first (least recently used first, the order
+    without a tier), then those expected back last first (ties: least recently used first): the KV
+    that would sit idle longest leaves the device first. Every idle session is in it, whatever its
+    hint: no KV is pinned, so a pool filled with idle sessions can always make room (never a
+    deadlock)."""
+    return sorted(idle, key=lambda v: _order_key(end(v)))  # (stable: ties keep their order)
 
 
 def host_transfer_s(cost: CostModel, tokens: int, tp: int) -> float:
