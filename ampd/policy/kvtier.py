@@ -1,6 +1,5 @@
 """Tool-aware KV tier policy: when a round ends in a tool call, keep the session's KV on the device,
-offload it to the host pool, or drop it; when to bring it back; and which idle KV goes first when
-the pool runs short.
+offload it to the host pool, or drop it; and when to bring it back.
 
 Pure: no I/O, no clock; times are passed in (wall clock live, virtual clock in the simulator). The
 decode core owns each session's ``KVState`` and asks these functions; the driver moves the bytes.
@@ -18,31 +17,36 @@ here and tested:
   without an estimate): a short or hostile hint neither keeps KV on the device nor brings it back
   sooner than the same call without the hint;
 
-- the decode core's eviction (``ampd.worker.decode_tier``) takes idle KV in ``eviction_order``, by
-  ``rank_end``: the later of the hinted and estimated ends, and an unknown end (no estimate, hint
-  or not) first, so a short hint cannot shield its KV;
+- the decode core's eviction does not read hints, so a short hint cannot shield its KV (see
+  "Eviction order" below);
 - a speculative prefetch (before the result arrived) only takes blocks nobody is waiting for
   (``should_prefetch``), and KV brought back early is idle, so it is evictable again;
 - kept KV is evictable.
 So a lying hint moves its own session's KV at the wrong time: it costs that session a transfer or a
 re-prefill. (A long hint offloads its KV at once; the host room it holds is freed when the result
 arrives and the KV comes back, as with a long windowed estimate.)
+
+Eviction order: under pressure the decode core (``ampd.worker.decode_tier``,
+``TierMixin._tier_make_room``) takes idle KV least recently used first (the tool call that began
+longest ago): to the host while it has room, else dropped. Every idle session is in that order,
+whatever its hint, so a pool full of idle sessions always makes room (never a deadlock). Ranking
+by the tool's expected end instead (unknown ends first, then the session expected back last first,
+a hint pushing only its own session forward) admitted fewer sessions and met the SLO for fewer on
+benchmarks.kv_tier (benchmarks/results/kv_evict_order.json, docs/kv.md): a tool's windowed mean
+says little about one call's end, and the call idle longest is the one LRU takes first anyway.
 """
 from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
 
 from .types import CostModel
 
-T = TypeVar("T")
-
 __all__ = ["KVState", "KEEP", "OFFLOAD", "DROP", "KVTierConfig", "ToolPause", "PoolState", "TierDecision",
            "Prefetch", "decide", "decide_hinted", "prefetch_plan", "should_prefetch", "effective_tool_s",
-           "rank_end", "eviction_order", "host_transfer_s", "transfer_fn"]
+           "host_transfer_s", "transfer_fn"]
 
 
 class KVState(enum.Enum):
@@ -226,33 +230,6 @@ def should_prefetch(now: float, plan: Prefetch, result_ready: bool, kv_blocks: i
     if plan.at is None or now < plan.at or pool.spare < kv_blocks:
         return ""
     return "expected-end"
-
-
-# ------------------------------------------------------------------------------------ eviction
-def rank_end(tool_start: float, estimate_s: float | None, hint_s: float | None) -> float | None:
-    """The expected end eviction ranks a session by (None: unknown): the later of its estimated and
-    hinted ends, so a hint can push its own session forward in the eviction order but never back. A
-    hint without an estimate is not read (as ``decide_hinted`` plans no prefetch by it): an unknown
-    end goes first, and a hint would move its session behind the others with an unknown end."""
-    if estimate_s is None or not (math.isfinite(estimate_s) and estimate_s >= 0):
-        return None
-    if hint_s is not None and math.isfinite(hint_s) and hint_s > estimate_s:
-        return tool_start + hint_s
-    return tool_start + estimate_s
-
-
-def _order_key(end: float | None) -> tuple[int, float]:
-    return (0, 0.0) if end is None else (1, -end)
-
-
-def eviction_order(idle: Sequence[T], end: Callable[[T], float | None]) -> list[T]:
-    """The order idle KV is evicted in: ``idle``, given least recently used first, with ``end`` each
-    one's ``rank_end``. Those whose end is unknown go first (least recently used first, the order
-    without a tier), then those expected back last first (ties: least recently used first): the KV
-    that would sit idle longest leaves the device first. Every idle session is in it, whatever its
-    hint: no KV is pinned, so a pool filled with idle sessions can always make room (never a
-    deadlock)."""
-    return sorted(idle, key=lambda v: _order_key(end(v)))  # (stable: ties keep their order)
 
 
 def host_transfer_s(cost: CostModel, tokens: int, tp: int) -> float:

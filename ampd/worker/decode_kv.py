@@ -20,7 +20,7 @@ class DecodeSession:
     makes; live: its upper bound) before ``round_ready``. The core keeps the rest."""
 
     __slots__ = ("session_id", "round", "l_hist", "l_incr", "out", "first", "lo", "ctx_join", "in_tool",
-                 "evicted", "error", "fetch", "shared", "pinned", "pin_own", "due", "tool_end")
+                 "evicted", "error", "fetch", "shared", "pinned", "pin_own", "due")
 
     def __init__(self, session_id: str):
         self.session_id = session_id
@@ -47,9 +47,6 @@ class DecodeSession:
         # host tier: output tokens of the current round charged at admission and not made yet, as of
         # its first token (in the batch, ``KvAdmission.output_due`` takes off the steps run since)
         self.due = 0
-        # host tier: when its tool call is expected to end (``kvtier.rank_end``, set by ``tier_pause``;
-        # None: unknown or not in one), the rank eviction takes its idle KV in (``kvtier.eviction_order``)
-        self.tool_end: float | None = None
 
 
 class KvAdmission:
@@ -66,7 +63,6 @@ class KvAdmission:
         failed (``s.error``) and released its KV."""
         if s.in_tool:
             s.in_tool = False
-            s.tool_end = None
             self._not_evictable(s)
         if s.evicted:
             s.evicted = False

@@ -32,8 +32,7 @@ session's alone (``pin_own``, the driver's count), dropped whole with its host c
 when nothing else will free KV, one whose blocks others all still read (dropping it frees nothing);
 a dropped session may share its prefix again before its next round (``shared_history``). Nothing
 moves when taking every idle session but the last resort's would not make the room (the blocks
-others still read are not counted freeable: ``_tier_freeable``). The order within each step is
-``kvtier.eviction_order`` (an unknown tool end first, then the session expected back last first).
+others still read are not counted freeable: ``_tier_freeable``).
 
 Admission (``ampd.policy.admit.promise_room``) may promise up to the device pool plus the host pool,
 so each round reserves its whole output when it is admitted (``KvAdmission._round_need``): the rounds
@@ -42,21 +41,16 @@ running at once never decode past the device pool.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from operator import attrgetter
 
 from ampd.policy.hostpool import HostBlocks
 from ampd.policy.kvtier import (DROP, OFFLOAD, KVState, KVTierConfig, PoolState, Prefetch, TierDecision, ToolPause,
-                                decide_hinted, effective_tool_s, eviction_order, host_transfer_s, prefetch_plan,
-                                rank_end, should_prefetch)
+                                decide_hinted, host_transfer_s, prefetch_plan, should_prefetch)
 from ampd.policy.tooldur import ToolDurations
 
 __all__ = ["HostTier", "KVMove", "TierMixin", "TO_HOST", "FROM_HOST"]
 
 TO_HOST = "to_host"
 FROM_HOST = "from_host"
-
-
-_tool_end = attrgetter("tool_end")
 
 
 def _pin_only(s, device_kv: int) -> bool:
@@ -131,15 +125,12 @@ class TierMixin:
         t = self.tier
         t.last = None
         s.in_tool = True
-        est = t.durations.expected_s(tool or "", now)
-        # the rank eviction takes it in (a hint only pushes it forward: ``rank_end``)
-        s.tool_end = rank_end(now, est, None if hint_s is None else effective_tool_s(None, hint_s, t.cfg))
         if s.evicted or s.fetch:
             return False
         s.pinned = min(max(s.pinned, 0), s.l_hist)
         kv = s.l_hist - s.pinned  # what can move: a pinned shared prefix stays on the device
         move_s = host_transfer_s(self.cost, kv, self.tp)
-        pause = ToolPause(s.session_id, tool or "", est,
+        pause = ToolPause(s.session_id, tool or "", t.durations.expected_s(tool or "", now),
                           kv, move_s, move_s, self.cost.t_pre(self.tp, s.pinned, kv) if kv > 0 else 0.0)
         pool = PoolState(self.kv_cap, self.kv_used, self.wait_need, t.host_free_tokens)
         d: TierDecision
@@ -179,31 +170,31 @@ class TierMixin:
     def _tier_make_room(self, need: int, last_resort: bool | None) -> bool:
         """``_make_room`` with the tier: idle KV leaves the device until ``need`` fits (True then).
 
-        The order: (1) idle sessions with KV of their own on the device, in ``kvtier.eviction_order``
-        (an unknown tool end first, then the one expected back last first): it goes to host while
-        the host has room, else the session is dropped whole (``_tier_victim``); (2) sessions whose
-        pinned prefix alone is left, in the same order, dropped if some of its blocks are theirs
-        alone (``pin_own``: freed then); (3) last resort, one a call: the first in that order of
-        those whose every pinned block another session still reads. Dropping such a session frees
-        nothing and loses its host copy (its next round prefills again), so (3) runs only when
-        ``last_resort`` says so (``_last_resort``). When (1) and (2) together cannot make the room
-        and (3) may not run, nothing moves (``_tier_freeable``): own parts offloaded then would only
-        come back. It never deadlocks: once every other holder is dropped too, the driver's next
-        sync counts the blocks free, or their owner's ``pin_own`` lets (2) take them."""
+        The order: (1) idle sessions with KV of their own on the device, least recently used
+        first: it goes to host while the host has room, else the session is dropped whole
+        (``_tier_victim``); (2) sessions whose pinned prefix alone is left, least recently used
+        first, dropped if some of its blocks are theirs alone (``pin_own``: freed then); (3) last
+        resort, one a call: the least recently used of those whose every pinned block another
+        session still reads. Dropping such a session frees nothing and loses its host copy (its next
+        round prefills again), so (3) runs only when ``last_resort`` says so (``_last_resort``).
+        When (1) and (2) together cannot make the room and (3) may not run, nothing moves
+        (``_tier_freeable``): own parts offloaded then would only come back. It never deadlocks:
+        once every other holder is dropped too, the driver's next sync counts the blocks free, or
+        their owner's ``pin_own`` lets (2) take them."""
         if self.kv_cap - self.kv_used >= need:
             return True
         if self.kv_cap - self.kv_used + self._tier_freeable() < need and not self._last_resort(last_resort):
             return False  # offloading the own parts would not make room: they stay
         ev = self.evictable
-        for v in [v for v in eviction_order(list(ev), _tool_end) if not _pin_only(v, ev[v])]:
+        for v in [v for v, r in ev.items() if not _pin_only(v, r)]:
             if self.kv_cap - self.kv_used >= need:
                 return True
             self._take_idle(v)
         others_read: list = []
-        for v in eviction_order(list(ev), _tool_end):  # (offloaded just now, their pinned prefix came too)
+        for v, r in list(ev.items()):  # (offloaded just now, their pinned prefix came last)
             if self.kv_cap - self.kv_used >= need:
                 return True
-            if not _pin_only(v, ev[v]):
+            if not _pin_only(v, r):
                 continue
             if v.pin_own > 0:
                 self._take_idle(v)

@@ -79,33 +79,25 @@ def test_a_pool_full_of_idle_sessions_admits_new_ones_and_every_idle_one_complet
     assert core.kv_used == 0 and core.admitted == 0 and not core.sessions and core.tier.host.empty
 
 
-def test_under_pressure_idle_kv_goes_unknown_end_first_then_the_one_back_last_first():
-    """``kvtier.eviction_order`` in the core: the tool end (``rank_end``) decides, not recency, and
-    a hint only pushes its own session forward: a short one shields nothing, one on a tool never
-    observed is not read."""
+def test_under_pressure_idle_kv_goes_least_recently_used_first_whatever_the_tools_and_hints():
+    """The order ``kvtier`` states ("Eviction order"): the tool call that began longest ago first;
+    neither the tool's expected duration nor a hint moves a session in it."""
     core = _core(cap=6000, host_tokens=16 * 1008)
     core.tier.cfg.offload_pressure = 1.0  # pauses keep: only pressure moves KV
     core.tier.durations.observe("search", 0.0, 60.0)
     core.tier.durations.observe("calc", 0.0, 2.0)
-    pauses = {  # session: (tool, hint): its rank end, pausing at 1.0 + i
-        "calc-long-hint": ("calc", 300.0),  # 1 + 300
-        "search": ("search", None),  # 2 + 60
-        "new-tool-short-hint": ("browse", 0.1),  # unknown: first
-        "calc": ("calc", None),  # 4 + 2
-        "search-short-hint": ("search", 0.1),  # 5 + 60: the hint does not hold it back
-    }
+    pauses = {"calc-long-hint": ("calc", 300.0), "search": ("search", None), "new-tool": ("browse", None),
+              "calc": ("calc", None), "search-short-hint": ("search", 0.1)}
     ss = {sid: DecodeSession(sid) for sid in pauses}
     for s in ss.values():
         assert core.round_ready(_ready(s, 0, 999), 0.0) == ADMITTED
         _round(core, s, 0.5, last=False)
-    for i, (sid, (tool, hint)) in enumerate(pauses.items()):
+    for i, sid in enumerate(reversed(pauses)):  # paused in the reverse order, 1 s apart
+        tool, hint = pauses[sid]
         core.tier_pause(ss[sid], 1.0 + i, tool, hint)
     assert core.tier.decisions == {"keep:no-pressure": 5} and core.kv_used == 5000
-    assert ss["new-tool-short-hint"].tool_end is None and ss["search-short-hint"].tool_end == 65.0
-    n = DecodeSession("n")
-    assert core.round_ready(_ready(n, 0, 5999), 10.0) == ADMITTED  # every idle session goes
-    order = [m.session_id for m in core.take_moves()]
-    assert order == ["new-tool-short-hint", "calc-long-hint", "search-short-hint", "search", "calc"]
+    assert core.round_ready(_ready(DecodeSession("n"), 0, 3999), 10.0) == ADMITTED
+    assert [m.session_id for m in core.take_moves()] == ["search-short-hint", "calc", "new-tool"]
 
 
 def test_own_parts_stay_on_the_device_when_only_prefixes_others_read_would_make_room():

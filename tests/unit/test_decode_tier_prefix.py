@@ -172,8 +172,8 @@ def test_with_only_shared_pinned_prefixes_left_a_round_waits_while_one_runs_then
     if running != "decoding":
         assert core.first_token(e, 0.25) is True  # its remote prefill ended: it decodes here
     core.drop(e)  # (ended early: nothing runs now)
-    # the last resort: the own parts go, then a (first in the eviction order: same end, least
-    # recently used); nothing is counted free until the sync
+    # the last resort: the own parts go, then a, the least recently used; nothing is counted free
+    # until the sync
     assert core.admit_next(0.3) is None and core.take_victims() == [a] and not b.evicted
     assert core.tier.decisions["offload:pressure-offload"] == 2 and b.fetch == 89
     b.pin_own = 512  # the sync: a let go, b alone holds the blocks now

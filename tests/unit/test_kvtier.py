@@ -16,10 +16,8 @@ from ampd.policy.kvtier import (
     ToolPause,
     decide,
     effective_tool_s,
-    eviction_order,
     host_transfer_s,
     prefetch_plan,
-    rank_end,
     should_prefetch,
     transfer_fn,
 )
@@ -141,31 +139,6 @@ def test_hint_overrides_estimate_and_is_clamped():
     assert effective_tool_s(10.0, math.nan, CFG) == 10.0
 
 
-def test_rank_end_takes_the_later_of_hint_and_estimate():
-    assert rank_end(100.0, 10.0, None) == 110.0
-    assert rank_end(100.0, 10.0, 1.0) == 110.0  # a short hint does not shield its KV
-    assert rank_end(100.0, 10.0, 60.0) == 160.0  # a long one makes it an earlier victim
-    assert rank_end(100.0, 10.0, -5.0) == rank_end(100.0, 10.0, math.nan) == 110.0
-    assert rank_end(100.0, None, None) is None
-    # no estimate: a hint is not read, or it would move its KV behind the others with an unknown end
-    assert rank_end(100.0, None, 5.0) is None
-    assert rank_end(100.0, None, math.inf) is None
-
-
-def _order(idle: list[tuple[str, float | None]]) -> list[str]:
-    """``eviction_order`` of (session, rank end) pairs given least recently used first."""
-    return [sid for sid, _ in eviction_order(idle, lambda v: v[1])]
-
-
-def test_hostile_short_hint_cannot_shield_its_kv():
-    honest = ("honest", rank_end(100.0, 5.0, None))  # back at 105
-    liar = ("liar", rank_end(100.0, 30.0, 0.1))  # says 100.1, really 130
-    assert _order([honest, liar]) == _order([liar, honest]) == ["liar", "honest"]
-    # on a tool never observed, a short hint does not move it behind the other unknown ends
-    new = ("new", rank_end(100.0, None, 0.1))
-    assert _order([new, ("other", None), honest]) == ["new", "other", "honest"]
-
-
 # -------------------------------------------------------------------------------- prefetch
 def test_prefetch_plan():
     # tool at 100 s expected 10 s, 0.2 s to fetch back, 0.05 s margin: start at 109.75
@@ -184,18 +157,3 @@ def test_should_prefetch():
     # the result arrived: at once, whatever the room (it goes through admission)
     assert should_prefetch(101.0, plan, True, 100, PoolState(1000, 1000, 500, 0)) == "result-arrived"
     assert should_prefetch(200.0, Prefetch(None, "on-result"), False, 1, room) == ""
-
-
-# -------------------------------------------------------------------------------- eviction
-def test_eviction_order_unknown_first_then_needed_last_first():
-    # given least recently used first: unknown ends first in that order, then the latest end first
-    # (ties: least recently used first)
-    idle = [("e", 150.0), ("d", None), ("b", 200.0), ("c", None), ("a", 150.0)]
-    assert _order(idle) == ["d", "c", "b", "e", "a"]
-
-
-def test_never_a_deadlock_every_idle_session_is_in_the_order():
-    # hostile hints included: none keeps its KV out of the eviction order, so a pool full of idle
-    # sessions can always make room (the decode core: tests/unit/test_decode_tier.py)
-    idle = [(f"s{i}", rank_end(float(i), 5.0 if i % 3 else None, 0.0 if i % 2 else 1e6)) for i in range(10)]
-    assert sorted(_order(idle)) == sorted(sid for sid, _ in idle)
