@@ -32,8 +32,8 @@ longest ago): to the host while it has room, else dropped. Every idle session is
 whatever its hint, so a pool full of idle sessions always makes room (never a deadlock). Ranking
 by the tool's expected end instead (unknown ends first, then the session expected back last first,
 a hint pushing only its own session forward) admitted fewer sessions and met the SLO for fewer on
-benchmarks.kv_tier (benchmarks/results/kv_evict_order.json, docs/kv.md): a tool's windowed mean
-says little about one call's end, and the call idle longest is the one LRU takes first anyway.
+benchmarks.kv_tier (benchmarks/results/kv_evict_order.json, docs/kv.md); the likely cause, not
+measured apart: a tool's windowed mean says little about when one call of it ends.
 """
 from __future__ import annotations
 
