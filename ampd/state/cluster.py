@@ -4,6 +4,8 @@ same code the coordinator runs."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
 import re
 import time
 from collections.abc import Iterable
@@ -185,10 +187,13 @@ class Cluster:
     async def _follow(self, ps) -> None:
         while True:
             try:
-                # blocking, without a timeout: a timeout costs a timer and its context a message.
-                # The reply as it comes (["message", channel, data]; subscribe confirmations too):
-                # get_message's dict per message cost more than the rest of this loop.
-                msg = await ps.parse_response(block=True)
+                # Read off the subscribed connection as it comes (["message", channel, data], and
+                # subscribe confirmations), blocking without a timeout (math.inf: redis-py's "no
+                # timeout" for a pub/sub read; a timer and its context a message cost more). Not
+                # get_message: its retry wrapper and dict per message cost more than the rest of this
+                # loop. A failed read resubscribes below, with a fresh snapshot.
+                msg = await ps.connection.read_response(timeout=math.inf, disconnect_on_error=False,
+                                                        push_request=True)
                 if not msg or msg[0] not in _MESSAGE:
                     continue
                 self._arrived(msg[2])
@@ -197,6 +202,8 @@ class Cluster:
             except Exception as exc:  # a Redis blip: resubscribe and take a fresh snapshot
                 log.warning("stats channel failed; resubscribing", error=str(exc))
                 await asyncio.sleep(0.2)
+                with contextlib.suppress(Exception):  # (its connection back to the pool, or dropped)
+                    await ps.aclose()
                 try:
                     ps = self.store.subscribe()
                     await ps.subscribe(self.store.k_stats)
