@@ -221,8 +221,11 @@ class Cluster:
         if head is None:  # not as WorkerStats.to_json writes it (its first fields): parsed now
             st = WorkerStats.from_json(raw)
             self._lag(st.ts)
-            self._unparsed.pop(st.worker_id, None)
-            self._ingest_now(st)
+            if st.worker_id in self.infos:
+                self._unparsed.pop(st.worker_id, None)
+                self._ingest_now(st)
+            else:  # a worker not known yet: the view's read looks it up in the registry first
+                self._unparsed[st.worker_id] = (st.ts, raw)
             return
         wid, ts = head[1].decode(), float(head[2])
         self._lag(ts)

@@ -3,6 +3,7 @@ the latest of each worker, parsed only then, and every publication's delivery la
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 from ampd.state import StateStore, WorkerStats, connect
@@ -55,6 +56,15 @@ async def _follow(redis_url: str) -> None:
                 break
             await asyncio.sleep(0.01)
         assert [p.queue_predicted_s for p in (await cluster.view()).prefill] == [3.0]
+        # a publication whose fields come in another order (another version's) is parsed as it comes
+        d = vars(_stats("decode-0", time.time() + 1.0, 9.0))
+        await store.r.publish(store.k_stats, json.dumps(dict(reversed(d.items()))))
+        for _ in range(200):
+            if len(cluster.lag_s) >= 10:
+                break
+            await asyncio.sleep(0.01)
+        assert "decode-0" not in cluster._unparsed
+        assert (await cluster.view()).decode["decode-0"].queue_predicted_s == 9.0
     finally:
         await cluster.stop()
         await store.r.aclose()
