@@ -134,7 +134,8 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
                  "decodes", "prefills", "by_id", "router", "pviews_static", "pviews", "route_fn", "pin_ttl", "kv_evict", "open_s", "dispatch_s",
                  "handoff_s", "tool_rpc_s", "busy_extra", "contention", "dispatch", "tier", "dispatch0", "tier_to",
                  "tier_from", "prefix", "prefix_ids", "prefix_held", "prefix_saved", "prefix_blocks", "prefix_sessions",
-                 "prefix_revived", "prefix_evicted", "prefix_kv", "prefix_cap", "prefix_wdrops", "prefix_let")
+                 "prefix_revived", "prefix_evicted", "prefix_kv", "prefix_cap", "prefix_wdrops", "prefix_let",
+                 "prefix_parked")
 
     def __init__(self, sim: Simulator):
         cfg = sim.cfg
@@ -177,6 +178,7 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
     # ------------------------------------------------------------------------------- the loop
     def go(self, sessions: Sequence) -> SimResult:
         wall0 = _time.perf_counter()
+        self.prefix_park(sessions)
         order = sorted(range(len(sessions)), key=lambda i: (sessions[i].arrival, i))
         ids_seen: set = set()
         heap = self.heap
@@ -432,6 +434,7 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
     def result(self, now: float, n_events: int, wall: float, n_sessions: int) -> SimResult:
         sim = self.sim
         decodes, prefills = self.decodes, self.prefills
+        self.prefix_unpark()
         for d in decodes:
             d.log.finish()
         for st in self.live.values():
