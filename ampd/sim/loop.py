@@ -130,12 +130,11 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
     """One simulation run: the event heap, the sessions in flight and the handlers."""
 
     __slots__ = ("sim", "heap", "seq", "live", "outcomes", "reasons", "n_local", "n_remote", "n_failed",
-                 "book", "block_tokens", "refused", "n_waited",
+                 "book", "block_tokens", "refused", "n_waited", "prefix_parked",
                  "decodes", "prefills", "by_id", "router", "pviews_static", "pviews", "route_fn", "pin_ttl", "kv_evict", "open_s", "dispatch_s",
                  "handoff_s", "tool_rpc_s", "busy_extra", "contention", "dispatch", "tier", "dispatch0", "tier_to",
                  "tier_from", "prefix", "prefix_ids", "prefix_held", "prefix_saved", "prefix_blocks", "prefix_sessions",
-                 "prefix_revived", "prefix_evicted", "prefix_kv", "prefix_cap", "prefix_wdrops", "prefix_let",
-                 "prefix_parked")
+                 "prefix_revived", "prefix_evicted", "prefix_kv", "prefix_cap", "prefix_wdrops", "prefix_let")
 
     def __init__(self, sim: Simulator):
         cfg = sim.cfg
@@ -434,7 +433,6 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
     def result(self, now: float, n_events: int, wall: float, n_sessions: int) -> SimResult:
         sim = self.sim
         decodes, prefills = self.decodes, self.prefills
-        self.prefix_unpark()
         for d in decodes:
             d.log.finish()
         for st in self.live.values():
@@ -472,8 +470,7 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
             stats["kv_failed_sessions"] = self.n_failed
         if self.tier:
             self.tier_stats(stats)
-        if self.prefix is not None:
-            self.prefix_stats(stats)
+        self.prefix_stats(stats)
         if sim.cfg.kv_evict:
             stats["kv_recomputed_tokens"] = sum(d.kv_recomputed_tokens for d in decodes)
         return SimResult(sim.cfg.policy, self.outcomes, [d.log for d in decodes], now, stats,

@@ -160,16 +160,11 @@ class Prefixing:
         """Sharing is on but no session's first round has ``hash_ids`` (a synthetic preset's trace):
         nothing is ever indexed, so every prefix call would leave the empty indexes, the sessions'
         pins (0) and the cores as they are. The run skips them (``prefix`` None, as with sharing
-        off: ~10 % of a GAIA run's handler time); ``prefix_unpark`` restores them for the stats."""
+        off: ~10 % of a GAIA run's handler time); ``prefix_stats`` restores them."""
         self.prefix_parked = None
         if self.prefix is not None and not any(s.rounds and s.rounds[0].hash_ids for s in sessions):
             self.prefix_parked = (self.prefix, self.prefix_kv)
             self.prefix, self.prefix_kv = None, False
-
-    def prefix_unpark(self) -> None:
-        if self.prefix_parked is not None:
-            self.prefix, self.prefix_kv = self.prefix_parked
-            self.prefix_parked = None
 
     # --- with kv_evict, the host tier or a KV-pinning policy (``prefix_kv``) ----------------------
     def prefix_round_ready(self, st, now: float) -> int:
@@ -313,6 +308,12 @@ class Prefixing:
         return ix
 
     def prefix_stats(self, stats: dict) -> None:
+        """The run's prefix counters (with sharing on; parked indexes back first: ``prefix_park``)."""
+        if self.prefix_parked is not None:
+            self.prefix, self.prefix_kv = self.prefix_parked
+            self.prefix_parked = None
+        if self.prefix is None:
+            return
         stats["prefix_shared_tokens"] = self.prefix_saved  # prefill tokens saved
         stats["prefix_shared_blocks"] = self.prefix_blocks
         stats["prefix_sharing_sessions"] = self.prefix_sessions
