@@ -160,7 +160,7 @@ class Prefixing:
         """Sharing is on but no session's first round has ``hash_ids`` (a synthetic preset's trace):
         nothing is ever indexed, so every prefix call would leave the empty indexes, the sessions'
         pins (0) and the cores as they are. The run skips them (``prefix`` None, as with sharing
-        off: ~10 % of a GAIA run's handler time); ``prefix_stats`` restores them."""
+        off: 9-11 % of a GAIA run's simulate instructions, callgrind); ``prefix_stats`` restores them."""
         self.prefix_parked = None
         if self.prefix is not None and not any(s.rounds and s.rounds[0].hash_ids for s in sessions):
             self.prefix_parked = (self.prefix, self.prefix_kv)
