@@ -158,6 +158,7 @@ class LivePrefix:
         bt = self.w.rt.pool.block_tokens
         if not again:
             s.prefix_tokens = len(prefix_hashes(s.tokens, bt)) * bt
+        self._revive_room(s.tokens[:s.prefix_tokens + 1], s.scoped_seed)
         got = self.index.share(kv.session_id, s.tokens[:s.prefix_tokens + 1], s.scoped_seed)
         s.shared_tokens = got.tokens
         if got.tokens:
@@ -166,6 +167,27 @@ class LivePrefix:
             self.w.metrics["prefix_shared_tokens"] += got.tokens
             s.recompute = max(0, s.recompute - got.tokens)
         return 0 if again else got.tokens
+
+    def _revive_room(self, tokens: list[int], seed: int) -> None:
+        """With the host tier, before sharing revives cached blocks: the core admits by the pool's
+        available space (free and cached blocks) less the running rounds' due output, so cached
+        blocks may be that output's room until it is written; reviving them there would leave a
+        running round no block for a later token (KV exhausted). The cache gives way first, least
+        recently released first, as far as the core's charges say (``DecodeCore.revive_cut``, the
+        simulator's ``Prefixing.prefix_revive``): what is still indexed then revives within room
+        nobody was promised, and the session shares less (its prefill computes the rest)."""
+        w = self.w
+        if w.tier is None or not self.index.cached_blocks:
+            return
+        pool = w.rt.pool
+        bt = pool.block_tokens
+        n = self.index.revives(prefix_hashes(tokens, bt, seed))
+        if not n:
+            return
+        w.kv.sync()
+        cut = w.core.revive_cut(n * bt, self.index.cached_blocks * bt)
+        if cut > 0:
+            pool.free(self.index.reclaim(-(-cut // bt)))
 
     def published(self, s: Session) -> None:
         """A round's prefill committed (its first token): the session's own full prompt blocks not
