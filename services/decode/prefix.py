@@ -9,7 +9,10 @@ prefill computes only the rest. When that prefill's first token comes, the sessi
 index for later sessions. The session's blocks (``SharedKV``) free only what the index does not hold;
 the index keeps released prompt blocks cached, and the pool takes them back (least recently released
 first) before an allocation would fail, and counts them as free KV for admission (``KvSync.sync``),
-so sharing never refuses or delays a round that would have fitted without it.
+so sharing never refuses or delays a round that would have fitted without it. With the host tier
+that count includes room promised to running rounds' output not made yet: a share first lets the
+cache give way as far as that promise needs (``_revive_room``), so it never revives cached blocks
+into it.
 
 With the host tier a session's index-held blocks stay on the device when the rest of its KV goes to
 host (``SharedKV.pinned``, ``keep_pinned``, overriding ``SessionKV``'s, which pin nothing); a session
