@@ -323,10 +323,11 @@ class Prefixing:
         would reclaim it while the outputs are made): the blocks revived then all fit, and a running
         round's output never loses its room to a shared prefix."""
         ix = self.prefix_trim(d)
-        if d.tier is not None and ix.cached_blocks:
-            n = ix.revives(hashes)
-            if n and d.kv_used + n * HASH_BLOCK_TOKENS > d.kv_cap - d.wait_need:
-                self.prefix_trim(d, written=False)
+        if ix.cached_blocks:
+            bt = HASH_BLOCK_TOKENS
+            cut = d.revive_cut(ix.revives(hashes) * bt, ix.cached_blocks * bt)  # (the live pool's: LivePrefix)
+            if cut > 0:
+                self.prefix_evicted += len(ix.reclaim(-(-cut // bt)))
         return ix
 
     def prefix_stats(self, stats: dict) -> None:

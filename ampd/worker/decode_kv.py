@@ -137,6 +137,19 @@ class KvAdmission:
             return 0
         return sum(self.output_due(s) for s in self.sessions.values() if s.due)
 
+    def revive_cut(self, revived: int, cached: int) -> int:
+        """Prefix sharing with the host tier: before a session revives ``revived`` tokens of cached
+        blocks (released, still indexed; ``cached`` tokens of them in all), the cached tokens to let
+        go first, least recently released first. A cached block may sit in room charged to output
+        not made yet (``outputs_due``: the pool reclaims it only when a token is written into it),
+        and reviving it there would leave that output no room. 0 when the revived tokens fit the
+        room not charged (less what waiting rounds need); else the cache is cut to that room, as the
+        pool would cut it while the outputs are made, and what is still indexed then fits."""
+        room = self.kv_cap - self.kv_used - self.wait_need
+        if self.tier is None or revived <= room:
+            return 0
+        return max(0, cached - max(room, 0))
+
     def _fail(self, s: DecodeSession) -> int:
         s.error = f"{KV_EXHAUSTED} on {self.worker_id}: {s.l_incr} tokens needed, {self.kv_cap - self.kv_used} free"
         if s.session_id in self.sessions:

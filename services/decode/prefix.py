@@ -9,7 +9,10 @@ prefill computes only the rest. When that prefill's first token comes, the sessi
 index for later sessions. The session's blocks (``SharedKV``) free only what the index does not hold;
 the index keeps released prompt blocks cached, and the pool takes them back (least recently released
 first) before an allocation would fail, and counts them as free KV for admission (``KvSync.sync``),
-so sharing never refuses or delays a round that would have fitted without it.
+so sharing never refuses or delays a round that would have fitted without it. With the host tier
+that count includes room promised to running rounds' output not made yet: a share first lets the
+cache give way as far as that promise needs (``_revive_room``), so it never revives cached blocks
+into it.
 
 With the host tier a session's index-held blocks stay on the device when the rest of its KV goes to
 host (``SharedKV.pinned``, ``keep_pinned``, overriding ``SessionKV``'s, which pin nothing); a session
@@ -158,6 +161,7 @@ class LivePrefix:
         bt = self.w.rt.pool.block_tokens
         if not again:
             s.prefix_tokens = len(prefix_hashes(s.tokens, bt)) * bt
+        self._revive_room(s.tokens[:s.prefix_tokens + 1], s.scoped_seed)
         got = self.index.share(kv.session_id, s.tokens[:s.prefix_tokens + 1], s.scoped_seed)
         s.shared_tokens = got.tokens
         if got.tokens:
@@ -166,6 +170,27 @@ class LivePrefix:
             self.w.metrics["prefix_shared_tokens"] += got.tokens
             s.recompute = max(0, s.recompute - got.tokens)
         return 0 if again else got.tokens
+
+    def _revive_room(self, tokens: list[int], seed: int) -> None:
+        """With the host tier, before sharing revives cached blocks: the core admits by the pool's
+        available space (free and cached blocks) less the running rounds' due output, so cached
+        blocks may be that output's room until it is written; reviving them there would leave a
+        running round no block for a later token (KV exhausted). The cache gives way first, least
+        recently released first, as far as the core's charges say (``DecodeCore.revive_cut``, the
+        simulator's ``Prefixing.prefix_revive``): what is still indexed then revives within room
+        nobody was promised, and the session shares less (its prefill computes the rest)."""
+        w = self.w
+        if w.tier is None or not self.index.cached_blocks:
+            return
+        pool = w.rt.pool
+        bt = pool.block_tokens
+        n = self.index.revives(prefix_hashes(tokens, bt, seed))
+        if not n:
+            return
+        w.kv.sync()
+        cut = w.core.revive_cut(n * bt, self.index.cached_blocks * bt)
+        if cut > 0:
+            pool.free(self.index.reclaim(-(-cut // bt)))
 
     def published(self, s: Session) -> None:
         """A round's prefill committed (its first token): the session's own full prompt blocks not

@@ -9,6 +9,8 @@
   device and host, is empty at the end.
 - A deployment on the mock engine whose sessions (server-side tool calls through the sidecar)
   outgrow the decode worker's KV pool: every session completes, tokens right, KV moved both ways.
+- With --prefix-sharing, a session whose prompt matches cached blocks that sit in a running round's
+  output room (charged, not made yet) does not take them: the running round completes.
 - On the torch engine (a tiny Llama, greedy) the tokens with the tier on equal those with it off, the
   prefills on the decode worker or on a prefill worker (then from the host copy).
 """
@@ -348,4 +350,30 @@ def test_rounds_decoding_at_once_never_outgrow_a_packed_pool(redis_url, tmp_path
     assert m["sessions_failed"] == 0 and m["kv_overcommits"] == 0 and m["active_sessions"] == 0
     # no leak: the device pool holds only cached prefix blocks, the host pool nothing
     assert m["kv_free_tokens"] == m["kv_capacity_tokens"] == KV_TOKENS  # (free counts cached prefix blocks)
+    assert m["kv_tier_host_used_blocks"] == 0 and m["kv_tier_host_copies"] == 0
+
+
+# a first session leaves its 1,100-token prompt's blocks cached (34 of the pool's 64), a second
+# decodes 1,400 tokens (its output's room is the 28 free blocks and 16 of the cached ones), and a
+# third, while it decodes, has the first one's prompt
+REVIVE_SESSIONS = [Session("p", 0.0, (Round(input=1100, output=8, hash_ids=(7, 8)),)),
+                   Session("a", 0.5, (Round(input=64, output=1400),)),
+                   Session("c", 1.5, (Round(input=1100, output=8, hash_ids=(7, 8)),))]
+
+
+def test_a_shared_prefix_never_takes_the_room_of_a_running_rounds_output(redis_url, tmp_path):
+    # With the tier the core charges a round's whole output at admission and admits by the pool's
+    # free and cached blocks less the output not made yet: cached blocks may be that output's room.
+    # The third session sharing all 34 of them would leave the second's decode no block for its
+    # ~960th token ("KV exhausted"); the cache gives way first (DecodeCore.revive_cut)
+    opts = Options(prefill="none", decode="tp1*1", profile=_profile(tmp_path, KV_TOKENS), policy="local",
+                   admission="none", kv_host_mb=1, redis_url=redis_url, namespace="kvtier-revive",
+                   run_dir=str(tmp_path / "run"))
+    records, stats, metrics = _replayed(opts, REVIVE_SESSIONS)
+    m = metrics["decode-0"]
+    print({k: m.get(k) for k in ("prefix_shared_tokens", "kv_waits", "sessions_failed", "kv_overcommits")})
+    assert all(r.completed for r in records), [r.error for r in records]
+    assert stats.token_mismatches == 0 and stats.tokens == 8 + 1400 + 8 and m["kv_bytes_mismatched"] == 0
+    assert m["sessions_failed"] == 0 and m["kv_overcommits"] == 0 and m["active_sessions"] == 0
+    assert m["kv_free_tokens"] == m["kv_capacity_tokens"] == KV_TOKENS  # no leak (free counts cached blocks)
     assert m["kv_tier_host_used_blocks"] == 0 and m["kv_tier_host_copies"] == 0

@@ -28,7 +28,7 @@ class _Core:
 
 
 def _worker(on: bool, blocks: int = 32):
-    w = SimpleNamespace(rt=SimpleNamespace(pool=KVPool(blocks, BT, BPT)), core=_Core(),
+    w = SimpleNamespace(rt=SimpleNamespace(pool=KVPool(blocks, BT, BPT)), core=_Core(), tier=None,
                         metrics={"prefix_shared_tokens": 0})
     w.prefix = LivePrefix(w, on)
     return w

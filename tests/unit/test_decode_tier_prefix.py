@@ -254,7 +254,7 @@ def test_a_session_dropped_by_the_policy_releases_its_pin_and_may_share_again():
 # ------------------------------------------------------------------------------- live adapter
 def _live():
     pool = KVPool(32, 4, 8)
-    w = SimpleNamespace(rt=SimpleNamespace(pool=pool), core=SimpleNamespace(sessions={}),
+    w = SimpleNamespace(rt=SimpleNamespace(pool=pool), core=SimpleNamespace(sessions={}), tier=None,
                         metrics={"prefix_shared_tokens": 0})
     w.core.shared_history = lambda c, n: None
     return pool, LivePrefix(w, True)
@@ -325,3 +325,48 @@ def test_own_pins_counts_the_pinned_tokens_only_the_session_holds():
     b.kv.release(pool)
     pool.free(prefix.index.reclaim(32))
     assert pool.free_blocks == 32 and prefix.index.empty
+
+
+def test_reviving_cached_blocks_never_takes_the_room_of_a_running_rounds_output():
+    """A round running with the host tier was charged its whole output at admission, and the pool
+    reserves it a token a step: cached prefix blocks (released, still indexed) may sit in that room
+    until a token is written into them. A new session whose prompt matches them must not revive them
+    there (the running round would find the pool full: KV exhausted); the cache gives way first, least
+    recently released first (``KvAdmission.revive_cut``, the simulator's ``prefix_revive``)."""
+    from services.decode.kv import KvSync
+
+    pool = KVPool(8, 4, 8)
+    core = DecodeCore("decode-0", 1, P, make_queue("fcfs", P, SLO(1.0, 0.1), 1), kv_capacity_tokens=32,
+                      tier=HostTier(HostPool(64, 4, P.kv_bytes_per_token)))
+    w = SimpleNamespace(rt=SimpleNamespace(pool=pool), core=core, sessions={}, metrics={"prefix_shared_tokens": 0},
+                        tier=SimpleNamespace(owed=lambda: 0, deferred={}))
+    w.prefix = prefix = LivePrefix(w, True)
+    w.kv = KvSync(w)
+    p = _prefilled(pool, prefix, "p", 1)  # three prompt blocks indexed, then cached as it ends
+    p.kv.release(pool)
+    assert prefix.index.cached_blocks == 3 and pool.free_blocks == 5
+    a = Session(session_id="a", max_rounds=0, max_output=0, kv=prefix.new_kv("a"), core=DecodeSession("a"))
+    a.tokens = [7, 8, 9, 10]  # its own prompt: one block
+    w.sessions["a"] = a
+    a.core.round, a.core.l_incr, a.core.out = 0, 4, 21
+    w.kv.sync()
+    assert core.round_ready(a.core, 0.0) == ADMITTED  # 25 tokens fit the 5 free blocks and the 3 cached
+    a.kv.reserve(pool, 4)
+    a.kv.commit(4)
+    assert core.first_token(a.core, 0.1) is True  # 20 output tokens due: 5 blocks, 4 free
+    w.kv.sync()
+    assert core.kv_cap - core.kv_used == 28 - 20
+    c = Session(session_id="c", max_rounds=0, max_output=0, kv=prefix.new_kv("c"), core=DecodeSession("c"))
+    c.tokens = list(range(100, 112)) + [5]  # p's prompt
+    c.prefix_tokens = 12
+    prefix.share(c)
+    w.kv.sync()
+    assert pool.available_tokens >= w.kv.outputs_due() == 20
+    assert c.kv.tokens <= 8  # two blocks at most revived: one cached block went back first
+    for _ in range(20):  # the running round makes its output, a token a step
+        a.kv.reserve(pool, 1)
+        a.kv.commit(1)
+    for s in (a, c):
+        s.kv.release(pool)
+    pool.free(prefix.index.reclaim(8))
+    assert pool.free_blocks == 8 and prefix.index.empty

@@ -44,7 +44,7 @@ def test_the_empty_scope_keeps_the_models_seed_and_any_other_mixes_it():
 
 
 def _worker():
-    w = SimpleNamespace(rt=SimpleNamespace(pool=KVPool(32, BT, BPT)), core=SimpleNamespace(sessions={}),
+    w = SimpleNamespace(rt=SimpleNamespace(pool=KVPool(32, BT, BPT)), core=SimpleNamespace(sessions={}), tier=None,
                         metrics={"prefix_shared_tokens": 0})
     w.core.shared_history = lambda c, tokens: None
     w.prefix = LivePrefix(w, True, prefix_seed("some/model"))
