@@ -148,7 +148,7 @@ COORDINATOR = (
            "(ampd/policy/admit.py)", tuple(("refused_" + r, r) for r in REFUSAL_REASONS), label="reason"),
     Family("session_bindings", "counter", "new sessions whose prompt was matched against the decode workers' "
            "prefix blocks (--prefix-sharing), by the reason of their binding: 'prefix' (moved to the worker "
-           "holding a longer prefix), 'admission' (admission's choice kept)",
+           "holding, or prefilling, a longer prefix), 'admission' (admission's choice kept)",
            (("bind_prefix", "prefix"), ("bind_admission", "admission")), label="reason"),
     _one("prefix_bind_tokens", "counter", "bind_prefix_tokens", "prompt tokens held on the worker of the sessions "
          "bound for a prefix (what they moved to share)"),

@@ -12,8 +12,8 @@ qwen3-32b@h20 profile, one prefill and two decode workers (TP 1), policy ampd, T
 
 Reports per variant: tokens prefilled (the rounds' l_incr), tokens shared (the decode workers'
 ``prefix_shared_tokens``), the sessions the coordinator bound for a prefix (moved from admission's
-worker to one holding a longer prefix of its prompt: ``bind_prefix``) and the sessions bound to each
-decode worker, first-round TTFT P50/P90, SLO attainment, sessions completed, token and KV
+worker to one holding, or prefilling, a longer prefix of its prompt: ``bind_prefix``) and the sessions
+bound to each decode worker, first-round TTFT P50/P90, SLO attainment, sessions completed, token and KV
 byte mismatches, and whether every decode worker's pool was empty at the end (free plus cached prefix
 blocks = capacity, no session). The box is shared: compare the variants of one run.
 """

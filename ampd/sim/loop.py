@@ -133,7 +133,7 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
                  "book", "block_tokens", "refused", "n_waited",
                  "decodes", "prefills", "by_id", "router", "pviews_static", "pviews", "route_fn", "pin_ttl", "kv_evict", "open_s", "dispatch_s",
                  "handoff_s", "tool_rpc_s", "busy_extra", "contention", "dispatch", "tier", "dispatch0", "tier_to",
-                 "tier_from", "prefix", "prefix_ids", "prefix_held", "prefix_saved", "prefix_blocks", "prefix_sessions",
+                 "tier_from", "prefix", "prefix_ids", "prefix_held", "prefix_arriving", "prefix_saved", "prefix_blocks", "prefix_sessions",
                  "prefix_revived", "prefix_evicted", "prefix_kv", "prefix_cap", "prefix_wdrops", "prefix_let")
 
     def __init__(self, sim: Simulator):

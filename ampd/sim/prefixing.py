@@ -13,7 +13,10 @@ until their space is taken): sharing one again charges it again; the cache is cu
 (less what waiting rounds need), least recently released first (``PrefixIndex.reclaim``), before
 each match and whenever a round or a new session takes KV (an approximation: decode tokens grow into
 it between rounds). Binding (``bind_prefix``) prefers the worker with the longest prefix when it
-fits and meets the ITL SLO. Rounds without ``hash_ids`` behave as without sharing.
+fits and meets the ITL SLO, counting as live the blocks arriving there (``ampd.policy.arriving``: a
+session bound there whose first prefill is writing them, from its binding to its first token); a
+session bound before they are indexed prefills them itself, as live. Rounds without ``hash_ids``
+behave as without sharing.
 
 With KV that leaves the device while sessions idle in tool calls (``kv_evict``, the host tier,
 a KV-pinning policy: ``_Run.prefix_kv``) the decode core decides as live, fed as the live worker
@@ -34,6 +37,7 @@ to the free KV before each match and each round's admission, so it gives way fir
 """
 from __future__ import annotations
 
+from ampd.policy.arriving import Arriving, with_arriving
 from ampd.policy.prefixindex import PrefixIndex
 from ampd.policy.prefixbind import MOVE_MIN_BLOCKS, rebind_prefix
 from ampd.worker import ADMITTED, TO_HOST
@@ -69,13 +73,14 @@ def prefix_indexes(cfg, decodes) -> dict | None:
 class Prefixing:
     """Prefix-sharing handlers of ``ampd.sim.loop._Run`` (which declares ``prefix``: worker id ->
     index or None, ``prefix_ids``: their ``BlockIds``, ``prefix_held``: session id -> [prompt blocks,
-    shared tokens, fresh blocks, tokens shared again that the core will charge], ``prefix_saved``, ``prefix_blocks``, ``prefix_sessions``, ``prefix_revived``,
+    shared tokens, fresh blocks, tokens shared again that the core will charge], ``prefix_arriving``:
+    the ``Arriving`` blocks of first prefills, ``prefix_saved``, ``prefix_blocks``, ``prefix_sessions``, ``prefix_revived``,
     ``prefix_evicted``; with KV moves (``prefix_kv``): ``prefix_cap``, each decode worker's capacity,
     ``prefix_wdrops``, its tier's waiting-drops seen, and ``prefix_let``, blocks let go of by moves)."""
 
     __slots__ = ()
 
-    def prefix_bind(self, w, bound: str, decode) -> str:
+    def prefix_bind(self, w, bound: str, decode, now: float) -> str:
         """The worker for new session ``w`` that admission bound to ``bound``: the one holding the
         longest prefix of its prompt when that fits and meets the ITL SLO (the promise moves); the
         bound worker stays when it holds as long a prefix as any (a prefix every worker holds, such
@@ -85,9 +90,11 @@ class Prefixing:
             return bound
         for d in self.decodes:
             self.prefix_trim(d)
-        matched = {wid: ix.match(hashes) for wid, ix in self.prefix.items()}
+        held = {wid: ix.match(hashes) for wid, ix in self.prefix.items()}
+        matched = with_arriving(held, self.prefix_arriving.matches(dict.fromkeys(self.prefix, hashes), now))
         book = self.book
-        wid, _ = rebind_prefix(bound, decode, matched, HASH_BLOCK_TOKENS, book.promised, w.need, self.sim.slo.itl_s)
+        wid, _ = rebind_prefix(bound, decode, matched, HASH_BLOCK_TOKENS, book.promised, w.need, self.sim.slo.itl_s,
+                               held=held)
         if wid == bound:  # (MOVE_MIN_BLOCKS: a prefix every worker holds is not worth leaving admission's choice)
             return bound
         book.promised[bound] -= w.need
@@ -96,8 +103,9 @@ class Prefixing:
         book.sessions[wid] += 1
         return wid
 
-    def prefix_acquire(self, st) -> None:
-        """The session is bound: its prompt's full blocks (all but the last token's) are held."""
+    def prefix_acquire(self, st, now: float) -> None:
+        """The session is bound: its prompt's full blocks (all but the last token's) are held, and
+        arriving there until its prefill commits them."""
         rnd = st.rounds[0]
         if not rnd.hash_ids:
             return
@@ -106,6 +114,7 @@ class Prefixing:
             return
         ix = self.prefix_trim(st.dw)
         g = ix.acquire(st.session_id, rnd.hash_ids[:n], self.prefix_ids)
+        self.prefix_arriving.bound(st.session_id, st.dw.worker_id, rnd.hash_ids[:n], now)
         st.dw.kv_used += ix.revived * HASH_BLOCK_TOKENS  # cached blocks held again: charged to this session
         self.prefix_revived += ix.revived
         self.prefix_trim(st.dw)  # its fresh blocks take cached blocks' space first
@@ -127,10 +136,12 @@ class Prefixing:
         """Round 0's prefill is done (its first token): its prompt blocks hold KV, others may share them."""
         if st.session_id in self.prefix_held:
             self.prefix[st.dw.worker_id].commit(st.session_id)
+            self.prefix_arriving.gone(st.session_id)  # (indexed now: the worker's match counts them)
 
     def prefix_release(self, st, charged: bool) -> None:
         """The session ended (``charged``: the core subtracted its whole history, shared tokens
         included; else it was never admitted there): its blocks go back as the index says."""
+        self.prefix_arriving.gone(st.session_id)
         h = self.prefix_held.pop(st.session_id, None)
         if h is None:
             return
@@ -153,6 +164,7 @@ class Prefixing:
         self.prefix_let = 0
         self.prefix_ids = BlockIds()
         self.prefix_held = {}
+        self.prefix_arriving = Arriving()
         self.prefix_saved = self.prefix_blocks = self.prefix_sessions = self.prefix_revived = self.prefix_evicted = 0
 
     # --- with kv_evict, the host tier or a KV-pinning policy (``prefix_kv``) ----------------------
