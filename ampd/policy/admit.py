@@ -15,9 +15,12 @@ Three rules (``ampd.config`` ``admission``; docs/security.md):
 - ``slo``: the ``kv`` rule, and the session must be able to meet its SLO on the worker it would get:
   its predicted TTFT (what it has waited already, plus Eq. (1) on that decode worker or Eq. (2) on the
   best prefill worker, queues included) within ``TTFT_FRACTION`` of the TTFT SLO, and that decode
-  worker's predicted ITL with one more session within the ITL SLO. A session that cannot is refused
-  at once (waiting only adds to its TTFT: the queue ahead of it drains no faster than it waits), and a
-  session waiting for KV waits no longer than what is left of its TTFT budget.
+  worker's predicted ITL with one more session within the ITL SLO (which counts the new session's
+  context at its expected KV: its rounds' outputs by ``ampd.policy.outlen``, the windowed mean
+  raised by an ``expected_output_tokens`` hint, at most ``max_tokens``; not at its promise). A
+  session that cannot is refused at once (waiting only adds to its TTFT: the queue ahead of it
+  drains no faster than it waits), and a session waiting for KV waits no longer than what is left
+  of its TTFT budget.
 
 Pure: no I/O, no clock. The caller passes what the session has waited (``waited_s``) and the workers'
 views. ``decide`` judges one session; ``AdmissionBook`` keeps what admission remembers between
@@ -38,6 +41,7 @@ from .bind import bind
 from .cost import t_local, t_remote
 from .offshare import OffDeviceShare
 from .order import worker_key
+from .outlen import OutputLengths
 from .route import ALPHA
 from .types import SLO, WorkerView
 
@@ -103,8 +107,9 @@ def predicted_ttft(cost: AdmissionCost, decode: WorkerView, prefills: Sequence[W
 def predicted_itl(cost: AdmissionCost, decode: WorkerView, sessions: int, context_tokens: int, need: int) -> float:
     """``decode``'s ITL with one more session: its windowed ITL (the model's step for the batch with
     it when the window is empty) plus what one more sequence of ``need`` context tokens adds to a
-    step (``t_dec``). ``sessions`` and ``context_tokens``: the sessions admitted there and the KV
-    promised to them, an upper bound of its batch (sessions in tool calls are not decoding)."""
+    step (``t_dec``; ``decide`` passes the new session's expected KV). ``sessions`` and
+    ``context_tokens``: the sessions admitted there and the KV promised to them, an upper bound of
+    its batch (sessions in tool calls are not decoding)."""
     after = cost.t_dec(decode.tp, sessions + 1, context_tokens + need)
     if decode.window_mean_s is None:
         return after
@@ -149,12 +154,13 @@ def promise_rooms(decode: Sequence[WorkerView], host_share: float | None, need: 
 
 def decide(rule: str, decode: Sequence[WorkerView], prefills: Sequence[WorkerView], promised: Mapping[str, int],
            sessions: Mapping[str, int], need: int, l_incr: int, waited_s: float, cost: AdmissionCost | None,
-           slo: SLO | None, host_share: float | None = None) -> Verdict:
+           slo: SLO | None, host_share: float | None = None, expect: int | None = None) -> Verdict:
     """Admit, refuse or wait, for a session that may need ``need`` KV tokens and whose first prefill
-    has ``l_incr`` tokens, having waited ``waited_s`` seconds. ``decode``: the live decode workers,
-    ``kv_free_tokens`` being each one's capacity; ``promised``/``sessions``: per decode worker, the
-    KV promised to and the number of the sessions admitted there. ``cost`` and ``slo`` are needed by
-    the ``slo`` rule only. Raises ValueError on an unknown rule or an empty ``decode``."""
+    has ``l_incr`` tokens, having waited ``waited_s`` seconds. ``expect``: the KV it is expected to
+    hold (``ampd.policy.outlen``; None: ``need``), its context in the ``slo`` rule's ITL prediction.
+    ``decode``: the live decode workers, ``kv_free_tokens`` being each one's capacity;
+    ``promised``/``sessions``: per decode worker, the KV promised to and the number of the sessions
+    admitted there. ``cost`` and ``slo`` are needed by the ``slo`` rule only. Raises ValueError on an unknown rule or an empty ``decode``."""
     if rule not in ADMISSION_RULES:
         raise ValueError(f"admission rule must be one of {', '.join(ADMISSION_RULES)}, got {rule!r}")
     if not decode:
@@ -186,7 +192,8 @@ def decide(rule: str, decode: Sequence[WorkerView], prefills: Sequence[WorkerVie
     first: Verdict | None = None
     for w in room:
         ttft = predicted_ttft(cost, w, prefills, l_incr, waited_s)
-        itl = predicted_itl(cost, w, sessions.get(w.worker_id, 0), promised.get(w.worker_id, 0), need)
+        itl = predicted_itl(cost, w, sessions.get(w.worker_id, 0), promised.get(w.worker_id, 0),
+                            need if expect is None else expect)
         if ttft <= limit and itl <= slo.itl_s:
             return Verdict(worker=w.worker_id, ttft_s=ttft, itl_s=itl)
         if first is None:
@@ -235,6 +242,9 @@ class AdmissionBook:
         # how much of a host KV tier stands in for device room (promise_room): the drivers feed it
         # their rounds and pass its share(now) to judge
         self.off_device = OffDeviceShare()
+        # how many tokens a round makes (the slo rule's expected KV, ampd.policy.outlen): the drivers
+        # feed it their rounds and pass the expected KV they derive from its mean(now) to judge
+        self.outputs = OutputLengths()
 
     @property
     def head(self) -> Hashable | None:
@@ -242,14 +252,15 @@ class AdmissionBook:
 
     def judge(self, ticket: Hashable, need: int, l_incr: int, waited_s: float, decode: Sequence[WorkerView],
               prefills: Sequence[WorkerView], new: bool = True, order_at: float | None = None,
-              host_share: float | None = None) -> Verdict:
+              host_share: float | None = None, expect: int | None = None) -> Verdict:
         """The verdict for ``ticket``, a session that may need ``need`` KV tokens and has waited
         ``waited_s`` seconds since it arrived: admitted (``worker``, ``need`` promised there),
         refused (``reason``), or waiting (``wait_s``: judge it again by then at the latest; it is in
         ``waiting`` now). ``decode``: the decode workers, each with its KV capacity as
         ``kv_free_tokens`` and its host tier as ``kv_host_tokens``; ``order_at``: set when the session
-        yields (see the class doc); ``host_share``: ``off_device.share`` now (``promise_room``). Raises
-        ValueError on an empty ``decode``."""
+        yields (see the class doc); ``host_share``: ``off_device.share`` now (``promise_room``);
+        ``expect``: the KV it is expected to hold (``decide``; None: ``need``). Raises ValueError on an
+        empty ``decode``."""
         queued = ticket in self.waiting
         # a waiting session ahead of this one takes what frees first (slo: a new one goes ahead)
         if queued or (order_at is None and not self.yielded):
@@ -259,7 +270,7 @@ class AdmissionBook:
         else:
             ahead = bool(self.waiting)  # a yielding session goes after every waiting one
         v = decide(self.rule if new or self.rule == "none" else "kv", decode, prefills, self.promised, self.sessions, need, l_incr,
-                   waited_s, self.cost, self.slo, host_share)
+                   waited_s, self.cost, self.slo, host_share, expect)
         if v.reason:
             return v
         if v.worker is not None and not ahead:

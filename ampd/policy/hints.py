@@ -23,14 +23,16 @@
   moves its own KV off the device sooner; a short or hostile one keeps nothing there, and brings
   nothing back, sooner than the same call without it. Eviction (least recently used first) does
   not read hints.
-- ``expected_output_tokens``: carried and checked, read by no decision. Every decision that counts
-  a round's output (admission's KV promise, ``turn_kv_tokens`` in services/coordinator/core.py; the
-  decode worker's reservation with the host tier, ``KvAdmission._round_need``; the ``slo`` rule's
-  ITL prediction over the promised KV) counts it at ``max_tokens``, the bound their no-overflow
-  guarantee rests on, and nothing estimates an output length below it. A hint may only make its
-  own round look costlier than the estimate and cannot claim more than ``max_tokens`` (the round
-  cannot make more), so it has nothing to change until a decision estimates below the bound
-  (tests/unit/test_policy_hints.py holds that hostile values leave a simulated run unchanged).
+- ``expected_output_tokens``: raises the round's expected output (``ampd.policy.outlen``:
+  ``min(max_tokens, max(hint, windowed mean))``, the bound while no round is in the window) where a
+  decision predicts time from it: the ``slo`` admission rule's ITL prediction counts a new
+  session's context at its expected KV (``ampd.policy.admit.decide``'s ``expect``; the coordinator,
+  services/coordinator/session.py ``expected_kv``, with the opening turn's hint on its first round;
+  the simulator, ``ampd.sim.admitting``, with each round's). A hint only makes its own session look
+  costlier, so it may get itself refused (``itl``), never another admitted or refused: a hint below
+  the mean is no hint. The decisions whose safety rests on the bound (admission's KV promise,
+  ``turn_kv_tokens`` without a mean; the decode worker's reservation, ``KvAdmission._round_need``)
+  keep ``max_tokens``.
 
 Correctness never depends on a hint: they move time, not tokens.
 

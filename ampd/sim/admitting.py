@@ -7,6 +7,7 @@ import math
 from ampd.policy import WorkerView
 from ampd.policy.admit import HEAD_POLL_S
 from ampd.policy.hints import HintConfig, queue_enqueued_at
+from ampd.policy.outlen import expected_output
 
 from .events import ADMIT_CHECK
 from .result import SimSession
@@ -62,7 +63,8 @@ class Admitting:
         h = w.s.rounds[0].hints  # a yielding hint (trace rounds' hints): admission orders it later
         order_at = queue_enqueued_at(w.at, h.priority, HINTS) if h is not None and h.priority < 0 else None
         v = book.judge(w, w.need, int(w.s.rounds[0].input), now - w.at, decode, prefills, order_at=order_at,
-                       host_share=book.off_device.share(now) if self.tier else None)
+                       host_share=book.off_device.share(now) if self.tier else None,
+                       expect=self.expected_kv(w, now) if book.rule == "slo" else None)
         if v.worker is None and not v.reason:
             if not queued:
                 self.n_waited += 1
@@ -97,10 +99,27 @@ class Admitting:
         if w is not None:
             self.admit(w, now)
 
-    def off_device_sample(self, st: Sess, last: float) -> None:
+    def expected_kv(self, w: Waiting, now: float) -> int | None:
+        """The KV ``w`` is expected to hold (``ampd.policy.outlen``: each round's output, its bound,
+        by the windowed mean and the round's ``expected_output_tokens`` hint), as the coordinator
+        derives it (services/coordinator/session.py ``expected_kv``); None without a mean."""
+        mean = self.book.outputs.mean(now)
+        if mean is None:
+            return None
+        n = self.block_tokens
+        for r in w.s.rounds:
+            h = r.hints
+            n += int(r.input) + expected_output(int(r.output), None if h is None else h.expected_output_tokens, mean)
+        return n
+
+    def round_samples(self, st: Sess, last: float) -> None:
         """The round of ``st`` made its last token at ``last`` (its record not appended yet): a sample
-        of admission's estimate of the KV that can be on host (``ampd.policy.offshare``), as the
-        coordinator takes from its ``RoundTiming``."""
+        of admission's estimates, as the coordinator takes from its ``RoundTiming``: of the output
+        lengths (``ampd.policy.outlen``) and, with a host KV tier, of the KV that can be on host
+        (``ampd.policy.offshare``)."""
+        self.book.outputs.observe(last, st.out)
+        if not self.tier:
+            return
         kv = st.l_hist + st.l_incr + st.out  # (a dropped history is in l_incr again)
         prev = st.rec.rounds[-1] if st.round else None
         self.book.off_device.round_ended(st.ready, last, kv, None if prev is None else prev.last_token,

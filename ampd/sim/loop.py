@@ -278,8 +278,7 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
     def round_end(self, st: Sess, now: float, last: float) -> None:
         d = st.dw
         out = st.out
-        if self.tier:
-            self.off_device_sample(st, last)
+        self.round_samples(st, last)
         st.rec.rounds.append(_new_round(SimRound, (st.round, st.ready, st.first, last, out, st.local, d.idx,
                                                    st.lo if out > 1 else 0, st.target)))
         rounds = st.rounds

@@ -63,14 +63,15 @@ class Admission:
 
     async def admit(self, need: int, rooms: Rooms, l_incr: int = 0, since: float | None = None,
                     new: bool = True, sid: str = "", order_at: float | None = None,
-                    prefer: PrefixChoice | None = None) -> str:
+                    prefer: PrefixChoice | None = None, expect: int | None = None) -> str:
         """A decode worker for a session that may need ``need`` KV tokens, with ``need`` promised to
         it. ``l_incr``: its first prefill's tokens; ``since``: when it arrived (time.monotonic());
         ``new``: False for a session already accepted (moved, or bound again for a later turn),
         which only the KV rule applies to; ``order_at``: its arrival made later by a yielding hint
         (ampd.policy.admit.AdmissionBook); ``prefer``: may move a new session to the worker holding
-        the longest prefix of its prompt (services/coordinator/prefixes.py), the promise with it.
-        Raises Refused, or LookupError when no decode worker serves."""
+        the longest prefix of its prompt (services/coordinator/prefixes.py), the promise with it;
+        ``expect``: the KV it is expected to hold (``out_mean``; the slo rule's ITL prediction, None:
+        ``need``). Raises Refused, or LookupError when no decode worker serves."""
         start = time.monotonic() if since is None else since
         book = self.book
         me = asyncio.Event()
@@ -84,7 +85,8 @@ class Admission:
                     await asyncio.wait({pending})
                 await self._refresh()
                 share = book.off_device.share(time.time())  # (its samples are RoundTiming's unix times)
-                v = book.judge(me, need, l_incr, time.monotonic() - start, decode, prefill, new, order_at, share)
+                v = book.judge(me, need, l_incr, time.monotonic() - start, decode, prefill, new, order_at, share,
+                               expect)
                 if v.reason:
                     raise Refused(v.reason, v.detail)
                 if v.worker is not None:
@@ -138,12 +140,18 @@ class Admission:
             task.add_done_callback(lambda t: self._releasing.pop(sid, None) if self._releasing.get(sid) is t else None)
         self._wake()
 
+    def out_mean(self) -> float | None:
+        """The windowed mean tokens of a round (ampd.policy.outlen), now; None without one."""
+        return self.book.outputs.mean(time.time())  # (its samples are RoundTiming's unix times)
+
     def round_ended(self, t, prev: tuple[float, int] | None, tp: int) -> tuple[float, int]:
         """A session's round ended (its ``common_pb2.RoundTiming`` ``t``; ``prev``: what this returned
         for its previous round, None for its first) on a decode worker of degree ``tp``: a sample of
         how much KV can be on host (``ampd.policy.offshare``, admission's ``promise_room``). Returns
         the round's last token time and the session's KV then. Without the cost model (the host
-        moves' times) there is no estimate, and admission promises the device only."""
+        moves' times) there is no estimate, and admission promises the device only. Its tokens are
+        a sample of the output lengths (``out_mean``)."""
+        self.book.outputs.observe(t.last_token, t.tokens)
         kv = t.l_hist + t.l_incr + t.tokens  # (a recomputed history is in l_incr again)
         cost = self.book.cost
         if cost is not None:

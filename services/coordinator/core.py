@@ -2,6 +2,7 @@
 (ampd.state.cluster); what a turn may add to a session's KV (admission)."""
 from __future__ import annotations
 
+from ampd.policy.outlen import expected_output
 from ampd.state.cluster import Cluster, ClusterView, choose_decode_worker, route
 from ampd.v1 import common_pb2
 from ampd.validate import InvalidArgument, validate_open, validate_turn
@@ -10,15 +11,21 @@ __all__ = ["Cluster", "ClusterView", "InvalidArgument", "choose_decode_worker", 
            "validate_turn", "turn_kv_tokens"]
 
 
-def turn_kv_tokens(t: common_pb2.Turn, max_output: int = 0) -> int:
+def turn_kv_tokens(t: common_pb2.Turn, max_output: int = 0, out_mean: float | None = None) -> int:
     """The most KV tokens a turn can add to its session: its input, every round's output at its
     max_tokens (capped by the session's ``max_output``, 0 = no cap) and every scripted server-side
     call's result. A session holds its KV for its whole life, so the sum over its turns bounds it;
-    a turn whose calls are parsed from the output (not scripted) counts its first round only."""
-    def out(p: common_pb2.SamplingParams) -> int:
-        return min(p.max_tokens, max_output) if max_output else p.max_tokens
+    a turn whose calls are parsed from the output (not scripted) counts its first round only.
 
-    n = len(t.token_ids) + out(t.sampling)
+    With ``out_mean`` (the windowed mean output, ``ampd.policy.outlen``): the KV it is expected to
+    add, each round's output at ``expected_output`` of its bound, the turn's
+    ``expected_output_tokens`` hint raising its first round's (the round it is sent with)."""
+    def out(p: common_pb2.SamplingParams, hint: int | None = None) -> int:
+        bound = min(p.max_tokens, max_output) if max_output else p.max_tokens
+        return bound if out_mean is None else expected_output(bound, hint, out_mean)
+
+    hint = t.hints.expected_output_tokens if t.hints.HasField("expected_output_tokens") else None
+    n = len(t.token_ids) + out(t.sampling, hint)
     for c in t.script:
         if not c.tool.client_side:
             n += c.result_tokens + out(c.sampling)

@@ -49,6 +49,16 @@ def yield_at(run: SessionRun) -> float | None:
     return queue_enqueued_at(run.arrived, run.hints.priority, HINTS)
 
 
+def expected_kv(run: SessionRun) -> int | None:
+    """The KV a new session is expected to hold (its opening turn's outputs by the windowed mean and
+    its ``expected_output_tokens`` hint, ampd.policy.outlen), what the slo admission rule predicts
+    its ITL from; None once admitted (only the KV rule judges it again) or without a mean."""
+    mean = None if run.admitted else run.svc.admission.out_mean()
+    if mean is None:
+        return None
+    return turn_kv_tokens(run.o.turn, run.o.limits.max_output_tokens, mean) + run.svc.block_tokens()
+
+
 class SessionRun:
     """One client session: its loop over its inbox (``run``), its binding to a decode worker and
     its moves, the client's messages and the decode worker's events. Its prefill routing is
@@ -221,7 +231,8 @@ class SessionRun:
             try:
                 self.decode_id = await svc.admission.admit(self.need, svc.rooms, len(self.o.turn.token_ids),
                                                            self.arrived, new=not self.admitted, sid=self.sid,
-                                                           order_at=yield_at(self), prefer=prefer)
+                                                           order_at=yield_at(self), prefer=prefer,
+                                                           expect=expected_kv(self))
                 break
             except Refused as exc:
                 svc.counters["refused_" + exc.reason] += 1
