@@ -108,6 +108,8 @@ DECODE = (
     # prefix sharing (--prefix-sharing; services/decode/prefix.py)
     _one("prefix_shared_tokens", "counter", "prefix_shared_tokens", "prompt tokens whose KV a session found "
          "in blocks shared with other sessions (not prefilled)"),
+    _one("prefix_waits", "counter", "prefix_waits", "first rounds deferred until prefix blocks another session's "
+         "prefill is writing on the worker landed, to share them (ampd/policy/prefixwait.py)"),
     _one("prefix_cached_tokens", "gauge", "prefix_cached_tokens", "tokens of prefix blocks nobody holds, kept "
          "cached for later sessions (free KV: taken back first when the pool is short)"),
     # the host KV tier (--kv-host-mb; services/decode/tier.py)

@@ -114,6 +114,7 @@ def one(name: str, on: bool, sessions: list[Session], run_dir: Path) -> dict:
     return {"variant": name, "prefix_sharing": on, "sessions": len(records), "completed": rep["completed"],
             "tokens_prefilled": sum(x.l_incr for r in records for x in r.rounds),
             "tokens_shared": int(sum(m.get("prefix_shared_tokens", 0) for m in decode.values())),
+            "prefix_waits": int(sum(m.get("prefix_waits", 0) for m in decode.values())),
             "sessions_bound_for_prefix": int(coord.get("bind_prefix", 0)),
             "sessions_by_decode_worker": dict(sorted(Counter(stats.bound_to.values()).items())),
             "first_round_ttft_p50_s": _pct(ttft1, 0.5), "first_round_ttft_p90_s": _pct(ttft1, 0.9),

@@ -87,9 +87,10 @@ class Admitting:
             rec.decode_worker = d.worker_id
             st = Sess(rec.session_id, w.s.rounds, rec, d, w.need)
             self.live[rec.session_id] = st
-            if self.prefix is not None:
-                self.prefix_acquire(st, now)
-            self.round_ready(st, now, w.at)
+            if self.prefix is None:
+                self.round_ready(st, now, w.at)
+            else:
+                self.prefix_start(st, now, w.at)
         if head_left:
             self.admit_head(now)
 

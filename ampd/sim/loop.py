@@ -33,7 +33,7 @@ from .admitting import HINTS, Admitting
 from .config import PathLatency, SimConfig
 from .events import (ADMIT_CHECK, COMPUTE_DONE, COMPUTE_START, DISPATCH, HANDOFF, PIN_EXPIRED, PREFILL_DONE,
                      REMOTE_DONE, ROUND_READY, STEP_DONE, TIER_LOCAL, TIER_PREFETCH, TIER_READY,
-                     TIER_REMOTE)
+                     TIER_REMOTE, PREFIX_WAKE)
 from .gcpause import gc_paused
 from .prefixing import Prefixing
 from .remote import RemotePrefilling
@@ -133,7 +133,7 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
                  "book", "block_tokens", "refused", "n_waited",
                  "decodes", "prefills", "by_id", "router", "pviews_static", "pviews", "route_fn", "pin_ttl", "kv_evict", "open_s", "dispatch_s",
                  "handoff_s", "tool_rpc_s", "busy_extra", "contention", "dispatch", "tier", "dispatch0", "tier_to",
-                 "tier_from", "prefix", "prefix_ids", "prefix_held", "prefix_arriving", "prefix_saved", "prefix_blocks", "prefix_sessions",
+                 "tier_from", "prefix", "prefix_ids", "prefix_held", "prefix_arriving", "prefix_landing", "prefix_waiting", "prefix_waits", "prefix_saved", "prefix_blocks", "prefix_sessions",
                  "prefix_revived", "prefix_evicted", "prefix_kv", "prefix_cap", "prefix_wdrops", "prefix_let")
 
     def __init__(self, sim: Simulator):
@@ -235,6 +235,8 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
                 self.tier_local(obj, now)
             elif code == TIER_REMOTE:
                 self.submit_remote(obj[0], obj[1], now)
+            elif code == PREFIX_WAKE:
+                self.prefix_wake(obj, now)
         return self.result(now, n_events, _time.perf_counter() - wall0, len(sessions))
 
     def round_ready(self, st: Sess, now: float, ready: float = -1.0) -> None:
@@ -261,7 +263,7 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
             rec.end = now
             del self.live[st.session_id]
             if self.prefix is not None:
-                self.prefix_release(st, st.round > 0)
+                self.prefix_release(st, st.round > 0, now)
             self.release(st, now)
         else:
             self.drain(d, now)
@@ -307,14 +309,14 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
             st.rec.end = now
             del self.live[st.session_id]
             if self.prefix is not None:
-                self.prefix_release(st, True)
+                self.prefix_release(st, True, now)
             self.drain(d, now)
             self.release(st, now)
 
     def first_token(self, st: Sess, now: float) -> None:
         d = st.dw
         if self.prefix is not None and not st.round:  # its prefill wrote the prompt's KV
-            self.prefix_commit(st)
+            self.prefix_commit(st, now)
         if not d.first_token(st, now):
             self.round_end(st, now, now)
         elif d.state == IDLE:
@@ -339,6 +341,8 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
         else:
             task = PrefillTask(st.session_id, st.round, st.l_hist, st.l_incr, st.ready, d.worker_id, d.tp, *kv)
         task.queue_yield_s = _queue_yield_s(st.rounds[st.round].hints)
+        if not st.round and self.prefix is not None:  # its prefill writes its prompt blocks
+            self.prefix_writing(st, now)
         dview = d.view(now)
         if self.pviews_static:
             dec = self.router.route(task, dview, (), now)

@@ -40,7 +40,10 @@ from __future__ import annotations
 from ampd.policy.arriving import Arriving, with_arriving
 from ampd.policy.prefixindex import PrefixIndex
 from ampd.policy.prefixbind import MOVE_MIN_BLOCKS, rebind_prefix
+from ampd.policy.prefixwait import Landing, wait_until
 from ampd.worker import ADMITTED, TO_HOST
+
+from .events import PREFIX_WAKE
 from ampd.workload.mooncake import HASH_BLOCK_TOKENS
 
 __all__ = ["Prefixing", "BlockIds", "prefix_indexes", "MOVE_MIN_BLOCKS"]
@@ -103,9 +106,60 @@ class Prefixing:
         book.sessions[wid] += 1
         return wid
 
-    def prefix_acquire(self, st, now: float) -> None:
-        """The session is bound: its prompt's full blocks (all but the last token's) are held, and
-        arriving there until its prefill commits them."""
+    def prefix_start(self, st, now: float, at: float) -> None:
+        """The session is bound (its input ready at ``at``): its prompt blocks arrive there (for
+        binding) and its first round begins, unless it waits, as live
+        (``services/decode/prefixwait.py``), for blocks another session's prefill is writing there."""
+        rnd = st.rounds[0]
+        n = min(len(rnd.hash_ids), (int(rnd.input) - 1) // HASH_BLOCK_TOKENS) if rnd.hash_ids else 0
+        if n > 0:
+            d = st.dw
+            hashes = rnd.hash_ids[:n]
+            self.prefix_arriving.bound(st.session_id, d.worker_id, hashes, now)
+            landing = self.prefix_landing[d.worker_id]
+            best = landing.longest(hashes) if landing.writers else None
+            held = self.prefix_trim(d).match(hashes) if best is not None else 0
+            if best is not None and best[1] > held:
+                writer, m, lands_at = best
+                bt, total = HASH_BLOCK_TOKENS, int(rnd.input)
+                until = wait_until(now, lands_at, d.cost.t_pre(d.tp, held * bt, total - held * bt),
+                                   d.cost.t_pre(d.tp, m * bt, total - m * bt))
+                if until is not None:
+                    landing.wait(st.session_id, writer)
+                    self.prefix_waiting[st.session_id] = at
+                    self.prefix_waits += 1
+                    self.push(until, PREFIX_WAKE, st)
+                    return
+        self.prefix_acquire(st)
+        self.round_ready(st, now, at)
+
+    def prefix_wake(self, st, now: float) -> None:
+        """A waiting first round begins: the blocks it waited for landed (or their writer ended), or
+        its bound passed; it shares what is indexed now."""
+        at = self.prefix_waiting.pop(st.session_id, None)
+        if at is None:  # (begun already)
+            return
+        self.prefix_landing[st.dw.worker_id].gone(st.session_id)
+        self.prefix_acquire(st)
+        self.round_ready(st, now, at)
+
+    def prefix_writing(self, st, now: float) -> None:
+        """Round 0 is routed: its prefill writes the prompt blocks it did not find indexed, due by
+        the cost model's prefill time (as live, ``PrefixWaits.writing``)."""
+        h = self.prefix_held.get(st.session_id)
+        if h is not None and h[2]:
+            d = st.dw
+            self.prefix_landing[d.worker_id].writing(st.session_id, st.rounds[0].hash_ids[:h[0]],
+                                                     now + d.cost.t_pre(d.tp, st.l_hist, st.l_incr))
+
+    def prefix_landed(self, st, now: float) -> None:
+        """``st`` writes no more (its blocks landed, or it ended): the rounds that waited begin."""
+        for sid in self.prefix_landing[st.dw.worker_id].done(st.session_id):
+            self.push(now, PREFIX_WAKE, self.live[sid])
+
+    def prefix_acquire(self, st) -> None:
+        """The session's first round begins: its prompt's full blocks (all but the last token's) are
+        held."""
         rnd = st.rounds[0]
         if not rnd.hash_ids:
             return
@@ -114,7 +168,6 @@ class Prefixing:
             return
         ix = self.prefix_trim(st.dw)
         g = ix.acquire(st.session_id, rnd.hash_ids[:n], self.prefix_ids)
-        self.prefix_arriving.bound(st.session_id, st.dw.worker_id, rnd.hash_ids[:n], now)
         st.dw.kv_used += ix.revived * HASH_BLOCK_TOKENS  # cached blocks held again: charged to this session
         self.prefix_revived += ix.revived
         self.prefix_trim(st.dw)  # its fresh blocks take cached blocks' space first
@@ -132,16 +185,18 @@ class Prefixing:
             st.l_hist = h[1]
             st.l_incr -= h[1]
 
-    def prefix_commit(self, st) -> None:
+    def prefix_commit(self, st, now: float) -> None:
         """Round 0's prefill is done (its first token): its prompt blocks hold KV, others may share them."""
         if st.session_id in self.prefix_held:
             self.prefix[st.dw.worker_id].commit(st.session_id)
             self.prefix_arriving.gone(st.session_id)  # (indexed now: the worker's match counts them)
+            self.prefix_landed(st, now)
 
-    def prefix_release(self, st, charged: bool) -> None:
+    def prefix_release(self, st, charged: bool, now: float) -> None:
         """The session ended (``charged``: the core subtracted its whole history, shared tokens
         included; else it was never admitted there): its blocks go back as the index says."""
         self.prefix_arriving.gone(st.session_id)
+        self.prefix_landed(st, now)
         h = self.prefix_held.pop(st.session_id, None)
         if h is None:
             return
@@ -165,6 +220,9 @@ class Prefixing:
         self.prefix_ids = BlockIds()
         self.prefix_held = {}
         self.prefix_arriving = Arriving()
+        self.prefix_landing = {d.worker_id: Landing() for d in self.decodes}
+        self.prefix_waiting = {}  # session id -> its first round's input time, while it waits
+        self.prefix_waits = 0
         self.prefix_saved = self.prefix_blocks = self.prefix_sessions = self.prefix_revived = self.prefix_evicted = 0
 
     # --- with kv_evict, the host tier or a KV-pinning policy (``prefix_kv``) ----------------------
@@ -316,5 +374,6 @@ class Prefixing:
         stats["prefix_blocks_revived"] = self.prefix_revived  # shared again from the cache
         stats["prefix_blocks_evicted"] = self.prefix_evicted  # cache blocks whose space was needed
         stats["prefix_blocks_cached_end"] = sum(ix.cached_blocks for ix in self.prefix.values())
+        stats["prefix_waits"] = self.prefix_waits  # first rounds that waited for arriving blocks
         if self.prefix_kv:  # prompt blocks idle sessions let go of as their KV was dropped or moved to host
             stats["prefix_blocks_let_go"] = self.prefix_let
