@@ -14,9 +14,11 @@ until their space is taken): sharing one again charges it again; the cache is cu
 each match and whenever a round or a new session takes KV (an approximation: decode tokens grow into
 it between rounds). Binding (``bind_prefix``) prefers the worker with the longest prefix when it
 fits and meets the ITL SLO, counting as live the blocks arriving there (``ampd.policy.arriving``: a
-session bound there whose first prefill is writing them, from its binding to its first token); a
-session bound before they are indexed prefills them itself, as live. Rounds without ``hash_ids``
-behave as without sharing.
+session bound there whose first prefill is writing them, from its binding to its first token). A
+session whose first round would begin while a session's prefill there is writing more of its prompt
+blocks than are indexed waits for them when that pays, as live (``ampd.policy.prefixwait``:
+``prefix_start``, ``PREFIX_WAKE``), else prefills them itself. Rounds without ``hash_ids`` behave
+as without sharing.
 
 With KV that leaves the device while sessions idle in tool calls (``kv_evict``, the host tier,
 a KV-pinning policy: ``_Run.prefix_kv``) the decode core decides as live, fed as the live worker
@@ -374,6 +376,7 @@ class Prefixing:
         stats["prefix_blocks_revived"] = self.prefix_revived  # shared again from the cache
         stats["prefix_blocks_evicted"] = self.prefix_evicted  # cache blocks whose space was needed
         stats["prefix_blocks_cached_end"] = sum(ix.cached_blocks for ix in self.prefix.values())
-        stats["prefix_waits"] = self.prefix_waits  # first rounds that waited for arriving blocks
+        if self.prefix_waits:  # first rounds that waited for arriving blocks (none: the stats as before)
+            stats["prefix_waits"] = self.prefix_waits
         if self.prefix_kv:  # prompt blocks idle sessions let go of as their KV was dropped or moved to host
             stats["prefix_blocks_let_go"] = self.prefix_let

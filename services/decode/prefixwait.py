@@ -58,6 +58,9 @@ class PrefixWaits:
             return False
         w = self.w
         bt = w.rt.pool.block_tokens
+        first = prefix_hashes(s.tokens[:bt + 1], bt, s.scoped_seed)
+        if not first or not any(x.hashes[0] == first[0] for x in self.landing.writers.values()):
+            return False  # (no writer of its first block: its whole prompt is not hashed again)
         hashes = prefix_hashes(s.tokens, bt, s.scoped_seed)
         best = self.landing.longest(hashes)
         held = w.prefix.index.match(hashes)
@@ -84,8 +87,8 @@ class PrefixWaits:
         """At ``start_round``: the round's prefill (routed now) writes its prompt blocks the index
         does not hold yet, due by the cost model's prefill time."""
         kv = s.kv
-        if not self.on or not isinstance(kv, SharedKV) or not s.prefix_tokens:
-            return
+        if not self.on or not isinstance(kv, SharedKV) or not s.prefix_tokens or s.l_hist != s.shared_tokens:
+            return  # (a later round: its prompt blocks were published at its first token)
         w = self.w
         bt = w.rt.pool.block_tokens
         if w.prefix.index.held(kv.session_id) * bt >= s.prefix_tokens:

@@ -58,4 +58,4 @@ def test_a_session_arriving_during_the_first_prefill_waits_for_its_blocks_when_t
     assert first.first_token < second.first_token < second.input_ready + alone  # it began once they landed: sooner
     # arriving at once: prefilling side by side is sooner than waiting, it does not wait
     early = simulate(_trace(2, 0.02 * alone), prof, prefix_sharing=True, **kw)
-    assert early.stats["prefix_waits"] == 0 and early.stats["prefix_shared_blocks"] == 0
+    assert "prefix_waits" not in early.stats and early.stats["prefix_shared_blocks"] == 0
