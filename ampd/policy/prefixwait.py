@@ -3,7 +3,7 @@
 A session whose first round begins on a decode worker while another session's prefill (local or
 remote) is writing blocks of the same prompt prefix there would prefill that prefix a second time:
 the worker's index (``PrefixIndex``) shares only blocks already written. When the blocks are due
-soon enough, the round waits for them instead and then shares them: it is deferred until the writer's
+before its own prefill of them would be done, the round waits for them instead and then shares them: it is deferred until the writer's
 first token (its blocks enter the index), the writer fails or ends, or the wait's bound passes (it
 then prefills as it would have; the index shares what is there, so a wait never changes a token).
 
@@ -22,15 +22,26 @@ from .prefixbind import leading
 __all__ = ["Landing", "Writer", "wait_until"]
 
 
-def wait_until(now: float, lands_at: float, self_s: float, after_s: float) -> float | None:
-    """When a round that would prefill its prompt in ``self_s`` from what is indexed now, and in
-    ``after_s`` once blocks due at ``lands_at`` are there, should stop waiting for them: the time by
-    which waiting still pays (``now + self_s - after_s``); None when it does not pay now (they land
-    too late: prefill without waiting)."""
-    gain = self_s - after_s
-    if gain <= 0.0 or max(lands_at, now) - now >= gain:
+def wait_until(now: float, lands_at: float, self_s: float, after_s: float,
+               ttft_left_s: float | None = None) -> float | None:
+    """Whether a round that would prefill its prompt in ``self_s`` from what is indexed now, and in
+    ``after_s`` once blocks due at ``lands_at`` are there, waits for them, and until when: None (it
+    prefills now), or the time past which it stops waiting and prefills (``now + self_s``).
+
+    It waits when they are due before its own prefill of them would be done: its first token then
+    comes at most ``after_s`` later than without waiting (the shared blocks' prefill is saved for the
+    other rounds), sooner when they land early. ``ttft_left_s`` (its TTFT SLO less the time since its
+    input was ready; None: no SLO): when prefilling itself meets the SLO, waiting must too (the bound
+    leaves ``after_s`` before it)."""
+    lands_in = max(lands_at - now, 0.0)
+    if self_s <= after_s or lands_in >= self_s:
         return None
-    return now + gain
+    wait_s = self_s
+    if ttft_left_s is not None and self_s <= ttft_left_s:
+        wait_s = min(wait_s, ttft_left_s - after_s)
+        if lands_in >= wait_s:
+            return None
+    return now + wait_s
 
 
 @dataclass

@@ -125,7 +125,7 @@ class Prefixing:
                 writer, m, lands_at = best
                 bt, total = HASH_BLOCK_TOKENS, int(rnd.input)
                 until = wait_until(now, lands_at, d.cost.t_pre(d.tp, held * bt, total - held * bt),
-                                   d.cost.t_pre(d.tp, m * bt, total - m * bt))
+                                   d.cost.t_pre(d.tp, m * bt, total - m * bt), self.sim.slo.ttft_s - (now - at))
                 if until is not None:
                     landing.wait(st.session_id, writer)
                     self.prefix_waiting[st.session_id] = at

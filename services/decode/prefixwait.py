@@ -5,8 +5,8 @@ A session's round that writes its own prompt blocks here is a writer from the mo
 routed (``start_round``) to its first token, when they enter the index (``published``), or its end.
 A session whose first round here begins (``begin_round``) while a writer is writing more leading
 blocks of its prompt than the index holds waits, once, when ``wait_until`` says the blocks land
-soon enough to pay (times from the worker's cost model, ``DecodeCore.cost``): its round is deferred,
-holding nothing, and begins again when the writer's blocks land, when the writer fails or ends, or
+before its own prefill of them would be done, within its TTFT SLO (times from the worker's cost model, ``DecodeCore.cost``): its round is deferred,
+holding nothing (``input_ready`` kept: its TTFT counts the wait), and begins again when the writer's blocks land, when the writer fails or ends, or
 at the bound; ``LivePrefix.share`` then shares whatever the index holds, so waiting changes no
 token, only what is prefilled. Cancelling or closing a waiting session drops its wait.
 """
@@ -70,7 +70,7 @@ class PrefixWaits:
         cost, tp, total = w.core.cost, w.core.tp, len(s.tokens)
         now = time.monotonic()
         until = wait_until(now, lands_at, cost.t_pre(tp, held * bt, total - held * bt),
-                           cost.t_pre(tp, n * bt, total - n * bt))
+                           cost.t_pre(tp, n * bt, total - n * bt), w.rt.cfg.ttft_slo_s - (time.time() - input_ready))
         if until is None:
             return False
         s.prefix_waited = True

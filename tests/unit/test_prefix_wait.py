@@ -10,14 +10,19 @@ from ampd.workload import Round, Session
 from test_sim import _profile
 
 
-def test_waiting_pays_only_when_the_blocks_land_before_the_time_it_saves():
-    # prefilling itself: 1.0 s; once they land: 0.2 s; they land in 0.5 s: wait, at most 0.8 s
-    assert wait_until(10.0, 10.5, 1.0, 0.2) == pytest.approx(10.8)
-    assert wait_until(10.0, 10.8, 1.0, 0.2) is None  # they land as late as waiting still pays: no
-    assert wait_until(10.0, 11.5, 1.0, 0.2) is None
+def test_a_round_waits_when_the_blocks_land_before_its_own_prefill_of_them_would_be_done():
+    # prefilling itself: 1.0 s; once they land: 0.2 s
+    assert wait_until(10.0, 10.5, 1.0, 0.2) == pytest.approx(11.0)  # due in 0.5 s: wait, at most 1.0 s
+    assert wait_until(10.0, 10.9, 1.0, 0.2) == pytest.approx(11.0)  # (at most 0.1 s later than not waiting)
+    assert wait_until(10.0, 11.0, 1.0, 0.2) is None  # due as its own prefill would be done: no
     assert wait_until(10.0, 10.1, 0.2, 0.2) is None  # nothing saved
-    # expected already (the writer is late): it waits the time it saves, no longer
-    assert wait_until(10.0, 9.0, 1.0, 0.2) == pytest.approx(10.8)
+    assert wait_until(10.0, 9.0, 1.0, 0.2) == pytest.approx(11.0)  # the writer is late: it waits its own prefill's time
+    # the TTFT SLO: prefilling itself meets it (1.5 s left), waiting must too (first token by 1.3 + 0.2)
+    assert wait_until(10.0, 10.5, 1.0, 0.2, ttft_left_s=1.5) == pytest.approx(11.0)
+    assert wait_until(10.0, 10.9, 1.0, 0.2, ttft_left_s=1.0) is None
+    assert wait_until(10.0, 10.5, 1.0, 0.2, ttft_left_s=1.0) == pytest.approx(10.8)
+    # one it misses anyway: the saving decides
+    assert wait_until(10.0, 10.9, 1.0, 0.2, ttft_left_s=0.5) == pytest.approx(11.0)
 
 
 def test_landing_finds_the_longest_writer_and_hands_back_its_waiters_once():
@@ -56,6 +61,6 @@ def test_a_session_arriving_during_the_first_prefill_waits_for_its_blocks_when_t
     assert on.stats["kv_used_end"] == [0] and on.stats["prefix_blocks_held_end"] == 0
     first, second = (s.rounds[0] for s in on.sessions)
     assert first.first_token < second.first_token < second.input_ready + alone  # it began once they landed: sooner
-    # arriving at once: prefilling side by side is sooner than waiting, it does not wait
-    early = simulate(_trace(2, 0.02 * alone), prof, prefix_sharing=True, **kw)
-    assert "prefix_waits" not in early.stats and early.stats["prefix_shared_blocks"] == 0
+    # a TTFT SLO that prefilling itself meets and waiting would not: it does not wait
+    tight = simulate(_trace(2, 0.02 * alone), prof, prefix_sharing=True, **{**kw, "ttft_slo_s": 1.02 * alone})
+    assert "prefix_waits" not in tight.stats and tight.stats["prefix_shared_blocks"] == 0
