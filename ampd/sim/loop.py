@@ -149,15 +149,12 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
         self.block_tokens = cfg.block_tokens
         self.refused: dict[str, int] = {}  # admission's refusals by reason
         self.n_waited = 0  # sessions that waited for admission
-        self.decodes = sim.decodes
-        self.prefills = sim.prefills
-        self.by_id = sim.by_id
-        self.router = sim.router
+        self.decodes, self.prefills = sim.decodes, sim.prefills
+        self.by_id, self.router = sim.by_id, sim.router
         self.pviews_static = not sim.prefills
         self.pviews = Views(sim.prefills, 0.0)
         self.route_fn = sim.router.route
-        self.pin_ttl = sim.kv_pin_ttl_s
-        self.kv_evict = cfg.kv_evict
+        self.pin_ttl, self.kv_evict = sim.kv_pin_ttl_s, cfg.kv_evict
         path = cfg.path or PathLatency()
         self.open_s, self.dispatch_s, self.handoff_s = path.open_s, path.dispatch_s, path.handoff_s
         self.tool_rpc_s, self.busy_extra = path.tool_s, path.prefill_busy_s
@@ -341,8 +338,6 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
         else:
             task = PrefillTask(st.session_id, st.round, st.l_hist, st.l_incr, st.ready, d.worker_id, d.tp, *kv)
         task.queue_yield_s = _queue_yield_s(st.rounds[st.round].hints)
-        if not st.round and self.prefix is not None:  # its prefill writes its prompt blocks
-            self.prefix_writing(st, now)
         dview = d.view(now)
         if self.pviews_static:
             dec = self.router.route(task, dview, (), now)

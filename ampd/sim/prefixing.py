@@ -132,7 +132,7 @@ class Prefixing:
                     self.prefix_waits += 1
                     self.push(until, PREFIX_WAKE, st)
                     return
-        self.prefix_acquire(st)
+        self.prefix_acquire(st, now)
         self.round_ready(st, now, at)
 
     def prefix_wake(self, st, now: float) -> None:
@@ -142,26 +142,18 @@ class Prefixing:
         if at is None:  # (begun already)
             return
         self.prefix_landing[st.dw.worker_id].gone(st.session_id)
-        self.prefix_acquire(st)
+        self.prefix_acquire(st, now)
         self.round_ready(st, now, at)
-
-    def prefix_writing(self, st, now: float) -> None:
-        """Round 0 is routed: its prefill writes the prompt blocks it did not find indexed, due by
-        the cost model's prefill time (as live, ``PrefixWaits.writing``)."""
-        h = self.prefix_held.get(st.session_id)
-        if h is not None and h[2]:
-            d = st.dw
-            self.prefix_landing[d.worker_id].writing(st.session_id, st.rounds[0].hash_ids[:h[0]],
-                                                     now + d.cost.t_pre(d.tp, st.l_hist, st.l_incr))
 
     def prefix_landed(self, st, now: float) -> None:
         """``st`` writes no more (its blocks landed, or it ended): the rounds that waited begin."""
         for sid in self.prefix_landing[st.dw.worker_id].done(st.session_id):
             self.push(now, PREFIX_WAKE, self.live[sid])
 
-    def prefix_acquire(self, st) -> None:
+    def prefix_acquire(self, st, now: float) -> None:
         """The session's first round begins: its prompt's full blocks (all but the last token's) are
-        held."""
+        held; those it did not find indexed its prefill writes, due by the cost model's prefill time
+        (as live, ``PrefixWaits.writing``)."""
         rnd = st.rounds[0]
         if not rnd.hash_ids:
             return
@@ -175,6 +167,10 @@ class Prefixing:
         self.prefix_trim(st.dw)  # its fresh blocks take cached blocks' space first
         shared = g.shared * HASH_BLOCK_TOKENS
         self.prefix_held[st.session_id] = [n, shared, n - g.shared, 0]
+        if g.shared < n:
+            d = st.dw
+            self.prefix_landing[d.worker_id].writing(st.session_id, rnd.hash_ids[:n],
+                                                     now + d.cost.t_pre(d.tp, shared, int(rnd.input) - shared))
         if g.shared:
             self.prefix_saved += shared
             self.prefix_blocks += g.shared

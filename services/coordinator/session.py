@@ -258,8 +258,7 @@ class SessionRun:
 
     def attach(self, call) -> None:
         """The session's stream from its decode worker is ``call`` (Attach or Reattach) now."""
-        self.gen += 1
-        self.call = call
+        self.gen, self.call = self.gen + 1, call
         self.pump = self.svc.tasks.spawn(self._pump(call, self.gen))
         self.bound, self.opened, self.announce = True, False, True
 

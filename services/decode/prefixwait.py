@@ -1,8 +1,9 @@
 """A first round that waits for prefix blocks another session's prefill is writing on this decode
 worker (``--prefix-sharing``; the decision and the books: ``ampd.policy.prefixwait``).
 
-A session's round that writes its own prompt blocks here is a writer from the moment its prefill is
-routed (``start_round``) to its first token, when they enter the index (``published``), or its end.
+A session's first round here that writes prompt blocks the index does not hold is a writer from its
+beginning (``LivePrefix.share``) to its first token, when they enter the index (``published``), or
+its end.
 A session whose first round here begins (``begin_round``) while a writer is writing more leading
 blocks of its prompt than the index holds waits, once, when ``wait_until`` says the blocks land
 before its own prefill of them would be done, within its TTFT SLO (times from the worker's cost model, ``DecodeCore.cost``): its round is deferred,
@@ -22,7 +23,6 @@ import structlog
 from ampd.policy.prefixindex import prefix_hashes
 from ampd.policy.prefixwait import Landing, wait_until
 from ampd.v1 import common_pb2
-from services.decode.prefix import SharedKV
 
 if TYPE_CHECKING:
     from services.decode.session import Session
@@ -43,7 +43,8 @@ class _Deferred:
 
 
 class PrefixWaits:
-    """The worker's ``Landing`` and the rounds deferred on it (keyed by ``SharedKV.session_id``)."""
+    """The worker's ``Landing`` and the rounds deferred on it (keyed by ``SharedKV.session_id``: ``on``,
+    every session's KV is a ``SharedKV``)."""
 
     def __init__(self, w: DecodeWorker, on: bool) -> None:
         self.w, self.on = w, on
@@ -53,7 +54,7 @@ class PrefixWaits:
     def defer(self, s: Session, params: common_pb2.SamplingParams, new: int, input_ready: float) -> bool:
         """At ``begin_round``: True when the round waits for arriving blocks (deferred, begun again later)."""
         kv = s.kv
-        if (not self.on or not self.landing.writers or s.prefix_waited or s.recovering or not isinstance(kv, SharedKV)
+        if (not self.on or not self.landing.writers or s.prefix_waited or s.recovering
                 or kv.tokens or kv.blocks or s.session_id in self.w.core.sessions):
             return False
         w = self.w
@@ -83,23 +84,20 @@ class PrefixWaits:
                  lands_in_s=round(lands_at - now, 3), bound_s=round(until - now, 3))
         return True
 
-    def writing(self, s: Session) -> None:
-        """At ``start_round``: the round's prefill (routed now) writes its prompt blocks the index
-        does not hold yet, due by the cost model's prefill time."""
-        kv = s.kv
-        if not self.on or not isinstance(kv, SharedKV) or not s.prefix_tokens or s.l_hist != s.shared_tokens:
-            return  # (a later round: its prompt blocks were published at its first token)
-        w = self.w
-        bt = w.rt.pool.block_tokens
-        if w.prefix.index.held(kv.session_id) * bt >= s.prefix_tokens:
+    def writing(self, s: Session, shared: int) -> None:
+        """A first round here begins with ``shared`` tokens found indexed: its prefill writes the rest
+        of its prompt blocks, due by the cost model's prefill time."""
+        if s.prefix_tokens <= shared:
             return
-        hashes = prefix_hashes(s.tokens[:s.prefix_tokens + 1], bt, s.scoped_seed)
-        self.landing.writing(kv.session_id, hashes, time.monotonic() + w.core.cost.t_pre(w.core.tp, s.l_hist, s.l_incr))
+        w = self.w
+        hashes = prefix_hashes(s.tokens[:s.prefix_tokens + 1], w.rt.pool.block_tokens, s.scoped_seed)
+        lands_at = time.monotonic() + w.core.cost.t_pre(w.core.tp, shared, len(s.tokens) - shared)
+        self.landing.writing(s.kv.session_id, hashes, lands_at)
 
     def done(self, s: Session) -> None:
         """Its blocks landed (first token, after ``published``) or it ended: its waiters begin again
         (soon: not inside the caller's step), and it waits no more."""
-        if not isinstance(s.kv, SharedKV):
+        if not self.on:
             return
         key = s.kv.session_id
         d = self.deferred.pop(key, None)

@@ -42,7 +42,6 @@ from ampd.v1 import common_pb2, decode_pb2
 from ampd.worker import ADMITTED, FAILED, DecodeCore, DecodeSession
 from services.decode.engine_loop import EngineLoop
 from services.decode.prefix import LivePrefix
-from services.decode.prefixwait import PrefixWaits
 from services.decode.prefixpub import PrefixPublisher
 from services.decode.kv import KvSync
 from services.decode.kvwhere import route_holds, turn_end
@@ -96,18 +95,14 @@ class DecodeWorker:
         self.streams = streams_rounds(engine)
         # its collaborators: the engine loop, the remote prefills, the server-side tool calls
         self.loop = EngineLoop(self)
-        self.kv = KvSync(self)
-        self.attachments = Attachments(self)
-        self.remote = RemotePrefills(self)
-        self.tools = ToolCalls(self, sidecar_stub)
+        self.kv, self.attachments = KvSync(self), Attachments(self)
+        self.remote, self.tools = RemotePrefills(self), ToolCalls(self, sidecar_stub)
         self.tier = LiveTier(self, core.tier.host.num_blocks) if core.tier is not None else None  # --kv-host-mb
         self.prefix = LivePrefix(self, rt.cfg.prefix_sharing, prefix_seed(rt.cfg.model))  # --prefix-sharing
-        self.waits = PrefixWaits(self, rt.cfg.prefix_sharing)  # first rounds waiting for arriving prefix blocks
         if rt.cfg.prefix_sharing:  # the blocks it holds, published for the coordinators' binding
             rt.prefix_seed = self.prefix.index.seed
             rt.loops.append(PrefixPublisher(rt, self.prefix.index).run)
-        rt.published = self.kv.published
-        rt.on_fenced = self.fenced
+        rt.published, rt.on_fenced = self.kv.published, self.fenced
 
     # ---------------------------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -225,7 +220,7 @@ class DecodeWorker:
         if s.max_rounds and s.next_round >= s.max_rounds:
             self.fail(s, f"limits.max_rounds: the session reached its {s.max_rounds} rounds")
             return
-        if self.waits.defer(s, params, new, input_ready):  # --prefix-sharing: its prefix is being written here
+        if self.prefix.waits.defer(s, params, new, input_ready):  # --prefix-sharing: its prefix is being written here
             return
         s.params, s.sampling = params, sampling_of(params)
         if self.chat is not None:
@@ -273,7 +268,6 @@ class DecodeWorker:
         except KVPoolExhausted as exc:
             self.fail(s, f"KV exhausted on {self.rt.cfg.worker_id}: {exc}")
             return
-        self.waits.writing(s)  # --prefix-sharing: rounds of other sessions may wait for its prompt blocks
         self.rt.changed()
         s.timing = common_pb2.RoundTiming(round=rnd, input_ready=s.input_ready, l_hist=s.l_hist, l_incr=s.l_incr,
                                           recovered=s.recovering, kv_recomputed_tokens=s.recompute,
@@ -349,7 +343,7 @@ class DecodeWorker:
         keep_ended(self.ended, s, self.reattach_grace_s)
         remote = self.remote.take(s.session_id, s.round) is not None
         self.loop.forget(s)
-        self.waits.done(s)
+        self.prefix.waits.done(s)  # (a round waiting for its blocks begins; its own wait ends)
         moving = self.tier is not None and self.tier.close(s)
         # its blocks: freed by its local prefill, held for a prefill worker or a host tier move, or now
         if not self.loop.cancel_prefill(s) and not self.remote.hold(s, remote) and not moving:
@@ -374,7 +368,6 @@ class DecodeWorker:
         s.kv.commit(s.l_incr)
         s.dest = []
         self.prefix.published(s)  # --prefix-sharing: its prompt blocks may be shared from now on
-        self.waits.done(s)  # (the rounds that waited for them begin)
         s.out_start = len(s.tokens)
         s.tokens.append(token)
         t = s.timing
