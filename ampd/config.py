@@ -175,7 +175,8 @@ class PolicyConfig:
     # 32 sessions sharing a 2,048-token system prompt, 1 prefill + 2 decode workers), off -> on: tokens
     # prefilled 78,730 -> 17,290, first-round TTFT P50 1.77 -> 0.25 s, SLO attainment 0.97 -> 1.0, no token
     # or KV byte mismatch; the simulator on Mooncake's conversation trace (prefix_sharing.json): attainment
-    # 0.686 -> 0.702 at 0.5 sessions/s, 0.367 -> 0.421 at 1/s. Tenants never share (prefix scopes,
+    # 0.686 -> 0.702 at 0.5 sessions/s, 0.367 -> 0.411 at 1/s (0.421 with the host tier off; single-round
+    # sessions, the tier moves nothing but reserves each round's output). Tenants never share (prefix scopes,
     # OpenSession.prefix_scope). The live decode worker shares prompt blocks in its pool
     # (services/decode/prefix.py), with kv_evict and kv_host_mb too (docs/kv.md), and publishes them for the
     # coordinator's binding (services/coordinator/prefixes.py). An engine that keeps its own KV (sglang)

@@ -1,6 +1,5 @@
 """Tool-aware KV tier policy: when a round ends in a tool call, keep the session's KV on the device,
-offload it to the host pool, or drop it; when to bring it back; and which idle KV goes first when
-the pool runs short.
+offload it to the host pool, or drop it; and when to bring it back.
 
 Pure: no I/O, no clock; times are passed in (wall clock live, virtual clock in the simulator). The
 decode core owns each session's ``KVState`` and asks these functions; the driver moves the bytes.
@@ -18,29 +17,36 @@ here and tested:
   without an estimate): a short or hostile hint neither keeps KV on the device nor brings it back
   sooner than the same call without the hint;
 
-- the decode core's eviction (``ampd.worker.decode_tier``: idle KV least recently used first) does
-  not read hints, so a short hint cannot shield its KV (``rank_end``, the later of hinted and
-  estimated end, is the order ``eviction_order`` and ``plan_evictions`` state for a driver that ranks
-  by expected end; the core does not use them);
+- the decode core's eviction does not read hints, so a short hint cannot shield its KV (see
+  "Eviction order" below);
 - a speculative prefetch (before the result arrived) only takes blocks nobody is waiting for
   (``should_prefetch``), and KV brought back early is idle, so it is evictable again;
 - kept KV is evictable.
 So a lying hint moves its own session's KV at the wrong time: it costs that session a transfer or a
 re-prefill. (A long hint offloads its KV at once; the host room it holds is freed when the result
 arrives and the KV comes back, as with a long windowed estimate.)
+
+Eviction order: under pressure the decode core (``ampd.worker.decode_tier``,
+``TierMixin._tier_make_room``) takes idle KV least recently used first (the tool call that began
+longest ago): to the host while it has room, else dropped. Every idle session is in that order,
+whatever its hint, so a pool full of idle sessions always makes room (never a deadlock). Ranking
+by the tool's expected end instead (unknown ends first, then the session expected back last first,
+a hint pushing only its own session forward) admitted fewer sessions and met the SLO for fewer on
+benchmarks.kv_tier (benchmarks/results/kv_evict_order.json, docs/kv.md); the likely cause, not
+measured apart: a tool's windowed mean says little about when one call of it ends.
 """
 from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from .types import CostModel
 
 __all__ = ["KVState", "KEEP", "OFFLOAD", "DROP", "KVTierConfig", "ToolPause", "PoolState", "TierDecision",
-           "Prefetch", "IdleKV", "Eviction", "decide", "decide_hinted", "prefetch_plan", "should_prefetch", "effective_tool_s",
-           "rank_end", "eviction_order", "plan_evictions", "host_transfer_s", "transfer_fn"]
+           "Prefetch", "decide", "decide_hinted", "prefetch_plan", "should_prefetch", "effective_tool_s",
+           "host_transfer_s", "transfer_fn"]
 
 
 class KVState(enum.Enum):
@@ -224,71 +230,6 @@ def should_prefetch(now: float, plan: Prefetch, result_ready: bool, kv_blocks: i
     if plan.at is None or now < plan.at or pool.spare < kv_blocks:
         return ""
     return "expected-end"
-
-
-# ------------------------------------------------------------------------------------ eviction
-def rank_end(tool_start: float, estimate_s: float | None, hint_s: float | None) -> float | None:
-    """The expected end eviction ranks a session by: the later of its hinted and estimated ends, so
-    a hint can push its own session forward in the eviction order but never back."""
-    known = [x for x in (estimate_s, hint_s) if x is not None and math.isfinite(x) and x >= 0]
-    return tool_start + max(known) if known else None
-
-
-@dataclass(slots=True)
-class IdleKV:
-    """A session idle in a tool call (or waiting for its client) whose KV is RESIDENT or on HOST.
-    ``end``: its ``rank_end`` (None: unknown)."""
-
-    session_id: str
-    state: KVState
-    blocks: int
-    tool_start: float
-    end: float | None
-
-
-def _order_key(v: IdleKV) -> tuple[int, float, float, str]:
-    if v.end is None:  # unknown end first, least recently used first (the eviction order without a tier)
-        return (0, v.tool_start, 0.0, v.session_id)
-    return (1, -v.end, v.tool_start, v.session_id)  # then the one needed last first
-
-
-def eviction_order(idle: Sequence[IdleKV]) -> list[IdleKV]:
-    """The order idle KV is evicted in: sessions whose tool end is unknown first (oldest tool call
-    first), then those expected back last first (ties: oldest tool call, then session id). Every idle
-    session is in it, whatever its hint or state: no KV is pinned, so a pool filled with idle
-    sessions can always make room (never a deadlock)."""
-    return sorted(idle, key=_order_key)
-
-
-@dataclass(slots=True)
-class Eviction:
-    """Free ``blocks`` of ``session_id``: OFFLOAD (device -> host) or DROP (the copy is gone)."""
-
-    session_id: str
-    action: str
-    blocks: int
-    reason: str
-
-
-def plan_evictions(idle: Sequence[IdleKV], need: int, host_free: int,
-                   state: KVState = KVState.RESIDENT) -> tuple[list[Eviction], int]:
-    """Evictions that free ``need`` blocks of ``state`` (the device pool for RESIDENT, the host pool
-    for HOST), in ``eviction_order``, and the blocks they free (< ``need`` when all idle KV of that
-    state is not enough: the caller then waits or overcommits as without a tier). A device victim is
-    offloaded while the host has room, else dropped; a host victim is dropped."""
-    out: list[Eviction] = []
-    freed = 0
-    for v in eviction_order([v for v in idle if v.state is state and v.blocks > 0]):
-        if freed >= need:
-            break
-        if state is KVState.RESIDENT and host_free >= v.blocks:
-            host_free -= v.blocks
-            out.append(Eviction(v.session_id, OFFLOAD, v.blocks, "pressure-offload"))
-        else:
-            out.append(Eviction(v.session_id, DROP, v.blocks,
-                                "host-evict" if state is KVState.HOST else "pressure-drop"))
-        freed += v.blocks
-    return out, freed
 
 
 def host_transfer_s(cost: CostModel, tokens: int, tp: int) -> float:

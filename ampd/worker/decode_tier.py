@@ -30,7 +30,9 @@ cached prefix blocks first (the live pool counts them free), then idle sessions'
 (least recently used first), then a pinned prefix left on the device whose blocks are partly the
 session's alone (``pin_own``, the driver's count), dropped whole with its host copy, and last, only
 when nothing else will free KV, one whose blocks others all still read (dropping it frees nothing);
-a dropped session may share its prefix again before its next round (``shared_history``).
+a dropped session may share its prefix again before its next round (``shared_history``). Nothing
+moves when taking every idle session but the last resort's would not make the room (the blocks
+others still read are not counted freeable: ``_tier_freeable``).
 
 Admission (``ampd.policy.admit.promise_room``) may promise up to the device pool plus the host pool,
 so each round reserves its whole output when it is admitted (``KvAdmission._round_need``): the rounds
@@ -174,11 +176,15 @@ class TierMixin:
         first, dropped if some of its blocks are theirs alone (``pin_own``: freed then); (3) last
         resort, one a call: the least recently used of those whose every pinned block another
         session still reads. Dropping such a session frees nothing and loses its host copy (its next
-        round prefills again), so (3) runs only when ``last_resort`` says so: True (a driver's
-        ``make_room``: the round is admitted already), or None and nothing on this worker is in a
-        round that will free KV when it ends (``_nothing_runs``), or rounds fail rather than wait.
-        It never deadlocks: once every other holder is dropped too, the driver's next sync counts
-        the blocks free, or their owner's ``pin_own`` lets (2) take them."""
+        round prefills again), so (3) runs only when ``last_resort`` says so (``_last_resort``).
+        When (1) and (2) together cannot make the room and (3) may not run, nothing moves
+        (``_tier_freeable``): own parts offloaded then would only come back. It never deadlocks:
+        once every other holder is dropped too, the driver's next sync counts the blocks free, or
+        their owner's ``pin_own`` lets (2) take them."""
+        if self.kv_cap - self.kv_used >= need:
+            return True
+        if self.kv_cap - self.kv_used + self._tier_freeable() < need and not self._last_resort(last_resort):
+            return False  # offloading the own parts would not make room: they stay
         ev = self.evictable
         for v in [v for v, r in ev.items() if not _pin_only(v, r)]:
             if self.kv_cap - self.kv_used >= need:
@@ -196,9 +202,27 @@ class TierMixin:
                 others_read.append(v)
         if self.kv_cap - self.kv_used >= need:
             return True
-        if others_read and (last_resort if last_resort is not None else self._nothing_runs()):
+        if others_read and self._last_resort(last_resort):
             self._take_idle(others_read[0])
         return self.kv_cap - self.kv_used >= need
+
+    def _tier_freeable(self) -> int:
+        """The device KV taking every idle session (steps (1) and (2) of ``_tier_make_room``) would
+        free: all of each one's KV on the device but the pinned blocks others still read (dropping
+        it frees only ``pin_own`` of its pinned prefix, ``_unpin``). ``evictable_kv`` counts those
+        too: by it the tier could move sessions' own parts to host and still lack the room."""
+        shared = 0
+        for v, r in self.evictable.items():
+            if v.pinned > 0:
+                p = min(v.pinned, r)
+                shared += p - min(max(v.pin_own, 0), p)
+        return self.evictable_kv - shared
+
+    def _last_resort(self, last_resort: bool | None) -> bool:
+        """Whether a session whose pinned blocks others all read may be dropped: ``last_resort``
+        when given (True: a driver's ``make_room``, the round is admitted already), else when
+        nothing on this worker is in a round that will free KV (``_nothing_runs``)."""
+        return last_resort if last_resort is not None else self._nothing_runs()
 
     def _nothing_runs(self) -> bool:
         """No round here will end and free KV (an empty batch, no local prefill, no admitted round

@@ -40,7 +40,8 @@ from services.decode.session import REMOTE_HOLD_S
 
 if TYPE_CHECKING:
     from services.decode.session import Session
-    from services.decode.tier import HostCopy, LiveTier
+    from services.decode.hostcopy import HostCopy
+    from services.decode.tier import LiveTier
 
 __all__ = ["HostRead", "HostReads", "block_crcs", "block_segments"]
 

@@ -20,7 +20,7 @@ from ampd.state import StateStore, connect
 from ampd.v1 import common_pb2, decode_pb2, decode_pb2_grpc, sidecar_pb2_grpc
 from ampd.grpcserver import write_ready_file
 from ampd.runtime import WorkerRuntime, add_worker_args, pool_for, worker_config
-from services.decode.tier import available_memory_bytes, check_host_tier
+from services.decode.tiersize import available_memory_bytes, check_host_tier
 from ampd.trust import attach_token, token_matches
 from ampd.policy.kvtier import KVTierConfig
 from ampd.worker import DecodeCore, HostTier

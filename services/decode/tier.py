@@ -1,33 +1,29 @@
-"""The host KV tier of the live decode worker (``--kv-host-mb``; its decisions: ``ampd.worker.decode_tier``).
+"""The host KV tier of the live decode worker (``--kv-host-ratio``, ``--kv-host-mb``; its decisions:
+``ampd.worker.decode_tier``).
 
-Off (``--kv-host-mb 0``, the default) nothing here runs. On, the worker checks at start-up that the
-host pool can hold one session's KV (HostPoolTooSmall names the sizes) and that the engine's KV lives
-in the worker's pool (the mock's checkable bytes, the torch engine's real KV; SGLang keeps its own
-and is refused). Then:
+Off (``--kv-host-ratio 0`` and ``--kv-host-mb 0``) nothing here runs. On (ratio 1 by default), the
+worker sizes the host pool at start-up (services/decode/tiersize.py: it must hold one session's KV,
+and the engine's KV must live in the worker's pool: the mock's checkable bytes, the torch engine's
+real KV; SGLang keeps its own). Then:
 
 - the host pool is a ``KVPool`` of its own, registered with a second KV transport agent of the
   worker's kind (NIXL in the services: registering pins it), which the worker's agent knows as a
-  peer. An offload is a WRITE of the session's device blocks into host blocks, a prefetch a READ
-  back into blocks reserved for it: the same transport, and the same ranges, as a remote prefill's.
-- every move is checked: an offload's host bytes must equal the device bytes they came from (byte
-  for byte), and a prefetch's device bytes must have the CRC-32 of every host block taken then, so
-  that a host copy changed while it sat there is caught too.
+  peer. The moves, each checked byte for byte, and what a failed one loses (that copy of the KV,
+  never the session): services/decode/hostcopy.py.
 - the core decides (``DecodeCore.tier_pause`` when a round ends in a tool call, the client's next
   turn included; its admission when the result arrives; ``tier_prefetch`` at the tool's expected
   end with ``--kv-prefetch-early``) and does the accounting at once; this driver performs the moves
   it lists (``take_moves``), one after the other per session, and a round whose KV is moving (or
-  whose blocks an offload is freeing) starts once the moves are done. Meanwhile the core admits by
-  the pool's free space less what it charged and the pool has not reserved yet (``owed``, and the
-  running rounds' output: ``KvSync.outputs_due``); KV it counts free that an offload still holds
-  only makes it admit later, never twice.
-- a move that fails (a transfer error, a check that does not hold, no free host or device block)
-  loses that copy of the KV, never the session: its next round prefills the history again from the
-  session's tokens (``kv_recomputed_tokens``), as after an eviction. The core's charge for the round
-  (history plus input) is what the re-prefill writes, so its accounting needs no correction.
+  whose blocks an offload is freeing) starts once the moves are done (or, its KV on host, prefills
+  from the host copy: services/decode/hostread.py). Meanwhile the core admits by the pool's free
+  space less what it charged and the pool has not reserved yet (``owed``, and the running rounds'
+  output: ``KvSync.outputs_due``); KV it counts free that an offload still holds only makes it
+  admit later, never twice.
+- after a failed move the core's charge for the session's next round (history plus input) is what
+  its re-prefill writes, so its accounting needs no correction.
 - with --prefix-sharing a session's shared blocks (``SessionKV.choose_pin``, ``pinned``) stay on the
-  device: an offload moves positions from there on (``HostCopy.start``), a prefetch reads them back
-  after the pinned blocks, and a failed move loses only the own part. A session dropped (the
-  policy's drop, an eviction) releases all of it, its references included.
+  device while its own KV moves. A session dropped (the policy's drop, an eviction) releases all of
+  it, its references included.
 - the tool durations the policy reads (``HostTier.durations``) are the sidecar's (each server-side
   call's started..finished) and, for client-side calls and client turns, the time from the round's
   end to the turn that answers it.
@@ -36,25 +32,22 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import structlog
 
-from ampd.config import ConfigError
-from ampd.kv import KVPool, KVPoolExhausted, KVTransferError
-from ampd.policy.hostpool import HostPoolSize, HostPoolTooLarge, HostPoolTooSmall, size_host_pool
+from ampd.kv import KVPool
 from ampd.tasks import BackgroundTasks
 from ampd.worker import TO_HOST, KVMove
 from services.decode import kvwhere
-from services.decode.hostread import HostReads, block_crcs, block_segments
+from services.decode.hostcopy import HostCopy, offload_now, prefetch_now
+from services.decode.hostread import HostReads
 
 if TYPE_CHECKING:
     from services.decode.session import Session
     from services.decode.worker import DecodeWorker
 
-__all__ = ["LiveTier", "check_host_tier", "available_memory_bytes", "pause", "CLIENT_TURN", "TIER_METRICS"]
+__all__ = ["LiveTier", "pause", "CLIENT_TURN", "TIER_METRICS"]
 
 log = structlog.get_logger()
 
@@ -62,59 +55,6 @@ CLIENT_TURN = "client-turn"  # the pause of a turn that ended without a call: un
 # the tier's counters in the worker's Metrics reply (ampd/metrics.py DECODE); decisions and moves
 # add "kv_tier_decision_<action>:<reason>", "kv_tier_move_<kind>:<reason>", "kv_tier_failed_<kind>:<why>"
 TIER_METRICS = ("kv_tier_bytes_to_host", "kv_tier_bytes_from_host", "kv_tier_host_reads", "kv_tier_host_read_ahead")
-
-
-def check_host_tier(host_mb: float, block_tokens: int, bytes_per_token: int, session_tokens: int,
-                    engine: str = "mock", kv_in_pool: bool = True, offload_pressure: float = 0.7, *,
-                    ratio: float = 0.0, device_bytes: int = 0, available_bytes: int | None = None) -> HostPoolSize:
-    """The host pool this decode worker starts with (``mb`` 0: the tier is off): ``--kv-host-mb``
-    when given, else ``ratio`` x the ``device_bytes`` device pool (ampd.policy.hostpool.size_host_pool).
-    A ConfigError naming the sizes when an explicit host pool cannot hold one session's KV of
-    ``session_tokens`` tokens (the engine's context, at most the device pool) or exceeds
-    ``available_bytes``, when it is given for an engine that keeps its KV outside the worker's pool
-    (nothing there for the tier to move), or when ``offload_pressure`` is not a fraction of the pool.
-    A ratio-sized pool never refuses the start: it is off (with a ``note``) where it cannot work."""
-    if host_mb == 0 and ratio == 0:
-        return HostPoolSize(0.0, "off")
-    if not 0.0 <= offload_pressure <= 1.0:
-        raise ConfigError(f"--kv-offload-pressure must be in [0, 1] (a share of the decode KV pool), "
-                          f"got {offload_pressure:g}")
-    if not kv_in_pool:
-        if host_mb == 0:
-            return HostPoolSize(0.0, "off", f"engine {engine!r} keeps its KV outside the worker's pool: the host KV "
-                                            "tier is off")
-        raise ConfigError(f"--kv-host-mb {host_mb:g}: engine {engine!r} keeps its KV outside the worker's pool, "
-                          "and the host tier moves the pool's KV (engines mock and torch); run with --kv-host-mb 0 "
-                          "--kv-host-ratio 0")
-    try:
-        return size_host_pool(host_mb, ratio, device_bytes, block_tokens, bytes_per_token, session_tokens,
-                              available_bytes)
-    except (HostPoolTooSmall, HostPoolTooLarge) as exc:
-        raise ConfigError(str(exc)) from None
-
-
-def available_memory_bytes() -> int | None:
-    """Memory this process may still use: the host's MemAvailable, or less where its cgroup (a
-    container's memory limit) leaves less; None where neither can be read."""
-    out: list[int] = []
-    try:
-        with open("/proc/meminfo") as f:
-            out += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
-    except (OSError, ValueError, IndexError):
-        pass
-    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # cgroup v2
-                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        try:
-            with open(limit) as f:
-                lim = f.read().strip()
-            with open(usage) as f:
-                used = int(f.read().strip())
-        except (OSError, ValueError):
-            continue
-        if lim.isdigit() and int(lim) < 1 << 60:  # "max" or v1's huge number: no limit
-            out.append(max(0, int(lim) - used))
-        break
-    return min(out) if out else None
 
 
 def pause(w: DecodeWorker, s: Session, scripted, parsed: list) -> None:
@@ -130,18 +70,6 @@ def pause(w: DecodeWorker, s: Session, scripted, parsed: list) -> None:
         freed = w.tier.pause(s, tool, hints.expected_tool_s if hints.HasField("expected_tool_s") else None)
     if freed:
         w.kv.admit_waiting()
-
-
-@dataclass(slots=True)
-class HostCopy:
-    """A session's KV in the host pool: positions [``start``, ``start + tokens``) in ``blocks``,
-    ``crcs`` the CRC-32 of each block's bytes. ``start``: the pinned prefix (--prefix-sharing:
-    blocks the prefix index holds, which stayed on the device; 0 otherwise)."""
-
-    blocks: list[int]
-    tokens: int
-    crcs: list[int]
-    start: int = 0
 
 
 class LiveTier:
@@ -338,7 +266,7 @@ class LiveTier:
                 await asyncio.wait([prev])
             self.running_offloads += 1
             try:
-                await self._offload_now(s, m)
+                await offload_now(self, s, m)
             finally:
                 self.running_offloads -= 1
         finally:
@@ -351,43 +279,6 @@ class LiveTier:
             async with self.moved:
                 self.moved.notify_all()
             self.w.kv.admit_waiting()  # device blocks freed: waiting rounds may fit
-
-    async def _offload_now(self, s: Session, m: KVMove) -> None:
-        """Write the session's device KV (less a pinned prefix) into host blocks, check it, free
-        the device blocks."""
-        w, sid, p = self.w, s.session_id, s.kv.pinned
-        n = s.kv.tokens - p
-        if s.closed or n <= 0 or sid in self.copies:
-            return
-        if sid in self.fetching:  # its prefetch is already listed (the result came first): the KV stays
-            log.info("kv offload skipped: the prefetch follows", session=sid, tokens=n, reason=m.reason)
-            return
-        pool, bpt = w.rt.pool, self.pool.bytes_per_token
-        try:
-            blocks = self.pool.alloc(self.pool.blocks_for(n))
-        except KVPoolExhausted:  # the core's count freed blocks a prefetch still reads
-            self._failed(s, "offload", "host-busy", f"no free host block for {n} tokens")
-            return
-        src, dst = s.kv.segments(p, n), block_segments(blocks, n, self.pool.block_tokens)
-        t0 = time.perf_counter()
-        err = ""
-        try:
-            await w.rt.transport.write(self.name, src, dst)
-            host = self.pool.read(dst, copy=False)
-            if not np.array_equal(host, pool.read(src, copy=False)):
-                err = "mismatch"
-        except KVTransferError as exc:
-            err = f"transfer: {exc}"
-        if s.closed or err:
-            self.pool.free(blocks)
-            if err and not s.closed:
-                self._failed(s, "offload", err.split(":")[0], err)
-            return
-        self.copies[sid] = HostCopy(blocks, n, block_crcs(self.pool.read(dst), self.pool.block_bytes), p)
-        s.kv.keep_pinned(pool)
-        self._count(f"kv_tier_move_offload:{m.reason}")
-        self._count("kv_tier_bytes_to_host", n * bpt)
-        log.info("kv offloaded", session=sid, tokens=n, pinned=p, reason=m.reason, ms=round(1e3 * (time.perf_counter() - t0), 2))
 
     async def _prefetch(self, s: Session, m: KVMove, prev: asyncio.Task | None) -> None:
         try:
@@ -450,60 +341,6 @@ class LiveTier:
     def metrics(self) -> dict[str, float]:
         """The tier's values for the worker's Metrics reply."""
         return tier_metrics(self)
-
-
-async def prefetch_now(t: LiveTier, s: Session, m: KVMove) -> None:
-    """Read the session's host copy back into device blocks reserved now, and check it (``LiveTier``'s
-    prefetch of a round that was not claimed: hostread.py)."""
-    w, sid = t.w, s.session_id
-    copy = t.copies.pop(sid, None)
-    if copy is None or s.closed or s.kv.tokens != copy.start:  # lost before (counted then), or never left
-        t.fetching.pop(sid, None)
-        if copy is not None:
-            t.pool.free(copy.blocks)
-        return
-    pool, bt = w.rt.pool, t.pool.block_tokens
-    # the positions the session still has (``m.tokens``: the core's count, less after a rewound
-    # turn), read as whole host blocks: each block's CRC covers the block
-    keep = min(copy.tokens, m.tokens)
-    n = min(copy.tokens, -(-keep // bt) * bt)
-    t0 = time.perf_counter()
-    err = ""
-    try:
-        async with t.moved:  # the blocks the core counts free may still be leaving
-            await t.moved.wait_for(lambda: pool.available_tokens >= n or not t.running_offloads)
-        dest = s.kv.reserve(pool, n)
-        t.fetching.pop(sid, None)  # reserved: the pool counts it now
-        await w.rt.transport.read(t.name, block_segments(copy.blocks, n, bt), dest)
-        got = block_crcs(pool.read(dest), t.pool.block_bytes)
-        if got != copy.crcs[:len(got)]:
-            err = "mismatch"
-    except KVPoolExhausted as exc:
-        err = f"device-full: {exc}"
-    except KVTransferError as exc:
-        err = f"transfer: {exc}"
-    finally:
-        t.pool.free(copy.blocks)  # the transfer has ended either way
-    if s.closed:
-        return
-    if sid in t.dropped:  # evicted meanwhile (``evicted``): the blocks go, the history is prefilled again
-        t.dropped.discard(sid)
-        s.recompute = copy.start + keep
-        s.kv.release(pool)
-        return
-    if err:  # its own part is prefilled again (a pinned prefix stays)
-        s.kv.keep_pinned(pool)
-        s.recompute = keep
-        t._failed(s, "prefetch", err.split(":")[0], err)
-        return
-    s.kv.commit(n)
-    if keep < n:
-        s.kv.truncate(pool, copy.start + keep)
-    t._count(f"kv_tier_move_prefetch:{m.reason}")
-    t._count("kv_tier_bytes_from_host", n * t.pool.bytes_per_token)
-    log.info("kv prefetched", session=sid, tokens=n, reason=m.reason,
-             ms=round(1e3 * (time.perf_counter() - t0), 2))
-
 
 
 def tier_metrics(t: LiveTier) -> dict[str, float]:

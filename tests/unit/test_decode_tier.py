@@ -79,6 +79,54 @@ def test_a_pool_full_of_idle_sessions_admits_new_ones_and_every_idle_one_complet
     assert core.kv_used == 0 and core.admitted == 0 and not core.sessions and core.tier.host.empty
 
 
+def test_under_pressure_idle_kv_goes_least_recently_used_first_whatever_the_tools_and_hints():
+    """The order ``kvtier`` states ("Eviction order"): the tool call that began longest ago first;
+    neither the tool's expected duration nor a hint moves a session in it."""
+    core = _core(cap=6000, host_tokens=16 * 1008)
+    core.tier.cfg.offload_pressure = 1.0  # pauses keep: only pressure moves KV
+    core.tier.durations.observe("search", 0.0, 60.0)
+    core.tier.durations.observe("calc", 0.0, 2.0)
+    pauses = {"calc-long-hint": ("calc", 300.0), "search": ("search", None), "new-tool": ("browse", None),
+              "calc": ("calc", None), "search-short-hint": ("search", 0.1)}
+    ss = {sid: DecodeSession(sid) for sid in pauses}
+    for s in ss.values():
+        assert core.round_ready(_ready(s, 0, 999), 0.0) == ADMITTED
+        _round(core, s, 0.5, last=False)
+    for i, sid in enumerate(reversed(pauses)):  # paused in the reverse order, 1 s apart
+        tool, hint = pauses[sid]
+        core.tier_pause(ss[sid], 1.0 + i, tool, hint)
+    assert core.tier.decisions == {"keep:no-pressure": 5} and core.kv_used == 5000
+    assert core.round_ready(_ready(DecodeSession("n"), 0, 3999), 10.0) == ADMITTED
+    assert [m.session_id for m in core.take_moves()] == ["search-short-hint", "calc", "new-tool"]
+
+
+def test_own_parts_stay_on_the_device_when_only_prefixes_others_read_would_make_room():
+    """The pressure check counts an idle session's pinned blocks others still read as taken
+    (``pin_own``): by ``evictable_kv`` the own parts would go to host and the round wait anyway."""
+    core = _core(cap=2000, host_tokens=4096)
+    core.tier.cfg.offload_pressure = 1.0
+    core.tier.durations.observe("search", 0.0, 60.0)
+    a, b = DecodeSession("a"), DecodeSession("b")
+    for s in (a, b):  # 601 tokens each, the first 512 in blocks both read (pin_own 0)
+        assert core.round_ready(_ready(s, 0, 600), 0.0) == ADMITTED
+        _round(core, s, 0.1, last=False)
+        s.pinned = 512
+        core.tier_pause(s, 1.0, "search")
+    e = DecodeSession("e")  # a round in progress: the last resort does not run
+    e.round, e.l_incr, e.out = 0, 100, 50
+    assert core.round_ready(e, 1.0) == ADMITTED and core.first_token(e, 1.1) is True
+    c = _ready(DecodeSession("c"), 0, 1000)
+    # 648 free + 2 * 89 own < 1001, though 648 + evictable_kv (1202) is not: nothing moves
+    assert core.kv_cap - core.kv_used + core.evictable_kv >= 1001
+    assert core.round_ready(c, 1.2) == WAITING
+    assert core.take_moves() == [] and a.fetch == b.fetch == 0 and core.tier.decisions == {"keep:no-pressure": 2}
+    core.drop(c)
+    # a round the own parts do make room for moves them
+    assert core.round_ready(_ready(DecodeSession("d"), 0, 800), 1.3) == ADMITTED
+    assert [(m.session_id, m.direction, m.tokens) for m in core.take_moves()] == [("a", TO_HOST, 89),
+                                                                                  ("b", TO_HOST, 89)]
+
+
 @pytest.mark.parametrize("host_tokens", [1008, 400])
 def test_when_every_session_waits_the_others_kv_makes_room_instead_of_an_overcommit(host_tokens):
     """Two sessions with resident KV both wait for room for their next round: without a tier the

@@ -1,9 +1,9 @@
-"""The live decode worker's host KV tier settings (services/decode/tier.py): off by default
-(--kv-host-ratio 0), sized by --kv-host-ratio (1: the device pool's size) or by --kv-host-mb. An
-explicit --kv-host-mb too small for one session's KV, or larger than the memory the process may use,
-is refused with the sizes named, and so is one for an engine that keeps its KV outside the worker's
-pool (nothing there for the tier to move); a ratio-sized pool never refuses a start. The tier at work:
-tests/integration/test_decode_tier_live.py."""
+"""The live decode worker's host KV tier settings (services/decode/tiersize.py): off with
+--kv-host-ratio 0, sized by --kv-host-ratio (1, the default: the device pool's size) or by
+--kv-host-mb. An explicit --kv-host-mb too small for one session's KV, or larger than the memory the
+process may use, is refused with the sizes named, and so is one for an engine that keeps its KV
+outside the worker's pool (nothing there for the tier to move); a ratio-sized pool never refuses a
+start. The tier at work: tests/integration/test_kv_tier_live.py."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +12,7 @@ from ampd.config import ConfigError
 from ampd.runtime import worker_config
 from services.decode.server import build_parser
 from ampd.policy.hostpool import MIB
-from services.decode.tier import available_memory_bytes, check_host_tier
+from services.decode.tiersize import available_memory_bytes, check_host_tier
 
 BASE = ["--worker-id", "d0", "--redis-url", "redis://127.0.0.1:1"]
 

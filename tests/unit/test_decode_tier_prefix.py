@@ -164,14 +164,18 @@ def test_with_only_shared_pinned_prefixes_left_a_round_waits_while_one_runs_then
         assert core.batch_size == 0 and not core.pending and core.queue_len == 0 and core.in_prefill is None
     c = DecodeSession("c")
     c.round, c.l_incr, c.out = 0, 1700, 1
-    assert core.round_ready(c, 0.2) == WAITING  # own parts went; the shared prefixes wait for e's end
-    assert core.tier.decisions["offload:pressure-offload"] == 2 and "drop:pressure-drop" not in core.tier.decisions
-    assert core.take_victims() == [] and a.fetch == b.fetch == 89 and not (a.evicted or b.evicted)
+    # the own parts (2 * 89) would not make room without the shared prefixes, which wait for e's
+    # end: nothing moves (``_tier_freeable``)
+    assert core.round_ready(c, 0.2) == WAITING
+    assert core.tier.decisions == {"keep:no-pressure": 2} and core.take_moves() == []
+    assert core.take_victims() == [] and a.fetch == b.fetch == 0 and not (a.evicted or b.evicted)
     if running != "decoding":
         assert core.first_token(e, 0.25) is True  # its remote prefill ended: it decodes here
     core.drop(e)  # (ended early: nothing runs now)
-    # the last resort: a, the least recently used, goes; nothing is counted free until the sync
+    # the last resort: the own parts go, then a, the least recently used; nothing is counted free
+    # until the sync
     assert core.admit_next(0.3) is None and core.take_victims() == [a] and not b.evicted
+    assert core.tier.decisions["offload:pressure-offload"] == 2 and b.fetch == 89
     b.pin_own = 512  # the sync: a let go, b alone holds the blocks now
     core.sync_kv_free(2000 - 512)
     assert core.admit_next(0.4) is c and core.take_victims() == [b]  # dropping b frees them: no deadlock

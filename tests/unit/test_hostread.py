@@ -20,7 +20,7 @@ from ampd.trust import task_token
 from ampd.v1 import common_pb2
 from ampd.validate import InvalidArgument, TaskTarget, validate_prefill_task
 from services.decode.hostread import HostReads, block_crcs, block_segments
-from services.decode.tier import HostCopy
+from services.decode.hostcopy import HostCopy
 
 BT, BPT, HIST, INCR = 4, 8, 10, 5
 

@@ -10,19 +10,14 @@ from ampd.policy.kvtier import (
     DROP,
     KEEP,
     OFFLOAD,
-    IdleKV,
-    KVState,
     KVTierConfig,
     PoolState,
     Prefetch,
     ToolPause,
     decide,
     effective_tool_s,
-    eviction_order,
     host_transfer_s,
-    plan_evictions,
     prefetch_plan,
-    rank_end,
     should_prefetch,
     transfer_fn,
 )
@@ -144,20 +139,6 @@ def test_hint_overrides_estimate_and_is_clamped():
     assert effective_tool_s(10.0, math.nan, CFG) == 10.0
 
 
-def test_rank_end_takes_the_later_of_hint_and_estimate():
-    assert rank_end(100.0, 10.0, None) == 110.0
-    assert rank_end(100.0, 10.0, 1.0) == 110.0  # a short hint does not shield its KV
-    assert rank_end(100.0, 10.0, 60.0) == 160.0  # a long one makes it an earlier victim
-    assert rank_end(100.0, None, None) is None
-    assert rank_end(100.0, None, math.inf) is None
-
-
-def test_hostile_short_hint_cannot_shield_its_kv():
-    honest = IdleKV("honest", KVState.RESIDENT, 10, 100.0, rank_end(100.0, 5.0, None))  # back at 105
-    liar = IdleKV("liar", KVState.RESIDENT, 10, 100.0, rank_end(100.0, 30.0, 0.1))  # says 100.1, really 130
-    assert [v.session_id for v in eviction_order([honest, liar])] == ["liar", "honest"]
-
-
 # -------------------------------------------------------------------------------- prefetch
 def test_prefetch_plan():
     # tool at 100 s expected 10 s, 0.2 s to fetch back, 0.05 s margin: start at 109.75
@@ -176,44 +157,3 @@ def test_should_prefetch():
     # the result arrived: at once, whatever the room (it goes through admission)
     assert should_prefetch(101.0, plan, True, 100, PoolState(1000, 1000, 500, 0)) == "result-arrived"
     assert should_prefetch(200.0, Prefetch(None, "on-result"), False, 1, room) == ""
-
-
-# -------------------------------------------------------------------------------- eviction
-def test_eviction_order_unknown_first_then_needed_last_first():
-    vs = [
-        IdleKV("a", KVState.RESIDENT, 10, 100.0, 150.0),
-        IdleKV("b", KVState.RESIDENT, 10, 90.0, 200.0),
-        IdleKV("c", KVState.RESIDENT, 10, 95.0, None),
-        IdleKV("d", KVState.RESIDENT, 10, 80.0, None),
-        IdleKV("e", KVState.RESIDENT, 10, 70.0, 150.0),
-    ]
-    assert [v.session_id for v in eviction_order(vs)] == ["d", "c", "b", "e", "a"]
-
-
-def test_plan_evictions_offloads_while_host_has_room_then_drops():
-    vs = [IdleKV(f"s{i}", KVState.RESIDENT, 40, float(i), 1000.0 - i) for i in range(4)]
-    ev, freed = plan_evictions(vs, need=100, host_free=50)
-    assert [(e.session_id, e.action, e.reason) for e in ev] == [
-        ("s0", OFFLOAD, "pressure-offload"), ("s1", DROP, "pressure-drop"), ("s2", DROP, "pressure-drop")]
-    assert freed == 120
-
-
-def test_plan_evictions_host_pool():
-    vs = [IdleKV("r", KVState.RESIDENT, 40, 0.0, None), IdleKV("h", KVState.HOST, 30, 0.0, None)]
-    ev, freed = plan_evictions(vs, need=10, host_free=0, state=KVState.HOST)
-    assert [(e.session_id, e.action, e.reason) for e in ev] == [("h", DROP, "host-evict")]
-    assert freed == 30
-
-
-def test_never_a_deadlock_a_pool_full_of_idle_sessions_frees_for_a_new_one():
-    # 10 sessions idle in tool calls fill a 1000-block pool; hostile hints included. A new session
-    # needing the whole pool gets it: every idle session is a victim, none is pinned.
-    vs = [IdleKV(f"s{i}", KVState.RESIDENT, 100, float(i), rank_end(float(i), 5.0, 0.0 if i % 2 else 1e6))
-          for i in range(10)]
-    ev, freed = plan_evictions(vs, need=1000, host_free=300)
-    assert freed == 1000
-    assert sorted(e.session_id for e in ev) == sorted(v.session_id for v in vs)
-    assert sum(e.action == OFFLOAD for e in ev) == 3  # the rest re-prefill from their tokens
-    # too little idle KV: it frees what there is and says so
-    _, freed = plan_evictions(vs[:2], need=1000, host_free=0)
-    assert freed == 200

@@ -14,14 +14,11 @@ from ampd.kv.pool import KVPool, SessionKV
 from ampd.policy.kvtier import (
     KEEP,
     OFFLOAD,
-    IdleKV,
     KVState,
     KVTierConfig,
     PoolState,
     ToolPause,
     decide,
-    plan_evictions,
-    rank_end,
 )
 
 BT, BPT = 16, 8
@@ -35,7 +32,7 @@ class Worker:
         self.host = HostPool(host_blocks, BT, BPT)
         self.kv: dict[str, SessionKV] = {}
         self.tokens: dict[str, int] = {}
-        self.idle: dict[str, IdleKV] = {}
+        self.idle: list[str] = []  # sessions whose idle KV is on the device, least recently used first
 
     def prefill(self, sid: str, tokens: int) -> None:
         kv = self.kv.setdefault(sid, SessionKV())
@@ -50,26 +47,31 @@ class Worker:
         self.host_buf.write(dst, self.dev.read(kv.segments(0, kv.tokens)))
         self.host.offload_done(sid)
         kv.release(self.dev)
-        self.idle[sid].state = KVState.HOST
+        self.idle.remove(sid)
 
     def drop(self, sid: str) -> None:
         self.host.drop(sid)
         self.kv[sid].release(self.dev)
-        del self.idle[sid]
+        self.idle.remove(sid)
 
     def make_room(self, blocks: int) -> None:
-        short = blocks - self.dev.free_blocks
-        if short <= 0:
-            return
-        plan, freed = plan_evictions(list(self.idle.values()), short, self.host.free_blocks)
-        assert freed >= short, "idle KV could not make the room"
-        for e in plan:
-            (self.offload if e.action == OFFLOAD else self.drop)(e.session_id)
+        """Idle KV leaves the device, least recently used first, until ``blocks`` are free: to the
+        host while it has room, else dropped (the decode core's order and rule, ``kvtier``'s
+        "Eviction order", ``TierMixin._tier_victim``)."""
+        for sid in list(self.idle):
+            if self.dev.free_blocks >= blocks:
+                break
+            if self.host.free_blocks >= self.host.blocks_for(self.tokens[sid]):
+                self.offload(sid)
+            else:
+                self.drop(sid)
+        assert self.dev.free_blocks >= blocks, "idle KV could not make the room"
 
     def resume(self, sid: str, fail: bool = False) -> str:
         """The tool result arrived: bring the KV back (or prefill it again); how it came back."""
         state = self.host.state(sid)
-        self.idle.pop(sid, None)
+        if sid in self.idle:
+            self.idle.remove(sid)
         if state is KVState.RESIDENT:
             return "resident"
         tokens = self.tokens[sid]
@@ -102,8 +104,8 @@ def test_a_pool_full_of_idle_sessions_admits_new_ones_and_every_idle_one_complet
         w.prefill(sid, 60)
     assert w.dev.free_blocks == 0
     actions = []
-    for i, sid in enumerate(idle):  # each round ends in a 10 s tool call
-        w.idle[sid] = IdleKV(sid, KVState.RESIDENT, 4, float(i), rank_end(float(i), 10.0, None))
+    for sid in idle:  # each round ends in a 10 s tool call
+        w.idle.append(sid)
         pool = PoolState(40, 40 - w.dev.free_blocks, 0, w.host.free_blocks)
         d = decide(ToolPause(sid, "search", 10.0, 4, 0.01, 0.01, 0.5), pool, CFG)
         actions.append(d.action)
@@ -115,12 +117,12 @@ def test_a_pool_full_of_idle_sessions_admits_new_ones_and_every_idle_one_complet
     assert (w.dev.free_blocks, w.host.free_blocks) == (12, 0)
 
     # 7 new sessions of 4 blocks arrive: 28 blocks, 12 free: the idle ones make room (dropped: the
-    # host is full), the one expected back last first
+    # host is full), least recently used first
     for j in range(7):
         sid = f"new{j}"
         w.make_room(4)
         w.prefill(sid, 60)
-    assert [s for s in idle if w.host.state(s) is KVState.GONE] == ["idle6", "idle7", "idle8", "idle9"]
+    assert [s for s in idle if w.host.state(s) is KVState.GONE] == ["idle3", "idle4", "idle5", "idle6"]
     assert w.dev.free_blocks == 0
 
     for j in range(7):
@@ -137,7 +139,7 @@ def test_a_pool_full_of_idle_sessions_admits_new_ones_and_every_idle_one_complet
 def test_offloaded_bytes_come_back_byte_for_byte_into_other_blocks():
     w = Worker(device_blocks=8, host_blocks=8)
     w.prefill("a", 50)
-    w.idle["a"] = IdleKV("a", KVState.RESIDENT, 4, 0.0, None)
+    w.idle.append("a")
     w.offload("a")
     w.prefill("b", 50)  # takes a's old blocks
     assert w.resume("a") == "host"
