@@ -26,8 +26,9 @@ in the same run, both deployments up, taking turns at each rate (each point twic
 counting), with the load average beside each point.
 
 Then the coordinator at the highest rate it was measured at is profiled with py-spy (``PROFILE_S`` seconds,
-``--idle``-less, subprocesses off): the functions with the most samples go to ``profile`` in the
-results, where its time goes.
+``--gil``: only samples of a thread holding the GIL, so its waits in the event loop's poll are not
+counted as work): the functions with the most samples go to ``profile`` in the results, where its
+Python-side CPU goes.
 
 Writes benchmarks/results/coordinator_capacity.json (``make bench BENCH=coordinator_capacity``).
 """
@@ -66,8 +67,10 @@ READING = (
     "what one coordinator routes on a core of its own; for two coordinators the per-coordinator rate measured "
     "with both serving (each also follows every worker's statistics), and cpu_capacity_two_over_one = twice "
     "that over one's; redis_cpu_capacity_rounds_per_s bounds any number of coordinators. profile.where_time_goes: "
-    "py-spy's samples of the one coordinator at the highest rate measured, by category (samples count wall "
-    "time: the event loop's and gRPC poller's waits are in their categories too). A round through the "
+    "py-spy's samples of the one coordinator at the highest rate measured, by category, taken only while a "
+    "thread holds the GIL (py-spy --gil): the Python-side CPU, waits left out (the event loop category is the "
+    "C work called from the loop: uvloop, and grpc's server-side reads and writes; the gRPC poller thread's C "
+    "work and the kernel's are not sampled). A round through the "
     "coordinator is six gRPC messages (the decode worker's prefill_task, first tokens and round end in; its "
     "route to the decode worker, unanswered, out; two SessionEvents to the client: the first tokens, then the "
     "rest with round_end and tool_call) and about three statistics publications on the Redis channel; each "
@@ -197,7 +200,7 @@ def profile(dep: Deployment, rate: float, pid: int) -> dict:
         return {"error": "py-spy is not installed"}
     raw = Path(tempfile.mkdtemp()) / "coordinator.txt"
     proc = subprocess.Popen([spy, "record", "--pid", str(pid), "--duration", str(int(PROFILE_S)), "--format", "raw",
-                             "--output", str(raw), "--nonblocking", "--rate", "200"],
+                             "--output", str(raw), "--nonblocking", "--gil", "--rate", "200"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         point(dep.coordinator, rate, f"profile-{rate:g}")

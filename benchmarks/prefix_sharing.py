@@ -12,8 +12,10 @@ turn's blocks on the worker that served it, and binding goes there when that sav
 Each pair runs at today's host KV tier (``kv_host_ratio``, default 1) and with the tier off (0), as
 the other settings stay at their defaults. The trace's rows carry no session key, so every session
 is one round with no tool call: the tier never moves KV here (0 bytes to and from host, reported per
-run); with it on the decode core reserves each round's whole output at admission
-(``ampd.worker.DecodeCore._round_need``), which leaves less free KV for the released blocks cached.
+run). With it on the decode core charges each round's whole output at admission
+(``ampd.worker.DecodeCore._round_need``); released blocks stay cached in the room of output not made
+yet, as the live pool keeps them until a token is written there (``Prefixing.prefix_trim``), so the
+tier on and off share the same blocks here.
 
 Writes benchmarks/results/prefix_sharing.json: per rate, host tier and variant, SLO attainment,
 goodput, TTFT P50/P90, prefill tokens saved, blocks shared and the bytes moved to and from host.
@@ -99,8 +101,8 @@ def main() -> None:
                 "in the worker's free KV, are shared; TTFT percentiles over first rounds. Other settings at their "
                 "defaults; kv_host_ratio 1 is today's default host KV tier, 0 turns it off. Every session is one "
                 "round with no tool call, so the tier moves no KV (bytes_to_host/bytes_from_host 0); with it the "
-                "decode core reserves each round's whole output at admission, leaving less free KV to cache "
-                "released blocks in",
+                "decode core charges each round's whole output at admission, and released blocks stay cached in "
+                "the room of output not made yet until it is made (as the live pool reclaims them)",
         "runs": runs})
 
 

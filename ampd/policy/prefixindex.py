@@ -169,6 +169,17 @@ class PrefixIndex:
             n += 1
         return n
 
+    def revives(self, hashes: Sequence[int]) -> int:
+        """How many of the indexed leading blocks of ``hashes`` are cached: sharing them revives
+        them (they take KV again)."""
+        n = 0
+        for h in hashes:
+            b = self._by_hash.get(h)
+            if b is None:
+                break
+            n += b in self._cached
+        return n
+
     # --- changes: live ------------------------------------------------------------------------
     def share(self, session_id: str, tokens: Sequence[int], seed: int | None = None) -> Shared:
         """The longest indexed prefix of a new session's prompt, a reference each (none: empty).

@@ -10,7 +10,8 @@ When a session ends the core subtracts its whole history; the index says which p
 holds any more (a shared block goes when its last holder does), and ``kv_used`` is corrected by the
 difference. Such blocks stay indexed in the worker's free KV (as a prefix cache keeps freed blocks
 until their space is taken): sharing one again charges it again; the cache is cut to the KV free
-(less what waiting rounds need), least recently released first (``PrefixIndex.reclaim``), before
+(less what waiting rounds need; with the host tier, of the KV written, ``prefix_trim``), least
+recently released first (``PrefixIndex.reclaim``), before
 each match and whenever a round or a new session takes KV (an approximation: decode tokens grow into
 it between rounds). Binding (``bind_prefix``) prefers the worker with the longest prefix when it
 fits and meets the ITL SLO, counting as live the blocks arriving there (``ampd.policy.arriving``: a
@@ -160,7 +161,7 @@ class Prefixing:
         n = min(len(rnd.hash_ids), (int(rnd.input) - 1) // HASH_BLOCK_TOKENS)
         if n <= 0:
             return
-        ix = self.prefix_trim(st.dw)
+        ix = self.prefix_revive(st.dw, rnd.hash_ids[:n])
         g = ix.acquire(st.session_id, rnd.hash_ids[:n], self.prefix_ids)
         st.dw.kv_used += ix.revived * HASH_BLOCK_TOKENS  # cached blocks held again: charged to this session
         self.prefix_revived += ix.revived
@@ -270,8 +271,8 @@ class Prefixing:
         if h is None or not h[0]:
             return
         d = st.dw
-        ix = self.prefix_trim(d)
         hashes = st.rounds[0].hash_ids[:h[0]]
+        ix = self.prefix_revive(d, hashes)
         m = ix.match(hashes)
         tokens = min(m * HASH_BLOCK_TOKENS, st.l_hist)
         if tokens < HASH_BLOCK_TOKENS:
@@ -353,15 +354,36 @@ class Prefixing:
         self.prefix_let += held - keep
         d.kv_used += still * HASH_BLOCK_TOKENS
 
-    def prefix_trim(self, d) -> PrefixIndex:
+    def prefix_trim(self, d, written: bool = True) -> PrefixIndex:
         """Cached blocks (released, still indexed) live in the worker's free KV: those past what is
-        free now (less what waiting rounds need) are evicted, least recently released first."""
+        free now (less what waiting rounds need) are evicted, least recently released first.
+        ``written``: free of the KV written, as the live pool counts it (it reclaims a cached block
+        only when an allocation needs it): with the host tier the core has charged running rounds'
+        whole output at admission, and waiting rounds' with their input, and the cache keeps the
+        room of the tokens not made yet until they are. Else free of everything charged."""
         ix = self.prefix[d.worker_id]
         if ix.cached_blocks:
-            free = max(d.kv_cap - d.kv_used - d.wait_need, 0)
-            over = ix.cached_blocks * HASH_BLOCK_TOKENS - free
+            bt = HASH_BLOCK_TOKENS
+            over = ix.cached_blocks * bt - max(d.kv_cap - d.kv_used - d.wait_need, 0)
+            if over > 0 and written and d.tier is not None:
+                unmade = d.outputs_due() + sum(s.out for s in d.kv_wait) + sum(s.out for s in d.new_wait)
+                over = ix.cached_blocks * bt - max(d.kv_cap - d.kv_used + unmade - d.wait_need, 0)
             if over > 0:
-                self.prefix_evicted += len(ix.reclaim(-(-over // HASH_BLOCK_TOKENS)))
+                self.prefix_evicted += len(ix.reclaim(-(-over // bt)))
+        return ix
+
+    def prefix_revive(self, d, hashes) -> PrefixIndex:
+        """Before a session shares the indexed prefix of ``hashes``: reviving a cached block charges
+        it again, and with the host tier a cached block may sit in room charged to output not made
+        yet (``prefix_trim``). When reviving would take KV past the device by the core's charges,
+        the cache first gives way to those charges, least recently released first (as the pool
+        would reclaim it while the outputs are made): the blocks revived then all fit, and a running
+        round's output never loses its room to a shared prefix."""
+        ix = self.prefix_trim(d)
+        if d.tier is not None and ix.cached_blocks:
+            n = ix.revives(hashes)
+            if n and d.kv_used + n * HASH_BLOCK_TOKENS > d.kv_cap - d.wait_need:
+                self.prefix_trim(d, written=False)
         return ix
 
     def prefix_stats(self, stats: dict) -> None:

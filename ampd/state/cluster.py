@@ -4,6 +4,9 @@ same code the coordinator runs."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
+import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -84,8 +87,15 @@ class Cluster:
         self.infos: dict[str, WorkerInfo] = {}
         self._infos_at = 0.0
         self._views: dict[str, StatsEntry] = {}  # worker id -> its latest statistics
+        # worker id -> its latest publication (push mode) not parsed yet, and its ts: parsed when a
+        # view is read (a worker often publishes again before the next decision)
+        self._unparsed: dict[str, tuple[float, bytes]] = {}
         self.cost = cost
-        self._routed: dict[tuple[str, int], RoutedTask] = {}  # (session, round) -> where it was routed
+        # (session, round) -> where it was routed, oldest first; and per worker the count and the
+        # sum of their compute, kept as tasks come and go (a view reads them: no scan per decision)
+        self._routed: dict[tuple[str, int], RoutedTask] = {}
+        self._routed_s: dict[str, float] = {}
+        self._routed_n: dict[str, int] = {}
         self.lag_s: list[float] = []  # recent delivery lags (push mode), bounded
         self._tasks = BackgroundTasks()  # the stats follower (push mode) and the liveness watch
         self.on_poll = None  # optional coroutine function run after each liveness poll (the coordinator's)
@@ -120,6 +130,9 @@ class Cluster:
         for wid in list(self._views):
             if wid not in self.infos:
                 del self._views[wid]
+        for wid in list(self._unparsed):
+            if wid not in self.infos:
+                del self._unparsed[wid]
 
     async def fence(self, worker_id: str, epoch: int) -> None:
         """Fences ``worker_id``'s registration of ``epoch``: it leaves routing and the registry now,
@@ -174,21 +187,23 @@ class Cluster:
     async def _follow(self, ps) -> None:
         while True:
             try:
-                # blocking, without a timeout: a timeout costs a timer and its context a message
-                msg = await ps.get_message(timeout=None)
-                if msg is None or msg.get("type") != "message":
+                # Read off the subscribed connection as it comes (["message", channel, data], and
+                # subscribe confirmations), blocking without a timeout (math.inf: redis-py's "no
+                # timeout" for a pub/sub read; a timer and its context a message cost more). Not
+                # get_message: its retry wrapper and dict per message cost more than the rest of this
+                # loop. A failed read resubscribes below, with a fresh snapshot.
+                msg = await ps.connection.read_response(timeout=math.inf, disconnect_on_error=False,
+                                                        push_request=True)
+                if not msg or msg[0] not in _MESSAGE:
                     continue
-                st = WorkerStats.from_json(msg["data"])
-                lag = time.time() - st.ts
-                if len(self.lag_s) >= 10_000:
-                    del self.lag_s[:5_000]
-                self.lag_s.append(lag)
-                await self._ingest(st)
+                self._arrived(msg[2])
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a Redis blip: resubscribe and take a fresh snapshot
                 log.warning("stats channel failed; resubscribing", error=str(exc))
                 await asyncio.sleep(0.2)
+                with contextlib.suppress(Exception):  # (its connection back to the pool, or dropped)
+                    await ps.aclose()
                 try:
                     ps = self.store.subscribe()
                     await ps.subscribe(self.store.k_stats)
@@ -197,13 +212,56 @@ class Cluster:
                 except Exception:
                     pass
 
+    def _arrived(self, raw: bytes) -> None:
+        """A publication: its delivery lag recorded, and kept to be parsed when a view is read
+        (only the latest of each worker is: most are replaced before the next decision)."""
+        if isinstance(raw, str):  # (a client decoding its responses)
+            raw = raw.encode()
+        head = _HEAD.match(raw)
+        if head is None:  # not as WorkerStats.to_json writes it (its first fields): parsed now
+            st = WorkerStats.from_json(raw)
+            self._lag(st.ts)
+            if st.worker_id in self.infos:
+                self._unparsed.pop(st.worker_id, None)
+                self._ingest_now(st)
+            else:  # a worker not known yet: the view's read looks it up in the registry first
+                self._unparsed[st.worker_id] = (st.ts, raw)
+            return
+        wid, ts = head[1].decode(), float(head[2])
+        self._lag(ts)
+        if wid in self.infos:  # (an unknown worker's, once the registry is read again)
+            self._alive_again(wid, ts)
+        prev = self._views.get(wid)
+        if prev is not None and ts < prev.ts:
+            return
+        pending = self._unparsed.get(wid)
+        if pending is None or ts >= pending[0]:
+            self._unparsed[wid] = (ts, raw)
+
+    def _lag(self, ts: float) -> None:
+        if len(self.lag_s) >= 10_000:
+            del self.lag_s[:5_000]
+        self.lag_s.append(time.time() - ts)
+
+    async def _parse_unparsed(self) -> None:
+        pending, self._unparsed = self._unparsed, {}
+        for wid, (_, raw) in pending.items():
+            try:
+                st = WorkerStats.from_json(raw)
+            except Exception as exc:  # noqa: BLE001 - one bad publication must not fail a decision
+                log.warning("unreadable worker statistics; skipped", worker=wid, error=repr(exc))
+                continue
+            await self._ingest(st)
+
     async def _ingest(self, st: WorkerStats) -> None:
-        info = self.infos.get(st.worker_id)
-        if info is None:
+        if st.worker_id not in self.infos:
             await self.refresh_infos()
-            info = self.infos.get(st.worker_id)
-            if info is None:
-                return
+        self._ingest_now(st)
+
+    def _ingest_now(self, st: WorkerStats) -> None:
+        info = self.infos.get(st.worker_id)
+        if info is None:  # (not registered, even after a fresh read of the registry)
+            return
         prev = self._views.get(st.worker_id)
         if prev is None or st.ts >= prev.ts:
             self._views[st.worker_id] = StatsEntry(st.ts, info.kind, st.view(info.kind, info.tp), st.busy_until,
@@ -217,6 +275,8 @@ class Cluster:
 
     async def view(self) -> ClusterView:
         if self.mode == "push":
+            if self._unparsed:
+                await self._parse_unparsed()
             return self._assemble(self._views.values(), 0.0)
         t0 = time.perf_counter()
         stats = await self.store.stats()
@@ -240,19 +300,41 @@ class Cluster:
         else:
             target = next((p for p in view.prefill if p.worker_id == decision.target), None)
         if target is not None:
-            self._routed[(req.session_id, req.round)] = RoutedTask(
-                target.worker_id, now, self.cost.t_pre(target.tp, req.l_hist, req.l_incr))
+            key = (req.session_id, req.round)
+            if key in self._routed:  # routed again: it counts once, from now
+                self._drop(key)
+            task = self._routed[key] = RoutedTask(target.worker_id, now, self.cost.t_pre(target.tp, req.l_hist,
+                                                                                          req.l_incr))
+            self._routed_s[task.worker_id] = self._routed_s.get(task.worker_id, 0.0) + task.compute_s
+            self._routed_n[task.worker_id] = self._routed_n.get(task.worker_id, 0) + 1
+
+    def _drop(self, key: tuple[str, int]) -> None:
+        wid, _, s = self._routed.pop(key)
+        n = self._routed_n[wid] - 1
+        if n:
+            self._routed_n[wid] = n
+            self._routed_s[wid] -= s
+        else:  # (exactly nothing, not what subtractions leave)
+            del self._routed_n[wid], self._routed_s[wid]
 
     def _not_yet_taken(self, entries: list[StatsEntry], now: float) -> dict[str, float]:
-        """worker id -> the compute of the tasks routed there that its statistics do not show yet."""
-        accepted = {e.view.worker_id: e.accepted for e in entries}
-        out: dict[str, float] = {}
-        for key, (wid, at, s) in list(self._routed.items()):
-            if now - at > ROUTED_TTL_S or key in accepted.get(wid, ()):
-                del self._routed[key]
-            else:
-                out[wid] = out.get(wid, 0.0) + s
-        return out
+        """worker id -> the compute of the tasks routed there that its statistics do not show yet.
+        Bounded work per view, whatever the rate: each worker names at most its last few tasks
+        (ACCEPTED_KEPT), and the tasks are routed in time order, so the expired ones are the first."""
+        routed = self._routed
+        for e in entries:
+            for key in e.accepted:
+                task = routed.get(key)
+                if task is not None and task.worker_id == e.view.worker_id:
+                    self._drop(key)
+        expired = []
+        for key, task in routed.items():
+            if now - task.at <= ROUTED_TTL_S:
+                break
+            expired.append(key)
+        for key in expired:
+            self._drop(key)
+        return self._routed_s
 
     def _assemble(self, entries: Iterable[StatsEntry], read_s: float) -> ClusterView:
         now = time.time()
@@ -286,3 +368,9 @@ def route(router: Router, view: ClusterView, req: PrefillTask, now: float) -> Ro
     if decode is None:
         raise LookupError(f"decode worker {req.decode_worker!r} is gone")
     return router.route(req, decode, view.prefill, now)
+
+
+# A publication's first fields as WorkerStats.to_json writes them (its dataclass fields in order):
+# its worker and time, read without parsing the rest (ampd.state.store)
+_HEAD = re.compile(rb'\{"worker_id":"([^"\\]+)","ts":([0-9.eE+-]+)[,}]')
+_MESSAGE = (b"message", "message")  # a pub/sub reply's kind (bytes; str when responses are decoded)

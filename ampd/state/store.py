@@ -172,6 +172,10 @@ _INFO_FIELDS = frozenset(f.name for f in fields(WorkerInfo))
 _STATS_FIELDS = frozenset(f.name for f in fields(WorkerStats))
 
 
+async def _as_is(message):
+    return message
+
+
 def _known(d: dict, names: frozenset[str]) -> dict:
     """``d`` without the fields a newer worker added that this version does not know: a service
     swapped in before or after the others reads what it can."""
@@ -315,8 +319,9 @@ class StateStore:
 
     def subscribe(self):
         """A pub/sub handle subscribed (on first use) to the stats channel."""
-        ps = self.r.pubsub(ignore_subscribe_messages=True)
-        return ps
+        # redis-py's default handler of a pub/sub message (hiredis gives each one as a push) formats
+        # it into a debug line, logged or not: a string of the whole publication, every one
+        return self.r.pubsub(ignore_subscribe_messages=True, push_handler_func=_as_is)
 
     async def workers(self) -> dict[str, WorkerInfo]:
         raw = await self.r.hgetall(self.k_workers)

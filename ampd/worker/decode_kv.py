@@ -129,6 +129,14 @@ class KvAdmission:
             return s.lo + s.out - 1 - self.step_idx
         return d
 
+    def outputs_due(self) -> int:
+        """With the host tier: the output tokens every running round was charged at admission and
+        has not made yet (``output_due`` summed; 0 without the tier). ``kv_used`` less these is the
+        KV written: cached prefix blocks may stay in the rest of the device until it is written."""
+        if self.tier is None:
+            return 0
+        return sum(self.output_due(s) for s in self.sessions.values() if s.due)
+
     def _fail(self, s: DecodeSession) -> int:
         s.error = f"{KV_EXHAUSTED} on {self.worker_id}: {s.l_incr} tokens needed, {self.kv_cap - self.kv_used} free"
         if s.session_id in self.sessions:

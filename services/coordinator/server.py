@@ -252,16 +252,22 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.remote.setdefault(worker, {})[(run.sid, rnd)] = run
 
     def forget_remote(self, run: SessionRun, rnd: int | None = None) -> None:
-        for worker in list(run.routing.remote.values()) if rnd is None else [run.routing.remote.get(rnd)]:
+        if rnd is not None:  # (a few times a round: one lookup, not a scan of the worker's tasks)
+            worker = run.routing.remote.pop(rnd, None)
+            tasks = self.remote.get(worker) if worker is not None else None
+            if tasks is not None:
+                tasks.pop((run.sid, rnd), None)
+                if not tasks:
+                    del self.remote[worker]
+            return
+        for worker in list(run.routing.remote.values()):
             if worker is None:
                 continue
             tasks = self.remote.get(worker, {})
-            for key in [k for k in tasks if k[0] == run.sid and (rnd is None or k[1] == rnd)]:
+            for key in [k for k in tasks if k[0] == run.sid]:
                 del tasks[key]
             if not tasks:
                 self.remote.pop(worker, None)
-        if rnd is not None:
-            run.routing.remote.pop(rnd, None)
 
     def _prefill_lost(self, worker: str) -> None:
         """Every round submitted to ``worker`` and not answered runs on its decode worker instead."""

@@ -216,3 +216,39 @@ def test_kv_tight_trace_completes_without_overcommit(peak, policy, kw):
         assert peak["used"] <= cap  # (outputs are reserved at admission)
     else:
         assert st["kv_evictions"] > 0
+
+
+def _cached_then_reserved(b_at, kv_host_mb=10):
+    """a's 4 prompt blocks are cached once it ends; x (no prompt blocks) then reserves 10 + 1500
+    tokens on a 6-block device (with the tier), its output made over ~30 s; b shares a's prompt at
+    ``b_at``."""
+    a = Session("a", 0.0, (Round(4 * BT + 10, 5, None, None, PROMPT),))
+    x = Session("x", 1.0, (Round(10, 1500),))
+    b = Session("b", b_at, (Round(4 * BT + 10, 5, None, None, PROMPT),))
+    r = _run([a, x, b], 6 * BT, True, kv_host_mb=kv_host_mb)
+    _done(r)
+    return r
+
+
+def test_cache_keeps_the_room_of_output_not_made_yet(peak):
+    # With the tier x's whole output is charged at admission (3072 - 1510 = 1562 < 2048 cached
+    # tokens), but the pool reclaims a cached block only when a token is written into it: x writes
+    # 1510 tokens, so the 4 blocks (2048 <= 3072 - 1510) all stay and b, after x, shares them all
+    # (as with the tier off). Cut by the charges, a's first block went and b shared nothing.
+    r = _cached_then_reserved(40.0)
+    st = r.stats
+    assert st["prefix_blocks_evicted"] == 0
+    assert st["prefix_shared_blocks"] == st["prefix_blocks_revived"] == 4
+    assert st["kv_tier"]["bytes_to_host"] == 0 and peak["used"] <= 6 * BT
+    assert _cached_then_reserved(40.0, kv_host_mb=0).stats["prefix_shared_blocks"] == 4  # tier off
+
+
+def test_a_revived_prefix_never_takes_the_room_of_output_not_made_yet(peak):
+    # b comes while x still makes its output: reviving the 4 cached blocks would count 1510 + 2048
+    # > 3072 tokens on the device, so the cache first gives way to x's charged output, least
+    # recently released first (a's first block: b then finds no prefix and prefills its prompt
+    # when the KV is free), and the KV counted never exceeds the device.
+    r = _cached_then_reserved(5.0)
+    assert peak["used"] <= 6 * BT and peak["admitted"] <= 6 * BT
+    st = r.stats
+    assert st["prefix_blocks_evicted"] >= 1 and st["prefix_blocks_revived"] == 0

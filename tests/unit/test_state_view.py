@@ -115,3 +115,26 @@ def test_without_a_cost_model_nothing_is_noted():
     view = c._assemble([StatsEntry(st.ts, "decode", st.view("decode", 1), 0.0, ())], 0.0)
     c.routed(view, PrefillTask("a", 0, 0, 10, 0.0, "decode-0", 1), RouteDecision("decode-0", True, "x"), 0.0)
     assert not c._routed
+
+
+def test_routed_tasks_count_once_each_and_expire_oldest_first():
+    from ampd.policy import PrefillTask, RouteDecision
+    from ampd.state.cluster import ROUTED_TTL_S
+
+    now = time.time()
+    c = Cluster(store=None, cost=FlatCost())
+    dec = WorkerStats("decode-0", now, None, (), 0.0, 1000)
+    entries = [StatsEntry(dec.ts, "decode", dec.view("decode", 1), 0.0, ())]
+    view = c._assemble(entries, 0.0)
+    for i in range(100):  # 100 ms of compute each, routed 10 ms apart
+        c.routed(view, PrefillTask(f"s{i}", 1, 0, 100, now, "decode-0", 1), RouteDecision("decode-0", True, "x"),
+                 now - ROUTED_TTL_S - 0.505 + i * 0.01)
+    # routed again: it counts once, from then
+    c.routed(view, PrefillTask("s0", 1, 0, 100, now, "decode-0", 1), RouteDecision("decode-0", True, "x"), now)
+    # s1 to s50 are past the TTL now (s0, routed again, is not)
+    assert c._assemble(entries, 0.0).decode["decode-0"].queue_predicted_s == pytest.approx(0.1 * 50)
+    assert len(c._routed) == 50 and ("s0", 1) in c._routed
+    for key in list(c._routed):
+        c._drop(key)
+    assert c._routed_s == {} and c._routed_n == {}
+    assert c._assemble(entries, 0.0).decode["decode-0"].queue_predicted_s == 0.0
