@@ -130,7 +130,7 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
     """One simulation run: the event heap, the sessions in flight and the handlers."""
 
     __slots__ = ("sim", "heap", "seq", "live", "outcomes", "reasons", "n_local", "n_remote", "n_failed",
-                 "book", "block_tokens", "refused", "n_waited",
+                 "book", "block_tokens", "refused", "n_waited", "prefix_parked",
                  "decodes", "prefills", "by_id", "router", "pviews_static", "pviews", "route_fn", "pin_ttl", "kv_evict", "open_s", "dispatch_s",
                  "handoff_s", "tool_rpc_s", "busy_extra", "contention", "dispatch", "tier", "dispatch0", "tier_to",
                  "tier_from", "prefix", "prefix_ids", "prefix_held", "prefix_arriving", "prefix_landing", "prefix_waiting", "prefix_waits", "prefix_saved", "prefix_blocks", "prefix_sessions",
@@ -174,6 +174,7 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
     # ------------------------------------------------------------------------------- the loop
     def go(self, sessions: Sequence) -> SimResult:
         wall0 = _time.perf_counter()
+        self.prefix_park(sessions)
         order = sorted(range(len(sessions)), key=lambda i: (sessions[i].arrival, i))
         ids_seen: set = set()
         heap = self.heap
@@ -468,8 +469,7 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
             stats["kv_failed_sessions"] = self.n_failed
         if self.tier:
             self.tier_stats(stats)
-        if self.prefix is not None:
-            self.prefix_stats(stats)
+        self.prefix_stats(stats)
         if sim.cfg.kv_evict:
             stats["kv_recomputed_tokens"] = sum(d.kv_recomputed_tokens for d in decodes)
         return SimResult(sim.cfg.policy, self.outcomes, [d.log for d in decodes], now, stats,

@@ -51,6 +51,20 @@ def test_offload_and_prefetch_round_trip():
     assert pool.empty
 
 
+def test_moves_without_segments_keep_the_same_accounting():
+    # the decode core's tier moves no bytes: it skips the per-block segments, nothing else changes
+    pool = HostPool(10, 16)
+    assert pool.offload_begin("s", 40, segments=False) is None
+    assert (pool.state("s"), pool.moving("s"), pool.free_blocks) == (KVState.RESIDENT, "offload", 7)
+    pool.offload_done("s")
+    assert pool.prefetch_begin("s", segments=False) is None
+    assert pool.moving("s") == "prefetch"
+    assert pool.segments("s") == [Segment(0, 0, 16), Segment(1, 0, 16), Segment(2, 0, 8)]
+    pool.prefetch_done("s")
+    assert (pool.state("s"), pool.free_blocks, pool.tokens_to_host, pool.tokens_from_host) == (
+        KVState.RESIDENT, 10, 40, 40)
+
+
 def test_failures_never_lose_the_session():
     pool = HostPool(4, 16)
     pool.offload_begin("a", 20)

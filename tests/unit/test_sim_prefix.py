@@ -91,3 +91,22 @@ def test_cache_gives_way_to_sessions_that_need_the_kv():
     assert all(s.completed for s in r.sessions)
     assert st["prefix_blocks_evicted"] > 0 and st["kv_overcommits"] == 0
     assert st["kv_used_end"] == [0] and st["prefix_blocks_cached_end"] * BT <= 6 * BT
+
+
+def test_a_trace_without_hash_ids_skips_the_prefix_calls_and_matches_sharing_off(monkeypatch):
+    # nothing can be shared: the run parks the indexes (no prefix call per round) and ends as with
+    # sharing off, its prefix stats (all 0) still reported
+    sessions = [Session(s.id, s.arrival, tuple(Round(r.input, r.output, r.tool_s) for r in s.rounds))
+                for s in _trace()]
+    off = _run(sessions, False, kv_evict=True)
+    from ampd.sim.prefixing import Prefixing
+
+    def never(*_a, **_k):
+        raise AssertionError("a prefix call in a run with nothing to share")
+    for name in ("prefix_round_ready", "prefix_admit_next", "prefix_pin", "prefix_trim", "prefix_release"):
+        monkeypatch.setattr(Prefixing, name, never)
+    on = _run(sessions, True, kv_evict=True)
+    assert [s.rounds for s in on.sessions] == [s.rounds for s in off.sessions]
+    assert on.stats["prefix_shared_tokens"] == on.stats["prefix_blocks_let_go"] == 0
+    assert {k: v for k, v in on.stats.items() if not k.startswith("prefix_") and k not in ("wall_s", "sessions_per_s")} \
+        == {k: v for k, v in off.stats.items() if k not in ("wall_s", "sessions_per_s")}
