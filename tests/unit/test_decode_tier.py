@@ -474,3 +474,21 @@ def test_simulator_marks_the_rounds_the_live_worker_cannot_claim_from_host_and_t
     assert run.pushed[-1] == pytest.approx(12.0 - P.t_kv(500, 1, 1) - P.t_pre(1, 500, 100) - P.t_kv(100, 1, 1))
     task.kv_fetch_first = True
     assert run.tier_remote_later(st, p, task, 10.0, 2.0) and run.pushed[-1] == 12.0
+
+
+def test_simulator_a_round_whose_early_prefetch_still_moves_fetches_first():
+    """--kv-prefetch-early: x's calc call ends 9.945 s in, while the prefetch its expected end (10 s,
+    from the calls before it) started is still moving. Live, that prefetch holds the host copy (not
+    claimed): the round waits for it, then its remote prefill runs. The simulator does the same:
+    first token = what is left of the prefetch + read + compute + write back (the overlap gave the
+    remote prefill's time alone)."""
+    prof = _sim_profile(cap=50000)
+    warm = [Session(f"w-{i}", 2.0 * i, (Round(1100, 2, 10.0, "calc"), Round(100, 2))) for i in range(6)]
+    x = Session("x", 40.0, (Round(4000, 2, 9.945, "calc"), Round(100, 2)))
+    kw = dict(policy="ampd", prefill="tp1*1", decode="tp1*1", ttft_slo_s=50, itl_slo_s=1, block_tokens=BT,
+              kv_offload_pressure=0.0, kv_prefetch_early=True, kv_host_mb=200)
+    res = simulate(warm + [x], prof, **kw)
+    r = [s for s in res.sessions if s.session_id == "x"][0].rounds[1]
+    remote = prof.t_kv(4002, 1, 1) + prof.t_pre(1, 4002, 100) + prof.t_kv(100, 1, 1)
+    assert res.stats["kv_tier"]["decisions"]["prefetch:expected-end"] == 2 and not r.local
+    assert remote + 0.001 < r.first_token - r.input_ready <= remote + prof.t_kv(4002, 1, 1) + 1e-9
