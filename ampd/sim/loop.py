@@ -332,8 +332,7 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
             self.route(st, now)
 
     def route(self, st: Sess, now: float, kv: tuple | None = None) -> None:
-        """Route the round (``kv``: the host tier's (KV state, seconds until its KV is on the device,
-        fetch first: ``PrefillTask.kv_fetch_first``))."""
+        """Route the round (``kv``: the host tier's (KV state, seconds until its KV is on the device, fetch first))."""
         d = st.dw
         if kv is None:
             task = PrefillTask(st.session_id, st.round, st.l_hist, st.l_incr, st.ready, d.worker_id, d.tp)
