@@ -96,22 +96,29 @@ def _check_binding(req: PrefillTask, decode: WorkerView) -> None:
 def kv_noted(dec: RouteDecision, req: PrefillTask) -> RouteDecision:
     """``dec`` with the task's KV location in its reason when the history is not resident on the
     decode worker (``cost-model+kv-host``, ``decode-slack+kv-gone``) and the fetch it waited for in
-    its estimates (``kv_fetch_s``); ``dec`` itself when neither applies."""
+    its estimates (``kv_fetch_s``, and ``kv_fetch_first`` 1.0 when counted serially); ``dec`` itself
+    when neither applies."""
     state, f = req.kv_state, req.kv_fetch_s
     if state == KV_RESIDENT and not f:
         return dec
     est = dec.estimates
     if f:
         est["kv_fetch_s"] = f
+    if req.kv_fetch_first:
+        est["kv_fetch_first"] = 1.0
     return RouteDecision(dec.target, dec.local, dec.reason if state == KV_RESIDENT else f"{dec.reason}+kv-{state}",
                          est)
 
 
-def remote_after_fetch(t_remote: float, kv_fetch_s: float) -> float:
+def remote_after_fetch(t_remote: float, kv_fetch_s: float, fetch_first: bool = False) -> float:
     """Eq. (2) ``t_remote`` of a task whose history is off the decode worker's device for
     ``kv_fetch_s`` seconds: the prefill worker reads the history from the host copy while the decode
     worker fetches it back to its device (live: services/decode/hostread.py; the simulator the same),
-    so the round's first token comes at the later of the two."""
+    so the round's first token comes at the later of the two. ``fetch_first``
+    (``PrefillTask.kv_fetch_first``): the host copy cannot be read by a prefill worker, the task goes
+    out once the fetch ended, so the two add up. The routers inline this sum (hot in the simulator)."""
+    if fetch_first:
+        return t_remote + kv_fetch_s
     return kv_fetch_s if kv_fetch_s > t_remote else t_remote
 
 
@@ -230,7 +237,9 @@ class AdaptiveRouter:
                     base[ptp] = b
                 t = b + p.queue_predicted_s  # t_remote's sum, the same float
                 f = req.kv_fetch_s  # the history reaches the decode worker's device after (remote_after_fetch)
-                if f > t:
+                if req.kv_fetch_first:
+                    t += f
+                elif f > t:
                     t = f
                 est[keys[1]] = t
                 if t <= limit:
@@ -249,7 +258,7 @@ class AdaptiveRouter:
                 return RouteDecision(decode.worker_id, True, DECODE_SLACK, est)
             # the KV off the device (host tier): a local prefill first waits for its fetch, so the
             # decode worker's ITL slack holds only if the TTFT does too (else rung 3 weighs a remote
-            # prefill, which overlaps the fetch)
+            # prefill, which overlaps the fetch unless kv_fetch_first)
             t_loc = t_local(self.cost, req.l_hist, req.l_incr, decode.tp, decode.queue_predicted_s) + f
             est["t_local"] = t_loc
             if t_loc <= self._ttft_limit:
@@ -261,6 +270,7 @@ class AdaptiveRouter:
         """Rung 3: the cost model, Eq. (1) against Eq. (2) for every prefill worker."""
         cost, l_hist, l_incr, dtp = self.cost, req.l_hist, req.l_incr, decode.tp
         f = req.kv_fetch_s
+        serial = req.kv_fetch_first  # the copy unreadable remotely: Eq. (2) after the fetch too
         t_loc = t_local(cost, l_hist, l_incr, dtp, decode.queue_predicted_s) + f  # Eq. (1) after the fetch
         est["t_local"] = t_loc
         best_t = t_loc
@@ -273,7 +283,9 @@ class AdaptiveRouter:
                 b = remote_prefill_s(cost, l_hist, l_incr, dtp, ptp)  # Eq. (2) less its queue term
                 base[ptp] = b
             t = b + p.queue_predicted_s
-            if f > t:  # Eq. (2) from the host copy: the fetch to the device runs meanwhile (remote_after_fetch)
+            if serial:
+                t += f
+            elif f > t:  # Eq. (2) from the host copy: the fetch to the device runs meanwhile (remote_after_fetch)
                 t = f
             wid = p.worker_id
             est["t_remote:" + wid] = t
@@ -389,6 +401,7 @@ class MarginRouter:
         l_hist, l_incr, dtp = req.l_hist, req.l_incr, decode.tp
         t_pre = cost.t_pre(dtp, l_hist, l_incr)
         f = req.kv_fetch_s  # the KV off the device: local waits for its fetch, remote overlaps it
+        serial = req.kv_fetch_first  # (unless the host copy is not readable remotely)
         t_loc = t_pre + decode.queue_predicted_s + f  # Eq. (1), the same sum as t_local
         est["t_local"] = t_loc
         w = decode.window_mean_s
@@ -400,7 +413,9 @@ class MarginRouter:
             if b is None:
                 b = base[p.tp] = remote_prefill_s(cost, l_hist, l_incr, dtp, p.tp)
             t = b + p.queue_predicted_s
-            if f > t:  # (remote_after_fetch)
+            if serial:  # (remote_after_fetch)
+                t += f
+            elif f > t:
                 t = f
             est["t_remote:" + p.worker_id] = t
             if not best_id or t < best_t or (t == best_t and before(p.worker_id, best_id)):

@@ -68,6 +68,9 @@ class PrefillTask:
     history again). ``kv_fetch_s``: seconds until the decode worker's device holds the history and
     the room for the new KV (the host fetch, or what is left of a prefetch in flight, and the moves
     queued before it); 0 without a tier. Routing's Eq. (1) and Eq. (2) count them (``ampd.policy.cost``).
+    ``kv_fetch_first``: on host, and a prefill worker cannot read the host copy (the decode worker
+    could not claim it, docs/kv.md "Not claimed"): a remote prefill, like a local one, comes after
+    the fetch (``ampd.policy.route.remote_after_fetch``); False: a remote one overlaps it.
 
     ``queue_yield_s``: a yielding turn's agent hint (``ampd.policy.hints.queue_yield_s``): the queues
     order the task as if its input were ready this much later (``order_at``); TTFT (a prefill core's
@@ -84,6 +87,7 @@ class PrefillTask:
     kv_state: str = "resident"
     kv_fetch_s: float = 0.0
     queue_yield_s: float = 0.0
+    kv_fetch_first: bool = False
 
     @property
     def order_at(self) -> float:

@@ -332,12 +332,13 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
             self.route(st, now)
 
     def route(self, st: Sess, now: float, kv: tuple | None = None) -> None:
-        """Route the round (``kv``: the host tier's (KV state, seconds until its KV is on the device))."""
+        """Route the round (``kv``: the host tier's (KV state, seconds until its KV is on the device, fetch first))."""
         d = st.dw
         if kv is None:
             task = PrefillTask(st.session_id, st.round, st.l_hist, st.l_incr, st.ready, d.worker_id, d.tp)
         else:
-            task = PrefillTask(st.session_id, st.round, st.l_hist, st.l_incr, st.ready, d.worker_id, d.tp, *kv)
+            task = PrefillTask(st.session_id, st.round, st.l_hist, st.l_incr, st.ready, d.worker_id, d.tp,
+                               kv_state=kv[0], kv_fetch_s=kv[1], kv_fetch_first=kv[2])
         task.queue_yield_s = _queue_yield_s(st.rounds[st.round].hints)
         dview = d.view(now)
         if self.pviews_static:

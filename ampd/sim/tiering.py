@@ -6,7 +6,11 @@ An admitted round is routed at once with its KV's location (``PrefillTask.kv_sta
 host, gone) and the time until its KV and its blocks are on the device (``kv_fetch_s``: its own fetch
 back, and the offloads in flight whose blocks it was admitted into: ``tier_room_at``): routed
 locally, its prefill is queued then; remotely, the prefill worker reads the history from the host
-copy meanwhile, and its first token waits for it. With control-path latencies (``PathLatency``) the
+copy meanwhile, and its first token waits for it. As live, a round on host cannot have its host copy
+read remotely (``kv_fetch_first``: fetch, then prefill, here or remote) when the live worker could
+not claim it (services/decode/hostread.py): a pinned shared prefix, a prefetch listed before the
+round (early) still moving, or no device room until offloads in flight end; the simulator has no
+rewound turns. With control-path latencies (``PathLatency``) the
 round is held until the link has finished every move so far and then routed as before.
 
 With prefix sharing (``ampd.sim.prefixing``) a session's pinned prefix, its blocks others also hold,
@@ -45,6 +49,7 @@ class Tiering:
     def tier_dispatch(self, st, now: float) -> None:
         """An admitted round: routed now with its KV's location (see the module doc)."""
         d = st.dw
+        early = st.kv_early > now  # its early prefetch (before the round) still moves its KV
         self.tier_moves(d, now)
         if self.open_s or self.dispatch_s:
             if d.link > now:
@@ -53,11 +58,14 @@ class Tiering:
                 self.dispatch0(st, now)
             return
         at = self.tier_room_at(d, now)
+        short = at > now  # the device has no room for it until offloads in flight end
         if st.kv_back > at:  # its own history comes back from the host
             at = st.kv_back
         wait = at - now if at > now else 0.0
         state = KV_GONE if st.round and not st.l_hist else KV_HOST if st.kv_back > now else KV_RESIDENT
-        self.route(st, now, (state, wait) if wait or state != KV_RESIDENT else None)
+        # the live worker's unclaimed rounds (services/decode/hostread.py): fetch first, then prefill
+        first = state == KV_HOST and (early or short or st.pinned > 0)
+        self.route(st, now, (state, wait, first) if wait or state != KV_RESIDENT else None)
 
     @staticmethod
     def tier_room_at(d, now: float) -> float:
@@ -82,10 +90,13 @@ class Tiering:
     def tier_remote_later(self, st, p, task, now: float, wait: float) -> bool:
         """A round routed to prefill worker ``p`` while its KV comes back (``wait`` seconds): its
         first token waits for the KV (``kv_ready``), so its prefill is submitted to end then, not
-        earlier (its compute would take the prefill worker's turn from rounds that can use it now).
+        earlier (its compute would take the prefill worker's turn from rounds that can use it now);
+        one that fetches first (``PrefillTask.kv_fetch_first``) is submitted once the KV is back.
         True when it was put off (a TIER_REMOTE event submits it)."""
         st.kv_ready = now + wait
-        at = st.kv_ready - remote_prefill_s(self.sim.profile, task.l_hist, task.l_incr, task.decode_tp, p.tp)
+        at = st.kv_ready
+        if not task.kv_fetch_first:
+            at -= remote_prefill_s(self.sim.profile, task.l_hist, task.l_incr, task.decode_tp, p.tp)
         if at <= now:
             return False
         self.push(at, TIER_REMOTE, (p, task))
@@ -122,6 +133,7 @@ class Tiering:
         d = st.dw
         if d.tier_prefetch(st, now):
             self.tier_moves(d, now)
+            st.kv_early = st.kv_back
 
     def tier_stats(self, stats: dict) -> None:
         bpt = self.sim.profile.kv_bytes_per_token

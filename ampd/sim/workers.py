@@ -94,7 +94,7 @@ class Sess(DecodeSession):
     admission promised it."""
 
     __slots__ = ("rounds", "rec", "dw", "ready", "local", "pw", "pwork", "write_s", "target", "need", "kv_back",
-                 "kv_ready")
+                 "kv_ready", "kv_early")
 
     def __init__(self, sid: str, rounds, rec: SimSession, dw: Decode, need: int):
         super().__init__(sid)
@@ -111,6 +111,7 @@ class Sess(DecodeSession):
         self.kv_back = 0.0  # host tier: when the last fetch of its KV from the host ends
         self.kv_ready = 0.0  # host tier: when its worker's device holds its history (a remote prefill's
         # first token waits for it)
+        self.kv_early = 0.0  # host tier: when its last early prefetch (before its round) ends
 
 
 class SlowerSteps:

@@ -189,7 +189,7 @@ class SessionDone(_message.Message):
     def __init__(self, rounds: _Optional[_Iterable[_Union[RoundTiming, _Mapping]]] = ...) -> None: ...
 
 class PrefillTask(_message.Message):
-    __slots__ = ("session_id", "round", "l_hist", "l_incr", "input_ready", "decode_worker", "decode_tp", "history", "dest", "token_ids", "sampling", "history_token_ids", "task_token", "kv_state", "kv_fetch_s", "prefix_tokens", "history_on_host", "queue_yield_s")
+    __slots__ = ("session_id", "round", "l_hist", "l_incr", "input_ready", "decode_worker", "decode_tp", "history", "dest", "token_ids", "sampling", "history_token_ids", "task_token", "kv_state", "kv_fetch_s", "prefix_tokens", "history_on_host", "queue_yield_s", "kv_fetch_first")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     L_HIST_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +208,7 @@ class PrefillTask(_message.Message):
     PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HISTORY_ON_HOST_FIELD_NUMBER: _ClassVar[int]
     QUEUE_YIELD_S_FIELD_NUMBER: _ClassVar[int]
+    KV_FETCH_FIRST_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     round: int
     l_hist: int
@@ -226,7 +227,8 @@ class PrefillTask(_message.Message):
     prefix_tokens: int
     history_on_host: bool
     queue_yield_s: float
-    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., l_hist: _Optional[int] = ..., l_incr: _Optional[int] = ..., input_ready: _Optional[float] = ..., decode_worker: _Optional[str] = ..., decode_tp: _Optional[int] = ..., history: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., dest: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., history_token_ids: _Optional[_Iterable[int]] = ..., task_token: _Optional[str] = ..., kv_state: _Optional[str] = ..., kv_fetch_s: _Optional[float] = ..., prefix_tokens: _Optional[int] = ..., history_on_host: _Optional[bool] = ..., queue_yield_s: _Optional[float] = ...) -> None: ...
+    kv_fetch_first: bool
+    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., l_hist: _Optional[int] = ..., l_incr: _Optional[int] = ..., input_ready: _Optional[float] = ..., decode_worker: _Optional[str] = ..., decode_tp: _Optional[int] = ..., history: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., dest: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., history_token_ids: _Optional[_Iterable[int]] = ..., task_token: _Optional[str] = ..., kv_state: _Optional[str] = ..., kv_fetch_s: _Optional[float] = ..., prefix_tokens: _Optional[int] = ..., history_on_host: _Optional[bool] = ..., queue_yield_s: _Optional[float] = ..., kv_fetch_first: _Optional[bool] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ()

@@ -15,7 +15,7 @@ import structlog
 from ampd import tracing
 from ampd.policy import PrefillTask, RouteDecision
 from ampd.policy.kvwhere import RESIDENT, KVWhere, KVWhereError, parse_kv_where
-from ampd.policy.types import KV_GONE, KV_RESIDENT
+from ampd.policy.types import KV_GONE, KV_HOST, KV_RESIDENT
 from ampd.v1 import common_pb2, decode_pb2
 from services.coordinator.core import route
 
@@ -60,16 +60,18 @@ class SessionRoutes:
         return None if r is None else r.reason
 
     async def decide(self, rnd: int, l_hist: int, l_incr: int, input_ready: float, kv_state: str = KV_RESIDENT,
-                     kv_fetch_s: float = 0.0):
+                     kv_fetch_s: float = 0.0, kv_fetch_first: bool = False):
         """(Algorithm 1's decision or None, ms it took) for the round on the cluster's view now.
         ``kv_state``/``kv_fetch_s``: where the session's KV is on its decode worker's host KV tier
-        (``PrefillTask``: its prefill_task's, or for a route sent ahead its last TurnEnd's)."""
+        (``PrefillTask``: its prefill_task's, or for a route sent ahead its last TurnEnd's);
+        ``kv_fetch_first``: the prefill_task's (a route sent ahead assumes the overlap)."""
         run = self.run
         svc = run.svc
         t0 = time.perf_counter()
         view = await svc.cluster.view()
         svc.route_read_ms_total += view.read_s * 1e3
-        req = PrefillTask(run.sid, rnd, l_hist, l_incr, input_ready, run.decode_id, run.info.tp, kv_state, kv_fetch_s)
+        req = PrefillTask(run.sid, rnd, l_hist, l_incr, input_ready, run.decode_id, run.info.tp, kv_state, kv_fetch_s,
+                          kv_fetch_first=kv_fetch_first and kv_state == KV_HOST)
         try:
             now = time.time()
             decision = route(svc.router, view, req, now)
@@ -175,7 +177,7 @@ class SessionRoutes:
                         round=need.round, error=str(exc))
             where = RESIDENT
         decision, decide_ms = await self.decide(need.round, need.l_hist, need.l_incr, need.input_ready,
-                                                where.state, where.fetch_s)
+                                                where.state, where.fetch_s, need.kv_fetch_first)
         if decision is None:
             self.local(need.round, "fallback-local")
             return

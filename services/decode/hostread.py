@@ -20,7 +20,8 @@ history again from the session's tokens (``kv_recomputed_tokens``), as after any
 
 Claimed only when the whole copy comes back unchanged (no rewound turn, no pinned shared prefix: the
 history has one source) and the device has room for history and input now; otherwise the round waits
-for its fetch as before, and the router, which counts the overlap, errs low by the fetch.
+for its fetch as before, and its task says so (``PrefillTask.kv_fetch_first``, kvwhere.py): the router
+counts the fetch and then the remote prefill.
 """
 from __future__ import annotations
 

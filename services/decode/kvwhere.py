@@ -6,8 +6,10 @@ The round's location is taken once, as its start is first tried (``note``, from 
 The task says where the KV was when the round's input was ready and what its fetch back to the device
 costs (``kv_fetch_s``). A local prefill starts once the fetch is done; a remote one reads the history
 from the host copy while the fetch runs (services/decode/hostread.py), so the router counts Eq. (1)
-plus the fetch against the later of Eq. (2) and the fetch, as the simulator does. (A round whose copy
-cannot be claimed, see hostread.py, still waits for its fetch: the router errs low for it.)"""
+plus the fetch against the later of Eq. (2) and the fetch, as the simulator does. A round whose copy
+cannot be claimed (hostread.py) waits for its fetch before its task goes out: the task says so
+(``kv_fetch_first``, ``fetch_first``) and the router counts the fetch and then Eq. (2); a route sent
+ahead for such a round to a prefill worker, costed with the overlap, does not hold (``route_holds``)."""
 from __future__ import annotations
 
 import time
@@ -15,14 +17,14 @@ from typing import TYPE_CHECKING
 
 from ampd.policy.kvtier import KVState, host_transfer_s
 from ampd.policy.kvwhere import RESIDENT, KVWhere, KVWhereError, kv_where, parse_kv_where
-from ampd.policy.types import KV_GONE
+from ampd.policy.types import KV_GONE, KV_HOST
 from ampd.v1 import common_pb2
 
 if TYPE_CHECKING:
     from services.decode.session import Session
     from services.decode.worker import DecodeWorker
 
-__all__ = ["now_where", "note", "round_where", "task_fields", "turn_end", "route_holds"]
+__all__ = ["now_where", "note", "round_where", "fetch_first", "task_fields", "turn_end", "route_holds"]
 
 
 def _state(w: DecodeWorker, s: Session) -> KVState:
@@ -60,10 +62,23 @@ def round_where(s: Session, rnd: int) -> KVWhere:
     return RESIDENT
 
 
-def task_fields(s: Session, rnd: int) -> dict:
-    """The PrefillTask's kv_state/kv_fetch_s for round ``rnd`` (nothing when resident with no wait)."""
+def fetch_first(w: DecodeWorker, s: Session) -> bool:
+    """The round of ``s`` started with its KV on host and did not claim its host copy (hostread.py):
+    it waits for the fetch before any prefill, here or remote (``PrefillTask.kv_fetch_first``)."""
+    return (round_where(s, s.round).state == KV_HOST
+            and (w.tier is None or w.tier.reads.get(s) is None))
+
+
+def task_fields(s: Session, rnd: int, fetch_first: bool = False) -> dict:
+    """The PrefillTask's kv_state/kv_fetch_s for round ``rnd`` (nothing when resident with no wait),
+    and kv_fetch_first when ``fetch_first`` (on host only)."""
     where = round_where(s, rnd)
-    return {} if where == RESIDENT else {"kv_state": where.state, "kv_fetch_s": where.fetch_s}
+    if where == RESIDENT:
+        return {}
+    out = {"kv_state": where.state, "kv_fetch_s": where.fetch_s}
+    if fetch_first and where.state == KV_HOST:
+        out["kv_fetch_first"] = True
+    return out
 
 
 def turn_end(w: DecodeWorker, s: Session, reason: str) -> common_pb2.TurnEnd:
@@ -76,12 +91,13 @@ def turn_end(w: DecodeWorker, s: Session, reason: str) -> common_pb2.TurnEnd:
     return te
 
 
-def route_holds(s: Session) -> bool:
+def route_holds(s: Session, fetch_first: bool = False) -> bool:
     """The coordinator's route for the round starting now holds: decided for the sizes it has and
     for the KV location it found (decode.proto Route.kv_state; a route decided for resident KV that
-    was on host would have been costed without the fetch)."""
+    was on host would have been costed without the fetch). A remote route for a round that fetched
+    first (``fetch_first``) was costed with the fetch overlapping it: the coordinator routes again."""
     r = s.route
-    if r is None or (r.l_hist, r.l_incr) != (s.l_hist, s.l_incr):
+    if r is None or (r.l_hist, r.l_incr) != (s.l_hist, s.l_incr) or (fetch_first and r.prefill_worker):
         return False
     try:
         told = parse_kv_where(r.kv_state, 0.0, "route.kv_state").state

@@ -44,7 +44,7 @@ from services.decode.engine_loop import EngineLoop
 from services.decode.prefix import LivePrefix
 from services.decode.prefixpub import PrefixPublisher
 from services.decode.kv import KvSync
-from services.decode.kvwhere import route_holds, turn_end
+from services.decode.kvwhere import fetch_first, route_holds, turn_end
 from services.decode.remote import RemotePrefills
 from services.decode.session import (ABORTED, FINISH_LENGTH, FINISH_STOP, FINISH_STOP_REQUESTED,
                                      FINISH_TOOL, SHUTDOWN, EventsGone, InvalidTurn, NotOpen, NotPermitted, Session,
@@ -276,7 +276,7 @@ class DecodeWorker:
         s.recovering, s.recompute = False, 0
         if tracing.on:
             s.admitted_at, s.prefill_at = time.time(), 0.0
-        routed = route_holds(s)  # for the round's sizes and its KV's location
+        routed = route_holds(s, fetch_first(self, s))  # for the round's sizes and its KV's location
         if routed and not s.route.prefill_worker:  # the coordinator's local route holds
             self.queue_local(s)
             return

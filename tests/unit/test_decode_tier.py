@@ -430,3 +430,65 @@ def test_a_round_ending_at_its_first_token_frees_the_output_reserved_beyond_it()
         assert s.out == 1 and core.kv_used == 101 and core.output_due(s) == 0
         core.round_end(s, last=True)
         assert core.kv_used == 0
+
+
+def test_simulator_marks_the_rounds_the_live_worker_cannot_claim_from_host_and_times_them_serially():
+    """ampd/sim/tiering.py as services/decode/hostread.py: a round on host fetches first
+    (``PrefillTask.kv_fetch_first``) with a pinned shared prefix, an early prefetch still moving, or no
+    device room until offloads in flight end; otherwise a remote prefill overlaps the fetch. A
+    fetch-first remote prefill is submitted once the KV is back, not to end then."""
+    from collections import deque
+    from types import SimpleNamespace as NS
+
+    from ampd.policy import PrefillTask
+    from ampd.sim.tiering import Tiering
+
+    class Run(Tiering):
+        open_s = dispatch_s = 0.0
+
+        def __init__(self):
+            self.routed, self.pushed = [], []
+            self.sim = NS(profile=P)
+
+        def route(self, st, now, kv=None):
+            self.routed.append(kv)
+
+        def push(self, at, code, obj):
+            self.pushed.append(at)
+
+    def case(pinned=0, early=0.0, offloads=()):
+        d = NS(link=0.0, offloads=deque(offloads), kv_cap=1000, kv_used=1000, take_moves=lambda: [])
+        st = NS(dw=d, round=1, l_hist=500, kv_back=12.0, kv_early=early, pinned=pinned)
+        run = Run()
+        run.tier_dispatch(st, 10.0)
+        return run.routed[-1]
+
+    assert case() == ("host", pytest.approx(2.0), False)  # claimable: the overlap
+    assert case(pinned=256)[2] and case(early=12.0)[2]
+    assert case(early=9.0) == ("host", pytest.approx(2.0), False)  # that prefetch ended before the round
+    assert case(offloads=[(11.0, 300)]) == ("host", pytest.approx(2.0), True)  # room at 11.0
+    run, p = Run(), NS(tp=1)
+    task = PrefillTask("s", 1, 500, 100, 10.0, "d0", 1, "host", 2.0)
+    st = NS()
+    assert run.tier_remote_later(st, p, task, 10.0, 2.0)
+    assert run.pushed[-1] == pytest.approx(12.0 - P.t_kv(500, 1, 1) - P.t_pre(1, 500, 100) - P.t_kv(100, 1, 1))
+    task.kv_fetch_first = True
+    assert run.tier_remote_later(st, p, task, 10.0, 2.0) and run.pushed[-1] == 12.0
+
+
+def test_simulator_a_round_whose_early_prefetch_still_moves_fetches_first():
+    """--kv-prefetch-early: x's calc call ends 9.945 s in, while the prefetch its expected end (10 s,
+    from the calls before it) started is still moving. Live, that prefetch holds the host copy (not
+    claimed): the round waits for it, then its remote prefill runs. The simulator does the same:
+    first token = what is left of the prefetch + read + compute + write back (the overlap gave the
+    remote prefill's time alone)."""
+    prof = _sim_profile(cap=50000)
+    warm = [Session(f"w-{i}", 2.0 * i, (Round(1100, 2, 10.0, "calc"), Round(100, 2))) for i in range(6)]
+    x = Session("x", 40.0, (Round(4000, 2, 9.945, "calc"), Round(100, 2)))
+    kw = dict(policy="ampd", prefill="tp1*1", decode="tp1*1", ttft_slo_s=50, itl_slo_s=1, block_tokens=BT,
+              kv_offload_pressure=0.0, kv_prefetch_early=True, kv_host_mb=200)
+    res = simulate(warm + [x], prof, **kw)
+    r = [s for s in res.sessions if s.session_id == "x"][0].rounds[1]
+    remote = prof.t_kv(4002, 1, 1) + prof.t_pre(1, 4002, 100) + prof.t_kv(100, 1, 1)
+    assert res.stats["kv_tier"]["decisions"]["prefetch:expected-end"] == 2 and not r.local
+    assert remote + 0.001 < r.first_token - r.input_ready <= remote + prof.t_kv(4002, 1, 1) + 1e-9

@@ -167,3 +167,47 @@ def test_a_bad_location_is_routed_as_resident(decided):
     assert (decided[-1].kv_state, decided[-1].kv_fetch_s) == (KV_HOST, 0.25)
     assert r.run.svc.counters["route_cost-model+kv-host"] == 1  # the counter ampd_route_decisions_total reads
     assert posted[-1].local_prefill.reason == "cost-model+kv-host"
+
+
+# -------------------- a round that could not claim its host copy (PrefillTask.kv_fetch_first)
+def test_a_round_on_host_that_did_not_claim_its_copy_fetches_first():
+    s = session()
+    s.where = (2, KVWhere(KV_HOST, 0.3))
+    claims: dict = {}
+    w = NS(tier=NS(reads=NS(get=lambda sess: claims.get(sess.session_id))))
+    assert kvwhere.fetch_first(w, s)  # not claimed: the fetch, then the prefill
+    assert kvwhere.task_fields(s, 2, True) == {"kv_state": KV_HOST, "kv_fetch_s": 0.3, "kv_fetch_first": True}
+    task = common_pb2.PrefillTask(session_id="s1", round=2, **kvwhere.task_fields(s, 2, True))
+    assert task.kv_fetch_first and not task.history_on_host
+    claims["s1"] = object()  # claimed: a prefill worker reads the host copy meanwhile
+    assert not kvwhere.fetch_first(w, s)
+    assert "kv_fetch_first" not in kvwhere.task_fields(s, 2, False)
+    s.where = (2, RESIDENT)
+    assert not kvwhere.fetch_first(w, s) and kvwhere.task_fields(s, 2, True) == {}
+    s.where = (2, KVWhere(KV_GONE, 0.0))
+    assert kvwhere.task_fields(s, 2, True) == {"kv_state": KV_GONE, "kv_fetch_s": 0.0}
+
+
+def test_a_remote_route_sent_ahead_does_not_hold_for_a_round_that_fetched_first():
+    s = session()
+    s.l_hist, s.l_incr, s.where = 100, 20, (2, KVWhere(KV_HOST, 0.2))
+    s.route = decode_pb2.Route(l_hist=100, l_incr=20, kv_state="host", prefill_worker="p0")
+    assert kvwhere.route_holds(s) and not kvwhere.route_holds(s, fetch_first=True)
+    s.route = decode_pb2.Route(l_hist=100, l_incr=20, kv_state="host")  # local: costed serially anyway
+    assert kvwhere.route_holds(s, fetch_first=True)
+
+
+def test_the_coordinator_routes_with_the_tasks_kv_fetch_first(decided):
+    r = routes()
+    posted: list = []
+    r.run.control, r.run.secret, r.run.svc.counters = NS(post=posted.append), "", Counter()
+    need = common_pb2.PrefillTask(session_id="s1", round=2, l_hist=10, l_incr=5, kv_state="host", kv_fetch_s=0.25,
+                                  kv_fetch_first=True)
+    asyncio.run(r.route(need))
+    assert decided[-1].kv_fetch_first and decided[-1].kv_fetch_s == 0.25
+    need = common_pb2.PrefillTask(session_id="s1", round=3, l_hist=10, l_incr=5, kv_state="host", kv_fetch_s=0.25)
+    asyncio.run(r.route(need))  # a worker that predates it, or a claimed copy: the overlap
+    assert not decided[-1].kv_fetch_first
+    need = common_pb2.PrefillTask(session_id="s1", round=4, l_hist=10, l_incr=5, kv_fetch_first=True)
+    asyncio.run(r.route(need))  # resident KV has no fetch to put first
+    assert not decided[-1].kv_fetch_first

@@ -431,3 +431,35 @@ def test_remote_after_fetch():
     from ampd.policy.route import remote_after_fetch
     assert remote_after_fetch(0.5, 0.2) == 0.5 and remote_after_fetch(0.5, 0.6) == 0.6
     assert remote_after_fetch(0.5, 0.0) == 0.5
+
+
+# ---------------- a round that could not claim its host copy (PrefillTask.kv_fetch_first): serial
+def test_remote_after_fetch_is_serial_when_the_copy_is_not_readable_remotely():
+    from ampd.policy.route import remote_after_fetch
+    assert remote_after_fetch(0.5, 0.2, True) == pytest.approx(0.7)
+    assert remote_after_fetch(0.5, 0.6, True) == pytest.approx(1.1)
+    assert remote_after_fetch(0.5, 0.0, True) == 0.5
+
+
+def test_kv_fetch_first_counts_the_fetch_before_a_remote_prefill_in_the_cost_model():
+    """The setting of test_kv_on_host_local_pays_the_fetch_remote_overlaps_it, the copy unclaimed:
+    local 0.35 + 0.1 + 0.2 = 0.65 against remote 0.2 + 0.5 = 0.7 (the overlap said 0.5): local."""
+    r = adaptive()
+    d, p = dw(0.5, q=0.1), [pw("p0", 5.0, q=0.3)]
+    assert not r.route(_kv("host", 0.2), d, p, 0.0).local  # the overlap: remote
+    dec = r.route(_kv("host", 0.2, kv_fetch_first=True), d, p, 0.0)
+    assert (dec.target, dec.local, dec.reason) == ("d0", True, COST_MODEL + "+kv-host")
+    assert dec.estimates["t_local"] == pytest.approx(0.65) and dec.estimates["t_remote:p0"] == pytest.approx(0.7)
+    assert dec.estimates["kv_fetch_s"] == 0.2 and dec.estimates["kv_fetch_first"] == 1.0
+
+
+def test_kv_fetch_first_in_the_prefill_slack_test_and_the_margin_router():
+    """slack="queue": remote 0.6 + 0.5 = 1.1 > the 1.0 TTFT limit: no prefill slack (the overlap's
+    max(0.5, 0.6) = 0.6 had it). Margin: local 0.65 <= remote 0.7: local (the overlap: remote 0.5)."""
+    kw = dict(seed=0, alpha=0.5, beta=0.5, slack="queue")
+    d, p = dw(5.0, q=0.1), [pw("p0", None, q=0.3)]
+    dec = AdaptiveRouter(LinearCost(), SLO_, **kw).route(_kv("host", 0.6, kv_fetch_first=True), d, p, 0.0)
+    assert dec.reason != PREFILL_SLACK + "+kv-host" and dec.estimates["t_remote:p0"] == pytest.approx(1.1)
+    m = make_router("margin", LinearCost(), SLO_, alpha=0.5, beta=0.5)
+    dec = m.route(_kv("host", 0.2, kv_fetch_first=True), dw(None, q=0.1), p, 0.0)
+    assert dec.reason == MARGIN_LOCAL + "+kv-host" and dec.estimates["t_remote:p0"] == pytest.approx(0.7)
