@@ -222,7 +222,9 @@ class Cluster:
             st = WorkerStats.from_json(raw)
             self._lag(st.ts)
             if st.worker_id in self.infos:
-                self._unparsed.pop(st.worker_id, None)
+                pending = self._unparsed.get(st.worker_id)
+                if pending is not None and pending[0] <= st.ts:  # (a newer one queued stays queued)
+                    del self._unparsed[st.worker_id]
                 self._ingest_now(st)
             else:  # a worker not known yet: the view's read looks it up in the registry first
                 self._unparsed[st.worker_id] = (st.ts, raw)
@@ -244,14 +246,25 @@ class Cluster:
         self.lag_s.append(time.time() - ts)
 
     async def _parse_unparsed(self) -> None:
+        # Every known worker's publication is taken in before anything awaits: a registry read for
+        # an unknown worker yields, and a view read meanwhile finds ``_unparsed`` empty, so it must
+        # already see the other workers' latest statistics.
         pending, self._unparsed = self._unparsed, {}
+        unknown = []
         for wid, (_, raw) in pending.items():
             try:
                 st = WorkerStats.from_json(raw)
             except Exception as exc:  # noqa: BLE001 - one bad publication must not fail a decision
                 log.warning("unreadable worker statistics; skipped", worker=wid, error=repr(exc))
                 continue
-            await self._ingest(st)
+            if st.worker_id in self.infos:
+                self._ingest_now(st)
+            else:
+                unknown.append(st)
+        if unknown:
+            await self.refresh_infos()
+            for st in unknown:
+                self._ingest_now(st)
 
     async def _ingest(self, st: WorkerStats) -> None:
         if st.worker_id not in self.infos:

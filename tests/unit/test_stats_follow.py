@@ -72,3 +72,42 @@ async def _follow(redis_url: str) -> None:
 
 def test_a_view_reads_the_latest_publication_of_each_worker(redis_url):
     asyncio.run(_follow(redis_url))
+
+
+async def _concurrent(redis_url: str) -> None:
+    store = StateStore(await connect(redis_url), f"follow{time.time_ns()}")
+    now = time.time()
+    info = WorkerInfo("decode-0", "decode", "127.0.0.1:1", 1, "decode-0-1", {}, 64)
+    await store.register_worker(info, b"", _stats("decode-0", now, 0.0), 30.0)
+    cluster = Cluster(store, "push")
+    await cluster.refresh_infos()  # (no channel followed: publications are handed in below)
+    try:
+        cluster._arrived(_stats("decode-0", now, 0.0).to_json().encode())
+        assert (await cluster.view()).decode["decode-0"].queue_predicted_s == 0.0
+        # a worker the cluster does not know yet, then a known one's newer statistics
+        late = WorkerInfo("prefill-1", "prefill", "127.0.0.1:2", 1, "prefill-1-1", {}, 64)
+        await store.register_worker(late, b"", _stats("prefill-1", now, 0.0), 30.0)
+        cluster._arrived(_stats("prefill-1", now + 1e-3, 4.0).to_json().encode())
+        cluster._arrived(_stats("decode-0", now + 1e-3, 7.0).to_json().encode())
+        # a second decision while the first reads the registry for prefill-1
+        first, second = await asyncio.gather(cluster.view(), cluster.view())
+        assert first.decode["decode-0"].queue_predicted_s == 7.0
+        assert second.decode["decode-0"].queue_predicted_s == 7.0
+        assert [p.queue_predicted_s for p in first.prefill] == [4.0]
+    finally:
+        await store.r.aclose()
+
+
+def test_a_decision_during_a_registry_read_sees_the_known_workers_latest(redis_url):
+    asyncio.run(_concurrent(redis_url))
+
+
+def test_an_older_reordered_publication_keeps_a_newer_queued_one():
+    now = time.time()
+    cluster = Cluster(store=None, mode="push")
+    cluster.infos["decode-0"] = WorkerInfo("decode-0", "decode", "127.0.0.1:1", 1, "decode-0-1", {}, 64)
+    cluster._arrived(_stats("decode-0", now + 2.0, 8.0).to_json().encode())  # queued, not parsed
+    d = vars(_stats("decode-0", now + 1.0, 5.0))  # older, its fields in another order: parsed now
+    cluster._arrived(json.dumps(dict(reversed(d.items()))).encode())
+    view = asyncio.run(cluster.view())
+    assert view.decode["decode-0"].queue_predicted_s == 8.0
