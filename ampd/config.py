@@ -143,7 +143,7 @@ class PolicyConfig:
     kv_evict: bool = setting(False, "a decode worker whose KV pool is full evicts the KV of sessions idle in tool "
                                     "calls (least recently used first) before a round waits or fails; their next "
                                     "round prefills the whole history again")
-    # The host KV tier (live: services/decode/tier.py; simulator: ampd/sim/tiering.py) is sized like
+    # The host KV tier's size (live: services/decode/tiersize.py; simulator: ampd/sim/tiering.py) follows
     # SGLang's HiCache: a ratio of the device KV pool (--hicache-ratio), which --kv-host-mb overrides
     # (--hicache-size); ampd.policy.hostpool.size_host_pool. A ratio-sized pool is capped at half the
     # memory the worker may still use at start-up and never refuses a start (off, with a log line, when

@@ -81,7 +81,7 @@ class WorkerConfig:
     kv_admission: str = inherit("kv_admission")  # "wait" | "fail"
     chunked_prefill: bool = inherit("chunked_prefill")  # decode workers only
     kv_evict: bool = inherit("kv_evict")  # decode workers only
-    kv_host_ratio: float = inherit("kv_host_ratio")  # decode workers only (services/decode/tier.py)
+    kv_host_ratio: float = inherit("kv_host_ratio")  # decode workers only (sized in services/decode/tiersize.py)
     kv_host_mb: float = inherit("kv_host_mb")
     kv_offload_pressure: float = inherit("kv_offload_pressure")
     kv_prefetch_early: bool = inherit("kv_prefetch_early")
