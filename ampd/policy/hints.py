@@ -1,5 +1,8 @@
 """Agent hints (``Turn.hints``, the OpenAI front's ``ampd_hints`` body field, a trace round's
-``hints``): their one validity rule and the values the consumers read. What each hint changes today:
+``hints``): their one validity rule and the values the consumers read. A turn's hints cover every
+round of the turn (its first and each one a server-side tool call adds); the simulator replays a
+trace session as one turn, round 0's hints covering all its rounds (docs/workload.md). What each
+hint changes today:
 
 - ``priority``: only a yield counts; it acts on admission's wait and on the prefill queues. A
   positive priority counts as 0 (no hint jumps a queue), so a hint can only cost its own session.
@@ -11,7 +14,7 @@
   (ampd/sim/admitting.py) apply it alike. Prefill queues: every round of a yielding turn is ordered
   in a prefill worker's queue and in the decode worker's local one as if its input were ready
   ``queue_yield_s`` (``-priority * yield_s``) later (``PrefillTask.queue_yield_s``, set by the
-  decode worker from its turn's hints, services/decode, and by the simulator from the round's,
+  decode worker from its turn's hints, services/decode, and by the simulator from the session's,
   ampd/sim/loop.py; ``ampd.policy.reorder``): it goes behind a task that does not yield and whose
   input was ready before that, and Algorithm 2 scores its wait from there. Its TTFT is still
   measured from the real input (``enqueued_at``).
@@ -23,12 +26,13 @@
   moves its own KV off the device sooner; a short or hostile one keeps nothing there, and brings
   nothing back, sooner than the same call without it. Eviction (least recently used first) does
   not read hints.
-- ``expected_output_tokens``: raises the round's expected output (``ampd.policy.outlen``:
+- ``expected_output_tokens``: raises each of the turn's rounds' expected output (``ampd.policy.outlen``:
   ``min(max_tokens, max(hint, windowed mean))``, the bound while no round is in the window) where a
   decision predicts time from it: the ``slo`` admission rule's ITL prediction counts a new
   session's context at its expected KV (``ampd.policy.admit.decide``'s ``expect``; the coordinator,
-  services/coordinator/session.py ``expected_kv``, with the opening turn's hint on its first round;
-  the simulator, ``ampd.sim.admitting``, with each round's). A hint only makes its own session look
+  services/coordinator/session.py ``expected_kv``, with the opening turn's hint on each of its
+  rounds, scripted ones too; the simulator, ``ampd.sim.admitting``, likewise with round 0's, the
+  replayed session's one turn). A hint only makes its own session look
   costlier, so it may get itself refused (``itl``), never another admitted or refused: a hint below
   the mean is no hint. The decisions whose safety rests on the bound (admission's KV promise,
   ``turn_kv_tokens`` without a mean; the decode worker's reservation, ``KvAdmission._round_need``)

@@ -102,15 +102,17 @@ class Admitting:
 
     def expected_kv(self, w: Waiting, now: float) -> int | None:
         """The KV ``w`` is expected to hold (``ampd.policy.outlen``: each round's output, its bound,
-        by the windowed mean and the round's ``expected_output_tokens`` hint), as the coordinator
-        derives it (services/coordinator/session.py ``expected_kv``); None without a mean."""
+        by the windowed mean and the session's ``expected_output_tokens`` hint), as the coordinator
+        derives it from the replayed session's one turn (services/coordinator/session.py
+        ``expected_kv``): round 0's hints cover every round (docs/workload.md); None without a mean."""
         mean = self.book.outputs.mean(now)
         if mean is None:
             return None
+        h = w.s.rounds[0].hints
+        hint = None if h is None else h.expected_output_tokens
         n = self.block_tokens
         for r in w.s.rounds:
-            h = r.hints
-            n += int(r.input) + expected_output(int(r.output), None if h is None else h.expected_output_tokens, mean)
+            n += int(r.input) + expected_output(int(r.output), hint, mean)
         return n
 
     def round_samples(self, st: Sess, last: float) -> None:

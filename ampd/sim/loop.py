@@ -121,8 +121,8 @@ class Simulator:
 
 
 def _queue_yield_s(h) -> float:
-    """A round's ``PrefillTask.queue_yield_s`` from its hints (None: none), as the live decode worker
-    reads its turn's (``ampd.agenthints.turn_queue_yield_s``): a yielding round is queued later."""
+    """A round's ``PrefillTask.queue_yield_s`` from its turn's hints (None: none), as the live decode worker
+    reads them (``ampd.agenthints.turn_queue_yield_s``): a yielding round is queued later."""
     return 0.0 if h is None else queue_yield_s(h.priority, HINTS)
 
 
@@ -297,8 +297,8 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
                 if tool > self.pin_ttl:  # the policy pins the KV for its TTL (kv_evict or not)
                     d.tool_call(st, pin=True)
                     self.push(now + self.pin_ttl, PIN_EXPIRED, st)
-            elif self.tier:  # the round's hint as the live decode worker reads its turn's (ampd.policy.hints)
-                h = rnd.hints
+            elif self.tier:  # the session's turn's hint (round 0's), as the live decode worker reads it
+                h = st.rounds[0].hints
                 self.tier_pause(st, now, rnd.tool, None if h is None else h.expected_tool_s)
             elif self.kv_evict and d.tool_call(st):
                 self.drain(d, now)
@@ -339,7 +339,7 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
         else:
             task = PrefillTask(st.session_id, st.round, st.l_hist, st.l_incr, st.ready, d.worker_id, d.tp,
                                kv_state=kv[0], kv_fetch_s=kv[1], kv_fetch_first=kv[2])
-        task.queue_yield_s = _queue_yield_s(st.rounds[st.round].hints)
+        task.queue_yield_s = _queue_yield_s(st.rounds[0].hints)  # (the session's one turn's, every round)
         dview = d.view(now)
         if self.pviews_static:
             dec = self.router.route(task, dview, (), now)

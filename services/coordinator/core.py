@@ -19,7 +19,8 @@ def turn_kv_tokens(t: common_pb2.Turn, max_output: int = 0, out_mean: float | No
 
     With ``out_mean`` (the windowed mean output, ``ampd.policy.outlen``): the KV it is expected to
     add, each round's output at ``expected_output`` of its bound, the turn's
-    ``expected_output_tokens`` hint raising its first round's (the round it is sent with)."""
+    ``expected_output_tokens`` hint raising every round's (a turn's hints cover each of its rounds,
+    the scripted ones too, as the decode worker reads them)."""
     def out(p: common_pb2.SamplingParams, hint: int | None = None) -> int:
         bound = min(p.max_tokens, max_output) if max_output else p.max_tokens
         return bound if out_mean is None else expected_output(bound, hint, out_mean)
@@ -28,5 +29,5 @@ def turn_kv_tokens(t: common_pb2.Turn, max_output: int = 0, out_mean: float | No
     n = len(t.token_ids) + out(t.sampling, hint)
     for c in t.script:
         if not c.tool.client_side:
-            n += c.result_tokens + out(c.sampling)
+            n += c.result_tokens + out(c.sampling, hint)
     return n

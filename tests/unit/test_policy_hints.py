@@ -168,6 +168,30 @@ def test_simulator_tier_reads_the_rounds_tool_hint_and_a_hostile_one_costs_no_ot
         assert timing(r) == timing(plain), h  # here every hint (and so no hint) gives the same times
 
 
+def test_the_simulator_reads_a_sessions_hints_off_its_first_round_as_the_replay_sends_them():
+    """The live replay sends a session as one turn carrying round 0's hints (server-side tools), so
+    they cover every round and a later round's reach no decision; in the simulator alike
+    (docs/workload.md). y's second round queues behind a long prefill before p comes."""
+    from ampd.sim import simulate
+    from ampd.workload.trace import Round, Session
+    from tests.unit.test_sim import _profile
+
+    def run(h0, h1):
+        y = Session("y", 0.0, (Round(10, 1, 0.0, hints=h0), Round(200, 2, hints=h1)))
+        a = Session("a", 0.005, (Round(8000, 2),))  # ~0.8 s of prefill
+        p = Session("p", 0.3, (Round(200, 2),))
+        r = simulate([y, a, p], _profile(), policy="colocated", decode="tp1*1", ttft_slo_s=5, itl_slo_s=1,
+                     admission="none")
+        assert all(s.completed for s in r.sessions)
+        return {s.session_id: [(x.input_ready, x.first_token) for x in s.rounds] for s in r.sessions}
+
+    plain = run(None, None)
+    assert plain["y"][1][1] < plain["p"][0][1]
+    first = run(Hints(priority=-1), None)  # the session's turn yields: its second round too
+    assert first["p"][0][1] < first["y"][1][1]
+    assert run(None, Hints(-1, 1 << 20, 0.0)) == plain  # never sent live
+
+
 def test_a_replayed_trace_sends_its_rounds_hints():
     """Live replay sends what the simulator reads: a round's hints on its gRPC turn (server-side tools:
     the turn scripting the later rounds carries its first round's), and ``ampd_hints`` as the OpenAI

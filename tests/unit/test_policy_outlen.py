@@ -43,8 +43,10 @@ def test_coordinator_expected_kv_of_a_turn():
     assert turn_kv_tokens(t) == 100 + 1000 + 50 + 400  # the bound, admission's promise
     assert turn_kv_tokens(t, out_mean=200.0) == 100 + 200 + 50 + 200
     assert turn_kv_tokens(t, 300, out_mean=250.0) == 100 + 250 + 50 + 250  # max_output caps the bound first
-    t.hints.expected_output_tokens = 600  # the hint is its first round's
-    assert turn_kv_tokens(t, out_mean=200.0) == 100 + 600 + 50 + 200
+    t.hints.expected_output_tokens = 600  # the hint covers every round of the turn, at most its bound
+    assert turn_kv_tokens(t, out_mean=200.0) == 100 + 600 + 50 + 400
+    t.hints.expected_output_tokens = 300
+    assert turn_kv_tokens(t, out_mean=200.0) == 100 + 300 + 50 + 300
     assert turn_kv_tokens(t) == 1550  # the promise does not read it
     t.hints.expected_output_tokens = 1
     assert turn_kv_tokens(t, out_mean=200.0) == 100 + 200 + 50 + 200
@@ -138,3 +140,24 @@ def test_coordinator_feeds_the_mean_from_round_timings_and_admits_by_the_expecte
     assert asyncio.run(admit(None)) == ITL
     assert asyncio.run(admit(PROMPT + expected_output(17_000, None, adm.out_mean()))) == "d0"
     assert adm.promised["d0"] == need
+
+
+def test_the_simulator_expects_what_the_coordinator_does_of_a_replayed_session():
+    """The replayed session is one turn scripting every later round and carrying round 0's hints
+    (ampd.bench.client.open_request): the simulator's expected KV is the coordinator's of that
+    turn, round 0's hint covering every round and a later round's unread."""
+    from types import SimpleNamespace
+
+    from ampd.bench.client import open_request
+    from ampd.sim.admitting import Admitting
+    from ampd.sim.workers import Waiting
+    from ampd.workload.trace import Round, Session
+
+    outputs = OutputLengths()
+    outputs.observe(0.0, 200)
+    sim = SimpleNamespace(book=SimpleNamespace(outputs=outputs), block_tokens=16)
+    for h0, h1 in ((None, None), (Hints(expected_output_tokens=600), None), (Hints(expected_output_tokens=1), None),
+                   (None, Hints(expected_output_tokens=900)), (Hints(expected_output_tokens=300), Hints(-1, 900, 2.0))):
+        s = Session("s", 0.0, (Round(100, 1000, 1.0, hints=h0), Round(50, 400, 1.0, hints=h1), Round(30, 250)))
+        coordinator = turn_kv_tokens(open_request(s).turn, 0, outputs.mean(1.0)) + 16
+        assert Admitting.expected_kv(sim, Waiting(s, None, 0, 0.0), 1.0) == coordinator, (h0, h1)
