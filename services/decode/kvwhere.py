@@ -7,9 +7,13 @@ The task says where the KV was when the round's input was ready and what its fet
 costs (``kv_fetch_s``). A local prefill starts once the fetch is done; a remote one reads the history
 from the host copy while the fetch runs (services/decode/hostread.py), so the router counts Eq. (1)
 plus the fetch against the later of Eq. (2) and the fetch, as the simulator does. A round whose copy
-cannot be claimed (hostread.py) waits for its fetch before its task goes out: the task says so
-(``kv_fetch_first``, ``fetch_first``) and the router counts the fetch and then Eq. (2); a route sent
-ahead for such a round to a prefill worker, costed with the overlap, does not hold (``route_holds``)."""
+cannot be claimed (hostread.py) waits for its fetch before its task goes out, so its task says where
+the KV is as it goes out (``send_fields``): what is left of the fetch (``kv_fetch_first``: the router
+counts it and then Eq. (2)), or, the fetch done, resident: the router's absolute checks (prefill
+slack, the decode-slack TTFT) must not count a fetch already behind it. The simulator routes such a
+round as its input is ready, before its fetch (ampd/sim/tiering.py), with the whole fetch ahead of
+it. A route sent ahead for such a round to a prefill worker, costed with the overlap, does not hold
+(``route_holds``)."""
 from __future__ import annotations
 
 import time
@@ -24,7 +28,8 @@ if TYPE_CHECKING:
     from services.decode.session import Session
     from services.decode.worker import DecodeWorker
 
-__all__ = ["now_where", "note", "round_where", "fetch_first", "task_fields", "turn_end", "route_holds"]
+__all__ = ["now_where", "note", "round_where", "fetch_first", "task_fields", "send_fields", "turn_end",
+           "route_holds"]
 
 
 def _state(w: DecodeWorker, s: Session) -> KVState:
@@ -72,13 +77,25 @@ def fetch_first(w: DecodeWorker, s: Session) -> bool:
 def task_fields(s: Session, rnd: int, fetch_first: bool = False) -> dict:
     """The PrefillTask's kv_state/kv_fetch_s for round ``rnd`` (nothing when resident with no wait),
     and kv_fetch_first when ``fetch_first`` (on host only)."""
-    where = round_where(s, rnd)
+    return _fields(round_where(s, rnd), fetch_first)
+
+
+def _fields(where: KVWhere, fetch_first: bool) -> dict:
     if where == RESIDENT:
         return {}
     out = {"kv_state": where.state, "kv_fetch_s": where.fetch_s}
     if fetch_first and where.state == KV_HOST:
         out["kv_fetch_first"] = True
     return out
+
+
+def send_fields(w: DecodeWorker, s: Session, rnd: int, now: float) -> dict:
+    """``task_fields`` of round ``rnd`` of ``s`` as its task goes out at ``now``: the location it started
+    with, but for a round that fetched first (``fetch_first``), which went out after waiting for
+    its fetch: where its KV is now (the fetch left, or resident once it ended)."""
+    if fetch_first(w, s):
+        return _fields(now_where(w, s, now), True)
+    return task_fields(s, rnd)
 
 
 def turn_end(w: DecodeWorker, s: Session, reason: str) -> common_pb2.TurnEnd:

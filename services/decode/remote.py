@@ -16,7 +16,7 @@ from ampd.kv import verify_pattern
 from ampd.stubs import Stubs
 from ampd.trust import task_token, token_matches
 from ampd.v1 import common_pb2, decode_pb2, prefill_pb2
-from services.decode.kvwhere import fetch_first, task_fields
+from services.decode.kvwhere import send_fields
 from services.decode.session import emit, REMOTE_HOLD_S, Session, SessionError, add_segments
 
 if TYPE_CHECKING:
@@ -102,7 +102,7 @@ class RemotePrefills:
             decode_worker=w.rt.cfg.worker_id, decode_tp=w.rt.cfg.tp,
             token_ids=s.tokens[s.l_hist:], sampling=s.params,
             history_token_ids=s.tokens[:s.l_hist] if w.token_ids else (), prefix_tokens=s.prefix_tokens,
-            queue_yield_s=turn_queue_yield_s(s.turn), **task_fields(s, rnd, fetch_first(w, s)),
+            queue_yield_s=turn_queue_yield_s(s.turn), **send_fields(w, s, rnd, time.time()),
         )
         s.submitted_to = ""  # (this round's task is not with a prefill worker yet)
         hr = w.tier.reads.get(s) if w.tier is not None else None  # on host: read from there (hostread.py)

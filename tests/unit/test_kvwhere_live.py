@@ -211,3 +211,29 @@ def test_the_coordinator_routes_with_the_tasks_kv_fetch_first(decided):
     need = common_pb2.PrefillTask(session_id="s1", round=4, l_hist=10, l_incr=5, kv_fetch_first=True)
     asyncio.run(r.route(need))  # resident KV has no fetch to put first
     assert not decided[-1].kv_fetch_first
+
+
+def test_a_round_that_fetched_first_sends_where_its_kv_is_as_its_task_goes_out():
+    """Its task goes out after it waited for its fetch (``LiveTier.defer``): the router is told what
+    is left of the fetch then, not the whole fetch it found as it first tried to start (the prefill
+    slack and the decode-slack TTFT would count a fetch already done)."""
+    w = worker()
+    claims: dict = {}
+    w.tier.reads = NS(get=lambda sess: claims.get(sess.session_id))
+    w.core.tier.host.offload_begin("s1", 300)
+    w.core.tier.host.offload_done("s1")
+    s = session(fetch=300)
+    kvwhere.note(w, s)  # the round tries to start: on host, its whole fetch (0.3 s) ahead
+    assert kvwhere.send_fields(w, s, 2, 0.0) == {"kv_state": KV_HOST, "kv_fetch_s": pytest.approx(0.3),
+                                                 "kv_fetch_first": True}
+    s.core.fetch = 0  # admitted: the prefetch runs (began at 5.0)
+    w.core.tier.host.prefetch_begin("s1")
+    w.core.tier.host.prefetch_done("s1")
+    w.tier.fetch_began["s1"] = (5.0, 300)
+    got = kvwhere.send_fields(w, s, 2, 5.1)
+    assert got == {"kv_state": KV_HOST, "kv_fetch_s": pytest.approx(0.2), "kv_fetch_first": True}
+    del w.tier.fetch_began["s1"]  # the fetch ended: the task says resident
+    assert kvwhere.send_fields(w, s, 2, 5.4) == {}
+    assert kvwhere.round_where(s, 2).state == KV_HOST  # (the round's own record keeps where it started)
+    claims["s1"] = object()  # claimed: sent while the fetch runs, with the location it started with
+    assert kvwhere.send_fields(w, s, 2, 5.4) == {"kv_state": KV_HOST, "kv_fetch_s": pytest.approx(0.3)}
