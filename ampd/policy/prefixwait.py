@@ -3,11 +3,9 @@
 A session whose first round begins on a decode worker while another session's prefill (local or
 remote) is writing blocks of the same prompt prefix there would prefill that prefix a second time:
 the worker's index (``PrefixIndex``) shares only blocks already written. When the blocks are due
-soon enough (``wait_until``: before a bound that keeps what a late writer costs small, and within the
-round's TTFT SLO), the round waits for them instead and then shares them: it is deferred until the
-writer's first token (its blocks enter the index), the writer fails or ends, or the wait's bound
-passes (it then prefills as it would have; the index shares what is there, so a wait never changes
-a token).
+before its own prefill of them would be done, the round waits for them instead and then shares them: it is deferred until the writer's
+first token (its blocks enter the index), the writer fails or ends, or the wait's bound passes (it
+then prefills as it would have; the index shares what is there, so a wait never changes a token).
 
 ``Landing`` keeps, per worker, the sessions writing prompt blocks (their hashes and when their
 prefill is expected to be done) and the rounds waiting on each; ``wait_until`` decides. The live
@@ -21,33 +19,29 @@ from dataclasses import dataclass, field
 
 from .prefixbind import leading
 
-__all__ = ["LATE_SHARE", "Landing", "Writer", "wait_until"]
-
-
-LATE_SHARE = 0.5  # the most a late writer may add to a round's first token, as a share of its own prefill
+__all__ = ["Landing", "Writer", "wait_until"]
 
 
 def wait_until(now: float, lands_at: float, self_s: float, after_s: float,
                ttft_left_s: float | None = None) -> float | None:
     """Whether a round that would prefill its prompt in ``self_s`` from what is indexed now, and in
     ``after_s`` once blocks due at ``lands_at`` are there, waits for them, and until when: None (it
-    prefills now), or the time past which it stops waiting and prefills all of it itself.
+    prefills now), or the time past which it stops waiting and prefills (``now + self_s``).
 
-    A writer is often late (its due time is set as its round begins, before any KV or queue wait),
-    so the bound is what a late one costs: at most ``LATE_SHARE`` of its own prefill's time, and,
-    when prefilling itself meets its TTFT SLO (``ttft_left_s``: the SLO less the time since its
-    input was ready; None: no SLO), no later than leaves that prefill room before the SLO. It waits
-    only when the blocks are due before the bound: on time, its first token comes at most
-    ``LATE_SHARE * self_s + after_s`` after now (sooner when they land early) and the shared blocks'
-    prefill is saved for the other rounds; late, at most ``bound + self_s``."""
-    if self_s <= after_s:
+    It waits when they are due before its own prefill of them would be done: its first token then
+    comes at most ``after_s`` later than without waiting (the shared blocks' prefill is saved for the
+    other rounds), sooner when they land early. ``ttft_left_s`` (its TTFT SLO less the time since its
+    input was ready; None: no SLO): when prefilling itself meets the SLO, waiting must too (the bound
+    leaves ``after_s`` before it)."""
+    lands_in = max(lands_at - now, 0.0)
+    if self_s <= after_s or lands_in >= self_s:
         return None
-    bound_s = LATE_SHARE * self_s
+    wait_s = self_s
     if ttft_left_s is not None and self_s <= ttft_left_s:
-        bound_s = min(bound_s, ttft_left_s - self_s)
-    if max(lands_at - now, 0.0) >= bound_s:
-        return None
-    return now + bound_s
+        wait_s = min(wait_s, ttft_left_s - after_s)
+        if lands_in >= wait_s:
+            return None
+    return now + wait_s
 
 
 @dataclass

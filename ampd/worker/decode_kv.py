@@ -129,28 +129,19 @@ class KvAdmission:
             return s.lo + s.out - 1 - self.step_idx
         return d
 
-    def output_tokens_due(self, block_tokens: int = 1) -> int:
+    def outputs_due(self) -> int:
         """With the host tier: the output tokens every running round was charged at admission and
-        has not made yet (``output_due``; 0 without the tier), counted as a pool of
-        ``block_tokens``-token blocks reserves them (the live ``KvSync.outputs_due``): each round's
-        into its partly filled last block first, the rest in whole blocks (1: the tokens). ``kv_used``
-        less these is the KV written: cached prefix blocks may stay in the rest of the device until
-        it is written."""
+        has not made yet (``output_due`` summed; 0 without the tier). ``kv_used`` less these is the
+        KV written: cached prefix blocks may stay in the rest of the device until it is written."""
         if self.tier is None:
             return 0
-        n = 0
-        for s in self.sessions.values():
-            due = self.output_due(s) if s.due else 0
-            if due:
-                room = -(s.l_hist + s.l_incr + s.out - due) % block_tokens  # (its last block's, as written)
-                n += -(-max(0, due - room) // block_tokens) * block_tokens
-        return n
+        return sum(self.output_due(s) for s in self.sessions.values() if s.due)
 
     def revive_cut(self, revived: int, cached: int) -> int:
         """Prefix sharing with the host tier: before a session revives ``revived`` tokens of cached
         blocks (released, still indexed; ``cached`` tokens of them in all), the cached tokens to let
         go first, least recently released first. A cached block may sit in room charged to output
-        not made yet (``output_tokens_due``: the pool reclaims it only when a token is written into it),
+        not made yet (``outputs_due``: the pool reclaims it only when a token is written into it),
         and reviving it there would leave that output no room. 0 when the revived tokens fit the
         room not charged (less what waiting rounds need); else the cache is cut to that room, as the
         pool would cut it while the outputs are made, and what is still indexed then fits."""

@@ -5,14 +5,11 @@ A session's first round here that writes prompt blocks the index does not hold i
 beginning (``LivePrefix.share``) to its first token, when they enter the index (``published``), or
 its end.
 A session whose first round here begins (``begin_round``) while a writer is writing more leading
-blocks of its prompt than the index holds waits, once, when ``wait_until`` says the blocks are due
-before its bound (half its own prefill's time, and, when prefilling itself meets its TTFT SLO, no
-later than leaves that prefill room before it: a late writer costs little and never the SLO; times
-from the worker's cost model, ``DecodeCore.cost``): its round is deferred, holding nothing
-(``input_ready`` kept: its TTFT counts the wait), and begins again when the writer's blocks land,
-when the writer fails or ends, or at the bound; ``LivePrefix.share`` then shares whatever the index
-holds, so waiting changes no token, only what is prefilled. Cancelling or closing a waiting session
-drops its wait (``done``).
+blocks of its prompt than the index holds waits, once, when ``wait_until`` says the blocks land
+before its own prefill of them would be done, within its TTFT SLO (times from the worker's cost model, ``DecodeCore.cost``): its round is deferred,
+holding nothing (``input_ready`` kept: its TTFT counts the wait), and begins again when the writer's blocks land, when the writer fails or ends, or
+at the bound; ``LivePrefix.share`` then shares whatever the index holds, so waiting changes no
+token, only what is prefilled. Cancelling or closing a waiting session drops its wait.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """A first round that waits for prefix blocks still being written (--prefix-sharing;
 services/decode/prefixwait.py, ampd/policy/prefixwait.py) on a live mock deployment: real Redis on a
 free port, the services on loopback, one prefill and one decode worker, a profile whose prefill
-takes about two seconds. A session opened while another one's prefill is writing the same 1,024-token
+takes about a second. A session opened while another one's prefill is writing the same 1,024-token
 prefix waits for it and shares it (its first round's history), with the tokens of the run alone; when
 the writer is cancelled during the wait, the waiter prefills the prefix itself and completes. The
 decode worker's pool holds nothing but cached prefix blocks at the end."""
@@ -30,7 +30,7 @@ def _profile(tmp_path: Path) -> str:
     path = Path(fast_profile(tmp_path, "prefixwait@test"))
     d = json.loads(path.read_text())
     t = d["tp"]["1"]["t_pre"]["l_incr"]
-    t["beta"] = [2e-3] * len(t["beta"])  # 2 ms a token: a 1,100-token prompt takes ~2.2 s
+    t["beta"] = [1e-3] * len(t["beta"])  # 1 ms a token: a 1,100-token prompt takes ~1.1 s
     path.write_text(json.dumps(d))
     return str(path)
 
@@ -69,8 +69,7 @@ def test_a_session_opened_during_the_prefill_of_its_prefix_waits_and_shares_it(d
         ch = grpcserver.channel(dep.coordinator)
         stub = coordinator_pb2_grpc.CoordinatorStub(ch)
         a = _open(stub, 0)
-        # its prefill (~2.2 s) is writing the prefix, due before b's bound (half b's own prefill)
-        await asyncio.sleep(1.4)
+        await asyncio.sleep(0.4)  # its prefill (~1.1 s) is writing the prefix
         b = _open(stub, 100)
         (ta, ra), (tb, rb) = await asyncio.gather(_answer(a), _answer(b))
         await ch.close()
@@ -92,7 +91,7 @@ def test_a_waiting_session_whose_writer_is_cancelled_prefills_itself(dep):
         ch = grpcserver.channel(dep.coordinator)
         stub = coordinator_pb2_grpc.CoordinatorStub(ch)
         a = _open(stub, 200)
-        await asyncio.sleep(1.4)
+        await asyncio.sleep(0.4)
         b = _open(stub, 300)
         await asyncio.sleep(0.2)  # b waits for a's blocks
         a.send(coordinator_pb2.ClientMessage(cancel=coordinator_pb2.Cancel(reason="test")))

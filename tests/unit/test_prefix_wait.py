@@ -3,30 +3,26 @@ from __future__ import annotations
 
 import pytest
 
-from ampd.policy.prefixwait import LATE_SHARE, Landing, wait_until
+from ampd.policy.prefixwait import Landing, wait_until
 from ampd.sim import simulate
 from ampd.sim.prefixing import HASH_BLOCK_TOKENS
 from ampd.workload import Round, Session
 from test_sim import _profile
 
 
-def test_a_round_waits_only_for_blocks_due_before_a_bound_a_late_writer_cannot_push_past():
-    # prefilling itself: 1.0 s; once they land: 0.2 s; a late writer costs at most LATE_SHARE of 1.0 s
-    assert LATE_SHARE == 0.5
-    assert wait_until(10.0, 10.3, 1.0, 0.2) == pytest.approx(10.5)  # due in 0.3 s: wait, at most 0.5 s
-    assert wait_until(10.0, 10.49, 1.0, 0.2) == pytest.approx(10.5)
-    assert wait_until(10.0, 10.5, 1.0, 0.2) is None  # due at the bound: no
-    assert wait_until(10.0, 10.9, 1.0, 0.2) is None  # (before its own prefill would be done, yet no)
+def test_a_round_waits_when_the_blocks_land_before_its_own_prefill_of_them_would_be_done():
+    # prefilling itself: 1.0 s; once they land: 0.2 s
+    assert wait_until(10.0, 10.5, 1.0, 0.2) == pytest.approx(11.0)  # due in 0.5 s: wait, at most 1.0 s
+    assert wait_until(10.0, 10.9, 1.0, 0.2) == pytest.approx(11.0)  # (at most 0.1 s later than not waiting)
+    assert wait_until(10.0, 11.0, 1.0, 0.2) is None  # due as its own prefill would be done: no
     assert wait_until(10.0, 10.1, 0.2, 0.2) is None  # nothing saved
-    assert wait_until(10.0, 9.0, 1.0, 0.2) == pytest.approx(10.5)  # overdue already: still at most the bound
-    # the TTFT SLO: prefilling itself meets it, so a late writer must leave that prefill room before it
-    assert wait_until(10.0, 10.3, 1.0, 0.2, ttft_left_s=1.6) == pytest.approx(10.5)  # (0.6 s to spare)
-    until = wait_until(10.0, 10.2, 1.0, 0.2, ttft_left_s=1.3)  # 0.3 s to spare: the bound
-    assert until == pytest.approx(10.3) and until + 1.0 <= 10.0 + 1.3 + 1e-9  # late: first token at the SLO
-    assert wait_until(10.0, 10.3, 1.0, 0.2, ttft_left_s=1.3) is None
-    assert wait_until(10.0, 10.0, 1.0, 0.2, ttft_left_s=1.0) is None  # no time to spare
-    # one it misses anyway: the saving decides, within the same bound
-    assert wait_until(10.0, 10.3, 1.0, 0.2, ttft_left_s=0.5) == pytest.approx(10.5)
+    assert wait_until(10.0, 9.0, 1.0, 0.2) == pytest.approx(11.0)  # the writer is late: it waits its own prefill's time
+    # the TTFT SLO: prefilling itself meets it (1.5 s left), waiting must too (first token by 1.3 + 0.2)
+    assert wait_until(10.0, 10.5, 1.0, 0.2, ttft_left_s=1.5) == pytest.approx(11.0)
+    assert wait_until(10.0, 10.9, 1.0, 0.2, ttft_left_s=1.0) is None
+    assert wait_until(10.0, 10.5, 1.0, 0.2, ttft_left_s=1.0) == pytest.approx(10.8)
+    # one it misses anyway: the saving decides
+    assert wait_until(10.0, 10.9, 1.0, 0.2, ttft_left_s=0.5) == pytest.approx(11.0)
 
 
 def test_landing_finds_the_longest_writer_and_hands_back_its_waiters_once():
@@ -58,8 +54,8 @@ def test_a_session_arriving_during_the_first_prefill_waits_for_its_blocks_when_t
     kw = dict(policy="remote", prefill="tp1*2", decode="tp1*1", ttft_slo_s=10.0, itl_slo_s=1.0)
     prof = _profile(cap=200_000)
     alone = simulate(_trace(1, 0.0), prof, prefix_sharing=True, **kw).sessions[0].rounds[0].ttft
-    # arriving with 30 % of it to go: the blocks are due before the bound (half its own prefill)
-    on = simulate(_trace(2, 0.7 * alone), prof, prefix_sharing=True, **kw)
+    # arriving halfway through it: the blocks land before its own prefill would be done
+    on = simulate(_trace(2, 0.5 * alone), prof, prefix_sharing=True, **kw)
     assert all(s.completed for s in on.sessions)
     assert on.stats["prefix_waits"] == 1 and on.stats["prefix_shared_blocks"] == 7
     assert on.stats["kv_used_end"] == [0] and on.stats["prefix_blocks_held_end"] == 0
