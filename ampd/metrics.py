@@ -108,8 +108,6 @@ DECODE = (
     # prefix sharing (--prefix-sharing; services/decode/prefix.py)
     _one("prefix_shared_tokens", "counter", "prefix_shared_tokens", "prompt tokens whose KV a session found "
          "in blocks shared with other sessions (not prefilled)"),
-    _one("prefix_waits", "counter", "prefix_waits", "first rounds deferred until prefix blocks another session's "
-         "prefill is writing on the worker landed, to share them (ampd/policy/prefixwait.py)"),
     _one("prefix_cached_tokens", "gauge", "prefix_cached_tokens", "tokens of prefix blocks nobody holds, kept "
          "cached for later sessions (free KV: taken back first when the pool is short)"),
     # the host KV tier (--kv-host-mb; services/decode/tier.py)
@@ -150,7 +148,7 @@ COORDINATOR = (
            "(ampd/policy/admit.py)", tuple(("refused_" + r, r) for r in REFUSAL_REASONS), label="reason"),
     Family("session_bindings", "counter", "new sessions whose prompt was matched against the decode workers' "
            "prefix blocks (--prefix-sharing), by the reason of their binding: 'prefix' (moved to the worker "
-           "holding, or prefilling, a longer prefix), 'admission' (admission's choice kept)",
+           "holding a longer prefix), 'admission' (admission's choice kept)",
            (("bind_prefix", "prefix"), ("bind_admission", "admission")), label="reason"),
     _one("prefix_bind_tokens", "counter", "bind_prefix_tokens", "prompt tokens held on the worker of the sessions "
          "bound for a prefix (what they moved to share)"),

@@ -12,8 +12,8 @@ qwen3-32b@h20 profile, one prefill and two decode workers (TP 1), policy ampd, T
 
 Reports per variant: tokens prefilled (the rounds' l_incr), tokens shared (the decode workers'
 ``prefix_shared_tokens``), the sessions the coordinator bound for a prefix (moved from admission's
-worker to one holding, or prefilling, a longer prefix of its prompt: ``bind_prefix``) and the sessions
-bound to each decode worker, first-round TTFT P50/P90, SLO attainment, sessions completed, token and KV
+worker to one holding a longer prefix of its prompt: ``bind_prefix``) and the sessions bound to each
+decode worker, first-round TTFT P50/P90, SLO attainment, sessions completed, token and KV
 byte mismatches, and whether every decode worker's pool was empty at the end (free plus cached prefix
 blocks = capacity, no session). The box is shared: compare the variants of one run.
 """
@@ -114,7 +114,6 @@ def one(name: str, on: bool, sessions: list[Session], run_dir: Path) -> dict:
     return {"variant": name, "prefix_sharing": on, "sessions": len(records), "completed": rep["completed"],
             "tokens_prefilled": sum(x.l_incr for r in records for x in r.rounds),
             "tokens_shared": int(sum(m.get("prefix_shared_tokens", 0) for m in decode.values())),
-            "prefix_waits": int(sum(m.get("prefix_waits", 0) for m in decode.values())),
             "sessions_bound_for_prefix": int(coord.get("bind_prefix", 0)),
             "sessions_by_decode_worker": dict(sorted(Counter(stats.bound_to.values()).items())),
             "first_round_ttft_p50_s": _pct(ttft1, 0.5), "first_round_ttft_p90_s": _pct(ttft1, 0.9),

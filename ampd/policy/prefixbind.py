@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from .bind import bind
 from .order import before
@@ -72,15 +72,13 @@ def scoped_seed(seed: int, scope: str) -> int:
 
 def bind_prefix(decode_workers: Sequence[WorkerView], matched: Mapping[str, int], block_tokens: int,
                 promised: Mapping[str, int] | None = None, need: int = 0,
-                itl_slo_s: float | None = None, held: Mapping[str, int] | None = None) -> tuple[str | None, int]:
+                itl_slo_s: float | None = None) -> tuple[str | None, int]:
     """(worker id, shared blocks there). The worker with the most matched blocks wins among those
     where the session fits (free KV net of ``promised`` >= ``need`` less the shared tokens, which
-    it does not allocate again: those of the blocks ``held`` there, default ``matched``; blocks still
-    arriving, ``ampd.policy.arriving``, may not be there when its round begins) and whose windowed
-    ITL is under ``itl_slo_s`` (a worker missing its ITL SLO gains no session for a cache hit). Ties
-    go to the most free KV, then the worker order. With no match anywhere, ``bind``'s choice and 0."""
+    it does not allocate again) and whose windowed ITL is under ``itl_slo_s`` (a worker missing its
+    ITL SLO gains no session for a cache hit). Ties go to the most free KV, then the worker order.
+    With no match anywhere, ``bind``'s choice and 0."""
     promised = promised or {}
-    held = matched if held is None else held
     best: WorkerView | None = None
     best_key: tuple[int, int] = (0, 0)
     for w in decode_workers:
@@ -88,7 +86,7 @@ def bind_prefix(decode_workers: Sequence[WorkerView], matched: Mapping[str, int]
         if m <= 0:
             continue
         free = w.kv_free_tokens - promised.get(w.worker_id, 0)
-        if need > 0 and free < need - min(held.get(w.worker_id, 0), m) * block_tokens:
+        if need > 0 and free < need - m * block_tokens:
             continue
         if itl_slo_s is not None and w.window_mean_s is not None and w.window_mean_s >= itl_slo_s:
             continue
@@ -102,10 +100,9 @@ def bind_prefix(decode_workers: Sequence[WorkerView], matched: Mapping[str, int]
 
 def rebind_prefix(bound: str, decode_workers: Sequence[WorkerView], matched: Mapping[str, int], block_tokens: int,
                   promised: Mapping[str, int], need: int, itl_slo_s: float | None = None,
-                  move_min_blocks: int = MOVE_MIN_BLOCKS, held: Mapping[str, int] | None = None) -> tuple[str, int]:
+                  move_min_blocks: int = MOVE_MIN_BLOCKS) -> tuple[str, int]:
     """(worker id, shared blocks there) for a new session admission bound to ``bound`` (``need``
-    promised there already, in ``promised``): ``bound`` unless another worker holds (or has
-    arriving: ``matched`` counts both, ``held`` the held ones only, as ``bind_prefix``) at least
+    promised there already, in ``promised``): ``bound`` unless another worker holds at least
     ``move_min_blocks`` more leading blocks of its prompt; then ``bind_prefix``'s choice with the
     promise taken off ``bound`` (``bound`` again when it picks none). The simulator and the live
     coordinator both bind by it."""
@@ -114,12 +111,12 @@ def rebind_prefix(bound: str, decode_workers: Sequence[WorkerView], matched: Map
         return bound, here
     rest = dict(promised)
     rest[bound] = rest.get(bound, 0) - need
-    wid, _ = bind_prefix(decode_workers, matched, block_tokens, rest, need, itl_slo_s, held)
+    wid, _ = bind_prefix(decode_workers, matched, block_tokens, rest, need, itl_slo_s)
     wid = wid or bound
     return wid, matched.get(wid, 0)
 
 
-def leading(found: Iterable[object]) -> int:
+def leading(found: Sequence[object]) -> int:
     """How many of ``found`` (one truth value a prompt block, in order: is it held?) lead before
     the first that is not: the blocks a worker can share (a later one held alone is no use)."""
     n = 0

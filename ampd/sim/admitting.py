@@ -83,14 +83,13 @@ class Admitting:
             rec.error = f"admission: {v.reason}: {v.detail}"
             rec.end = now
         else:
-            d = self.by_id[v.worker if self.prefix is None else self.prefix_bind(w, v.worker, decode, now)]
+            d = self.by_id[v.worker if self.prefix is None else self.prefix_bind(w, v.worker, decode)]
             rec.decode_worker = d.worker_id
             st = Sess(rec.session_id, w.s.rounds, rec, d, w.need)
             self.live[rec.session_id] = st
-            if self.prefix is None:
-                self.round_ready(st, now, w.at)
-            else:
-                self.prefix_start(st, now, w.at)
+            if self.prefix is not None:
+                self.prefix_acquire(st)
+            self.round_ready(st, now, w.at)
         if head_left:
             self.admit_head(now)
 

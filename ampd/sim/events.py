@@ -16,4 +16,3 @@ TIER_READY = 11  # a round whose KV came back from the host tier (or whose room 
 TIER_PREFETCH = 12  # an offloaded session's prefetch time (its tool's expected end, less the transfer)
 TIER_LOCAL = 13  # a round routed locally before its KV was back on the device: its prefill is queued now
 TIER_REMOTE = 14  # a remote prefill timed to end as its KV is back on the device reaches its prefill worker
-PREFIX_WAKE = 15  # a first round waiting for arriving prefix blocks begins (they landed, or its bound passed)

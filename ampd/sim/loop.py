@@ -33,7 +33,7 @@ from .admitting import HINTS, Admitting
 from .config import PathLatency, SimConfig
 from .events import (ADMIT_CHECK, COMPUTE_DONE, COMPUTE_START, DISPATCH, HANDOFF, PIN_EXPIRED, PREFILL_DONE,
                      REMOTE_DONE, ROUND_READY, STEP_DONE, TIER_LOCAL, TIER_PREFETCH, TIER_READY,
-                     TIER_REMOTE, PREFIX_WAKE)
+                     TIER_REMOTE)
 from .gcpause import gc_paused
 from .prefixing import Prefixing
 from .remote import RemotePrefilling
@@ -133,7 +133,7 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
                  "book", "block_tokens", "refused", "n_waited", "prefix_parked",
                  "decodes", "prefills", "by_id", "router", "pviews_static", "pviews", "route_fn", "pin_ttl", "kv_evict", "open_s", "dispatch_s",
                  "handoff_s", "tool_rpc_s", "busy_extra", "contention", "dispatch", "tier", "dispatch0", "tier_to",
-                 "tier_from", "prefix", "prefix_ids", "prefix_held", "prefix_arriving", "prefix_landing", "prefix_waiting", "prefix_waits", "prefix_saved", "prefix_blocks", "prefix_sessions",
+                 "tier_from", "prefix", "prefix_ids", "prefix_held", "prefix_saved", "prefix_blocks", "prefix_sessions",
                  "prefix_revived", "prefix_evicted", "prefix_kv", "prefix_cap", "prefix_wdrops", "prefix_let")
 
     def __init__(self, sim: Simulator):
@@ -149,12 +149,15 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
         self.block_tokens = cfg.block_tokens
         self.refused: dict[str, int] = {}  # admission's refusals by reason
         self.n_waited = 0  # sessions that waited for admission
-        self.decodes, self.prefills = sim.decodes, sim.prefills
-        self.by_id, self.router = sim.by_id, sim.router
+        self.decodes = sim.decodes
+        self.prefills = sim.prefills
+        self.by_id = sim.by_id
+        self.router = sim.router
         self.pviews_static = not sim.prefills
         self.pviews = Views(sim.prefills, 0.0)
         self.route_fn = sim.router.route
-        self.pin_ttl, self.kv_evict = sim.kv_pin_ttl_s, cfg.kv_evict
+        self.pin_ttl = sim.kv_pin_ttl_s
+        self.kv_evict = cfg.kv_evict
         path = cfg.path or PathLatency()
         self.open_s, self.dispatch_s, self.handoff_s = path.open_s, path.dispatch_s, path.handoff_s
         self.tool_rpc_s, self.busy_extra = path.tool_s, path.prefill_busy_s
@@ -233,8 +236,6 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
                 self.tier_local(obj, now)
             elif code == TIER_REMOTE:
                 self.submit_remote(obj[0], obj[1], now)
-            elif code == PREFIX_WAKE:
-                self.prefix_wake(obj, now)
         return self.result(now, n_events, _time.perf_counter() - wall0, len(sessions))
 
     def round_ready(self, st: Sess, now: float, ready: float = -1.0) -> None:
@@ -261,7 +262,7 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
             rec.end = now
             del self.live[st.session_id]
             if self.prefix is not None:
-                self.prefix_release(st, st.round > 0, now)
+                self.prefix_release(st, st.round > 0)
             self.release(st, now)
         else:
             self.drain(d, now)
@@ -307,14 +308,14 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
             st.rec.end = now
             del self.live[st.session_id]
             if self.prefix is not None:
-                self.prefix_release(st, True, now)
+                self.prefix_release(st, True)
             self.drain(d, now)
             self.release(st, now)
 
     def first_token(self, st: Sess, now: float) -> None:
         d = st.dw
         if self.prefix is not None and not st.round:  # its prefill wrote the prompt's KV
-            self.prefix_commit(st, now)
+            self.prefix_commit(st)
         if not d.first_token(st, now):
             self.round_end(st, now, now)
         elif d.state == IDLE:

@@ -14,12 +14,7 @@ until their space is taken): sharing one again charges it again; the cache is cu
 recently released first (``PrefixIndex.reclaim``), before
 each match and whenever a round or a new session takes KV (an approximation: decode tokens grow into
 it between rounds). Binding (``bind_prefix``) prefers the worker with the longest prefix when it
-fits and meets the ITL SLO, counting as live the blocks arriving there (``ampd.policy.arriving``: a
-session bound there whose first prefill is writing them, from its binding to its first token). A
-session whose first round would begin while a session's prefill there is writing more of its prompt
-blocks than are indexed waits for them when that pays, as live (``ampd.policy.prefixwait``:
-``prefix_start``, ``PREFIX_WAKE``), else prefills them itself. Rounds without ``hash_ids`` behave
-as without sharing.
+fits and meets the ITL SLO. Rounds without ``hash_ids`` behave as without sharing.
 
 With KV that leaves the device while sessions idle in tool calls (``kv_evict``, the host tier,
 a KV-pinning policy: ``_Run.prefix_kv``) the decode core decides as live, fed as the live worker
@@ -40,13 +35,9 @@ to the free KV before each match and each round's admission, so it gives way fir
 """
 from __future__ import annotations
 
-from ampd.policy.arriving import Arriving, with_arriving
 from ampd.policy.prefixindex import PrefixIndex
 from ampd.policy.prefixbind import MOVE_MIN_BLOCKS, rebind_prefix
-from ampd.policy.prefixwait import Landing, wait_until
 from ampd.worker import ADMITTED, TO_HOST
-
-from .events import PREFIX_WAKE
 from ampd.workload.mooncake import HASH_BLOCK_TOKENS
 
 __all__ = ["Prefixing", "BlockIds", "prefix_indexes", "MOVE_MIN_BLOCKS"]
@@ -79,14 +70,13 @@ def prefix_indexes(cfg, decodes) -> dict | None:
 class Prefixing:
     """Prefix-sharing handlers of ``ampd.sim.loop._Run`` (which declares ``prefix``: worker id ->
     index or None, ``prefix_ids``: their ``BlockIds``, ``prefix_held``: session id -> [prompt blocks,
-    shared tokens, fresh blocks, tokens shared again that the core will charge], ``prefix_arriving``:
-    the ``Arriving`` blocks of first prefills, ``prefix_saved``, ``prefix_blocks``, ``prefix_sessions``, ``prefix_revived``,
+    shared tokens, fresh blocks, tokens shared again that the core will charge], ``prefix_saved``, ``prefix_blocks``, ``prefix_sessions``, ``prefix_revived``,
     ``prefix_evicted``; with KV moves (``prefix_kv``): ``prefix_cap``, each decode worker's capacity,
     ``prefix_wdrops``, its tier's waiting-drops seen, and ``prefix_let``, blocks let go of by moves)."""
 
     __slots__ = ()
 
-    def prefix_bind(self, w, bound: str, decode, now: float) -> str:
+    def prefix_bind(self, w, bound: str, decode) -> str:
         """The worker for new session ``w`` that admission bound to ``bound``: the one holding the
         longest prefix of its prompt when that fits and meets the ITL SLO (the promise moves); the
         bound worker stays when it holds as long a prefix as any (a prefix every worker holds, such
@@ -96,11 +86,9 @@ class Prefixing:
             return bound
         for d in self.decodes:
             self.prefix_trim(d)
-        held = {wid: ix.match(hashes) for wid, ix in self.prefix.items()}
-        matched = with_arriving(held, self.prefix_arriving.matches(dict.fromkeys(self.prefix, hashes), now))
+        matched = {wid: ix.match(hashes) for wid, ix in self.prefix.items()}
         book = self.book
-        wid, _ = rebind_prefix(bound, decode, matched, HASH_BLOCK_TOKENS, book.promised, w.need, self.sim.slo.itl_s,
-                               held=held)
+        wid, _ = rebind_prefix(bound, decode, matched, HASH_BLOCK_TOKENS, book.promised, w.need, self.sim.slo.itl_s)
         if wid == bound:  # (MOVE_MIN_BLOCKS: a prefix every worker holds is not worth leaving admission's choice)
             return bound
         book.promised[bound] -= w.need
@@ -109,52 +97,8 @@ class Prefixing:
         book.sessions[wid] += 1
         return wid
 
-    def prefix_start(self, st, now: float, at: float) -> None:
-        """The session is bound (its input ready at ``at``): its prompt blocks arrive there (for
-        binding) and its first round begins, unless it waits, as live
-        (``services/decode/prefixwait.py``), for blocks another session's prefill is writing there."""
-        rnd = st.rounds[0]
-        n = min(len(rnd.hash_ids), (int(rnd.input) - 1) // HASH_BLOCK_TOKENS) if rnd.hash_ids else 0
-        if n > 0:
-            d = st.dw
-            hashes = rnd.hash_ids[:n]
-            self.prefix_arriving.bound(st.session_id, d.worker_id, hashes, now)
-            landing = self.prefix_landing[d.worker_id]
-            best = landing.longest(hashes) if landing.writers else None
-            held = self.prefix_trim(d).match(hashes) if best is not None else 0
-            if best is not None and best[1] > held:
-                writer, m, lands_at = best
-                bt, total = HASH_BLOCK_TOKENS, int(rnd.input)
-                until = wait_until(now, lands_at, d.cost.t_pre(d.tp, held * bt, total - held * bt),
-                                   d.cost.t_pre(d.tp, m * bt, total - m * bt), self.sim.slo.ttft_s - (now - at))
-                if until is not None:
-                    landing.wait(st.session_id, writer)
-                    self.prefix_waiting[st.session_id] = at
-                    self.prefix_waits += 1
-                    self.push(until, PREFIX_WAKE, st)
-                    return
-        self.prefix_acquire(st, now)
-        self.round_ready(st, now, at)
-
-    def prefix_wake(self, st, now: float) -> None:
-        """A waiting first round begins: the blocks it waited for landed (or their writer ended), or
-        its bound passed; it shares what is indexed now."""
-        at = self.prefix_waiting.pop(st.session_id, None)
-        if at is None:  # (begun already)
-            return
-        self.prefix_landing[st.dw.worker_id].gone(st.session_id)
-        self.prefix_acquire(st, now)
-        self.round_ready(st, now, at)
-
-    def prefix_landed(self, st, now: float) -> None:
-        """``st`` writes no more (its blocks landed, or it ended): the rounds that waited begin."""
-        for sid in self.prefix_landing[st.dw.worker_id].done(st.session_id):
-            self.push(now, PREFIX_WAKE, self.live[sid])
-
-    def prefix_acquire(self, st, now: float) -> None:
-        """The session's first round begins: its prompt's full blocks (all but the last token's) are
-        held; those it did not find indexed its prefill writes, due by the cost model's prefill time
-        (as live, ``PrefixWaits.writing``)."""
+    def prefix_acquire(self, st) -> None:
+        """The session is bound: its prompt's full blocks (all but the last token's) are held."""
         rnd = st.rounds[0]
         if not rnd.hash_ids:
             return
@@ -168,10 +112,6 @@ class Prefixing:
         self.prefix_trim(st.dw)  # its fresh blocks take cached blocks' space first
         shared = g.shared * HASH_BLOCK_TOKENS
         self.prefix_held[st.session_id] = [n, shared, n - g.shared, 0]
-        if g.shared < n:
-            d = st.dw
-            self.prefix_landing[d.worker_id].writing(st.session_id, rnd.hash_ids[:n],
-                                                     now + d.cost.t_pre(d.tp, shared, int(rnd.input) - shared))
         if g.shared:
             self.prefix_saved += shared
             self.prefix_blocks += g.shared
@@ -184,18 +124,14 @@ class Prefixing:
             st.l_hist = h[1]
             st.l_incr -= h[1]
 
-    def prefix_commit(self, st, now: float) -> None:
+    def prefix_commit(self, st) -> None:
         """Round 0's prefill is done (its first token): its prompt blocks hold KV, others may share them."""
         if st.session_id in self.prefix_held:
             self.prefix[st.dw.worker_id].commit(st.session_id)
-            self.prefix_arriving.gone(st.session_id)  # (indexed now: the worker's match counts them)
-            self.prefix_landed(st, now)
 
-    def prefix_release(self, st, charged: bool, now: float) -> None:
+    def prefix_release(self, st, charged: bool) -> None:
         """The session ended (``charged``: the core subtracted its whole history, shared tokens
         included; else it was never admitted there): its blocks go back as the index says."""
-        self.prefix_arriving.gone(st.session_id)
-        self.prefix_landed(st, now)
         h = self.prefix_held.pop(st.session_id, None)
         if h is None:
             return
@@ -219,10 +155,6 @@ class Prefixing:
         self.prefix_let = 0
         self.prefix_ids = BlockIds()
         self.prefix_held = {}
-        self.prefix_arriving = Arriving()
-        self.prefix_landing = {d.worker_id: Landing() for d in self.decodes}
-        self.prefix_waiting = {}  # session id -> its first round's input time, while it waits
-        self.prefix_waits = 0
         self.prefix_saved = self.prefix_blocks = self.prefix_sessions = self.prefix_revived = self.prefix_evicted = 0
 
     def prefix_park(self, sessions) -> None:
@@ -412,7 +344,5 @@ class Prefixing:
         stats["prefix_blocks_revived"] = self.prefix_revived  # shared again from the cache
         stats["prefix_blocks_evicted"] = self.prefix_evicted  # cache blocks whose space was needed
         stats["prefix_blocks_cached_end"] = sum(ix.cached_blocks for ix in self.prefix.values())
-        if self.prefix_waits:  # first rounds that waited for arriving blocks (none: the stats as before)
-            stats["prefix_waits"] = self.prefix_waits
         if self.prefix_kv:  # prompt blocks idle sessions let go of as their KV was dropped or moved to host
             stats["prefix_blocks_let_go"] = self.prefix_let

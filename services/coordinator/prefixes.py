@@ -7,22 +7,16 @@ sharing decode worker's match for its prompt (``ampd.state.prefixes``: one pipel
 admission has picked a worker, the ``PrefixChoice`` may move the session to a worker holding at least
 ``MOVE_MIN_BLOCKS`` more of its prompt blocks, where it fits (KV net of the promises) and the ITL SLO
 is met; the promise is made there. A Redis that does not answer leaves admission's choice.
-
-A worker's match counts the blocks arriving there too (``ampd.policy.arriving``): those the first
-prefill of a session this coordinator bound there is writing, not yet published, so that a session
-arriving during that prefill follows them as it would follow published ones.
 """
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
 import structlog
 
 from ampd.policy import WorkerView
-from ampd.policy.arriving import Arriving, with_arriving
 from ampd.policy.prefixbind import prefix_hashes, rebind_prefix, scoped_seed
 from ampd.state.prefixes import PrefixSets
 from ampd.state.store import REDIS_ERRORS, WorkerInfo
@@ -66,17 +60,13 @@ def prompt_hashes(infos: Mapping[str, WorkerInfo], tokens: Sequence[int], scope:
 
 
 class PrefixChoice:
-    """The prompt's match on each worker (held or arriving) and the rule that applies it to
-    admission's choice (``__call__``); ``bound`` counts and logs the binding once the promise is made,
-    and counts the prompt's blocks as arriving on that worker (``arriving``, when given)."""
+    """The prompt's match on each worker and the rule that applies it to admission's choice
+    (``__call__``); ``bound`` counts and logs the binding once the promise is made."""
 
     def __init__(self, sid: str, matched: Mapping[str, int], block_tokens: Mapping[str, int],
-                 itl_slo_s: float | None, counters: Counter, hashes: Mapping[str, list[int]] | None = None,
-                 arriving: Arriving | None = None, held: Mapping[str, int] | None = None) -> None:
+                 itl_slo_s: float | None, counters: Counter) -> None:
         self.sid, self.matched, self.block_tokens = sid, dict(matched), dict(block_tokens)
         self.itl_slo_s, self.counters = itl_slo_s, counters
-        self.hashes, self.arriving = dict(hashes or {}), arriving
-        self.held = dict(matched if held is None else held)  # published blocks only (the log's)
         self.admitted = ""  # admission's choice, the last time it was asked
 
     def __call__(self, bound: str, decode: Sequence[WorkerView], promised: Mapping[str, int], need: int) -> str:
@@ -85,34 +75,28 @@ class PrefixChoice:
         bt = self.block_tokens.get(bound) or max(self.block_tokens.values(), default=0)
         if bt <= 0:
             return bound
-        wid, _ = rebind_prefix(bound, decode, self.matched, bt, promised, need, self.itl_slo_s, held=self.held)
+        wid, _ = rebind_prefix(bound, decode, self.matched, bt, promised, need, self.itl_slo_s)
         return wid
 
     def bound(self, worker: str) -> None:
         """The session is bound to ``worker``: the binding's reason, ``prefix`` or ``admission``, in
-        ``ampd_session_bindings_total`` (and the tokens held for it there, if it moved, in
-        ``ampd_prefix_bind_tokens_total``); its prompt's blocks arrive there."""
-        blocks, held = self.matched.get(worker, 0), self.held.get(worker, 0)
+        ``ampd_session_bindings_total`` (and its shared tokens, if it moved, in
+        ``ampd_prefix_bind_tokens_total``)."""
+        blocks = self.matched.get(worker, 0)
         if worker != self.admitted:
             self.counters["bind_prefix"] += 1
-            # (held there: blocks still arriving may not be there when its round begins)
-            self.counters["bind_prefix_tokens"] += min(held, blocks) * self.block_tokens.get(worker, 0)
+            self.counters["bind_prefix_tokens"] += blocks * self.block_tokens.get(worker, 0)
             log.info("session bound for a prefix", session=self.sid, decode_worker=worker, reason="prefix",
-                     prefix_blocks=blocks, arriving_blocks=blocks - min(held, blocks),
-                     admitted=self.admitted, admitted_blocks=self.matched.get(self.admitted, 0))
+                     prefix_blocks=blocks, admitted=self.admitted, admitted_blocks=self.matched.get(self.admitted, 0))
         else:
             self.counters["bind_admission"] += 1
-        if self.arriving is not None:
-            self.arriving.bound(self.sid, worker, self.hashes.get(worker, ()), time.monotonic())
 
 
 async def prefix_choice(sets: PrefixSets, infos: Mapping[str, WorkerInfo], sid: str, tokens: Sequence[int],
-                        itl_slo_s: float | None, counters: Counter, scope: str = "",
-                        arriving: Arriving | None = None) -> PrefixChoice | None:
+                        itl_slo_s: float | None, counters: Counter, scope: str = "") -> PrefixChoice | None:
     """The PrefixChoice of a new session with prompt ``tokens`` in prefix scope ``scope``
-    (OpenSession.prefix_scope), its match counting the blocks ``arriving`` on each worker; None when
-    no decode worker shares prefixes, the prompt has no full block to share, or Redis did not answer
-    (bound as without)."""
+    (OpenSession.prefix_scope); None when no decode worker shares prefixes, the prompt has no full
+    block to share, or Redis did not answer (bound as without)."""
     if len(tokens) > THREAD_TOKENS:
         hashes = await asyncio.to_thread(prompt_hashes, dict(infos), tokens, scope)
     else:
@@ -125,5 +109,4 @@ async def prefix_choice(sets: PrefixSets, infos: Mapping[str, WorkerInfo], sid: 
         log.warning("prefix lookup failed; binding without it", session=sid, error=str(exc) or type(exc).__name__)
         return None
     bts = {w: _block_tokens(infos[w]) for w in hashes}
-    both = matched if arriving is None else with_arriving(matched, arriving.matches(hashes, time.monotonic()))
-    return PrefixChoice(sid, both, bts, itl_slo_s, counters, hashes, arriving, matched)
+    return PrefixChoice(sid, matched, bts, itl_slo_s, counters)

@@ -18,7 +18,6 @@ from ampd.config import (SERVICE_SETTINGS, ConfigError, CoordinatorSettings, Dep
 from ampd.deployment import check_names
 from ampd.perf import load_profile
 from ampd.policy import SLO, make_router, policy_spec
-from ampd.policy.arriving import Arriving
 from ampd.state import StateStore, connect
 from ampd.state.prefixes import PrefixSets
 from ampd.state.promises import Promises
@@ -47,7 +46,6 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                  fence_after: float = WorkerSettings.fence_after) -> None:
         self.store = store
         self.prefix_sets = PrefixSets(store.r, store.ns)  # the decode workers' prefix blocks (binding)
-        self.arriving = Arriving()  # the blocks first prefills of sessions bound here are writing (binding)
         self.cluster = Cluster(store, stats_mode, cost=cost, fence_after=fence_after)
         self.cluster.on_poll = self._on_poll
         self.cluster.on_fenced = self._fenced
@@ -158,8 +156,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             return None
         slo = self.admission.book.slo
         return await prefix_choice(self.prefix_sets, self.cluster.infos, run.sid, tokens,
-                                   slo.itl_s if slo is not None else None, self.counters, run.o.prefix_scope,
-                                   self.arriving)
+                                   slo.itl_s if slo is not None else None, self.counters, run.o.prefix_scope)
 
     def block_tokens(self) -> int:
         """A session's last KV block may be partly empty: its promise counts one block more."""

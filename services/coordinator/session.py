@@ -258,12 +258,12 @@ class SessionRun:
 
     def attach(self, call) -> None:
         """The session's stream from its decode worker is ``call`` (Attach or Reattach) now."""
-        self.gen, self.call = self.gen + 1, call
+        self.gen += 1
+        self.call = call
         self.pump = self.svc.tasks.spawn(self._pump(call, self.gen))
         self.bound, self.opened, self.announce = True, False, True
 
     def _release(self) -> None:
-        self.svc.arriving.gone(self.sid)  # (it leaves the worker: its first prefill there writes nothing more)
         if self.promised_on:
             self.svc.admission.release(self.promised_on, self.need, self.sid)
             self.promised_on = ""
@@ -274,7 +274,8 @@ class SessionRun:
             self.pump.cancel()
         if self.call is not None:
             self.call.cancel()
-        self.pump, self.call, self.bound = None, None, False
+        self.pump = self.call = None
+        self.bound = False
 
     async def _decode_failed(self, exc: grpc.aio.AioRpcError) -> list:
         code = exc.code()
@@ -368,7 +369,6 @@ class SessionRun:
                 self.deferred.append(lambda: routing.routed(ahead.round, ahead.decision, ahead.decide_ms))
             lg.on_tokens(self._unlogged(ev.tokens))
             self.svc.forget_remote(self, ev.tokens.round)
-            self.svc.arriving.landed(self.sid, time.monotonic())  # (its first prefill's blocks: published soon)
             return [self.to_client(tokens=ev.tokens)]
         if kind == "tool_call":
             lg.on_tool_call(ev.tool_call)

@@ -35,7 +35,6 @@ import structlog
 from ampd.kv import KVPool, SessionKV
 from ampd.policy.prefixbind import scoped_seed
 from ampd.policy.prefixindex import PrefixIndex, prefix_hashes
-from services.decode.prefixwait import PrefixWaits
 
 if TYPE_CHECKING:
     from services.decode.session import Session
@@ -128,8 +127,7 @@ class SharedKV(SessionKV):
 
 class LivePrefix:
     """The decode worker's prefix index and its hooks: ``new_kv`` (open), ``share`` (a round
-    begins), ``published`` (its first token), ``rewound`` (an edited conversation), and the first
-    rounds waiting for blocks being written (``waits``: services/decode/prefixwait.py). Off
+    begins), ``published`` (its first token), ``rewound`` (an edited conversation). Off
     (``on`` False) each hook does nothing."""
 
     def __init__(self, w: DecodeWorker, on: bool, seed: int = 0) -> None:
@@ -137,7 +135,6 @@ class LivePrefix:
         self.on = on
         pool = w.rt.pool
         self.index = PrefixIndex(pool.block_tokens, seed)  # seed: the model's (its published hashes')
-        self.waits = PrefixWaits(w, on)  # first rounds waiting for blocks being written here
         if on:
             pool.reclaimer = self.index
 
@@ -167,8 +164,6 @@ class LivePrefix:
         self._revive_room(s.tokens[:s.prefix_tokens + 1], s.scoped_seed)
         got = self.index.share(kv.session_id, s.tokens[:s.prefix_tokens + 1], s.scoped_seed)
         s.shared_tokens = got.tokens
-        if not again:  # its prefill writes the rest of its prompt blocks: others may wait for them
-            self.waits.writing(s, got.tokens)
         if got.tokens:
             s.kv.blocks, s.kv.tokens, kv.shared_in = list(got.blocks), got.tokens, len(got.blocks)
             self.w.core.shared_history(s.core, got.tokens)
@@ -204,7 +199,6 @@ class LivePrefix:
         kv = s.kv
         if isinstance(kv, SharedKV) and self.index.held(kv.session_id) * self.w.rt.pool.block_tokens < s.prefix_tokens:
             self.index.publish(kv.session_id, s.tokens[:s.prefix_tokens + 1], kv.blocks, s.scoped_seed)
-        self.waits.done(s)  # (the rounds that waited for them begin)
 
     def own_pins(self) -> None:
         """Before the core decides by the pool (``KvSync.sync``): each idle session with a pinned

@@ -110,7 +110,6 @@ class Session:
     recompute: int = 0  # KV tokens an eviction took (--kv-evict): the next round prefills them again
     prefix_tokens: int = 0  # --prefix-sharing: leading tokens in prefix blocks (PrefillTask.prefix_tokens)
     shared_tokens: int = 0  # --prefix-sharing: of them, those its first round found shared (RoundTiming)
-    prefix_waited: bool = False  # --prefix-sharing: its first round waited for arriving blocks (once)
     scoped_seed: int = 0  # --prefix-sharing: its prompt blocks' hash seed, its prefix scope's (LivePrefix.seed_of)
     prefix_scope: str = ""  # OpenSession.prefix_scope (SessionState: a reattached coordinator moves it with it)
     route: decode_pb2.Route | None = None  # the coordinator's route for the round starting now

@@ -65,7 +65,7 @@ METRICS = ("sessions_opened", "sessions_completed", "sessions_failed", "prefills
            "decode_steps", "tokens", "kv_bytes_verified", "kv_bytes_mismatched", "tool_calls", "prefill_chunks",
            "kv_waits", "prefills_rerouted", "local_prefill_tokens", "sessions_resumed", "kv_held_for_remote",
            "kv_evictions", "kv_recomputed_tokens", "prefills_overdue", "sessions_detached", "sessions_reattached",
-           "sessions_replaced", "prefix_shared_tokens", "prefix_waits")
+           "sessions_replaced", "prefix_shared_tokens")
 
 
 class DecodeWorker:
@@ -95,14 +95,17 @@ class DecodeWorker:
         self.streams = streams_rounds(engine)
         # its collaborators: the engine loop, the remote prefills, the server-side tool calls
         self.loop = EngineLoop(self)
-        self.kv, self.attachments = KvSync(self), Attachments(self)
-        self.remote, self.tools = RemotePrefills(self), ToolCalls(self, sidecar_stub)
+        self.kv = KvSync(self)
+        self.attachments = Attachments(self)
+        self.remote = RemotePrefills(self)
+        self.tools = ToolCalls(self, sidecar_stub)
         self.tier = LiveTier(self, core.tier.host.num_blocks) if core.tier is not None else None  # --kv-host-mb
         self.prefix = LivePrefix(self, rt.cfg.prefix_sharing, prefix_seed(rt.cfg.model))  # --prefix-sharing
         if rt.cfg.prefix_sharing:  # the blocks it holds, published for the coordinators' binding
             rt.prefix_seed = self.prefix.index.seed
             rt.loops.append(PrefixPublisher(rt, self.prefix.index).run)
-        rt.published, rt.on_fenced = self.kv.published, self.fenced
+        rt.published = self.kv.published
+        rt.on_fenced = self.fenced
 
     # ---------------------------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -219,8 +222,6 @@ class DecodeWorker:
         now, later (it waits) or never."""
         if s.max_rounds and s.next_round >= s.max_rounds:
             self.fail(s, f"limits.max_rounds: the session reached its {s.max_rounds} rounds")
-            return
-        if self.prefix.waits.defer(s, params, new, input_ready):  # --prefix-sharing: its prefix is being written here
             return
         s.params, s.sampling = params, sampling_of(params)
         if self.chat is not None:
@@ -343,7 +344,6 @@ class DecodeWorker:
         keep_ended(self.ended, s, self.reattach_grace_s)
         remote = self.remote.take(s.session_id, s.round) is not None
         self.loop.forget(s)
-        self.prefix.waits.done(s)  # (a round waiting for its blocks begins; its own wait ends)
         moving = self.tier is not None and self.tier.close(s)
         # its blocks: freed by its local prefill, held for a prefill worker or a host tier move, or now
         if not self.loop.cancel_prefill(s) and not self.remote.hold(s, remote) and not moving:

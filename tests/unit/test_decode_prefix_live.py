@@ -11,7 +11,6 @@ from types import SimpleNamespace
 import numpy as np
 
 from ampd.kv import KVPool, SessionKV, kv_pattern, verify_pattern
-from ampd.perf import load_profile
 from ampd.worker import DecodeSession
 from services.decode.prefix import LivePrefix, SharedKV
 from services.decode.session import Session
@@ -23,7 +22,6 @@ SYS = list(range(1000, 1012))  # three full blocks
 class _Core:
     def __init__(self) -> None:
         self.sessions: dict[str, DecodeSession] = {}
-        self.cost, self.tp = load_profile("zero@none"), 1  # (a first round's prefill time: PrefixWaits.writing)
 
     def shared_history(self, c: DecodeSession, tokens: int) -> None:
         c.l_hist += tokens

@@ -254,7 +254,7 @@ def test_a_session_dropped_by_the_policy_releases_its_pin_and_may_share_again():
 # ------------------------------------------------------------------------------- live adapter
 def _live():
     pool = KVPool(32, 4, 8)
-    w = SimpleNamespace(rt=SimpleNamespace(pool=pool), core=SimpleNamespace(sessions={}, cost=P, tp=1), tier=None,
+    w = SimpleNamespace(rt=SimpleNamespace(pool=pool), core=SimpleNamespace(sessions={}), tier=None,
                         metrics={"prefix_shared_tokens": 0})
     w.core.shared_history = lambda c, n: None
     return pool, LivePrefix(w, True)

@@ -13,7 +13,6 @@ import pytest
 from ampd.front.api import ApiError, parse_chat
 from ampd.front.tenants import OPEN, Tenant
 from ampd.kv import KVPool, kv_pattern, verify_pattern
-from ampd.perf import load_profile
 from ampd.policy.prefixbind import prefix_hashes, prefix_seed, scoped_seed
 from ampd.sessionlog import SessionLog
 from ampd.state import WorkerInfo
@@ -45,8 +44,7 @@ def test_the_empty_scope_keeps_the_models_seed_and_any_other_mixes_it():
 
 
 def _worker():
-    w = SimpleNamespace(rt=SimpleNamespace(pool=KVPool(32, BT, BPT)), core=SimpleNamespace(sessions={}, cost=load_profile("zero@none"), tp=1),
-                        tier=None,
+    w = SimpleNamespace(rt=SimpleNamespace(pool=KVPool(32, BT, BPT)), core=SimpleNamespace(sessions={}), tier=None,
                         metrics={"prefix_shared_tokens": 0})
     w.core.shared_history = lambda c, tokens: None
     w.prefix = LivePrefix(w, True, prefix_seed("some/model"))
