@@ -309,7 +309,7 @@ class Prefixing:
             bt = HASH_BLOCK_TOKENS
             over = ix.cached_blocks * bt - max(d.kv_cap - d.kv_used - d.wait_need, 0)
             if over > 0 and written and d.tier is not None:
-                unmade = d.outputs_due() + sum(s.out for s in d.kv_wait) + sum(s.out for s in d.new_wait)
+                unmade = d.output_tokens_due() + sum(s.out for s in d.kv_wait) + sum(s.out for s in d.new_wait)
                 over = ix.cached_blocks * bt - max(d.kv_cap - d.kv_used + unmade - d.wait_need, 0)
             if over > 0:
                 self.prefix_evicted += len(ix.reclaim(-(-over // bt)))

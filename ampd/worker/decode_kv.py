@@ -129,10 +129,12 @@ class KvAdmission:
             return s.lo + s.out - 1 - self.step_idx
         return d
 
-    def outputs_due(self) -> int:
+    def output_tokens_due(self) -> int:
         """With the host tier: the output tokens every running round was charged at admission and
         has not made yet (``output_due`` summed; 0 without the tier). ``kv_used`` less these is the
-        KV written: cached prefix blocks may stay in the rest of the device until it is written."""
+        KV written: cached prefix blocks may stay in the rest of the device until it is written.
+        Tokens, as the simulator counts KV; the live worker's ``KvSync.outputs_due`` counts the same
+        in the pool's blocks (net of each round's partly filled last block)."""
         if self.tier is None:
             return 0
         return sum(self.output_due(s) for s in self.sessions.values() if s.due)
@@ -141,7 +143,7 @@ class KvAdmission:
         """Prefix sharing with the host tier: before a session revives ``revived`` tokens of cached
         blocks (released, still indexed; ``cached`` tokens of them in all), the cached tokens to let
         go first, least recently released first. A cached block may sit in room charged to output
-        not made yet (``outputs_due``: the pool reclaims it only when a token is written into it),
+        not made yet (``output_tokens_due``: the pool reclaims it only when a token is written into it),
         and reviving it there would leave that output no room. 0 when the revived tokens fit the
         room not charged (less what waiting rounds need); else the cache is cut to that room, as the
         pool would cut it while the outputs are made, and what is still indexed then fits."""
