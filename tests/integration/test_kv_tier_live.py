@@ -224,9 +224,10 @@ def test_sessions_idle_in_tool_calls_move_to_host_and_every_session_completes(re
                        run_dir=str(tmp_path / f"run{mb}"))
 
     # the tier off: the idle histories hold the pool, the rounds that need more KV wait for each
-    # other, and the ones let through over capacity fail ("KV exhausted"); none completes
+    # other, and the ones let through over capacity fail ("KV exhausted"): not every session completes
+    # (how many do depends on the box's timing: one that finishes while others wait frees its KV)
     records, _, metrics = _replayed(opts(0), SESSIONS, timeout_s=20)
-    assert not any(r.completed for r in records) and metrics["decode-0"]["sessions_failed"] > 0
+    assert not all(r.completed for r in records) and metrics["decode-0"]["sessions_failed"] > 0
     records, stats, metrics = _replayed(opts(1), SESSIONS)
     m = metrics["decode-0"]
     assert all(r.completed for r in records), [r.error for r in records]
