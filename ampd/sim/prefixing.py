@@ -307,10 +307,11 @@ class Prefixing:
         ix = self.prefix[d.worker_id]
         if ix.cached_blocks:
             bt = HASH_BLOCK_TOKENS
-            over = ix.cached_blocks * bt - max(d.kv_cap - d.kv_used - d.wait_need, 0)
+            free = d.kv_cap - d.kv_used - d.wait_need
+            over = ix.cached_blocks * bt - max(free, 0)
             if over > 0 and written and d.tier is not None:
-                unmade = d.output_tokens_due() + sum(s.out for s in d.kv_wait) + sum(s.out for s in d.new_wait)
-                over = ix.cached_blocks * bt - max(d.kv_cap - d.kv_used + unmade - d.wait_need, 0)
+                free += d.output_tokens_due() + sum(s.out for s in d.kv_wait) + sum(s.out for s in d.new_wait)
+                over = ix.cached_blocks * bt - max(free, 0)
             if over > 0:
                 self.prefix_evicted += len(ix.reclaim(-(-over // bt)))
         return ix
