@@ -297,19 +297,19 @@ class Prefixing:
         self.prefix_let += held - keep
         d.kv_used += still * HASH_BLOCK_TOKENS
 
-    def prefix_trim(self, d, written: bool = True) -> PrefixIndex:
+    def prefix_trim(self, d) -> PrefixIndex:
         """Cached blocks (released, still indexed) live in the worker's free KV: those past what is
         free now (less what waiting rounds need) are evicted, least recently released first.
-        ``written``: free of the KV written, as the live pool counts it (it reclaims a cached block
-        only when an allocation needs it): with the host tier the core has charged running rounds'
-        whole output at admission, and waiting rounds' with their input, and the cache keeps the
-        room of the tokens not made yet until they are. Else free of everything charged."""
+        With the host tier, free of the KV written, as the live pool counts it (it reclaims a cached
+        block only when an allocation needs it): the core has charged running rounds' whole output
+        at admission, and waiting rounds' with their input, and the cache keeps the room of the
+        tokens not made yet until they are. Else free of everything charged."""
         ix = self.prefix[d.worker_id]
         if ix.cached_blocks:
             bt = HASH_BLOCK_TOKENS
             free = d.kv_cap - d.kv_used - d.wait_need
             over = ix.cached_blocks * bt - max(free, 0)
-            if over > 0 and written and d.tier is not None:
+            if over > 0 and d.tier is not None:
                 free += d.output_tokens_due() + sum(s.out for s in d.kv_wait) + sum(s.out for s in d.new_wait)
                 over = ix.cached_blocks * bt - max(free, 0)
             if over > 0:
