@@ -59,6 +59,12 @@ def _pin_only(s, device_kv: int) -> bool:
     return s.pinned > 0 and device_kv <= s.pinned
 
 
+def _others_read(s, pinned: int) -> int:
+    """Of ``pinned`` tokens of ``s``'s pinned prefix, those other sessions still read: dropping ``s``
+    frees only the rest (``pin_own``, the driver's count)."""
+    return pinned - min(max(s.pin_own, 0), pinned)
+
+
 @dataclass(slots=True)
 class KVMove:
     """A transfer the driver performs: ``tokens`` of ``session_id``'s KV, ``direction`` TO_HOST or
@@ -211,12 +217,8 @@ class TierMixin:
         free: all of each one's KV on the device but the pinned blocks others still read (dropping
         it frees only ``pin_own`` of its pinned prefix, ``_unpin``). ``evictable_kv`` counts those
         too: by it the tier could move sessions' own parts to host and still lack the room."""
-        shared = 0
-        for v, r in self.evictable.items():
-            if v.pinned > 0:
-                p = min(v.pinned, r)
-                shared += p - min(max(v.pin_own, 0), p)
-        return self.evictable_kv - shared
+        return self.evictable_kv - sum(_others_read(v, min(v.pinned, r)) for v, r in self.evictable.items()
+                                       if v.pinned > 0)
 
     def _last_resort(self, last_resort: bool | None) -> bool:
         """Whether a session whose pinned blocks others all read may be dropped: ``last_resort``
@@ -274,7 +276,7 @@ class TierMixin:
         sync): the core counts the rest taken until the next ``sync_kv_free`` says what the pool has
         (the simulator: its index's exact count, ``Prefixing.prefix_sync``), or it would admit a
         round into blocks that are not free."""
-        self.kv_cap -= v.pinned - min(max(v.pin_own, 0), v.pinned)
+        self.kv_cap -= _others_read(v, v.pinned)
         v.pinned = v.pin_own = 0
 
     def _tier_unblock(self, need: int) -> bool:
