@@ -217,11 +217,10 @@ class HostBlocks:
         return out
 
     # --- moves --------------------------------------------------------------------------------
-    def offload_begin(self, session_id: str, tokens: int, segments: bool = True) -> list | None:
+    def offload_begin(self, session_id: str, tokens: int) -> None:
         """Reserve host blocks for the session's ``tokens`` tokens of KV (all or nothing; raises
-        HostKVExhausted); the copy to them starts. Returns the host segments to write (None with
-        ``segments=False``: a caller that moves no bytes, the decode core's tier, skips building a
-        segment per block)."""
+        HostKVExhausted); the copy to them starts. A caller that moves bytes writes to
+        ``segments(session_id)``; the decode core's tier moves none and builds no segment."""
         if tokens <= 0:
             raise ValueError(f"offload_begin {session_id!r}: tokens must be > 0, got {tokens}")
         e = self._sessions.setdefault(session_id, _Entry())
@@ -235,7 +234,6 @@ class HostBlocks:
         del self._free[-n:]
         e.tokens = tokens
         e.moving = OFFLOADING
-        return self.segments(session_id) if segments else None
 
     def offload_done(self, session_id: str) -> None:
         """The copy to the host checked out: the KV is on HOST (the caller frees its device blocks)."""
@@ -249,13 +247,11 @@ class HostBlocks:
         e.moving = ""
         self._free_blocks(e)
 
-    def prefetch_begin(self, session_id: str, segments: bool = True) -> list | None:
-        """The copy back to the device starts; returns the host segments to read (None with
-        ``segments=False``, as ``offload_begin``)."""
+    def prefetch_begin(self, session_id: str) -> None:
+        """The copy back to the device starts (a caller that moves bytes reads ``segments``)."""
         e = self._entry(session_id)
         self._expect(session_id, e, KVState.HOST, "prefetch_begin")
         e.moving = PREFETCHING
-        return self.segments(session_id) if segments else None
 
     def prefetch_done(self, session_id: str) -> None:
         """The KV is RESIDENT again; the host blocks go back."""

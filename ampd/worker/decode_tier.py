@@ -159,7 +159,7 @@ class TierMixin:
         """The history less its pinned prefix (``s.pinned``: shared blocks, which stay) goes to host."""
         t = self.tier
         n = s.l_hist - s.pinned
-        t.host.offload_begin(s.session_id, n, segments=False)
+        t.host.offload_begin(s.session_id, n)
         t.host.offload_done(s.session_id)
         t.tokens_to_host += n
         s.fetch = n
@@ -343,7 +343,7 @@ class TierMixin:
         t.plans.pop(s.session_id, None)
         n = s.fetch
         s.fetch = 0
-        t.host.prefetch_begin(s.session_id, segments=False)
+        t.host.prefetch_begin(s.session_id)
         t.host.prefetch_done(s.session_id)
         t.tokens_from_host += n
         t.moves.append(KVMove(s.session_id, FROM_HOST, n, host_transfer_s(self.cost, n, self.tp), reason))

@@ -38,12 +38,14 @@ def test_pool_too_small_for_one_session_is_refused_with_the_sizes():
 def test_offload_and_prefetch_round_trip():
     pool = HostPool(10, 16, bytes_per_token=100)
     assert pool.state("s") is KVState.RESIDENT
-    segs = pool.offload_begin("s", 40)  # 3 blocks: 16 + 16 + 8
+    pool.offload_begin("s", 40)  # 3 blocks: 16 + 16 + 8
+    segs = pool.segments("s")
     assert segs == [Segment(0, 0, 16), Segment(1, 0, 16), Segment(2, 0, 8)]
     assert (pool.state("s"), pool.moving("s"), pool.free_blocks) == (KVState.RESIDENT, "offload", 7)
     pool.offload_done("s")
     assert (pool.state("s"), pool.moving("s"), pool.host_blocks("s")) == (KVState.HOST, "", 3)
-    assert pool.prefetch_begin("s") == segs
+    pool.prefetch_begin("s")
+    assert pool.segments("s") == segs
     pool.prefetch_done("s")
     assert (pool.state("s"), pool.free_blocks) == (KVState.RESIDENT, 10)
     assert (pool.bytes_to_host, pool.bytes_from_host) == (4000, 4000)
@@ -52,12 +54,12 @@ def test_offload_and_prefetch_round_trip():
 
 
 def test_moves_without_segments_keep_the_same_accounting():
-    # the decode core's tier moves no bytes: it skips the per-block segments, nothing else changes
+    # the decode core's tier moves no bytes: beginning a move builds no segment; the accounting is the same
     pool = HostPool(10, 16)
-    assert pool.offload_begin("s", 40, segments=False) is None
+    assert pool.offload_begin("s", 40) is None
     assert (pool.state("s"), pool.moving("s"), pool.free_blocks) == (KVState.RESIDENT, "offload", 7)
     pool.offload_done("s")
-    assert pool.prefetch_begin("s", segments=False) is None
+    assert pool.prefetch_begin("s") is None
     assert pool.moving("s") == "prefetch"
     assert pool.segments("s") == [Segment(0, 0, 16), Segment(1, 0, 16), Segment(2, 0, 8)]
     pool.prefetch_done("s")

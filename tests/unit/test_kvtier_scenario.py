@@ -43,7 +43,8 @@ class Worker:
 
     def offload(self, sid: str) -> None:
         kv = self.kv[sid]
-        dst = self.host.offload_begin(sid, kv.tokens)
+        self.host.offload_begin(sid, kv.tokens)
+        dst = self.host.segments(sid)
         self.host_buf.write(dst, self.dev.read(kv.segments(0, kv.tokens)))
         self.host.offload_done(sid)
         kv.release(self.dev)
@@ -77,7 +78,8 @@ class Worker:
         tokens = self.tokens[sid]
         self.make_room(self.dev.blocks_for(tokens))
         if state is KVState.HOST:
-            src = self.host.prefetch_begin(sid)
+            self.host.prefetch_begin(sid)
+            src = self.host.segments(sid)
             if not fail:
                 segs = self.kv[sid].reserve(self.dev, tokens)
                 self.dev.write(segs, self.host_buf.read(src))
