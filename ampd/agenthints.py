@@ -12,10 +12,12 @@ from ampd.policy.hints import HintConfig, Hints, hints_from_obj, queue_yield_s
 from ampd.v1 import common_pb2
 from ampd.validate import InvalidArgument
 
-__all__ = ["BODY_FIELD", "hints_from_turn", "hints_from_body", "hints_to_turn", "turn_queue_yield_s"]
+__all__ = ["BODY_FIELD", "HINTS", "hints_from_turn", "hints_from_body", "hints_to_turn", "turn_queue_yield_s"]
 
 BODY_FIELD = "ampd_hints"  # the OpenAI front's extra body field
-_HINTS = HintConfig()  # the coordinator's (services/coordinator/session.py HINTS) and the simulator's
+# how far a yielding hint moves a turn back: in the prefill queues (turn_queue_yield_s) and in the
+# coordinator's admission (services/coordinator/session.py); the simulator's is ampd.sim.admitting HINTS
+HINTS = HintConfig()
 
 
 def hints_from_turn(turn: common_pb2.Turn) -> Hints:
@@ -54,4 +56,4 @@ def hints_to_turn(h: Hints, turn: common_pb2.Turn) -> None:
 def turn_queue_yield_s(turn: common_pb2.Turn | None) -> float:
     """``PrefillTask.queue_yield_s`` of a round of ``turn`` (a validated turn; None: no turn): how
     much later the prefill queues order it for a yielding priority hint, else 0."""
-    return 0.0 if turn is None else queue_yield_s(turn.hints.priority, _HINTS)
+    return 0.0 if turn is None else queue_yield_s(turn.hints.priority, HINTS)

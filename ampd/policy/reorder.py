@@ -49,11 +49,10 @@ _POST = 2
 def _insert(q: deque, e: list) -> None:
     """Queue entry ``e`` at the tail of ``q``, but ahead of the yielding entries there whose order
     time is later than its own (agent hints; a plain append when nothing yields)."""
-    task = e[_TASK]
     k = len(q)
     if k and q[-1][_TASK].queue_yield_s:
-        at = task.enqueued_at + task.queue_yield_s
-        while k and (t := q[k - 1][_TASK]).queue_yield_s and t.enqueued_at + t.queue_yield_s > at:
+        at = e[_TASK].order_at
+        while k and (t := q[k - 1][_TASK]).queue_yield_s and t.order_at > at:
             k -= 1
     if k == len(q):
         q.append(e)

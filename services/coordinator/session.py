@@ -18,9 +18,9 @@ import grpc
 import structlog
 
 from ampd import tracing
-from ampd.agenthints import hints_from_turn
+from ampd.agenthints import HINTS, hints_from_turn
 from ampd.grpcserver import SESSION_OPEN
-from ampd.policy.hints import HintConfig, queue_enqueued_at
+from ampd.policy.hints import queue_enqueued_at
 from ampd.sessionlog import CannotResume, SessionLog
 from ampd.trust import attach_token, new_secret, reattach_token
 from ampd.v1 import common_pb2, coordinator_pb2, decode_pb2
@@ -38,7 +38,6 @@ log = structlog.get_logger()
 TAKEN_OVER = "reattached through another coordinator"
 BIND_WAIT_S = 15.0  # a moving session waits this long for a live decode worker (one may be restarting)
 OPEN_WAIT_S = 3.0  # a new session waits this long for one (then UNAVAILABLE: none is serving)
-HINTS = HintConfig()  # how far a yielding hint moves a session back in admission's order
 
 
 def yield_at(run: SessionRun) -> float | None:
