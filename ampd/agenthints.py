@@ -8,16 +8,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ampd.policy.hints import HintConfig, Hints, hints_from_obj, queue_yield_s
+from ampd.policy.hints import HINTS, Hints, hints_from_obj, queue_yield_s
 from ampd.v1 import common_pb2
 from ampd.validate import InvalidArgument
 
 __all__ = ["BODY_FIELD", "HINTS", "hints_from_turn", "hints_from_body", "hints_to_turn", "turn_queue_yield_s"]
 
 BODY_FIELD = "ampd_hints"  # the OpenAI front's extra body field
-# how far a yielding hint moves a turn back: in the prefill queues (turn_queue_yield_s) and in the
-# coordinator's admission (services/coordinator/session.py); the simulator's is ampd.sim.admitting HINTS
-HINTS = HintConfig()
 
 
 def hints_from_turn(turn: common_pb2.Turn) -> Hints:

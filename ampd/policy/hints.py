@@ -48,7 +48,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["Hints", "HintConfig", "queue_enqueued_at", "queue_yield_s", "check_hint_values", "hints_from_obj", "hints_to_obj",
+__all__ = ["Hints", "HintConfig", "HINTS", "queue_enqueued_at", "queue_yield_s", "check_hint_values", "hints_from_obj", "hints_to_obj",
            "HINT_KEYS"]
 
 HINT_KEYS = ("priority", "expected_output_tokens", "expected_tool_s")
@@ -104,6 +104,11 @@ class HintConfig:
     its rounds in the prefill queues."""
 
     yield_s: float = 1.0
+
+
+# The one instance: the coordinator's admission, the decode worker's prefill-queue yield
+# (ampd.agenthints) and the simulator read it.
+HINTS = HintConfig()
 
 
 def queue_yield_s(priority: int, cfg: HintConfig) -> float:

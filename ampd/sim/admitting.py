@@ -6,7 +6,7 @@ import math
 
 from ampd.policy import WorkerView
 from ampd.policy.admit import HEAD_POLL_S
-from ampd.policy.hints import HintConfig, queue_enqueued_at
+from ampd.policy.hints import HINTS, queue_enqueued_at
 from ampd.policy.outlen import expected_output
 
 from .events import ADMIT_CHECK
@@ -16,7 +16,6 @@ from .workers import Sess, Waiting
 # How often the head of the admission queue looks again without a release (the coordinator's
 # poll); only the slo rule's verdict can change meanwhile.
 _HEAD_POLL_S = HEAD_POLL_S
-HINTS = HintConfig()  # the coordinator's (services/coordinator/session.py HINTS); the prefill queues' too
 
 
 class Admitting:

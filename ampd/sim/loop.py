@@ -22,14 +22,14 @@ from typing import Sequence
 
 from ampd.policy import SLO, PrefillTask, in_worker_order, make_queue, make_router, policy_spec
 from ampd.policy.admit import AdmissionBook
-from ampd.policy.hints import queue_yield_s
+from ampd.policy.hints import HINTS, queue_yield_s
 from ampd.policy.hostpool import check_host_pool, size_host_pool
 from ampd.policy.kvtier import KVTierConfig
 from ampd.worker import (ADMITTED, FAILED, IDLE, STEPPING, DecodeRun, HostTier, LocalPrefill)
 
 from ampd.deployment import expand_spec, format_spec, parse_spec
 
-from .admitting import HINTS, Admitting
+from .admitting import Admitting
 from .config import PathLatency, SimConfig
 from .events import (ADMIT_CHECK, COMPUTE_DONE, COMPUTE_START, DISPATCH, HANDOFF, PIN_EXPIRED, PREFILL_DONE,
                      REMOTE_DONE, ROUND_READY, STEP_DONE, TIER_LOCAL, TIER_PREFETCH, TIER_READY,
