@@ -149,8 +149,9 @@ def promise_rooms(decode: Sequence[WorkerView], host_share: float | None, need: 
     if not any(w.kv_host_tokens for w in decode):
         return decode
     # positional, in WorkerView's field order (worker_id, kind, tp, window_mean_s, queue,
-    # kv_free_tokens, queue_predicted_s, kv_host_tokens): dataclasses.replace costs ~10x more, and
-    # the simulator judges admission per arrival (~5x that when overloaded)
+    # kv_free_tokens, queue_predicted_s, kv_host_tokens; test_admit.py pins it): keywords cost ~3x
+    # more, dataclasses.replace ~10x, and the simulator judges admission per arrival (~5x that when
+    # overloaded)
     return [WorkerView(w.worker_id, w.kind, w.tp, w.window_mean_s, w.queue, promise_room(w, host_share, need),
                        w.queue_predicted_s, 0) if w.kv_host_tokens else w for w in decode]
 

@@ -20,11 +20,12 @@ Pure: time is passed in.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ampd.window import WindowedMean
 
-__all__ = ["OutputLengths", "OutputLengthsConfig", "expected_output"]
+__all__ = ["OutputLengths", "OutputLengthsConfig", "expected_output", "rounds_kv_tokens"]
 
 
 @dataclass(slots=True)
@@ -64,3 +65,14 @@ def expected_output(max_tokens: int, hint: int | None, mean: float | None) -> in
     if hint is not None and hint > est:
         est = hint
     return est if est < max_tokens else max_tokens
+
+
+def rounds_kv_tokens(rounds: Iterable[tuple[int, int]], hint: int | None = None, mean: float | None = None) -> int:
+    """The KV tokens ``rounds`` add to a session, each round given as (its input tokens, its output
+    bound ``max_tokens``): without a ``mean``, every output at its bound (admission's promise); with
+    the windowed ``mean``, the KV they are expected to add, each output at ``expected_output`` with
+    the rounds' ``hint``. The coordinator's ``turn_kv_tokens`` (a turn's rounds) and the simulator's
+    admission (a replayed session's rounds) both count by it."""
+    if mean is None:
+        return sum(i + b for i, b in rounds)
+    return sum(i + expected_output(b, hint, mean) for i, b in rounds)

@@ -11,10 +11,11 @@ The index keeps hash -> block, a reference count a block, the leading blocks eac
 through it (in position order), and the cache of indexed blocks nobody references (their KV intact,
 least recently released first). Life of a session's prompt blocks, live::
 
-    share(sid, tokens)           before its first round is admitted: the longest indexed prefix of the
-                                 prompt's full blocks (one token always left to prefill,
-                                 ``prefix_hashes``) is shared, a reference each; its KV is there
-                                 already, so the round prefills only the rest
+    share(sid, hashes)           before its first round is admitted: the longest indexed prefix of the
+                                 prompt's full blocks (their ``prefix_hashes``, one token always left
+                                 to prefill; the driver hashes once, for its own checks too) is
+                                 shared, a reference each; its KV is there already, so the round
+                                 prefills only the rest
     publish(sid, tokens, blocks) its first prefill wrote its own full prompt blocks: they enter the
                                  index up to the first whose hash is indexed already, held by the
                                  index from then on (the rest stay the session's own)
@@ -181,11 +182,11 @@ class PrefixIndex:
         return n
 
     # --- changes: live ------------------------------------------------------------------------
-    def share(self, session_id: str, tokens: Sequence[int], seed: int | None = None) -> Shared:
+    def share(self, session_id: str, hashes: Sequence[int]) -> Shared:
         """The longest indexed prefix of a new session's prompt, a reference each (none: empty).
-        ``seed``: its hashes' (its prefix scope's, ``prefixbind.scoped_seed``); None: the index's."""
+        ``hashes``: its ``prefix_hashes``, seeded with its prefix scope's seed
+        (``prefixbind.scoped_seed``; the index's own ``seed`` when it has no scope)."""
         self._new(session_id)
-        hashes = prefix_hashes(tokens, self.block_tokens, self.seed if seed is None else seed)
         blocks = self._take(hashes[:self.match(hashes)])
         if blocks:
             self._held[session_id] = blocks
@@ -195,7 +196,8 @@ class PrefixIndex:
         """The session's first prefill wrote the KV of ``tokens`` (its prompt) into ``blocks`` (its
         blocks in position order, the shared ones first): its own full prompt blocks enter the index
         up to the first whose prefix another block already holds (that one and the rest stay the
-        session's own). Returns how many leading blocks the index now holds for it. ``seed``: as ``share``'s."""
+        session's own). Returns how many leading blocks the index now holds for it. ``seed``: its hashes'
+        (its prefix scope's, ``prefixbind.scoped_seed``); None: the index's."""
         held = self._held.setdefault(session_id, [])
         hashes = prefix_hashes(tokens, self.block_tokens, self.seed if seed is None else seed)
         for i in range(len(held), min(len(hashes), len(blocks))):

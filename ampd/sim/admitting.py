@@ -7,7 +7,7 @@ import math
 from ampd.policy import WorkerView
 from ampd.policy.admit import HEAD_POLL_S
 from ampd.policy.hints import HINTS, queue_enqueued_at
-from ampd.policy.outlen import expected_output
+from ampd.policy.outlen import rounds_kv_tokens
 
 from .events import ADMIT_CHECK
 from .result import SimSession
@@ -40,7 +40,7 @@ class Admitting:
             return
         # what the coordinator promises a replayed session: its whole script (services/coordinator
         # core.turn_kv_tokens) and a partly filled last block
-        need = sum(int(r.input) + int(r.output) for r in s.rounds) + self.block_tokens
+        need = rounds_kv_tokens((int(r.input), int(r.output)) for r in s.rounds) + self.block_tokens
         self.admit(Waiting(s, rec, need, now), now)
 
     # ------------------------------------------------------------------------------- admission
@@ -108,10 +108,7 @@ class Admitting:
             return None
         h = w.s.rounds[0].hints
         hint = None if h is None else h.expected_output_tokens
-        n = self.block_tokens
-        for r in w.s.rounds:
-            n += int(r.input) + expected_output(int(r.output), hint, mean)
-        return n
+        return rounds_kv_tokens(((int(r.input), int(r.output)) for r in w.s.rounds), hint, mean) + self.block_tokens
 
     def round_samples(self, st: Sess, last: float) -> None:
         """The round of ``st`` made its last token at ``last`` (its record not appended yet): a sample

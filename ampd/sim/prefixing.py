@@ -161,7 +161,8 @@ class Prefixing:
         """Sharing is on but no session's first round has ``hash_ids`` (a synthetic preset's trace):
         nothing is ever indexed, so every prefix call would leave the empty indexes, the sessions'
         pins (0) and the cores as they are. The run skips them (``prefix`` None, as with sharing
-        off: 9-11 % of a GAIA run's simulate instructions, callgrind); ``prefix_stats`` restores them."""
+        off: 9-11 % of a GAIA run's simulate instructions, callgrind); ``prefix_stats`` reads them where
+        they are parked."""
         self.prefix_parked = None
         if self.prefix is not None and not any(s.rounds and s.rounds[0].hash_ids for s in sessions):
             self.prefix_parked = (self.prefix, self.prefix_kv)
@@ -332,18 +333,16 @@ class Prefixing:
         return ix
 
     def prefix_stats(self, stats: dict) -> None:
-        """The run's prefix counters (with sharing on; parked indexes back first: ``prefix_park``)."""
-        if self.prefix_parked is not None:
-            self.prefix, self.prefix_kv = self.prefix_parked
-            self.prefix_parked = None
-        if self.prefix is None:
+        """The run's prefix counters (with sharing on, parked or not: ``prefix_park``)."""
+        prefix, prefix_kv = self.prefix_parked or (self.prefix, self.prefix_kv)
+        if prefix is None:
             return
         stats["prefix_shared_tokens"] = self.prefix_saved  # prefill tokens saved
         stats["prefix_shared_blocks"] = self.prefix_blocks
         stats["prefix_sharing_sessions"] = self.prefix_sessions
-        stats["prefix_blocks_held_end"] = sum(ix.held_blocks for ix in self.prefix.values())
+        stats["prefix_blocks_held_end"] = sum(ix.held_blocks for ix in prefix.values())
         stats["prefix_blocks_revived"] = self.prefix_revived  # shared again from the cache
         stats["prefix_blocks_evicted"] = self.prefix_evicted  # cache blocks whose space was needed
-        stats["prefix_blocks_cached_end"] = sum(ix.cached_blocks for ix in self.prefix.values())
-        if self.prefix_kv:  # prompt blocks idle sessions let go of as their KV was dropped or moved to host
+        stats["prefix_blocks_cached_end"] = sum(ix.cached_blocks for ix in prefix.values())
+        if prefix_kv:  # prompt blocks idle sessions let go of as their KV was dropped or moved to host
             stats["prefix_blocks_let_go"] = self.prefix_let

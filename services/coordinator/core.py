@@ -2,7 +2,7 @@
 (ampd.state.cluster); what a turn may add to a session's KV (admission)."""
 from __future__ import annotations
 
-from ampd.policy.outlen import expected_output
+from ampd.policy.outlen import rounds_kv_tokens
 from ampd.state.cluster import Cluster, ClusterView, choose_decode_worker, route
 from ampd.v1 import common_pb2
 from ampd.validate import InvalidArgument, validate_open, validate_turn
@@ -17,17 +17,14 @@ def turn_kv_tokens(t: common_pb2.Turn, max_output: int = 0, out_mean: float | No
     call's result. A session holds its KV for its whole life, so the sum over its turns bounds it;
     a turn whose calls are parsed from the output (not scripted) counts its first round only.
 
-    With ``out_mean`` (the windowed mean output, ``ampd.policy.outlen``): the KV it is expected to
-    add, each round's output at ``expected_output`` of its bound, the turn's
+    With ``out_mean`` (the windowed mean output): the KV it is expected to add, each round's output at
+    ``expected_output`` of its bound (both: ``ampd.policy.outlen.rounds_kv_tokens``), the turn's
     ``expected_output_tokens`` hint raising every round's (a turn's hints cover each of its rounds,
     the scripted ones too, as the decode worker reads them)."""
-    def out(p: common_pb2.SamplingParams, hint: int | None = None) -> int:
-        bound = min(p.max_tokens, max_output) if max_output else p.max_tokens
-        return bound if out_mean is None else expected_output(bound, hint, out_mean)
+    def bound(p: common_pb2.SamplingParams) -> int:
+        return min(p.max_tokens, max_output) if max_output else p.max_tokens
 
+    rounds = [(len(t.token_ids), bound(t.sampling))]  # (input, output bound): a call's result is the next's input
+    rounds += [(c.result_tokens, bound(c.sampling)) for c in t.script if not c.tool.client_side]
     hint = t.hints.expected_output_tokens if t.hints.HasField("expected_output_tokens") else None
-    n = len(t.token_ids) + out(t.sampling, hint)
-    for c in t.script:
-        if not c.tool.client_side:
-            n += c.result_tokens + out(c.sampling, hint)
-    return n
+    return rounds_kv_tokens(rounds, hint, out_mean)

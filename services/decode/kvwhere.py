@@ -74,13 +74,14 @@ def fetch_first(w: DecodeWorker, s: Session) -> bool:
             and (w.tier is None or w.tier.reads.get(s) is None))
 
 
-def task_fields(s: Session, rnd: int, fetch_first: bool = False) -> dict:
-    """The PrefillTask's kv_state/kv_fetch_s for round ``rnd`` (nothing when resident with no wait),
-    and kv_fetch_first when ``fetch_first`` (on host only)."""
-    return _fields(round_where(s, rnd), fetch_first)
+def task_fields(s: Session, rnd: int) -> dict:
+    """The PrefillTask's kv_state/kv_fetch_s for round ``rnd`` as it started (nothing when resident
+    with no wait); a round that fetches first goes through ``send_fields``."""
+    return _fields(round_where(s, rnd), False)
 
 
 def _fields(where: KVWhere, fetch_first: bool) -> dict:
+    """kv_state/kv_fetch_s of ``where``, and kv_fetch_first when ``fetch_first`` (on host only)."""
     if where == RESIDENT:
         return {}
     out = {"kv_state": where.state, "kv_fetch_s": where.fetch_s}

@@ -159,10 +159,13 @@ class LivePrefix:
         if again and not s.core.evicted:  # (one rewound to nothing keeps its own blocks)
             return 0
         bt = self.w.rt.pool.block_tokens
-        if not again:
-            s.prefix_tokens = len(prefix_hashes(s.tokens, bt)) * bt
-        self._revive_room(s.tokens[:s.prefix_tokens + 1], s.scoped_seed)
-        got = self.index.share(kv.session_id, s.tokens[:s.prefix_tokens + 1], s.scoped_seed)
+        if again:
+            hashes = prefix_hashes(s.tokens[:s.prefix_tokens + 1], bt, s.scoped_seed)
+        else:  # its first round: its prefix is all its prompt's shareable blocks
+            hashes = prefix_hashes(s.tokens, bt, s.scoped_seed)
+            s.prefix_tokens = len(hashes) * bt
+        self._revive_room(hashes)  # (hashed once, here: the index's share takes the same hashes)
+        got = self.index.share(kv.session_id, hashes)
         s.shared_tokens = got.tokens
         if got.tokens:
             s.kv.blocks, s.kv.tokens, kv.shared_in = list(got.blocks), got.tokens, len(got.blocks)
@@ -171,7 +174,7 @@ class LivePrefix:
             s.recompute = max(0, s.recompute - got.tokens)
         return 0 if again else got.tokens
 
-    def _revive_room(self, tokens: list[int], seed: int) -> None:
+    def _revive_room(self, hashes: list[int]) -> None:
         """With the host tier, before sharing revives cached blocks: the core admits by the pool's
         available space (free and cached blocks) less the running rounds' due output, so cached
         blocks may be that output's room until it is written; reviving them there would leave a
@@ -184,7 +187,7 @@ class LivePrefix:
             return
         pool = w.rt.pool
         bt = pool.block_tokens
-        n = self.index.revives(prefix_hashes(tokens, bt, seed))
+        n = self.index.revives(hashes)
         if not n:
             return
         w.kv.sync()

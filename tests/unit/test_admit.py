@@ -227,6 +227,22 @@ def test_host_tier_extends_the_promises_as_far_as_idle_kv_can_be_on_host():
     assert [w.kv_free_tokens for w in promise_rooms([tiered, plain], 0.9, 2000)] == [10000, 4000]
 
 
+def test_promise_rooms_keeps_every_other_field_of_a_view():
+    """promise_rooms builds the promised view by position (the simulator judges admission per
+    arrival): a field added to or moved in WorkerView must not be lost or shifted there."""
+    import dataclasses
+
+    names = [f.name for f in dataclasses.fields(WorkerView)]
+    assert names == ["worker_id", "kind", "tp", "window_mean_s", "queue", "kv_free_tokens", "queue_predicted_s",
+                     "kv_host_tokens"]  # the order promise_rooms writes them in
+    tiered = WorkerView("d7", "decode", 4, 0.03, (), 4000, 1.25, 6000)
+    (got,) = promise_rooms([tiered], 0.9, 2000)
+    assert (got.kv_free_tokens, got.kv_host_tokens) == (promise_room(tiered, 0.9, 2000), 0)
+    for name in names:
+        if name not in ("kv_free_tokens", "kv_host_tokens"):
+            assert getattr(got, name) == getattr(tiered, name), name
+
+
 def test_the_book_passes_the_share_and_promises_as_far_as_it_goes():
     from ampd.policy.admit import AdmissionBook
 

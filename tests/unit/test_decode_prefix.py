@@ -19,7 +19,7 @@ def _pool(blocks: int = 16) -> tuple[KVPool, PrefixIndex]:
 
 def _prefill(pool: KVPool, idx: PrefixIndex, sid: str, tokens: list[int]) -> list[int]:
     """share, allocate the rest, publish: the session's blocks."""
-    sh = idx.share(sid, tokens)
+    sh = idx.share(sid, prefix_hashes(tokens, BT))
     own = pool.alloc(pool.blocks_for(len(tokens)) - len(sh.blocks))
     blocks = list(sh.blocks) + own
     idx.publish(sid, tokens, blocks)
@@ -46,7 +46,7 @@ def test_sessions_share_the_common_blocks_and_own_the_first_differing_one():
     pool, idx = _pool()
     a = _prefill(pool, idx, "a", SYS + [1, 2, 3, 4, 5])
     assert idx.held("a") == 4  # 3 system blocks + its own full block; the partial one stays its own
-    sh = idx.share("b", SYS + [9, 9, 9, 9, 9])
+    sh = idx.share("b", prefix_hashes(SYS + [9, 9, 9, 9, 9], BT))
     assert sh.blocks == tuple(a[:3]) and sh.tokens == 12
     assert all(idx.refs(x) == 2 for x in a[:3]) and idx.refs(a[3]) == 1
     b = list(sh.blocks) + pool.alloc(2)
@@ -65,7 +65,7 @@ def test_released_blocks_are_shared_again_and_reclaimed_lru_under_pressure():
     _end(pool, idx, "a", a, 1.0)
     assert idx.cached_blocks == 3 and pool.free_blocks == 5
     assert pool.available_tokens == 8 * BT  # cached blocks count as free
-    sh = idx.share("b", SYS + [2])
+    sh = idx.share("b", prefix_hashes(SYS + [2], BT))
     assert sh.blocks == tuple(a[:3]) and idx.cached_blocks == 0  # revived
     b = list(sh.blocks) + pool.alloc(1)
     idx.publish("b", SYS + [2], b)
@@ -88,8 +88,8 @@ def test_reclaim_takes_least_recently_released_first():
     gone = idx.reclaim(1)
     assert gone == [y[0]]
     pool.free(gone)
-    assert idx.share("z", [1] * 4 + [5]).tokens == 4
-    assert idx.share("w", [2] * 4 + [5]).tokens == 0
+    assert idx.share("z", prefix_hashes([1] * 4 + [5], BT)).tokens == 4
+    assert idx.share("w", prefix_hashes([2] * 4 + [5], BT)).tokens == 0
     pool.free(idx.release("z"))
     _drain(pool, idx)
 
@@ -125,7 +125,7 @@ def test_truncate_of_a_block_it_alone_holds_keeps_it_as_its_own():
     a = _prefill(pool, idx, "a", SYS + [1])
     gone, copy = idx.truncate("a", 6)
     assert copy is None and gone == [a[2]] and idx.held("a") == 1
-    assert idx.share("b", SYS + [1]).tokens == 4  # the kept partial block is no prefix block any more
+    assert idx.share("b", prefix_hashes(SYS + [1], BT)).tokens == 4  # the kept partial block is no prefix block any more
     pool.free(gone + a[3:])
     pool.free(idx.release("b"))
     pool.free(idx.release("a") + [a[1]])
@@ -136,7 +136,7 @@ def test_share_twice_is_an_error_and_release_of_unknown_is_nothing():
     pool, idx = _pool()
     a = _prefill(pool, idx, "a", SYS + [1])
     with pytest.raises(ValueError):
-        idx.share("a", SYS + [1])
+        idx.share("a", prefix_hashes(SYS + [1], BT))
     assert idx.release("nobody") == []
     _end(pool, idx, "a", a, 0.0)
     _drain(pool, idx)

@@ -171,21 +171,27 @@ def test_a_bad_location_is_routed_as_resident(decided):
 
 # -------------------- a round that could not claim its host copy (PrefillTask.kv_fetch_first)
 def test_a_round_on_host_that_did_not_claim_its_copy_fetches_first():
-    s = session()
-    s.where = (2, KVWhere(KV_HOST, 0.3))
+    w = worker()
     claims: dict = {}
-    w = NS(tier=NS(reads=NS(get=lambda sess: claims.get(sess.session_id))))
+    w.tier.reads = NS(get=lambda sess: claims.get(sess.session_id))
+    w.core.tier.host.offload_begin("s1", 300)
+    w.core.tier.host.offload_done("s1")
+    s = session(fetch=300)
+    s.where = (2, KVWhere(KV_HOST, 0.3))
     assert kvwhere.fetch_first(w, s)  # not claimed: the fetch, then the prefill
-    assert kvwhere.task_fields(s, 2, True) == {"kv_state": KV_HOST, "kv_fetch_s": 0.3, "kv_fetch_first": True}
-    task = common_pb2.PrefillTask(session_id="s1", round=2, **kvwhere.task_fields(s, 2, True))
+    fields = kvwhere.send_fields(w, s, 2, 0.0)
+    assert fields == {"kv_state": KV_HOST, "kv_fetch_s": pytest.approx(0.3), "kv_fetch_first": True}
+    task = common_pb2.PrefillTask(session_id="s1", round=2, **fields)
     assert task.kv_fetch_first and not task.history_on_host
     claims["s1"] = object()  # claimed: a prefill worker reads the host copy meanwhile
     assert not kvwhere.fetch_first(w, s)
-    assert "kv_fetch_first" not in kvwhere.task_fields(s, 2, False)
+    assert "kv_fetch_first" not in kvwhere.send_fields(w, s, 2, 0.0)
     s.where = (2, RESIDENT)
-    assert not kvwhere.fetch_first(w, s) and kvwhere.task_fields(s, 2, True) == {}
+    del claims["s1"]
+    assert not kvwhere.fetch_first(w, s) and kvwhere.send_fields(w, s, 2, 0.0) == {}
     s.where = (2, KVWhere(KV_GONE, 0.0))
-    assert kvwhere.task_fields(s, 2, True) == {"kv_state": KV_GONE, "kv_fetch_s": 0.0}
+    assert not kvwhere.fetch_first(w, s)
+    assert kvwhere.send_fields(w, s, 2, 0.0) == {"kv_state": KV_GONE, "kv_fetch_s": 0.0}
 
 
 def test_a_remote_route_sent_ahead_does_not_hold_for_a_round_that_fetched_first():

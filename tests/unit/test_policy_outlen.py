@@ -8,7 +8,7 @@ import pytest
 
 from ampd.policy.admit import ITL, decide, predicted_itl
 from ampd.policy.hints import Hints
-from ampd.policy.outlen import OutputLengths, OutputLengthsConfig, expected_output
+from ampd.policy.outlen import OutputLengths, OutputLengthsConfig, expected_output, rounds_kv_tokens
 from ampd.v1 import common_pb2
 from services.coordinator.core import turn_kv_tokens
 from tests.unit.test_admit import COST, PROMPT, SLO_, dw, pw
@@ -35,6 +35,14 @@ def test_expected_output_is_the_mean_raised_by_a_hint_within_the_bound():
     assert expected_output(150, None, 199.2) == 150
     for hint in (1, 100, 200):  # a shorter hint is no hint: it never lowers the estimate
         assert expected_output(1000, hint, 199.2) == expected_output(1000, None, 199.2)
+
+
+def test_rounds_kv_tokens_count_the_bound_without_a_mean_and_the_expected_output_with_one():
+    rounds = [(100, 1000), (50, 400)]  # (input, output bound)
+    assert rounds_kv_tokens(rounds) == rounds_kv_tokens(rounds, 600) == 1550  # the promise reads no hint
+    assert rounds_kv_tokens(rounds, None, 200.0) == 100 + 200 + 50 + 200
+    assert rounds_kv_tokens(iter(rounds), 600, 200.0) == 100 + 600 + 50 + 400  # one pass over the rounds
+    assert rounds_kv_tokens([]) == rounds_kv_tokens([], 5, 1.0) == 0
 
 
 def test_coordinator_expected_kv_of_a_turn():

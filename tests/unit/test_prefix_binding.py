@@ -84,7 +84,7 @@ def test_the_publisher_writes_the_indexed_hashes_in_batches_and_deregistering_de
         key = prefix_key("pub", "d0")
         assert await pub.flush() is True and await r.exists(key) == 0  # (the first write replaces: nothing)
         assert await pub.flush() is False  # nothing changed
-        ix.share("a", tokens)
+        ix.share("a", prefix_hashes(tokens, BT, 9))
         assert ix.publish("a", tokens, list(range(6))) == 5
         assert await pub.flush() is True
         hashes = prefix_hashes(tokens, BT, 9)
@@ -101,10 +101,10 @@ def test_the_publisher_writes_the_indexed_hashes_in_batches_and_deregistering_de
         # a swap that keeps the index's size and reclaims nothing (a truncate drops c's block as d
         # publishes one) is written at the next step too: the index counts every hash in and out
         c, d = [7] * BT + [0], [8] * BT + [0]
-        ix.share("c", c)
+        ix.share("c", prefix_hashes(c, BT, 9))
         ix.publish("c", c, [100])
         assert await pub.flush() is True and await r.scard(key) == 4
-        ix.share("d", d)
+        ix.share("d", prefix_hashes(d, BT, 9))
         assert ix.truncate("c", 0) == ([100], None) and ix.publish("d", d, [101]) == 1
         assert len(ix.hashes()) == 4 and ix.reclaimed_blocks == 2
         assert await pub.flush() is True
