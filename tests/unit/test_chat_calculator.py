@@ -47,7 +47,9 @@ def test_runs_as_a_sidecar_tool_by_its_spec():
 def test_intermediate_results_are_bounded_before_they_are_computed(expression):
     t0 = time.perf_counter()
     out = evaluate(expression)
-    assert time.perf_counter() - t0 < 0.05
+    # computed, the worst of these spins for minutes; refused, well under a millisecond. 1 s leaves a
+    # loaded 2-core CI box room to deschedule the test without letting a real computation through
+    assert time.perf_counter() - t0 < 1.0
     assert out.startswith("error: the result would have about ") and out.endswith(f"over the limit of {MAX_DIGITS}")
 
 
