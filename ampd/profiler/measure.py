@@ -27,7 +27,7 @@ from typing import Awaitable, Callable, Sequence
 
 from ampd.profiler.checks import HeldOut
 
-__all__ = ["Timed", "Series", "best", "pass_order", "neighbours", "time_points", "doubted", "settle", "Round"]
+__all__ = ["Timed", "Rotation", "Series", "best", "pass_order", "neighbours", "time_points", "doubted", "settle", "Round"]
 
 
 class Timed(float):
@@ -58,6 +58,24 @@ def neighbours(point: tuple, fitted: Sequence[tuple]) -> list[tuple]:
         hi = [v for v in vals if v >= x]
         around.append({v for v in (lo[-1] if lo else None, hi[0] if hi else None) if v is not None})
     return [f for f in fitted if all(f[j] in around[j] for j in range(len(point)))]
+
+
+@dataclass
+class Rotation:
+    """Places in a region of ``span`` positions for successive uses of ``n`` each: each starts where the
+    last ended (aligned up to ``align``), from 0 again when the next would pass the end. Reads that rotate
+    over a region larger than the CPU's caches find none of their bytes cached by an earlier read."""
+
+    span: int
+    align: int = 1
+    at: int = 0
+
+    def take(self, n: int) -> int:
+        if n > self.span:
+            raise ValueError(f"n: {n} positions do not fit a region of {self.span}")
+        start = self.at if self.at + n <= self.span else 0
+        self.at = start + -(-n // self.align) * self.align
+        return start
 
 
 @dataclass

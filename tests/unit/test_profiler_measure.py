@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from ampd.perf.fit import fit_kv
 from ampd.profiler.checks import error_problems, held_out
-from ampd.profiler.measure import Series, Timed, doubted, neighbours, pass_order, settle, time_points
+from ampd.profiler.measure import Rotation, Series, Timed, doubted, neighbours, pass_order, settle, time_points
 
 SIZES, HELD = (16, 64, 256, 1024), (32, 128, 512)
 KEYS = [(1, 1, n) for n in SIZES + HELD]
@@ -114,3 +116,12 @@ def test_an_engine_the_model_does_not_fit_is_still_refused_after_the_bounded_re_
     assert max(len(r) for r in s.runs) == 2 + 2 * 2
     _, _, problems, done, _ = _profile(lambda n: cost(n) * (2.0 if n == 128 else 1.0), lambda n, k: 1.0, rounds=0)
     assert problems and done == []  # no re-measure asked: judged at once
+
+
+def test_kv_reads_rotate_over_the_region_so_none_reads_the_last_ones_bytes_again():
+    r = Rotation(span=256, align=32)
+    starts = [r.take(n) for n in (16, 64, 100, 32, 64)]
+    assert starts == [0, 32, 96, 224, 0]  # block-aligned, each after the last; 224 + 64 > 256: from 0 again
+    assert all(a != b for a, b in zip(starts, starts[1:]))
+    with pytest.raises(ValueError, match="^n: 300 positions do not fit a region of 256"):
+        r.take(300)
