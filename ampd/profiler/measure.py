@@ -3,7 +3,8 @@ doubts (pure: it awaits the calls it is given and touches nothing else).
 
 Three rules, each against the noise of a machine other work shares (a 2-core box at load 3-8 here):
 
-- **A point's time is the minimum of its runs** (``best``). The same computation on the same inputs
+- **A point's time is the minimum of its runs** (``best``), where each run is timed from before its
+  work starts to after it ends. The same computation on the same inputs
   does the same work at every run; other processes taking the cores, evicting the caches or
   delaying a wake-up only ever add time, so the fastest run is the one nearest the engine's own cost,
   and one slow run (a burst of load, a first run's allocations) cannot move it. The median of 2-3 runs
@@ -16,7 +17,8 @@ Three rules, each against the noise of a machine other work shares (a 2-core box
   failing held-out points and the fitted points around them (``neighbours``) get ``reps`` more runs
   each, and the fit is judged again, at most ``rounds`` times. Noise that came and went is outrun
   (each new run can only lower a point's time to nearer its cost); an engine the model does not fit
-  stays refused, since more runs cannot bring its cost onto the model.
+  stays refused, since more runs cannot bring its cost onto the model (a round that made no point
+  faster is the last: another would not either).
 """
 from __future__ import annotations
 
@@ -89,6 +91,7 @@ class Series:
     calls: list[Callable[[], Awaitable]]
     sample: Callable[[tuple, float], tuple] = lambda key, s: (*key, s)
     reps: int = 1             # runs of each point per timing (and per re-measure round)
+    stat: Callable[[Sequence[float]], float] = best  # a point's time from its runs
     overhead: float = 0.0     # seconds of every run that are the harness's (the mock's wake-up latency)
     runs: list[list[float]] = field(default_factory=list)
 
@@ -96,7 +99,7 @@ class Series:
         self.runs = self.runs or [[] for _ in self.keys]
 
     def time_of(self, i: int) -> float:
-        return max(best(self.runs[i]) - self.overhead, 0.0)
+        return max(self.stat(self.runs[i]) - self.overhead, 0.0)
 
     def samples(self) -> tuple[list[tuple], list[tuple]]:
         """(fitted, held-out) samples at each point's time so far."""
@@ -144,6 +147,9 @@ def doubted(held: HeldOut, own: HeldOut, tol: float) -> list[tuple]:
     return over + [w for w in own.worst if w[-1] > tol / 2] if over else []
 
 
+STALLED = 0.02  # a re-timed point whose time moved less than this over a round: its runs found no noise
+
+
 @dataclass(frozen=True)
 class Round:
     """One re-measure: what failed before it, and how many points it re-timed."""
@@ -162,20 +168,26 @@ async def settle(series: dict[str, Series], judge: Callable[[dict[str, Series]],
     points and their fitted neighbours (the series' ``reps`` runs each) and judge again, at most
     ``rounds`` times. ``note(message, runs)`` announces each round and the runs it will take.
 
+    A round after which no re-timed point's time moved by more than ``STALLED`` found no noise to outrun
+    (the engine's cost is what the model misses), and the next would find none either: it is the last.
+
     ``judge(series)`` -> (verdict, doubted): doubted maps a quantity that failed to the samples to re-time
     with their error ((x..., seconds, model, rel) rows, as ``checks.HeldOut.worst``): held-out ones (with
     their fitted neighbours) and fitted ones (alone). Returns (the last verdict, the rounds taken)."""
     done: list[Round] = []
+    moved = True
     while True:
         verdict, failing = judge(series)
         failing = {q: rows for q, rows in failing.items() if rows and q in series}
-        if not failing or len(done) == rounds:
+        if not failing or len(done) == rounds or not moved:
             return verdict, done
         todo = {q: series[q].around([r[:-2] for r in rows]) for q, rows in failing.items()}
         worst = {q: max(r[-1] for r in rows) for q, rows in failing.items()}
         note(f"profile: re-timing {sum(map(len, todo.values()))} points (round {len(done) + 1} of {rounds}): "
              + "; ".join(f"{q} off by up to {worst[q]:.1%}, {len(todo[q])} points" for q in todo),
              sum(len(idx) * series[q].reps for q, idx in todo.items()))
+        before = {(q, i): series[q].time_of(i) for q, idx in todo.items() for i in idx}
         for q, idx in todo.items():
             await time_points(series[q], idx, series[q].reps, tick)
+        moved = any(abs(series[q].time_of(i) - t) > STALLED * t for (q, i), t in before.items())
         done.append(Round(worst, {q: len(v) for q, v in todo.items()}))
