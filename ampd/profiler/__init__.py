@@ -567,22 +567,20 @@ async def _run(setup: EngineSetup, grid: Grid, name: str, block_tokens: int, max
                      prefill_chunk_tokens=dict(setup.prefill_chunk_tokens), monotone=not setup.sleeps,
                      max_error=max_error)
     try:
-        for tp in setup.tps:
-            engine, plan = make(tp), plans[tp]
+        async def timed(q: str, got: Series, reps: int) -> None:
             # Fitted and held-out points are timed together, in the same passes (shuffled: measure.py) on the
             # same pool, so a drift of the machine between two phases cannot show as a held-out error.
-            qp, qd = f"tp.{tp}.t_pre", f"tp.{tp}.t_dec"
-            series[qp] = await _prefill_series(setup, engine, plan.pre + plan.hpre, len(plan.pre), block_tokens)
-            series[qp].overhead, series[qp].reps = oh, grid.reps
-            await time_points(series[qp], range(len(series[qp].keys)), grid.reps, tick)
-            series[qd], end = await _decode_series(setup, engine, plan.dec + plan.hdec, len(plan.dec), block_tokens)
+            series[q], got.overhead, got.reps = got, oh, reps
+            await time_points(got, range(len(got.keys)), reps, tick)
+        for tp in setup.tps:
+            engine, plan = make(tp), plans[tp]
+            await timed(f"tp.{tp}.t_pre", await _prefill_series(setup, engine, plan.pre + plan.hpre, len(plan.pre),
+                                                                block_tokens), grid.reps)
+            dec, end = await _decode_series(setup, engine, plan.dec + plan.hdec, len(plan.dec), block_tokens)
             ends.append(end)
-            series[qd].overhead, series[qd].reps = oh, grid.reps
-            await time_points(series[qd], range(len(series[qd].keys)), grid.reps, tick)
-        series["t_kv"] = await _kv_series(setup, make, pairs, list(grid.kv_tokens) + kv_held, len(grid.kv_tokens),
-                                          block_tokens, ends)
-        series["t_kv"].overhead, series["t_kv"].reps = oh, kv_reps
-        await time_points(series["t_kv"], range(len(series["t_kv"].keys)), kv_reps, tick)
+            await timed(f"tp.{tp}.t_dec", dec, grid.reps)
+        await timed("t_kv", await _kv_series(setup, make, pairs, list(grid.kv_tokens) + kv_held,
+                                             len(grid.kv_tokens), block_tokens, ends), kv_reps)
 
         def judge(ser: dict[str, Series]):
             prof, held, problems, own = _fit(ctx, *_split(ser))
@@ -601,9 +599,15 @@ async def _run(setup: EngineSetup, grid: Grid, name: str, block_tokens: int, max
         "loadavg_1m": {"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2)},
         "wakeup_latency_subtracted_s": oh, "block_tokens": block_tokens, "grid": asdict(grid),
         "samples_are": f"min over {grid.reps} runs" + ("" if kv_reps == grid.reps else f" ({kv_reps} for t_kv)")
-                       + (f", more where re-timed ({len(rounds)} round(s))" if rounds else ""),
+                       + (f", more where re-timed ({len(rounds)} round(s))" if rounds else "")
+                       + ("; streamed decode steps: median" if _any_median(series) else ""),
         "remeasured": [r.to_json() for r in rounds]})
     return ProfileRun(prof, held, problems, samples, hsamples, seconds, doc, ctx)
+
+
+def _any_median(series: dict[str, Series]) -> bool:
+    """Whether a series keeps the median of its runs (an engine's streamed decode steps)."""
+    return any(s.stat is statistics.median for s in series.values())
 
 
 def _split(series: dict[str, Series]) -> tuple[dict[str, list], dict[str, list]]:
