@@ -81,7 +81,12 @@ class Resident:
         self.kv = bigger
 
 
-PACK_FROM = 4  # batches from this size multiply by oneDNN-blocked weights (Fused.pack)
+# Batches from this size multiply by oneDNN-blocked weights (Fused.pack). From 2, not 4: aten::mm of the
+# 49152 x 576 head took 27-52 ms at 2 rows and 64-74 ms at 3 against 10 at 1 (oneDNN-blocked: 11 and 9;
+# 2 threads, load 7-8), so a decode step of 2-3 sequences took twice one of 1 or 4 (100-145 ms against
+# 50-55), a cost no non-decreasing D(batch) can fit (`ampd profile`'s held-out batch 3 was off by 42 %).
+# With blocked weights from 2 on, steps of 1-4 sequences took 56-63 ms, in one process, alternating.
+PACK_FROM = 2
 
 
 @dataclass
@@ -94,7 +99,7 @@ class Fused:
     gives `generate`'s logits exactly (tests/unit/test_torch_engine.py).
 
     `packed`: the same weights reordered into oneDNN's blocked layout, used from PACK_FROM sequences
-    on: at batch 8 `aten::mm` runs these fp32 products far below the bandwidth limit on this
+    on: from 2 rows on `aten::mm` runs these fp32 products far below the bandwidth limit on this
     project's CPU, the blocked layout faster (at batch 1 it is the slower one). Its sums are ordered
     differently; a batch's rows already differ from batch 1 in the last bits with `aten::mm` too
     (the exactness checks compare a batch's tokens with each sequence alone)."""

@@ -34,8 +34,8 @@ def register(subparsers) -> None:
     p.add_argument("--grid", default="full", choices=("tiny", "small", "full"),
                    help="grid size: tiny (seconds; tests), small, full (default; a torch profile of SmolLM2 "
                         "takes a few minutes on 2 cores). Sizes suit where the engine computes (CPU or GPU)")
-    p.add_argument("--reps", type=int, metavar="R", help="runs per point, the median is kept (the mock: the "
-                                                         "minimum); default the grid's (2-3)")
+    p.add_argument("--reps", type=int, metavar="R", help="runs per point, the fastest is kept (more for points "
+                                                         "a held-out check doubts); default the grid's (2-3)")
     config.add_flags(p, config.PROFILE_SETTINGS)
     p.set_defaults(func=run)
 
@@ -70,6 +70,11 @@ def _progress():
             sys.stderr.write(("\r" + msg + ("\n" if done == total else "")) if tty else msg + "\n")
             sys.stderr.flush()
     return tick
+
+
+def _note(message: str) -> None:
+    sys.stderr.write(("\n" if sys.stderr.isatty() else "") + message + "\n")
+    sys.stderr.flush()
 
 
 def _write_atomic(path: str, document: dict) -> None:
@@ -156,7 +161,7 @@ def run(args) -> int:
         result = profile_engine(args.engine, profile=args.profile, tps=_tps(args.tp), grid=args.grid,
                                 reps=args.reps, name=args.name, model=args.model, block_tokens=args.block_tokens,
                                 kv_pool_mb=args.kv_pool_mb, max_error=args.max_held_out_error,
-                                progress=_progress())
+                                progress=_progress(), note=_note)
     except ValueError as exc:
         field, _, msg = str(exc).partition(": ")
         flag = FLAGS.get(field)

@@ -82,7 +82,7 @@ def test_a_real_torch_engine_profiles_and_its_profile_round_trips(tiny_llama, tm
     assert got.kv_bytes_per_token == 2 * 2 * 16 * 2 * 4 and got.tps == (1,)
     assert got.kv_capacity_tokens(1) == 4 * 2**20 // got.kv_bytes_per_token
     prof = doc["profiling"]
-    assert prof["engine"] == "torch" and prof["samples_are"] == "median over 1 runs (2 for t_kv)"
+    assert prof["engine"] == "torch" and prof["samples_are"].startswith("min over 1 runs (2 for t_kv)")
     assert prof["compute_threads"] == torch.get_num_threads()  # recorded as given, never changed
     # a computing engine is fitted continuous and non-decreasing: no piece of it can be refused for shape
     for fn in (got.tp_models[1].pre, got.tp_models[1].dec, got.kv_transfer.bytes_per_link):
