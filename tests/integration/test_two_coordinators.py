@@ -111,7 +111,7 @@ async def _replay(coords: Coordinators, prefix: str, n: int, kill=None) -> dict:
     return out
 
 
-@pytest.mark.timeout(180)  # (about 50 s at load 8; the long rounds add seconds of decode under load)
+@pytest.mark.timeout(300)  # (55 s at load 8, 80-205 s at load 12-17)
 def test_a_killed_coordinators_sessions_go_on_through_the_other(tmp_path):
     from ampd.engine.torch_models import save_tiny_llama
 
@@ -229,8 +229,8 @@ def test_a_killed_coordinators_sessions_go_on_through_the_other(tmp_path):
             first = next((i for i, (a, b) in enumerate(zip(toks, ref[1])) if a != b), min(len(toks), len(ref[1])))
             assert toks == ref[1], f"long-{k}: {len(toks)} tokens against {len(ref[1])}, first differs at {first}"
         # it failed over, then moved mid-round: its long round (round 0) is the one run again elsewhere
-        assert out[j][3] and out[j][5] == [0], (f"long-{j}: failovers {out[j][3]}, recovered rounds {out[j][5]}: "
-                                                f"its worker ended the long round before the kill")
+        assert out[j][3] and out[j][5] == [0], (f"long-{j}: failovers {out[j][3]}, recovered rounds {out[j][5]}: not "
+                                                f"its long round (ended before the kill, or not resumed elsewhere)")
 
 
 def test_an_unreachable_coordinator_is_named_at_start_up():
