@@ -91,6 +91,10 @@ class HostTier:
     prefetch_early: bool = False  # bring offloaded KV back before the result (at the tool's expected end)
     tokens_to_host: int = 0
     tokens_from_host: int = 0
+    # a live driver's offloads not ended yet: the core counted their device KV free when it listed
+    # them, the pool frees it as each ends (and the driver admits again then). The simulator's
+    # moves free at once: 0 there
+    pending_offloads: int = 0
     last: TierDecision | None = None  # the latest ``tier_pause`` decision (a live driver logs its reason)
 
     @classmethod
@@ -229,11 +233,15 @@ class TierMixin:
     def _nothing_runs(self) -> bool:
         """No round here will end and free KV (an empty batch, no local prefill, no admitted round
         whose prefill runs on a prefill worker: with the tier each admitted round has output
-        ``due`` until it ends), or rounds fail rather than wait: waiting for KV would then wait for
-        nothing. (Only on the last resort's path: the walk over the sessions is rare.)"""
+        ``due`` until it ends) and no offload in flight will free device blocks
+        (``HostTier.pending_offloads``: a loaded box's slow moves made the last resort drop shared
+        prefixes for room they were about to free), or rounds fail rather than wait: waiting for
+        KV would then wait for nothing. (Only on the last resort's path: the walk over the
+        sessions is rare.)"""
         return self.kv_admission == "fail" or not (
             self.batch_size or self.pending or self.queue_len or self.in_prefill is not None
-            or self.chunk_session is not None or any(s.due for s in self.sessions.values()))
+            or self.chunk_session is not None or self.tier.pending_offloads
+            or any(s.due for s in self.sessions.values()))
 
     def _take_idle(self, v) -> None:
         """``v`` leaves the evictable sessions: its KV goes to host, or it is a victim."""

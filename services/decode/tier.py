@@ -88,7 +88,6 @@ class LiveTier:
         self.reads = HostReads(self)  # rounds whose prefill reads the host copy (registers it with the worker)
         self.copies: dict[str, HostCopy] = {}
         self.busy: dict[str, asyncio.Task] = {}  # session id -> its latest move (moves chain per session)
-        self.pending_offloads = 0  # offloads not ended (device blocks the core counts free, still held)
         self.running_offloads = 0  # of them, those whose transfer runs
         self.moved = asyncio.Condition()  # notified whenever a move ends
         # what the core has charged but the pool has not reserved yet: the rounds whose start waits
@@ -101,6 +100,16 @@ class LiveTier:
         self.early: dict[str, asyncio.TimerHandle] = {}  # session id -> its early prefetch
         self.counts: dict[str, float] = dict.fromkeys(TIER_METRICS, 0)
         self.tasks = BackgroundTasks()
+
+    @property
+    def pending_offloads(self) -> int:
+        """Offloads not ended (device blocks the core counts free, still held); the core's count,
+        which its last resort waits for (``HostTier.pending_offloads``)."""
+        return self.core.tier.pending_offloads
+
+    @pending_offloads.setter
+    def pending_offloads(self, n: int) -> None:
+        self.core.tier.pending_offloads = n
 
     # ------------------------------------------------------------------------------- events
     def pause(self, s: Session, tool: str, hint_s: float | None) -> bool:

@@ -344,10 +344,14 @@ def test_rounds_decoding_at_once_never_outgrow_a_packed_pool(redis_url, tmp_path
     if sharing:
         assert m["prefix_shared_tokens"] >= 384  # a later session found the first one's prompt blocks
         # a session whose device KV is only the prefix the others read is not dropped while another
-        # victim frees blocks, or while a round runs (dropping it frees nothing and loses its host
-        # copy): 0 measured in 3 runs, where picking it re-prefilled 1,991-3,352 tokens a run; the
-        # bound (not 0) leaves the last resort, when nothing runs, to a slow box's timing
-        assert m["kv_recomputed_tokens"] < 1000
+        # victim frees blocks, while a round runs, or while an offload is still freeing blocks
+        # (dropping it frees nothing and loses its host copy). Here the pool (2,048 tokens) has a
+        # waiting round's room (700 tokens at most) once those end, so no session loses its KV:
+        # the last resort, for a pool nothing else will free, never runs. Dropping while offloads
+        # ran (a loaded box's slow moves) evicted sessions in 7 of 20 runs at load 7-12,
+        # re-prefilling up to 3,037 tokens; none in 27 runs at load 5-14 since
+        assert m["kv_evictions"] == 0 and m["kv_recomputed_tokens"] == 0, \
+            {k: v for k, v in m.items() if k.startswith("kv_tier_decision_drop")}
     assert m["sessions_failed"] == 0 and m["kv_overcommits"] == 0 and m["active_sessions"] == 0
     # no leak: the device pool holds only cached prefix blocks, the host pool nothing
     assert m["kv_free_tokens"] == m["kv_capacity_tokens"] == KV_TOKENS  # (free counts cached prefix blocks)

@@ -185,6 +185,31 @@ def test_with_only_shared_pinned_prefixes_left_a_round_waits_while_one_runs_then
     assert core.kv_used == 0 and not core.sessions and core.tier.host.empty and core.evictable_kv == 0
 
 
+def test_with_offloads_in_flight_a_pinned_prefix_others_read_is_not_the_last_resort():
+    """Nothing runs, but the driver's offloads of the own parts have not ended (a loaded box: the
+    pool frees their blocks later, and the driver admits again then): the round waits rather than
+    drop a prefix others read, which frees nothing and loses the session's host copy (the live
+    packed-pool test re-prefilled 1,046-3,037 tokens a run that way)."""
+    core = _core(cap=2000, host_tokens=4096)
+    a, b = _pinned_pair(core)  # every pause moves what it can: the own parts (89 each) go to host
+    assert [(m.session_id, m.direction) for m in core.take_moves()] == [("a", TO_HOST), ("b", TO_HOST)]
+    core.tier.pending_offloads = 2  # the driver's count: both transfers still run
+    c = DecodeSession("c")
+    c.round, c.l_incr, c.out = 0, 1700, 1  # fits only once the pool holds the one shared prefix
+    assert core.round_ready(c, 0.2) == WAITING
+    assert core.take_victims() == [] and not (a.evicted or b.evicted) and a.fetch == b.fetch == 89
+    assert "drop:pressure-drop" not in core.tier.decisions and core.tier.host.host_blocks("a") > 0
+    core.tier.pending_offloads = 0  # they ended: nothing will free KV now, so the last resort runs
+    assert core.admit_next(0.3) is None and core.take_victims() == [a] and not b.evicted
+    b.pin_own = 512  # the sync: a let go, b alone holds the blocks now
+    core.sync_kv_free(2000 - 512)
+    assert core.admit_next(0.4) is c and core.take_victims() == [b]
+    _end(core, c)
+    for s in (a, b):
+        core.drop(s)
+    assert core.kv_used == 0 and not core.sessions and core.tier.host.empty and core.evictable_kv == 0
+
+
 def test_a_waiting_round_dropped_to_unblock_the_head_frees_only_its_own_part():
     core = _core(cap=2000, host_tokens=BT)  # a host too small for any session: waiting KV is dropped
     core.tier.cfg.offload_pressure = 1.0
