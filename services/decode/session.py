@@ -152,8 +152,11 @@ def check_secret(s: Session, secret: str) -> None:
         raise NotPermitted(f"session_secret: not the secret of session {s.session_id!r}")
 
 
-def check_turn(t: common_pb2.Turn, engine: Engine, history: int, path: str, text: bool = False) -> None:
-    """What only the decode worker can check (its engine's vocabulary and context limit)."""
+def check_turn(t: common_pb2.Turn, engine: Engine, history: int, path: str, text: bool = False,
+               carried: int = 0) -> None:
+    """What only the decode worker can check (its engine's vocabulary and context limit). ``carried``:
+    a session moved here mid-round (``Resume.round_tokens``): output its round already made, which
+    ``t`` holds in its history and which its ``max_tokens`` no longer has to come."""
     if t.HasField("keep_tokens") and t.keep_tokens > history:
         raise InvalidTurn(f"{path}.keep_tokens: {t.keep_tokens} is beyond the session's {history} tokens")
     kept = t.keep_tokens if t.HasField("keep_tokens") else history
@@ -164,9 +167,11 @@ def check_turn(t: common_pb2.Turn, engine: Engine, history: int, path: str, text
     if ctx > engine.max_context:
         raise InvalidTurn(f"{path}.token_ids: the context would be {ctx} tokens, over the model's limit of "
                           f"{engine.max_context}")
-    if ctx + t.sampling.max_tokens > engine.max_context:
-        raise InvalidTurn(f"{path}.sampling.max_tokens: {ctx} context tokens + {t.sampling.max_tokens} exceed "
-                          f"the model's limit of {engine.max_context}")
+    to_come = max(0, t.sampling.max_tokens - carried)
+    if ctx + to_come > engine.max_context:
+        made = f" ({carried} of them already made)" if carried else ""
+        raise InvalidTurn(f"{path}.sampling.max_tokens: {ctx} context tokens + {to_come} output tokens to come{made} "
+                          f"exceed the model's limit of {engine.max_context}")
     if t.sampling.stop and not text:
         raise InvalidTurn(f"{path}.sampling.stop: stop strings need an engine with a tokenizer "
                           f"({engine.name} has none); use stop_token_ids")

@@ -143,7 +143,9 @@ class DecodeWorker:
             # the open, with its attach token, replaces it.
             self.metrics["sessions_replaced"] += 1
             self.fail(old, "opened again through another coordinator")
-        check_turn(o.turn, self.engine, 0, "open.turn", self.chat is not None)
+        moved = req.HasField("resume") and not req.resume.rerun_tools  # (its round goes on: Session.carried)
+        check_turn(o.turn, self.engine, 0, "open.turn", self.chat is not None,
+                   req.resume.round_tokens if moved else 0)
         s = Session(
             session_id=o.session_id,
             max_rounds=o.limits.max_rounds or MAX_ROUNDS,  # a tool loop ends some time

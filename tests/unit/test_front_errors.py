@@ -12,7 +12,7 @@ def _rpc(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 
 
 @pytest.mark.parametrize("code,details,status,param", [
-    (grpc.StatusCode.INVALID_ARGUMENT, "open.turn.sampling.max_tokens: 900 context tokens + 300 exceed the model's "
+    (grpc.StatusCode.INVALID_ARGUMENT, "open.turn.sampling.max_tokens: 900 context tokens + 300 output tokens to come exceed the model's "
                                        "limit of 1024", 400, "max_tokens"),
     (grpc.StatusCode.INVALID_ARGUMENT, "open.turn.sampling.stop: stop strings need an engine with a tokenizer", 400,
      "stop"),
