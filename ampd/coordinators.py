@@ -25,12 +25,25 @@ from ampd import grpcserver
 from ampd.tasks import BackgroundTasks
 from ampd.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
-__all__ = ["Coordinators", "parse_addresses", "session_events"]
+__all__ = ["Coordinators", "parse_addresses", "session_events", "stream_code"]
 
 # A stream that failed with these may go on through another coordinator
 FAILOVER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+# gRPC core's own detail when a stream breaks in a way it cannot classify: seen (1 of ~13 kills of a
+# coordinator on a box at load 12-17) where a killed process's stream usually fails UNAVAILABLE. No
+# AMPD server sends it (theirs name what failed), so it is the transport's failure, not an answer.
+CORE_TRANSPORT_INTERNAL = "Internal error from Core"
 RETRY_PAUSE_S = 0.1  # between tries: a stream to a just-killed process fails at once
 DOWN_S = 2.0  # a coordinator whose stream failed UNAVAILABLE gets no new session for this long
+
+
+def stream_code(exc: grpc.aio.AioRpcError) -> grpc.StatusCode:
+    """How a session stream's failure is taken: the status, except that gRPC core's unclassified
+    transport failure (``CORE_TRANSPORT_INTERNAL``) counts as the coordinator lost (UNAVAILABLE)."""
+    code = exc.code()
+    if code == grpc.StatusCode.INTERNAL and exc.details() == CORE_TRANSPORT_INTERNAL:
+        return grpc.StatusCode.UNAVAILABLE
+    return code
 
 
 def parse_addresses(text: str, what: str = "--target") -> list[str]:
@@ -208,7 +221,7 @@ class FailoverSession:
                                 return
                     return
                 except grpc.aio.AioRpcError as exc:
-                    code = exc.code()
+                    code = stream_code(exc)
                     tries += 1
                     if self._header is not None and not self._header.done():
                         self._header.cancel()
