@@ -177,6 +177,13 @@ def check_turn(t: common_pb2.Turn, engine: Engine, history: int, path: str, text
                           f"({engine.name} has none); use stop_token_ids")
 
 
+def made_before_move(req: decode_pb2.AttachRequest) -> int:
+    """The output a session moved here mid-round already made (its round goes on here from there:
+    ``Session.carried``); 0 for a new session, and for one whose tool calls run again."""
+    r = req.resume
+    return r.round_tokens if req.HasField("resume") and not r.rerun_tools else 0
+
+
 class SessionFailed:
     """Queue sentinel: the Attach stream ends with this error and status code name (ABORTED: the
     session cannot go on; UNAVAILABLE: this worker is going away, the session can move)."""

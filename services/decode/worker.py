@@ -49,7 +49,7 @@ from services.decode.remote import RemotePrefills
 from services.decode.session import (ABORTED, FINISH_LENGTH, FINISH_STOP, FINISH_STOP_REQUESTED,
                                      FINISH_TOOL, SHUTDOWN, EventsGone, InvalidTurn, NotOpen, NotPermitted, Session,
                                      SessionError, SessionFailed, check_secret, check_turn, emit, keep_ended,
-                                     round_spans)
+                                     made_before_move, round_spans)
 from services.decode.streamed import continue_remote_round, streams_rounds
 from services.decode.streams import Attachments
 from services.decode.tier import LiveTier, pause
@@ -143,9 +143,7 @@ class DecodeWorker:
             # the open, with its attach token, replaces it.
             self.metrics["sessions_replaced"] += 1
             self.fail(old, "opened again through another coordinator")
-        moved = req.HasField("resume") and not req.resume.rerun_tools  # (its round goes on: Session.carried)
-        check_turn(o.turn, self.engine, 0, "open.turn", self.chat is not None,
-                   req.resume.round_tokens if moved else 0)
+        check_turn(o.turn, self.engine, 0, "open.turn", self.chat is not None, made_before_move(req))
         s = Session(
             session_id=o.session_id,
             max_rounds=o.limits.max_rounds or MAX_ROUNDS,  # a tool loop ends some time

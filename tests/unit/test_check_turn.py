@@ -4,8 +4,8 @@ import pytest
 
 from ampd.engine.mock import MockEngine
 from ampd.perf import load_profile
-from ampd.v1 import common_pb2
-from services.decode.session import InvalidTurn, check_turn
+from ampd.v1 import common_pb2, decode_pb2
+from services.decode.session import InvalidTurn, check_turn, made_before_move
 
 
 @pytest.fixture(scope="module")
@@ -35,3 +35,12 @@ def test_a_session_moved_mid_round_counts_only_the_output_still_to_come(engine):
         check_turn(moved, engine, 0, "open.turn", carried=1_999)
     with pytest.raises(InvalidTurn, match="3000 output tokens to come exceed"):  # not moved: all of it to come
         check_turn(moved, engine, 0, "open.turn")
+
+
+def test_the_output_made_before_a_move_is_read_from_the_resume_only_when_the_round_goes_on():
+    req = decode_pb2.AttachRequest()
+    assert made_before_move(req) == 0  # a new session
+    req.resume.round_tokens = 2_000
+    assert made_before_move(req) == 2_000
+    req.resume.rerun_tools = True  # its tool calls run again: that round is over
+    assert made_before_move(req) == 0
