@@ -115,7 +115,8 @@ async def _replay(coords: Coordinators, prefix: str, n: int, kill=None) -> dict:
 def test_a_killed_coordinators_sessions_go_on_through_the_other(tmp_path):
     from ampd.engine.torch_models import save_tiny_llama
 
-    # (a session moved mid-round is checked for its context so far plus the round's whole output)
+    # (positions for the history, the long round's 3,000 tokens and room: before 8c068df a session moved
+    # mid-round was checked for its whole round's output again, and 4,096 refused one move in 5)
     tiny = save_tiny_llama(tmp_path / "tiny", vocab_size=VOCAB, layers=2, max_positions=8192)
     opts = Options(prefill="tp1*1", decode="tp1*2", coordinators=2, engine="torch", model=str(tiny),
                    policy="ampd", profile="qwen3-32b@h20", namespace=NS, ttft_slo=5.0, itl_slo=1.0,
