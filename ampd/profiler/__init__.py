@@ -614,6 +614,8 @@ def _split(series: dict[str, Series]) -> tuple[dict[str, list], dict[str, list]]
     """(fitted samples, held-out samples) per quantity, at each point's time so far."""
     both = {q: s.samples() for q, s in series.items()}
     return {q: f for q, (f, _) in both.items()}, {q: h for q, (_, h) in both.items()}
+
+
 def merge_runs(runs: list[ProfileRun], max_error: float | None = None) -> ProfileRun:
     """One profile from several runs of the same engine and grid: each point's time is the mean of the
     runs' times for it, then the fit and its checks are redone. Runs taken before and after what the

@@ -123,13 +123,13 @@ class Series:
         return sorted(out)
 
 
-async def time_points(series: Series, which: Sequence[int], reps: int, tick: Callable[[], None] = lambda: None,
-                      seed: int = 0) -> None:
+async def time_points(series: Series, which: Sequence[int], reps: int,
+                      tick: Callable[[], None] = lambda: None) -> None:
     """``reps`` more runs of each point in ``which``, in passes over them in a shuffled order."""
     which = list(which)
     for rep in range(reps):
         start = len(series.runs[which[0]]) if which else 0  # a point's runs so far: a new order per pass
-        for j in pass_order(len(which), start + rep, seed):
+        for j in pass_order(len(which), start + rep):
             i = which[j]
             t0 = time.perf_counter()
             got = await series.calls[i]()
