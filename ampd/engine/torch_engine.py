@@ -6,7 +6,9 @@ writes the new blocks back over NIXL, and the engine on either side attends to e
 (`ampd.engine.torch_kv.PoolCache`). The worker's block maps say where each session's KV is.
 
 - prefill: one forward over the new tokens on top of the history gathered from the pool; the new
-  KV lands in the segments the worker reserved; the next token per the request's `Sampling`.
+  KV lands in the segments the worker reserved; the next token per the request's `Sampling`. A
+  Llama-family model prefills through `ampd.engine.torch_fast` too (`prefill_forward`: its short
+  prefills cost what transformers' forward makes them cost only past 3 tokens).
 - decode_step: one forward for the whole batch, one new token per sequence (continuous batching:
   the worker may change the batch between any two steps). A Llama-family model decodes through
   `ampd.engine.torch_fast`: each decoding session's KV is also kept resident in attention's layout
@@ -30,7 +32,7 @@ import torch
 from ampd.engine.capabilities import TORCH
 from ampd.engine.base import DecodeSeq, Sampling
 from ampd.engine.sampling import next_tokens
-from ampd.engine.torch_fast import Resident, decode_forward, fuse, supports
+from ampd.engine.torch_fast import Resident, decode_forward, fuse, prefill_forward, supports
 from ampd.engine.torch_kv import PoolCache, attention_mask
 from ampd.kv import KVPool, Segment, segments_tokens
 from ampd.kv.layout import KVShape, pool_rows, token_rows
@@ -144,11 +146,25 @@ class TorchEngine:
         bt = pool.block_tokens
         hist_rows = token_rows(history_kv, bt)
         new_rows = token_rows(new_kv, bt)
+        if self.fast:
+            return self._prefill_fast(pool, ids, hist_rows, new_rows, sampling)
         read = torch.from_numpy(np.concatenate((hist_rows, new_rows)))[None]
         positions = torch.arange(l_hist, l_hist + l_incr)[None]
         mask = attention_mask(positions, torch.tensor([l_hist + l_incr]), l_hist + l_incr)
         cache = PoolCache(self._rows(pool), torch.from_numpy(new_rows)[None], read)
         logits = self._forward(ids[None], positions, mask, cache)
+        return next_tokens(logits, [sampling], [l_hist + l_incr])[0]
+
+    def _prefill_fast(self, pool: KVPool, ids: torch.Tensor, hist_rows: np.ndarray, new_rows: np.ndarray,
+                       sampling: Sampling | None) -> int:
+        """A Llama-family prefill through torch_fast, over the history read from the pool; the
+        resident copy it builds is not kept (a prefill worker never decodes it)."""
+        rows = self._rows(pool)
+        l_hist, l_incr = len(hist_rows), int(ids.numel())
+        res = Resident.from_pool(rows, hist_rows, l_incr)
+        positions = torch.arange(l_hist, l_hist + l_incr)[None]
+        with self._lock, torch.inference_mode():
+            logits = prefill_forward(self.model, ids[None], positions, res, rows, new_rows, self._fused)
         return next_tokens(logits, [sampling], [l_hist + l_incr])[0]
 
     def forget(self, session_id: str) -> None:

@@ -1,12 +1,14 @@
-"""The decode step of a Llama-family model without transformers' per-step machinery.
+"""The decode step and the prefill of a Llama-family model without transformers' per-step machinery.
 
 Profiling the live decode worker (py-spy, torch.profiler) showed that, beside the weights, a step
 through `model(...)` with `PoolCache` spent about a quarter of its time gathering every layer's whole
 history out of the pool (a strided `index_select`, then a copy to make it contiguous) and in
 attention over a padded, masked batch. This module runs the model's own weights and modules (norms,
 projections, rotary embedding, MLP, head; q/k/v and gate/up fused into one product each, which gives
-the same bits, `Fused`) layer by layer, so a lone session's logits are `generate`'s exactly, with
-attention over a per-session resident copy of the KV:
+the same bits, `Fused`) layer by layer, so a lone session's decode step computes `generate`'s logits
+exactly from the same KV, with attention over a per-session resident copy of the KV. A prefill runs
+here too (`prefill_forward`), on the blocked weights from 2 tokens: the same values as transformers'
+forward but for the last bits, and its greedy tokens are `generate`'s in the tests.
 
 - `Resident`: a session's KV as `[layers, k/v, kv_heads, capacity, head_dim]`, the layout attention
   reads. Built from the pool at the first step of a decode (one gather per round, not per step and
@@ -33,7 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Resident", "Fused", "PACK_FROM", "supports", "fuse", "decode_forward"]
+__all__ = ["Resident", "Fused", "PACK_FROM", "supports", "fuse", "decode_forward", "prefill_forward"]
 
 _GROW = 256  # resident capacity grows by this many positions at least (amortizes the copy)
 
@@ -73,10 +75,11 @@ class Resident:
     def matches(self, rows: np.ndarray) -> bool:
         return len(rows) == self.tokens and np.array_equal(rows, self.rows)
 
-    def make_room(self) -> None:
-        if self.tokens < self.kv.shape[3]:
+    def make_room(self, n: int = 1) -> None:
+        """Capacity for `n` more positions."""
+        if self.tokens + n <= self.kv.shape[3]:
             return
-        bigger = torch.empty(*self.kv.shape[:3], self.tokens + _GROW, self.kv.shape[4], dtype=self.kv.dtype)
+        bigger = torch.empty(*self.kv.shape[:3], self.tokens + max(n, _GROW), self.kv.shape[4], dtype=self.kv.dtype)
         bigger[:, :, :, : self.tokens].copy_(self.kv[:, :, :, : self.tokens])
         self.kv = bigger
 
@@ -87,6 +90,7 @@ class Resident:
 # 50-55), a cost no non-decreasing D(batch) can fit (`ampd profile`'s held-out batch 3 was off by 42 %).
 # With blocked weights from 2 on, steps of 1-4 sequences took 56-63 ms, in one process, alternating.
 PACK_FROM = 2
+
 
 
 @dataclass
@@ -165,42 +169,67 @@ def decode_forward(model: Any, ids: torch.Tensor, positions: torch.Tensor, res: 
     [0, positions[b]); appends each new token's KV to `res[b]` and writes it into pool row
     `write_rows[b]`. `fused`: `fuse(model)`'s weights (else the separate projections). Returns the
     logits `[batch, vocab]`."""
+    return _forward(model, ids, positions, res, pool_rows, np.asarray(write_rows).reshape(-1, 1), fused)
+
+
+def prefill_forward(model: Any, ids: torch.Tensor, positions: torch.Tensor, res: Resident,
+                    pool_rows: torch.Tensor, write_rows: np.ndarray, fused: Fused | None = None) -> torch.Tensor:
+    """A prefill of one sequence: `ids` and `positions` `[1, n]`, `res` holding the history
+    [0, positions[0, 0]); the new tokens' KV goes to `res` and to pool rows `write_rows` `[n]`.
+    Returns the last position's logits `[1, vocab]`.
+
+    Why not transformers' forward: there a prefill of 2-3 new tokens multiplies with `aten::mm`'s slow
+    2-3 row case (PACK_FROM), so it cost more than one of 4 (SmolLM2, no history, 1 thread: 77, 112,
+    123, 112 ms for 1-4 tokens), a cost no non-decreasing prefill piece fits (`ampd profile`'s
+    held-out `l_incr` 2 was off by 25-31 %). Here, on the blocked weights from 2 tokens: 69, 73, 86,
+    89 ms, 16 tokens 119 against 151, 128 tokens 300 against 371 (2 threads), and at par from 256
+    to 1,024 tokens. Greedy tokens stay `generate`'s (tests/unit/test_torch_engine.py)."""
+    return _forward(model, ids, positions, [res], pool_rows, np.asarray(write_rows).reshape(1, -1), fused)
+
+
+def _forward(model: Any, ids: torch.Tensor, positions: torch.Tensor, res: Sequence[Resident],
+             pool_rows: torch.Tensor, write_rows: np.ndarray, fused: Fused | None) -> torch.Tensor:
+    """`ids`, `positions` and `write_rows` `[batch, n]`: n new tokens per sequence, each attending
+    causally to its sequence's resident KV and the new tokens before it."""
     inner = model.model
     rope = _rotary(model)
-    b = ids.shape[0]
-    if fused is not None and b >= PACK_FROM:
+    b, n_new = ids.shape
+    if fused is not None and b * n_new >= PACK_FROM:
         fused.pack(model)
-    packed = fused.packed if fused is not None and b >= PACK_FROM else None
+    packed = fused.packed if fused is not None and b * n_new >= PACK_FROM else None
     for r in res:
-        r.make_room()
-    h = inner.embed_tokens(ids)  # [b, 1, hidden]
+        r.make_room(n_new)
+    # new token j of a sequence holding n positions sees keys [0, n + j]: a mask only when n_new > 1
+    masks = [None if n_new == 1 else torch.ones(n_new, r.tokens + n_new, dtype=torch.bool).tril(r.tokens)
+             for r in res]
+    h = inner.embed_tokens(ids)  # [b, n_new, hidden]
     cos, sin = inner.rotary_emb(h, positions)
     at = [r.tokens for r in res]
     for li, layer in enumerate(inner.layers[: model.config.num_hidden_layers]):
         attn = layer.self_attn
         x = layer.input_layernorm(h)
-        shape = (b, 1, -1, attn.head_dim)
+        shape = (b, n_new, -1, attn.head_dim)
         if packed:
             q, k, v = _blocked(x, packed[li][0]).split(fused.split, -1)
         elif fused is not None:
             q, k, v = F.linear(x, fused.qkv[li]).split(fused.split, -1)
         else:
             q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-        q = q.reshape(shape).transpose(1, 2)  # [b, heads, 1, dim]
-        k = k.reshape(shape).transpose(1, 2)  # [b, kv_heads, 1, dim]
+        q = q.reshape(shape).transpose(1, 2)  # [b, heads, n_new, dim]
+        k = k.reshape(shape).transpose(1, 2)  # [b, kv_heads, n_new, dim]
         v = v.reshape(shape).transpose(1, 2)
         q, k = rope(q, k, cos, sin)
         outs = []
         for i, r in enumerate(res):
-            n = at[i]
+            n, end = at[i], at[i] + n_new
             layer_kv = r.kv[li]  # [2, kv_heads, capacity, dim]
-            layer_kv[0, :, n] = k[i, :, 0]
-            layer_kv[1, :, n] = v[i, :, 0]
+            layer_kv[0, :, n:end] = k[i]
+            layer_kv[1, :, n:end] = v[i]
             outs.append(F.scaled_dot_product_attention(
-                q[i : i + 1], layer_kv[0, None, :, : n + 1], layer_kv[1, None, :, : n + 1],
-                scale=attn.scaling, enable_gqa=True))
-        o = outs[0] if b == 1 else torch.cat(outs)  # [b, heads, 1, dim]
-        o = o.transpose(1, 2).reshape(b, 1, -1)
+                q[i : i + 1], layer_kv[0, None, :, :end], layer_kv[1, None, :, :end],
+                attn_mask=masks[i], scale=attn.scaling, enable_gqa=True))
+        o = outs[0] if b == 1 else torch.cat(outs)  # [b, heads, n_new, dim]
+        o = o.transpose(1, 2).reshape(b, n_new, -1)
         h = h + (_blocked(o, packed[li][1]) if packed else attn.o_proj(o))
         x = layer.post_attention_layernorm(h)
         mlp = layer.mlp
@@ -215,7 +244,9 @@ def decode_forward(model: Any, ids: torch.Tensor, positions: torch.Tensor, res: 
     h = inner.norm(h)[:, -1]
     logits = _blocked(h, fused.head) if packed else model.lm_head(h)
     for i, r in enumerate(res):  # the pool gets the new KV too: it stays the KV's home
-        pool_rows[int(write_rows[i])] = r.kv[:, :, :, at[i]]
-        r.rows = np.append(r.rows, write_rows[i])
-        r.tokens += 1
+        new = write_rows[i]
+        pool_rows[torch.from_numpy(np.ascontiguousarray(new, dtype=np.int64))] = \
+            r.kv[:, :, :, at[i] : at[i] + n_new].permute(3, 0, 1, 2, 4)
+        r.rows = np.concatenate((r.rows, new))
+        r.tokens += n_new
     return logits

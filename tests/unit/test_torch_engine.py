@@ -357,3 +357,27 @@ def test_fused_projections_give_the_same_logits_bits(engine):
             out.append(decode_forward(engine.model, torch.tensor([[s.last]]), torch.tensor([[step.position]]),
                                       [Resident.from_pool(rows, hist, 1)], rows, write, fused))
     assert torch.equal(out[0], out[1])
+
+
+@pytest.mark.parametrize("l_hist", [0, 21])
+def test_fast_prefill_matches_transformers_forward(engine, l_hist):
+    """A Llama-family prefill runs through torch_fast (`prefill_forward`): for 1 to 17 new tokens on
+    top of a history, the KV it writes into the pool is transformers' forward's but for the last bits
+    (the blocked weights sum in another order), and the next token is the same."""
+    generic = TorchEngine(engine.model)
+    generic.fast = False
+    hist = _prompt(l_hist, 60)
+    for n in (1, 2, 3, 4, 17):
+        new = _prompt(n, 61 + n)
+        got = {}
+        for eng in (engine, generic):
+            pool = eng.make_pool(64, 16)
+            s = Seq(eng, pool, "p")
+            if hist:
+                s.prefill(hist)
+            token = s.prefill(new)
+            kv = eng._rows(pool)[torch.from_numpy(token_rows(s.kv.segments(0, l_hist + n), 16))]
+            got[eng.fast] = (token, kv.clone())
+        assert got[True][0] == got[False][0], n
+        assert torch.allclose(got[True][1], got[False][1], rtol=1e-4, atol=1e-5), n
+        assert not torch.equal(got[True][1], torch.zeros_like(got[True][1]))
