@@ -204,6 +204,9 @@ class PrefillWorker:
                 # a history on host: from the decode worker's host tier (its fetch back runs meanwhile)
                 src = rt.host_agent(task.decode_worker) if task.history_on_host else job.peer
                 await rt.transport.read(src, task.history, local_hist)
+                # a read that ends after this worker was stopped or fenced out is not checked: the decode
+                # worker may have reused its blocks meanwhile, and stale bytes are not corruption
+                self._check_current(task)
                 if self.engine.capabilities.patterned_kv:  # the mock's KV is a function of (session, position): check it
                     data = rt.pool.read(local_hist, copy=False)
                     bad = self.patterns.verify(task.session_id, data, rt.pool.layout.bytes_per_token,
