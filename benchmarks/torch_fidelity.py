@@ -255,14 +255,17 @@ def calibrate_path(live_records, sim_records) -> PathLatency:
       and 3: 49, 60 and 65 ms). On a busy box this residual also carries the moment's load (a run
       under load 7-13 with the profile's old median timing read 67 ms)."""
     live, sim = _rounds(live_records), _rounds(sim_records)
-    ttft = [lv["ttft_s"] - sim[key]["ttft_s"] for key, lv in live.items()
-            if key in sim and lv["ttft_s"] and sim[key]["ttft_s"]]
+
+    def excess(field: str) -> list[float]:
+        return [lv[field] - sim[key][field] for key, lv in live.items() if key in sim and lv[field] and sim[key][field]]
+
+    def median_excess(xs: list[float]) -> float:
+        return round(max(0.0, statistics.median(xs)), 5) if xs else 0.0
+
+    ttft = excess("ttft_s")
     if not ttft:
         raise RuntimeError("calibration: no round was paired with its simulated twin")
-    step = [lv["step_gap_s"] - sim[key]["step_gap_s"] for key, lv in live.items()
-            if key in sim and lv["step_gap_s"] and sim[key]["step_gap_s"]]
-    return PathLatency(dispatch_s=round(max(0.0, statistics.median(ttft)), 5),
-                       step_s=round(max(0.0, statistics.median(step)), 5) if step else 0.0)
+    return PathLatency(dispatch_s=median_excess(ttft), step_s=median_excess(excess("step_gap_s")))
 
 
 def compute_threads() -> int:

@@ -7,8 +7,8 @@ writes the new blocks back over NIXL, and the engine on either side attends to e
 
 - prefill: one forward over the new tokens on top of the history gathered from the pool; the new
   KV lands in the segments the worker reserved; the next token per the request's `Sampling`. A
-  Llama-family model prefills through `ampd.engine.torch_fast` too (`prefill_forward`: its short
-  prefills cost what transformers' forward makes them cost only past 3 tokens).
+  Llama-family model prefills through `ampd.engine.torch_fast` too (`prefill_forward`: through
+  transformers' forward a prefill of 2-3 tokens cost more than one of 4).
 - decode_step: one forward for the whole batch, one new token per sequence (continuous batching:
   the worker may change the batch between any two steps). A Llama-family model decodes through
   `ampd.engine.torch_fast`: each decoding session's KV is also kept resident in attention's layout

@@ -92,7 +92,6 @@ class Resident:
 PACK_FROM = 2
 
 
-
 @dataclass
 class Fused:
     """A model's decode weights. Per layer, the q/k/v projections as one weight and the MLP's gate/up
@@ -194,9 +193,10 @@ def _forward(model: Any, ids: torch.Tensor, positions: torch.Tensor, res: Sequen
     inner = model.model
     rope = _rotary(model)
     b, n_new = ids.shape
+    packed = None
     if fused is not None and b * n_new >= PACK_FROM:
         fused.pack(model)
-    packed = fused.packed if fused is not None and b * n_new >= PACK_FROM else None
+        packed = fused.packed
     for r in res:
         r.make_room(n_new)
     # new token j of a sequence holding n positions sees keys [0, n + j]: a mask only when n_new > 1
