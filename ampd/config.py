@@ -57,7 +57,8 @@ def setting(default: Any = MISSING, help: str = "", *, choices: Sequence[Any] | 
     meta = {"help": help, "choices": tuple(choices) if choices is not None else None, "metavar": metavar,
             "minimum": minimum, "positive": positive}
     if isinstance(default, (list, tuple)):
-        return field(default_factory=lambda d=tuple(default): d, metadata=meta)
+        frozen = tuple(default)
+        return field(default_factory=lambda: frozen, metadata=meta)
     return field(default=default, metadata=meta)
 
 
@@ -524,7 +525,7 @@ def _kind(f: Field) -> type:
 
 
 def _default(f: Field) -> Any:
-    return f.default_factory() if f.default is MISSING else f.default
+    return f.default if f.default_factory is MISSING else f.default_factory()
 
 
 def _parse_bool(text: str) -> bool:
@@ -540,6 +541,7 @@ def _converter(name: str, kind: type):
     """text -> value of setting ``name`` (``kind`` tuple splits on commas, as an environment value)."""
 
     def convert(text: str):
+        value: Any
         if kind is bool:
             value = _parse_bool(text)
         elif kind is tuple:

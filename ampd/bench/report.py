@@ -81,9 +81,9 @@ class RoundRecord:
             return (tt[-1] - tt[0], n - 1) if n >= 2 else (0.0, 0)
         if self.itl_count > 0:
             return float(self.itl_sum), int(self.itl_count)
-        n = self.n_tokens
-        if n is not None and n >= 2 and self.first_token is not None and self.last_token is not None:
-            return self.last_token - self.first_token, n - 1
+        nt = self.n_tokens
+        if nt is not None and nt >= 2 and self.first_token is not None and self.last_token is not None:
+            return self.last_token - self.first_token, nt - 1
         return 0.0, 0
 
 

@@ -92,6 +92,13 @@ class Profile:
     description: str = field(default="", repr=False)
     source: str = field(default="", repr=False)
     tps: tuple[int, ...] = field(init=False)
+    # derived in __post_init__ (the cost functions' lookups)
+    _pre: dict[int, tuple] = field(init=False, repr=False)
+    _dec: dict[int, tuple] = field(init=False, repr=False)
+    _cap: dict[int, int] = field(init=False, repr=False)
+    _chunk: dict[int, int] = field(init=False, repr=False)
+    _kv: dict[int, dict[int, float]] = field(init=False, repr=False)
+    _kv_piece: tuple = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         tps = tuple(sorted(self.tp_models))

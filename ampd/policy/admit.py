@@ -210,6 +210,7 @@ def decide(rule: str, decode: Sequence[WorkerView], prefills: Sequence[WorkerVie
                 first = Verdict(reason=ITL, ttft_s=ttft, itl_s=itl,
                                 detail=f"predicted ITL {itl * 1e3:.1f} ms on {w.worker_id} with one more "
                                        f"session is over the ITL SLO {slo.itl_s * 1e3:.1f} ms")
+    assert first is not None  # room is not empty: the loop judged a worker
     return first
 
 

@@ -134,8 +134,13 @@ def effective_tool_s(estimate_s: float | None, hint_s: float | None, cfg: KVTier
     """The hint when given (clamped to [0, max_hint_s]; a non-finite one is ignored), else the
     windowed estimate."""
     if hint_s is not None and not math.isnan(hint_s):
-        return min(max(hint_s, 0.0), cfg.max_hint_s)
+        return clamp_hint(hint_s, cfg)
     return estimate_s
+
+
+def clamp_hint(hint_s: float, cfg: KVTierConfig) -> float:
+    """A finite hint, clamped to [0, max_hint_s]."""
+    return min(max(hint_s, 0.0), cfg.max_hint_s)
 
 
 def decide(p: ToolPause, pool: PoolState, cfg: KVTierConfig) -> TierDecision:
@@ -197,7 +202,7 @@ def decide_hinted(p: ToolPause, hint_s: float | None, pool: PoolState,
     base = decide(p, pool, cfg)
     if hint_s is None or math.isnan(hint_s):
         return base, p.expected_s
-    h = effective_tool_s(None, hint_s, cfg)
+    h = clamp_hint(hint_s, cfg)
     hinted = decide(replace(p, expected_s=h), pool, cfg)
     d = hinted if _HOLDS[hinted.action] <= _HOLDS[base.action] else base
     d.estimates["hint_s"] = h

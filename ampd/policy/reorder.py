@@ -69,6 +69,7 @@ class PrefillQueue:
     """
 
     __slots__ = ("name", "cost", "slo", "tp", "_q", "_total", "pops_choice", "pops_reordered")
+    name: str  # set by each queue class
 
     def __init__(self, cost: CostModel, slo: SLO, tp: int):
         self.cost = cost

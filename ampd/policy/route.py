@@ -9,7 +9,7 @@ Reason strings and estimate keys are documented in docs/policies.md.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 from ampd.window import STATS_WINDOW_S
@@ -410,7 +410,8 @@ class MarginRouter:
         w = decode.window_mean_s
         itl_after = 0.0 if w is None else w * (1.0 + (decode.queue_predicted_s + t_pre) / self.horizon_s)
         est["itl_after"] = itl_after
-        best_t, best_id, base = 0.0, "", {}
+        best_t, best_id = 0.0, ""
+        base: dict[int, float] = {}
         for p in prefills:
             b = base.get(p.tp)
             if b is None:
@@ -438,7 +439,7 @@ class MarginRouter:
 
 
 # The router registry: name -> builder(cost, slo, seed, alpha, beta, threshold_tokens, slack).
-_ROUTER_BUILDERS = {
+_ROUTER_BUILDERS: dict[str, Callable[..., Router]] = {
     "adaptive": lambda cost, slo, seed, alpha, beta, threshold_tokens, slack: AdaptiveRouter(
         cost, slo, seed=seed, alpha=alpha, beta=beta, slack=slack or "window"),
     "remote": lambda *_: RemoteRouter(),

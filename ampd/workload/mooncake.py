@@ -57,9 +57,9 @@ def import_mooncake(path: str | os.PathLike) -> list[Session]:
     for lineno, where, obj in iter_json_lines(path):
         if not isinstance(obj, dict):
             raise TraceError(f"{where}: a request must be a JSON object, got {type(obj).__name__}")
-        for key in ("timestamp", "input_length", "output_length"):
-            if key not in obj:
-                raise TraceError(f"{where}: field '{key}': missing")
+        for field in ("timestamp", "input_length", "output_length"):
+            if field not in obj:
+                raise TraceError(f"{where}: field '{field}': missing")
         hashes = obj.get("hash_ids")
         row = _Row(lineno, _check_ts(obj["timestamp"], where),
                    check_int(obj["input_length"], "input_length", 1, where),

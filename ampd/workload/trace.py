@@ -15,7 +15,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, TextIO
+from typing import IO, Any, Iterable, Iterator
 
 from ampd.policy.hints import Hints, hints_from_obj, hints_to_obj
 
@@ -181,10 +181,10 @@ def session_to_obj(s: Session) -> dict:
 # --------------------------------------------------------------------------------------------
 # files
 
-def open_text(path: str | os.PathLike, mode: str) -> TextIO:
+def open_text(path: str | os.PathLike, mode: str) -> IO[str]:
     """Open a UTF-8 text file for writing; a name ending in .gz is gzip-compressed."""
     if str(path).endswith(".gz"):
-        return io.TextIOWrapper(gzip.open(path, mode + "b"), encoding="utf-8", newline="")
+        return io.TextIOWrapper(gzip.GzipFile(path, mode + "b"), encoding="utf-8", newline="")
     return open(path, mode, encoding="utf-8", newline="")
 
 
