@@ -67,11 +67,11 @@ from collections import OrderedDict, deque
 from typing import Sequence
 
 from ampd.policy.reorder import PrefillQueue
-from ampd.policy.types import CostModel, PrefillTask, WorkerView
+from ampd.policy.types import PrefillTask, WorkerView
 from ampd.window import STATS_WINDOW_S, WindowedMean
 
-from .decode_kv import ADMITTED, FAILED, KV_ADMISSION, KV_EXHAUSTED, WAITING, DecodeSession, KvAdmission
-from .decode_tier import HostTier, TierMixin
+from .decode_kv import ADMITTED, FAILED, KV_ADMISSION, KV_EXHAUSTED, WAITING, DecodeSession
+from .decode_tier import DecodeCost, HostTier
 from .decode_run import (IDLE, PREFILLING, STEPPING, DecodeRun, LocalPrefill, RunWindow, affine_ctx_coef,
                          steps_done)
 
@@ -80,7 +80,7 @@ __all__ = ["DecodeCore", "DecodeSession", "LocalPrefill", "DecodeRun", "steps_do
 
 
 
-class DecodeCore(KvAdmission, TierMixin, RunWindow):
+class DecodeCore(RunWindow):
     """State of one decode worker (see the module docstring for the protocol).
 
     ``cost`` needs ``t_pre`` and ``t_dec`` (``ampd.perf.Profile``). ``chunk_tokens`` > 0 splits a
@@ -90,16 +90,10 @@ class DecodeCore(KvAdmission, TierMixin, RunWindow):
     ``run_growth_s``, ``run_steps`` steps); ``run_ver`` changes whenever a run starts or is cut, so a
     driver can drop stale ends."""
 
-    __slots__ = ("worker_id", "tp", "cost", "queue", "kv_admission", "ctx_coef", "chunk_tokens", "step_by_step",
-                 "sessions", "state", "batch_size", "ctx_sum", "pending", "exit_at", "exit_heap", "step_idx",
-                 "last_end", "run_joined", "run_joined_first", "run", "run_t0", "run_first_s", "run_growth_s",
-                 "run_steps", "run_ver", "run_flushed", "run_cut", "kv_cap", "kv_used", "admitted", "kv_wait",
-                 "new_wait", "wait_need", "evictable", "window", "busy_s", "in_prefill", "chunk_session",
-                 "chunk_done", "chunk_step_due", "busy_until", "kv_overcommits", "kv_evictions", "kv_evict",
-                 "kv_recomputed_tokens", "victims", "evictable_kv", "queue_ver", "queue_len",
-                 "view_queue_ver", "view_queue", "view_queue_s", "last_view", "tier", "view_tasks")
+    __slots__ = ("ctx_coef", "chunk_tokens", "step_by_step", "ctx_sum", "exit_heap", "run", "run_ver", "run_cut",
+                 "busy_s", "chunk_done", "chunk_step_due")  # (and its bases', down to TierMixin's)
 
-    def __init__(self, worker_id: str, tp: int, cost: CostModel, queue: PrefillQueue, *,
+    def __init__(self, worker_id: str, tp: int, cost: DecodeCost, queue: PrefillQueue, *,
                  kv_capacity_tokens: int, window_s: float = STATS_WINDOW_S, chunk_tokens: int = 0,
                  kv_admission: str = "wait", kv_evict: bool = False, step_by_step: bool = False,
                  tier: HostTier | None = None):
@@ -158,7 +152,7 @@ class DecodeCore(KvAdmission, TierMixin, RunWindow):
         self.queue_len = 0
         # the view's cache: the queue copy (rebuilt when queue_ver moved) and the last view
         self.view_queue_ver = -1
-        self.view_queue: tuple = ()
+        self.view_queue: tuple[PrefillTask, ...] = ()
         self.view_queue_s = 0.0  # the copied queue's predicted total
         self.last_view: WorkerView | None = None
         # views carry a copy of the queued tasks (WorkerView.queue); a driver whose readers use only
@@ -173,8 +167,8 @@ class DecodeCore(KvAdmission, TierMixin, RunWindow):
         self.queue_ver += 1
         self.queue_len += 1
 
-    def _chunk(self, now: float) -> LocalPrefill:
-        s = self.chunk_session
+    def _chunk(self, s: DecodeSession, now: float) -> LocalPrefill:
+        """The next chunk of ``s`` (``chunk_session``)."""
         done = self.chunk_done
         n = min(self.chunk_tokens, s.l_incr - done)
         dur = self.cost.t_pre(self.tp, s.l_hist + done, n)
@@ -205,9 +199,10 @@ class DecodeCore(KvAdmission, TierMixin, RunWindow):
         """When idle: the next thing to run. A chunked prefill alternates with one decode step of
         the batch; else a queued local prefill (Algorithm 2's pick) goes before decoding
         (prefill-priority); else a run of decode steps up to the next exit; else None (idle)."""
-        if self.chunk_session is not None and not (self.chunk_step_due and (self.batch_size or self.pending)):
-            return self._chunk(now)
-        if self.queue_len and self.chunk_session is None:
+        chunk = self.chunk_session
+        if chunk is not None and not (self.chunk_step_due and (self.batch_size or self.pending)):
+            return self._chunk(chunk, now)
+        if self.queue_len and chunk is None:
             task = self.queue.pop(now)
             self.queue_ver += 1
             self.queue_len -= 1
@@ -215,7 +210,7 @@ class DecodeCore(KvAdmission, TierMixin, RunWindow):
             if self.chunk_tokens and task.l_incr > self.chunk_tokens:
                 self.chunk_session = s
                 self.chunk_done = 0
-                return self._chunk(now)
+                return self._chunk(s, now)
             dur = self.cost.t_pre(self.tp, task.l_hist, task.l_incr)
             self.state = PREFILLING
             self.in_prefill = s
@@ -256,16 +251,16 @@ class DecodeCore(KvAdmission, TierMixin, RunWindow):
             self.state = IDLE
             return None
         A = self.cost.t_dec(self.tp, n, self.ctx_sum)
-        c = self.ctx_coef
-        if c is None or self.chunk_session is not None:  # one step between two prefill chunks
+        coef = self.ctx_coef
+        if coef is None or self.chunk_session is not None:  # one step between two prefill chunks
             m = 1
-            g = 0.0 if c is None else c * n
+            g = 0.0 if coef is None else coef * n
             self.chunk_step_due = False
         else:
             # a run of steps up to the next exit from the batch (cut short when a session joins or
             # a local prefill arrives: see cut())
             m = self.exit_heap[0] - self.step_idx + 1
-            g = c * n
+            g = coef * n
         self.state = STEPPING
         self.run_t0 = now
         self.run_first_s = A

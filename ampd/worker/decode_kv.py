@@ -2,6 +2,8 @@
 gets KV, and whose idle KV goes (the module docstring of ``ampd.worker.decode`` gives the rules)."""
 from __future__ import annotations
 
+from .decode_tier import TierMixin
+
 __all__ = ["KvAdmission", "DecodeSession", "ADMITTED", "WAITING", "FAILED", "KV_ADMISSION", "KV_EXHAUSTED"]
 
 # round_ready outcomes
@@ -49,14 +51,18 @@ class DecodeSession:
         self.due = 0
 
 
-class KvAdmission:
-    """KV admission, eviction and the KV accounting of rounds (a part of ``DecodeCore``, which
-    declares the slots: ``sessions``, ``admitted``, ``kv_cap``, ``kv_used``, ``kv_wait``, ``new_wait``,
-    ``wait_need``, ``evictable``, ``evictable_kv``, ``kv_evict``, ``victims``, ``kv_admission``,
-    ``kv_overcommits``, ``kv_evictions``, ``kv_recomputed_tokens``, ``worker_id``; and the batch's
-    ``pending``, ``exit_at``, ``step_idx``)."""
+class KvAdmission(TierMixin):
+    """KV admission, eviction and the KV accounting of rounds (a part of ``DecodeCore``; its slots
+    are ``TierMixin``'s and these)."""
 
-    __slots__ = ()
+    __slots__ = ("worker_id", "admitted", "kv_evict", "kv_overcommits", "exit_at", "step_idx")
+    worker_id: str
+    admitted: int
+    kv_evict: bool
+    kv_overcommits: int
+    exit_at: dict[int, list[DecodeSession]]
+    step_idx: int
+
     def round_ready(self, s: DecodeSession, now: float) -> int:
         """A round's input is ready (``s.round``, ``s.l_incr``, ``s.out`` set): reserve its KV.
         ADMITTED: route it now. WAITING: it waits (then loop on ``admit_next``). FAILED: the session
@@ -224,20 +230,6 @@ class KvAdmission:
             self.kv_evictions += 1
             self.victims.append(v)
         return self.kv_cap - self.kv_used >= need
-
-    def _evictable(self, s: DecodeSession) -> None:
-        """``s`` joins the idle KV eviction may take, with its KV on the device (its history, less a
-        part on host: the pinned prefix of a session offloaded with ``pinned``)."""
-        if s not in self.evictable:
-            r = s.l_hist - s.fetch
-            self.evictable[s] = r
-            self.evictable_kv += r
-
-    def _not_evictable(self, s: DecodeSession) -> None:
-        r = self.evictable.pop(s, None)
-        if r is not None:
-            self.evictable_kv -= r
-            s.pin_own = 0  # the driver counts it again only while the session is evictable (its syncs)
 
     def make_room(self, tokens: int) -> bool:
         """Live: evict idle sessions (``take_victims``) until ``tokens`` more fit; False when they do

@@ -6,9 +6,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ampd.policy.types import WorkerView
+from ampd.policy.reorder import PrefillQueue
+from ampd.policy.types import PrefillTask, WorkerView
+from ampd.window import WindowedMean
 
-from .decode_kv import DecodeSession
+from .decode_kv import DecodeSession, KvAdmission
 
 __all__ = ["LocalPrefill", "DecodeRun", "RunWindow", "steps_done", "affine_ctx_coef", "IDLE", "STEPPING",
            "PREFILLING"]
@@ -83,11 +85,31 @@ def affine_ctx_coef(cost, tp: int) -> float | None:
     return c
 
 
-class RunWindow:
-    """The ITL window fed by the runs, and the published view (a part of ``DecodeCore``, which
-    declares the slots)."""
+class RunWindow(KvAdmission):
+    """The ITL window fed by the runs, and the published view (a part of ``DecodeCore``; its slots
+    are ``KvAdmission``'s and these)."""
 
-    __slots__ = ()
+    __slots__ = ("state", "window", "last_end", "run_t0", "run_first_s", "run_growth_s", "run_steps", "run_flushed",
+                 "run_joined", "run_joined_first", "busy_until", "queue", "queue_ver", "view_tasks", "view_queue",
+                 "view_queue_ver", "view_queue_s", "last_view")
+    state: int
+    window: WindowedMean
+    last_end: float
+    run_t0: float
+    run_first_s: float
+    run_growth_s: float
+    run_steps: int
+    run_flushed: int
+    run_joined: int
+    run_joined_first: float
+    busy_until: float
+    queue: PrefillQueue
+    queue_ver: int
+    view_tasks: bool
+    view_queue: tuple[PrefillTask, ...]
+    view_queue_ver: int
+    view_queue_s: float
+    last_view: WorkerView | None
 
     def _flush(self, upto: int) -> None:
         """Steps [run_flushed, upto) of the run join the ITL window (one sample of their mean gap).

@@ -40,29 +40,41 @@ running at once never decode past the device pool.
 """
 from __future__ import annotations
 
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 from ampd.policy.hostpool import HostBlocks
 from ampd.policy.kvtier import (DROP, OFFLOAD, KVState, KVTierConfig, PoolState, Prefetch, TierDecision, ToolPause,
                                 decide_hinted, host_transfer_s, prefetch_plan, should_prefetch)
 from ampd.policy.tooldur import ToolDurations
+from ampd.policy.types import CostModel
 
-__all__ = ["HostTier", "KVMove", "TierMixin", "TO_HOST", "FROM_HOST"]
+if TYPE_CHECKING:  # (decode_kv imports this module: KvAdmission is a TierMixin)
+    from .decode_kv import DecodeSession
+
+__all__ = ["HostTier", "KVMove", "TierMixin", "DecodeCost", "TO_HOST", "FROM_HOST"]
 
 TO_HOST = "to_host"
 FROM_HOST = "from_host"
 
 
-def _pin_only(s, device_kv: int) -> bool:
+def _pin_only(s: DecodeSession, device_kv: int) -> bool:
     """Of an idle session's ``device_kv`` tokens on the device, only its pinned prefix is left (its
     own KV is on host, or it has none): the tier can only drop it."""
     return s.pinned > 0 and device_kv <= s.pinned
 
 
-def _others_read(s, pinned: int) -> int:
+def _others_read(s: DecodeSession, pinned: int) -> int:
     """Of ``pinned`` tokens of ``s``'s pinned prefix, those other sessions still read: dropping ``s``
     frees only the rest (``pin_own``, the driver's count)."""
     return pinned - min(max(s.pin_own, 0), pinned)
+
+
+class DecodeCost(CostModel, Protocol):
+    """What a decode worker needs from the performance model (``ampd.perf.Profile`` satisfies it)."""
+
+    def t_dec(self, tp: int, batch: int, context_tokens: int) -> float: ...
 
 
 @dataclass(slots=True)
@@ -122,17 +134,59 @@ class HostTier:
 
 
 class TierMixin:
-    """The tier's calls on ``DecodeCore`` (which declares the ``tier`` slot and ``KvAdmission``'s)."""
+    """The tier's calls on ``DecodeCore``, and the idle sessions eviction may take (``KvAdmission``
+    evicts them too). The base of ``DecodeCore``'s chain (``TierMixin`` <- ``KvAdmission`` <-
+    ``RunWindow`` <- ``DecodeCore``: single inheritance, for mypyc), each class holding the slots its
+    methods use first; ``DecodeCore.__init__`` sets them all. The tier's methods run only with the
+    tier on (``tier_prefetch_at``, ``tier_release`` and ``take_moves`` aside): they assert ``tier`` is
+    set, which gives its type (mypy, mypyc)."""
 
-    __slots__ = ()
+    __slots__ = ("tier", "cost", "tp", "kv_admission", "sessions", "kv_cap", "kv_used", "wait_need", "kv_wait",
+                 "new_wait", "evictable", "evictable_kv", "victims", "kv_evictions", "kv_recomputed_tokens",
+                 "batch_size", "pending", "queue_len", "in_prefill", "chunk_session")
+    tier: HostTier | None
+    cost: DecodeCost
+    tp: int
+    kv_admission: str
+    sessions: dict[str, DecodeSession]
+    kv_cap: int
+    kv_used: int
+    wait_need: int
+    kv_wait: deque[DecodeSession]
+    new_wait: deque[DecodeSession]
+    evictable: OrderedDict[DecodeSession, int]
+    evictable_kv: int
+    victims: list[DecodeSession]
+    kv_evictions: int
+    kv_recomputed_tokens: int
+    batch_size: int
+    pending: list[DecodeSession]
+    queue_len: int
+    in_prefill: DecodeSession | None
+    chunk_session: DecodeSession | None
 
-    def tier_pause(self, s, now: float, tool: str | None = None, hint_s: float | None = None) -> bool:
+    def _evictable(self, s: DecodeSession) -> None:
+        """``s`` joins the idle KV eviction may take, with its KV on the device (its history, less a
+        part on host: the pinned prefix of a session offloaded with ``pinned``)."""
+        if s not in self.evictable:
+            r = s.l_hist - s.fetch
+            self.evictable[s] = r
+            self.evictable_kv += r
+
+    def _not_evictable(self, s: DecodeSession) -> None:
+        r = self.evictable.pop(s, None)
+        if r is not None:
+            self.evictable_kv -= r
+            s.pin_own = 0  # the driver counts it again only while the session is evictable (its syncs)
+
+    def tier_pause(self, s: DecodeSession, now: float, tool: str | None = None, hint_s: float | None = None) -> bool:
         """The session's round ended in a call to ``tool`` (instead of ``tool_call``): keep, offload or
         drop its KV (``kvtier.decide_hinted``: the tool's windowed duration, and the agent's
         ``expected_tool_s`` hint ``hint_s`` where it holds no more room); kept KV is evictable. True
         when KV freed or became evictable
         while rounds wait for KV (loop on ``admit_next``)."""
         t = self.tier
+        assert t is not None
         t.last = None
         s.in_tool = True
         if s.evicted or s.fetch:
@@ -159,9 +213,10 @@ class TierMixin:
             self._evictable(s)
         return bool(self.kv_wait or self.new_wait)
 
-    def _tier_offload(self, s, reason: str) -> None:
+    def _tier_offload(self, s: DecodeSession, reason: str) -> None:
         """The history less its pinned prefix (``s.pinned``: shared blocks, which stay) goes to host."""
         t = self.tier
+        assert t is not None
         n = s.l_hist - s.pinned
         t.host.offload_begin(s.session_id, n)
         t.host.offload_done(s.session_id)
@@ -170,8 +225,10 @@ class TierMixin:
         self.kv_used -= n
         t.moves.append(KVMove(s.session_id, TO_HOST, n, host_transfer_s(self.cost, n, self.tp), reason))
 
-    def _tier_drop(self, s) -> None:
-        self.tier.host.drop(s.session_id)
+    def _tier_drop(self, s: DecodeSession) -> None:
+        t = self.tier
+        assert t is not None
+        t.host.drop(s.session_id)
         s.evicted = True
         self.kv_used -= s.l_hist - s.fetch
         self._unpin(s)
@@ -238,12 +295,14 @@ class TierMixin:
         prefixes for room they were about to free), or rounds fail rather than wait: waiting for
         KV would then wait for nothing. (Only on the last resort's path: the walk over the
         sessions is rare.)"""
+        t = self.tier
+        assert t is not None
         return self.kv_admission == "fail" or not (
             self.batch_size or self.pending or self.queue_len or self.in_prefill is not None
-            or self.chunk_session is not None or self.tier.pending_offloads
+            or self.chunk_session is not None or t.pending_offloads
             or any(s.due for s in self.sessions.values()))
 
-    def _take_idle(self, v) -> None:
+    def _take_idle(self, v: DecodeSession) -> None:
         """``v`` leaves the evictable sessions: its KV goes to host, or it is a victim."""
         r = self.evictable.pop(v)
         self.kv_used -= r
@@ -254,13 +313,14 @@ class TierMixin:
         self.kv_evictions += 1
         self.victims.append(v)
 
-    def _tier_victim(self, v) -> bool:
+    def _tier_victim(self, v: DecodeSession) -> bool:
         """``_make_room`` evicts ``v`` (its KV on the device already uncharged): its own KV to the
         host while the host has room (True; its pinned prefix stays, evictable again, last in
         line); else, or when only that pinned prefix is left on the device, all of it is dropped
         (``v.evicted``, the host copy too; False: the driver frees it as a victim, and its
         references to shared blocks go)."""
         t = self.tier
+        assert t is not None
         own = v.l_hist - v.pinned
         if not v.fetch and t.host_free_tokens >= own > 0:
             t.count(OFFLOAD, "pressure-offload")
@@ -277,7 +337,7 @@ class TierMixin:
         v.fetch = 0
         return False
 
-    def _unpin(self, v) -> None:
+    def _unpin(self, v: DecodeSession) -> None:
         """``v`` is dropped (the tier's drop, an eviction) with a pinned prefix (--prefix-sharing; 0
         otherwise), charged to it and uncharged now. Other sessions may still read those blocks, so
         the pool frees only the ones nobody else holds (``pin_own``, the driver's count at its last
@@ -295,6 +355,7 @@ class TierMixin:
         none loses work. True once ``need`` fits: a session whose KV admission promised fits the
         device alone, so with the tier the device pool is never overcommitted for it."""
         t = self.tier
+        assert t is not None
         for s in reversed(self.kv_wait):
             if self.kv_cap - self.kv_used >= need:
                 break
@@ -317,19 +378,20 @@ class TierMixin:
                 s.l_hist = 0
         return self.kv_cap - self.kv_used >= need
 
-    def tier_prefetch_at(self, s) -> float | None:
+    def tier_prefetch_at(self, s: DecodeSession) -> float | None:
         """When the KV of ``s``, offloaded for its tool call, should start coming back before the
         result (``kvtier.prefetch_plan``: the expected end less the transfer and a margin); None:
         on the result only. The driver calls ``tier_prefetch`` then."""
         p = self.tier.plans.get(s.session_id) if self.tier is not None else None
         return None if p is None else p.at
 
-    def tier_prefetch(self, s, now: float) -> bool:
+    def tier_prefetch(self, s: DecodeSession, now: float) -> bool:
         """The prefetch time of ``s`` came: bring its KV back now if it is still on host and the
         device has blocks no waiting round needs (``kvtier.should_prefetch``: a speculative prefetch
         never takes another session's room). The KV is then idle on the device, evictable again.
         True when it started (a move for the driver)."""
         t = self.tier
+        assert t is not None
         plan = t.plans.get(s.session_id)
         if plan is None or not (s.in_tool and s.fetch):
             return False
@@ -344,10 +406,11 @@ class TierMixin:
         self._evictable(s)
         return True
 
-    def _tier_fetched(self, s, reason: str = "result-arrived") -> None:
+    def _tier_fetched(self, s: DecodeSession, reason: str = "result-arrived") -> None:
         """The round of ``s``, whose KV is on host, was admitted (its history's blocks reserved with
         its input's), or its prefetch time came: the prefetch move."""
         t = self.tier
+        assert t is not None
         t.plans.pop(s.session_id, None)
         n = s.fetch
         s.fetch = 0
@@ -356,11 +419,13 @@ class TierMixin:
         t.tokens_from_host += n
         t.moves.append(KVMove(s.session_id, FROM_HOST, n, host_transfer_s(self.cost, n, self.tp), reason))
 
-    def _tier_reprefilled(self, s) -> None:
-        if self.tier.host.state(s.session_id) is KVState.GONE:
-            self.tier.host.reprefilled(s.session_id)
+    def _tier_reprefilled(self, s: DecodeSession) -> None:
+        t = self.tier
+        assert t is not None
+        if t.host.state(s.session_id) is KVState.GONE:
+            t.host.reprefilled(s.session_id)
 
-    def tier_release(self, s) -> None:
+    def tier_release(self, s: DecodeSession) -> None:
         """The session ended or left: forget its host copy."""
         if self.tier is not None:
             self.tier.host.release(s.session_id)
