@@ -10,21 +10,34 @@ from ampd.policy.hints import HINTS, queue_enqueued_at
 from ampd.policy.outlen import rounds_kv_tokens
 
 from .events import ADMIT_CHECK
+from .prefixing import Prefixing
 from .result import SimSession
-from .workers import Sess, Waiting
+from .workers import Decode, Prefill, Sess, Waiting
 
 # How often the head of the admission queue looks again without a release (the coordinator's
 # poll); only the slo rule's verdict can change meanwhile.
 _HEAD_POLL_S = HEAD_POLL_S
 
 
-class Admitting:
+class Admitting(Prefixing):
     """The admission handlers of ``ampd.sim.loop._Run`` (which declares the slots: ``sim``, ``book``,
     ``outcomes``, ``refused``, ``n_waited``, ``live``, ``decodes``, ``prefills``, ``by_id``,
     ``block_tokens``). One object holds every handler: the dispatch loop calls them as its own
-    methods, with no hop through a collaborator per event."""
+    methods, with no hop through a collaborator per event. (It binds by prefix: ``Prefixing``.)"""
 
     __slots__ = ()
+    # _Run's slots past Prefixing's, declared for the type checker only (as there)
+    outcomes: list[SimSession]
+    block_tokens: int
+    prefills: list[Prefill]
+    by_id: dict[str, Decode | Prefill]
+    refused: dict[str, int]
+    n_waited: int
+
+    # _Run's methods these handlers call (typed here; _Run's own override them)
+    def push(self, t: float, code: int, obj: object) -> None: ...
+
+    def round_ready(self, st: Sess, now: float, ready: float) -> None: ...
 
     # --------------------------------------------------------------------- sessions and rounds
     def arrive(self, s, now: float, ids_seen: set) -> None:
@@ -52,12 +65,12 @@ class Admitting:
         queued = w in book.waiting
         decode = []
         for d in self.decodes:  # every worker's view, as the coordinator reads them (windows move)
-            v = d.view(now)
+            dv = d.view(now)
             # positional, in WorkerView's field order (worker_id, kind, tp, window_mean_s, queue,
             # kv_free_tokens, queue_predicted_s, kv_host_tokens): 174 ns against 535 ns with keywords (timeit), and
             # an overloaded run judges admission ~10^5 times per 20k sessions (sim_speed at 0.3/s)
-            decode.append(WorkerView(v.worker_id, "decode", v.tp, v.window_mean_s, v.queue, d.kv_cap,
-                                     v.queue_predicted_s, d.tier.host_tokens if d.tier is not None else 0))
+            decode.append(WorkerView(dv.worker_id, "decode", dv.tp, dv.window_mean_s, dv.queue, d.kv_cap,
+                                     dv.queue_predicted_s, d.tier.host_tokens if d.tier is not None else 0))
         prefills = [p.view(now) for p in self.prefills] if book.rule == "slo" else ()
         h = w.s.rounds[0].hints  # a yielding hint (trace rounds' hints): admission orders it later
         order_at = queue_enqueued_at(w.at, h.priority, HINTS) if h is not None and h.priority < 0 else None
@@ -66,7 +79,7 @@ class Admitting:
                        expect=self.expected_kv(w, now) if book.rule == "slo" else None)
         if v.worker is None and not v.reason:
             if not queued:
-                self.n_waited += 1
+                self.n_waited += 1  # type: ignore[misc]  # _Run's slot
             at = now + (min(v.wait_s, _HEAD_POLL_S) if book.rule == "slo" and book.head is w else v.wait_s)
             if at <= now:  # a wait shorter than the clock's resolution: the next instant
                 at = math.nextafter(now, math.inf)
@@ -82,7 +95,10 @@ class Admitting:
             rec.error = f"admission: {v.reason}: {v.detail}"
             rec.end = now
         else:
-            d = self.by_id[v.worker if self.prefix is None else self.prefix_bind(w, v.worker, decode)]
+            wid: str = v.worker  # type: ignore[assignment]  # (bound: set)
+            if self.prefix is not None:
+                wid = self.prefix_bind(w, wid, decode)
+            d = self.by_id[wid]  # type: ignore[assignment]  # (admission binds decode workers only)
             rec.decode_worker = d.worker_id
             st = Sess(rec.session_id, w.s.rounds, rec, d, w.need)
             self.live[rec.session_id] = st
@@ -94,7 +110,7 @@ class Admitting:
 
     def admit_head(self, now: float) -> None:
         """KV was released or the head left: the new head is judged (and so on while they pass)."""
-        w = self.book.head
+        w: Waiting | None = self.book.head  # type: ignore[assignment]  # (its tickets are Waiting)
         if w is not None:
             self.admit(w, now)
 

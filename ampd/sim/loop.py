@@ -107,7 +107,7 @@ class Simulator:
                      window_s=w, kv_overlap=cfg.kv_overlap, kv_capacity_tokens=int(prof.kv_capacity_tokens(tp)))
             for i, tp in enumerate(expand_spec(pre_groups))
         ])
-        self.by_id = {d.worker_id: d for d in self.decodes}
+        self.by_id: dict[str, Decode | Prefill] = {d.worker_id: d for d in self.decodes}
         self.by_id.update({p.worker_id: p for p in self.prefills})
         self.gpus = sum(tp * r for tp, r in (*pre_groups, *dec_groups))
         AdmissionBook(cfg.admission, cfg.admission_wait, cfg.admission_queue, prof, slo)  # checks the rule
@@ -139,7 +139,7 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
     def __init__(self, sim: Simulator):
         cfg = sim.cfg
         self.sim = sim
-        self.heap: list = []
+        self.heap = []
         self.seq = 0
         self.live: dict[str, Sess] = {}
         self.outcomes: list[SimSession] = []
@@ -243,7 +243,8 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
         rnd = st.rounds[st.round]
         if self.tier and st.round:
             prev = st.rounds[st.round - 1]
-            st.dw.tier.durations.observe(prev.tool or "", now, (prev.tool_s or 0.0) + self.tool_rpc_s)
+            st.dw.tier.durations.observe(  # type: ignore[union-attr]  # (self.tier: every worker has one)
+                prev.tool or "", now, (prev.tool_s or 0.0) + self.tool_rpc_s)
         st.ready = now if ready < 0.0 else ready
         st.l_incr = int(rnd.input)
         st.out = int(rnd.output)
@@ -274,7 +275,7 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
             st = self.prefix_admit_next(d, now) if pk else d.admit_next(now)
             if st is None:
                 return
-            self.dispatch(st, now)
+            self.dispatch(st, now)  # type: ignore[arg-type]  # (the core's sessions are Sess)
 
     def round_end(self, st: Sess, now: float, last: float) -> None:
         d = st.dw
@@ -349,7 +350,7 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
             # a fresh Views per decision; after it, the unread workers' windows move (see Views)
             pviews.now = now
             vs = pviews.vs = pviews.blank[:]
-            dec = self.route_fn(task, dview, pviews, now)
+            dec = self.route_fn(task, dview, pviews, now)  # type: ignore[arg-type]  # (Views: a lazy sequence)
             for p, v in zip(pviews.ps, vs):
                 if v is None:
                     p.window.mean(now)
@@ -377,15 +378,6 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
         if kv is not None and kv[1] and self.tier_remote_later(st, p, task, now, kv[1]):
             return
         self.submit_remote(p, task, now)
-
-    def submit_remote(self, p: Prefill, task: PrefillTask, now: float) -> None:
-        r = p.submit(task, now)
-        if r is not None:
-            self.read_ahead(p, r, now)
-        elif p.kv_overlap and p.current is not None and not p.cs_event and now < p.compute_at:
-            self.push(p.compute_at, COMPUTE_START, (p, p.current))  # queued during a read
-            p.cs_event = True
-        self.prefill_next(p, now)
 
     # --------------------------------------------------------------------------- decode workers
     def decode_next(self, d: Decode, now: float) -> None:
@@ -424,7 +416,7 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
                 heappush(self.heap, (act.end, self.seq, PREFILL_DONE, act))
 
     def prefill_done(self, work: LocalPrefill, now: float) -> None:
-        d = work.session.dw
+        d = work.session.dw  # type: ignore[attr-defined]  # (the core's sessions are Sess)
         for st in d.update(work, now):
             self.first_token(st, now)
         if d.state == IDLE:

@@ -35,10 +35,18 @@ to the free KV before each match and each round's admission, so it gives way fir
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from ampd.policy.admit import AdmissionBook
 from ampd.policy.prefixindex import PrefixIndex
 from ampd.policy.prefixbind import MOVE_MIN_BLOCKS, rebind_prefix
 from ampd.worker import ADMITTED, TO_HOST
 from ampd.workload.mooncake import HASH_BLOCK_TOKENS
+
+from .workers import Decode, Sess
+
+if TYPE_CHECKING:  # (a cycle: ampd.sim.loop builds _Run from this mixin)
+    from .loop import Simulator
 
 __all__ = ["Prefixing", "BlockIds", "prefix_indexes", "MOVE_MIN_BLOCKS"]
 
@@ -60,7 +68,7 @@ class BlockIds:
         return out
 
 
-def prefix_indexes(cfg, decodes) -> dict | None:
+def prefix_indexes(cfg, decodes) -> dict[str, PrefixIndex] | None:
     """worker id -> PrefixIndex with sharing on, else None."""
     if not cfg.prefix_sharing:
         return None
@@ -75,6 +83,28 @@ class Prefixing:
     ``prefix_wdrops``, its tier's waiting-drops seen, and ``prefix_let``, blocks let go of by moves)."""
 
     __slots__ = ()
+    # _Run's slots, declared for the type checker only (no class attributes). mypy checks an
+    # assignment against this class's own empty __slots__, hence the ignores on them.
+    sim: Simulator
+    live: dict[str, Sess]
+    decodes: list[Decode]
+    book: AdmissionBook
+    tier: bool
+    kv_evict: bool
+    pin_ttl: float | None
+    prefix: dict[str, PrefixIndex] | None
+    prefix_parked: tuple[dict[str, PrefixIndex], bool] | None
+    prefix_kv: bool
+    prefix_ids: BlockIds
+    prefix_held: dict[str, list[int]]
+    prefix_cap: list[int]
+    prefix_wdrops: list[int]
+    prefix_saved: int
+    prefix_blocks: int
+    prefix_sessions: int
+    prefix_revived: int
+    prefix_evicted: int
+    prefix_let: int
 
     def prefix_bind(self, w, bound: str, decode) -> str:
         """The worker for new session ``w`` that admission bound to ``bound``: the one holding the
@@ -86,7 +116,7 @@ class Prefixing:
             return bound
         for d in self.decodes:
             self.prefix_trim(d)
-        matched = {wid: ix.match(hashes) for wid, ix in self.prefix.items()}
+        matched = {wid: ix.match(hashes) for wid, ix in self.prefix.items()}  # type: ignore[union-attr]  # (sharing on)
         book = self.book
         wid, _ = rebind_prefix(bound, decode, matched, HASH_BLOCK_TOKENS, book.promised, w.need, self.sim.slo.itl_s)
         if wid == bound:  # (MOVE_MIN_BLOCKS: a prefix every worker holds is not worth leaving admission's choice)
@@ -108,14 +138,14 @@ class Prefixing:
         ix = self.prefix_revive(st.dw, rnd.hash_ids[:n])
         g = ix.acquire(st.session_id, rnd.hash_ids[:n], self.prefix_ids)
         st.dw.kv_used += ix.revived * HASH_BLOCK_TOKENS  # cached blocks held again: charged to this session
-        self.prefix_revived += ix.revived
+        self.prefix_revived += ix.revived  # type: ignore[misc]  # _Run's slot
         self.prefix_trim(st.dw)  # its fresh blocks take cached blocks' space first
         shared = g.shared * HASH_BLOCK_TOKENS
         self.prefix_held[st.session_id] = [n, shared, n - g.shared, 0]
         if g.shared:
-            self.prefix_saved += shared
-            self.prefix_blocks += g.shared
-            self.prefix_sessions += 1
+            self.prefix_saved += shared  # type: ignore[misc]  # _Run's slot
+            self.prefix_blocks += g.shared  # type: ignore[misc]  # _Run's slot
+            self.prefix_sessions += 1  # type: ignore[misc]  # _Run's slot
 
     def prefix_first(self, st) -> None:
         """Round 0's input is set: the shared tokens are history already (not prefilled, not charged)."""
@@ -127,7 +157,7 @@ class Prefixing:
     def prefix_commit(self, st) -> None:
         """Round 0's prefill is done (its first token): its prompt blocks hold KV, others may share them."""
         if st.session_id in self.prefix_held:
-            self.prefix[st.dw.worker_id].commit(st.session_id)
+            self.prefix[st.dw.worker_id].commit(st.session_id)  # type: ignore[index]  # (sharing on)
 
     def prefix_release(self, st, charged: bool) -> None:
         """The session ended (``charged``: the core subtracted its whole history, shared tokens
@@ -137,7 +167,7 @@ class Prefixing:
             return
         if h[3]:  # shared again after its KV was dropped, and its round never admitted: nothing charged
             charged = False
-        ix = self.prefix[st.dw.worker_id]
+        ix = self.prefix[st.dw.worker_id]  # type: ignore[index]  # (sharing on)
         held = ix.held_blocks
         mine = ix.held(st.session_id)  # (fewer than its prompt blocks once its KV moved: prefix_let_go)
         ix.release(st.session_id)  # (the blocks it returns need no freeing: ids are not reused)
@@ -146,16 +176,19 @@ class Prefixing:
         st.dw.kv_used += (mine - dropped) * bt if charged else -(dropped - h[2]) * bt
 
     def prefix_init(self, cfg) -> None:
-        self.prefix = prefix_indexes(cfg, self.decodes)  # None: prefix sharing off (or parked: prefix_park)
-        self.prefix_parked = None
+        # None: prefix sharing off (or parked: prefix_park)
+        self.prefix = prefix_indexes(cfg, self.decodes)  # type: ignore[misc]  # _Run's slot
+        self.prefix_parked = None  # type: ignore[misc]  # _Run's slot
         # sharing with KV that leaves the device while sessions idle (the module doc)
-        self.prefix_kv = self.prefix is not None and bool(self.kv_evict or self.tier or self.pin_ttl is not None)
-        self.prefix_cap = [d.kv_cap for d in self.decodes]
-        self.prefix_wdrops = [0] * len(self.decodes)
-        self.prefix_let = 0
-        self.prefix_ids = BlockIds()
-        self.prefix_held = {}
-        self.prefix_saved = self.prefix_blocks = self.prefix_sessions = self.prefix_revived = self.prefix_evicted = 0
+        self.prefix_kv = (  # type: ignore[misc]  # _Run's slot
+            self.prefix is not None and bool(self.kv_evict or self.tier or self.pin_ttl is not None))
+        self.prefix_cap = [d.kv_cap for d in self.decodes]  # type: ignore[misc]  # _Run's slot
+        self.prefix_wdrops = [0] * len(self.decodes)  # type: ignore[misc]  # _Run's slot
+        self.prefix_let = 0  # type: ignore[misc]  # _Run's slot
+        self.prefix_ids = BlockIds()  # type: ignore[misc]  # _Run's slot
+        self.prefix_held = {}  # type: ignore[misc]  # _Run's slot
+        self.prefix_saved = self.prefix_blocks = self.prefix_sessions = 0  # type: ignore[misc]  # _Run's slots
+        self.prefix_revived = self.prefix_evicted = 0  # type: ignore[misc]  # _Run's slots
 
     def prefix_park(self, sessions) -> None:
         """Sharing is on but no session's first round has ``hash_ids`` (a synthetic preset's trace):
@@ -163,10 +196,10 @@ class Prefixing:
         pins (0) and the cores as they are. The run skips them (``prefix`` None, as with sharing
         off: 9-11 % of a GAIA run's simulate instructions, callgrind); ``prefix_stats`` reads them where
         they are parked."""
-        self.prefix_parked = None
+        self.prefix_parked = None  # type: ignore[misc]  # _Run's slot
         if self.prefix is not None and not any(s.rounds and s.rounds[0].hash_ids for s in sessions):
-            self.prefix_parked = (self.prefix, self.prefix_kv)
-            self.prefix, self.prefix_kv = None, False
+            self.prefix_parked = (self.prefix, self.prefix_kv)  # type: ignore[misc]  # _Run's slot
+            self.prefix, self.prefix_kv = None, False  # type: ignore[misc]  # _Run's slot
 
     # --- with kv_evict, the host tier or a KV-pinning policy (``prefix_kv``) ----------------------
     def prefix_round_ready(self, st, now: float) -> int:
@@ -196,7 +229,7 @@ class Prefixing:
         blocks it found indexed and those another session also holds now, which stay on the device
         when its own KV goes to host. Without it: every block the index holds for it, so that an
         eviction frees only those no other session holds (``pin_own``)."""
-        ix = self.prefix[st.dw.worker_id]
+        ix = self.prefix[st.dw.worker_id]  # type: ignore[index]  # (sharing on)
         sid = st.session_id
         held = ix.held(sid)
         if held and self.tier:
@@ -224,12 +257,12 @@ class Prefixing:
         m = tokens // HASH_BLOCK_TOKENS
         ix.acquire(st.session_id, hashes[:m], self.prefix_ids)
         d.kv_used += ix.revived * HASH_BLOCK_TOKENS
-        self.prefix_revived += ix.revived
+        self.prefix_revived += ix.revived  # type: ignore[misc]  # _Run's slot
         self.prefix_trim(d)
         d.shared_history(st, tokens)
         h[1], h[2], h[3] = tokens, 0, tokens  # (live: ``SharedKV.shared_in``, which its next pin keeps)
-        self.prefix_saved += tokens
-        self.prefix_blocks += m
+        self.prefix_saved += tokens  # type: ignore[misc]  # _Run's slot
+        self.prefix_blocks += m  # type: ignore[misc]  # _Run's slot
 
     def prefix_admitted(self, st) -> None:
         """The core admitted the round of ``st`` (charged): tokens it shared again are counted already."""
@@ -241,7 +274,7 @@ class Prefixing:
     def prefix_own(self, d) -> None:
         """Before the core decides by its KV (as the live ``KvSync.sync`` does, ``LivePrefix.own_pins``):
         each idle session with a pinned prefix learns how much of it only it holds (``pin_own``)."""
-        ix = self.prefix[d.worker_id]
+        ix = self.prefix[d.worker_id]  # type: ignore[index]  # (sharing on)
         bt = HASH_BLOCK_TOKENS
         tier = self.tier
         for c in d.evictable:
@@ -276,7 +309,7 @@ class Prefixing:
         """The core dropped the KV of ``s`` (evicted, the tier's drop: its references go) or moved it
         to host (it keeps only its pinned prefix in the index): what the core uncharged for blocks
         another session still holds is charged back, as they stay on the device."""
-        ix = self.prefix[d.worker_id]
+        ix = self.prefix[d.worker_id]  # type: ignore[index]  # (sharing on)
         sid = s.session_id
         held = ix.held(sid)
         if not held:
@@ -295,7 +328,7 @@ class Prefixing:
         else:
             ix.release(sid)
         still = held - keep - (before - ix.held_blocks)
-        self.prefix_let += held - keep
+        self.prefix_let += held - keep  # type: ignore[misc]  # _Run's slot
         d.kv_used += still * HASH_BLOCK_TOKENS
 
     def prefix_trim(self, d) -> PrefixIndex:
@@ -305,7 +338,7 @@ class Prefixing:
         block only when an allocation needs it): the core has charged running rounds' whole output
         at admission, and waiting rounds' with their input, and the cache keeps the room of the
         tokens not made yet until they are. Else free of everything charged."""
-        ix = self.prefix[d.worker_id]
+        ix = self.prefix[d.worker_id]  # type: ignore[index]  # (sharing on)
         if ix.cached_blocks:
             bt = HASH_BLOCK_TOKENS
             free = d.kv_cap - d.kv_used - d.wait_need
@@ -314,7 +347,7 @@ class Prefixing:
                 free += d.output_tokens_due() + sum(s.out for s in d.kv_wait) + sum(s.out for s in d.new_wait)
                 over = ix.cached_blocks * bt - max(free, 0)
             if over > 0:
-                self.prefix_evicted += len(ix.reclaim(-(-over // bt)))
+                self.prefix_evicted += len(ix.reclaim(-(-over // bt)))  # type: ignore[misc]  # _Run's slot
         return ix
 
     def prefix_revive(self, d, hashes) -> PrefixIndex:
@@ -329,7 +362,7 @@ class Prefixing:
             bt = HASH_BLOCK_TOKENS
             cut = d.revive_cut(ix.revives(hashes) * bt, ix.cached_blocks * bt)  # (the live pool's: LivePrefix)
             if cut > 0:
-                self.prefix_evicted += len(ix.reclaim(-(-cut // bt)))
+                self.prefix_evicted += len(ix.reclaim(-(-cut // bt)))  # type: ignore[misc]  # _Run's slot
         return ix
 
     def prefix_stats(self, stats: dict) -> None:

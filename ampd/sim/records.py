@@ -47,7 +47,7 @@ def to_compact_session_records(res: SimResult) -> list:
     count, last token time and the round's ITL sum/count)."""
     from ampd.bench.report import RoundRecord, SessionRecord
 
-    out = []
+    out: list[SessionRecord] = []
     append = out.append
     for s in res.sessions:
         sid = s.session_id

@@ -3,8 +3,10 @@ the overlap) and write-back, timed under NIC contention when it is on."""
 from __future__ import annotations
 
 from heapq import heappush
+from typing import Any
 
-from ampd.worker import KvRead
+from ampd.policy import PrefillTask
+from ampd.worker import KvRead, PrefillWork
 
 from .events import COMPUTE_DONE, COMPUTE_START, HANDOFF, REMOTE_DONE
 from .workers import Prefill, Sess
@@ -16,12 +18,25 @@ class RemotePrefilling:
     the dispatch loop calls them as its own methods, with no hop through a collaborator per event."""
 
     __slots__ = ()
+    # _Run's slots, declared for the type checker only (no class attributes). mypy checks an
+    # assignment against this class's own empty __slots__, hence the ignore on it.
+    live: dict[str, Sess]
+    heap: list[tuple[float, int, int, Any]]
+    seq: int
+    busy_extra: float
+    contention: bool
+    handoff_s: float
+
+    # _Run's methods these handlers call (typed here; _Run's own override them)
+    def push(self, t: float, code: int, obj: object) -> None: ...
+
+    def first_token(self, st: Sess, now: float) -> None: ...
 
     # -------------------------------------------------------------------------- prefill workers
     def prefill_next(self, p: Prefill, now: float) -> None:
         if p.current is not None or (not p.queue_len and p.ahead is None):
             return
-        w = p.schedule(now)
+        w: PrefillWork = p.schedule(now)  # type: ignore[assignment]  # (a task is queued or read ahead)
         st = self.live[w.task.session_id]
         d = st.dw
         st.pw = p
@@ -63,8 +78,17 @@ class RemotePrefilling:
         else:
             dur = w.total_s
             p.busy_s += dur + extra
-            self.seq += 1
+            self.seq += 1  # type: ignore[misc]  # _Run's slot
             heappush(self.heap, (now + dur + extra, self.seq, REMOTE_DONE, st))
+
+    def submit_remote(self, p: Prefill, task: PrefillTask, now: float) -> None:
+        r = p.submit(task, now)
+        if r is not None:
+            self.read_ahead(p, r, now)
+        elif p.kv_overlap and p.current is not None and not p.cs_event and now < p.compute_at:
+            self.push(p.compute_at, COMPUTE_START, (p, p.current))  # queued during a read
+            p.cs_event = True
+        self.prefill_next(p, now)
 
     def read_ahead(self, p: Prefill, r: KvRead, now: float) -> None:
         """KV overlap: the next task's history read starts now (sharing NICs under contention)."""
@@ -87,7 +111,7 @@ class RemotePrefilling:
 
     def compute_done(self, st: Sess, now: float) -> None:
         """NIC contention: the new KV's write-back waits for both workers' NICs."""
-        p = st.pw
+        p: Prefill = st.pw  # type: ignore[assignment]  # (prefill_next set it)
         d = st.dw
         start = max(now, d.nic, p.nic)
         end = start + st.write_s
@@ -96,9 +120,9 @@ class RemotePrefilling:
         self.push(end, REMOTE_DONE, st)
 
     def remote_done(self, st: Sess, now: float) -> None:
-        p = st.pw
+        p: Prefill = st.pw  # type: ignore[assignment]  # (prefill_next set it, and pwork)
         st.pw = None
-        p.update(st.pwork, now)
+        p.update(st.pwork, now)  # type: ignore[arg-type]  # (as pw)
         st.pwork = None
         at = now + self.handoff_s
         if st.kv_ready > at:  # host tier: the history's fetch to the device is not done

@@ -18,19 +18,41 @@ stays on the device: the core's moves, and so the link's time and ``bytes_to_hos
 only; ``Prefixing.prefix_sync`` runs after each core call, before its moves are taken here."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ampd.policy.cost import remote_prefill_s
 from ampd.policy.types import KV_GONE, KV_HOST, KV_RESIDENT
 from ampd.worker import IDLE, STEPPING, TO_HOST
 
 from .events import TIER_PREFETCH, TIER_READY, TIER_REMOTE
+from .prefixing import Prefixing
+from .workers import Decode, Sess
 
 __all__ = ["Tiering"]
 
 
-class Tiering:
-    """Host-tier handlers of ``_Run`` (which declares ``dispatch0``, ``tier_to``, ``tier_from``)."""
+class Tiering(Prefixing):
+    """Host-tier handlers of ``_Run`` (which declares ``dispatch0``, ``tier_to``, ``tier_from``; they
+    sync prefix sharing: ``Prefixing``)."""
 
     __slots__ = ()
+    # _Run's slots past Prefixing's, declared for the type checker only (as there)
+    open_s: float
+    dispatch_s: float
+    dispatch0: Callable[[Sess, float], None]
+    tier_to: int
+    tier_from: int
+
+    # _Run's methods these handlers call (typed here; _Run's own override them)
+    def push(self, t: float, code: int, obj: object) -> None: ...
+
+    def route(self, st: Sess, now: float, kv: tuple | None) -> None: ...
+
+    def decode_next(self, d: Decode, now: float) -> None: ...
+
+    def interrupt(self, d: Decode, now: float) -> None: ...
+
+    def drain(self, d: Decode, now: float) -> None: ...
 
     def tier_moves(self, d, now: float) -> None:
         """Put the moves ``d``'s core listed on its host link."""
@@ -38,10 +60,10 @@ class Tiering:
             start = d.link if d.link > now else now
             d.link = start + m.seconds
             if m.direction == TO_HOST:
-                self.tier_to += m.tokens
+                self.tier_to += m.tokens  # type: ignore[misc]  # _Run's slot
                 d.offloads.append((d.link, m.tokens))
             else:
-                self.tier_from += m.tokens
+                self.tier_from += m.tokens  # type: ignore[misc]  # _Run's slot
                 st = self.live.get(m.session_id)
                 if st is not None:
                     st.kv_back = d.link
@@ -139,12 +161,12 @@ class Tiering:
         bpt = self.sim.profile.kv_bytes_per_token
         decisions: dict[str, int] = {}
         for d in self.decodes:
-            for k, v in d.tier.decisions.items():
+            for k, v in d.tier.decisions.items():  # type: ignore[union-attr]  # (self.tier: every worker has one)
                 decisions[k] = decisions.get(k, 0) + v
         stats["kv_tier"] = {
             "decisions": dict(sorted(decisions.items())),
             "tokens_to_host": self.tier_to, "tokens_from_host": self.tier_from,
             "bytes_to_host": self.tier_to * bpt, "bytes_from_host": self.tier_from * bpt,
-            "host_used_end": [d.tier.host.used_blocks for d in self.decodes],
+            "host_used_end": [d.tier.host.used_blocks for d in self.decodes],  # type: ignore[union-attr]  # (as above)
         }
         stats["kv_recomputed_tokens"] = sum(d.kv_recomputed_tokens for d in self.decodes)
