@@ -7,7 +7,7 @@ AMPD := $(VENV)/bin/ampd
 PROTOS := $(wildcard proto/ampd/v1/*.proto)
 export NIXL_LOG_LEVEL ?= WARN
 
-.PHONY: venv proto test test-fidelity test-unit test-integration test-e2e test-sglang test-sglang-env test-compose test-k8s compose-secret demo bench paper lint clean test-multihost
+.PHONY: venv proto compile test test-fidelity test-unit test-integration test-e2e test-sglang test-sglang-env test-compose test-k8s compose-secret demo bench paper lint clean test-multihost
 
 venv: $(VENV)/.installed
 
@@ -33,13 +33,13 @@ proto: venv
 # deployments, so two share the 2 cores CI has; tests marked alone (the fidelity ones) still run by
 # themselves (tests/conftest.py). `make test TEST_WORKERS=0` runs them in one process.
 TEST_WORKERS ?= 2
-test: venv
+test: venv compile
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/unit tests/integration tests/e2e
 
 test-fidelity: venv
 	$(PY) -m pytest -q -m fidelity tests/integration
 
-test-unit: venv
+test-unit: venv compile
 	$(PY) -m pytest -q tests/unit
 
 test-integration: venv
@@ -95,17 +95,24 @@ compose-secret:
 demo: venv
 	$(AMPD) demo
 
-bench: venv
+# The simulator's cores compiled with mypyc into build/mypyc (ampd/compiled.py): `ampd simulate`, `ampd
+# plan` and the simulator's benchmarks run on them. About a minute; nothing to do when up to date.
+compile: venv
+	$(PY) -m ampd.compile_cores
+
+bench: venv compile
 	$(PY) -m benchmarks.run $(BENCH)
 
 # The paper's experiments on the simulator (not part of `make test`); results in benchmarks/results/paper/.
-paper: venv
+paper: venv compile
 	$(PY) -m benchmarks.paper $(PAPER_ARGS)
 
-# Unused or undefined names and syntax errors (ruff, rules in pyproject.toml), then the import layers.
+# Unused or undefined names and syntax errors (ruff, rules in pyproject.toml), then the import layers,
+# then the simulator's cores' types (mypy, the files in pyproject.toml's [tool.mypy]).
 lint: venv
 	$(VENV)/bin/ruff check ampd services tests benchmarks
 	$(PY) -m pytest -q tests/unit/test_layers.py
+	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache build/mypyc

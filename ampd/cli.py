@@ -18,6 +18,8 @@ _COMMANDS = (
 # Commands whose module is imported alone when the command line names them: a cold `ampd plan`
 # must not pay for the launcher's gRPC and Redis imports (docs/planner.md, "Planning time").
 _ONLY = {"plan": "ampd.planner.cli", "simulate": "ampd.sim.cli", "trace": "ampd.workload.cli"}
+# Commands that simulate, on the compiled cores where they are built (ampd/compiled.py).
+_COMPILED = ("simulate", "plan")
 
 
 class CliError(Exception):
@@ -41,6 +43,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in _COMPILED:
+        from ampd import compiled
+
+        compiled.install()
     args = build_parser(argv[0] if argv else None).parse_args(argv)
     try:
         return int(args.func(args) or 0)

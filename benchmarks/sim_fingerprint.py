@@ -14,7 +14,8 @@ a KV-tight deployment). Per run it hashes (sha256 of the exact float reprs):
 
 Two simulator versions behave the same on these runs when every hash matches; ``--compare`` prints
 the runs whose hashes differ. ``--set KEY=VALUE`` passes an extra ``simulate`` keyword to every run
-(for example ``--set kv_overlap=False``).
+(for example ``--set kv_overlap=False``). The simulator runs on the compiled cores where they are
+built (ampd/compiled.py; ``AMPD_COMPILED=0``: the Python sources); the first line says which.
 """
 from __future__ import annotations
 
@@ -24,11 +25,15 @@ import json
 import sys
 import time
 
-from ampd.perf import load_profile, profile_from_dict
-from ampd.policy import SLO
-from ampd.sim import PathLatency, sim_report, simulate
-from ampd.workload import generate
-from benchmarks import write_json
+from ampd import compiled
+
+compiled.install()  # before a core is imported: the compiled cores where built (ampd/compiled.py)
+
+from ampd.perf import load_profile, profile_from_dict  # noqa: E402
+from ampd.policy import SLO  # noqa: E402
+from ampd.sim import PathLatency, sim_report, simulate  # noqa: E402
+from ampd.workload import generate  # noqa: E402
+from benchmarks import write_json  # noqa: E402
 
 PROFILE = "llama3.1-70b@h20"
 PRESETS = {  # preset -> (rate sessions/s, duration s, TTFT SLO s, ITL SLO s)
@@ -128,6 +133,7 @@ def main(argv=None) -> int:
                     help="extra simulate() keyword for every run")
     ap.add_argument("--only", default="", help="comma-separated run names (default: all)")
     a = ap.parse_args(argv)
+    print(f"cores: {compiled.STATE}", flush=True)
     extra = {}
     for kv in a.set:
         k, sep, v = kv.partition("=")

@@ -18,13 +18,17 @@ import platform
 import sys
 import time
 
-from ampd.bench.report import SLO
-from ampd.config import add_flags
-from ampd.deployment import worker_shape
-from ampd.perf import load_profile
-from ampd.sim import Simulator, SimConfig, gc_paused, sim_report
-from ampd.workload import generate
-from benchmarks import write_json
+from ampd import compiled
+
+compiled.install()  # before a core is imported: the compiled cores where built (ampd/compiled.py)
+
+from ampd.bench.report import SLO  # noqa: E402
+from ampd.config import add_flags  # noqa: E402
+from ampd.deployment import worker_shape  # noqa: E402
+from ampd.perf import load_profile  # noqa: E402
+from ampd.sim import Simulator, SimConfig, gc_paused, sim_report  # noqa: E402
+from ampd.workload import generate  # noqa: E402
+from benchmarks import write_json  # noqa: E402
 
 
 def deployment_shape(a, prof):
@@ -59,7 +63,7 @@ def one_run(a, prof, rate: float) -> dict:
     rep_s = time.perf_counter() - t
     st = res.stats
     return {
-        "preset": "gaia", "rate": rate, "sessions": len(sessions),
+        "preset": "gaia", "rate": rate, "sessions": len(sessions), "cores": compiled.STATE,
         "rounds": sum(len(s.rounds) for s in sessions),
         "output_tokens": rep["output_tokens"],
         "profile": prof.name, "policy": a.policy, "prefill": st["prefill_spec"], "decode": st["decode_spec"],

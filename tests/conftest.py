@@ -13,6 +13,12 @@ import pytest
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
+if os.environ.get("AMPD_TEST_COMPILED") == "1":  # tests/unit/test_compiled.py: these tests on the compiled cores
+    from ampd import compiled
+
+    compiled.install()
+    assert compiled.active(), compiled.STATE
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "alone: runs while no other test does, also under pytest-xdist")

@@ -15,4 +15,5 @@ __all__ = ["KVState", "HostPool", "HostBlocks", "HostPoolTooSmall", "HostKVExhau
 class HostPool(HostBlocks):
     """``HostBlocks`` whose ``segments`` are the KV transport's ``Segment``s."""
 
-    segment = Segment
+    def segment(self, block: int, offset: int, tokens: int) -> Segment:
+        return Segment(block, offset, tokens)

@@ -23,6 +23,7 @@ and 0 when ``l_incr``, ``batch`` or ``tokens`` is 0.
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -38,7 +39,8 @@ __all__ = ["SCHEMA_VERSION", "LINK_RULES", "Profile", "TPModel", "KVTransfer", "
            "list_profiles", "profile_from_dict", "PROFILES_DIR"]
 
 SCHEMA_VERSION = 1
-PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
+# (the package's directory, not this file's: compiled, this module lives in build/mypyc, ampd/compiled.py)
+PROFILES_DIR = Path(importlib.import_module("ampd.perf").__path__[0]).resolve() / "profiles"
 
 # How many links carry a KV transfer between a worker of degree src_tp and one of degree dst_tp.
 LINK_RULES = {
@@ -133,7 +135,8 @@ class Profile:
         return ValueError(f"{what} {tp!r} is not covered by profile {self.name} (tps {list(self.tps)})")
 
     # -- cost functions ------------------------------------------------------------------------
-    def t_pre(self, tp: int, l_hist: int, l_incr: int) -> float:
+    # (token counts typed float: any number is taken, as by the Python source, where compiled)
+    def t_pre(self, tp: int, l_hist: float, l_incr: float) -> float:
         """Seconds to prefill ``l_incr`` new tokens on top of ``l_hist`` history tokens at degree ``tp``."""
         try:
             inner, alpha, beta, hist, attn = self._pre[tp]
@@ -146,7 +149,7 @@ class Profile:
         i = bisect_right(inner, l_incr)
         return alpha[i] + beta[i] * l_incr + hist * l_hist + attn * l_incr * (l_hist + 0.5 * l_incr)
 
-    def t_dec(self, tp: int, batch: int, context_tokens: int) -> float:
+    def t_dec(self, tp: int, batch: float, context_tokens: float) -> float:
         """Seconds for one decode step of ``batch`` sequences whose contexts sum to ``context_tokens``."""
         try:
             inner, alpha, beta, ctx = self._dec[tp]
@@ -160,7 +163,7 @@ class Profile:
         i = bisect_right(inner, batch)
         return alpha[i] + beta[i] * batch + ctx * context_tokens
 
-    def t_kv(self, tokens: int, src_tp: int, dst_tp: int) -> float:
+    def t_kv(self, tokens: float, src_tp: int, dst_tp: int) -> float:
         """Seconds to move the KV of ``tokens`` tokens from a degree-``src_tp`` to a degree-``dst_tp`` worker."""
         try:
             row = self._kv[src_tp]

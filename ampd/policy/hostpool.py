@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mypy_extensions import mypyc_attr
+
 from .kvtier import KVState
 
 __all__ = ["KVState", "HostBlocks", "HostPoolTooSmall", "HostPoolTooLarge", "HostKVExhausted", "HostPoolSize",
@@ -139,11 +141,13 @@ class _Entry:
     moving: str = ""  # OFFLOADING, PREFETCHING or ""
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # ampd.kv.hostpool.HostPool, the live pool, extends it
 class HostBlocks:
     """``num_blocks`` host blocks of ``block_tokens`` tokens, and where each session's KV is.
     ``segment(block, offset, tokens)`` makes the segments ``segments`` returns (a tuple here)."""
 
-    segment = staticmethod(lambda block, offset, tokens: (block, offset, tokens))
+    def segment(self, block: int, offset: int, tokens: int) -> object:
+        return (block, offset, tokens)
 
     def __init__(self, num_blocks: int, block_tokens: int, bytes_per_token: int = 0):
         if num_blocks < 0 or block_tokens <= 0 or bytes_per_token < 0:

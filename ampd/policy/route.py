@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 from ampd.window import STATS_WINDOW_S
 
@@ -72,7 +72,6 @@ THRESHOLD_TOKENS = 1000  # the threshold baseline's limit (Dynamo's default)
 MARGIN_HORIZON_S = STATS_WINDOW_S
 
 
-@runtime_checkable
 class Router(Protocol):
     name: str
 

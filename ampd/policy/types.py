@@ -12,7 +12,7 @@ in the simulator).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 # One SLO type for the whole tree (ampd.slo); the policies re-export it. SLO(ttft_s, itl_s), both > 0 seconds.
 from ampd.slo import SLO
@@ -39,7 +39,6 @@ KV_HOST = "host"
 KV_GONE = "gone"
 
 
-@runtime_checkable
 class CostModel(Protocol):
     """What the policies need from a performance model (``ampd.perf.Profile`` satisfies it)."""
 

@@ -10,7 +10,7 @@ from ampd.policy.hints import HINTS, queue_enqueued_at
 from ampd.policy.outlen import rounds_kv_tokens
 
 from .events import ADMIT_CHECK
-from .prefixing import Prefixing
+from .remote import RemotePrefilling
 from .result import SimSession
 from .workers import Decode, Prefill, Sess, Waiting
 
@@ -19,14 +19,12 @@ from .workers import Decode, Prefill, Sess, Waiting
 _HEAD_POLL_S = HEAD_POLL_S
 
 
-class Admitting(Prefixing):
-    """The admission handlers of ``ampd.sim.loop._Run`` (which declares the slots: ``sim``, ``book``,
-    ``outcomes``, ``refused``, ``n_waited``, ``live``, ``decodes``, ``prefills``, ``by_id``,
-    ``block_tokens``). One object holds every handler: the dispatch loop calls them as its own
-    methods, with no hop through a collaborator per event. (It binds by prefix: ``Prefixing``.)"""
+class Admitting(RemotePrefilling):
+    """The admission handlers of ``ampd.sim.loop._Run``. One object holds every handler: the
+    dispatch loop calls them as its own methods, with no hop through a collaborator per event. (It
+    binds by prefix: ``Prefixing``.)"""
 
-    __slots__ = ()
-    # _Run's slots past Prefixing's, declared for the type checker only (as there)
+    __slots__ = ("outcomes", "block_tokens", "prefills", "by_id", "refused", "n_waited")
     outcomes: list[SimSession]
     block_tokens: int
     prefills: list[Prefill]
@@ -79,7 +77,7 @@ class Admitting(Prefixing):
                        expect=self.expected_kv(w, now) if book.rule == "slo" else None)
         if v.worker is None and not v.reason:
             if not queued:
-                self.n_waited += 1  # type: ignore[misc]  # _Run's slot
+                self.n_waited += 1
             at = now + (min(v.wait_s, _HEAD_POLL_S) if book.rule == "slo" and book.head is w else v.wait_s)
             if at <= now:  # a wait shorter than the clock's resolution: the next instant
                 at = math.nextafter(now, math.inf)

@@ -35,11 +35,8 @@ from .events import (ADMIT_CHECK, COMPUTE_DONE, COMPUTE_START, DISPATCH, HANDOFF
                      REMOTE_DONE, ROUND_READY, STEP_DONE, TIER_LOCAL, TIER_PREFETCH, TIER_READY,
                      TIER_REMOTE)
 from .gcpause import gc_paused
-from .prefixing import Prefixing
-from .remote import RemotePrefilling
 from .result import SimResult, SimRound, SimSession
 from .steplog import pack_row
-from .tiering import Tiering
 from .workers import Decode, Prefill, Sess, SlowerSteps, Views
 
 __all__ = ["Simulator", "simulate"]
@@ -92,19 +89,20 @@ class Simulator:
         step_s = cfg.path.step_s if cfg.path else 0.0
         dprof = SlowerSteps(prof, step_s) if step_s else prof
         self.decodes = [
-            Decode(i, f"decode-{i}", tp, dprof, make_queue(spec.decode_queue, prof, slo, tp, window=rw),
+            Decode(f"decode-{i}", tp, dprof, make_queue(spec.decode_queue, prof, slo, tp, window=rw),
                     kv_capacity_tokens=int(prof.kv_capacity_tokens(tp)), window_s=w,
                     chunk_tokens=int(prof.prefill_chunk_tokens(tp)) if cfg.chunked_prefill else 0,
                     kv_admission=cfg.kv_admission, kv_evict=cfg.kv_evict,
                     tier=HostTier.from_mb(_host_mb(cfg, prof, tp), cfg.block_tokens, prof.kv_bytes_per_token, 0,
                                           KVTierConfig(offload_pressure=cfg.kv_offload_pressure),  # run() checks
-                                          prefetch_early=cfg.kv_prefetch_early))
+                                          prefetch_early=cfg.kv_prefetch_early)).sim_init(i)
             for i, tp in enumerate(expand_spec(dec_groups))
         ]
         # the coordinator's order (ampd.policy.order): Algorithm 1's seeded visits and every tie agree
         self.prefills = in_worker_order([
             Prefill(f"prefill-{i}", tp, prof, make_queue(spec.prefill_queue or "fcfs", prof, slo, tp, window=rw),
-                     window_s=w, kv_overlap=cfg.kv_overlap, kv_capacity_tokens=int(prof.kv_capacity_tokens(tp)))
+                    window_s=w, kv_overlap=cfg.kv_overlap,
+                    kv_capacity_tokens=int(prof.kv_capacity_tokens(tp))).sim_init()
             for i, tp in enumerate(expand_spec(pre_groups))
         ])
         self.by_id: dict[str, Decode | Prefill] = {d.worker_id: d for d in self.decodes}
@@ -126,15 +124,12 @@ def _queue_yield_s(h) -> float:
     return 0.0 if h is None else queue_yield_s(h.priority, HINTS)
 
 
-class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
-    """One simulation run: the event heap, the sessions in flight and the handlers."""
+class _Run(Admitting):
+    """One simulation run: the event heap, the sessions in flight and the handlers (its bases, a
+    chain: ``Prefixing``)."""
 
-    __slots__ = ("sim", "heap", "seq", "live", "outcomes", "reasons", "n_local", "n_remote", "n_failed",
-                 "book", "block_tokens", "refused", "n_waited", "prefix_parked",
-                 "decodes", "prefills", "by_id", "router", "pviews_static", "pviews", "route_fn", "pin_ttl", "kv_evict", "open_s", "dispatch_s",
-                 "handoff_s", "tool_rpc_s", "busy_extra", "contention", "dispatch", "tier", "dispatch0", "tier_to",
-                 "tier_from", "prefix", "prefix_ids", "prefix_held", "prefix_saved", "prefix_blocks", "prefix_sessions",
-                 "prefix_revived", "prefix_evicted", "prefix_kv", "prefix_cap", "prefix_wdrops", "prefix_let")
+    __slots__ = ("reasons", "n_local", "n_remote", "n_failed", "router", "pviews_static", "pviews", "route_fn",
+                 "tool_rpc_s", "dispatch")
 
     def __init__(self, sim: Simulator):
         cfg = sim.cfg
@@ -351,9 +346,9 @@ class _Run(Admitting, RemotePrefilling, Tiering, Prefixing):
             pviews.now = now
             vs = pviews.vs = pviews.blank[:]
             dec = self.route_fn(task, dview, pviews, now)  # type: ignore[arg-type]  # (Views: a lazy sequence)
-            for p, v in zip(pviews.ps, vs):
+            for pw, v in zip(pviews.ps, vs):
                 if v is None:
-                    p.window.mean(now)
+                    pw.window.mean(now)
         reasons = self.reasons
         reasons[dec.reason] = reasons.get(dec.reason, 0) + 1
         if dec.local or dec.target == d.worker_id:

@@ -76,15 +76,17 @@ def prefix_indexes(cfg, decodes) -> dict[str, PrefixIndex] | None:
 
 
 class Prefixing:
-    """Prefix-sharing handlers of ``ampd.sim.loop._Run`` (which declares ``prefix``: worker id ->
+    """Prefix-sharing handlers of ``ampd.sim.loop._Run``, the base of its chain of handler classes
+    (``Prefixing`` <- ``Tiering`` <- ``RemotePrefilling`` <- ``Admitting`` <- ``_Run``: single
+    inheritance, each class holding the slots it is the first to use; ``prefix``: worker id ->
     index or None, ``prefix_ids``: their ``BlockIds``, ``prefix_held``: session id -> [prompt blocks,
     shared tokens, fresh blocks, tokens shared again that the core will charge], ``prefix_saved``, ``prefix_blocks``, ``prefix_sessions``, ``prefix_revived``,
     ``prefix_evicted``; with KV moves (``prefix_kv``): ``prefix_cap``, each decode worker's capacity,
     ``prefix_wdrops``, its tier's waiting-drops seen, and ``prefix_let``, blocks let go of by moves)."""
 
-    __slots__ = ()
-    # _Run's slots, declared for the type checker only (no class attributes). mypy checks an
-    # assignment against this class's own empty __slots__, hence the ignores on them.
+    __slots__ = ("sim", "live", "decodes", "book", "tier", "kv_evict", "pin_ttl", "prefix", "prefix_parked",
+                 "prefix_kv", "prefix_ids", "prefix_held", "prefix_cap", "prefix_wdrops", "prefix_saved",
+                 "prefix_blocks", "prefix_sessions", "prefix_revived", "prefix_evicted", "prefix_let")
     sim: Simulator
     live: dict[str, Sess]
     decodes: list[Decode]
@@ -138,14 +140,14 @@ class Prefixing:
         ix = self.prefix_revive(st.dw, rnd.hash_ids[:n])
         g = ix.acquire(st.session_id, rnd.hash_ids[:n], self.prefix_ids)
         st.dw.kv_used += ix.revived * HASH_BLOCK_TOKENS  # cached blocks held again: charged to this session
-        self.prefix_revived += ix.revived  # type: ignore[misc]  # _Run's slot
+        self.prefix_revived += ix.revived
         self.prefix_trim(st.dw)  # its fresh blocks take cached blocks' space first
         shared = g.shared * HASH_BLOCK_TOKENS
         self.prefix_held[st.session_id] = [n, shared, n - g.shared, 0]
         if g.shared:
-            self.prefix_saved += shared  # type: ignore[misc]  # _Run's slot
-            self.prefix_blocks += g.shared  # type: ignore[misc]  # _Run's slot
-            self.prefix_sessions += 1  # type: ignore[misc]  # _Run's slot
+            self.prefix_saved += shared
+            self.prefix_blocks += g.shared
+            self.prefix_sessions += 1
 
     def prefix_first(self, st) -> None:
         """Round 0's input is set: the shared tokens are history already (not prefilled, not charged)."""
@@ -177,18 +179,18 @@ class Prefixing:
 
     def prefix_init(self, cfg) -> None:
         # None: prefix sharing off (or parked: prefix_park)
-        self.prefix = prefix_indexes(cfg, self.decodes)  # type: ignore[misc]  # _Run's slot
-        self.prefix_parked = None  # type: ignore[misc]  # _Run's slot
+        self.prefix = prefix_indexes(cfg, self.decodes)
+        self.prefix_parked = None
         # sharing with KV that leaves the device while sessions idle (the module doc)
-        self.prefix_kv = (  # type: ignore[misc]  # _Run's slot
+        self.prefix_kv = (
             self.prefix is not None and bool(self.kv_evict or self.tier or self.pin_ttl is not None))
-        self.prefix_cap = [d.kv_cap for d in self.decodes]  # type: ignore[misc]  # _Run's slot
-        self.prefix_wdrops = [0] * len(self.decodes)  # type: ignore[misc]  # _Run's slot
-        self.prefix_let = 0  # type: ignore[misc]  # _Run's slot
-        self.prefix_ids = BlockIds()  # type: ignore[misc]  # _Run's slot
-        self.prefix_held = {}  # type: ignore[misc]  # _Run's slot
-        self.prefix_saved = self.prefix_blocks = self.prefix_sessions = 0  # type: ignore[misc]  # _Run's slots
-        self.prefix_revived = self.prefix_evicted = 0  # type: ignore[misc]  # _Run's slots
+        self.prefix_cap = [d.kv_cap for d in self.decodes]
+        self.prefix_wdrops = [0] * len(self.decodes)
+        self.prefix_let = 0
+        self.prefix_ids = BlockIds()
+        self.prefix_held = {}
+        self.prefix_saved = self.prefix_blocks = self.prefix_sessions = 0
+        self.prefix_revived = self.prefix_evicted = 0
 
     def prefix_park(self, sessions) -> None:
         """Sharing is on but no session's first round has ``hash_ids`` (a synthetic preset's trace):
@@ -196,10 +198,10 @@ class Prefixing:
         pins (0) and the cores as they are. The run skips them (``prefix`` None, as with sharing
         off: 9-11 % of a GAIA run's simulate instructions, callgrind); ``prefix_stats`` reads them where
         they are parked."""
-        self.prefix_parked = None  # type: ignore[misc]  # _Run's slot
+        self.prefix_parked = None
         if self.prefix is not None and not any(s.rounds and s.rounds[0].hash_ids for s in sessions):
-            self.prefix_parked = (self.prefix, self.prefix_kv)  # type: ignore[misc]  # _Run's slot
-            self.prefix, self.prefix_kv = None, False  # type: ignore[misc]  # _Run's slot
+            self.prefix_parked = (self.prefix, self.prefix_kv)
+            self.prefix, self.prefix_kv = None, False
 
     # --- with kv_evict, the host tier or a KV-pinning policy (``prefix_kv``) ----------------------
     def prefix_round_ready(self, st, now: float) -> int:
@@ -257,12 +259,12 @@ class Prefixing:
         m = tokens // HASH_BLOCK_TOKENS
         ix.acquire(st.session_id, hashes[:m], self.prefix_ids)
         d.kv_used += ix.revived * HASH_BLOCK_TOKENS
-        self.prefix_revived += ix.revived  # type: ignore[misc]  # _Run's slot
+        self.prefix_revived += ix.revived
         self.prefix_trim(d)
         d.shared_history(st, tokens)
         h[1], h[2], h[3] = tokens, 0, tokens  # (live: ``SharedKV.shared_in``, which its next pin keeps)
-        self.prefix_saved += tokens  # type: ignore[misc]  # _Run's slot
-        self.prefix_blocks += m  # type: ignore[misc]  # _Run's slot
+        self.prefix_saved += tokens
+        self.prefix_blocks += m
 
     def prefix_admitted(self, st) -> None:
         """The core admitted the round of ``st`` (charged): tokens it shared again are counted already."""
@@ -328,7 +330,7 @@ class Prefixing:
         else:
             ix.release(sid)
         still = held - keep - (before - ix.held_blocks)
-        self.prefix_let += held - keep  # type: ignore[misc]  # _Run's slot
+        self.prefix_let += held - keep
         d.kv_used += still * HASH_BLOCK_TOKENS
 
     def prefix_trim(self, d) -> PrefixIndex:
@@ -347,7 +349,7 @@ class Prefixing:
                 free += d.output_tokens_due() + sum(s.out for s in d.kv_wait) + sum(s.out for s in d.new_wait)
                 over = ix.cached_blocks * bt - max(free, 0)
             if over > 0:
-                self.prefix_evicted += len(ix.reclaim(-(-over // bt)))  # type: ignore[misc]  # _Run's slot
+                self.prefix_evicted += len(ix.reclaim(-(-over // bt)))
         return ix
 
     def prefix_revive(self, d, hashes) -> PrefixIndex:
@@ -362,7 +364,7 @@ class Prefixing:
             bt = HASH_BLOCK_TOKENS
             cut = d.revive_cut(ix.revives(hashes) * bt, ix.cached_blocks * bt)  # (the live pool's: LivePrefix)
             if cut > 0:
-                self.prefix_evicted += len(ix.reclaim(-(-cut // bt)))  # type: ignore[misc]  # _Run's slot
+                self.prefix_evicted += len(ix.reclaim(-(-cut // bt)))
         return ix
 
     def prefix_stats(self, stats: dict) -> None:

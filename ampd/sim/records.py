@@ -143,8 +143,8 @@ def compact_report(res: SimResult, slo, duration: float) -> dict:
             completed += 1
             attained += ttft_ok and itl_ok
             if rounds:
-                last = rounds[-1]
-                end = last.last_token if last.last_token is not None else last.first_token
+                final = rounds[-1]
+                end = final.last_token if final.last_token is not None else final.first_token
                 if end is not None:
                     e2e.append(end - s.arrival)
         else:

@@ -9,18 +9,15 @@ from ampd.policy import PrefillTask
 from ampd.worker import KvRead, PrefillWork
 
 from .events import COMPUTE_DONE, COMPUTE_START, HANDOFF, REMOTE_DONE
+from .tiering import Tiering
 from .workers import Prefill, Sess
 
 
-class RemotePrefilling:
-    """The prefill workers' handlers of ``ampd.sim.loop._Run`` (which declares the slots: ``live``,
-    ``heap``, ``seq``, ``busy_extra``, ``contention``, ``handoff_s``). One object holds every handler:
-    the dispatch loop calls them as its own methods, with no hop through a collaborator per event."""
+class RemotePrefilling(Tiering):
+    """The prefill workers' handlers of ``ampd.sim.loop._Run``. One object holds every handler: the
+    dispatch loop calls them as its own methods, with no hop through a collaborator per event."""
 
-    __slots__ = ()
-    # _Run's slots, declared for the type checker only (no class attributes). mypy checks an
-    # assignment against this class's own empty __slots__, hence the ignore on it.
-    live: dict[str, Sess]
+    __slots__ = ("heap", "seq", "busy_extra", "contention", "handoff_s")
     heap: list[tuple[float, int, int, Any]]
     seq: int
     busy_extra: float
@@ -78,7 +75,7 @@ class RemotePrefilling:
         else:
             dur = w.total_s
             p.busy_s += dur + extra
-            self.seq += 1  # type: ignore[misc]  # _Run's slot
+            self.seq += 1
             heappush(self.heap, (now + dur + extra, self.seq, REMOTE_DONE, st))
 
     def submit_remote(self, p: Prefill, task: PrefillTask, now: float) -> None:

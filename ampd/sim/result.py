@@ -3,22 +3,29 @@ that hold the token times (``ampd.sim.steplog``)."""
 from __future__ import annotations
 
 import math
-from collections import namedtuple
+from typing import NamedTuple
 
 from .steplog import StepLog, itl_samples
 
 __all__ = ["SimRound", "SimSession", "SimResult"]
 
 
-class SimRound(namedtuple("SimRound", ("round", "input_ready", "first_token", "last_token", "n_tokens", "local",
-                                        "worker", "step_lo", "target"))):
+class SimRound(NamedTuple):
     """One round as the simulator saw it (compact: token times live in the worker's step log).
 
     ``worker`` is the index of the decode worker (its step log holds the token times), ``target``
     the worker id the prefill ran on. A named tuple: a paper-scale run records ~1.1M rounds, and
     one C call builds each (``tuple.__new__``), where a class's ``__init__`` runs a line per field."""
 
-    __slots__ = ()
+    round: int
+    input_ready: float
+    first_token: float
+    last_token: float
+    n_tokens: int
+    local: bool
+    worker: int
+    step_lo: int
+    target: str
 
     @property
     def ttft(self) -> float:
@@ -39,7 +46,7 @@ class SimSession:
 
     __slots__ = ("session_id", "arrival", "rounds", "decode_worker", "completed", "end", "error")
 
-    def __init__(self, session_id, arrival, decode_worker):
+    def __init__(self, session_id: str, arrival: float, decode_worker: str) -> None:
         self.session_id = session_id
         self.arrival = arrival
         self.rounds: list[SimRound] = []
@@ -52,12 +59,13 @@ class SimSession:
 class SimResult:
     """What a run produced: per-session outcomes plus the step logs that hold the token times."""
 
-    def __init__(self, policy, sessions, step_logs, duration_s, stats, worker_ids):
+    def __init__(self, policy: str, sessions: list[SimSession], step_logs: list[StepLog], duration_s: float,
+                 stats: dict, worker_ids: list[str]) -> None:
         self.policy = policy
-        self.sessions: list[SimSession] = sessions
-        self.step_logs: list[StepLog] = step_logs
+        self.sessions = sessions
+        self.step_logs = step_logs
         self.duration_s = duration_s
-        self.stats: dict = stats
+        self.stats = stats
         self.worker_ids = worker_ids
 
     def itl_samples(self):

@@ -32,11 +32,9 @@ __all__ = ["Tiering"]
 
 
 class Tiering(Prefixing):
-    """Host-tier handlers of ``_Run`` (which declares ``dispatch0``, ``tier_to``, ``tier_from``; they
-    sync prefix sharing: ``Prefixing``)."""
+    """Host-tier handlers of ``_Run`` (they sync prefix sharing: ``Prefixing``)."""
 
-    __slots__ = ()
-    # _Run's slots past Prefixing's, declared for the type checker only (as there)
+    __slots__ = ("open_s", "dispatch_s", "dispatch0", "tier_to", "tier_from")
     open_s: float
     dispatch_s: float
     dispatch0: Callable[[Sess, float], None]
@@ -60,10 +58,10 @@ class Tiering(Prefixing):
             start = d.link if d.link > now else now
             d.link = start + m.seconds
             if m.direction == TO_HOST:
-                self.tier_to += m.tokens  # type: ignore[misc]  # _Run's slot
+                self.tier_to += m.tokens
                 d.offloads.append((d.link, m.tokens))
             else:
-                self.tier_from += m.tokens  # type: ignore[misc]  # _Run's slot
+                self.tier_from += m.tokens
                 st = self.live.get(m.session_id)
                 if st is not None:
                     st.kv_back = d.link

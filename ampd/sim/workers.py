@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
+from ampd.policy import WorkerView
 from ampd.worker import DecodeCore, DecodeSession, PrefillCore, PrefillWork
 
 from .result import SimSession
@@ -15,12 +16,13 @@ __all__ = ["Decode", "Prefill", "Views", "Waiting", "Sess", "SlowerSteps"]
 
 
 class Decode(DecodeCore):
-    """A decode worker in the simulator: the core plus its step log and NIC."""
+    """A decode worker in the simulator: the core plus its step log and NIC. Built as the core is,
+    then ``sim_init`` (no ``__init__`` of its own: compiled by mypyc 2.4, a forwarded ``*args`` or
+    ``**kw`` reaches the core's ``__init__`` packed wrongly)."""
 
     __slots__ = ("idx", "log", "nic", "log_row", "link", "offloads")
 
-    def __init__(self, idx: int, *args, **kw):
-        super().__init__(*args, **kw)
+    def sim_init(self, idx: int) -> Decode:
         self.idx = idx
         self.view_tasks = False  # nothing in the simulator reads WorkerView.queue
         lg = self.log = StepLog()
@@ -29,19 +31,21 @@ class Decode(DecodeCore):
         self.offloads: deque = deque()  # (end, tokens) of its offloads on the link, by end
         # the step log's row append, bound once (step_done runs per run of steps)
         self.log_row = lg.rows.extend
+        return self
 
 
 class Prefill(PrefillCore):
-    """A prefill worker in the simulator: the core plus its NIC and busy time."""
+    """A prefill worker in the simulator: the core plus its NIC and busy time (built as the core is,
+    then ``sim_init``, as ``Decode``)."""
 
     __slots__ = ("nic", "cs_event", "busy_s")
 
-    def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
+    def sim_init(self) -> Prefill:
         self.view_tasks = False  # nothing in the simulator reads WorkerView.queue
         self.nic = 0.0
         self.busy_s = 0.0  # the simulator knows the real durations (NIC contention, PathLatency)
         self.cs_event = False  # a COMPUTE_START event is scheduled for the task in service
+        return self
 
 
 class Views:
@@ -55,16 +59,16 @@ class Views:
 
     __slots__ = ("ps", "now", "vs", "blank")
 
-    def __init__(self, ps: list, now: float):
+    def __init__(self, ps: list[Prefill], now: float):
         self.ps = ps
         self.now = now
-        self.blank = [None] * len(ps)
+        self.blank: list[WorkerView | None] = [None] * len(ps)
         self.vs = self.blank[:]
 
     def __len__(self) -> int:
         return len(self.ps)
 
-    def __getitem__(self, i: int):
+    def __getitem__(self, i: int) -> WorkerView:
         v = self.vs[i]
         if v is None:
             v = self.vs[i] = self.ps[i].view(self.now)

@@ -48,7 +48,6 @@ from ampd.policy.hostpool import HostBlocks
 from ampd.policy.kvtier import (DROP, OFFLOAD, KVState, KVTierConfig, PoolState, Prefetch, TierDecision, ToolPause,
                                 decide_hinted, host_transfer_s, prefetch_plan, should_prefetch)
 from ampd.policy.tooldur import ToolDurations
-from ampd.policy.types import CostModel
 
 if TYPE_CHECKING:  # (decode_kv imports this module: KvAdmission is a TierMixin)
     from .decode_kv import DecodeSession
@@ -71,8 +70,14 @@ def _others_read(s: DecodeSession, pinned: int) -> int:
     return pinned - min(max(s.pin_own, 0), pinned)
 
 
-class DecodeCost(CostModel, Protocol):
-    """What a decode worker needs from the performance model (``ampd.perf.Profile`` satisfies it)."""
+class DecodeCost(Protocol):
+    """What a decode worker needs from the performance model (``ampd.perf.Profile`` satisfies it):
+    ``CostModel``'s and ``t_dec``. (Not a subclass of ``CostModel``: mypyc 2.4 then compiles calls of
+    its inherited methods as direct calls to functions it never defines.)"""
+
+    def t_pre(self, tp: int, l_hist: int, l_incr: int) -> float: ...
+
+    def t_kv(self, tokens: int, src_tp: int, dst_tp: int) -> float: ...
 
     def t_dec(self, tp: int, batch: int, context_tokens: int) -> float: ...
 

@@ -142,7 +142,8 @@ def test_hint_overrides_estimate_and_is_clamped():
 # -------------------------------------------------------------------------------- prefetch
 def test_prefetch_plan():
     # tool at 100 s expected 10 s, 0.2 s to fetch back, 0.05 s margin: start at 109.75
-    assert prefetch_plan(100.0, 10.0, 0.2, CFG) == Prefetch(pytest.approx(109.75), "expected-end")
+    plan = prefetch_plan(100.0, 10.0, 0.2, CFG)
+    assert (plan.at, plan.reason) == (pytest.approx(109.75), "expected-end")
     assert prefetch_plan(100.0, 0.1, 0.2, CFG).at == 100.0  # not before the tool started
     assert prefetch_plan(100.0, None, 0.2, CFG) == Prefetch(None, "on-result")
 
