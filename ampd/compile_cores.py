@@ -22,7 +22,8 @@ def build(force: bool = False, jobs: int = 2) -> int:
         old = json.loads((BUILD / MANIFEST).read_text())
     except (OSError, ValueError):
         old = None
-    if old is not None and not force and not stale(old):
+    srcs = sources()
+    if old is not None and not force and not stale(old) and set(old["modules"]) == {module_name(p) for p in srcs}:
         print(f"compiled cores: up to date ({len(old['modules'])} modules in {BUILD.relative_to(ROOT)})")
         return 0
     try:
@@ -31,7 +32,6 @@ def build(force: bool = False, jobs: int = 2) -> int:
     except ImportError as exc:
         print(f"compiled cores: cannot build ({exc}); the Python sources run", file=sys.stderr)
         return 1
-    srcs = sources()
     t0 = time.monotonic()
     print(f"compiled cores: compiling {len(srcs)} modules with mypyc (a minute or two)...", flush=True)
     BUILD.parent.mkdir(parents=True, exist_ok=True)

@@ -38,10 +38,12 @@ def active() -> bool:
     return STATE == "compiled"
 
 
-# Type-checked, not compiled: settings and command lines, read once per run (a compiled dataclass
-# offers no class-level defaults, which the simulator's settings are read from; a compiled module
-# has no docstring, which a command line's help is).
-NOT_COMPILED = ("ampd/sim/config.py", "ampd/sim/cli.py", "ampd/perf/derive.py")
+# Type-checked, not compiled: settings, command lines and the trace generator, run once per run (a
+# compiled dataclass offers no class-level defaults, which the simulator's settings are read from; a
+# compiled module has no docstring, which a command line's help is; a compiled function refuses an
+# argument of the wrong type before the generator's own checks can name it; numpy does its work).
+NOT_COMPILED = ("ampd/sim/config.py", "ampd/sim/cli.py", "ampd/perf/derive.py", "ampd/workload/cli.py",
+                "ampd/workload/presets.py")
 
 
 def sources() -> list[Path]:

@@ -308,7 +308,8 @@ class RemoteRouter:
     def __init__(self) -> None:
         self.name = "remote"
 
-    def route(self, req, decode, prefills, now) -> RouteDecision:
+    def route(self, req: PrefillTask, decode: WorkerView, prefills: Sequence[WorkerView],
+              now: float) -> RouteDecision:
         if req.decode_worker != decode.worker_id:
             _check_binding(req, decode)
         est: dict[str, float] = {}
@@ -326,7 +327,8 @@ class LocalRouter:
     def __init__(self) -> None:
         self.name = "local"
 
-    def route(self, req, decode, prefills, now) -> RouteDecision:
+    def route(self, req: PrefillTask, decode: WorkerView, prefills: Sequence[WorkerView],
+              now: float) -> RouteDecision:
         if req.decode_worker != decode.worker_id:
             _check_binding(req, decode)
         return kv_noted(RouteDecision(decode.worker_id, True, POLICY_LOCAL, {}), req)
@@ -346,7 +348,8 @@ class ThresholdRouter:
         self.name = "threshold"
         self.threshold_tokens = threshold_tokens
 
-    def route(self, req, decode, prefills, now) -> RouteDecision:
+    def route(self, req: PrefillTask, decode: WorkerView, prefills: Sequence[WorkerView],
+              now: float) -> RouteDecision:
         if req.decode_worker != decode.worker_id:
             _check_binding(req, decode)
         est: dict[str, float] = {"l_incr": float(req.l_incr), "threshold_tokens": float(self.threshold_tokens)}
@@ -389,13 +392,14 @@ class MarginRouter:
         self.name = "margin"
         self.cost, self.slo, self.alpha, self.beta, self.horizon_s = cost, slo, alpha, beta, horizon_s
 
-    def route(self, req, decode, prefills, now) -> RouteDecision:
+    def route(self, req: PrefillTask, decode: WorkerView, prefills: Sequence[WorkerView],
+              now: float) -> RouteDecision:
         if req.decode_worker != decode.worker_id:
             _check_binding(req, decode)
         dec = self._decide(req, decode, prefills)
         return kv_noted(dec, req) if req.kv_fetch_s or req.kv_state != KV_RESIDENT else dec
 
-    def _decide(self, req, decode, prefills) -> RouteDecision:
+    def _decide(self, req: PrefillTask, decode: WorkerView, prefills: Sequence[WorkerView]) -> RouteDecision:
         est: dict[str, float] = {}
         if not prefills:
             return RouteDecision(decode.worker_id, True, NO_PREFILL_WORKERS, est)

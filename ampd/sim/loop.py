@@ -129,7 +129,7 @@ class _Run(Admitting):
     chain: ``Prefixing``)."""
 
     __slots__ = ("reasons", "n_local", "n_remote", "n_failed", "router", "pviews_static", "pviews", "route_fn",
-                 "tool_rpc_s", "dispatch")
+                 "tool_rpc_s")
 
     def __init__(self, sim: Simulator):
         cfg = sim.cfg
@@ -157,12 +157,9 @@ class _Run(Admitting):
         self.open_s, self.dispatch_s, self.handoff_s = path.open_s, path.dispatch_s, path.handoff_s
         self.tool_rpc_s, self.busy_extra = path.tool_s, path.prefill_busy_s
         self.contention = cfg.kv_contention
-        self.dispatch = self.route if not (self.open_s or self.dispatch_s) else self.dispatch_later
+        self.delayed = bool(self.open_s or self.dispatch_s)
         self.tier = any(d.tier is not None for d in sim.decodes)
-        self.dispatch0 = self.dispatch
         self.tier_to = self.tier_from = 0  # tokens moved to and from the host tier
-        if self.tier:
-            self.dispatch = self.tier_dispatch
         self.prefix_init(cfg)
 
     def push(self, t: float, code: int, obj) -> None:
@@ -182,15 +179,14 @@ class _Run(Admitting):
         na = len(order)
         next_arr = float(sessions[order[0]].arrival) if na else math.inf
         now = 0.0
-        # handlers bound once (a paper-scale run dispatches ~5M events)
-        step_done, prefill_done, remote_done = self.step_done, self.prefill_done, self.remote_done
-        round_ready, route, first_token, arrive = self.round_ready, self.route, self.first_token, self.arrive
+        # (the handlers called as methods, not bound once into locals: compiled, a method call is a
+        # direct call, and a bound method a call through Python's protocol; ampd/compiled.py)
         while True:
             if heap and heap[0][0] <= next_arr:
                 now, _, code, obj = pop(heap)
             elif ai < na:
                 now = next_arr
-                arrive(sessions[order[ai]], now, ids_seen)
+                self.arrive(sessions[order[ai]], now, ids_seen)
                 ai += 1
                 next_arr = float(sessions[order[ai]].arrival) if ai < na else math.inf
                 n_events += 1
@@ -200,17 +196,17 @@ class _Run(Admitting):
             n_events += 1
             if code == STEP_DONE:
                 if obj[1] == obj[0].run_ver:  # else a run that was cut short (~0.6 a round)
-                    step_done(obj, now)
+                    self.step_done(obj, now)
             elif code == REMOTE_DONE:
-                remote_done(obj, now)
+                self.remote_done(obj, now)
             elif code == ROUND_READY:
-                round_ready(obj, now)
+                self.round_ready(obj, now)
             elif code == PREFILL_DONE:
-                prefill_done(obj, now)
+                self.prefill_done(obj, now)
             elif code == DISPATCH:
-                route(obj, now)
+                self.route(obj, now)
             elif code == HANDOFF:
-                first_token(obj, now)
+                self.first_token(obj, now)
             elif code == PIN_EXPIRED:
                 d = obj.dw
                 if d.pin_expired(obj):
@@ -320,6 +316,20 @@ class _Run(Admitting):
             self.interrupt(d, now)
 
     # --------------------------------------------------------------------------------- routing
+    def dispatch(self, st: Sess, now: float) -> None:
+        """An admitted round goes to routing: through the host tier's moves where there is one."""
+        if self.tier:
+            self.tier_dispatch(st, now)
+        else:
+            self.dispatch0(st, now)
+
+    def dispatch0(self, st: Sess, now: float) -> None:
+        """An admitted round goes to routing, after the control path's latency where it has one."""
+        if self.delayed:
+            self.dispatch_later(st, now)
+        else:
+            self.route(st, now)
+
     def dispatch_later(self, st: Sess, now: float) -> None:
         """Route the round once the control path has carried it (PathLatency)."""
         delay = self.dispatch_s + self.open_s if st.round == 0 else self.dispatch_s
@@ -391,17 +401,16 @@ class _Run(Admitting):
         if end is not None:
             self.push(end, STEP_DONE, (d, d.run_ver))
 
-    def step_done(self, obj, now: float) -> None:
+    def step_done(self, obj: tuple[Decode, int], now: float) -> None:
         d = obj[0]  # the loop dropped the runs that were cut short
         n = d.batch_size
         # one row per run of steps (StepLog.FIELDS order)
         d.log_row(pack_row(d.step_idx, d.run_t0, d.run_first_s, d.run_growth_s, d.run_steps, n,
                            n - d.run_joined, d.last_end))
-        exits = d.update(d.run, now)
-        if exits:
-            round_end = self.round_end
-            for st in exits:
-                round_end(st, now, now)
+        run = d.run
+        assert run is not None  # (the run in service ended)
+        for st in d.update(run, now):
+            self.round_end(st, now, now)  # type: ignore[arg-type]  # (the core's sessions are Sess)
         act = d.schedule(now)  # decode_next, inlined: once per run of steps
         if act is not None:
             self.seq += 1

@@ -95,7 +95,7 @@ class RemotePrefilling(Tiering):
             p.read_ahead_until(end)
             d.nic = p.nic = end
 
-    def compute_start(self, obj, now: float) -> None:
+    def compute_start(self, obj: tuple[Prefill, PrefillTask], now: float) -> None:
         """KV overlap: the task in service has its history and computes; the next task leaves the
         queue and its read starts. Only scheduled while a task waits in the queue (an event per
         remote prefill would cost ~10 % of a paper-scale run for nothing)."""

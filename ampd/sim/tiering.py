@@ -18,15 +18,14 @@ stays on the device: the core's moves, and so the link's time and ``bytes_to_hos
 only; ``Prefixing.prefix_sync`` runs after each core call, before its moves are taken here."""
 from __future__ import annotations
 
-from collections.abc import Callable
 
 from ampd.policy.cost import remote_prefill_s
-from ampd.policy.types import KV_GONE, KV_HOST, KV_RESIDENT
+from ampd.policy.types import KV_GONE, KV_HOST, KV_RESIDENT, PrefillTask
 from ampd.worker import IDLE, STEPPING, TO_HOST
 
 from .events import TIER_PREFETCH, TIER_READY, TIER_REMOTE
 from .prefixing import Prefixing
-from .workers import Decode, Sess
+from .workers import Decode, Prefill, Sess
 
 __all__ = ["Tiering"]
 
@@ -34,10 +33,10 @@ __all__ = ["Tiering"]
 class Tiering(Prefixing):
     """Host-tier handlers of ``_Run`` (they sync prefix sharing: ``Prefixing``)."""
 
-    __slots__ = ("open_s", "dispatch_s", "dispatch0", "tier_to", "tier_from")
+    __slots__ = ("open_s", "dispatch_s", "delayed", "tier_to", "tier_from")
     open_s: float
     dispatch_s: float
-    dispatch0: Callable[[Sess, float], None]
+    delayed: bool  # the control path has a latency (open_s or dispatch_s)
     tier_to: int
     tier_from: int
 
@@ -46,13 +45,15 @@ class Tiering(Prefixing):
 
     def route(self, st: Sess, now: float, kv: tuple | None) -> None: ...
 
+    def dispatch0(self, st: Sess, now: float) -> None: ...
+
     def decode_next(self, d: Decode, now: float) -> None: ...
 
     def interrupt(self, d: Decode, now: float) -> None: ...
 
     def drain(self, d: Decode, now: float) -> None: ...
 
-    def tier_moves(self, d, now: float) -> None:
+    def tier_moves(self, d: Decode, now: float) -> None:
         """Put the moves ``d``'s core listed on its host link."""
         for m in d.take_moves():
             start = d.link if d.link > now else now
@@ -66,7 +67,7 @@ class Tiering(Prefixing):
                 if st is not None:
                     st.kv_back = d.link
 
-    def tier_dispatch(self, st, now: float) -> None:
+    def tier_dispatch(self, st: Sess, now: float) -> None:
         """An admitted round: routed now with its KV's location (see the module doc)."""
         d = st.dw
         early = st.kv_early > now  # its early prefetch (before the round) still moves its KV
@@ -88,7 +89,7 @@ class Tiering(Prefixing):
         self.route(st, now, (state, wait, first) if wait or state != KV_RESIDENT else None)
 
     @staticmethod
-    def tier_room_at(d, now: float) -> float:
+    def tier_room_at(d: Decode, now: float) -> float:
         """When the device blocks the core counts as free are free indeed: an offload frees its
         blocks in the accounting at once, but they hold its KV until the copy ends. While the KV of
         offloads in flight is no more than what the accounting leaves spare, nobody waits; else the
@@ -107,7 +108,7 @@ class Tiering(Prefixing):
                 return end
         return q[-1][0]
 
-    def tier_remote_later(self, st, p, task, now: float, wait: float) -> bool:
+    def tier_remote_later(self, st: Sess, p: Prefill, task: PrefillTask, now: float, wait: float) -> bool:
         """A round routed to prefill worker ``p`` while its KV comes back (``wait`` seconds): its
         first token waits for the KV (``kv_ready``), so its prefill is submitted to end then, not
         earlier (its compute would take the prefill worker's turn from rounds that can use it now);
@@ -122,7 +123,7 @@ class Tiering(Prefixing):
         self.push(at, TIER_REMOTE, (p, task))
         return True
 
-    def tier_local(self, obj, now: float) -> None:
+    def tier_local(self, obj: tuple[Sess, PrefillTask], now: float) -> None:
         """A round routed locally while its KV was coming back: its prefill joins the local queue."""
         st, task = obj
         d = st.dw
@@ -132,7 +133,7 @@ class Tiering(Prefixing):
         elif d.state == STEPPING:
             self.interrupt(d, now)
 
-    def tier_pause(self, st, now: float, tool: str | None, hint_s: float | None = None) -> None:
+    def tier_pause(self, st: Sess, now: float, tool: str | None, hint_s: float | None = None) -> None:
         """A round ended in a tool call: the core keeps, offloads or drops the session's KV, by the
         tool's windowed duration or the round's ``expected_tool_s`` hint (``hint_s``) when given."""
         d = st.dw
@@ -148,7 +149,7 @@ class Tiering(Prefixing):
         if at is not None:
             self.push(at, TIER_PREFETCH, st)
 
-    def tier_prefetch(self, st, now: float) -> None:
+    def tier_prefetch(self, st: Sess, now: float) -> None:
         """The expected end of the tool call of ``st`` nears: its KV comes back if there is room."""
         d = st.dw
         if d.tier_prefetch(st, now):

@@ -14,7 +14,7 @@ from pathlib import Path
 from ampd import compiled
 
 ROOT = Path(__file__).resolve().parents[2]
-CORE = re.compile(r"^\s*(from|import) ampd\.(sim|worker|policy|perf|window)\b", re.M)
+CORE = re.compile(r"^\s*(from|import) ampd\.(sim|worker|policy|perf|window|workload)\b", re.M)
 # Unit tests that use a core but stay on the sources: a compiled class takes no interpreted subclass
 # and no stand-in ``self``, and a compiled caller does not see a patched method (``monkeypatch``).
 SOURCES_ONLY = {"test_decode_tier.py": "subclasses the simulator's Tiering",
