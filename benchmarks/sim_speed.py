@@ -7,7 +7,9 @@ per rate: 0.04 sessions/s is a load this deployment sustains (decode ~72 % busy,
 overcommit, the run ends with the last arrivals); 0.3 sessions/s is ~15x overloaded (admission, the
 coordinator's: most sessions wait for KV and over half are refused after the 5 s admission wait).
 Writes benchmarks/results/sim_speed.json (wall and CPU seconds per phase, sessions/s, events,
-admission counts and the report's headline numbers) with the command that made it.
+admission counts and the report's headline numbers) with the command that made it. It simulates on
+the compiled cores where they are built (ampd/compiled.py; each run's ``cores`` says which), and on
+the Python sources with AMPD_COMPILED=0.
 """
 from __future__ import annotations
 
