@@ -207,8 +207,15 @@ def test_trace_stats_prefix_sharing_from_hash_ids():
 
 
 def test_generated_rounds_equal_rounds_built_by_the_dataclass():
+    # generate() builds rounds without Round.__init__ (ampd.workload.presets._round): every field set
+    from dataclasses import fields
+
+    from ampd.workload.presets import ROUND_FIELDS, _round
     from ampd.workload.trace import Round
 
+    assert ROUND_FIELDS == tuple(f.name for f in fields(Round))
+    assert _round(5, 7, 1.25) == Round(5, 7, 1.25) and _round(5, 7, None) == Round(5, 7)
+    assert hash(_round(5, 7, None)) == hash(Round(5, 7))
     s = generate("gaia", 0.5, 20.0, 3)
     assert all(type(r) is Round and r == Round(r.input, r.output, r.tool_s) for x in s for r in x.rounds)
 
