@@ -10,8 +10,11 @@ from __future__ import annotations
 
 from array import array
 from bisect import bisect_right
-from operator import attrgetter
 from struct import Struct
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # (a cycle: ampd.sim.result imports this module)
+    from .result import SimSession
 
 __all__ = ["StepLog", "itl_samples", "SERIES_POINTS", "pack_row"]
 
@@ -90,7 +93,7 @@ class StepLog:
 SERIES_POINTS = 16
 
 
-def itl_samples(step_logs, sessions):
+def itl_samples(step_logs: list[StepLog], sessions: list[SimSession]) -> tuple:
     """Every token gap of a run as (values, weights) numpy arrays, without one entry per token.
 
     The first step of a run has one gap shared by the ``old`` sessions (it includes any prefill
@@ -117,14 +120,25 @@ def itl_samples(step_logs, sessions):
         nsh = int(c.sum())
         plan.append((lg, k, old, m, sh, c, lo_, size))
         size += m.size + nsh + lo_.size * P
-    rounds = [r for sess in sessions for r in sess.rounds if r.n_tokens > 1]
-    vals = np.empty(size + len(rounds))
-    wts = np.empty(size + len(rounds))
+    # the rounds with a gap: their first token, decode worker and first step, in one pass (unpacked:
+    # compiled, a named tuple's fields read by position are direct, by name a Python lookup)
+    first: list[float] = []
+    workers: list[int] = []
+    los: list[int] = []
+    for sess in sessions:
+        for _, _, ft, _, nt, _, worker, step_lo, _ in sess.rounds:
+            if nt > 1:
+                first.append(ft)
+                workers.append(worker)
+                los.append(step_lo)
+    cnt = len(first)
+    vals = np.empty(size + cnt)
+    wts = np.empty(size + cnt)
     for lg, k, old, m, sh, c, lo_, at in plan:
         _run_gaps(np, lg, k, old, m, sh, c, lo_, vals, wts, at)
-    if rounds:  # each round's first gap: first token -> end of its first step
-        ft_a = np.fromiter(map(attrgetter("first_token"), rounds), dtype=np.float64, count=len(rounds))
-        np.subtract(_first_steps_end(np, step_logs, rounds), ft_a, out=vals[size:])
+    if cnt:  # each round's first gap: first token -> end of its first step
+        ends = _first_steps_end(np, step_logs, np.array(workers, dtype=np.int64), np.array(los, dtype=np.int64))
+        np.subtract(ends, np.array(first, dtype=np.float64), out=vals[size:])
         wts[size:] = 1.0
     return vals, wts
 
@@ -166,12 +180,10 @@ def _run_gaps(np, lg, k, old, m, sh, c, lo_, vals, wts, at: int) -> None:
         wts[at:e] = np.repeat(n[lo_] * (k[lo_] - 1) / P, P)
 
 
-def _first_steps_end(np, step_logs, rounds):
-    """When each round's first decode step ended, by its worker's step log."""
-    cnt = len(rounds)
-    wk_a = np.fromiter(map(attrgetter("worker"), rounds), dtype=np.int64, count=cnt)
-    lo_a = np.fromiter(map(attrgetter("step_lo"), rounds), dtype=np.int64, count=cnt)
-    first = np.empty(cnt)
+def _first_steps_end(np, step_logs, wk_a, lo_a):
+    """When each round's first decode step ended, by its worker's step log (``wk_a``: each round's
+    decode worker, ``lo_a``: its first step there)."""
+    first = np.empty(len(wk_a))
     for w in np.unique(wk_a):
         sel = wk_a == w
         lg = step_logs[int(w)]
