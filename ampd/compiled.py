@@ -30,7 +30,7 @@ MANIFEST = "manifest.json"
 GROUP = "ampd_cores"  # the name of the one shared library every compiled module lives in
 ENV = "AMPD_COMPILED"
 
-STATE = "python (not installed)"  # what ``install`` decided, for reports and `ampd simulate --json`
+STATE = "python (not installed)"  # what ``install`` decided (`ampd simulate` reports it)
 
 
 def active() -> bool:
@@ -95,15 +95,17 @@ def stale(manifest: dict) -> str:
 def install() -> None:
     """Puts the compiled cores in front of the sources when they match them (see the module doc)."""
     global STATE
+    if STATE == "compiled":  # (installed already)
+        return
     if os.environ.get(ENV, "1") == "0":
         STATE = f"python ({ENV}=0)"
         return
     try:
         manifest = json.loads((BUILD / MANIFEST).read_text())
-    except (OSError, ValueError):
+        why = stale(manifest)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # none, or not one we wrote
         STATE = "python (not built: make compile)"
         return
-    why = stale(manifest)
     if why:
         STATE = f"python (the compiled cores are stale: {why}; make compile)"
         sys.stderr.write(f"ampd: running the Python sources of the simulator's cores: {why} (make compile)\n")

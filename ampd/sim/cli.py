@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 
+from ampd import compiled
 from ampd.cli import CliError
 from ampd.config import SIMULATE_SETTINGS, add_flags, inherited
 
@@ -69,11 +70,12 @@ def run(args) -> int:
                             "gpus": res.stats["gpus"], "profile": profile.name,
                             "kv_contention": bool(args.kv_contention), "seed": args.seed,
                             "window_s": args.stats_window, "path_latency": path.format()}
+    report["simulation"]["cores"] = compiled.STATE  # compiled, or why the Python sources ran
     print(format_report(report))
     st = res.stats
     print(f"simulated {len(sessions)} sessions on {format_spec(shape.prefill)} + {format_spec(shape.decode)} "
           f"({st['gpus']} GPUs): {st['sim_end_s']:.1f} s virtual in {st['wall_s']:.2f} s wall, "
-          f"{st['events']} events")
+          f"{st['events']} events, on the {'compiled cores' if compiled.active() else 'Python sources'}")
     if args.json:
         text = json.dumps(report, indent=2, sort_keys=False)
         if args.json == "-":
