@@ -12,18 +12,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from ampd.compiled import BUILD, GROUP, MANIFEST, ROOT, module_name, sha256, sources, stale
+from ampd.compiled import BUILD, GROUP, MANIFEST, ROOT, module_name, outdated, read_manifest, sha256, sources
 
 
 def build(force: bool = False, jobs: int = 2) -> int:
     """Compiles the cores into ``BUILD`` (a minute or two on 2 cores); nothing to do when the build
     matches the sources. Returns a process exit status."""
-    try:
-        old = json.loads((BUILD / MANIFEST).read_text())
-    except (OSError, ValueError):
-        old = None
-    srcs = sources()
-    if old is not None and not force and not stale(old) and set(old["modules"]) == {module_name(p) for p in srcs}:
+    old = read_manifest()
+    if old is not None and not force and not outdated(old):
         print(f"compiled cores: up to date ({len(old['modules'])} modules in {BUILD.relative_to(ROOT)})")
         return 0
     try:
@@ -32,6 +28,7 @@ def build(force: bool = False, jobs: int = 2) -> int:
     except ImportError as exc:
         print(f"compiled cores: cannot build ({exc}); the Python sources run", file=sys.stderr)
         return 1
+    srcs = sources()
     t0 = time.monotonic()
     print(f"compiled cores: compiling {len(srcs)} modules with mypyc (a minute or two)...", flush=True)
     BUILD.parent.mkdir(parents=True, exist_ok=True)
@@ -45,11 +42,11 @@ def build(force: bool = False, jobs: int = 2) -> int:
             "--quiet", "build_ext", "--build-lib", str(work / "lib"), "--build-temp", str(work / "o"),
             "--parallel", str(jobs)])
     except (SystemExit, Exception) as exc:  # setup() exits on a compiler error
-        os.chdir(cwd)
         shutil.rmtree(work, ignore_errors=True)
         print(f"compiled cores: the build failed ({exc}); the Python sources run", file=sys.stderr)
         return 1
-    os.chdir(cwd)
+    finally:
+        os.chdir(cwd)
     return _publish(work, srcs, t0)
 
 

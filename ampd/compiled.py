@@ -81,15 +81,35 @@ class _Finder:
             fullname, so, loader=importlib.machinery.ExtensionFileLoader(fullname, so))
 
 
+def read_manifest() -> dict | None:
+    """The build's manifest; None when there is none, or not one ``compile_cores`` wrote."""
+    try:
+        manifest = json.loads((BUILD / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) and isinstance(manifest.get("modules"), dict) else None
+
+
 def stale(manifest: dict) -> str:
     """Why the build in ``manifest`` cannot stand for the sources now ("" when it can)."""
     if manifest.get("suffix") != importlib.machinery.EXTENSION_SUFFIXES[0]:
         return f"it was built for {manifest.get('suffix')}, not this Python"
-    for module, entry in manifest["modules"].items():
-        src = ROOT / entry["source"]
-        if not src.is_file() or sha256(src) != entry["sha256"]:
-            return f"{entry['source']} changed since it was built"
+    try:
+        for entry in manifest["modules"].values():
+            src = ROOT / entry["source"]
+            if not src.is_file() or sha256(src) != entry["sha256"]:
+                return f"{entry['source']} changed since it was built"
+    except (KeyError, TypeError):
+        return "its manifest is not one `make compile` wrote"
     return ""
+
+
+def outdated(manifest: dict) -> str:
+    """``stale``, or the compiled set changed since the build ("" when the build is current)."""
+    why = stale(manifest)
+    if not why and set(manifest["modules"]) != {module_name(p) for p in sources()}:
+        why = "the set of compiled modules changed"
+    return why
 
 
 def install() -> None:
@@ -100,12 +120,11 @@ def install() -> None:
     if os.environ.get(ENV, "1") == "0":
         STATE = f"python ({ENV}=0)"
         return
-    try:
-        manifest = json.loads((BUILD / MANIFEST).read_text())
-        why = stale(manifest)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # none, or not one we wrote
+    manifest = read_manifest()
+    if manifest is None:
         STATE = "python (not built: make compile)"
         return
+    why = stale(manifest)
     if why:
         STATE = f"python (the compiled cores are stale: {why}; make compile)"
         sys.stderr.write(f"ampd: running the Python sources of the simulator's cores: {why} (make compile)\n")

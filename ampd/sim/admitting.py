@@ -32,9 +32,7 @@ class Admitting(RemotePrefilling):
     refused: dict[str, int]
     n_waited: int
 
-    # _Run's methods these handlers call (typed here; _Run's own override them)
-    def push(self, t: float, code: int, obj: object) -> None: ...
-
+    # _Run's method these handlers call (typed here; _Run's own overrides it; ``push``: Tiering's)
     def round_ready(self, st: Sess, now: float, ready: float) -> None: ...
 
     # --------------------------------------------------------------------- sessions and rounds

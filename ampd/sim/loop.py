@@ -35,7 +35,7 @@ from .events import (ADMIT_CHECK, COMPUTE_DONE, COMPUTE_START, DISPATCH, HANDOFF
                      REMOTE_DONE, ROUND_READY, STEP_DONE, TIER_LOCAL, TIER_PREFETCH, TIER_READY,
                      TIER_REMOTE)
 from .gcpause import gc_paused
-from .result import SimResult, SimRound, SimSession
+from .result import SimResult, SimRound
 from .steplog import pack_row
 from .workers import Decode, Prefill, Sess, SlowerSteps, Views
 
@@ -136,13 +136,13 @@ class _Run(Admitting):
         self.sim = sim
         self.heap = []
         self.seq = 0
-        self.live: dict[str, Sess] = {}
-        self.outcomes: list[SimSession] = []
+        self.live = {}
+        self.outcomes = []
         self.reasons: dict[str, int] = {}
         self.n_local = self.n_remote = self.n_failed = 0
         self.book = AdmissionBook(cfg.admission, cfg.admission_wait, cfg.admission_queue, sim.profile, sim.slo)
         self.block_tokens = cfg.block_tokens
-        self.refused: dict[str, int] = {}  # admission's refusals by reason
+        self.refused = {}  # admission's refusals by reason
         self.n_waited = 0  # sessions that waited for admission
         self.decodes = sim.decodes
         self.prefills = sim.prefills

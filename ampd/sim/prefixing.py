@@ -178,19 +178,16 @@ class Prefixing:
         st.dw.kv_used += (mine - dropped) * bt if charged else -(dropped - h[2]) * bt
 
     def prefix_init(self, cfg) -> None:
-        # None: prefix sharing off (or parked: prefix_park)
-        self.prefix = prefix_indexes(cfg, self.decodes)
+        self.prefix = prefix_indexes(cfg, self.decodes)  # None: prefix sharing off (or parked: prefix_park)
         self.prefix_parked = None
         # sharing with KV that leaves the device while sessions idle (the module doc)
-        self.prefix_kv = (
-            self.prefix is not None and bool(self.kv_evict or self.tier or self.pin_ttl is not None))
+        self.prefix_kv = self.prefix is not None and bool(self.kv_evict or self.tier or self.pin_ttl is not None)
         self.prefix_cap = [d.kv_cap for d in self.decodes]
         self.prefix_wdrops = [0] * len(self.decodes)
         self.prefix_let = 0
         self.prefix_ids = BlockIds()
         self.prefix_held = {}
-        self.prefix_saved = self.prefix_blocks = self.prefix_sessions = 0
-        self.prefix_revived = self.prefix_evicted = 0
+        self.prefix_saved = self.prefix_blocks = self.prefix_sessions = self.prefix_revived = self.prefix_evicted = 0
 
     def prefix_park(self, sessions) -> None:
         """Sharing is on but no session's first round has ``hash_ids`` (a synthetic preset's trace):

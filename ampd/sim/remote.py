@@ -24,9 +24,7 @@ class RemotePrefilling(Tiering):
     contention: bool
     handoff_s: float
 
-    # _Run's methods these handlers call (typed here; _Run's own override them)
-    def push(self, t: float, code: int, obj: object) -> None: ...
-
+    # _Run's method these handlers call (typed here; _Run's own overrides it; ``push``: Tiering's)
     def first_token(self, st: Sess, now: float) -> None: ...
 
     # -------------------------------------------------------------------------- prefill workers

@@ -67,7 +67,7 @@ from collections import OrderedDict, deque
 from typing import Sequence
 
 from ampd.policy.reorder import PrefillQueue
-from ampd.policy.types import PrefillTask, WorkerView
+from ampd.policy.types import PrefillTask
 from ampd.window import STATS_WINDOW_S, WindowedMean
 
 from .decode_kv import ADMITTED, FAILED, KV_ADMISSION, KV_EXHAUSTED, WAITING, DecodeSession
@@ -107,12 +107,12 @@ class DecodeCore(RunWindow):
         self.ctx_coef = affine_ctx_coef(cost, tp)  # None: runs of one step
         self.chunk_tokens = chunk_tokens
         self.step_by_step = step_by_step
-        self.sessions: dict[str, DecodeSession] = {}  # admitted sessions by id
+        self.sessions = {}  # admitted sessions by id
         self.state = IDLE
         self.batch_size = 0
         self.ctx_sum = 0  # context tokens of the batch
-        self.pending: list[DecodeSession] = []  # sessions with a first token, joining at the next run
-        self.exit_at: dict[int, list[DecodeSession]] = {}  # global step index -> sessions ending there
+        self.pending = []  # sessions with a first token, joining at the next run
+        self.exit_at = {}  # global step index -> sessions ending there
         self.exit_heap: list[int] = []
         self.step_idx = 0  # global index of the next decode step
         self.last_end = 0.0  # end of the last decode step
@@ -129,19 +129,19 @@ class DecodeCore(RunWindow):
         self.kv_cap = kv_capacity_tokens
         self.kv_used = 0
         self.admitted = 0  # admitted sessions
-        self.kv_wait: deque[DecodeSession] = deque()  # next rounds of running sessions waiting for KV
-        self.new_wait: deque[DecodeSession] = deque()  # new sessions whose first round waits for KV
+        self.kv_wait = deque()  # next rounds of running sessions waiting for KV
+        self.new_wait = deque()  # new sessions whose first round waits for KV
         self.wait_need = 0  # KV tokens the waiting rounds need
         # sessions idle between rounds whose KV may be evicted, least recently used first (the order
         # they became evictable in); a session leaves it when its next round is ready or it ends
-        self.evictable: OrderedDict[DecodeSession, int] = OrderedDict()  # -> its KV tokens on the device
+        self.evictable = OrderedDict()  # -> its KV tokens on the device
         self.evictable_kv = 0  # KV tokens they hold
         self.kv_evict = kv_evict  # idle sessions are evictable from the start of their tool call
-        self.victims: list[DecodeSession] = []  # evicted by the last admission (the driver frees them)
+        self.victims = []  # evicted by the last admission (the driver frees them)
         self.window = WindowedMean(window_s)
         self.busy_s = 0.0
-        self.in_prefill: DecodeSession | None = None  # the (unchunked) local prefill in service
-        self.chunk_session: DecodeSession | None = None  # the chunked local prefill in service
+        self.in_prefill = None  # the (unchunked) local prefill in service
+        self.chunk_session = None  # the chunked local prefill in service
         self.chunk_done = 0  # its tokens prefilled (its chunk in service included)
         self.chunk_step_due = False  # a chunk just ended: one decode step comes next
         self.busy_until = 0.0  # predicted end of the local prefill in service (counts as queued work)
@@ -152,9 +152,9 @@ class DecodeCore(RunWindow):
         self.queue_len = 0
         # the view's cache: the queue copy (rebuilt when queue_ver moved) and the last view
         self.view_queue_ver = -1
-        self.view_queue: tuple[PrefillTask, ...] = ()
+        self.view_queue = ()
         self.view_queue_s = 0.0  # the copied queue's predicted total
-        self.last_view: WorkerView | None = None
+        self.last_view = None
         # views carry a copy of the queued tasks (WorkerView.queue); a driver whose readers use only
         # queue_predicted_s (the simulator) sets False and views carry ()
         self.view_tasks = True
