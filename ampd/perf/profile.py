@@ -27,7 +27,6 @@ import importlib
 import json
 import math
 import os
-from bisect import bisect_right
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -83,6 +82,45 @@ class KVTransfer:
         return {"bytes_per_link": self.bytes_per_link.to_json(), "links": self.links, "link": self.link}
 
 
+class _Lines:
+    """One piecewise-linear function (``Piecewise``) as the cost functions evaluate it: typed
+    fields and its own search, so that compiled it is native code, no Python-level call or boxed
+    float (a tuple of tuples read back is generic objects and arithmetic). ``at`` is ``Piecewise``'s
+    ``alpha[i] + beta[i] * x`` on piece ``i = bisect_right(inner, x)``, the same floats."""
+
+    __slots__ = ("inner", "alpha", "beta")
+
+    def __init__(self, p: Piecewise) -> None:
+        self.inner: list[float] = [float(v) for v in p.inner]
+        self.alpha: list[float] = [float(v) for v in p.alpha]
+        self.beta: list[float] = [float(v) for v in p.beta]
+
+    def at(self, x: float) -> float:
+        inner = self.inner
+        lo = 0
+        hi = len(inner)
+        while lo < hi:  # bisect_right's loop
+            mid = (lo + hi) // 2
+            if x < inner[mid]:
+                hi = mid
+            else:
+                lo = mid + 1
+        return self.alpha[lo] + self.beta[lo] * x
+
+
+class _Degree:
+    """One TP degree's cost terms (``TPModel``), for ``Profile.t_pre`` and ``t_dec``."""
+
+    __slots__ = ("pre", "hist", "attn", "dec", "ctx")
+
+    def __init__(self, m: TPModel) -> None:
+        self.pre = _Lines(m.pre)
+        self.hist: float = float(m.pre_hist_s_per_token)
+        self.attn: float = float(m.pre_attn_s_per_token2)
+        self.dec = _Lines(m.dec)
+        self.ctx: float = float(m.dec_ctx_s_per_token)
+
+
 @dataclass(frozen=True, eq=False)
 class Profile:
     name: str
@@ -95,12 +133,11 @@ class Profile:
     source: str = field(default="", repr=False)
     tps: tuple[int, ...] = field(init=False)
     # derived in __post_init__ (the cost functions' lookups)
-    _pre: dict[int, tuple] = field(init=False, repr=False)
-    _dec: dict[int, tuple] = field(init=False, repr=False)
+    _deg: dict[int, _Degree] = field(init=False, repr=False)
     _cap: dict[int, int] = field(init=False, repr=False)
     _chunk: dict[int, int] = field(init=False, repr=False)
     _kv: dict[int, dict[int, float]] = field(init=False, repr=False)
-    _kv_piece: tuple = field(init=False, repr=False)
+    _kv_piece: _Lines = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         tps = tuple(sorted(self.tp_models))
@@ -112,23 +149,20 @@ class Profile:
         if self.kv_transfer.links not in LINK_RULES:
             raise ValueError(f"profile {self.name}: t_kv.links {self.kv_transfer.links!r} is not one of "
                              f"{sorted(LINK_RULES)}")
-        # Precomputed tuples: evaluation is a dict lookup, a bisect and a few multiply-adds.
-        pre, dec, cap, chunk = {}, {}, {}, {}
+        # Precomputed: evaluation is a dict lookup, a search and a few multiply-adds.
+        deg, cap, chunk = {}, {}, {}
         for tp, m in self.tp_models.items():
-            pre[tp] = (m.pre.inner, m.pre.alpha, m.pre.beta, m.pre_hist_s_per_token,
-                       m.pre_attn_s_per_token2)
-            dec[tp] = (m.dec.inner, m.dec.alpha, m.dec.beta, m.dec_ctx_s_per_token)
+            deg[tp] = _Degree(m)
             cap[tp] = m.kv_capacity_tokens
             chunk[tp] = m.prefill_chunk_tokens
         rule = LINK_RULES[self.kv_transfer.links]
         kv = {s: {d: self.kv_bytes_per_token / rule(s, d) for d in tps} for s in tps}
         k = self.kv_transfer.bytes_per_link
-        setattr_(self, "_pre", pre)
-        setattr_(self, "_dec", dec)
+        setattr_(self, "_deg", deg)
         setattr_(self, "_cap", cap)
         setattr_(self, "_chunk", chunk)
         setattr_(self, "_kv", kv)
-        setattr_(self, "_kv_piece", (k.inner, k.alpha, k.beta))
+        setattr_(self, "_kv_piece", _Lines(k))
 
     # -- errors --------------------------------------------------------------------------------
     def _unknown_tp(self, tp: Any, what: str = "tp") -> ValueError:
@@ -139,20 +173,19 @@ class Profile:
     def t_pre(self, tp: int, l_hist: float, l_incr: float) -> float:
         """Seconds to prefill ``l_incr`` new tokens on top of ``l_hist`` history tokens at degree ``tp``."""
         try:
-            inner, alpha, beta, hist, attn = self._pre[tp]
+            d = self._deg[tp]
         except (KeyError, TypeError):
             raise self._unknown_tp(tp) from None
         if l_incr <= 0 or l_hist < 0:
             if l_incr == 0 and l_hist >= 0:
                 return 0.0
             raise ValueError(f"t_pre: l_hist and l_incr must be >= 0, got l_hist={l_hist} l_incr={l_incr}")
-        i = bisect_right(inner, l_incr)
-        return alpha[i] + beta[i] * l_incr + hist * l_hist + attn * l_incr * (l_hist + 0.5 * l_incr)
+        return d.pre.at(l_incr) + d.hist * l_hist + d.attn * l_incr * (l_hist + 0.5 * l_incr)
 
     def t_dec(self, tp: int, batch: float, context_tokens: float) -> float:
         """Seconds for one decode step of ``batch`` sequences whose contexts sum to ``context_tokens``."""
         try:
-            inner, alpha, beta, ctx = self._dec[tp]
+            d = self._deg[tp]
         except (KeyError, TypeError):
             raise self._unknown_tp(tp) from None
         if batch <= 0 or context_tokens < 0:
@@ -160,8 +193,7 @@ class Profile:
                 return 0.0
             raise ValueError(f"t_dec: batch and context_tokens must be >= 0, got batch={batch} "
                              f"context_tokens={context_tokens}")
-        i = bisect_right(inner, batch)
-        return alpha[i] + beta[i] * batch + ctx * context_tokens
+        return d.dec.at(batch) + d.ctx * context_tokens
 
     def t_kv(self, tokens: float, src_tp: int, dst_tp: int) -> float:
         """Seconds to move the KV of ``tokens`` tokens from a degree-``src_tp`` to a degree-``dst_tp`` worker."""
@@ -177,10 +209,7 @@ class Profile:
             if tokens == 0:
                 return 0.0
             raise ValueError(f"t_kv: tokens must be >= 0, got {tokens}")
-        x = tokens * per_token
-        inner, alpha, beta = self._kv_piece
-        i = bisect_right(inner, x)
-        return alpha[i] + beta[i] * x
+        return self._kv_piece.at(tokens * per_token)
 
     def kv_capacity_tokens(self, tp: int) -> int:
         """KV tokens one replica of degree ``tp`` can hold."""

@@ -35,15 +35,14 @@ import math
 from collections import Counter, deque
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from .bind import bind
-from .cost import t_local, t_remote
+from .cost import dec_s, t_local, t_remote
 from .offshare import OffDeviceShare
 from .order import worker_key
 from .outlen import OutputLengths
 from .route import ALPHA
-from .types import SLO, WorkerView
+from .types import SLO, DecodeCost, WorkerView
 
 __all__ = ["AdmissionBook", "ADMISSION_RULES", "REFUSAL_REASONS", "KV_SIZE", "KV_FULL", "QUEUE_FULL", "TTFT", "ITL",
            "TTFT_FRACTION", "HEAD_POLL_S", "Verdict", "decide", "promise_room", "promise_rooms", "predicted_itl", "predicted_ttft"]
@@ -69,16 +68,6 @@ HEAD_POLL_S = 0.5
 _WAIT_EPS_S = 1e-9  # a wait this short is over
 
 
-class AdmissionCost(Protocol):
-    """What admission needs from the performance model (``ampd.perf.Profile`` satisfies it)."""
-
-    def t_pre(self, tp: int, l_hist: int, l_incr: int) -> float: ...
-
-    def t_kv(self, tokens: int, src_tp: int, dst_tp: int) -> float: ...
-
-    def t_dec(self, tp: int, batch: int, context_tokens: int) -> float: ...
-
-
 @dataclass(slots=True)
 class Verdict:
     """``worker``: admitted there. Else ``reason`` (one of REFUSAL_REASONS): refused, ``detail`` says
@@ -93,7 +82,7 @@ class Verdict:
     itl_s: float | None = None
 
 
-def predicted_ttft(cost: AdmissionCost, decode: WorkerView, prefills: Sequence[WorkerView], l_incr: int,
+def predicted_ttft(cost: DecodeCost, decode: WorkerView, prefills: Sequence[WorkerView], l_incr: int,
                    waited_s: float) -> float:
     """A new session's TTFT if bound to ``decode``: what it waited, plus its first prefill (``l_incr``
     tokens, no history) on the better of Eq. (1) there and Eq. (2) on each prefill worker, each with
@@ -104,16 +93,16 @@ def predicted_ttft(cost: AdmissionCost, decode: WorkerView, prefills: Sequence[W
     return waited_s + best
 
 
-def predicted_itl(cost: AdmissionCost, decode: WorkerView, sessions: int, context_tokens: int, need: int) -> float:
+def predicted_itl(cost: DecodeCost, decode: WorkerView, sessions: int, context_tokens: int, need: int) -> float:
     """``decode``'s ITL with one more session: its windowed ITL (the model's step for the batch with
     it when the window is empty) plus what one more sequence of ``need`` context tokens adds to a
     step (``t_dec``; ``decide`` passes the new session's expected KV). ``sessions`` and
     ``context_tokens``: the sessions admitted there and the KV promised to them, an upper bound of
     its batch (sessions in tool calls are not decoding)."""
-    after = cost.t_dec(decode.tp, sessions + 1, context_tokens + need)
+    after = dec_s(cost, decode.tp, sessions + 1, context_tokens + need)
     if decode.window_mean_s is None:
         return after
-    return decode.window_mean_s + after - cost.t_dec(decode.tp, sessions, context_tokens)
+    return decode.window_mean_s + after - dec_s(cost, decode.tp, sessions, context_tokens)
 
 
 def promise_room(w: WorkerView, host_share: float | None, need: int) -> int:
@@ -157,7 +146,7 @@ def promise_rooms(decode: Sequence[WorkerView], host_share: float | None, need: 
 
 
 def decide(rule: str, decode: Sequence[WorkerView], prefills: Sequence[WorkerView], promised: Mapping[str, int],
-           sessions: Mapping[str, int], need: int, l_incr: int, waited_s: float, cost: AdmissionCost | None,
+           sessions: Mapping[str, int], need: int, l_incr: int, waited_s: float, cost: DecodeCost | None,
            slo: SLO | None, host_share: float | None = None, expect: int | None = None) -> Verdict:
     """Admit, refuse or wait, for a session that may need ``need`` KV tokens and whose first prefill
     has ``l_incr`` tokens, having waited ``waited_s`` seconds. ``expect``: the KV it is expected to
@@ -234,7 +223,7 @@ class AdmissionBook:
     hints (yielding ones never stand ahead of it), so a hint can only cost its own session."""
 
     def __init__(self, rule: str = "kv", wait_s: float = 5.0, queue_max: int = 256,
-                 cost: AdmissionCost | None = None, slo: SLO | None = None) -> None:
+                 cost: DecodeCost | None = None, slo: SLO | None = None) -> None:
         if rule not in ADMISSION_RULES:
             raise ValueError(f"admission rule must be one of {', '.join(ADMISSION_RULES)}, got {rule!r}")
         if rule == "slo" and (cost is None or slo is None):

@@ -6,9 +6,36 @@ floating-point order are the same everywhere. Pure: no I/O, no clock.
 """
 from __future__ import annotations
 
-from .types import CostModel
+from ampd.perf.profile import Profile
 
-__all__ = ["remote_parts", "remote_prefill_s", "t_remote", "t_local"]
+from .types import CostModel, DecodeCost
+
+__all__ = ["remote_parts", "remote_prefill_s", "t_remote", "t_local", "pre_s", "kv_s", "dec_s"]
+
+
+# The cost model's three lookups as the cores call them. Compiled, a call through the protocol is a
+# Python-level call (arguments boxed, then parsed), while on a ``Profile`` (the simulator's and the
+# services' model) it is a direct C call: one type test buys that (the simulator's cost-model calls
+# ran ~3x faster). Any other model (a test's stand-in) takes the protocol's path.
+def pre_s(cost: CostModel, tp: int, l_hist: int, l_incr: int) -> float:
+    """``cost.t_pre(tp, l_hist, l_incr)``."""
+    if isinstance(cost, Profile):
+        return cost.t_pre(tp, l_hist, l_incr)
+    return cost.t_pre(tp, l_hist, l_incr)
+
+
+def kv_s(cost: CostModel, tokens: int, src_tp: int, dst_tp: int) -> float:
+    """``cost.t_kv(tokens, src_tp, dst_tp)``."""
+    if isinstance(cost, Profile):
+        return cost.t_kv(tokens, src_tp, dst_tp)
+    return cost.t_kv(tokens, src_tp, dst_tp)
+
+
+def dec_s(cost: DecodeCost, tp: int, batch: int, context_tokens: int) -> float:
+    """``cost.t_dec(tp, batch, context_tokens)``."""
+    if isinstance(cost, Profile):
+        return cost.t_dec(tp, batch, context_tokens)
+    return cost.t_dec(tp, batch, context_tokens)
 
 
 # The last call's arguments and terms: the router prices a task (Eq. 2) and the prefill worker it
@@ -27,9 +54,9 @@ def remote_parts(cost: CostModel, l_hist: int, l_incr: int, decode_tp: int,
     last = _last
     if last[0] == key:
         return last[1]
-    read = cost.t_kv(l_hist, decode_tp, prefill_tp) if l_hist else 0.0
-    write = cost.t_kv(l_incr, prefill_tp, decode_tp) if l_incr else 0.0
-    parts = (read, cost.t_pre(prefill_tp, l_hist, l_incr), write)
+    read = kv_s(cost, l_hist, decode_tp, prefill_tp) if l_hist else 0.0
+    write = kv_s(cost, l_incr, prefill_tp, decode_tp) if l_incr else 0.0
+    parts = (read, pre_s(cost, prefill_tp, l_hist, l_incr), write)
     _last = (key, parts)
     return parts
 
@@ -49,4 +76,4 @@ def t_remote(cost: CostModel, l_hist: int, l_incr: int, decode_tp: int, prefill_
 
 def t_local(cost: CostModel, l_hist: int, l_incr: int, decode_tp: int, queue_s: float) -> float:
     """Eq. (1): the decode worker's predicted local queue + compute (no KV moves)."""
-    return cost.t_pre(decode_tp, l_hist, l_incr) + queue_s
+    return pre_s(cost, decode_tp, l_hist, l_incr) + queue_s

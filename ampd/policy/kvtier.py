@@ -42,6 +42,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from .cost import kv_s
 from .types import CostModel
 
 __all__ = ["KVState", "KEEP", "OFFLOAD", "DROP", "KVTierConfig", "ToolPause", "PoolState", "TierDecision",
@@ -241,7 +242,7 @@ def host_transfer_s(cost: CostModel, tokens: int, tp: int) -> float:
     """Seconds to move ``tokens`` tokens of KV between a ``tp`` worker's device pool and its host
     pool, either way. The profile has no host-link term yet; the KV transport moves host copies
     over the same NIXL path as worker-to-worker copies, so its ``t_kv`` at (tp, tp) is used."""
-    return cost.t_kv(tokens, tp, tp) if tokens > 0 else 0.0
+    return kv_s(cost, tokens, tp, tp) if tokens > 0 else 0.0
 
 
 def transfer_fn(cost: CostModel, tp: int, block_tokens: int) -> Callable[[int], float]:

@@ -24,6 +24,7 @@ from collections import deque
 from heapq import heappop, heappush
 from itertools import permutations
 
+from .cost import pre_s
 from .types import SLO, CostModel, PrefillTask
 
 # Algorithm 2's default lookahead w: ampd.config's `reorder_window` (--reorder-window) takes it from here.
@@ -82,12 +83,12 @@ class PrefillQueue:
 
     def predict(self, task: PrefillTask) -> float:
         """Predicted prefill time of ``task`` on this queue's worker."""
-        return self.cost.t_pre(self.tp, task.l_hist, task.l_incr)
+        return pre_s(self.cost, self.tp, task.l_hist, task.l_incr)
 
     def push(self, task: PrefillTask, predicted_s: float | None = None) -> None:
         """Queue ``task``; ``predicted_s`` is its predicted time on this worker (default: its
         ``t_pre``; a prefill worker with the KV overlap passes compute + the transfers it still pays)."""
-        t = self.cost.t_pre(self.tp, task.l_hist, task.l_incr) if predicted_s is None else predicted_s
+        t = pre_s(self.cost, self.tp, task.l_hist, task.l_incr) if predicted_s is None else predicted_s
         _insert(self._q, [task, t, 0])
         self._total += t
 
@@ -294,7 +295,7 @@ class ContinuumQueue(PrefillQueue):
         self._new: deque[list] = deque()  # round-0 tasks; self._q holds round >= 1 tasks
 
     def push(self, task: PrefillTask, predicted_s: float | None = None) -> None:
-        t = self.cost.t_pre(self.tp, task.l_hist, task.l_incr) if predicted_s is None else predicted_s
+        t = pre_s(self.cost, self.tp, task.l_hist, task.l_incr) if predicted_s is None else predicted_s
         # the third slot (no postponement here) holds the push order, to count the overtakes
         self._seq += 1
         _insert(self._q if task.round >= 1 else self._new, [task, t, self._seq])

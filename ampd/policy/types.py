@@ -19,6 +19,7 @@ from ampd.slo import SLO
 
 __all__ = [
     "CostModel",
+    "DecodeCost",
     "SLO",
     "PrefillTask",
     "WorkerView",
@@ -49,6 +50,18 @@ class CostModel(Protocol):
     def t_kv(self, tokens: int, src_tp: int, dst_tp: int) -> float:
         """Seconds to move ``tokens`` tokens of KV from a ``src_tp`` worker to a ``dst_tp`` worker."""
         ...
+
+
+class DecodeCost(Protocol):
+    """What a decode worker and admission need from the performance model (``ampd.perf.Profile``
+    satisfies it): ``CostModel``'s and ``t_dec``. (Not a subclass of ``CostModel``: mypyc 2.4 then
+    compiles calls of its inherited methods as direct calls to functions it never defines.)"""
+
+    def t_pre(self, tp: int, l_hist: int, l_incr: int) -> float: ...
+
+    def t_kv(self, tokens: int, src_tp: int, dst_tp: int) -> float: ...
+
+    def t_dec(self, tp: int, batch: int, context_tokens: int) -> float: ...
 
 
 @dataclass(slots=True)

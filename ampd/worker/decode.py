@@ -66,12 +66,13 @@ import heapq
 from collections import OrderedDict, deque
 from typing import Sequence
 
+from ampd.policy.cost import dec_s, pre_s
 from ampd.policy.reorder import PrefillQueue
-from ampd.policy.types import PrefillTask
+from ampd.policy.types import DecodeCost, PrefillTask
 from ampd.window import STATS_WINDOW_S, WindowedMean
 
 from .decode_kv import ADMITTED, FAILED, KV_ADMISSION, KV_EXHAUSTED, WAITING, DecodeSession
-from .decode_tier import DecodeCost, HostTier
+from .decode_tier import HostTier
 from .decode_run import (IDLE, PREFILLING, STEPPING, DecodeRun, LocalPrefill, RunWindow, affine_ctx_coef,
                          steps_done)
 
@@ -171,7 +172,7 @@ class DecodeCore(RunWindow):
         """The next chunk of ``s`` (``chunk_session``)."""
         done = self.chunk_done
         n = min(self.chunk_tokens, s.l_incr - done)
-        dur = self.cost.t_pre(self.tp, s.l_hist + done, n)
+        dur = pre_s(self.cost, self.tp, s.l_hist + done, n)
         self.chunk_done = done + n
         self.chunk_step_due = True
         self.state = PREFILLING
@@ -211,7 +212,7 @@ class DecodeCore(RunWindow):
                 self.chunk_session = s
                 self.chunk_done = 0
                 return self._chunk(s, now)
-            dur = self.cost.t_pre(self.tp, task.l_hist, task.l_incr)
+            dur = pre_s(self.cost, self.tp, task.l_hist, task.l_incr)
             self.state = PREFILLING
             self.in_prefill = s
             self.busy_until = now + dur
@@ -250,7 +251,7 @@ class DecodeCore(RunWindow):
         if not n:
             self.state = IDLE
             return None
-        A = self.cost.t_dec(self.tp, n, self.ctx_sum)
+        A = dec_s(self.cost, self.tp, n, self.ctx_sum)
         coef = self.ctx_coef
         if coef is None or self.chunk_session is not None:  # one step between two prefill chunks
             m = 1

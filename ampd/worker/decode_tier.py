@@ -42,12 +42,14 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
+from ampd.policy.cost import pre_s
 from ampd.policy.hostpool import HostBlocks
 from ampd.policy.kvtier import (DROP, OFFLOAD, KVState, KVTierConfig, PoolState, Prefetch, TierDecision, ToolPause,
                                 decide_hinted, host_transfer_s, prefetch_plan, should_prefetch)
 from ampd.policy.tooldur import ToolDurations
+from ampd.policy.types import DecodeCost
 
 if TYPE_CHECKING:  # (decode_kv imports this module: KvAdmission is a TierMixin)
     from .decode_kv import DecodeSession
@@ -68,18 +70,6 @@ def _others_read(s: DecodeSession, pinned: int) -> int:
     """Of ``pinned`` tokens of ``s``'s pinned prefix, those other sessions still read: dropping ``s``
     frees only the rest (``pin_own``, the driver's count)."""
     return pinned - min(max(s.pin_own, 0), pinned)
-
-
-class DecodeCost(Protocol):
-    """What a decode worker needs from the performance model (``ampd.perf.Profile`` satisfies it):
-    ``CostModel``'s and ``t_dec``. (Not a subclass of ``CostModel``: mypyc 2.4 then compiles calls of
-    its inherited methods as direct calls to functions it never defines.)"""
-
-    def t_pre(self, tp: int, l_hist: int, l_incr: int) -> float: ...
-
-    def t_kv(self, tokens: int, src_tp: int, dst_tp: int) -> float: ...
-
-    def t_dec(self, tp: int, batch: int, context_tokens: int) -> float: ...
 
 
 @dataclass(slots=True)
@@ -200,7 +190,7 @@ class TierMixin:
         kv = s.l_hist - s.pinned  # what can move: a pinned shared prefix stays on the device
         move_s = host_transfer_s(self.cost, kv, self.tp)
         pause = ToolPause(s.session_id, tool or "", t.durations.expected_s(tool or "", now),
-                          kv, move_s, move_s, self.cost.t_pre(self.tp, s.pinned, kv) if kv > 0 else 0.0)
+                          kv, move_s, move_s, pre_s(self.cost, self.tp, s.pinned, kv) if kv > 0 else 0.0)
         pool = PoolState(self.kv_cap, self.kv_used, self.wait_need, t.host_free_tokens)
         d: TierDecision
         d, plan_s = decide_hinted(pause, hint_s, pool, t.cfg)  # (the agent's hint: advice, bounded there)
