@@ -3,9 +3,9 @@
 See docs/perf-model.md. Pure: no I/O apart from reading profile files.
 """
 
-from .piecewise import Piecewise, fit_piecewise, interpolate_piecewise
+from .piecewise import Piecewise, interpolate_piecewise
 from .profile import (SCHEMA_VERSION, KVTransfer, Profile, TPModel, list_profiles, load_profile,
                       profile_from_dict)
 
 __all__ = ["Profile", "TPModel", "KVTransfer", "Piecewise", "SCHEMA_VERSION", "load_profile",
-           "list_profiles", "profile_from_dict", "fit_piecewise", "interpolate_piecewise"]
+           "list_profiles", "profile_from_dict", "interpolate_piecewise"]

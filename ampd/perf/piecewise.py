@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Sequence
 
-__all__ = ["Piecewise", "fit_piecewise", "interpolate_piecewise"]
+__all__ = ["Piecewise", "interpolate_piecewise"]
 
 
 @dataclass(frozen=True)
@@ -80,35 +80,3 @@ def interpolate_piecewise(f, breakpoints: Sequence[float]) -> Piecewise:
         alpha.append(y0 - slope * x0)
         beta.append(slope)
     return Piecewise(tuple(bps), tuple(alpha), tuple(beta))
-
-
-def fit_piecewise(samples: Iterable[tuple[float, float]], breakpoints: Sequence[float],
-                  *, min_samples: int = 2) -> Piecewise:
-    """Least-squares ``alpha``/``beta`` per piece from measured ``(x, t)`` samples.
-
-    Each sample goes to the piece that would evaluate it (the same rule as :meth:`Piecewise.__call__`,
-    so samples below the first or above the last breakpoint join the end pieces). Every piece needs
-    at least ``min_samples`` samples at two or more distinct ``x``; otherwise ``ValueError`` names the
-    piece. The pieces are fitted independently (no continuity constraint): a profiler should sample
-    each bucket densely enough, and the continuity of the result can be checked with
-    :meth:`Piecewise.discontinuities`.
-    """
-    import numpy as np
-
-    bps = tuple(float(b) for b in breakpoints)
-    shell = Piecewise(bps, (0.0,) * (len(bps) - 1), (0.0,) * (len(bps) - 1))  # validates bps
-    pts = np.asarray([(float(x), float(t)) for x, t in samples], dtype=float).reshape(-1, 2)
-    idx = np.searchsorted(np.asarray(shell.inner), pts[:, 0], side="right")
-    alpha, beta = [], []
-    for i in range(len(bps) - 1):
-        sel = pts[idx == i]
-        lo, hi = bps[i], bps[i + 1]
-        if len(sel) < max(2, min_samples) or np.unique(sel[:, 0]).size < 2:
-            raise ValueError(
-                f"piece {i} [{lo:g}, {hi:g}): need >= {max(2, min_samples)} samples at >= 2 distinct x, "
-                f"got {len(sel)}")
-        a_mat = np.column_stack([np.ones(len(sel)), sel[:, 0]])
-        (a, b), *_ = np.linalg.lstsq(a_mat, sel[:, 1], rcond=None)
-        alpha.append(float(a))
-        beta.append(float(b))
-    return Piecewise(bps, tuple(alpha), tuple(beta))

@@ -87,7 +87,7 @@ class KVTierConfig:
             raise ValueError(f"max_hint_s must be > 0, got {self.max_hint_s}")
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class ToolPause:
     """A session whose round just ended in a tool call. ``expected_s``: the tool's expected duration
     (``effective_tool_s``; None: never observed, no hint). ``offload_s`` / ``prefetch_s``: moving its
@@ -101,8 +101,20 @@ class ToolPause:
     prefetch_s: float
     reprefill_s: float
 
+    # (written out: compiled, a dataclass's generated __init__ runs as interpreted Python; tests/unit/test_inits.py
+    # holds it to the fields)
+    def __init__(self, session_id: str, tool: str, expected_s: float | None, kv_blocks: int, offload_s: float,
+                 prefetch_s: float, reprefill_s: float) -> None:
+        self.session_id = session_id
+        self.tool = tool
+        self.expected_s = expected_s
+        self.kv_blocks = kv_blocks
+        self.offload_s = offload_s
+        self.prefetch_s = prefetch_s
+        self.reprefill_s = reprefill_s
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, init=False)
 class PoolState:
     """The worker's pools in blocks: the device pool's capacity and use, what rounds waiting for KV
     need, and the host pool's free blocks (0 when the host tier is off)."""
@@ -111,6 +123,14 @@ class PoolState:
     device_used: int
     waiting: int = 0
     host_free: int = 0
+
+    # (written out: compiled, a dataclass's generated __init__ runs as interpreted Python; tests/unit/test_inits.py
+    # holds it to the fields)
+    def __init__(self, device_blocks: int, device_used: int, waiting: int = 0, host_free: int = 0) -> None:
+        self.device_blocks = device_blocks
+        self.device_used = device_used
+        self.waiting = waiting
+        self.host_free = host_free
 
     @property
     def pressure(self) -> float:
@@ -122,13 +142,20 @@ class PoolState:
         return self.device_blocks - self.device_used - self.waiting
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class TierDecision:
     """KEEP, OFFLOAD or DROP, why (a reason string for logs and metrics), and the numbers compared."""
 
     action: str
     reason: str
     estimates: dict[str, float] = field(default_factory=dict)
+
+    # (written out: compiled, a dataclass's generated __init__ runs as interpreted Python; tests/unit/test_inits.py
+    # holds it to the fields)
+    def __init__(self, action: str, reason: str, estimates: dict[str, float] | None = None) -> None:
+        self.action = action
+        self.reason = reason
+        self.estimates = {} if estimates is None else estimates
 
 
 def effective_tool_s(estimate_s: float | None, hint_s: float | None, cfg: KVTierConfig) -> float | None:

@@ -64,7 +64,7 @@ class DecodeCost(Protocol):
     def t_dec(self, tp: int, batch: int, context_tokens: int) -> float: ...
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class PrefillTask:
     """One prefill task: ``l_incr`` new tokens on ``l_hist`` history tokens of round ``round`` of a
     session, whose KV lives on ``decode_worker`` (its binding, a worker of degree ``decode_tp``).
@@ -101,13 +101,30 @@ class PrefillTask:
     queue_yield_s: float = 0.0
     kv_fetch_first: bool = False
 
+    # (written out: compiled, a dataclass's generated __init__ runs as interpreted Python; tests/unit/test_inits.py
+    # holds it to the fields)
+    def __init__(self, session_id: str, round: int, l_hist: int, l_incr: int, enqueued_at: float = 0.0,
+                 decode_worker: str = "", decode_tp: int = 0, kv_state: str = "resident", kv_fetch_s: float = 0.0,
+                 queue_yield_s: float = 0.0, kv_fetch_first: bool = False) -> None:
+        self.session_id = session_id
+        self.round = round
+        self.l_hist = l_hist
+        self.l_incr = l_incr
+        self.enqueued_at = enqueued_at
+        self.decode_worker = decode_worker
+        self.decode_tp = decode_tp
+        self.kv_state = kv_state
+        self.kv_fetch_s = kv_fetch_s
+        self.queue_yield_s = queue_yield_s
+        self.kv_fetch_first = kv_fetch_first
+
     @property
     def order_at(self) -> float:
         """The arrival time the prefill queues order this task by."""
         return self.enqueued_at + self.queue_yield_s
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class WorkerView:
     """A snapshot of one worker as the coordinator sees it (read from shared state).
 
@@ -131,8 +148,22 @@ class WorkerView:
     queue_predicted_s: float = 0.0
     kv_host_tokens: int = 0
 
+    # (written out: compiled, a dataclass's generated __init__ runs as interpreted Python; tests/unit/test_inits.py
+    # holds it to the fields)
+    def __init__(self, worker_id: str, kind: str, tp: int, window_mean_s: float | None,
+                 queue: tuple[PrefillTask, ...] = (), kv_free_tokens: int = 0, queue_predicted_s: float = 0.0,
+                 kv_host_tokens: int = 0) -> None:
+        self.worker_id = worker_id
+        self.kind = kind
+        self.tp = tp
+        self.window_mean_s = window_mean_s
+        self.queue = queue
+        self.kv_free_tokens = kv_free_tokens
+        self.queue_predicted_s = queue_predicted_s
+        self.kv_host_tokens = kv_host_tokens
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, init=False)
 class RouteDecision:
     """Where a prefill runs and why.
 
@@ -145,3 +176,11 @@ class RouteDecision:
     local: bool
     reason: str
     estimates: dict[str, float] = field(default_factory=dict)
+
+    # (written out: compiled, a dataclass's generated __init__ runs as interpreted Python; tests/unit/test_inits.py
+    # holds it to the fields)
+    def __init__(self, target: str, local: bool, reason: str, estimates: dict[str, float] | None = None) -> None:
+        self.target = target
+        self.local = local
+        self.reason = reason
+        self.estimates = {} if estimates is None else estimates

@@ -33,7 +33,7 @@ class LocalPrefill:
     last: bool
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class DecodeRun:
     """Up to ``steps`` decode steps of a fixed batch of ``batch`` sessions from now; step ``j``
     lasts ``first_s + growth_s * j``; the last one ends at ``end``."""
@@ -43,6 +43,15 @@ class DecodeRun:
     growth_s: float
     batch: int
     end: float
+
+    # (written out: compiled, a dataclass's generated __init__ runs as interpreted Python; tests/unit/test_inits.py
+    # holds it to the fields)
+    def __init__(self, steps: int, first_s: float, growth_s: float, batch: int, end: float) -> None:
+        self.steps = steps
+        self.first_s = first_s
+        self.growth_s = growth_s
+        self.batch = batch
+        self.end = end
 
 
 def steps_done(x: float, A: float, g: float, m: int) -> int:

@@ -47,7 +47,7 @@ from ampd.window import STATS_WINDOW_S, WindowedMean
 __all__ = ["PrefillCore", "PrefillWork", "KvRead"]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class PrefillWork:
     """Run ``task`` now: ``read_s`` of history KV still to read (0 when it was read ahead, or has no
     history), then ``compute_s``, then ``write_s`` to write its new KV back. ``total_s`` is their sum
@@ -60,6 +60,17 @@ class PrefillWork:
     write_s: float
     total_s: float
     was_ahead: bool = False
+
+    # (written out: compiled, a dataclass's generated __init__ runs as interpreted Python; tests/unit/test_inits.py
+    # holds it to the fields)
+    def __init__(self, task: PrefillTask, read_s: float, compute_s: float, write_s: float, total_s: float,
+                 was_ahead: bool = False) -> None:
+        self.task = task
+        self.read_s = read_s
+        self.compute_s = compute_s
+        self.write_s = write_s
+        self.total_s = total_s
+        self.was_ahead = was_ahead
 
 
 @dataclass(slots=True)

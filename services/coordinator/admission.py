@@ -19,7 +19,8 @@ from collections.abc import Awaitable, Callable, Sequence
 import structlog
 
 from ampd.policy import SLO, WorkerView
-from ampd.policy.admit import HEAD_POLL_S, AdmissionBook, AdmissionCost, promise_room
+from ampd.policy.admit import HEAD_POLL_S, AdmissionBook, promise_room
+from ampd.policy.types import DecodeCost
 from ampd.state.promises import Promises
 from ampd.state.store import REDIS_ERRORS
 from ampd.tasks import BackgroundTasks
@@ -46,7 +47,7 @@ class Admission:
     """The asyncio driver of ampd.policy.admit's ``AdmissionBook``: a waiting session sleeps on an
     event, which a release (the head) or the head leaving sets."""
 
-    def __init__(self, wait_s: float, queue_max: int, rule: str = "kv", cost: AdmissionCost | None = None,
+    def __init__(self, wait_s: float, queue_max: int, rule: str = "kv", cost: DecodeCost | None = None,
                  slo: SLO | None = None, promises: Promises | None = None) -> None:
         self.book = AdmissionBook(rule, wait_s, queue_max, cost, slo)
         self.rule = rule

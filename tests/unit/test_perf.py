@@ -8,9 +8,10 @@ import random
 
 import pytest
 
-from ampd.perf import (Piecewise, Profile, fit_piecewise, interpolate_piecewise, list_profiles,
+from ampd.perf import (Piecewise, Profile, interpolate_piecewise, list_profiles,
                        load_profile, profile_from_dict)
 from ampd.perf import derive
+from ampd.perf.fit import fit_piecewise
 from ampd.perf.profile import PROFILES_DIR
 
 SHIPPED = ["llama3.1-70b@h20", "mixtral-8x7b@h20", "qwen3-32b@h20", "zero@none"]
