@@ -16,7 +16,6 @@ passed in.
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass
 
 from .kvtier import KVTierConfig, host_transfer_s
@@ -58,11 +57,17 @@ class OffDeviceShare:
     """Windowed share of KV token-seconds spent idle in tool calls, off the device
     (``off_device_s``), among all the KV token-seconds of rounds and tool calls observed."""
 
-    __slots__ = ("cfg", "_samples", "_total", "_off", "_tools")
+    # (the samples are parallel lists read from ``_head``, as ``ampd.window.WindowedMean``'s and
+    # for its reasons: compiled, native list reads, no tuple a sample)
+    __slots__ = ("cfg", "_at", "_s_total", "_s_off", "_s_tools", "_head", "_total", "_off", "_tools")
 
     def __init__(self, cfg: OffDeviceShareConfig | None = None) -> None:
         self.cfg = cfg or OffDeviceShareConfig()
-        self._samples: deque[tuple[float, float, float, int]] = deque()  # (at, KV token-s, of them off, tools)
+        self._at: list[float] = []  # each sample's time, KV token-s, of them off, tool calls; oldest first
+        self._s_total: list[float] = []
+        self._s_off: list[float] = []
+        self._s_tools: list[int] = []
+        self._head = 0  # the oldest sample still in the window
         self._total = self._off = 0.0
         self._tools = 0
 
@@ -100,7 +105,10 @@ class OffDeviceShare:
         return min(max(self._off / self._total, 0.0), 1.0)
 
     def _add(self, now: float, total: float, off: float, tools: int) -> None:
-        self._samples.append((now, total, off, tools))
+        self._at.append(now)
+        self._s_total.append(total)
+        self._s_off.append(off)
+        self._s_tools.append(tools)
         self._total += total
         self._off += off
         self._tools += tools
@@ -108,11 +116,23 @@ class OffDeviceShare:
 
     def _expire(self, now: float) -> None:
         horizon = now - self.cfg.window_s
-        samples = self._samples
-        while samples and samples[0][0] < horizon:
-            _, total, off, tools = samples.popleft()
-            self._total -= total
-            self._off -= off
-            self._tools -= tools
-        if not samples:  # drop float drift
+        at, total, off, tools = self._at, self._s_total, self._s_off, self._s_tools
+        h = self._head
+        end = len(at)
+        while h < end and at[h] < horizon:
+            self._total -= total[h]
+            self._off -= off[h]
+            self._tools -= tools[h]
+            h += 1
+        if h == end:  # drop float drift
             self._total = self._off = 0.0
+            for xs in (at, total, off):
+                xs.clear()
+            tools.clear()
+            h = 0
+        elif h >= 64 and 2 * h >= end:  # cut the expired ones off: amortised O(1) a sample
+            for xs in (at, total, off):
+                del xs[:h]
+            del tools[:h]
+            h = 0
+        self._head = h
