@@ -68,7 +68,7 @@ HEAD_POLL_S = 0.5
 _WAIT_EPS_S = 1e-9  # a wait this short is over
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class Verdict:
     """``worker``: admitted there. Else ``reason`` (one of REFUSAL_REASONS): refused, ``detail`` says
     why in words. Else it waits, at most ``wait_s`` more seconds before it is judged again (inf: the
@@ -80,6 +80,17 @@ class Verdict:
     wait_s: float = math.inf
     ttft_s: float | None = None
     itl_s: float | None = None
+
+    # (written out: compiled, a dataclass's generated __init__ runs as interpreted Python; tests/unit/test_inits.py
+    # holds it to the fields)
+    def __init__(self, worker: str | None = None, reason: str = "", detail: str = "", wait_s: float = math.inf,
+                 ttft_s: float | None = None, itl_s: float | None = None) -> None:
+        self.worker = worker
+        self.reason = reason
+        self.detail = detail
+        self.wait_s = wait_s
+        self.ttft_s = ttft_s
+        self.itl_s = itl_s
 
 
 def predicted_ttft(cost: DecodeCost, decode: WorkerView, prefills: Sequence[WorkerView], l_incr: int,

@@ -38,11 +38,27 @@ def dec_s(cost: DecodeCost, tp: int, batch: int, context_tokens: int) -> float:
     return cost.t_dec(tp, batch, context_tokens)
 
 
-# The last call's arguments and terms: the router prices a task (Eq. 2) and the prefill worker it
-# picks prices the same task again at submit; one entry saves that second pricing (~1/3 of the
-# simulator's cost-model calls). A pure function of its arguments, so the entry is always valid;
-# one tuple, replaced whole, so concurrent callers see a consistent pair.
-_last: tuple = (None, None)
+class _Priced:
+    """One call of ``remote_parts``: its arguments and its terms (typed: compiled, a hit compares
+    four ints and one identity, where a tuple key was built and compared per call)."""
+
+    __slots__ = ("cost", "l_hist", "l_incr", "decode_tp", "prefill_tp", "parts")
+
+    def __init__(self, cost: object, l_hist: int, l_incr: int, decode_tp: int, prefill_tp: int,
+                 parts: tuple[float, float, float]) -> None:
+        self.cost = cost
+        self.l_hist = l_hist
+        self.l_incr = l_incr
+        self.decode_tp = decode_tp
+        self.prefill_tp = prefill_tp
+        self.parts = parts
+
+
+# The last call: the router prices a task (Eq. 2) and the prefill worker it picks prices the same
+# task again at submit; one entry saves that second pricing (~1/3 of the simulator's cost-model
+# calls). A pure function of its arguments, so the entry is always valid; one object, replaced
+# whole, so concurrent callers see a consistent entry.
+_last = _Priced(None, -1, -1, -1, -1, (0.0, 0.0, 0.0))
 
 
 def remote_parts(cost: CostModel, l_hist: int, l_incr: int, decode_tp: int,
@@ -50,14 +66,14 @@ def remote_parts(cost: CostModel, l_hist: int, l_incr: int, decode_tp: int,
     """(history KV in, compute, new KV back) of a prefill on a ``prefill_tp`` worker for a session
     bound to a ``decode_tp`` worker; a zero-token transfer does not happen, so it costs nothing."""
     global _last
-    key = (l_hist, l_incr, decode_tp, prefill_tp, cost)
     last = _last
-    if last[0] == key:
-        return last[1]
+    if (last.l_hist == l_hist and last.l_incr == l_incr and last.decode_tp == decode_tp
+            and last.prefill_tp == prefill_tp and last.cost is cost):
+        return last.parts
     read = kv_s(cost, l_hist, decode_tp, prefill_tp) if l_hist else 0.0
     write = kv_s(cost, l_incr, prefill_tp, decode_tp) if l_incr else 0.0
     parts = (read, pre_s(cost, prefill_tp, l_hist, l_incr), write)
-    _last = (key, parts)
+    _last = _Priced(cost, l_hist, l_incr, decode_tp, prefill_tp, parts)
     return parts
 
 

@@ -8,6 +8,7 @@ from collections import deque
 
 from ampd.policy import WorkerView
 from ampd.worker import DecodeCore, DecodeSession, PrefillCore, PrefillWork
+from ampd.workload.trace import Round
 
 from .result import SimSession
 from .steplog import StepLog
@@ -100,9 +101,9 @@ class Sess(DecodeSession):
     __slots__ = ("rounds", "rec", "dw", "ready", "local", "pw", "pwork", "write_s", "target", "need", "kv_back",
                  "kv_ready", "kv_early")
 
-    def __init__(self, sid: str, rounds, rec: SimSession, dw: Decode, need: int):
+    def __init__(self, sid: str, rounds: tuple[Round, ...], rec: SimSession, dw: Decode, need: int):
         super().__init__(sid)
-        self.rounds = rounds
+        self.rounds = rounds  # (typed: compiled, a round's fields are then read directly)
         self.rec = rec
         self.dw = dw
         self.need = need

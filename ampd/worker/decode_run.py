@@ -21,7 +21,7 @@ STEPPING = 1
 PREFILLING = 2
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class LocalPrefill:
     """Prefill ``tokens`` tokens of ``session``'s round now, ``seconds`` long (ending at ``end``).
     ``last`` is False for a chunk that does not finish the prefill."""
@@ -31,6 +31,15 @@ class LocalPrefill:
     seconds: float
     end: float
     last: bool
+
+    # (written out: compiled, a dataclass's generated __init__ runs as interpreted Python; tests/unit/test_inits.py
+    # holds it to the fields)
+    def __init__(self, session: DecodeSession, tokens: int, seconds: float, end: float, last: bool) -> None:
+        self.session = session
+        self.tokens = tokens
+        self.seconds = seconds
+        self.end = end
+        self.last = last
 
 
 @dataclass(slots=True, init=False)

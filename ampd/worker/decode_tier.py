@@ -72,7 +72,7 @@ def _others_read(s: DecodeSession, pinned: int) -> int:
     return pinned - min(max(s.pin_own, 0), pinned)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class KVMove:
     """A transfer the driver performs: ``tokens`` of ``session_id``'s KV, ``direction`` TO_HOST or
     FROM_HOST, taking ``seconds`` (the profile's estimate); ``reason`` is the decision's."""
@@ -82,6 +82,15 @@ class KVMove:
     tokens: int
     seconds: float
     reason: str
+
+    # (written out: compiled, a dataclass's generated __init__ runs as interpreted Python; tests/unit/test_inits.py
+    # holds it to the fields)
+    def __init__(self, session_id: str, direction: str, tokens: int, seconds: float, reason: str) -> None:
+        self.session_id = session_id
+        self.direction = direction
+        self.tokens = tokens
+        self.seconds = seconds
+        self.reason = reason
 
 
 @dataclass

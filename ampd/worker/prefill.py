@@ -73,12 +73,18 @@ class PrefillWork:
         self.was_ahead = was_ahead
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class KvRead:
     """Start reading ``task``'s history KV now (``seconds`` long): the read ahead of the overlap."""
 
     task: PrefillTask
     seconds: float
+
+    # (written out: compiled, a dataclass's generated __init__ runs as interpreted Python; tests/unit/test_inits.py
+    # holds it to the fields)
+    def __init__(self, task: PrefillTask, seconds: float) -> None:
+        self.task = task
+        self.seconds = seconds
 
 
 class PrefillCore:

@@ -5,12 +5,16 @@ import inspect
 
 import pytest
 
+from ampd.policy.admit import Verdict
 from ampd.policy.kvtier import PoolState, TierDecision, ToolPause
 from ampd.policy.types import PrefillTask, RouteDecision, WorkerView
-from ampd.worker.decode_run import DecodeRun
-from ampd.worker.prefill import PrefillWork
+from ampd.worker.decode_kv import DecodeSession
+from ampd.worker.decode_run import DecodeRun, LocalPrefill
+from ampd.worker.decode_tier import KVMove
+from ampd.worker.prefill import KvRead, PrefillWork
 
-WRITTEN_OUT = (PrefillTask, WorkerView, RouteDecision, DecodeRun, PrefillWork, ToolPause, PoolState, TierDecision)
+WRITTEN_OUT = (PrefillTask, WorkerView, RouteDecision, DecodeRun, PrefillWork, ToolPause, PoolState, TierDecision,
+               KVMove, KvRead, LocalPrefill, Verdict)
 
 
 @pytest.mark.parametrize("cls", WRITTEN_OUT, ids=lambda c: c.__name__)
@@ -35,7 +39,8 @@ SAMPLES = {"session_id": "s", "round": 1, "l_hist": 2, "l_incr": 3, "worker_id":
            "window_mean_s": 0.5, "target": "t", "local": True, "reason": "r", "steps": 4, "first_s": 0.25,
            "growth_s": 0.125, "batch": 5, "end": 9.5, "task": TASK, "read_s": 0.1, "compute_s": 0.2, "write_s": 0.3,
            "total_s": 0.6, "tool": "search", "expected_s": 1.5, "kv_blocks": 6, "offload_s": 0.7, "prefetch_s": 0.8,
-           "reprefill_s": 0.9, "device_blocks": 10, "device_used": 3, "action": "keep"}
+           "reprefill_s": 0.9, "device_blocks": 10, "device_used": 3, "action": "keep", "direction": "to_host",
+           "tokens": 11, "seconds": 0.4, "session": DecodeSession("s"), "last": False}
 
 
 @pytest.mark.parametrize("cls", WRITTEN_OUT, ids=lambda c: c.__name__)
