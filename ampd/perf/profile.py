@@ -30,14 +30,14 @@ import os
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Final, Mapping
 
 from .piecewise import Piecewise
 
 __all__ = ["SCHEMA_VERSION", "LINK_RULES", "Profile", "TPModel", "KVTransfer", "load_profile",
            "list_profiles", "profile_from_dict", "PROFILES_DIR"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION: Final = 1
 # (the package's directory, not this file's: compiled, this module lives in build/mypyc, ampd/compiled.py)
 PROFILES_DIR = Path(importlib.import_module("ampd.perf").__path__[0]).resolve() / "profiles"
 

@@ -31,6 +31,7 @@ the simulator (``ampd.sim``, virtual clock: timed events).
 """
 from __future__ import annotations
 
+from typing import Final
 import math
 from collections import Counter, deque
 from collections.abc import Hashable, Mapping, Sequence
@@ -50,11 +51,11 @@ __all__ = ["AdmissionBook", "ADMISSION_RULES", "REFUSAL_REASONS", "KV_SIZE", "KV
 ADMISSION_RULES = ("kv", "slo", "none")
 
 # Why a session was refused (RESOURCE_EXHAUSTED), the label of the coordinator's refusal counter.
-KV_SIZE = "kv-size"  # it may need more KV than any decode worker holds
-KV_FULL = "kv-full"  # no decode worker had its KV within the admission wait (or the wait is 0)
-QUEUE_FULL = "queue-full"  # admission_queue sessions already wait
-TTFT = "ttft"  # (slo) its predicted TTFT is over the SLO, or would be by the time KV frees
-ITL = "itl"  # (slo) the decode worker's predicted ITL with it is over the SLO
+KV_SIZE: Final = "kv-size"  # it may need more KV than any decode worker holds
+KV_FULL: Final = "kv-full"  # no decode worker had its KV within the admission wait (or the wait is 0)
+QUEUE_FULL: Final = "queue-full"  # admission_queue sessions already wait
+TTFT: Final = "ttft"  # (slo) its predicted TTFT is over the SLO, or would be by the time KV frees
+ITL: Final = "itl"  # (slo) the decode worker's predicted ITL with it is over the SLO
 REFUSAL_REASONS = (KV_SIZE, KV_FULL, QUEUE_FULL, TTFT, ITL)
 
 # The share of the TTFT SLO a new session's predicted TTFT may take: the router's slack factor
@@ -63,7 +64,7 @@ REFUSAL_REASONS = (KV_SIZE, KV_FULL, QUEUE_FULL, TTFT, ITL)
 TTFT_FRACTION = ALPHA
 # How often the head of the admission queue looks again without a release (a new worker may have
 # joined, the slo rule's verdict may change): the coordinator's poll, and the simulator's.
-HEAD_POLL_S = 0.5
+HEAD_POLL_S: Final = 0.5
 
 _WAIT_EPS_S = 1e-9  # a wait this short is over
 

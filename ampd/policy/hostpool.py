@@ -21,6 +21,7 @@ KV transport's ``Segment``s.
 """
 from __future__ import annotations
 
+from typing import Final
 from dataclasses import dataclass, field
 
 from mypy_extensions import mypyc_attr
@@ -32,8 +33,8 @@ __all__ = ["KVState", "HostBlocks", "HostPoolTooSmall", "HostPoolTooLarge", "Hos
            "PREFETCHING"]
 
 MIB = 1 << 20
-OFFLOADING = "offload"
-PREFETCHING = "prefetch"
+OFFLOADING: Final = "offload"
+PREFETCHING: Final = "prefetch"
 
 
 class HostPoolTooSmall(ValueError):
@@ -82,7 +83,7 @@ def check_host_pool(host_mb: float, block_tokens: int, bytes_per_token: int, ses
 
 # A host pool sized by --kv-host-ratio takes at most this share of the memory available at start-up:
 # the pool is pre-touched (docs/kv.md), so a pool larger than the machine would be killed, not swapped.
-AUTO_MEMORY_SHARE = 0.5
+AUTO_MEMORY_SHARE: Final = 0.5
 
 
 @dataclass(frozen=True, slots=True)

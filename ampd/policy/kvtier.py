@@ -37,6 +37,7 @@ measured apart: a tool's windowed mean says little about when one call of it end
 """
 from __future__ import annotations
 
+from typing import Final
 import enum
 import math
 from collections.abc import Callable
@@ -59,9 +60,9 @@ class KVState(enum.Enum):
     GONE = "gone"
 
 
-KEEP = "keep"
-OFFLOAD = "offload"
-DROP = "drop"
+KEEP: Final = "keep"
+OFFLOAD: Final = "offload"
+DROP: Final = "drop"
 
 
 @dataclass(slots=True)

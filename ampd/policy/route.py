@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Final, Protocol
 
 from ampd.window import STATS_WINDOW_S
 
@@ -43,16 +43,16 @@ __all__ = [
     "MARGIN_REMOTE",
 ]
 
-PREFILL_SLACK = "prefill-slack"
-DECODE_SLACK = "decode-slack"
-COST_MODEL = "cost-model"
-NO_PREFILL_WORKERS = "no-prefill-workers"
-POLICY_REMOTE = "policy-remote"
-POLICY_LOCAL = "policy-local"
-THRESHOLD_LOCAL = "threshold-local"
-THRESHOLD_REMOTE = "threshold-remote"
-MARGIN_LOCAL = "margin-local"
-MARGIN_REMOTE = "margin-remote"
+PREFILL_SLACK: Final = "prefill-slack"
+DECODE_SLACK: Final = "decode-slack"
+COST_MODEL: Final = "cost-model"
+NO_PREFILL_WORKERS: Final = "no-prefill-workers"
+POLICY_REMOTE: Final = "policy-remote"
+POLICY_LOCAL: Final = "policy-local"
+THRESHOLD_LOCAL: Final = "threshold-local"
+THRESHOLD_REMOTE: Final = "threshold-remote"
+MARGIN_LOCAL: Final = "margin-local"
+MARGIN_REMOTE: Final = "margin-remote"
 
 # How Algorithm 1's first two rungs judge slack: "window" (the paper: windowed means only) or
 # "queue" (also the task's own predicted TTFT from the published queues; docs/policies.md).

@@ -5,6 +5,7 @@ nothing else branches on policy names."""
 
 from __future__ import annotations
 
+from typing import Final
 from dataclasses import dataclass, replace
 
 from .reorder import QUEUES
@@ -16,7 +17,7 @@ __all__ = ["PolicySpec", "POLICIES", "policy_spec", "register_policy", "make_rou
 # How long Continuum keeps a session's KV pinned on its worker after a round ends, waiting for
 # the tool result. Continuum derives its TTL from the tool-call latency distribution; 5 s covers
 # the bulk of tool/retrieval calls in the shipped presets. Override with policy_spec(..., kv_pin_ttl_s=).
-CONTINUUM_KV_PIN_TTL_S = 5.0
+CONTINUUM_KV_PIN_TTL_S: Final = 5.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,7 @@ time is passed in.
 """
 from __future__ import annotations
 
+from typing import Final
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from ampd.window import WindowedMean
 
 __all__ = ["ToolDurations", "ToolDurationsConfig", "REPLAY"]
 
-REPLAY = "replay"  # the name an unnamed (built-in replay) tool is counted under
+REPLAY: Final = "replay"  # the name an unnamed (built-in replay) tool is counted under
 
 
 @dataclass(slots=True)

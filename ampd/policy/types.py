@@ -12,7 +12,7 @@ in the simulator).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Final, Protocol
 
 # One SLO type for the whole tree (ampd.slo); the policies re-export it. SLO(ttft_s, itl_s), both > 0 seconds.
 from ampd.slo import SLO
@@ -31,13 +31,13 @@ __all__ = [
     "KV_GONE",
 ]
 
-PREFILL = "prefill"
-DECODE = "decode"
+PREFILL: Final = "prefill"
+DECODE: Final = "decode"
 # Where a session's KV is (``PrefillTask.kv_state``): ``ampd.policy.kvtier.KVState``'s values, as strings
 # here so that a task stays a plain value (a unit test holds them equal).
-KV_RESIDENT = "resident"
-KV_HOST = "host"
-KV_GONE = "gone"
+KV_RESIDENT: Final = "resident"
+KV_HOST: Final = "host"
+KV_GONE: Final = "gone"
 
 
 class CostModel(Protocol):

@@ -35,7 +35,7 @@ to the free KV before each match and each round's admission, so it gives way fir
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Final, TYPE_CHECKING
 
 from ampd.policy.admit import AdmissionBook
 from ampd.policy.prefixindex import PrefixIndex
@@ -50,7 +50,7 @@ if TYPE_CHECKING:  # (a cycle: ampd.sim.loop builds _Run from this mixin)
 
 __all__ = ["Prefixing", "BlockIds", "prefix_indexes", "MOVE_MIN_BLOCKS"]
 
-WAITING_DROP = "drop:waiting-drop"  # (``HostTier.decisions``' key: ``TierMixin._tier_unblock``)
+WAITING_DROP: Final = "drop:waiting-drop"  # (``HostTier.decisions``' key: ``TierMixin._tier_unblock``)
 
 
 class BlockIds:

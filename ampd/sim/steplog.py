@@ -11,7 +11,7 @@ from __future__ import annotations
 from array import array
 from bisect import bisect_right
 from struct import Struct
-from typing import TYPE_CHECKING
+from typing import Final, TYPE_CHECKING
 
 if TYPE_CHECKING:  # (a cycle: ampd.sim.result imports this module)
     from .result import SimSession
@@ -90,7 +90,7 @@ class StepLog:
 
 
 # at most this many points summarise the gaps inside one run of steps (compact ITL percentiles)
-SERIES_POINTS = 16
+SERIES_POINTS: Final = 16
 
 
 def itl_samples(step_logs: list[StepLog], sessions: list[SimSession]) -> tuple:

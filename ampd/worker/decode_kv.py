@@ -2,17 +2,18 @@
 gets KV, and whose idle KV goes (the module docstring of ``ampd.worker.decode`` gives the rules)."""
 from __future__ import annotations
 
+from typing import Final
 from .decode_tier import TierMixin
 
 __all__ = ["KvAdmission", "DecodeSession", "ADMITTED", "WAITING", "FAILED", "KV_ADMISSION", "KV_EXHAUSTED"]
 
 # round_ready outcomes
-ADMITTED = 0
-WAITING = 1
-FAILED = 2
+ADMITTED: Final = 0
+WAITING: Final = 1
+FAILED: Final = 2
 
 KV_ADMISSION = ("wait", "fail")
-KV_EXHAUSTED = "KV exhausted"
+KV_EXHAUSTED: Final = "KV exhausted"
 
 
 class DecodeSession:

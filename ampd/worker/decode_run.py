@@ -3,6 +3,7 @@ closed-form step times of a run, and the half of ``DecodeCore`` that turns runs 
 the published view (``ampd.worker.decode`` gives the protocol)."""
 from __future__ import annotations
 
+from typing import Final
 import math
 from dataclasses import dataclass
 
@@ -16,9 +17,9 @@ __all__ = ["LocalPrefill", "DecodeRun", "RunWindow", "steps_done", "affine_ctx_c
            "PREFILLING"]
 
 # worker states
-IDLE = 0
-STEPPING = 1
-PREFILLING = 2
+IDLE: Final = 0
+STEPPING: Final = 1
+PREFILLING: Final = 2
 
 
 @dataclass(slots=True, init=False)

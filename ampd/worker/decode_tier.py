@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Final, TYPE_CHECKING
 
 from ampd.policy.cost import pre_s
 from ampd.policy.hostpool import HostBlocks
@@ -56,8 +56,8 @@ if TYPE_CHECKING:  # (decode_kv imports this module: KvAdmission is a TierMixin)
 
 __all__ = ["HostTier", "KVMove", "TierMixin", "DecodeCost", "TO_HOST", "FROM_HOST"]
 
-TO_HOST = "to_host"
-FROM_HOST = "from_host"
+TO_HOST: Final = "to_host"
+FROM_HOST: Final = "from_host"
 
 
 def _pin_only(s: DecodeSession, device_kv: int) -> bool:
