@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .trace import Round, Session
+from .trace import Session, sessions_from_columns
 
 __all__ = ["Lengths", "ToolKind", "Preset", "PRESETS", "generate", "MAX_SESSIONS"]
 
@@ -206,60 +206,98 @@ def generate(preset: str, rate: float, duration: float, seed: int) -> list[Sessi
                          f"of {MAX_SESSIONS}")
     p = PRESETS[preset]
     streams = [np.random.default_rng(s) for s in np.random.SeedSequence(int(seed)).spawn(6)]
-    r_arr, r_rounds, r_in, r_out, r_kind, r_tool = streams
+    arrival = _arrivals(streams[0], float(rate), float(duration))
+    nrounds, inputs, outputs, tool_s = _rounds(p, streams[1:], len(arrival))
+    return _sessions(preset, _round6(arrival), nrounds, inputs, outputs, tool_s)
 
-    arrival = _arrivals(r_arr, float(rate), float(duration))
-    n, w = len(arrival), p.max_rounds
+
+def _round6(x: np.ndarray) -> list[float]:
+    """``[round(v, 6) for v in x.tolist()]`` without Python's cost per value (dtoa, a string, strtod).
+
+    Python's round is the double nearest the decimal M/10^6, M the integer nearest x*10^6 (ties to
+    even, on x's exact value); for an integer m < 2^53, m / 1e6 is that double too (IEEE division
+    rounds the exact quotient). ``y = x * 1e6`` is within a spacing of the exact product, so where y
+    is over 4 spacings from a half-integer, rint(y) is M. The rest (near ties, huge or not finite)
+    take Python's own round."""
+    y = x * 1e6
+    a = np.abs(y)
+    out = (np.rint(y) / 1e6).tolist()
+    with np.errstate(invalid="ignore"):  # inf - inf: not safe, as nan compares
+        safe = (np.abs(a - np.floor(a) - 0.5) > 4 * np.spacing(a)) & (a < 2.0 ** 52)
+    for i in np.flatnonzero(~safe).tolist():
+        out[i] = round(float(x[i]), 6)
+    return out
+
+
+# Every stream draws an (n, max_rounds) block, row i for session i, of which session i uses the first k
+# (its rounds): the draws stay the same (the layout is the trace's), but only the used ones, gathered
+# in row order (session by session, round by round), are transformed and turned into Python numbers
+# (~11 of 30 for GAIA; the rest were 2/3 of the work). Elementwise arithmetic does not depend on where
+# an element sits, and neither does np.exp (numpy's is one SIMD kernel lane by lane, masked tails
+# included; checked bitwise over offsets, strides and row widths), so each value is the one the full
+# block gave. One buffer takes each stream's block in turn (``out=`` draws the same numbers as
+# ``size=``), so the 24 MB blocks are not each allocated and page-faulted afresh.
+
+def _rounds(p: Preset, streams: list[np.random.Generator], n: int
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Sessions' round counts (n) and their rounds' inputs, outputs and tool latencies (one entry per
+    round, session after session; a session's last round has a latency too, unused)."""
+    r_rounds, r_in, r_out, r_kind, r_tool = streams
     if p.rounds_n:
         nrounds = p.rounds_shift + r_rounds.binomial(p.rounds_n, p.rounds_p, size=n)
     else:
         nrounds = np.full(n, p.rounds_shift)
+    block = np.empty((n, p.max_rounds))
+    flat, used = block.reshape(-1), np.flatnonzero(np.arange(p.max_rounds) < nrounds[:, None])
 
-    z_in = r_in.standard_normal((n, w))
-    inputs = np.empty((n, w))
-    inputs[:, :1] = p.first_input.transform(z_in[:, :1])
-    inputs[:, 1:] = p.later_input.transform(z_in[:, 1:])
-    inputs = np.maximum(np.rint(inputs), 1).astype(np.int64)
-    outputs = np.maximum(np.rint(p.output.transform(r_out.standard_normal((n, w)))), 1)
-    outputs = outputs.astype(np.int64)
+    def draw(stream: np.random.Generator, normal: bool = True) -> np.ndarray:
+        (stream.standard_normal if normal else stream.random)(out=block)
+        return flat.take(used)
 
-    shares = np.array([t.share for t in p.tools], dtype=float)
+    z_in = draw(r_in)
+    starts = (np.cumsum(nrounds) - nrounds)[nrounds > 0]  # each session's round 0 among the used
+    inputs = p.later_input.transform(z_in)
+    inputs[starts] = p.first_input.transform(z_in[starts])
+    outputs = p.output.transform(draw(r_out))
+    lengths = [np.maximum(np.rint(x), 1).astype(np.int64) for x in (inputs, outputs)]
+    kind = _tool_kinds(p.tools, draw(r_kind, normal=False))
+    return nrounds, lengths[0], lengths[1], _tool_latencies(p.tools, kind, draw(r_tool))
+
+
+def _tool_kinds(tools: tuple[ToolKind, ...], u: np.ndarray) -> np.ndarray:
+    """Each call's tool, by where its uniform draw falls among the cumulative shares: the number of
+    edges at or below it (np.searchsorted's side="right", the last tool taking the rest), counted
+    by comparisons (cheaper than a binary search for a handful of tools)."""
+    shares = np.array([t.share for t in tools], dtype=float)
     edges = np.cumsum(shares / shares.sum())
-    kind = np.minimum(np.searchsorted(edges, r_kind.random((n, w)), side="right"), len(p.tools) - 1)
-    z_tool = r_tool.standard_normal((n, w))
-    tool_s = np.zeros((n, w))
-    for k, t in enumerate(p.tools):
-        mask = kind == k
-        tool_s[mask] = t.latency.transform(z_tool[mask])
-    tool_s = np.round(tool_s, 4)
+    kind = np.zeros(len(u), dtype=np.intp)
+    for e in edges[:-1].tolist():
+        kind += u >= e
+    return kind
 
-    sessions = []
-    new_round = _round
-    for i in range(n):
-        k = int(nrounds[i])
-        rin, rout, rtool = inputs[i].tolist(), outputs[i].tolist(), tool_s[i].tolist()
-        # the last round has no tool call (map stops at the shortest: k rounds)
-        rounds = tuple(map(new_round, rin[:k], rout[:k], rtool[:k - 1] + [None] if k else ()))
-        sessions.append(Session(f"{preset}-{i:06d}", round(float(arrival[i]), 6), rounds))
+
+def _tool_latencies(tools: tuple[ToolKind, ...], kind: np.ndarray, z: np.ndarray) -> np.ndarray:
+    """Each call's latency, ``tools[kind].latency.transform(z)`` to 0.1 ms: the tools' parameters
+    gathered per call, the same arithmetic (one pass, not one masked pass per tool)."""
+    mu, sigma, lo, hi = (np.array(v)[kind] for v in zip(*((t.latency.mu(), t.latency.sigma, t.latency.lo,
+                                                           t.latency.hi) for t in tools)))
+    return np.round(np.clip(np.exp(mu + sigma * z), lo, hi), 4)
+
+
+# The rounds' numbers go to Python CHUNK sessions at a time: a chunk's ints (Python objects, until its
+# rounds hold them as C ints where compiled) are freed before the next chunk's are made, whose memory
+# they reuse: not 70 MB of fresh pages (page faults) for the 2M of 100k GAIA sessions.
+CHUNK = 4096
+
+
+def _sessions(preset: str, arrivals: list[float], nrounds: np.ndarray, inputs: np.ndarray, outputs: np.ndarray,
+              tool_s: np.ndarray) -> list[Session]:
+    """The sessions, numbered from 0, of the given arrivals and rounds (``_rounds``'s columns)."""
+    ends = np.cumsum(nrounds).tolist()
+    sessions: list[Session] = []
+    for a in range(0, len(arrivals), CHUNK):
+        b = min(len(arrivals), a + CHUNK)
+        lo, hi = ends[a - 1] if a else 0, ends[b - 1]
+        sessions += sessions_from_columns(preset, a, arrivals[a:b], nrounds[a:b].tolist(), inputs[lo:hi].tolist(),
+                                          outputs[lo:hi].tolist(), tool_s[lo:hi].tolist())
     return sessions
-
-
-# Round(input, output, tool_s) without the frozen dataclass's __init__ (one object.__setattr__ per
-# field, hints and hash ids included; compiled by mypyc, Round keeps that __init__): its slots set
-# directly, 0.5 us against 0.9 us a round (timeit, Python 3.11), ~0.4 s of the 1.1M rounds of 100k
-# GAIA sessions. The same object: a test in tests/unit/test_workload.py compares it with Round(...)
-# and checks ROUND_FIELDS. (Round.__new__: object's for the source, its own where compiled.)
-ROUND_FIELDS = ("input", "output", "tool_s", "tool", "hash_ids", "hints")
-_set_in, _set_out, _set_tool_s, _set_tool, _set_hash, _set_hints = (getattr(Round, f).__set__ for f in ROUND_FIELDS)
-_new = Round.__new__
-
-
-def _round(inp: int, out: int, tool_s: float | None) -> Round:
-    r = _new(Round)
-    _set_in(r, inp)
-    _set_out(r, out)
-    _set_tool_s(r, tool_s)
-    _set_tool(r, None)
-    _set_hash(r, None)
-    _set_hints(r, None)
-    return r

@@ -15,12 +15,12 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import IO, Any, Iterable, Iterator
+from typing import IO, Any, Final, Iterable, Iterator
 
 from ampd.policy.hints import Hints, hints_from_obj, hints_to_obj
 
 __all__ = ["Round", "Session", "TraceError", "load_trace", "dump_trace", "session_from_obj",
-           "session_to_obj", "check_hash_ids"]
+           "session_to_obj", "check_hash_ids", "sessions_from_columns"]
 
 
 class TraceError(ValueError):
@@ -50,6 +50,21 @@ class Round:
         """``tool_s`` with None read as 0.0."""
         return 0.0 if self.tool_s is None else float(self.tool_s)
 
+    @staticmethod
+    def generated(inp: int, out: int, tool_s: float | None) -> Round:
+        """``Round(inp, out, tool_s)`` without the frozen dataclass's ``__init__`` (interpreted even
+        where compiled: one ``object.__setattr__`` by name per field), for ``sessions_from_columns``:
+        its slots set one by one, which mypyc compiles to direct stores, as ``object.__setattr__``
+        on the class's own attribute is, in its own method. The same value: a unit test compares."""
+        r = _new_round(Round)
+        object.__setattr__(r, "input", inp)
+        object.__setattr__(r, "output", out)
+        object.__setattr__(r, "tool_s", tool_s)
+        object.__setattr__(r, "tool", None)
+        object.__setattr__(r, "hash_ids", None)
+        object.__setattr__(r, "hints", None)
+        return r
+
 
 @dataclass(frozen=True, slots=True)
 class Session:
@@ -58,6 +73,15 @@ class Session:
     id: str
     arrival: float
     rounds: tuple[Round, ...]
+
+    @staticmethod
+    def generated(sid: str, arrival: float, rounds: tuple[Round, ...]) -> Session:
+        """``Session(sid, arrival, rounds)`` without the dataclass's ``__init__``, as ``Round.generated``."""
+        s = _new_session(Session)
+        object.__setattr__(s, "id", sid)
+        object.__setattr__(s, "arrival", arrival)
+        object.__setattr__(s, "rounds", rounds)
+        return s
 
     @property
     def input_tokens(self) -> int:
@@ -71,6 +95,29 @@ class Session:
     def context_tokens(self) -> int:
         """KV tokens the session holds after its last round (every input and output)."""
         return self.input_tokens + self.output_tokens
+
+
+# Looked up once: where compiled, ``Round.__new__(Round)`` looks ``__new__`` up on the class at every call.
+_new_round: Final = Round.__new__
+_new_session: Final = Session.__new__
+
+
+def sessions_from_columns(prefix: str, first: int, arrivals: list[float], nrounds: list[int], inputs: list[int],
+                          outputs: list[int], tool_s: list[float]) -> list[Session]:
+    """Generated sessions (``ampd.workload.presets``) from their columns: the i-th (id
+    ``PREFIX-nnnnnn``, n = ``first`` + i, arriving at ``arrivals[i]``) has the next ``nrounds[i]``
+    entries of ``inputs``, ``outputs`` and ``tool_s``, its last round no tool call.
+    Here, compiled, so that building 1M rounds costs no interpreted call per round."""
+    sessions: list[Session] = []
+    o = 0
+    for i in range(len(arrivals)):
+        k = nrounds[i]
+        rounds = [Round.generated(inputs[j], outputs[j], tool_s[j]) for j in range(o, o + k - 1)]
+        if k:
+            rounds.append(Round.generated(inputs[o + k - 1], outputs[o + k - 1], None))
+        o += k
+        sessions.append(Session.generated(f"{prefix}-{first + i:06d}", arrivals[i], tuple(rounds)))
+    return sessions
 
 
 # --------------------------------------------------------------------------------------------

@@ -207,17 +207,78 @@ def test_trace_stats_prefix_sharing_from_hash_ids():
 
 
 def test_generated_rounds_equal_rounds_built_by_the_dataclass():
-    # generate() builds rounds without Round.__init__ (ampd.workload.presets._round): every field set
-    from dataclasses import fields
-
-    from ampd.workload.presets import ROUND_FIELDS, _round
-    from ampd.workload.trace import Round
-
-    assert ROUND_FIELDS == tuple(f.name for f in fields(Round))
-    assert _round(5, 7, 1.25) == Round(5, 7, 1.25) and _round(5, 7, None) == Round(5, 7)
-    assert hash(_round(5, 7, None)) == hash(Round(5, 7))
+    # generate() builds rounds and sessions without the dataclasses' __init__ (Round.generated,
+    # Session.generated): every field set (one left unset fails ==, which reads them all)
+    assert Round.generated(5, 7, 1.25) == Round(5, 7, 1.25) and Round.generated(5, 7, None) == Round(5, 7)
+    assert hash(Round.generated(5, 7, None)) == hash(Round(5, 7))
+    rounds = (Round(5, 7, 1.25), Round(3, 2))
+    assert Session.generated("x", 1.5, rounds) == Session("x", 1.5, rounds)
+    assert hash(Session.generated("x", 1.5, rounds)) == hash(Session("x", 1.5, rounds))
     s = generate("gaia", 0.5, 20.0, 3)
+    assert all(type(x) is Session and x == Session(x.id, x.arrival, x.rounds) for x in s)
     assert all(type(r) is Round and r == Round(r.input, r.output, r.tool_s) for x in s for r in x.rounds)
+
+
+def _reference_generate(preset: str, rate: float, duration: float, seed: int) -> list[Session]:
+    """generate() as it was written first (every draw of the (n, rounds) blocks transformed, a mask
+    per tool, Python's round, Round(...)): the trace the faster one must reproduce exactly."""
+    from ampd.workload.presets import _arrivals
+
+    p = PRESETS[preset]
+    r_arr, r_rounds, r_in, r_out, r_kind, r_tool = (
+        np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(6))
+    arrival = _arrivals(r_arr, float(rate), float(duration))
+    n, w = len(arrival), p.max_rounds
+    nrounds = (p.rounds_shift + r_rounds.binomial(p.rounds_n, p.rounds_p, size=n) if p.rounds_n
+               else np.full(n, p.rounds_shift))
+    z_in = r_in.standard_normal((n, w))
+    inputs = np.empty((n, w))
+    inputs[:, :1] = p.first_input.transform(z_in[:, :1])
+    inputs[:, 1:] = p.later_input.transform(z_in[:, 1:])
+    inputs = np.maximum(np.rint(inputs), 1).astype(np.int64)
+    outputs = np.maximum(np.rint(p.output.transform(r_out.standard_normal((n, w)))), 1).astype(np.int64)
+    shares = np.array([t.share for t in p.tools], dtype=float)
+    kind = np.minimum(np.searchsorted(np.cumsum(shares / shares.sum()), r_kind.random((n, w)), side="right"),
+                      len(p.tools) - 1)
+    z_tool = r_tool.standard_normal((n, w))
+    tool_s = np.zeros((n, w))
+    for k, t in enumerate(p.tools):
+        tool_s[kind == k] = t.latency.transform(z_tool[kind == k])
+    tool_s = np.round(tool_s, 4)
+    out = []
+    for i in range(n):
+        k = int(nrounds[i])
+        rounds = tuple(Round(int(inputs[i, j]), int(outputs[i, j]), float(tool_s[i, j]) if j < k - 1 else None)
+                       for j in range(k))
+        out.append(Session(f"{preset}-{i:06d}", round(float(arrival[i]), 6), rounds))
+    return out
+
+
+@pytest.mark.parametrize("preset", sorted(TABLE1))
+def test_generate_reproduces_the_reference_trace_exactly(preset):
+    from ampd.workload.presets import CHUNK
+
+    def fields(ss: list[Session]) -> list[str]:  # repr: the exact floats, and int/float/None kept apart
+        return [repr((s.id, s.arrival, [(r.input, r.output, r.tool_s, r.tool, r.hash_ids, r.hints)
+                                        for r in s.rounds])) for s in ss]
+
+    for seed, rate in ((0, 2.0), (11, 7.3)):
+        got = generate(preset, rate, (2 * CHUNK + 100) / rate, seed)  # over two chunks
+        assert len(got) > 2 * CHUNK
+        assert fields(got) == fields(_reference_generate(preset, rate, (2 * CHUNK + 100) / rate, seed))
+    assert generate(preset, 1e-3, 1.0, 0) == _reference_generate(preset, 1e-3, 1.0, 0) == []
+
+
+def test_round6_is_pythons_round():
+    from ampd.workload.presets import _round6
+
+    rng = np.random.default_rng(4)
+    x = np.concatenate([rng.random(20_000) * 10.0 ** rng.integers(-8, 12, 20_000),
+                        np.arange(-3000, 3000) / 128,                      # exact ties: to even
+                        (np.arange(1, 3000) + 0.5) / 1e6,                  # ties as written, not as stored
+                        np.nextafter((np.arange(1, 3000) + 0.5) / 1e6, 1),
+                        [0.0, -0.0, 1e-9, -1e-9, 2.0 ** 53, 1e300, 5e-324, np.inf, -np.inf, np.nan]])
+    assert [repr(v) for v in _round6(x)] == [repr(round(v, 6)) for v in x.tolist()]
 
 
 def test_round_ids_follow_hash_ids_so_shared_blocks_share_tokens():
