@@ -4,13 +4,12 @@ A :class:`Piecewise` has breakpoints ``b_0 < b_1 < ... < b_k`` and ``k`` pieces;
 covers ``[b_i, b_{i+1})`` and evaluates ``alpha[i] + beta[i] * x``. Below ``b_0`` the first piece
 is used, at or above ``b_k`` the last one (linear extrapolation).
 
-Evaluation is one :func:`bisect.bisect_right` over the ``k - 1`` inner breakpoints plus one
+Evaluation is one binary search (``bisect_right``'s) over the ``k - 1`` inner breakpoints plus one
 multiply-add, on tuples built once at construction.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -45,12 +44,27 @@ class Piecewise:
         object.__setattr__(self, "inner", bps[1:-1])
 
     def __call__(self, x: float) -> float:
-        i = bisect_right(self.inner, x)
+        return self.at(x)
+
+    def at(self, x: float) -> float:
+        """The value at ``x`` (as a call; the performance model's cost functions call this: compiled,
+        a method call is direct)."""
+        i = self.piece(x)
         return self.alpha[i] + self.beta[i] * x
 
     def piece(self, x: float) -> int:
-        """Index of the piece that evaluates ``x``."""
-        return bisect_right(self.inner, x)
+        """Index of the piece that evaluates ``x``: ``bisect_right(inner, x)``, its loop written out
+        (compiled, native code; ``bisect_right`` is a Python-level call)."""
+        inner = self.inner
+        lo = 0
+        hi = len(inner)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if x < inner[mid]:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
 
     def discontinuities(self) -> list[float]:
         """Jump ``right - left`` at each inner breakpoint (0 for a continuous function)."""

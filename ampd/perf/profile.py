@@ -82,42 +82,16 @@ class KVTransfer:
         return {"bytes_per_link": self.bytes_per_link.to_json(), "links": self.links, "link": self.link}
 
 
-class _Lines:
-    """One piecewise-linear function (``Piecewise``) as the cost functions evaluate it: typed
-    fields and its own search, so that compiled it is native code, no Python-level call or boxed
-    float (a tuple of tuples read back is generic objects and arithmetic). ``at`` is ``Piecewise``'s
-    ``alpha[i] + beta[i] * x`` on piece ``i = bisect_right(inner, x)``, the same floats."""
-
-    __slots__ = ("inner", "alpha", "beta")
-
-    def __init__(self, p: Piecewise) -> None:
-        self.inner: list[float] = [float(v) for v in p.inner]
-        self.alpha: list[float] = [float(v) for v in p.alpha]
-        self.beta: list[float] = [float(v) for v in p.beta]
-
-    def at(self, x: float) -> float:
-        inner = self.inner
-        lo = 0
-        hi = len(inner)
-        while lo < hi:  # bisect_right's loop
-            mid = (lo + hi) // 2
-            if x < inner[mid]:
-                hi = mid
-            else:
-                lo = mid + 1
-        return self.alpha[lo] + self.beta[lo] * x
-
-
 class _Degree:
     """One TP degree's cost terms (``TPModel``), for ``Profile.t_pre`` and ``t_dec``."""
 
     __slots__ = ("pre", "hist", "attn", "dec", "ctx")
 
     def __init__(self, m: TPModel) -> None:
-        self.pre = _Lines(m.pre)
+        self.pre = m.pre
         self.hist: float = float(m.pre_hist_s_per_token)
         self.attn: float = float(m.pre_attn_s_per_token2)
-        self.dec = _Lines(m.dec)
+        self.dec = m.dec
         self.ctx: float = float(m.dec_ctx_s_per_token)
 
 
@@ -137,7 +111,7 @@ class Profile:
     _cap: dict[int, int] = field(init=False, repr=False)
     _chunk: dict[int, int] = field(init=False, repr=False)
     _kv: dict[int, dict[int, float]] = field(init=False, repr=False)
-    _kv_piece: _Lines = field(init=False, repr=False)
+    _kv_piece: Piecewise = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         tps = tuple(sorted(self.tp_models))
@@ -162,7 +136,7 @@ class Profile:
         setattr_(self, "_cap", cap)
         setattr_(self, "_chunk", chunk)
         setattr_(self, "_kv", kv)
-        setattr_(self, "_kv_piece", _Lines(k))
+        setattr_(self, "_kv_piece", k)
 
     # -- errors --------------------------------------------------------------------------------
     def _unknown_tp(self, tp: Any, what: str = "tp") -> ValueError:
