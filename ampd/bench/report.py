@@ -13,7 +13,7 @@ from typing import Sequence
 from ampd.slo import SLO
 
 __all__ = ["SLO", "RoundRecord", "SessionRecord", "SessionVerdict", "judge_session",
-           "build_report", "format_report", "latency_summary", "weighted_latency_summary",
+           "build_report", "format_report", "latency_summary", "weighted_latency_summary", "weighted_summary_of",
            "REPORT_KEYS", "EPS_S", "assemble_report"]
 
 # Comparisons with a threshold allow this much float noise (far below any meaningful latency).
@@ -147,9 +147,21 @@ def weighted_latency_summary(values, weights) -> dict:
     w = np.asarray(weights, dtype=float).ravel()
     if v.shape != w.shape:
         raise ValueError(f"values and weights differ in length ({v.size} != {w.size})")
-    if w.size and (not np.all(np.isfinite(w)) or float(w.min()) < 0):
+    return weighted_summary_of(lambda: ((v, w),))
+
+
+def weighted_summary_of(pieces) -> dict:
+    """``weighted_latency_summary`` of the sample that ``pieces()`` yields as (values, weights)
+    numpy float arrays of any sizes (the same pieces at every call; they are read twice), so that
+    a large sample need not be in memory whole (the simulator's ``ItlPieces``). Every sum runs
+    over blocks of ``_CHUNK`` samples (``_blocks``), so the numbers do not depend on how the
+    sample is cut into pieces: they equal ``weighted_latency_summary`` of it joined."""
+    import numpy as np
+
+    hist = _Histogram(np, pieces)
+    if not math.isfinite(hist.n) or hist.w_min < 0:  # an infinite or NaN weight makes the sum so
         raise ValueError("weights must be finite and >= 0")
-    n = float(w.sum()) if w.size else 0.0
+    n = hist.n
     if n <= 0:
         return {"mean": None, "p50": None, "p90": None, "p99": None}
     ranks = []
@@ -158,8 +170,8 @@ def weighted_latency_summary(values, weights) -> dict:
         lo = math.floor(h)
         hi = min(lo + 1, n - 1) if n > 1 else 0
         ranks += [lo + 1 - 1e-9, hi + 1 - 1e-9]
-    at = _first_reaching(v, w, ranks)
-    out = {"mean": float(np.dot(v, w) / n)}
+    at = _first_reaching(np, pieces, hist, ranks)
+    out = {"mean": hist.dot / n}
     for i, q in enumerate((50, 90, 99)):
         h = (n - 1) * q / 100.0 if n > 1 else 0.0
         a, b = at[2 * i], at[2 * i + 1]
@@ -167,48 +179,155 @@ def weighted_latency_summary(values, weights) -> dict:
     return out
 
 
-# _first_reaching: samples are split into about this many buckets of equal count, and a bucket is
-# sorted only when a rank falls in it; a sample this small is sorted whole
-_SELECT_BUCKETS = 256
+# weighted_summary_of reads a sample in blocks of this many (temporaries of 2 MB that malloc
+# reuses, where ones the size of a 31M sample cost a page fault and a zeroed page per 4 KB)
+_CHUNK = 1 << 18
+# _first_reaching sorts a sample this small whole
 _SORT_WHOLE = 1 << 16
+# a value's bucket: its float's bits less the last _BUCKET_SHIFT (the sign, the exponent and 10
+# bits of mantissa: a bucket spans 1/1024 of a power of two)
+_BUCKET_SHIFT = 42
+_MAGNITUDE = (1 << 63) - 1
 
 
-def _first_reaching(v, w, ranks) -> list[float]:
-    """For each rank r: the smallest value x of ``v`` whose weight at or below it (the sum of
+def _blocks(np, pieces):
+    """The (values, weights) of ``pieces()`` in blocks of ``_CHUNK`` (the last one shorter), in
+    order; a block is valid until the next one is asked for (one staging buffer, reused)."""
+    vb, wb = np.empty(_CHUNK), np.empty(_CHUNK)
+    fill = 0
+    for v, w in pieces():
+        i = 0
+        while i < v.size:
+            if not fill and v.size - i >= _CHUNK:  # a whole block of the piece: no copy
+                yield v[i:i + _CHUNK], w[i:i + _CHUNK]
+                i += _CHUNK
+                continue
+            take = min(_CHUNK - fill, v.size - i)
+            vb[fill:fill + take] = v[i:i + take]
+            wb[fill:fill + take] = w[i:i + take]
+            fill += take
+            i += take
+            if fill == _CHUNK:
+                yield vb, wb
+                fill = 0
+    if fill:
+        yield vb[:fill], wb[:fill]
+
+
+def _bucket_ids(np, v, out):
+    """The bucket of each value of a block, into ``out`` (int64, ``_CHUNK`` long). As an integer a
+    non-negative float's bits grow with its value (a negative one's do with all but the sign bit
+    flipped), so buckets are ordered as their values are: a shift per value (and 3 operations
+    where a sign bit may be set), where a binary search among bucket edges took 15 ns."""
+    bits = v.view(np.int64)
+    out = out[:v.size]
+    if v.min() > 0:
+        return np.right_shift(bits, _BUCKET_SHIFT, out=out)
+    np.right_shift(bits, 63, out=out)
+    out &= _MAGNITUDE
+    out ^= bits
+    return np.right_shift(out, _BUCKET_SHIFT, out=out)
+
+
+class _Histogram:
+    """One pass over a sample's blocks: its size, weight ``n``, least weight, largest value,
+    weighted sum ``dot`` (einsum, not np.dot: OpenBLAS's dot wakes its threads, which then spin
+    ~0.1 CPU s after it returns), whether a value is NaN, and ``weights[i]``, the weight of
+    bucket ``base + i`` (from the least bucket seen to the largest)."""
+
+    def __init__(self, np, pieces) -> None:
+        self.size = 0
+        self.n = self.dot = 0.0
+        self.w_min = math.inf
+        self.hi = -math.inf
+        self.nan = False
+        self.base = 0
+        self.weights = np.zeros(0)
+        self.ids = np.empty(_CHUNK, np.int64)
+        for v, w in _blocks(np, pieces):
+            self.size += v.size
+            self.n += float(w.sum())
+            self.dot += float(np.einsum("i,i", v, w))
+            self.w_min = min(self.w_min, float(w.min()))
+            hi = float(v.max())
+            self.nan = self.nan or math.isnan(hi)
+            self.hi = max(self.hi, hi)
+            self._add(np, _bucket_ids(np, v, self.ids), w)
+
+    def _add(self, np, ids, w) -> None:
+        lo, hi = int(ids.min()), int(ids.max())
+        end = self.base + self.weights.size
+        if not self.weights.size:
+            self.base, self.weights = lo, np.zeros(hi + 1 - lo)
+        elif lo < self.base or hi >= end:  # the buckets seen grow
+            base = min(lo, self.base)
+            grown = np.zeros(max(hi + 1, end) - base)
+            grown[self.base - base:end - base] = self.weights
+            self.base, self.weights = base, grown
+        ids -= lo
+        self.weights[lo - self.base:hi + 1 - self.base] += np.bincount(ids, weights=w, minlength=hi + 1 - lo)
+
+
+def _first_reaching(np, pieces, h: _Histogram, ranks) -> list[float]:
+    """For each rank r: the smallest value x of the sample whose weight at or below it (the sum of
     ``w[v <= x]``) reaches r, that is the value at r of the weighted sorted sample; the largest
     value when none does (float rounding of the weights' sum).
 
-    Without sorting the whole sample (the simulator's 100k-session report has 31M samples: the
-    argsort was most of its ITL summary): the values are bucketed between evenly strided sample
-    values, each bucket's weight summed, and only the buckets the ranks fall in are sorted. The
-    same values as sorting everything, up to the float rounding of the weight sums (summed by
-    bucket instead of one running sum)."""
-    import numpy as np
-
-    if v.size <= _SORT_WHOLE:
-        o = np.argsort(v)  # tie order does not matter (tied values are equal): no stable sort
-        cum = np.cumsum(w[o])
-        last = v.size - 1
-        return [float(v[o[min(int(np.searchsorted(cum, r)), last)]]) for r in ranks]
-    edges = np.unique(v[::v.size // _SELECT_BUCKETS])
-    bucket = np.searchsorted(edges, v)  # bucket b holds the values in (edges[b-1], edges[b]]
-    cum = np.cumsum(np.bincount(bucket, weights=w, minlength=edges.size + 1))
+    Without sorting the whole sample (the simulator's 100k-session report has 31M samples): from
+    the weight of each bucket (``_Histogram``), only the buckets the ranks fall in are gathered
+    and sorted. The same values as sorting everything, up to the float rounding of the weight
+    sums (summed by bucket instead of one running sum)."""
+    if h.size <= _SORT_WHOLE or h.nan:  # NaN: no bucket order to keep
+        v, w = _join(np, [(v.copy(), w.copy()) for v, w in _blocks(np, pieces)])
+        run = _sorted_run(np, v, w, 0.0)
+        return [_pick(np, run, r) for r in ranks]
+    cum = np.cumsum(h.weights)
+    want = [int(np.searchsorted(cum, r)) for r in ranks]
+    members = _members(np, pieces, {h.base + b for b in want if b < cum.size}, h.ids)
     out = []
     done: dict[int, tuple] = {}  # bucket -> (its values sorted, their running weight)
-    for r in ranks:
-        b = int(np.searchsorted(cum, r))
-        if b > edges.size:
-            out.append(float(v.max()))
+    for r, b in zip(ranks, want):
+        if b >= cum.size:
+            out.append(h.hi)
             continue
         got = done.get(b)
         if got is None:
-            sel = np.flatnonzero(bucket == b)
-            bv = v[sel]
-            o = np.argsort(bv)
-            got = done[b] = (bv[o], (float(cum[b - 1]) if b else 0.0) + np.cumsum(w[sel][o]))
-        bv, c = got
-        out.append(float(bv[min(int(np.searchsorted(c, r)), bv.size - 1)]))
+            v, w = members[h.base + b]
+            got = done[b] = _sorted_run(np, v, w, float(cum[b - 1]) if b else 0.0)
+        out.append(_pick(np, got, r))
     return out
+
+
+def _members(np, pieces, buckets: set[int], ids_buf) -> dict:
+    """bucket -> (values, weights) of the sample's members of it, in sample order, for each of
+    ``buckets``."""
+    parts: dict[int, list] = {b: [] for b in buckets}
+    for v, w in _blocks(np, pieces):
+        ids = _bucket_ids(np, v, ids_buf)
+        for b in buckets:
+            hit = ids == b
+            if hit.any():
+                parts[b].append((v[hit], w[hit]))
+    return {b: _join(np, p) for b, p in parts.items()}
+
+
+def _join(np, pairs: list) -> tuple:
+    """(values, weights) pairs of arrays, joined."""
+    if not pairs:
+        return np.empty(0), np.empty(0)
+    return np.concatenate([v for v, _ in pairs]), np.concatenate([w for _, w in pairs])
+
+
+def _sorted_run(np, v, w, base: float) -> tuple:
+    """``v`` sorted and the running weight along it, from ``base``."""
+    o = np.argsort(v)  # tie order does not matter (tied values are equal): no stable sort
+    return v[o], base + np.cumsum(w[o])
+
+
+def _pick(np, run: tuple, r: float) -> float:
+    """The first value of a ``_sorted_run`` whose running weight reaches ``r`` (else its last)."""
+    sv, cum = run
+    return float(sv[min(int(np.searchsorted(cum, r)), sv.size - 1)])
 
 
 def build_report(policy: str, sessions: Sequence[SessionRecord], slo: SLO, duration_s: float,

@@ -23,8 +23,17 @@ DEFAULT_MAX_FULL_TOKENS = 3_000_000
 _UNFINISHED = "unfinished at the end of the simulation"
 
 
-def total_tokens(res: SimResult) -> int:
-    return sum(r.n_tokens for s in res.sessions for r in s.rounds)
+def total_tokens(res: SimResult, above: int | None = None) -> int:
+    """The run's output tokens; with ``above``, counted only until they pass it (``sim_report``
+    asks whether the run fits the full report: a paper-scale run passes 3M in its first 1 % of
+    sessions, where the whole count is a pass over its 1.1M rounds)."""
+    tokens = 0
+    for s in res.sessions:
+        for r in s.rounds:
+            tokens += r.n_tokens
+        if above is not None and tokens > above:
+            break
+    return tokens
 
 
 def to_session_records(res: SimResult) -> list:
@@ -74,7 +83,7 @@ def _sim_report(res: SimResult, slo, max_full_tokens: int, extras: bool) -> dict
 
     d = res.duration_s
     duration = d if d > 0 and math.isfinite(d) else 1e-9
-    if total_tokens(res) <= max_full_tokens:
+    if total_tokens(res, max_full_tokens) <= max_full_tokens:
         report = build_report(res.policy, to_session_records(res), slo, duration)
         path = "full"
     else:
@@ -93,12 +102,15 @@ def compact_report(res: SimResult, slo, duration: float) -> dict:
     rounds into flat lists, then numpy. The same numbers (same samples in the same order, the same
     SLO rule, ``judge_session``'s, written out for compact rounds); a test in tests/unit/test_sim.py
     compares the two. Measured: the 100k-session GAIA report went from 14.5 CPU s (on a loaded box)
-    to 8.3 (benchmarks/results/sim_speed.json)."""
+    to 8.3 (benchmarks/results/sim_speed.json), then, compiled, from 2.2-4.4 to 1.1-1.4 (the ITL
+    samples read in pieces, the rounds' first steps gathered in this pass: docs/simulator.md)."""
     from collections import Counter
 
     import numpy as np  # imported here: a planner run does not pay for it
 
-    from ampd.bench.report import EPS_S, assemble_report, weighted_latency_summary
+    from ampd.bench.report import EPS_S, assemble_report, weighted_summary_of
+
+    from .steplog import FirstSteps, ItlPieces
 
     ttft_lim = slo.ttft_s + EPS_S
     itl_lim = slo.itl_s + EPS_S
@@ -111,13 +123,14 @@ def compact_report(res: SimResult, slo, duration: float) -> dict:
     local = remote = rounds_total = rounds_done = tokens = 0
     add_t = ttft_all.append
     add_i = is_init.append
+    firsts = FirstSteps()  # for the ITL samples, gathered in this pass over the rounds, not another
     for s in res.sessions:
         rounds = s.rounds
         ttft_ok = bool(rounds)
         span = 0.0
         gaps = 0
         # SimRound's fields unpacked (one C loop) rather than read by name, per round
-        for rnd, ready, ft, last, nt, loc, _, _, _ in rounds:
+        for rnd, ready, ft, last, nt, loc, worker, step_lo, _ in rounds:
             if loc is True:
                 local += 1
             elif loc is False:
@@ -135,6 +148,7 @@ def compact_report(res: SimResult, slo, duration: float) -> dict:
                 if nt > 1:
                     span += last - ft
                     gaps += nt - 1
+                    firsts.add(ft, worker, step_lo)
         rounds_total += len(rounds)
         itl_ok = not gaps or span / gaps <= itl_lim
         ttft_ok_n += ttft_ok
@@ -155,5 +169,5 @@ def compact_report(res: SimResult, slo, duration: float) -> dict:
     return assemble_report(res.policy, slo, duration, n=n, completed=completed, attained=attained,
                            ttft_ok=ttft_ok_n, itl_ok=itl_ok_n, local=local, remote=remote, ttft_all=ttft,
                            ttft_init=ttft[init], ttft_incr=ttft[~init],
-                           itl_summary=weighted_latency_summary(*res.itl_samples()), e2e=e2e,
+                           itl_summary=weighted_summary_of(ItlPieces(res.step_logs, firsts)), e2e=e2e,
                            rounds_total=rounds_total, rounds_done=rounds_done, tokens=tokens, errors=errors)

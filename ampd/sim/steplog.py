@@ -11,12 +11,12 @@ from __future__ import annotations
 from array import array
 from bisect import bisect_right
 from struct import Struct
-from typing import Final, TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Final, Iterator
 
 if TYPE_CHECKING:  # (a cycle: ampd.sim.result imports this module)
     from .result import SimSession
 
-__all__ = ["StepLog", "itl_samples", "SERIES_POINTS", "pack_row"]
+__all__ = ["StepLog", "itl_samples", "ItlPieces", "FirstSteps", "SERIES_POINTS", "pack_row"]
 
 # one row of a StepLog (StepLog.FIELDS order) as bytes: pack_row(lo, t0, A, g, k, n, old, prev)
 pack_row = Struct("=8d").pack
@@ -91,6 +91,9 @@ class StepLog:
 
 # at most this many points summarise the gaps inside one run of steps (compact ITL percentiles)
 SERIES_POINTS: Final = 16
+# ItlPieces yields the samples in pieces of at most this many (values and weights of 2 MB each):
+# ampd.bench.report's _CHUNK, the blocks weighted_summary_of reads
+PIECE: Final = 1 << 18
 
 
 def itl_samples(step_logs: list[StepLog], sessions: list[SimSession]) -> tuple:
@@ -100,96 +103,158 @@ def itl_samples(step_logs: list[StepLog], sessions: list[SimSession]) -> tuple:
     pause); step ``j >= 1`` of a run has the gap ``A + g*j`` shared by the whole batch (a long
     run's arithmetic series is summarised by ``SERIES_POINTS`` evenly spaced points carrying
     equal weight); a round's first gap (first token -> its first step) is its own sample.
-    Vectorised with numpy (the same samples as a per-segment loop)."""
+    Vectorised with numpy (the same samples as a per-segment loop, tests/unit/test_sim.py), in
+    ``ItlPieces``' order: its pieces joined."""
     import numpy as np
 
-    P = SERIES_POINTS
-    # pass 1: per log, the segments of each part; the output is allocated once and filled in
-    # place (31M samples at paper scale: no temporaries of that size, no final concatenation)
-    plan = []
-    size = 0
-    for lg in step_logs:
-        if not len(lg.lo):
-            continue
-        k = np.frombuffer(lg.k, dtype=np.int64)
-        old = np.frombuffer(lg.old, dtype=np.int64)
-        m = np.nonzero(old)[0]
-        sh = np.nonzero((k > 1) & (k - 1 <= P))[0]  # short runs: every step j = 1 .. k-1
-        c = k[sh] - 1
-        lo_ = np.nonzero(k - 1 > P)[0]  # long runs: P evenly spaced points of the series
-        nsh = int(c.sum())
-        plan.append((lg, k, old, m, sh, c, lo_, size))
-        size += m.size + nsh + lo_.size * P
-    # the rounds with a gap: their first token, decode worker and first step, in one pass (unpacked:
-    # compiled, a named tuple's fields read by position are direct, by name a Python lookup)
-    first: list[float] = []
-    workers: list[int] = []
-    los: list[int] = []
-    for sess in sessions:
-        for _, _, ft, _, nt, _, worker, step_lo, _ in sess.rounds:
-            if nt > 1:
-                first.append(ft)
-                workers.append(worker)
-                los.append(step_lo)
-    cnt = len(first)
-    vals = np.empty(size + cnt)
-    wts = np.empty(size + cnt)
-    for lg, k, old, m, sh, c, lo_, at in plan:
-        _run_gaps(np, lg, k, old, m, sh, c, lo_, vals, wts, at)
-    if cnt:  # each round's first gap: first token -> end of its first step
-        ends = _first_steps_end(np, step_logs, np.array(workers, dtype=np.int64), np.array(los, dtype=np.int64))
-        np.subtract(ends, np.array(first, dtype=np.float64), out=vals[size:])
-        wts[size:] = 1.0
+    pieces = ItlPieces(step_logs, FirstSteps.of(sessions))
+    vals = np.empty(pieces.size)
+    wts = np.empty(pieces.size)
+    at = 0
+    for v, w in pieces():
+        e = at + v.size
+        vals[at:e] = v
+        wts[at:e] = w
+        at = e
     return vals, wts
 
 
-def _run_gaps(np, lg, k, old, m, sh, c, lo_, vals, wts, at: int) -> None:
-    """One step log's run gaps, written into ``vals``/``wts`` from ``at`` (see itl_samples): ``m``
-    the runs with ``old`` sessions, ``sh`` the short runs (``c`` steps after the first), ``lo_``
-    the long ones."""
+class ItlPieces:
+    """The samples of ``itl_samples`` as a callable that yields them as (values, weights) pieces
+    of at most ``PIECE``, anew at each call: the compact report reads them twice
+    (``weighted_summary_of``) without the whole sample in memory (31M samples at paper scale: 500
+    MB of fresh pages, which the kernel zeroed in ~0.4 CPU s). In this order: every log's long
+    runs (``PIECE // SERIES_POINTS`` to a piece, point by point: numpy's loops then run along the
+    runs, not 16 points at a time; a piece of ``PIECE`` samples, which the report reads without
+    copying), then each log's first steps and short runs, then the rounds' first gaps. ``size``:
+    the number of samples."""
+
+    def __init__(self, step_logs: list[StepLog], firsts: FirstSteps) -> None:
+        import numpy as np
+
+        self.np: Any = np
+        self.runs = [_Runs(np, lg) for lg in step_logs if len(lg.lo)]
+        # the long runs of all logs, one after the other: (k, A, g, each point's weight)
+        self.long = [np.concatenate(col) for col in zip(*[r.long(np) for r in self.runs])]
+        self.first_gaps = firsts.gaps(np, step_logs)
+        n_long = self.long[0].size if self.long else 0
+        self.size: int = n_long * SERIES_POINTS + sum([r.size for r in self.runs]) + self.first_gaps.size
+
+    def __call__(self) -> Iterator[tuple]:
+        np = self.np
+        if self.long:
+            yield from _long_pieces(np, *self.long)
+        for runs in self.runs:
+            yield from runs.pieces(np)
+        fg = self.first_gaps
+        for i in range(0, fg.size, PIECE):
+            v = fg[i:i + PIECE]
+            yield v, np.ones(v.size)
+
+
+def _long_pieces(np: Any, k: Any, A: Any, g: Any, w: Any) -> Iterator[tuple]:
+    """The long runs' points, ``A + g * (1 + (k - 2) * i / P)`` at ``i = 0.5 .. P - 0.5`` (``P``:
+    ``SERIES_POINTS``), each weighted ``w``, for ``PIECE // P`` runs at a time, point by point."""
     P = SERIES_POINTS
-    t0 = np.frombuffer(lg.t0, dtype=np.float64)
-    A = np.frombuffer(lg.A, dtype=np.float64)
-    g = np.frombuffer(lg.g, dtype=np.float64)
-    n = np.frombuffer(lg.n, dtype=np.int64).astype(np.float64)
-    prev = np.frombuffer(lg.prev, dtype=np.float64)
-    # the first step of a run: one gap shared by the ``old`` sessions (any prefill pause in it)
-    e = at + m.size
-    np.subtract(t0[m] + A[m], prev[m], out=vals[at:e])
-    wts[at:e] = old[m]
-    at = e
-    if sh.size:
-        idx = np.repeat(sh, c)
-        starts = np.cumsum(c) - c
-        j = (np.arange(idx.size) - np.repeat(starts, c) + 1).astype(np.float64)
-        e = at + idx.size
-        np.add(A[idx], g[idx] * j, out=vals[at:e])
-        wts[at:e] = n[idx]
-        at = e
-    if lo_.size:
-        kk = k[lo_].astype(np.float64)[:, None]
-        i = (np.arange(P, dtype=np.float64) + 0.5)[None, :]
-        e = at + lo_.size * P
-        out = vals[at:e].reshape(lo_.size, P)
-        # A + g * (1 + (k - 2) * i / P), the same operations in place
-        np.multiply(kk - 2, i, out=out)
+    B = PIECE // P
+    pts = (np.arange(P, dtype=np.float64) + 0.5)[:, None]
+    for i in range(0, k.size, B):
+        out = (k[i:i + B] - 2)[None, :] * pts
         out /= P
         out += 1
-        out *= g[lo_][:, None]
-        out += A[lo_][:, None]
-        wts[at:e] = np.repeat(n[lo_] * (k[lo_] - 1) / P, P)
+        out *= g[i:i + B]
+        out += A[i:i + B]
+        yield out.ravel(), np.broadcast_to(w[i:i + B], out.shape).ravel()
+
+
+class _Runs:
+    """One step log's runs as ``ItlPieces`` reads them: ``m`` the runs with ``old`` sessions
+    (their first step's gap), ``sh`` the short runs (every step j = 1 .. k-1: ``c`` of them) and
+    ``lo_`` the long ones (``SERIES_POINTS`` points of the series). ``size``: the samples of
+    ``pieces`` (the long runs' are ``long``'s)."""
+
+    def __init__(self, np: Any, lg: StepLog) -> None:
+        P = SERIES_POINTS
+        self.k = k = np.frombuffer(lg.k, dtype=np.int64)
+        self.old = old = np.frombuffer(lg.old, dtype=np.int64)
+        self.t0 = np.frombuffer(lg.t0, dtype=np.float64)
+        self.A = np.frombuffer(lg.A, dtype=np.float64)
+        self.g = np.frombuffer(lg.g, dtype=np.float64)
+        self.n = np.frombuffer(lg.n, dtype=np.int64).astype(np.float64)
+        self.prev = np.frombuffer(lg.prev, dtype=np.float64)
+        self.m = np.nonzero(old)[0]
+        self.sh = np.nonzero((k > 1) & (k - 1 <= P))[0]
+        self.c = k[self.sh] - 1
+        self.lo_ = np.nonzero(k - 1 > P)[0]
+        self.size: int = self.m.size + int(self.c.sum())
+
+    def long(self, np: Any) -> tuple:
+        """The long runs' (k, A, g, each point's weight), as ``_long_pieces`` takes them."""
+        lo_ = self.lo_
+        k = self.k[lo_]
+        return k.astype(np.float64), self.A[lo_], self.g[lo_], self.n[lo_] * (k - 1) / SERIES_POINTS
+
+    def pieces(self, np: Any) -> Iterator[tuple]:
+        """The first steps' gaps, then the short runs'."""
+        B = PIECE // SERIES_POINTS  # short runs per piece
+        A, g, n, m = self.A, self.g, self.n, self.m
+        for i in range(0, m.size, PIECE):  # a run's first step: one gap for its ``old`` sessions
+            mm = m[i:i + PIECE]
+            yield self.t0[mm] + A[mm] - self.prev[mm], self.old[mm].astype(np.float64)
+        for i in range(0, self.sh.size, B):
+            sh, c = self.sh[i:i + B], self.c[i:i + B]
+            idx = np.repeat(sh, c)
+            j = (np.arange(idx.size) - np.repeat(np.cumsum(c) - c, c) + 1).astype(np.float64)
+            yield A[idx] + g[idx] * j, n[idx]
+
+
+class FirstSteps:
+    """The rounds with a first gap (two tokens or more) as ``ItlPieces`` reads them: each one's first
+    token, decode worker and first step there, in round order. The compact report adds them in its
+    own pass over the rounds (a pass over 1.1M rounds scattered over the heap by a 25 s simulation
+    costs ~0.3 CPU s, mostly cache misses); ``of`` makes that pass for ``itl_samples``."""
+
+    def __init__(self) -> None:
+        self.first: list[float] = []
+        self.worker: list[int] = []
+        self.step_lo: list[int] = []
+
+    def add(self, first: float, worker: int, step_lo: int) -> None:
+        self.first.append(first)
+        self.worker.append(worker)
+        self.step_lo.append(step_lo)
+
+    @staticmethod
+    def of(sessions: list[SimSession]) -> FirstSteps:
+        fs = FirstSteps()
+        # unpacked: compiled, a named tuple's fields read by position are direct, by name a Python lookup
+        for sess in sessions:
+            for _, _, ft, _, nt, _, worker, step_lo, _ in sess.rounds:
+                if nt > 1:
+                    fs.add(ft, worker, step_lo)
+        return fs
+
+    def gaps(self, np: Any, step_logs: list[StepLog]) -> Any:
+        """Each round's first gap: its first token -> the end of its first decode step."""
+        cnt = len(self.first)  # (np.fromiter: a list read as numbers, ~30 % faster than np.array's)
+        if not cnt:
+            return np.empty(0)
+        ends = _first_steps_end(np, step_logs, np.fromiter(self.worker, np.int64, cnt),
+                                np.fromiter(self.step_lo, np.int64, cnt))
+        return np.subtract(ends, np.fromiter(self.first, np.float64, cnt), out=ends)
 
 
 def _first_steps_end(np, step_logs, wk_a, lo_a):
     """When each round's first decode step ended, by its worker's step log (``wk_a``: each round's
     decode worker, ``lo_a``: its first step there)."""
     first = np.empty(len(wk_a))
-    for w in np.unique(wk_a):
+    for w in np.flatnonzero(np.bincount(wk_a)):  # the workers present (np.unique sorted 1.1M rounds)
         sel = wk_a == w
         lg = step_logs[int(w)]
         LO = np.frombuffer(lg.lo, dtype=np.int64)
-        s = np.searchsorted(LO, lo_a[sel], side="right") - 1
-        jj = (lo_a[sel] - LO[s]).astype(np.float64)
+        lo_w = lo_a[sel]
+        s = np.searchsorted(LO, lo_w, side="right") - 1
+        jj = (lo_w - LO[s]).astype(np.float64)
         T0 = np.frombuffer(lg.t0, dtype=np.float64)[s]
         AA = np.frombuffer(lg.A, dtype=np.float64)[s]
         GG = np.frombuffer(lg.g, dtype=np.float64)[s]

@@ -201,26 +201,50 @@ def test_weighted_itl_samples_match_repeated_samples():
     assert weighted_latency_summary([1.0], [0.0])["mean"] is None
     with pytest.raises(ValueError):
         weighted_latency_summary([1.0, 2.0], [1.0])
-    with pytest.raises(ValueError):
-        weighted_latency_summary([1.0], [-1.0])
+    for bad in (-1.0, np.inf, np.nan):
+        with pytest.raises(ValueError):
+            weighted_latency_summary([1.0, 2.0], [1.0, bad])
     s = [sess("a", 0.0, [rnd("a", 0, 0.0, 0.1, (0.2,))])]
     r = build_report("p", s, SLOS, 1.0, itl_samples=(v, w))
     assert r["itl_s"] == got
     assert r["slo_attainment"] == 1.0  # verdicts use the session's own gaps, not the samples
 
 
-def test_weighted_summary_selects_the_percentiles_of_a_large_sample():
+def _large_sample(kind, rng, n):
+    if kind == "latencies":
+        return np.round(rng.lognormal(-4, 0.5, n), 5)
+    v = np.round(rng.normal(0, 1, n), 3)  # signed, with ties, 0.0 and -0.0
+    v[::7] = -0.0
+    if kind == "extremes":  # buckets over the whole float range
+        v[:4] = [1e-300, -1e300, 1e300, np.inf]
+    return v
+
+
+@pytest.mark.parametrize("kind", ["latencies", "signed", "extremes"])
+def test_weighted_summary_selects_the_percentiles_of_a_large_sample(kind):
     # above _SORT_WHOLE the percentiles are selected bucket by bucket: the same numbers as the
     # repeated sample's np.percentile (integer weights, ties and zero weights included)
-    import numpy as np
-
     from ampd.bench import report
 
     rng = np.random.default_rng(5)
     n = report._SORT_WHOLE + 30_000
-    v = np.round(rng.lognormal(-4, 0.5, n), 5)
+    v = _large_sample(kind, rng, n)
     w = rng.integers(0, 4, n).astype(float)
     got = report.weighted_latency_summary(v, w)
     want = report.latency_summary(np.repeat(v, w.astype(int)))
     for k in ("p50", "p90", "p99"):
         assert got[k] == pytest.approx(want[k], rel=1e-12, abs=0)
+
+
+def test_weighted_summary_of_pieces_is_that_of_the_sample_joined():
+    # however the sample is cut, the numbers are the same bits (sums run over fixed blocks)
+    from ampd.bench import report
+
+    rng = np.random.default_rng(7)
+    n = 3 * report._CHUNK + 12_345
+    v, w = rng.lognormal(-4, 0.5, n), rng.random(n) * 4
+    cuts = np.sort(rng.choice(n, 40, replace=False))
+    pieces = list(zip(np.split(v, cuts), np.split(w, cuts)))
+    got = report.weighted_summary_of(lambda: iter(pieces))
+    assert got == report.weighted_latency_summary(v, w)
+    assert got["mean"] == pytest.approx(np.dot(v, w) / w.sum(), rel=1e-12)

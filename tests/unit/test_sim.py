@@ -163,6 +163,39 @@ def test_compact_report_is_the_record_path_exactly(rate, ttft, itl):
     assert got["attained"] < got["sessions"] and got["errors"]
 
 
+def _itl_samples_by_segment(r):
+    """itl_samples' samples computed one segment and one round at a time (the definition)."""
+    from ampd.sim.steplog import SERIES_POINTS as P
+
+    out = []
+    for lg in r.step_logs:
+        lg.finish()
+        for lo, t0, A, g, k, n, old, prev in zip(lg.lo, lg.t0, lg.A, lg.g, lg.k, lg.n, lg.old, lg.prev):
+            if old:
+                out.append((t0 + A - prev, float(old)))
+            if 1 < k <= P + 1:
+                out += [(A + g * float(j), float(n)) for j in range(1, k)]
+            elif k > P + 1:
+                out += [(A + g * (1 + (k - 2.0) * (i + 0.5) / P), n * (k - 1) / P) for i in range(P)]
+    out += [(r.step_logs[rd.worker].step_end(rd.step_lo) - rd.first_token, 1.0)
+            for s in r.sessions for rd in s.rounds if rd.n_tokens > 1]
+    return out
+
+
+def test_itl_samples_are_every_segments_gaps():
+    from ampd.sim.steplog import FirstSteps, ItlPieces
+
+    sessions = workload.generate("hotpotqa", 4.0, 20, 3)
+    r = _run(sessions, policy="ampd", prefill="tp1*1", decode="tp1*2")
+    v, w = r.itl_samples()
+    want = _itl_samples_by_segment(r)
+    assert sorted(zip(v.tolist(), w.tolist())) == sorted(want)
+    assert (w > 1).any() and any(k > 17 for lg in r.step_logs for k in lg.k)  # long runs too
+    pieces = ItlPieces(r.step_logs, FirstSteps.of(r.sessions))
+    got = [p for piece in pieces() for p in zip(*piece)]
+    assert len(got) == pieces.size and got == list(zip(v, w))
+
+
 def test_colocated_has_no_prefill_workers():
     sessions = workload.generate("toolbench", 2.0, 10, 2)
     r = _run(sessions, policy="colocated", prefill="none", decode="tp1*2")
