@@ -15,8 +15,9 @@ __all__ = ["remote_parts", "remote_prefill_s", "t_remote", "t_local", "pre_s", "
 
 # The cost model's three lookups as the cores call them. Compiled, a call through the protocol is a
 # Python-level call (arguments boxed, then parsed), while on a ``Profile`` (the simulator's and the
-# services' model) it is a direct C call: one type test buys that (the simulator's cost-model calls
-# ran ~3x faster). Any other model (a test's stand-in) takes the protocol's path.
+# services' model) it is a direct C call: one type test buys that (with Profile's lookups made
+# native, the compiled simulation of 10k GAIA sessions went from 2.42 to 2.00 CPU s). Any other
+# model (a test's stand-in) takes the protocol's path.
 def pre_s(cost: CostModel, tp: int, l_hist: int, l_incr: int) -> float:
     """``cost.t_pre(tp, l_hist, l_incr)``."""
     if isinstance(cost, Profile):
