@@ -14,7 +14,7 @@ from ampd.slo import SLO
 
 __all__ = ["SLO", "RoundRecord", "SessionRecord", "SessionVerdict", "judge_session",
            "build_report", "format_report", "latency_summary", "weighted_latency_summary", "weighted_summary_of",
-           "REPORT_KEYS", "EPS_S", "assemble_report"]
+           "REPORT_KEYS", "EPS_S", "assemble_report", "SAMPLE_BLOCK"]
 
 # Comparisons with a threshold allow this much float noise (far below any meaningful latency).
 EPS_S = 1e-9
@@ -154,7 +154,7 @@ def weighted_summary_of(pieces) -> dict:
     """``weighted_latency_summary`` of the sample that ``pieces()`` yields as (values, weights)
     numpy float arrays of any sizes (the same pieces at every call; they are read twice), so that
     a large sample need not be in memory whole (the simulator's ``ItlPieces``). Every sum runs
-    over blocks of ``_CHUNK`` samples (``_blocks``), so the numbers do not depend on how the
+    over blocks of ``SAMPLE_BLOCK`` samples (``_blocks``), so the numbers do not depend on how the
     sample is cut into pieces: they equal ``weighted_latency_summary`` of it joined."""
     import numpy as np
 
@@ -180,8 +180,9 @@ def weighted_summary_of(pieces) -> dict:
 
 
 # weighted_summary_of reads a sample in blocks of this many (temporaries of 2 MB that malloc
-# reuses, where ones the size of a 31M sample cost a page fault and a zeroed page per 4 KB)
-_CHUNK = 1 << 18
+# reuses, where ones the size of a 31M sample cost a page fault and a zeroed page per 4 KB); the
+# simulator's ItlPieces yields pieces of this size, which it then reads without copying
+SAMPLE_BLOCK = 1 << 18
 # _first_reaching sorts a sample this small whole
 _SORT_WHOLE = 1 << 16
 # a value's bucket: its float's bits less the last _BUCKET_SHIFT (the sign, the exponent and 10
@@ -191,23 +192,23 @@ _MAGNITUDE = (1 << 63) - 1
 
 
 def _blocks(np, pieces):
-    """The (values, weights) of ``pieces()`` in blocks of ``_CHUNK`` (the last one shorter), in
+    """The (values, weights) of ``pieces()`` in blocks of ``SAMPLE_BLOCK`` (the last one shorter), in
     order; a block is valid until the next one is asked for (one staging buffer, reused)."""
-    vb, wb = np.empty(_CHUNK), np.empty(_CHUNK)
+    vb, wb = np.empty(SAMPLE_BLOCK), np.empty(SAMPLE_BLOCK)
     fill = 0
     for v, w in pieces():
         i = 0
         while i < v.size:
-            if not fill and v.size - i >= _CHUNK:  # a whole block of the piece: no copy
-                yield v[i:i + _CHUNK], w[i:i + _CHUNK]
-                i += _CHUNK
+            if not fill and v.size - i >= SAMPLE_BLOCK:  # a whole block of the piece: no copy
+                yield v[i:i + SAMPLE_BLOCK], w[i:i + SAMPLE_BLOCK]
+                i += SAMPLE_BLOCK
                 continue
-            take = min(_CHUNK - fill, v.size - i)
+            take = min(SAMPLE_BLOCK - fill, v.size - i)
             vb[fill:fill + take] = v[i:i + take]
             wb[fill:fill + take] = w[i:i + take]
             fill += take
             i += take
-            if fill == _CHUNK:
+            if fill == SAMPLE_BLOCK:
                 yield vb, wb
                 fill = 0
     if fill:
@@ -215,7 +216,7 @@ def _blocks(np, pieces):
 
 
 def _bucket_ids(np, v, out):
-    """The bucket of each value of a block, into ``out`` (int64, ``_CHUNK`` long). As an integer a
+    """The bucket of each value of a block, into ``out`` (int64, ``SAMPLE_BLOCK`` long). As an integer a
     non-negative float's bits grow with its value (a negative one's do with all but the sign bit
     flipped), so buckets are ordered as their values are: a shift per value (and 3 operations
     where a sign bit may be set), where a binary search among bucket edges took 15 ns."""
@@ -243,7 +244,7 @@ class _Histogram:
         self.nan = False
         self.base = 0
         self.weights = np.zeros(0)
-        self.ids = np.empty(_CHUNK, np.int64)
+        self.ids = np.empty(SAMPLE_BLOCK, np.int64)
         for v, w in _blocks(np, pieces):
             self.size += v.size
             self.n += float(w.sum())

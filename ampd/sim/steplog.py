@@ -13,6 +13,8 @@ from bisect import bisect_right
 from struct import Struct
 from typing import TYPE_CHECKING, Any, Final, Iterator
 
+from ampd.bench.report import SAMPLE_BLOCK
+
 if TYPE_CHECKING:  # (a cycle: ampd.sim.result imports this module)
     from .result import SimSession
 
@@ -91,9 +93,6 @@ class StepLog:
 
 # at most this many points summarise the gaps inside one run of steps (compact ITL percentiles)
 SERIES_POINTS: Final = 16
-# ItlPieces yields the samples in pieces of at most this many (values and weights of 2 MB each):
-# ampd.bench.report's _CHUNK, the blocks weighted_summary_of reads
-PIECE: Final = 1 << 18
 
 
 def itl_samples(step_logs: list[StepLog], sessions: list[SimSession]) -> tuple:
@@ -121,11 +120,11 @@ def itl_samples(step_logs: list[StepLog], sessions: list[SimSession]) -> tuple:
 
 class ItlPieces:
     """The samples of ``itl_samples`` as a callable that yields them as (values, weights) pieces
-    of at most ``PIECE``, anew at each call: the compact report reads them twice
+    of at most ``SAMPLE_BLOCK``, anew at each call: the compact report reads them twice
     (``weighted_summary_of``) without the whole sample in memory (31M samples at paper scale: 500
     MB of fresh pages, which the kernel zeroed in ~0.4 CPU s). In this order: every log's long
-    runs (``PIECE // SERIES_POINTS`` to a piece, point by point: numpy's loops then run along the
-    runs, not 16 points at a time; a piece of ``PIECE`` samples, which the report reads without
+    runs (``SAMPLE_BLOCK // SERIES_POINTS`` to a piece, point by point: numpy's loops then run along the
+    runs, not 16 points at a time; a piece of ``SAMPLE_BLOCK`` samples, which the report reads without
     copying), then each log's first steps and short runs, then the rounds' first gaps. ``size``:
     the number of samples."""
 
@@ -147,16 +146,16 @@ class ItlPieces:
         for runs in self.runs:
             yield from runs.pieces(np)
         fg = self.first_gaps
-        for i in range(0, fg.size, PIECE):
-            v = fg[i:i + PIECE]
+        for i in range(0, fg.size, SAMPLE_BLOCK):
+            v = fg[i:i + SAMPLE_BLOCK]
             yield v, np.ones(v.size)
 
 
 def _long_pieces(np: Any, k: Any, A: Any, g: Any, w: Any) -> Iterator[tuple]:
     """The long runs' points, ``A + g * (1 + (k - 2) * i / P)`` at ``i = 0.5 .. P - 0.5`` (``P``:
-    ``SERIES_POINTS``), each weighted ``w``, for ``PIECE // P`` runs at a time, point by point."""
+    ``SERIES_POINTS``), each weighted ``w``, for ``SAMPLE_BLOCK // P`` runs at a time, point by point."""
     P = SERIES_POINTS
-    B = PIECE // P
+    B = SAMPLE_BLOCK // P
     pts = (np.arange(P, dtype=np.float64) + 0.5)[:, None]
     for i in range(0, k.size, B):
         out = (k[i:i + B] - 2)[None, :] * pts
@@ -196,10 +195,10 @@ class _Runs:
 
     def pieces(self, np: Any) -> Iterator[tuple]:
         """The first steps' gaps, then the short runs'."""
-        B = PIECE // SERIES_POINTS  # short runs per piece
+        B = SAMPLE_BLOCK // SERIES_POINTS  # short runs per piece
         A, g, n, m = self.A, self.g, self.n, self.m
-        for i in range(0, m.size, PIECE):  # a run's first step: one gap for its ``old`` sessions
-            mm = m[i:i + PIECE]
+        for i in range(0, m.size, SAMPLE_BLOCK):  # a run's first step: one gap for its ``old`` sessions
+            mm = m[i:i + SAMPLE_BLOCK]
             yield self.t0[mm] + A[mm] - self.prev[mm], self.old[mm].astype(np.float64)
         for i in range(0, self.sh.size, B):
             sh, c = self.sh[i:i + B], self.c[i:i + B]

@@ -241,7 +241,7 @@ def test_weighted_summary_of_pieces_is_that_of_the_sample_joined():
     from ampd.bench import report
 
     rng = np.random.default_rng(7)
-    n = 3 * report._CHUNK + 12_345
+    n = 3 * report.SAMPLE_BLOCK + 12_345
     v, w = rng.lognormal(-4, 0.5, n), rng.random(n) * 4
     cuts = np.sort(rng.choice(n, 40, replace=False))
     pieces = list(zip(np.split(v, cuts), np.split(w, cuts)))
