@@ -25,6 +25,11 @@ which reached at least ``REACH`` of its target). One coordinator and two coordin
 in the same run, both deployments up, taking turns at each rate (each point twice, the lower P99
 counting), with the load average beside each point.
 
+A coordinator's CPU per round falls as its own rate rises (more events per wake-up of its loop), so
+the CPU comparison of one and two is made at the same load per coordinator (``matched``: one at R
+rounds/s, two at 2R), each coordinator's CPU split by thread (its event loop's, grpc.aio's poller's)
+and into user and kernel time (/proc/PID/task).
+
 Then the coordinator at the highest rate it was measured at is profiled with py-spy (``PROFILE_S`` seconds,
 ``--gil``: only samples of a thread holding the GIL, so its waits in the event loop's poll are not
 counted as work): the functions with the most samples go to ``profile`` in the results, where its
@@ -60,23 +65,24 @@ REACH = 0.8  # a point counts only if it achieved this share of its target rate
 GOAL_ONE, GOAL_RATIO = 2000.0, 1.8
 PROFILE_S = 8.0
 READING = (
-    "capacity_rounds_per_s: the latency criterion (P99 TTFT within twice the lowest rate's). On a 2-core box "
-    "shared with other work (see loadavg_1m) it marks where the box's scheduling jitter doubles the P99, with "
-    "the coordinator far from busy (cpu_ms_per_round x rate: a fraction of one core), so it is the same for one "
-    "and two coordinators. cpu_capacity_rounds_per_s: 1 / (one coordinator's CPU seconds per round it routes), "
-    "what one coordinator routes on a core of its own; for two coordinators the per-coordinator rate measured "
-    "with both serving (each also follows every worker's statistics), and cpu_capacity_two_over_one = twice "
-    "that over one's; redis_cpu_capacity_rounds_per_s bounds any number of coordinators. profile.where_time_goes: "
-    "py-spy's samples of the one coordinator at the highest rate measured, by category, taken only while a "
-    "thread holds the GIL (py-spy --gil): the Python-side CPU, waits left out (the event loop category is the "
-    "C work called from the loop: uvloop, and grpc's server-side reads and writes; the gRPC poller thread's C "
-    "work and the kernel's are not sampled). A round through the "
-    "coordinator is six gRPC messages (the decode worker's prefill_task, first tokens and round end in; its "
-    "route to the decode worker, unanswered, out; two SessionEvents to the client: the first tokens, then the "
-    "rest with round_end and tool_call) and about three statistics publications on the Redis channel; each "
-    "wakes the event loop and, for gRPC, its poller thread, which is where most of the CPU goes, not the "
-    "routing decision.")
+    "capacity_rounds_per_s: the latency criterion (P99 TTFT within twice the lowest rate's). On this 2-core box "
+    "every service of the deployment, the client and Redis share two cores (loadavg_1m: mostly the deployment "
+    "itself), so the knee is where the box runs out of CPU, ~200 rounds/s in all, with the coordinator using a "
+    "fraction of one core; it is the same for one and two coordinators. cpu_capacity_rounds_per_s: 1 / (a "
+    "coordinator's CPU seconds per round it routes): what one coordinator routes on a core of its own. "
+    "matched: the CPU comparison at the same load per coordinator (one at R rounds/s, two at 2R), with each "
+    "coordinator's CPU per round by thread and user/kernel (/proc/PID/task); cpu_capacity_two_over_one is its "
+    "last entry's: twice two's per-coordinator rate over one's (each of two also follows every worker's "
+    "statistics, which grow with the total rate). redis_cpu_capacity_rounds_per_s bounds any number of "
+    "coordinators. profile.where_time_goes: py-spy's samples of the one coordinator at the highest rate "
+    "measured, by category, taken only while a thread holds the GIL (py-spy --gil): the Python-side CPU, waits "
+    "left out (the event loop category is the C work called from the loop: uvloop, and grpc's server-side "
+    "reads and writes). A round through the coordinator is six gRPC messages (the decode worker's "
+    "prefill_task, first tokens and round end in; its route to the decode worker, unanswered, out; two "
+    "SessionEvents to the client: the first tokens, then the rest with round_end and tool_call) and about "
+    "three statistics publications on the Redis channel.")
 REPEAT = 2
+MATCHED = (50, 100)  # rounds/s per coordinator compared (this box runs ~200 rounds/s in all: two at 2x100)
 
 
 def sessions_for(rate: float, tag: str) -> list[Session]:
@@ -85,18 +91,44 @@ def sessions_for(rate: float, tag: str) -> list[Session]:
     return [Session(f"{tag}-{i}", TOOL_S * i / n, rounds) for i in range(n)]
 
 
+def _user_sys(stat: Path) -> tuple[float, float]:
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
 def cpu_s(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return sum(_user_sys(Path(f"/proc/{pid}/stat")))
+
+
+def thread_cpu_s(pid: int) -> dict[str, tuple[float, float]]:
+    """(user, system) CPU seconds so far of process ``pid``'s threads, by role: its main thread
+    (the event loop and everything the loop calls), grpc's C++ ``event_engine`` threads, and the
+    rest (grpc.aio's completion-queue poller, a Python thread, and any other)."""
+    out: dict[str, tuple[float, float]] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            comm = (task / "comm").read_text().strip()
+            user, system = _user_sys(task / "stat")
+        except OSError:  # (a thread that ended meanwhile)
+            continue
+        role = THREAD_ROLES[0] if task.name == str(pid) else \
+            THREAD_ROLES[1] if comm.startswith("event_engine") else THREAD_ROLES[2]
+        u, s = out.get(role, (0.0, 0.0))
+        out[role] = (u + user, s + system)
+    return out
 
 
 def point(target: str, rate: float, tag: str, pids: dict[str, int] | None = None) -> dict:
     load0 = os.getloadavg()[0]
     pids = pids or {}
     cpu0 = {k: cpu_s(p) for k, p in pids.items()}
+    coords = {k: p for k, p in pids.items() if k.startswith("coordinator")}
+    threads0 = {k: thread_cpu_s(p) for k, p in coords.items()}
     records, stats, wall, _ = asyncio.run(replay(target, sessions_for(rate, tag), progress=False, timeout_s=120))
     cpu = {k: cpu_s(p) - cpu0[k] for k, p in pids.items()}
+    threads = {k: thread_cpu_s(p) for k, p in coords.items()}
     ttft, first, last = [], float("inf"), 0.0
     for rec in records:
         for r in rec.rounds:
@@ -113,15 +145,29 @@ def point(target: str, rate: float, tag: str, pids: dict[str, int] | None = None
            "wall_s": round(wall, 1), "loadavg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)]}
     if ttft:
         out["cpu_ms_per_round"] = {k: round(v / len(ttft) * 1e3, 3) for k, v in cpu.items()}
-        coords = [v for k, v in cpu.items() if k.startswith("coordinator")]
-        if coords:  # the rounds one coordinator would route on one core of its own
-            out["cpu_capacity_rounds_per_s"] = round(len(ttft) / (sum(coords) / len(coords)) / len(coords), 1) \
-                if sum(coords) else None
+        own = len(ttft) / len(coords) if coords else 0  # the rounds each coordinator routed (they share them)
+        spent = sum(cpu[k] for k in coords)
+        if coords and spent:  # the rounds one coordinator would route on one core of its own
+            out["coordinator_ms_per_own_round"] = round(spent / len(coords) / own * 1e3, 3)
+            out["cpu_capacity_rounds_per_s"] = round(own / (spent / len(coords)), 1)
+            out["coordinator_threads_ms_per_own_round"] = split_threads(threads0, threads, own * len(coords))
     print(f"  {tag}: target {rate:g}/s achieved {out['achieved_rounds_per_s']}/s, P50 {out['ttft_p50_ms']} ms, "
           f"P99 {out['ttft_p99_ms']} ms, {done}/{len(records)} sessions, load {out['loadavg_1m']}, "
           f"cpu ms/round {out.get('cpu_ms_per_round')}",
           file=sys.stderr, flush=True)
     return out
+
+
+def split_threads(before: dict, after: dict, rounds: float) -> dict[str, dict[str, float]]:
+    """Every coordinator's CPU, summed, per round it routed, by thread role and user/kernel."""
+    out: dict[str, dict[str, float]] = {}
+    for k, roles in after.items():
+        for role, (user, system) in roles.items():
+            u0, s0 = before[k].get(role, (0.0, 0.0))
+            acc = out.setdefault(role, {"user": 0.0, "kernel": 0.0})
+            acc["user"] += (user - u0) / rounds * 1e3
+            acc["kernel"] += (system - s0) / rounds * 1e3
+    return {role: {k: round(v, 3) for k, v in acc.items()} for role, acc in out.items()}
 
 
 def pids_of(dep: Deployment) -> dict[str, int]:
@@ -130,9 +176,10 @@ def pids_of(dep: Deployment) -> dict[str, int]:
 
 def sweep(deps: dict[int, Deployment], rates) -> dict[int, dict]:
     """Both deployments, rate by rate, taking turns (each point twice, its P99 the lower of the two),
-    so that they see the same load on the box: a deployment stops at the first rate past its
-    capacity."""
-    state = {n: {"points": [], "base": None, "capacity": 0.0, "done": False} for n in deps}
+    so that they see the same load on the box. A deployment's latency capacity is fixed at the first
+    rate past it; its points go on to the box's limit (a rate not reached, or sessions not
+    completed), for its CPU per round at the highest rate the box runs."""
+    state = {n: {"points": [], "base": None, "capacity": 0.0, "past": False, "done": False} for n in deps}
     for rate in rates:
         for rep in range(REPEAT):
             for n, dep in deps.items():
@@ -145,24 +192,48 @@ def sweep(deps: dict[int, Deployment], rates) -> dict[int, dict]:
             p99 = min((p["ttft_p99_ms"] for p in tries if p["ttft_p99_ms"] is not None), default=None)
             achieved = max(p["achieved_rounds_per_s"] for p in tries)
             complete = all(p["sessions_completed"] == p["sessions"] for p in tries)
-            if p99 is None:
-                st["done"] = True
+            if p99 is None or not complete or achieved < REACH * rate:
+                st["done"] = True  # the box's limit: a higher rate only queues more
                 continue
             if st["base"] is None:
                 st["base"] = p99
-            if p99 <= 2 * st["base"] and complete and achieved >= REACH * rate:
+            if p99 > 2 * st["base"]:
+                st["past"] = True  # past its latency capacity
+            if not st["past"]:
                 st["capacity"] = max(st["capacity"], achieved)
-            else:
-                st["done"] = True  # past its capacity: a higher rate only queues more
         if all(st["done"] for st in state.values()):
             break
-    out = {}
-    for n, st in state.items():
-        cpu = [p["cpu_capacity_rounds_per_s"] for p in st["points"] if p.get("cpu_capacity_rounds_per_s")]
-        # CPU per round at the highest rates measured (the fixed costs spread the thinnest)
-        out[n] = {"baseline_p99_ms": st["base"], "capacity_rounds_per_s": st["capacity"], "points": st["points"],
-                  "cpu_capacity_rounds_per_s": max(cpu, default=None)}
-    return out
+    return {n: {"baseline_p99_ms": st["base"], "capacity_rounds_per_s": st["capacity"], "points": st["points"]}
+            for n, st in state.items()}
+
+
+def matched(deps: dict[int, Deployment], rates) -> tuple[list[dict], dict[int, list[dict]]]:
+    """The CPU comparison at the same load per coordinator: one coordinator at R rounds/s against
+    two at 2R (each routing about R), taking turns, ``REPEAT`` times each (the less disturbed try,
+    the lower CPU a round, counting): a coordinator's CPU a round falls as its rate rises (more
+    events per wake-up), so two at the same total rate as one would each look dearer."""
+    pts: dict[int, list[dict]] = {n: [] for n in deps}
+    for rate in rates:
+        for rep in range(REPEAT):
+            for n, dep in deps.items():
+                pts[n].append(point(dep.coordinator, rate * n, f"m{n}-{rate * n:g}-{rep}", pids_of(dep)))
+    out = []
+    for rate in rates:
+        best = {}
+        for n in deps:
+            tries = [p for p in pts[n] if p["target_rounds_per_s"] == rate * n and p.get("coordinator_ms_per_own_round")]
+            if tries:
+                best[n] = min(tries, key=lambda p: p["coordinator_ms_per_own_round"])
+        if len(best) < 2:
+            continue
+        one, two = best[1]["coordinator_ms_per_own_round"], best[2]["coordinator_ms_per_own_round"]
+        out.append({"rounds_per_coordinator_per_s": rate,
+                    "achieved_per_coordinator": {n: round(p["achieved_rounds_per_s"] / n, 1) for n, p in best.items()},
+                    "one_ms_per_round": one, "two_ms_per_own_round": two,
+                    "redis_ms_per_round": {n: p["cpu_ms_per_round"].get("redis") for n, p in best.items()},
+                    "threads_ms_per_own_round": {n: p["coordinator_threads_ms_per_own_round"] for n, p in best.items()},
+                    "two_over_one": round(2 * one / two, 2)})
+    return out, pts
 
 
 # Where a sample's time goes, by the first of these found in its stack (leaf first): what it is
@@ -180,6 +251,7 @@ CATEGORIES = (
     ("logging", ("structlog", "logs.py")),
 )
 THREAD = "gRPC core (its poller thread: HTTP/2 framing and socket I/O)"
+THREAD_ROLES = ("main thread (event loop)", "grpc event_engine threads", "other threads (grpc.aio poller)")
 
 
 def classify(frames: list[str]) -> str:
@@ -241,9 +313,43 @@ def deployment(coordinators: int, run_dir: str) -> Deployment:
                               namespace=f"capacity{coordinators}", admission_queue=4096))
 
 
+def within(p: dict) -> bool:
+    """The point ran within the box's limit: it reached ``REACH`` of its target rate."""
+    return p["achieved_rounds_per_s"] >= REACH * p["target_rounds_per_s"]
+
+
+def derive(out: dict) -> None:
+    """The summary of a run's points (``out``, as main writes it): the capacities, the ratios and
+    whether the goal is met."""
+    out["reading"] = READING
+    matched_points = {int(n): pts for n, pts in out["matched_points"].items()}  # (str keys once in JSON)
+    for n, pts in matched_points.items():
+        res = out[f"coordinators_{n}"]
+        # CPU per round at the highest rate measured within the box's limit (the fixed costs spread
+        # the thinnest; past the limit events queue, and a round costs less, for seconds of latency)
+        res["cpu_capacity_rounds_per_s"] = max(
+            (p["cpu_capacity_rounds_per_s"] for p in res["points"] + pts
+             if p.get("cpu_capacity_rounds_per_s") and within(p)), default=None)
+    one, two = out["coordinators_1"]["capacity_rounds_per_s"], out["coordinators_2"]["capacity_rounds_per_s"]
+    out["two_over_one"] = round(two / one, 2) if one else None
+    if out["matched"]:  # each of two coordinators routes at its own one-core rate: their sum, against one's,
+        # at the highest load per coordinator compared
+        out["cpu_capacity_two_over_one"] = out["matched"][-1]["two_over_one"]
+    redis = [p["cpu_ms_per_round"]["redis"] for p in out["coordinators_2"]["points"] + matched_points[2]
+             if p.get("cpu_ms_per_round", {}).get("redis") and within(p)]
+    if redis:  # the shared Redis's one-core bound on the rounds of any number of coordinators (its best point)
+        out["redis_cpu_capacity_rounds_per_s"] = round(1e3 / min(redis), 1)
+    out["goal_met"] = {"one": one >= GOAL_ONE, "two_over_one": bool(one) and two / one >= GOAL_RATIO}
+    c1 = out["coordinators_1"]["cpu_capacity_rounds_per_s"]
+    out["goal_met_on_a_core_each"] = {"one": bool(c1) and c1 >= GOAL_ONE,
+                                      "two_over_one": out.get("cpu_capacity_two_over_one", 0) >= GOAL_RATIO}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rates", default=",".join(str(r) for r in RATES), help="target rounds/s, ascending")
+    ap.add_argument("--matched", default=",".join(str(r) for r in MATCHED),
+                    help="rounds/s per coordinator for the CPU comparison (one at R, two at 2R)")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--out", default=str(RESULTS / "coordinator_capacity.json"))
     args = ap.parse_args()
@@ -261,23 +367,17 @@ def main() -> None:
             point(dep.coordinator, rates[0], f"warmup{n}")
         for n, res in sweep(deps, rates).items():
             out[f"coordinators_{n}"] = res
-        if not args.no_profile:  # one coordinator past its capacity (or at the highest rate)
-            top = max(p["target_rounds_per_s"] for p in out["coordinators_1"]["points"])
+        out["matched"], out["matched_points"] = matched(deps, [float(r) for r in args.matched.split(",")])
+        if not args.no_profile:  # one coordinator at the highest rate the box ran
+            top = max((p["target_rounds_per_s"] for p in out["coordinators_1"]["points"] if within(p)), default=rates[0])
             out["profile"] = profile(one, top, one.child("coordinator").proc.pid)
     out["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    out["reading"] = READING
-    one, two = out["coordinators_1"]["capacity_rounds_per_s"], out["coordinators_2"]["capacity_rounds_per_s"]
-    out["two_over_one"] = round(two / one, 2) if one else None
-    c1, c2 = out["coordinators_1"]["cpu_capacity_rounds_per_s"], out["coordinators_2"]["cpu_capacity_rounds_per_s"]
-    if c1 and c2:  # each of two coordinators routes at its own one-core rate: their sum, against one's
-        out["cpu_capacity_two_over_one"] = round(2 * c2 / c1, 2)
-    redis = [p["cpu_ms_per_round"].get("redis") for p in out["coordinators_2"]["points"] if p.get("cpu_ms_per_round")]
-    if redis and redis[-1]:  # the shared Redis's one-core bound on the rounds of any number of coordinators
-        out["redis_cpu_capacity_rounds_per_s"] = round(1e3 / redis[-1], 1)
-    out["goal_met"] = {"one": one >= GOAL_ONE, "two_over_one": bool(one) and two / one >= GOAL_RATIO}
+    derive(out)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    print(f"one coordinator {one:g} rounds/s, two {two:g} ({out['two_over_one']}x); wrote {args.out}",
-          file=sys.stderr)
+    c1, c2 = out["coordinators_1"], out["coordinators_2"]
+    print(f"latency capacity: one coordinator {c1['capacity_rounds_per_s']:g} rounds/s, two "
+          f"{c2['capacity_rounds_per_s']:g}; on a core of its own: one {c1['cpu_capacity_rounds_per_s']} rounds/s, "
+          f"two {out.get('cpu_capacity_two_over_one')}x one; wrote {args.out}", file=sys.stderr)
 
 
 if __name__ == "__main__":
