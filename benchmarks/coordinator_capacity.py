@@ -82,6 +82,8 @@ READING = (
     "SessionEvents to the client: the first tokens, then the rest with round_end and tool_call) and about "
     "three statistics publications on the Redis channel.")
 REPEAT = 2
+# a coordinator's threads, as its CPU is split (thread_cpu_s)
+THREAD_ROLES = ("main thread (event loop)", "grpc event_engine threads", "other threads (grpc.aio poller)")
 MATCHED = (50, 100)  # rounds/s per coordinator compared (this box runs ~200 rounds/s in all: two at 2x100)
 
 
@@ -251,7 +253,6 @@ CATEGORIES = (
     ("logging", ("structlog", "logs.py")),
 )
 THREAD = "gRPC core (its poller thread: HTTP/2 framing and socket I/O)"
-THREAD_ROLES = ("main thread (event loop)", "grpc event_engine threads", "other threads (grpc.aio poller)")
 
 
 def classify(frames: list[str]) -> str:
