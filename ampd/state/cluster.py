@@ -27,6 +27,8 @@ log = structlog.get_logger()
 # How long a routed task counts in the view of its worker without the worker naming it (a route that
 # did not hold, a task lost with its worker). Workers publish within a few ms of taking a task.
 ROUTED_TTL_S = 0.25
+# How long stop waits for a liveness poll in flight to end (a Redis that does not answer: no longer).
+STOP_WAIT_S = 2.0
 
 
 class StatsEntry(NamedTuple):
@@ -98,6 +100,9 @@ class Cluster:
         self._routed_n: dict[str, int] = {}
         self.lag_s: list[float] = []  # recent delivery lags (push mode), bounded
         self._tasks = BackgroundTasks()  # the stats follower (push mode) and the liveness watch
+        self._watcher: asyncio.Task | None = None
+        self._polling = False  # the liveness watch is inside a poll (not asleep between two)
+        self._stopping = False
         self.on_poll = None  # optional coroutine function run after each liveness poll (the coordinator's)
         self.liveness = Liveness(fence_after)
         self.on_fenced = None  # optional function (the WorkerInfo fenced) called after a worker was fenced
@@ -165,14 +170,20 @@ class Cluster:
             for st in (await self.store.stats()).values():
                 await self._ingest(st)
             self._tasks.spawn(self._follow(ps), name="stats-follower")
-        self._tasks.spawn(self._watch(), name="liveness-watch")
+        self._watcher = self._tasks.spawn(self._watch(), name="liveness-watch")
 
     async def stop(self) -> None:
+        self._stopping = True
+        if self._polling and self._watcher is not None:
+            # A poll cut off mid-command may still land: its owner's liveness write (on_poll) would
+            # then reach Redis after the owner deleted that key at stop. It ends first (bounded).
+            await asyncio.wait({self._watcher}, timeout=STOP_WAIT_S)
         await self._tasks.close()
 
     async def _watch(self) -> None:
-        while True:
+        while not self._stopping:
             await asyncio.sleep(self.poll_s)
+            self._polling = True
             try:
                 await self.refresh_live()
                 if self.on_poll is not None:
@@ -183,6 +194,8 @@ class Cluster:
                 log.warning("liveness read failed; keeping the last known workers", error=str(exc))
             except Exception as exc:  # noqa: BLE001 - the watch must outlive any one bad read
                 log.warning("liveness poll failed", error=repr(exc))
+            finally:
+                self._polling = False
 
     async def _follow(self, ps) -> None:
         while True:
