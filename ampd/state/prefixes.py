@@ -22,6 +22,25 @@ from ampd.policy.prefixbind import leading
 __all__ = ["PrefixSets", "prefix_delta", "prefix_key"]
 
 
+# A worker's write of its set, atomic and only while it is registered. KEYS: its set, the registry;
+# ARGV: worker id, TTL (ms), full (1: replace the set), how many hashes leave, those, then those that
+# join. In slices: unpack's stack is bounded.
+_WRITE = """
+if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 0 then return 0 end
+if ARGV[3] == '1' then redis.call('DEL', KEYS[1]) end
+local function each(cmd, first, last)
+  for i = first, last, 1000 do
+    redis.call(cmd, KEYS[1], unpack(ARGV, i, math.min(i + 999, last)))
+  end
+end
+local gone = 4 + tonumber(ARGV[4])
+each('SREM', 5, gone)
+each('SADD', gone + 1, #ARGV)
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
+
 def prefix_key(namespace: str, worker_id: str) -> str:
     return f"{namespace}:prefix:{worker_id}"
 
@@ -38,22 +57,20 @@ class PrefixSets:
     def __init__(self, client: aioredis.Redis, namespace: str) -> None:
         self.r = client
         self.ns = namespace
+        self.k_workers = f"{namespace}:workers"  # the worker registry (StateStore.k_workers)
+        self._write = client.register_script(_WRITE)  # EVALSHA, loaded again on a Redis without it
 
     async def write(self, worker_id: str, add: Sequence[int], remove: Sequence[int], ttl_s: float,
-                    full: bool = False) -> None:
-        """One transaction: ``full`` (the worker's first write, or the first after it registered
-        again): the set is replaced by ``add``; else ``remove`` leaves it and ``add`` joins it. The
-        TTL is renewed (an empty set is no key at all)."""
-        key = prefix_key(self.ns, worker_id)
-        async with self.r.pipeline(transaction=True) as p:
-            if full:
-                p.delete(key)
-            elif remove:
-                p.srem(key, *remove)
-            if add:
-                p.sadd(key, *add)
-            p.pexpire(key, max(1, int(ttl_s * 1000)))
-            await p.execute()
+                    full: bool = False) -> bool:
+        """One atomic step (_WRITE), only while the worker is registered: a write still on its way
+        when the worker deregistered (its publisher cut off as it stopped) must not bring back the
+        key the deregistration deleted. ``full`` (the worker's first write, or the first after it
+        registered again): the set is replaced by ``add``; else ``remove`` leaves it and ``add``
+        joins it. The TTL is renewed (an empty set is no key at all). False: not registered,
+        nothing written."""
+        args = (worker_id, max(1, int(ttl_s * 1000)), int(full), 0 if full else len(remove),
+                *(() if full else remove), *add)
+        return bool(await self._write(keys=(prefix_key(self.ns, worker_id), self.k_workers), args=args))
 
     async def matches(self, hashes: Mapping[str, Sequence[int]]) -> dict[str, int]:
         """worker id -> how many leading blocks of ``hashes[worker id]`` (a prompt's block hashes in

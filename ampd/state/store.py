@@ -51,7 +51,8 @@ from ampd.state.url import unreachable
 from ampd.state.promises import Promises
 
 # A worker's publication (StateStore.heartbeat) as one script: its stats into the hash and the
-# channel, its liveness key renewed, and whether it is still registered. Workers publish on every
+# channel and its liveness key renewed, only while it is registered (else 0, and nothing written: a
+# publication still on its way when the worker deregistered must not bring back its keys). Workers publish on every
 # queue change, several times a round: as a 4-command pipeline, redis-py's packing and parsing took
 # ~350 us of the worker's CPU a publication, as one EVALSHA ~100 us.
 # A fenced registration (its epoch at or below the fence) publishes nothing and returns -1. The
@@ -59,10 +60,11 @@ from ampd.state.promises import Promises
 _HEARTBEAT = """
 local fence = redis.call('GET', KEYS[4])
 if fence and tonumber(fence) >= tonumber(ARGV[4]) then return -1 end
+if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 0 then return 0 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 redis.call('PUBLISH', KEYS[1], ARGV[2])
 redis.call('SET', KEYS[3], ARGV[5], 'PX', ARGV[3])
-return redis.call('HEXISTS', KEYS[2], ARGV[1])
+return 1
 """
 _HEARTBEAT_SHA = hashlib.sha1(_HEARTBEAT.encode()).hexdigest()
 # A coordinator's fence, atomic: revokes the registration of epoch ARGV[2] (none newer may have

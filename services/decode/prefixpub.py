@@ -71,7 +71,8 @@ class PrefixPublisher:
         if not (full or add or remove or current):  # nothing held, nothing published: no key to renew
             self.seen, self.renewed = seen, now
             return False
-        await self.sets.write(rt.cfg.worker_id, add, remove, ttl, full)
+        if not await self.sets.write(rt.cfg.worker_id, add, remove, ttl, full):
+            return False  # not registered (it left, or a fence or Redis lost it): its next registration writes it all
         self.published, self.registration, self.seen, self.renewed = current, rt.registrations, seen, now
         self.writes += 1
         return True

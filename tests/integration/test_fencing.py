@@ -23,7 +23,7 @@ import redis
 
 from ampd.bench.client import replay
 from ampd.launcher import Deployment, Options
-from ampd.state.store import FENCED, REGISTERED, StateStore, WorkerInfo, WorkerStats, connect
+from ampd.state.store import FENCED, REGISTERED, UNREGISTERED, StateStore, WorkerInfo, WorkerStats, connect
 from ampd.workload.trace import Round, Session
 from tests.integration.rpc_metrics import service_metrics
 from tests.integration.test_faults import _nothing_left, _wait_registered
@@ -59,6 +59,9 @@ def test_a_fence_revokes_one_registration_and_the_worker_sees_it(redis_url):
         assert await store.heartbeat(stats, 3.0, 11) == REGISTERED
         assert await store.fence_epoch("w") == 0  # the new registration cleared the marker
         await store.deregister_worker("w")
+        assert not await store.r.keys("fence-unit:*")
+        # a heartbeat still on its way when the worker deregistered brings back none of its keys
+        assert await store.heartbeat(stats, 3.0, 11) == UNREGISTERED
         assert not await store.r.keys("fence-unit:*")
         await store.r.aclose()
 

@@ -82,6 +82,7 @@ def test_the_publisher_writes_the_indexed_hashes_in_batches_and_deregistering_de
         ix = PrefixIndex(BT, seed=9)
         pub = PrefixPublisher(rt, ix)
         key = prefix_key("pub", "d0")
+        await r.hset(rt.store.k_workers, "d0", info("d0").to_json())  # registered: its writes land
         assert await pub.flush() is True and await r.exists(key) == 0  # (the first write replaces: nothing)
         assert await pub.flush() is False  # nothing changed
         ix.share("a", prefix_hashes(tokens, BT, 9))
@@ -116,6 +117,13 @@ def test_the_publisher_writes_the_indexed_hashes_in_batches_and_deregistering_de
         await r.delete(key)
         assert await pub.flush() is True and await r.scard(key) == 3
         await rt.store.deregister_worker("d0")
+        assert await r.exists(key) == 0
+        # a write still on its way when the worker deregistered does not bring the set back
+        ix.share("e", prefix_hashes(c, BT, 9))
+        ix.publish("e", c, [102])
+        assert await pub.flush() is False and await r.exists(key) == 0
+        rt.registrations = 3
+        assert await PrefixSets(r, "pub").write("d0", prefix_hashes(c, BT, 9), [], 3.0, full=True) is False
         assert await r.exists(key) == 0
         await r.aclose()
 
@@ -172,10 +180,11 @@ def test_a_redis_that_does_not_answer_binds_without_the_prefix(redis_url):
         got = await prefix_choice(PrefixSets(r, "x"), {"d0": info("d0")}, "s", list(range(3 * BT)), 0.1, Counter())
         assert got is not None and got.matched == {"d0": 0} and got.itl_slo_s == 0.1
         long = list(range(THREAD_TOKENS + 5 * BT))  # hashed in a thread: the same hashes
-        await PrefixSets(r, "x").write("d0", prefix_hashes(long, BT)[:7], [], 3.0, full=True)
+        await r.hset("x:workers", "d0", info("d0").to_json())  # (a worker writes its set while registered)
+        assert await PrefixSets(r, "x").write("d0", prefix_hashes(long, BT)[:7], [], 3.0, full=True)
         got = await prefix_choice(PrefixSets(r, "x"), {"d0": info("d0")}, "s", long, None, Counter())
         assert got is not None and got.matched == {"d0": 7}
-        await r.delete(prefix_key("x", "d0"))
+        await r.delete(prefix_key("x", "d0"), "x:workers")
         await r.aclose()
 
     asyncio.run(go())
