@@ -4,7 +4,6 @@ Pure: time is passed in, so the live workers and the simulator share it.
 """
 from __future__ import annotations
 
-
 # The default window of the workers' windowed TTFT/ITL means, seconds: ampd.config's `stats_window`
 # (--stats-window) takes it from here, and so do the cores built without one.
 STATS_WINDOW_S = 10.0

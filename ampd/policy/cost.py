@@ -1,4 +1,5 @@
-"""The performance model's two placements of one prefill task: Eq. (1) local and Eq. (2) remote.
+"""The performance model's two placements of one prefill task, Eq. (1) local and Eq. (2) remote,
+and its three lookups as the cores call them (``pre_s``, ``kv_s``, ``dec_s``).
 
 Every caller (the router's cost rung and slack tests, the prefill worker core's in-service estimate,
 the simulator's timing of a remote prefill) goes through these functions, so the terms and their
@@ -15,9 +16,8 @@ __all__ = ["remote_parts", "remote_prefill_s", "t_remote", "t_local", "pre_s", "
 
 # The cost model's three lookups as the cores call them. Compiled, a call through the protocol is a
 # Python-level call (arguments boxed, then parsed), while on a ``Profile`` (the simulator's and the
-# services' model) it is a direct C call: one type test buys that (with Profile's lookups made
-# native, the compiled simulation of 10k GAIA sessions went from 2.42 to 2.00 CPU s). Any other
-# model (a test's stand-in) takes the protocol's path.
+# services' model) it is a direct C call: one type test buys that (docs/simulator.md, "Compiled
+# cores"). Any other model (a test's stand-in, the simulator's SlowerSteps) takes the protocol's path.
 def pre_s(cost: CostModel, tp: int, l_hist: int, l_incr: int) -> float:
     """``cost.t_pre(tp, l_hist, l_incr)``."""
     if isinstance(cost, Profile):

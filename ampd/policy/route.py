@@ -14,7 +14,7 @@ from typing import Final, Protocol
 
 from ampd.window import STATS_WINDOW_S
 
-from .cost import remote_prefill_s, t_local
+from .cost import pre_s, remote_prefill_s, t_local
 from .order import before
 from .types import KV_RESIDENT, SLO, CostModel, PrefillTask, RouteDecision, WorkerView
 
@@ -405,7 +405,7 @@ class MarginRouter:
             return RouteDecision(decode.worker_id, True, NO_PREFILL_WORKERS, est)
         cost, slo = self.cost, self.slo
         l_hist, l_incr, dtp = req.l_hist, req.l_incr, decode.tp
-        t_pre = cost.t_pre(dtp, l_hist, l_incr)
+        t_pre = pre_s(cost, dtp, l_hist, l_incr)
         f = req.kv_fetch_s  # the KV off the device: local waits for its fetch, remote overlaps it
         serial = req.kv_fetch_first  # (unless the host copy is not readable remotely)
         t_loc = t_pre + decode.queue_predicted_s + f  # Eq. (1), the same sum as t_local

@@ -14,10 +14,6 @@ from .remote import RemotePrefilling
 from .result import SimSession
 from .workers import Decode, Prefill, Sess, Waiting
 
-# How often the head of the admission queue looks again without a release (the coordinator's
-# poll); only the slo rule's verdict can change meanwhile.
-_HEAD_POLL_S = HEAD_POLL_S
-
 
 class Admitting(RemotePrefilling):
     """The admission handlers of ``ampd.sim.loop._Run``. One object holds every handler: the
@@ -56,7 +52,7 @@ class Admitting(RemotePrefilling):
     def admit(self, w: Waiting, now: float) -> None:
         """Judge ``w`` (ampd.policy.admit.AdmissionBook, the coordinator's core): bind it, refuse it,
         or let it wait (judged again when KV is released, at the end of its wait, or, as the head
-        under the slo rule, every _HEAD_POLL_S)."""
+        under the slo rule, every HEAD_POLL_S)."""
         book = self.book
         queued = w in book.waiting
         decode = []
@@ -76,7 +72,7 @@ class Admitting(RemotePrefilling):
         if v.worker is None and not v.reason:
             if not queued:
                 self.n_waited += 1
-            at = now + (min(v.wait_s, _HEAD_POLL_S) if book.rule == "slo" and book.head is w else v.wait_s)
+            at = now + (min(v.wait_s, HEAD_POLL_S) if book.rule == "slo" and book.head is w else v.wait_s)
             if at <= now:  # a wait shorter than the clock's resolution: the next instant
                 at = math.nextafter(now, math.inf)
             if at < w.check_at:

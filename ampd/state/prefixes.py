@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence, Set
 import redis.asyncio as aioredis
 
 from ampd.policy.prefixbind import leading
+from ampd.state.store import registry_key
 
 __all__ = ["PrefixSets", "prefix_delta", "prefix_key"]
 
@@ -57,7 +58,7 @@ class PrefixSets:
     def __init__(self, client: aioredis.Redis, namespace: str) -> None:
         self.r = client
         self.ns = namespace
-        self.k_workers = f"{namespace}:workers"  # the worker registry (StateStore.k_workers)
+        self.k_workers = registry_key(namespace)
         self._write = client.register_script(_WRITE)  # EVALSHA, loaded again on a Redis without it
 
     async def write(self, worker_id: str, add: Sequence[int], remove: Sequence[int], ttl_s: float,

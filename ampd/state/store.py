@@ -233,11 +233,16 @@ async def connect(url: str, timeout_s: float = 10.0) -> aioredis.Redis:
     return client
 
 
+def registry_key(namespace: str) -> str:
+    """The worker registry (worker id -> WorkerInfo): a worker's writes land only while it is in it."""
+    return f"{namespace}:workers"
+
+
 class StateStore:
     def __init__(self, client: aioredis.Redis, namespace: str = "ampd") -> None:
         self.r = client
         self.ns = namespace
-        self.k_workers = f"{namespace}:workers"
+        self.k_workers = registry_key(namespace)
         self.k_nixl = f"{namespace}:nixl"
         self.k_stats = f"{namespace}:stats"
 

@@ -54,7 +54,7 @@ from ampd.policy.types import DecodeCost
 if TYPE_CHECKING:  # (decode_kv imports this module: KvAdmission is a TierMixin)
     from .decode_kv import DecodeSession
 
-__all__ = ["HostTier", "KVMove", "TierMixin", "DecodeCost", "TO_HOST", "FROM_HOST"]
+__all__ = ["HostTier", "KVMove", "TierMixin", "TO_HOST", "FROM_HOST"]
 
 TO_HOST: Final = "to_host"
 FROM_HOST: Final = "from_host"

@@ -58,7 +58,7 @@ class Lengths:
 
     def transform(self, z: np.ndarray) -> np.ndarray:
         """Map standard normal draws to clipped lognormal values (floats)."""
-        return np.clip(np.exp(self.mu() + self.sigma * z), self.lo, self.hi)
+        return _clipped_lognormal(z, self.mu(), self.sigma, self.lo, self.hi)
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,7 +281,13 @@ def _tool_latencies(tools: tuple[ToolKind, ...], kind: np.ndarray, z: np.ndarray
     gathered per call, the same arithmetic (one pass, not one masked pass per tool)."""
     mu, sigma, lo, hi = (np.array(v)[kind] for v in zip(*((t.latency.mu(), t.latency.sigma, t.latency.lo,
                                                            t.latency.hi) for t in tools)))
-    return np.round(np.clip(np.exp(mu + sigma * z), lo, hi), 4)
+    return np.round(_clipped_lognormal(z, mu, sigma, lo, hi), 4)
+
+
+def _clipped_lognormal(z: np.ndarray, mu, sigma, lo, hi) -> np.ndarray:
+    """Standard normal draws ``z`` as lognormal values clipped to [lo, hi]; the parameters are
+    scalars (one distribution) or arrays beside ``z`` (one per draw)."""
+    return np.clip(np.exp(mu + sigma * z), lo, hi)
 
 
 # The rounds' numbers go to Python CHUNK sessions at a time: a chunk's ints (Python objects, until its

@@ -15,7 +15,7 @@ from ampd.policy import WorkerView
 from ampd.policy.prefixbind import MOVE_MIN_BLOCKS, leading, prefix_seed, rebind_prefix
 from ampd.state import WorkerInfo
 from ampd.state.prefixes import PrefixSets, prefix_delta, prefix_key
-from ampd.state.store import StateStore
+from ampd.state.store import StateStore, registry_key
 from ampd.policy.prefixindex import PrefixIndex, prefix_hashes
 from services.coordinator.admission import Admission
 from services.coordinator.prefixes import THREAD_TOKENS, PrefixChoice, prefix_choice, prompt_hashes
@@ -180,11 +180,11 @@ def test_a_redis_that_does_not_answer_binds_without_the_prefix(redis_url):
         got = await prefix_choice(PrefixSets(r, "x"), {"d0": info("d0")}, "s", list(range(3 * BT)), 0.1, Counter())
         assert got is not None and got.matched == {"d0": 0} and got.itl_slo_s == 0.1
         long = list(range(THREAD_TOKENS + 5 * BT))  # hashed in a thread: the same hashes
-        await r.hset("x:workers", "d0", info("d0").to_json())  # (a worker writes its set while registered)
+        await r.hset(registry_key("x"), "d0", info("d0").to_json())  # (a worker writes its set while registered)
         assert await PrefixSets(r, "x").write("d0", prefix_hashes(long, BT)[:7], [], 3.0, full=True)
         got = await prefix_choice(PrefixSets(r, "x"), {"d0": info("d0")}, "s", long, None, Counter())
         assert got is not None and got.matched == {"d0": 7}
-        await r.delete(prefix_key("x", "d0"), "x:workers")
+        await r.delete(prefix_key("x", "d0"), registry_key("x"))
         await r.aclose()
 
     asyncio.run(go())
