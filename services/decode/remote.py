@@ -72,8 +72,10 @@ class RemotePrefills:
     def hold(self, s: Session, remote: bool) -> bool:
         """The session ended (``remote``: while its round waited for a remote prefill): True when a
         prefill worker may still write its blocks, which then stay held until it reports (or a
-        bound passes), else False (the caller frees them)."""
-        if not ((remote and s.task_token) or s.overdue is not None):
+        bound passes), else False (the caller frees them). A round whose task never reached a
+        prefill worker (unrouted: its coordinator was lost, or the session was cancelled first) has
+        no writer to wait for."""
+        if not ((remote and s.task_token and s.submitted_to) or s.overdue is not None):
             return False
         key = (s.session_id, s.round) if remote else s.overdue[0]
         if not remote:
@@ -178,6 +180,8 @@ class RemotePrefills:
                     await self.w.rt.ensure_peer(target)
                 except Exception as exc:  # noqa: BLE001 - not registered, or Redis away: not known here
                     raise LookupError(f"prefill worker {target!r} is not known here ({exc})") from None
+                if s.closed or self.awaiting.get((s.session_id, task.round)) is not s:
+                    return  # ended (or run here) meanwhile: its blocks are not held for a writer
                 reply = self._send(s, task, self.w.rt.peers[target])
             await reply
         except (grpc.aio.AioRpcError, LookupError) as exc:
@@ -199,7 +203,8 @@ class RemotePrefills:
         if self.awaiting.get(key) is not s or s.closed:
             return
         del self.awaiting[key]
-        s.overdue = (key, s.task_token)
+        if s.submitted_to:  # (a prefill worker may still write its blocks)
+            s.overdue = (key, s.task_token)
         log.warning("remote prefill overdue; running it locally", session=s.session_id, round=rnd,
                     waited_s=round(waited_s, 3))
         w.metrics["prefills_overdue"] += 1

@@ -154,19 +154,48 @@ def test_a_stopped_worker_is_fenced_its_sessions_end_and_it_comes_back_clean(dep
     _nothing_left(r, WORKERS, ns=NS)
 
 
+async def _overdue_round(dw, sid: str, target: str, first: int) -> None:
+    """A session's first round (its prompt from token ``first``: one the other sessions here do not
+    share) routed to prefill worker ``target``, which never reports: it runs on the decode worker
+    ``dw`` after the bound and completes."""
+    from ampd.v1 import common_pb2, decode_pb2
+    from services.decode.session import take_events
+
+    overdue = dw.metrics["prefills_overdue"]
+    turn = common_pb2.Turn(token_ids=list(range(first, first + 100)), sampling=common_pb2.SamplingParams(max_tokens=4,
+                                                                                              ignore_eos=True))
+    s = dw.open(decode_pb2.AttachRequest(
+        open=common_pb2.OpenSession(session_id=sid, turn=turn), session_secret="secret",
+        route=decode_pb2.Route(l_hist=0, l_incr=100, prefill_worker=target)))
+    kinds, tokens, after = [], 0, 0
+    async with asyncio.timeout(10):  # unbounded before: the round waited for ever
+        while "turn_end" not in kinds:
+            batch, after, failed = take_events(s, after)
+            assert failed is None, failed.error
+            if not batch:
+                s.notify.clear()
+                await s.notify.wait()
+            for ev in batch:
+                kinds.append(ev.WhichOneof("event"))
+                tokens += len(ev.tokens.token_ids) if kinds[-1] == "tokens" else 0
+    assert dw.metrics["prefills_overdue"] == overdue + 1 and tokens == 4, (dw.metrics, kinds)
+
+
 def test_a_remote_prefill_that_never_reports_runs_on_the_decode_worker(redis_url):
     """The decode worker's wait for a remote prefill is bounded: a round routed to a prefill worker
-    that never reports (here one that does not exist: its notification is as lost as the finding's)
-    runs on the decode worker after twice --fence-after plus its own compute time, and completes;
-    its blocks are freed within that bound after the session ends."""
+    that never reports runs on the decode worker after twice --fence-after plus its own compute
+    time, and completes. Routed to one not registered, the task reached no prefill worker: its
+    blocks are freed as the session ends. Routed to one that took the connection and never answers
+    (stopped), its blocks are held after the session ends (that worker might still write them), for
+    the remote wait only."""
+    import socket
+
     from ampd.engine import make_engine
     from ampd.perf import load_profile
     from ampd.policy import SLO, make_queue, policy_spec
     from ampd.runtime import WorkerRuntime, pool_for, worker_config
-    from ampd.v1 import common_pb2, decode_pb2
     from ampd.worker import DecodeCore
     from services.decode.server import build_parser
-    from services.decode.session import take_events
     from services.decode.worker import DecodeWorker
 
     async def go():
@@ -181,27 +210,21 @@ def test_a_remote_prefill_that_never_reports_runs_on_the_decode_worker(redis_url
                           step_by_step=True)
         dw = DecodeWorker(rt, engine, core)
         dw.start()
+        silent = socket.socket()  # accepts connections (the kernel does) and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
         try:
-            turn = common_pb2.Turn(token_ids=list(range(1, 101)),
-                                   sampling=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True))
-            s = dw.open(decode_pb2.AttachRequest(
-                open=common_pb2.OpenSession(session_id="lost", turn=turn), session_secret="secret",
-                route=decode_pb2.Route(l_hist=0, l_incr=100, prefill_worker="prefill-nowhere")))
-            kinds, tokens, after = [], 0, 0
-            async with asyncio.timeout(10):  # unbounded before: the round waited for ever
-                while "turn_end" not in kinds:
-                    batch, after, failed = take_events(s, after)
-                    assert failed is None, failed.error
-                    if not batch:
-                        s.notify.clear()
-                        await s.notify.wait()
-                    for ev in batch:
-                        kinds.append(ev.WhichOneof("event"))
-                        tokens += len(ev.tokens.token_ids) if kinds[-1] == "tokens" else 0
-            assert dw.metrics["prefills_overdue"] == 1 and tokens == 4, (dw.metrics, kinds)
-            dw.close_session("lost", "secret")
-            # its blocks are held (the prefill worker might still write them) for the remote wait only
+            await _overdue_round(dw, "unknown", "prefill-nowhere", 1)
+            dw.close_session("unknown", "secret")
+            assert dw.metrics["kv_held_for_remote"] == 0
+            assert rt.pool.available_tokens == rt.pool.capacity_tokens
+
+            rt.peers["prefill-silent"] = WorkerInfo("prefill-silent", "prefill", f"127.0.0.1:{silent.getsockname()[1]}",
+                                                    1, "silent-agent", {}, 0)
+            await _overdue_round(dw, "silent", "prefill-silent", 200)
+            dw.close_session("silent", "secret")
             assert dw.metrics["kv_held_for_remote"] == 1
+            assert rt.pool.available_tokens < rt.pool.capacity_tokens
             async with asyncio.timeout(5):  # (available: prompt blocks the prefix index caches count free)
                 while rt.pool.available_tokens < rt.pool.capacity_tokens:
                     await asyncio.sleep(0.05)
@@ -209,5 +232,6 @@ def test_a_remote_prefill_that_never_reports_runs_on_the_decode_worker(redis_url
             await dw.stop()
             rt.transport.close()
             await rt.store.r.aclose()
+            silent.close()
 
     asyncio.run(go())
