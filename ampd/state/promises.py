@@ -12,23 +12,47 @@ Keys (ampd.state.store's schema):
 
 A promise is made only if the worker's total stays within its capacity (checked and added in one
 script): a coordinator that judged on totals read a moment before finds out there, and judges again.
+
+A new session's record may already stand: its coordinator was lost before the client learnt the
+session's reattach token, and the client opened it again through another coordinator
+(ampd.coordinators). That record is stale once its coordinator's liveness key is gone: the new
+session's promise releases its promise and replaces it, in the same script, and names the decode
+worker holding the stale copy (and its secret) for the new coordinator to cancel it there, rather
+than the copy holding its KV for `--reattach-grace` and its promise staying booked for good.
 """
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 
-__all__ = ["Promises"]
+__all__ = ["Promised", "Promises"]
 
+# ARGV: worker, tokens, capacity (0: no bound), and for a new session the prefix of the coordinators'
+# liveness keys ('' otherwise): a record already there whose coordinator is gone is stale
 _PROMISE = """
+local on, held, where, secret = false, 0, false, false
+if ARGV[4] ~= '' then
+  local old = redis.call('HMGET', KEYS[2], 'coordinator', 'promised_on', 'promised', 'decode_worker', 'secret')
+  if (old[2] or old[4]) and not (old[1] and redis.call('EXISTS', ARGV[4] .. old[1]) == 1) then
+    on, held, where, secret = old[2], tonumber(old[3] or '0'), old[4], old[5]
+  end
+end
+local total = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
+if on == ARGV[1] then total = total - held end
 local cap = tonumber(ARGV[3])
-if cap > 0 and tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0') + tonumber(ARGV[2]) > cap then return 0 end
+if cap > 0 and total + tonumber(ARGV[2]) > cap then return {0} end
+if on and held ~= 0 then
+  if redis.call('HINCRBY', KEYS[1], on, -held) <= 0 then redis.call('HDEL', KEYS[1], on) end
+end
+if on or where then redis.call('DEL', KEYS[2]) end
 redis.call('HINCRBY', KEYS[1], ARGV[1], ARGV[2])
 redis.call('HSET', KEYS[2], 'promised_on', ARGV[1])
 redis.call('HINCRBY', KEYS[2], 'promised', ARGV[2])
-return 1
+if where and secret and where ~= ARGV[1] then return {1, where, secret} end
+return {1}
 """
 # releases the record's promise; ARGV[1] == '1': deletes the record too
 _RELEASE = """
@@ -43,11 +67,25 @@ return n
 _SHA = {s: hashlib.sha1(s.encode()).hexdigest() for s in (_PROMISE, _RELEASE)}
 
 
+@dataclass(frozen=True)
+class Promised:
+    """A promise's answer: ``made`` or not (the worker's total would pass its capacity), and a stale
+    copy of a new session, left by a lost coordinator on decode worker ``stale_on`` (secret
+    ``stale_secret``): its record and promise are replaced, the copy is the caller's to cancel."""
+
+    made: bool
+    stale_on: str = ""
+    stale_secret: str = ""
+
+
 class Promises:
-    def __init__(self, r: aioredis.Redis, namespace: str = "ampd") -> None:
+    def __init__(self, r: aioredis.Redis, namespace: str = "ampd", liveness_prefix: str = "") -> None:
+        """``liveness_prefix``: the coordinators' liveness keys' (``StateStore.coordinator_key("")``);
+        without it a new session's promise adds to a record already there, as a later turn's does."""
         self.r = r
         self.ns = namespace
         self.key = f"{namespace}:promised"
+        self.liveness_prefix = liveness_prefix
 
     def _session(self, sid: str) -> str:
         return f"{self.ns}:session:{sid}"
@@ -62,10 +100,15 @@ class Promises:
         """decode worker -> KV tokens promised there, by every coordinator (one round trip)."""
         return {k.decode(): int(v) for k, v in (await self.r.hgetall(self.key)).items()}
 
-    async def promise(self, sid: str, worker: str, tokens: int, capacity: int = 0) -> bool:
+    async def promise(self, sid: str, worker: str, tokens: int, capacity: int = 0, new: bool = False) -> Promised:
         """Promises ``tokens`` on ``worker`` to session ``sid`` unless the worker's total would pass
-        ``capacity`` (0: no bound); True when promised."""
-        return bool(await self._run(_PROMISE, (self.key, self._session(sid)), worker, int(tokens), int(capacity)))
+        ``capacity`` (0: no bound). ``new``: the session's first promise (a stale record is replaced:
+        the module doc)."""
+        out = await self._run(_PROMISE, (self.key, self._session(sid)), worker, int(tokens), int(capacity),
+                              self.liveness_prefix if new else "")
+        if len(out) == 3:
+            return Promised(bool(out[0]), out[1].decode(), out[2].decode())
+        return Promised(bool(out[0]))
 
     async def add(self, sid: str, worker: str, tokens: int) -> None:
         """A later turn's KV (an accepted session is never refused): no bound."""

@@ -64,7 +64,8 @@ class Admission:
 
     async def admit(self, need: int, rooms: Rooms, l_incr: int = 0, since: float | None = None,
                     new: bool = True, sid: str = "", order_at: float | None = None,
-                    prefer: PrefixChoice | None = None, expect: int | None = None) -> str:
+                    prefer: PrefixChoice | None = None, expect: int | None = None,
+                    stale: Callable[[str, str], None] | None = None) -> str:
         """A decode worker for a session that may need ``need`` KV tokens, with ``need`` promised to
         it. ``l_incr``: its first prefill's tokens; ``since``: when it arrived (time.monotonic());
         ``new``: False for a session already accepted (moved, or bound again for a later turn),
@@ -72,7 +73,9 @@ class Admission:
         (ampd.policy.admit.AdmissionBook); ``prefer``: may move a new session to the worker holding
         the longest prefix of its prompt (services/coordinator/prefixes.py), the promise with it;
         ``expect``: the KV it is expected to hold (``out_mean``; the slo rule's ITL prediction, None:
-        ``need``). Raises Refused, or LookupError when no decode worker serves."""
+        ``need``); ``stale``: called with the decode worker and secret of a stale copy of a new
+        session, left there by a lost coordinator (ampd.state.promises). Raises Refused, or
+        LookupError when no decode worker serves."""
         start = time.monotonic() if since is None else since
         book = self.book
         me = asyncio.Event()
@@ -97,7 +100,7 @@ class Admission:
                     # the shared check
                     cap = 0 if self.rule == "none" else next(promise_room(w, share, need) for w in decode
                                                              if w.worker_id == wid)
-                    if await self._promise(sid, wid, need, cap):
+                    if await self._promise(sid, wid, need, cap, new, stale):
                         if prefer is not None:
                             prefer.bound(wid)
                         return wid
@@ -182,14 +185,18 @@ class Admission:
         promised.clear()
         promised.update(totals)
 
-    async def _promise(self, sid: str, worker: str, need: int, capacity: int) -> bool:
+    async def _promise(self, sid: str, worker: str, need: int, capacity: int, new: bool,
+                       stale: Callable[[str, str], None] | None) -> bool:
         if self.promises is None or not sid:
             return True
         try:
-            return await asyncio.wait_for(self.promises.promise(sid, worker, need, capacity), 2.0)
+            out = await asyncio.wait_for(self.promises.promise(sid, worker, need, capacity, new), 2.0)
         except (asyncio.TimeoutError, *REDIS_ERRORS) as exc:
             log.warning("KV promise not shared", session=sid, error=str(exc) or type(exc).__name__)
             return True
+        if out.stale_on and stale is not None:
+            stale(out.stale_on, out.stale_secret)
+        return out.made
 
     def _spawn(self, op, after: asyncio.Task | None = None) -> asyncio.Task:
         async def run() -> None:

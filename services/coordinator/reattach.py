@@ -83,3 +83,18 @@ class Reattach:
             run.log.on_prefill_task(st.unrouted)
             await run.routing.route(st.unrouted)
         return []
+
+
+def cancel_stale_copy(run: SessionRun, worker: str, secret: str) -> None:
+    """A copy of the new session ``run``, left on ``worker`` by a lost coordinator (its client opened
+    the session again here before it learnt the reattach token), is cancelled there now: it would
+    hold its KV for --reattach-grace (ampd.state.promises)."""
+    svc = run.svc
+    info = svc.cluster.infos.get(worker)
+    if info is None:
+        return  # (that worker is gone, and the copy with it)
+    svc.counters["sessions_replaced"] += 1
+    log.info("cancelling the copy a lost coordinator left", session=run.sid, decode_worker=worker)
+    svc.stubs.control(info.address, info.nixl_agent).post(decode_pb2.ControlRequest(
+        cancel=decode_pb2.CancelRequest(session_id=run.sid, reason="opened again through another coordinator",
+                                        session_secret=secret)))

@@ -299,7 +299,7 @@ async def amain(args: argparse.Namespace) -> None:
     service.script_tools = tuple(args.script_tools)
     # its promises shared with the deployment's other coordinators (ampd.state.promises)
     service.admission = Admission(args.admission_wait, args.admission_queue, args.admission, profile, slo,
-                                  promises=Promises(store.r, args.namespace))
+                                  promises=Promises(store.r, args.namespace, store.coordinator_key("")))
     service.reattach_grace_s = args.reattach_grace
     service.labels.update(profile=profile.name, ttft_slo=str(slo.ttft_s), itl_slo=str(slo.itl_s))
     await service.cluster.start()

@@ -29,7 +29,7 @@ from services.coordinator.core import turn_kv_tokens
 from services.coordinator.client import ClientMessages
 from services.coordinator.errors import SessionEnd
 from services.coordinator.inbox import Inbox
-from services.coordinator.reattach import Reattach
+from services.coordinator.reattach import Reattach, cancel_stale_copy
 from services.coordinator.routing import SessionRoutes
 
 log = structlog.get_logger()
@@ -230,8 +230,8 @@ class SessionRun:
             try:
                 self.decode_id = await svc.admission.admit(self.need, svc.rooms, len(self.o.turn.token_ids),
                                                            self.arrived, new=not self.admitted, sid=self.sid,
-                                                           order_at=yield_at(self), prefer=prefer,
-                                                           expect=expected_kv(self))
+                                                           order_at=yield_at(self), prefer=prefer, expect=expected_kv(self),
+                                                           stale=lambda w, sec: cancel_stale_copy(self, w, sec))
                 break
             except Refused as exc:
                 svc.counters["refused_" + exc.reason] += 1
