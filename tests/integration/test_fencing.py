@@ -27,6 +27,7 @@ from ampd.state.store import FENCED, REGISTERED, UNREGISTERED, StateStore, Worke
 from ampd.workload.trace import Round, Session
 from tests.integration.rpc_metrics import service_metrics
 from tests.integration.test_faults import _nothing_left, _wait_registered
+from tests.integration.test_kv_tier_live import _answered
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -159,26 +160,15 @@ async def _overdue_round(dw, sid: str, target: str, first: int) -> None:
     share) routed to prefill worker ``target``, which never reports: it runs on the decode worker
     ``dw`` after the bound and completes."""
     from ampd.v1 import common_pb2, decode_pb2
-    from services.decode.session import take_events
 
     overdue = dw.metrics["prefills_overdue"]
-    turn = common_pb2.Turn(token_ids=list(range(first, first + 100)), sampling=common_pb2.SamplingParams(max_tokens=4,
-                                                                                              ignore_eos=True))
+    sampling = common_pb2.SamplingParams(max_tokens=4, ignore_eos=True)
+    turn = common_pb2.Turn(token_ids=list(range(first, first + 100)), sampling=sampling)
     s = dw.open(decode_pb2.AttachRequest(
         open=common_pb2.OpenSession(session_id=sid, turn=turn), session_secret="secret",
         route=decode_pb2.Route(l_hist=0, l_incr=100, prefill_worker=target)))
-    kinds, tokens, after = [], 0, 0
-    async with asyncio.timeout(10):  # unbounded before: the round waited for ever
-        while "turn_end" not in kinds:
-            batch, after, failed = take_events(s, after)
-            assert failed is None, failed.error
-            if not batch:
-                s.notify.clear()
-                await s.notify.wait()
-            for ev in batch:
-                kinds.append(ev.WhichOneof("event"))
-                tokens += len(ev.tokens.token_ids) if kinds[-1] == "tokens" else 0
-    assert dw.metrics["prefills_overdue"] == overdue + 1 and tokens == 4, (dw.metrics, kinds)
+    _, _, tokens, _ = await _answered(s, 0)  # (bounded: unbounded before, the round waited for ever)
+    assert dw.metrics["prefills_overdue"] == overdue + 1 and len(tokens) == 4, dw.metrics
 
 
 def test_a_remote_prefill_that_never_reports_runs_on_the_decode_worker(redis_url):
