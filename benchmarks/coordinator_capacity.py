@@ -147,12 +147,13 @@ def point(target: str, rate: float, tag: str, pids: dict[str, int] | None = None
            "wall_s": round(wall, 1), "loadavg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)]}
     if ttft:
         out["cpu_ms_per_round"] = {k: round(v / len(ttft) * 1e3, 3) for k, v in cpu.items()}
-        own = len(ttft) / len(coords) if coords else 0  # the rounds each coordinator routed (they share them)
+        # the coordinators share the rounds: each one's CPU per round it routed is their CPU summed per
+        # round, and 1 / that the rounds one would route on one core of its own
         spent = sum(cpu[k] for k in coords)
-        if coords and spent:  # the rounds one coordinator would route on one core of its own
-            out["coordinator_ms_per_own_round"] = round(spent / len(coords) / own * 1e3, 3)
-            out["cpu_capacity_rounds_per_s"] = round(own / (spent / len(coords)), 1)
-            out["coordinator_threads_ms_per_own_round"] = split_threads(threads0, threads, own * len(coords))
+        if spent:
+            out["coordinator_ms_per_own_round"] = round(spent / len(ttft) * 1e3, 3)
+            out["cpu_capacity_rounds_per_s"] = round(len(ttft) / spent, 1)
+            out["coordinator_threads_ms_per_own_round"] = split_threads(threads0, threads, len(ttft))
     print(f"  {tag}: target {rate:g}/s achieved {out['achieved_rounds_per_s']}/s, P50 {out['ttft_p50_ms']} ms, "
           f"P99 {out['ttft_p99_ms']} ms, {done}/{len(records)} sessions, load {out['loadavg_1m']}, "
           f"cpu ms/round {out.get('cpu_ms_per_round')}",
@@ -219,17 +220,18 @@ def matched(deps: dict[int, Deployment], rates) -> tuple[list[dict], dict[int, l
     the lower CPU a round, counting): a coordinator's CPU a round falls as its rate rises (more
     events per wake-up), so two at the same total rate as one would each look dearer."""
     pts: dict[int, list[dict]] = {n: [] for n in deps}
-    for rate in rates:
-        for rep in range(REPEAT):
-            for n, dep in deps.items():
-                pts[n].append(point(dep.coordinator, rate * n, f"m{n}-{rate * n:g}-{rep}", pids_of(dep)))
     out = []
     for rate in rates:
+        tries: dict[int, list[dict]] = {n: [] for n in deps}
+        for rep in range(REPEAT):
+            for n, dep in deps.items():
+                tries[n].append(point(dep.coordinator, rate * n, f"m{n}-{rate * n:g}-{rep}", pids_of(dep)))
         best = {}
-        for n in deps:
-            tries = [p for p in pts[n] if p["target_rounds_per_s"] == rate * n and p.get("coordinator_ms_per_own_round")]
-            if tries:
-                best[n] = min(tries, key=lambda p: p["coordinator_ms_per_own_round"])
+        for n, ps in tries.items():
+            pts[n] += ps
+            measured = [p for p in ps if p.get("coordinator_ms_per_own_round")]
+            if measured:
+                best[n] = min(measured, key=lambda p: p["coordinator_ms_per_own_round"])
         if len(best) < 2:
             continue
         one, two = best[1]["coordinator_ms_per_own_round"], best[2]["coordinator_ms_per_own_round"]

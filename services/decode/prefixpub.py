@@ -72,7 +72,10 @@ class PrefixPublisher:
             self.seen, self.renewed = seen, now
             return False
         if not await self.sets.write(rt.cfg.worker_id, add, remove, ttl, full):
-            return False  # not registered (it left, or a fence or Redis lost it): its next registration writes it all
+            # not registered (it left, or a fence or Redis lost it): its next registration writes it all,
+            # and until then this is not sent again each step
+            self.seen, self.renewed = seen, now
+            return False
         self.published, self.registration, self.seen, self.renewed = current, rt.registrations, seen, now
         self.writes += 1
         return True

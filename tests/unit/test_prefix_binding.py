@@ -122,8 +122,7 @@ def test_the_publisher_writes_the_indexed_hashes_in_batches_and_deregistering_de
         ix.share("e", prefix_hashes(c, BT, 9))
         ix.publish("e", c, [102])
         assert await pub.flush() is False and await r.exists(key) == 0
-        rt.registrations = 3
-        assert await PrefixSets(r, "pub").write("d0", prefix_hashes(c, BT, 9), [], 3.0, full=True) is False
+        assert await sets.write("d0", prefix_hashes(c, BT, 9), [], 3.0, full=True) is False
         assert await r.exists(key) == 0
         await r.aclose()
 
